@@ -1,0 +1,25 @@
+# `make run` installs twinserve into .venv and runs the default experiment;
+# `make test` installs it with the test extras and runs the test suite (what CI runs).
+VENV ?= .venv
+PYTHON ?= python3
+BIN = $(VENV)/bin
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install run test bench
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/twinserve
+
+test: install
+	$(BIN)/python -m pytest -n 2
+
+bench: install
+	$(BIN)/python bench/sim_speed.py

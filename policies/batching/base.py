@@ -1,0 +1,370 @@
+"""What every scheduler shares: the queues, admission checks, preemption, swap-in and `update`.
+
+A scheduler only moves requests between queues (waiting, running, swapped) and writes StepPlans;
+the KV manager counts blocks; the executor runs the plan. Subclasses decide the order of a step in
+`schedule` using the building blocks here:
+
+- `_admit_waiting`     prefill new (or recompute-preempted) requests within a token budget
+- `_schedule_running`  give every running sequence the tokens it still needs, preempting on OOM
+- `_swap_in`           bring swapped requests back, oldest first
+
+A plug-in that changes only who goes next overrides `next_waiting` (see the README example) or
+passes its own PreemptionPolicy.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from policies.protocols import KVCacheManager, PreemptionPolicy
+from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
+
+
+class BaseScheduler:
+    def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int = 4096):
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
+        self.kv_cache = kv_cache
+        self.preemption = preemption
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.swapped: deque[Request] = deque()
+        # Sequences the running requests hold or will hold: an unforked request with n > 1
+        # counts n, so its samples never push the batch past max_num_seqs.
+        self.num_running_seqs = 0
+        # Inter-token latencies as a histogram {seconds: count}: a float per token is too much
+        # memory for a 100k-request run, and most tokens of a step share one value.
+        self.itl_counts: dict[float, int] = {}
+        self._next_seq_id = 0
+        self._now = 0.0  # the time of the step being planned
+
+    # ---- queues -------------------------------------------------------------------------------
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def queue_lengths(self) -> tuple[int, int, int]:
+        return len(self.waiting), len(self.running), len(self.swapped)
+
+    def add_request(self, request: Request, now: float) -> None:
+        """Queue a request, or reject it (setting `rejected_reason`) if it can never run."""
+        reason = self._rejection_reason(request)
+        if reason is not None:
+            request.rejected_reason = reason
+            return
+        request.sequences = [self._new_sequence(request)]
+        self.waiting.append(request)
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        total_len = request.prompt_len + request.output_len
+        if request.prompt_len <= 0:
+            return f"prompt_len must be positive, got {request.prompt_len}"
+        if request.output_len <= 0:
+            return f"output_len must be positive, got {request.output_len}"
+        if request.n <= 0 or request.n > self.max_num_seqs:
+            return f"n={request.n} must be in [1, max_num_seqs={self.max_num_seqs}]"
+        if total_len > self.max_model_len:
+            return (f"prompt_len + output_len = {total_len} exceeds "
+                    f"max_model_len={self.max_model_len}")
+        if not self.kv_cache.can_ever_fit(total_len, request.n):
+            return (f"{request.n} x {total_len} tokens can never fit in the KV cache of "
+                    f"{self.kv_cache.num_blocks} blocks")
+        return None
+
+    def _new_sequence(self, request: Request, num_output_tokens: int = 0,
+                      output_token_ids: list[int] | None = None) -> Sequence:
+        seq = Sequence(self._next_seq_id, request, num_output_tokens, output_token_ids)
+        self._next_seq_id += 1
+        return seq
+
+    def next_waiting(self) -> Request:
+        """The waiting request to admit next. FCFS; override to reorder admission."""
+        return self.waiting[0]
+
+    # ---- building blocks for schedule() ---------------------------------------------------------
+
+    def _admit_waiting(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
+        """Admit waiting requests while the budget, max_num_seqs and the KV pool allow.
+
+        Without chunking a request is admitted only if all its tokens fit the budget. Returns the
+        budget left."""
+        while self.waiting and token_budget > 0:
+            request = self.next_waiting()
+            if not self._may_admit(request):
+                break
+            seqs = request.unfinished_sequences()
+            if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
+                break
+            num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
+            chunks = []
+            budget_left = token_budget
+            for seq, cached in zip(seqs, num_cached):
+                seq.num_computed_tokens = cached
+                # The samples of a group (recomputed after preemption) may start in later steps.
+                chunk = self._chunk(seq.num_tokens - cached, budget_left, chunked)
+                chunks.append(chunk)
+                budget_left -= chunk
+            fits_budget = chunks[0] > 0
+            if not fits_budget or not self._allocate_all(seqs, chunks):
+                for seq in seqs:
+                    self.kv_cache.free(seq)
+                    seq.num_computed_tokens = 0
+                break
+            self._take_waiting(request)
+            for seq, chunk in zip(seqs, chunks):
+                seq.status = SequenceStatus.RUNNING
+                if chunk > 0:
+                    plan.add(seq, chunk)
+            self.running.append(request)
+            self.num_running_seqs += self._num_live_samples(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self._now
+            token_budget = budget_left
+        return token_budget
+
+    @staticmethod
+    def _chunk(need: int, token_budget: int, chunked: bool) -> int:
+        """Tokens of a sequence's `need` to compute this step. Unchunked, a prefill is never
+        split: it runs whole or waits (0)."""
+        if chunked:
+            return min(need, token_budget)
+        return need if need <= token_budget else 0
+
+    def _may_admit(self, request: Request) -> bool:
+        """Hook for schedulers that hold admission back (static batching)."""
+        return True
+
+    def _allocate_all(self, seqs: list[Sequence], chunks: list[int]) -> bool:
+        """Allocate slots for every new chunk, respecting the watermark, all or nothing."""
+        for seq, chunk in zip(seqs, chunks):
+            if chunk > 0 and not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk,
+                                                watermark=True):
+                return False
+        return True
+
+    @staticmethod
+    def _num_live_samples(request: Request) -> int:
+        return request.n - sum(1 for s in request.sequences if s.status is SequenceStatus.FINISHED)
+
+    def _take_waiting(self, request: Request) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+
+    def _schedule_running(self, plan: StepPlan, token_budget: int, *,
+                          chunked: bool) -> tuple[int, bool]:
+        """Schedule what every running sequence still needs: one token for a decode, a chunk
+        (capped by the budget) for a partial prefill. Decodes go first, as in Sarathi-Serve, so
+        a long prefill never stalls them. Partial prefills are samples of a group that start
+        after it (or, chunked, the rest of a prompt). On an allocation failure, preempt the policy's victim
+        among the requests not yet scheduled this step, and retry.
+
+        Returns the budget left and whether anything was preempted."""
+        preempted_any = False
+        scheduled: set[int] = set()
+        partial_prefills: list[Sequence] = []
+        kv_cache = self.kv_cache
+        for request in list(self.running):
+            for seq in request.sequences:
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # finished, or preempted earlier in this loop
+                if seq.num_tokens - seq.num_computed_tokens != 1:
+                    partial_prefills.append(seq)
+                    continue
+                if token_budget < 1:
+                    break
+                while not kv_cache.allocate_slots(seq, seq.num_tokens):
+                    preempted_any = True
+                    if self._preempt_for(request, plan, scheduled) is request:
+                        break
+                else:
+                    plan.add(seq, 1)
+                    token_budget -= 1
+                    scheduled.add(request.request_id)
+                    continue
+                break  # this request was itself preempted
+        for seq in partial_prefills:
+            if token_budget < 1:
+                break
+            request = seq.request
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted meanwhile
+            chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget, chunked)
+            if chunk == 0:
+                continue  # unchunked and too long for what is left: whole, in a later step
+            while not kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk):
+                preempted_any = True
+                if self._preempt_for(request, plan, scheduled) is request:
+                    break
+            else:
+                plan.add(seq, chunk)
+                token_budget -= chunk
+                scheduled.add(request.request_id)
+        return token_budget, preempted_any
+
+    def _preempt_for(self, request: Request, plan: StepPlan, scheduled: set[int]) -> Request:
+        """Preempt one victim to make room for `request`; returns the victim."""
+        candidates = [r for r in self.running
+                      if r.request_id not in scheduled or r is request]
+        victim = self.preemption.select_victim(candidates)
+        if victim.request_id in scheduled and victim is not request:
+            raise RuntimeError("preemption policy chose a request already scheduled this step")
+        self._preempt(victim, plan, was_scheduled=victim.request_id in scheduled)
+        return victim
+
+    def _preempt(self, request: Request, plan: StepPlan, was_scheduled: bool) -> None:
+        seqs = request.unfinished_sequences()
+        if was_scheduled:
+            self._unschedule(request, plan)
+        self.running.remove(request)
+        self.num_running_seqs -= self._num_live_samples(request)
+        request.num_preemptions += 1
+        if self.preemption.mode(request, self.kv_cache) == "swap":
+            plan.blocks_to_swap_out.extend(self.kv_cache.swap_out(seqs))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(request)
+            plan.preempted_swap.append(request)
+        else:
+            for seq in seqs:
+                self.kv_cache.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            # Recomputed requests go back to the front: they arrived before anything waiting.
+            self.waiting.appendleft(request)
+            plan.preempted_recompute.append(request)
+
+    def _unschedule(self, request: Request, plan: StepPlan) -> None:
+        """Take a request's sequences back out of a plan: some of its samples were scheduled
+        before another of them ran out of memory. Rebuilds the plan's features; rare."""
+        kept = [(s, n) for s, n in zip(plan.seqs, plan.num_new_tokens) if s.request is not request]
+        rebuilt = StepPlan(block_tables=plan.block_tables)
+        for seq, num_new in kept:
+            rebuilt.add(seq, num_new)
+        for name in ("seqs", "num_new_tokens", "num_prefill_tokens", "num_prefill_seqs",
+                     "prefill_attention_work", "prefill_context_tokens",
+                     "sum_squared_prefill_chunks", "num_decode_seqs", "decode_context_tokens"):
+            setattr(plan, name, getattr(rebuilt, name))
+
+    def _swap_in(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
+        """Swap requests back in, oldest first, while memory and max_num_seqs allow; their
+        sequences are scheduled in the same step."""
+        while self.swapped and token_budget > 0:
+            request = self.swapped[0]
+            if not self._may_admit(request):
+                break
+            seqs = request.unfinished_sequences()
+            if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
+                break
+            if not self.kv_cache.can_swap_in(seqs):
+                break
+            plan.blocks_to_swap_in.extend(self.kv_cache.swap_in(seqs))
+            self.swapped.popleft()
+            self.running.append(request)
+            self.num_running_seqs += self._num_live_samples(request)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            for seq in seqs:
+                chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget,
+                                    chunked)
+                if chunk <= 0 or not self.kv_cache.allocate_slots(
+                        seq, seq.num_computed_tokens + chunk):
+                    continue  # swapped in already; it runs in a later step
+                plan.add(seq, chunk)
+                token_budget -= chunk
+        return token_budget
+
+    def _new_plan(self, now: float) -> StepPlan:
+        self._now = now
+        return StepPlan(block_tables=self.kv_cache.block_tables)
+
+    def _finish_plan(self, plan: StepPlan) -> StepPlan:
+        plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
+        return plan
+
+    # ---- after the step ---------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
+        """Account for what the step computed: tokens appended, samples forked, sequences and
+        requests finished (their blocks freed). Returns the requests that finished."""
+        finished_requests: list[Request] = []
+        sampled = result.sampled_token_ids
+        stopped = result.stopped_seq_ids
+        itl_counts = self.itl_counts
+        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end samples nothing
+            request = seq.request
+            if sampled is None:
+                num_sampled = 1
+            else:
+                new_ids = sampled[seq.seq_id]
+                seq.output_token_ids.extend(new_ids)
+                num_sampled = len(new_ids)
+            is_first_token = seq.num_output_tokens == 0
+            if is_first_token:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+            else:
+                itl = now - seq.last_token_time
+                itl_counts[itl] = itl_counts.get(itl, 0) + num_sampled
+            seq.num_output_tokens += num_sampled
+            seq.num_tokens += num_sampled
+            seq.last_token_time = now
+            done_seqs = [seq]
+            if is_first_token and len(request.sequences) < request.n:
+                done_seqs += self._fork(seq, result, now)
+            for done in done_seqs:
+                if done.num_output_tokens >= request.output_len or (
+                        stopped and done.seq_id in stopped):
+                    if self._finish_sequence(done, now):
+                        finished_requests.append(request)
+        return finished_requests
+
+    def _finish_sequence(self, seq: Sequence, now: float) -> bool:
+        """Mark a sequence finished and free its blocks; True if its request is now done."""
+        seq.status = SequenceStatus.FINISHED
+        self.kv_cache.free(seq)
+        self.num_running_seqs -= 1
+        request = seq.request
+        if all(s.status is SequenceStatus.FINISHED for s in request.sequences):
+            request.finish_time = now
+            self.running.remove(request)
+            self._on_request_finished(request)
+            return True
+        return False
+
+    def _on_request_finished(self, request: Request) -> None:
+        """Hook for schedulers that track batches."""
+
+    def _fork(self, parent: Sequence, result: StepResult, now: float) -> list[Sequence]:
+        """Create the n - 1 other samples of a request from its first sequence, sharing its
+        prompt blocks. A child that cannot get blocks (sharing off, pool full) recomputes its
+        prompt and first token later instead. Returns the children."""
+        request = parent.request
+        forked_ids = (result.forked_token_ids or {}).get(parent.seq_id)
+        children = []
+        for index in range(request.n - 1):
+            token_ids = None if forked_ids is None else [forked_ids[index]]
+            child = self._new_sequence(request, 1, token_ids)
+            child.status = SequenceStatus.RUNNING
+            child.last_token_time = now
+            if self.kv_cache.fork(parent, child):
+                child.num_computed_tokens = parent.num_computed_tokens
+            request.sequences.append(child)
+            children.append(child)
+        return children

@@ -1,0 +1,23 @@
+"""Chunked prefill: one token budget per step shared by decodes and prefill chunks, as in
+Sarathi-Serve and vLLM V1.
+
+Running sequences go first (decodes, then unfinished prefill chunks), then swapped requests,
+then new ones; a prompt longer than what is left of the budget is split across steps. Decodes
+are never stalled behind a long prompt, at the price of prefills taking several steps.
+"""
+from __future__ import annotations
+
+from policies.batching.base import BaseScheduler
+from policies.types import StepPlan
+
+
+class ChunkedPrefillScheduler(BaseScheduler):
+    def schedule(self, now: float) -> StepPlan:
+        plan = self._new_plan(now)
+        budget, preempted = self._schedule_running(plan, self.max_num_batched_tokens,
+                                                   chunked=True)
+        if not preempted:
+            budget = self._swap_in(plan, budget, chunked=True)
+            if not self.swapped:
+                self._admit_waiting(plan, budget, chunked=True)
+        return self._finish_plan(plan)

@@ -1,0 +1,33 @@
+"""Continuous (iteration-level) batching, vLLM-style: FCFS, prefill first.
+
+Each step is either a prefill step (admit waiting requests whose whole prompt fits the token
+budget) or a decode step (one token for every running sequence, preempting the latest arrival
+when the KV pool runs out, then swapping requests back in if nothing was preempted). Waiting
+requests are not admitted while any request is swapped out: those came first.
+"""
+from __future__ import annotations
+
+from policies.batching.base import BaseScheduler
+from policies.types import StepPlan
+
+
+class ContinuousBatchingScheduler(BaseScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} without chunked prefill (a whole prompt "
+                f"must fit one step); use scheduler=chunked_prefill or raise it")
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = self._new_plan(now)
+        if not self.swapped:
+            self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)
+            if plan.seqs:
+                return self._finish_plan(plan)
+        budget, preempted = self._schedule_running(plan, self.max_num_batched_tokens,
+                                                   chunked=False)
+        if not preempted:
+            self._swap_in(plan, budget, chunked=False)
+        return self._finish_plan(plan)

@@ -1,0 +1,32 @@
+"""Static (request-level) batching, as HF generate and FasterTransformer serve: a batch is formed
+from the waiting queue when the previous one has fully finished, and no request joins until every
+request of the batch is done. Short requests in a batch wait for the longest one.
+
+Within a batch, steps run as in continuous batching (a prefill step, then decode steps); a batch
+member preempted for memory stays a member and rejoins before the batch can end.
+"""
+from __future__ import annotations
+
+from policies.batching.continuous import ContinuousBatchingScheduler
+from policies.types import Request, StepPlan
+
+
+class StaticBatchingScheduler(ContinuousBatchingScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch: set[int] = set()  # request ids of the current batch
+        self._forming = False
+
+    def schedule(self, now: float) -> StepPlan:
+        self._forming = not self.batch
+        plan = super().schedule(now)
+        if self._forming:
+            self.batch = {seq.request.request_id for seq in plan.seqs}
+            self._forming = False
+        return plan
+
+    def _may_admit(self, request: Request) -> bool:
+        return self._forming or request.request_id in self.batch
+
+    def _on_request_finished(self, request: Request) -> None:
+        self.batch.discard(request.request_id)

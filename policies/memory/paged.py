@@ -1,0 +1,435 @@
+"""Paged KV blocks with reference counts, copy-on-write, swap to host and an optional prefix cache.
+
+The PagedAttention design (vLLM paper, section 4): a sequence's KV lives in fixed-size blocks that
+need not be contiguous, so memory is taken one block at a time as the sequence grows. Blocks are
+shared by reference count between the samples of a request (fork) and, with prefix caching, between
+requests whose prompts start alike. A shared block is copied before a sequence writes into it.
+
+Device block ids 0..num_blocks-1 index the engine's KV tensors; host block ids
+0..num_host_blocks-1 are a separate id space, the swap pool. Copies and swaps are not performed
+here: they are returned as (source, destination) pairs and carried out by the executor before the
+step's forward pass, in the order swap out, swap in, copy.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from typing import Sequence as Seq
+
+from policies.types import Sequence
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_non_negative_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def check_fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+class PagedBlockManager:
+    """Satisfies `policies.protocols.KVCacheManager`."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False,
+                 share_on_fork: bool = True):
+        check_positive_int("kv_cache.num_blocks", num_blocks)
+        check_positive_int("kv_cache.block_size", block_size)
+        check_non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
+        check_fraction("kv_cache.watermark", watermark)
+        check_bool("kv_cache.enable_prefix_caching", enable_prefix_caching)
+        check_bool("kv_cache.share_on_fork", share_on_fork)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.watermark = watermark
+        self.enable_prefix_caching = enable_prefix_caching
+        self.share_on_fork = share_on_fork
+        # Blocks kept free by allocations that ask for the watermark (admissions), so that running
+        # sequences can still grow without an immediate preemption.
+        self.watermark_blocks = int(watermark * num_blocks)
+
+        # Device pool. A free block is either uncached (`_free_block_ids`) or holds a cached prefix
+        # block nobody uses (`_evictable_block_ids`, least recently freed first).
+        self.block_tables: dict[int, list[int]] = {}
+        self._num_allocated_tokens: dict[int, int] = {}   # seq_id -> slots covered by its table
+        self._ref_counts = [0] * num_blocks
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
+        self._num_tokens_stored = 0
+        self._pending_copies: list[tuple[int, int]] = []
+
+        # Prefix cache: chained hash of a full block's tokens <-> the block that holds them.
+        self._hash_to_block: dict[int, int] = {}
+        self._block_to_hash: dict[int, int] = {}
+        self._seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
+
+        # Host pool: tables of swapped-out sequences, their lengths, and the host refs.
+        self._host_block_tables: dict[int, list[int]] = {}
+        self._swapped_num_tokens: dict[int, int] = {}
+        self._host_ref_counts = [0] * num_host_blocks
+        self._host_free_block_ids: deque[int] = deque(range(num_host_blocks))
+
+    # ---- counts (all O(1): waste is reported every step) ----
+
+    def num_free_blocks(self) -> int:
+        return len(self._free_block_ids) + len(self._evictable_block_ids)
+
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks()
+
+    def num_slots_allocated(self) -> int:
+        return self.num_used_blocks() * self.block_size
+
+    def num_tokens_stored(self) -> int:
+        return self._num_tokens_stored
+
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free_block_ids)
+
+    def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
+        """Whether `num_seqs` sequences this long (the samples of one request, counted without
+        sharing) could be admitted (with the watermark) into the empty pool. Leaving the
+        watermark out would let a scheduler wait forever for an admission that the watermark
+        always refuses."""
+        num_blocks_needed = num_seqs * -(-num_tokens // self.block_size)
+        return num_blocks_needed <= self.num_blocks - self.watermark_blocks
+
+    # ---- growth ----
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
+        """Make the seq's table cover positions [0, num_tokens). On False nothing changed."""
+        seq_id = seq.seq_id
+        num_allocated = self._num_allocated_tokens.get(seq_id, 0)
+        if num_tokens <= num_allocated:
+            if num_tokens < num_allocated:
+                raise ValueError(f"allocate_slots: seq {seq_id} already has {num_allocated} slots, "
+                                 f"cannot shrink to {num_tokens}")
+            return True
+        table = self.block_tables.get(seq_id)
+        # Hot path (a decode step inside the last block): the table already covers num_tokens, so
+        # the write starts inside its last block; only a shared last block needs more work (CoW).
+        if (table is not None and num_tokens <= len(table) * self.block_size
+                and self._ref_counts[table[-1]] == 1):
+            self._num_allocated_tokens[seq_id] = num_tokens
+            self._num_tokens_stored += num_tokens - num_allocated
+            if self.enable_prefix_caching and num_tokens == len(table) * self.block_size:
+                self._cache_full_blocks(seq, table, num_tokens)
+            return True
+        return self._grow(seq, table, num_allocated, num_tokens, watermark)
+
+    def _grow(self, seq: Sequence, table: list[int] | None, num_allocated: int, num_tokens: int,
+              watermark: bool) -> bool:
+        if table is None and seq.seq_id in self._host_block_tables:
+            raise ValueError(f"allocate_slots: seq {seq.seq_id} is swapped out")
+        block_size = self.block_size
+        num_new_blocks = -(-num_tokens // block_size) - (len(table) if table else 0)
+        num_in_last_block = num_allocated % block_size
+        # Copy-on-write: the first write into a block that others still read gets a private copy.
+        copy_last_block = num_in_last_block != 0 and self._ref_counts[table[-1]] > 1
+        num_blocks_needed = num_new_blocks + copy_last_block
+        reserve = self.watermark_blocks if watermark else 0
+        if self.num_free_blocks() - num_blocks_needed < reserve:
+            return False
+
+        if table is None:
+            table = self.block_tables[seq.seq_id] = []
+        if copy_last_block:
+            shared_block = table[-1]
+            private_block = self._take_free_block()
+            self._ref_counts[shared_block] -= 1
+            table[-1] = private_block
+            self._pending_copies.append((shared_block, private_block))
+            self._num_tokens_stored += num_in_last_block  # the copy holds the tokens so far
+        for _ in range(num_new_blocks):
+            table.append(self._take_free_block())
+        self._num_allocated_tokens[seq.seq_id] = num_tokens
+        self._num_tokens_stored += num_tokens - num_allocated
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, table, num_tokens)
+        return True
+
+    def _take_free_block(self) -> int:
+        """A free block with ref count 1. Uncached blocks go first so cached prefixes live longer;
+        otherwise the least recently freed cached block is evicted and forgets its hash."""
+        if self._free_block_ids:
+            block = self._free_block_ids.popleft()
+        else:
+            block, _ = self._evictable_block_ids.popitem(last=False)
+            del self._hash_to_block[self._block_to_hash.pop(block)]
+        self._ref_counts[block] = 1
+        return block
+
+    def _release_blocks(self, table: list[int], num_tokens: int) -> None:
+        """Drop one reference to each block of a table of `num_tokens` slots."""
+        block_size = self.block_size
+        freed_blocks = []
+        # Reversed, so a prefix's tail blocks are the least recently freed and get evicted first:
+        # a cached block is only useful while every block before it is still cached.
+        for index in range(len(table) - 1, -1, -1):
+            block = table[index]
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._num_tokens_stored -= min(block_size, num_tokens - index * block_size)
+                if block in self._block_to_hash:
+                    self._evictable_block_ids[block] = None
+                else:
+                    self._free_block_ids.append(block)
+                freed_blocks.append(block)
+        if self._pending_copies and freed_blocks:
+            # A copy into a freed block must not run: the block may be handed out again this step
+            # (a swap in writes it before the copies run).
+            freed = set(freed_blocks)
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies
+                                    if dst not in freed]
+
+    # ---- sharing ----
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` the parent's KV: shared blocks, or with share_on_fork=False fresh blocks
+        and one pending copy per block. False (and no change) if the copies do not fit."""
+        parent_table = self.block_tables.get(parent.seq_id)
+        if parent_table is None:
+            raise ValueError(f"fork: parent seq {parent.seq_id} holds no device blocks")
+        if child.seq_id in self.block_tables or child.seq_id in self._host_block_tables:
+            raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
+        num_tokens = self._num_allocated_tokens[parent.seq_id]
+        if self.share_on_fork:
+            for block in parent_table:
+                self._ref_counts[block] += 1
+            child_table = list(parent_table)
+        else:
+            if len(parent_table) > self.num_free_blocks():
+                return False
+            child_table = [self._take_free_block() for _ in parent_table]
+            self._pending_copies.extend(zip(parent_table, child_table))
+            self._num_tokens_stored += num_tokens
+        self.block_tables[child.seq_id] = child_table
+        self._num_allocated_tokens[child.seq_id] = num_tokens
+        if parent.seq_id in self._seq_block_hashes:
+            self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        seq_id = seq.seq_id
+        table = self.block_tables.pop(seq_id, None)
+        if table is not None:
+            self._release_blocks(table, self._num_allocated_tokens.pop(seq_id))
+        host_table = self._host_block_tables.pop(seq_id, None)
+        if host_table is not None:
+            del self._swapped_num_tokens[seq_id]
+            self._release_host_blocks(host_table)
+        self._seq_block_hashes.pop(seq_id, None)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ---- prefix cache ----
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Point a newly admitted seq at the cached blocks of its longest cached prefix and return
+        how many tokens they hold. At least one token is left to compute, so the step that
+        admits the seq still produces its logits."""
+        if not self.enable_prefix_caching:
+            return 0
+        if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
+            raise ValueError(f"allocate_prefix: seq {seq.seq_id} already holds blocks")
+        token_ids = seq.token_ids()
+        if token_ids is None:
+            return 0
+        block_size = self.block_size
+        max_cached_blocks = min((seq.num_tokens - 1) // block_size, len(token_ids) // block_size)
+        hashes: list[int] = []
+        hit_blocks: list[int] = []
+        previous_hash = None
+        for index in range(max_cached_blocks):
+            start = index * block_size
+            block_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+            block = self._hash_to_block.get(block_hash)
+            if block is None:
+                break
+            hashes.append(block_hash)
+            hit_blocks.append(block)
+            previous_hash = block_hash
+        if not hit_blocks:
+            return 0
+        for block in hit_blocks:
+            if self._ref_counts[block] == 0:  # revived from the evictable pool
+                del self._evictable_block_ids[block]
+                self._num_tokens_stored += block_size
+            self._ref_counts[block] += 1
+        num_cached_tokens = len(hit_blocks) * block_size
+        self.block_tables[seq.seq_id] = hit_blocks
+        self._num_allocated_tokens[seq.seq_id] = num_cached_tokens
+        self._seq_block_hashes[seq.seq_id] = hashes
+        return num_cached_tokens
+
+    def _cache_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """Register the seq's full blocks not hashed yet, as far as its token ids are known."""
+        hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
+        num_full_blocks = num_tokens // self.block_size
+        if len(hashes) >= num_full_blocks or seq.request.prompt_token_ids is None:
+            return
+        token_ids = seq.token_ids()
+        block_size = self.block_size
+        num_full_blocks = min(num_full_blocks, len(token_ids) // block_size)
+        previous_hash = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_full_blocks):
+            start = index * block_size
+            block_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+            hashes.append(block_hash)
+            block = table[index]
+            # The first block to hold a prefix stays its cache entry; a duplicate computed
+            # alongside it is an ordinary block.
+            if block_hash not in self._hash_to_block and block not in self._block_to_hash:
+                self._hash_to_block[block_hash] = block
+                self._block_to_hash[block] = block_hash
+            previous_hash = block_hash
+
+    # ---- swap ----
+
+    @staticmethod
+    def _distinct_blocks(tables: dict[int, list[int]], seqs: Seq[Sequence]) -> dict[int, None]:
+        """The blocks of these seqs in `tables`, each once, in first-seen order."""
+        blocks: dict[int, None] = {}
+        for seq in seqs:
+            for block in tables.get(seq.seq_id, ()):
+                blocks[block] = None
+        return blocks
+
+    def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
+        return len(self._distinct_blocks(self.block_tables, seqs)) <= len(self._host_free_block_ids)
+
+    def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks to host memory, each shared block once, so sharing survives."""
+        if not self.can_swap_out(seqs):
+            raise RuntimeError("swap_out: not enough free host blocks (check can_swap_out first)")
+        device_to_host = {block: self._host_free_block_ids.popleft()
+                          for block in self._distinct_blocks(self.block_tables, seqs)}
+        # Swaps run before this step's copies: a block still waiting for its copy-on-write copy
+        # holds the right tokens only in the copy's source, so that is what goes to host.
+        copy_sources = {dst: src for src, dst in self._pending_copies}
+        swaps = [(copy_sources.get(device, device), host)
+                 for device, host in device_to_host.items()]
+        for seq in seqs:
+            table = self.block_tables.pop(seq.seq_id, None)
+            if table is None:
+                continue
+            host_table = [device_to_host[block] for block in table]
+            for host_block in host_table:
+                self._host_ref_counts[host_block] += 1
+            num_tokens = self._num_allocated_tokens.pop(seq.seq_id)
+            self._host_block_tables[seq.seq_id] = host_table
+            self._swapped_num_tokens[seq.seq_id] = num_tokens
+            self._release_blocks(table, num_tokens)
+        return swaps
+
+    def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
+        num_blocks_needed = len(self._distinct_blocks(self._host_block_tables, seqs))
+        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
+
+    def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        if not self.can_swap_in(seqs):
+            raise RuntimeError("swap_in: not enough free device blocks (check can_swap_in first)")
+        block_size = self.block_size
+        host_to_device: dict[int, int] = {}
+        for seq in seqs:
+            host_table = self._host_block_tables.pop(seq.seq_id, None)
+            if host_table is None:
+                continue
+            num_tokens = self._swapped_num_tokens.pop(seq.seq_id)
+            table = []
+            for index, host_block in enumerate(host_table):
+                block = host_to_device.get(host_block)
+                if block is None:
+                    block = host_to_device[host_block] = self._take_free_block()
+                    self._num_tokens_stored += min(block_size, num_tokens - index * block_size)
+                else:
+                    self._ref_counts[block] += 1
+                table.append(block)
+            self._release_host_blocks(host_table)
+            self.block_tables[seq.seq_id] = table
+            self._num_allocated_tokens[seq.seq_id] = num_tokens
+        return list(host_to_device.items())
+
+    def _release_host_blocks(self, host_table: list[int]) -> None:
+        for host_block in host_table:
+            self._host_ref_counts[host_block] -= 1
+            if self._host_ref_counts[host_block] == 0:
+                self._host_free_block_ids.append(host_block)
+
+    # ---- tests ----
+
+    def check_invariants(self) -> None:
+        """Recount everything from the tables and compare with the incremental bookkeeping."""
+        block_size = self.block_size
+        refs = Counter()
+        fills: dict[int, int] = {}
+        for seq_id, table in self.block_tables.items():
+            num_tokens = self._num_allocated_tokens.get(seq_id)
+            assert num_tokens is not None, f"seq {seq_id} has a table but no allocated length"
+            assert len(table) == -(-num_tokens // block_size), (
+                f"seq {seq_id}: {len(table)} blocks for {num_tokens} slots")
+            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
+            assert seq_id not in self._host_block_tables, f"seq {seq_id} is on device and host"
+            refs.update(table)
+            for index, block in enumerate(table):
+                fill = min(block_size, num_tokens - index * block_size)
+                assert fills.setdefault(block, fill) == fill, (
+                    f"block {block} is shared by sequences that fill it differently")
+        assert set(self._num_allocated_tokens) == set(self.block_tables), (
+            "allocated lengths and tables name different sequences")
+        for block, ref_count in enumerate(self._ref_counts):
+            assert ref_count >= 0, f"block {block} has ref count {ref_count}"
+            assert ref_count == refs[block], (
+                f"block {block} has ref count {ref_count} but {refs[block]} tables hold it")
+
+        free_blocks = list(self._free_block_ids) + list(self._evictable_block_ids)
+        assert len(set(free_blocks)) == len(free_blocks), "a block is free twice"
+        assert all(self._ref_counts[block] == 0 for block in free_blocks), "a free block is in use"
+        assert self.num_free_blocks() + len(refs) == self.num_blocks, (
+            f"free {self.num_free_blocks()} + used {len(refs)} != {self.num_blocks} blocks")
+        assert all(block in self._block_to_hash for block in self._evictable_block_ids), (
+            "an evictable block has no hash")
+        assert not any(block in self._block_to_hash for block in self._free_block_ids), (
+            "an uncached free block still has a hash")
+        assert {block: h for h, block in self._hash_to_block.items()} == self._block_to_hash, (
+            "hash maps disagree")
+
+        stored = sum(fills.values())
+        assert stored == self._num_tokens_stored, (
+            f"tokens stored is {self._num_tokens_stored}, recount gives {stored}")
+        assert stored <= self.num_slots_allocated(), "more tokens stored than slots allocated"
+        assert all(self._ref_counts[dst] > 0 for _, dst in self._pending_copies), (
+            "a pending copy targets a free block")
+
+        host_refs = Counter()
+        for seq_id, host_table in self._host_block_tables.items():
+            assert seq_id in self._swapped_num_tokens, f"swapped seq {seq_id} has no length"
+            assert len(host_table) == -(-self._swapped_num_tokens[seq_id] // block_size), (
+                f"swapped seq {seq_id}: {len(host_table)} host blocks for its length")
+            host_refs.update(host_table)
+        assert set(self._swapped_num_tokens) == set(self._host_block_tables), (
+            "swapped lengths and host tables name different sequences")
+        for host_block, ref_count in enumerate(self._host_ref_counts):
+            assert ref_count == host_refs[host_block], (
+                f"host block {host_block} has ref count {ref_count} but {host_refs[host_block]} "
+                f"host tables hold it")
+        host_free = list(self._host_free_block_ids)
+        assert len(set(host_free)) == len(host_free), "a host block is free twice"
+        assert all(self._host_ref_counts[block] == 0 for block in host_free), (
+            "a free host block is in use")
+        assert len(host_free) + len(host_refs) == self.num_host_blocks, (
+            f"host free {len(host_free)} + used {len(host_refs)} != {self.num_host_blocks}")

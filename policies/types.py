@@ -1,0 +1,172 @@
+"""The objects every policy and every executor share: requests, sequences, step plans, results.
+
+A request asks for `n` samples of `output_len` tokens after a prompt of `prompt_len` tokens. Each
+sample is a `Sequence`. What a sequence still needs computed is `num_tokens - num_computed_tokens`:
+a whole prompt before its first step, a chunk of it under chunked prefill, one token while decoding,
+prompt + outputs again after a recompute preemption. Prefill and decode are the same thing.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request. Plain attributes, no properties: the scheduler touches these in
+    its hot loop once per sequence per step."""
+
+    __slots__ = (
+        "seq_id", "request", "num_tokens", "num_computed_tokens", "num_output_tokens",
+        "output_token_ids", "status", "last_token_time",
+    )
+
+    def __init__(self, seq_id: int, request: "Request", num_output_tokens: int = 0,
+                 output_token_ids: list[int] | None = None):
+        self.seq_id = seq_id
+        self.request = request
+        self.num_output_tokens = num_output_tokens
+        self.num_tokens = request.prompt_len + num_output_tokens
+        self.num_computed_tokens = 0
+        # Token ids are kept only when an executor produces them (the engine); the simulator
+        # counts tokens and never stores one per token.
+        self.output_token_ids = output_token_ids
+        self.status = SequenceStatus.WAITING
+        self.last_token_time = 0.0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int] | None:
+        """Prompt + output token ids, or None when the run does not track ids."""
+        if self.request.prompt_token_ids is None:
+            return None
+        return list(self.request.prompt_token_ids) + list(self.output_token_ids or ())
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")
+
+
+@dataclass(eq=False)
+class Request:
+    """A request and its bookkeeping. `output_len` is max_tokens: the simulator generates exactly
+    that many tokens per sample (a trace replays its recorded lengths); the engine may stop early
+    at EOS."""
+
+    request_id: int
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+    n: int = 1
+    prompt_token_ids: list[int] | None = None
+    # Opaque to the policies: the engine keeps its SamplingParams here.
+    sampling_params: object = None
+
+    sequences: list[Sequence] = field(default_factory=list)
+    replica_id: int = -1
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    rejected_reason: str | None = None
+
+    def __post_init__(self):
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.request_id}: prompt_len={self.prompt_len} but "
+                             f"{len(self.prompt_token_ids)} prompt_token_ids")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_time is not None or self.rejected_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(seq.num_output_tokens for seq in self.sequences)
+
+    def unfinished_sequences(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if seq.status is not SequenceStatus.FINISHED]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything an executor needs for one step and nothing it must decide.
+
+    `seqs[i]` computes `num_new_tokens[i]` tokens starting at position `seqs[i].num_computed_tokens`
+    (its KV slots are already allocated in `block_tables`). A sequence whose step reaches its last
+    token samples one new token. Copies, swaps and preemptions were decided by the policies and
+    are carried out before the forward pass, in the order: swap out, swap in, copy.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Step features, accumulated while scheduling so no executor loops over sequences for them.
+    num_prefill_tokens: int = 0          # tokens of sequences not yet at their last token
+    num_prefill_seqs: int = 0
+    prefill_attention_work: int = 0     # sum over prefill chunks of chunk_len * context_len_after
+    prefill_context_tokens: int = 0     # sum over prefill chunks of context read (cached + chunk)
+    sum_squared_prefill_chunks: int = 0
+    num_decode_seqs: int = 0            # sequences computing exactly their last token
+    decode_context_tokens: int = 0      # sum over decode sequences of context length read
+    # Memory operations, as (source block, destination block) pairs.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    preempted_recompute: list[Request] = field(default_factory=list)
+    preempted_swap: list[Request] = field(default_factory=list)
+    # seq_id -> physical block ids; a live view into the KV manager, not a copy.
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Schedule `num_new_tokens` of `seq` and account for them in the step features."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        if num_new_tokens == 1 and end == seq.num_tokens and seq.num_output_tokens > 0:
+            self.num_decode_seqs += 1
+            self.decode_context_tokens += end
+        else:
+            self.num_prefill_tokens += num_new_tokens
+            self.num_prefill_seqs += 1
+            self.prefill_attention_work += num_new_tokens * end
+            self.prefill_context_tokens += end
+            self.sum_squared_prefill_chunks += num_new_tokens * num_new_tokens
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What an executor returns: how long the step took and, from the engine, the token ids.
+
+    `sampled_token_ids` maps seq_id -> the tokens that sequence gained this step (one, or more
+    with speculative decoding). The simulator leaves it None: every sequence that reached its last
+    token gains exactly one token.
+    """
+
+    duration: float
+    sampled_token_ids: dict[int, list[int]] | None = None
+    # seq_ids the engine stopped early (EOS or a stop token).
+    stopped_seq_ids: set[int] | None = None
+    # For a request with n > 1 whose first sequence just finished its prompt: the first tokens of
+    # the n - 1 samples forked from it (seq_id of the parent -> n - 1 token ids).
+    forked_token_ids: dict[int, list[int]] | None = None

@@ -1,0 +1,36 @@
+"""`twinserve`: the Hydra app. One run, or a sweep with `twinserve -m ...`."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from sim.loggers import log_run
+from sim.metrics import print_summary
+from sim.runner import run_experiment
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    # A user's own policy (scheduler._target_=my_policies.MyScheduler) lives in their folder.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        result = run_experiment(cfg, out_dir, progress=cfg.progress)
+    except ValueError as error:
+        print(f"twinserve: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print_summary(result.summary)
+    print(f"results in {out_dir}")
+    log_run(cfg, result.summary, out_dir)
+    # For sweepers that optimise (Optuna): the job's value.
+    return float(result.summary["request_throughput"])
+
+
+if __name__ == "__main__":
+    main()

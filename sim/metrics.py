@@ -1,0 +1,345 @@
+"""Run metrics: one row per step while the run goes, everything else computed once at the end.
+
+Names and units follow `vllm bench serve` where it has one (TTFT, TPOT, ITL, E2EL in ms;
+throughputs per second of simulated time), so the two can be compared side by side.
+
+A summary value that has no data to stand on (no completed request, no step) is 0.0, never NaN:
+summary.json must stay valid JSON and scripts must not have to special-case empty runs.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from policies.types import Request, StepPlan
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "replica_id", "start_time", "duration",
+    "num_seqs", "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs", "num_batched_tokens",
+    "kv_blocks_used", "kv_slots_allocated", "kv_tokens_stored",
+    "num_waiting", "num_running", "num_swapped",
+    "num_preempted_recompute", "num_preempted_swap",
+    "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied",
+)
+
+REQUEST_COLUMNS: tuple[str, ...] = (
+    "request_id", "replica_id", "arrival_time", "prompt_len", "output_len", "n",
+    "num_output_tokens", "first_scheduled_time", "first_token_time", "finish_time",
+    "ttft_ms", "tpot_ms", "e2el_ms", "num_preemptions", "rejected_reason",
+)
+
+LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+PERCENTILES: tuple[tuple[str, float], ...] = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
+
+_COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
+
+
+# ---- per-request latencies ----------------------------------------------------------------------
+
+def is_completed(request: Request) -> bool:
+    return request.finish_time is not None and request.rejected_reason is None
+
+
+def tokens_per_sample(request: Request) -> int:
+    """Output tokens of the request's longest sample: what TPOT divides by (as vllm does)."""
+    return max((seq.num_output_tokens for seq in request.sequences), default=0)
+
+
+def request_latencies_s(request: Request) -> tuple[float | None, float | None, float | None]:
+    """(TTFT, TPOT, E2EL) in seconds; None where the request has no such value."""
+    ttft = tpot = e2el = None
+    if request.first_token_time is not None:
+        ttft = request.first_token_time - request.arrival_time
+    if request.finish_time is not None:
+        e2el = request.finish_time - request.arrival_time
+        tokens = tokens_per_sample(request)
+        if request.first_token_time is not None and tokens > 1:
+            tpot = (request.finish_time - request.first_token_time) / (tokens - 1)
+    return ttft, tpot, e2el
+
+
+def latency_arrays_s(requests: list[Request]) -> dict[str, np.ndarray]:
+    """TTFT, TPOT and E2EL of the completed requests, in seconds, keyed "ttft", "tpot", "e2el".
+    TPOT leaves out requests whose samples have a single token (nothing to divide by)."""
+    ttfts, tpots, e2els = [], [], []
+    for request in requests:
+        if not is_completed(request):
+            continue
+        ttft, tpot, e2el = request_latencies_s(request)
+        if ttft is not None:
+            ttfts.append(ttft)
+        if tpot is not None:
+            tpots.append(tpot)
+        e2els.append(e2el)
+    return {"ttft": np.asarray(ttfts, dtype=np.float64),
+            "tpot": np.asarray(tpots, dtype=np.float64),
+            "e2el": np.asarray(e2els, dtype=np.float64)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def request_rows(requests: list[Request]) -> list[tuple]:
+    """One tuple per request, in REQUEST_COLUMNS order; None (an empty CSV cell) where a value
+    does not exist, e.g. the TTFT of a rejected request."""
+    rows = []
+    for request in requests:
+        ttft, tpot, e2el = request_latencies_s(request)
+        rows.append((
+            request.request_id, request.replica_id, request.arrival_time, request.prompt_len,
+            request.output_len, request.n, request.num_output_tokens,
+            request.first_scheduled_time, request.first_token_time, request.finish_time,
+            _ms(ttft), _ms(tpot), _ms(e2el), request.num_preemptions, request.rejected_reason,
+        ))
+    return rows
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def _stats_ms(values_s: np.ndarray, name: str) -> dict[str, float]:
+    """mean/median/p90/p99 of `values_s` (seconds) in ms, keyed like vllm ("mean_ttft_ms")."""
+    if values_s.size == 0:
+        return {f"{stat}_{name}_ms": 0.0 for stat in ("mean", *(label for label, _ in PERCENTILES))}
+    values_ms = values_s * 1000.0
+    stats = {f"mean_{name}_ms": float(values_ms.mean())}
+    for label, pct in PERCENTILES:
+        stats[f"{label}_{name}_ms"] = float(np.percentile(values_ms, pct))
+    return stats
+
+
+def weighted_percentiles(values: np.ndarray, counts: np.ndarray,
+                         percentiles: list[float] | np.ndarray) -> np.ndarray:
+    """Percentiles of the multiset where values[i] occurs counts[i] times, equal to
+    np.percentile(np.repeat(values, counts), percentiles) (linear interpolation) without
+    materialising the repeat, which can be billions of tokens long."""
+    values = np.asarray(values, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
+    keep = counts > 0
+    values, counts = values[keep], counts[keep]
+    order = np.argsort(values, kind="stable")
+    values, counts = values[order], counts[order]
+    # ends[i] is one past the last position of values[i] in the sorted, expanded list.
+    if counts.size == 0:
+        raise ValueError("weighted_percentiles of an empty multiset")
+    ends = np.cumsum(counts)
+    total = int(ends[-1])
+    # numpy's "linear" method: virtual index h = (N - 1) * q, interpolate between floor and ceil.
+    positions = (total - 1) * (np.asarray(percentiles, dtype=np.float64) / 100.0)
+    below = np.floor(positions)
+    fraction = positions - below
+    below = below.astype(np.int64)
+    above = np.minimum(below + 1, total - 1)
+    value_below = values[np.searchsorted(ends, below, side="right")]
+    value_above = values[np.searchsorted(ends, above, side="right")]
+    # The same two-sided lerp as numpy's, so results match it to the last bit.
+    difference = value_above - value_below
+    return np.where(fraction >= 0.5, value_above - difference * (1.0 - fraction),
+                    value_below + difference * fraction)
+
+
+def _histogram_stats_ms(itl_counts: dict[float, int], name: str) -> dict[str, float]:
+    total = sum(itl_counts.values())
+    if total == 0:
+        return _stats_ms(np.empty(0), name)
+    values_ms = np.fromiter(itl_counts.keys(), dtype=np.float64, count=len(itl_counts)) * 1000.0
+    counts = np.fromiter(itl_counts.values(), dtype=np.int64, count=len(itl_counts))
+    stats = {f"mean_{name}_ms": float(np.dot(values_ms, counts) / total)}
+    results = weighted_percentiles(values_ms, counts, [pct for _, pct in PERCENTILES])
+    for (label, _), value in zip(PERCENTILES, results):
+        stats[f"{label}_{name}_ms"] = float(value)
+    return stats
+
+
+def _per_second(amount: float, duration_s: float) -> float:
+    return amount / duration_s if duration_s > 0 else 0.0
+
+
+# ---- the collector ------------------------------------------------------------------------------
+
+class MetricsCollector:
+    """Collects step rows and ITL histograms from every replica of a run, and turns them plus the
+    run's requests into a summary, CSV files and plots."""
+
+    def __init__(self, kv_bytes_per_block: int = 0):
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.step_rows: list[tuple] = []
+        self.itl_counts: dict[float, int] = {}
+
+    def record_step(self, replica_id: int, start_time: float, plan: StepPlan, duration: float, *,
+                    kv_blocks_used: int, kv_slots_allocated: int, kv_tokens_stored: int,
+                    num_waiting: int, num_running: int, num_swapped: int) -> None:
+        """Append one row, in STEP_COLUMNS order. Called every step of every replica, so it only
+        appends a tuple: all per-step analysis happens once, in summary()."""
+        self.step_rows.append((
+            replica_id, start_time, duration,
+            len(plan.seqs), plan.num_prefill_seqs, plan.num_prefill_tokens, plan.num_decode_seqs,
+            plan.num_prefill_tokens + plan.num_decode_seqs,
+            kv_blocks_used, kv_slots_allocated, kv_tokens_stored,
+            num_waiting, num_running, num_swapped,
+            len(plan.preempted_recompute), len(plan.preempted_swap),
+            len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(plan.blocks_to_copy),
+        ))
+
+    def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
+        """Merge one scheduler's ITL histogram {seconds: number of tokens}."""
+        merged = self.itl_counts
+        for itl, count in itl_counts.items():
+            merged[itl] = merged.get(itl, 0) + count
+
+    def step_array(self) -> np.ndarray:
+        """The step rows as a (num_steps, len(STEP_COLUMNS)) float array."""
+        if not self.step_rows:
+            return np.empty((0, len(STEP_COLUMNS)), dtype=np.float64)
+        return np.asarray(self.step_rows, dtype=np.float64)
+
+    def summary(self, requests: list[Request], wall_time_s: float,
+                slos_ms: dict[str, float] | None = None) -> dict:
+        """The run's headline numbers; see the module docstring for the empty-run convention.
+
+        `slos_ms` (optional), e.g. {"ttft": 200, "tpot": 50, "e2el": 10_000}: adds `goodput`
+        (req/s of completed requests meeting every given SLO, as vllm defines it) and
+        `slo_attainment` (their fraction of completed requests)."""
+        completed = [request for request in requests if is_completed(request)]
+        num_rejected = sum(1 for request in requests if request.rejected_reason is not None)
+        if completed:
+            first_arrival = min(request.arrival_time for request in requests)
+            last_finish = max(request.finish_time for request in completed)
+            duration_s = last_finish - first_arrival
+        else:
+            duration_s = 0.0
+        total_input = sum(request.prompt_len for request in completed)
+        total_output = sum(request.num_output_tokens for request in completed)
+
+        result: dict = {
+            "completed": len(completed),
+            "rejected": num_rejected,
+            "num_requests": len(requests),
+            "duration_s": float(duration_s),
+            "total_input_tokens": total_input,
+            "total_output_tokens": total_output,
+            "request_throughput": _per_second(len(completed), duration_s),
+            "output_throughput": _per_second(total_output, duration_s),
+            "total_token_throughput": _per_second(total_input + total_output, duration_s),
+        }
+        latencies = latency_arrays_s(completed)
+        for name in LATENCY_METRICS:
+            if name == "itl":
+                result.update(_histogram_stats_ms(self.itl_counts, name))
+            else:
+                result.update(_stats_ms(latencies[name], name))
+        if slos_ms is not None:
+            result.update(self._goodput(completed, slos_ms, duration_s))
+
+        steps = self.step_array()
+        allocated = steps[:, _COL["kv_slots_allocated"]]
+        stored = steps[:, _COL["kv_tokens_stored"]]
+        has_slots = allocated > 0
+        waste = 1.0 - stored[has_slots] / allocated[has_slots]
+        blocks_swapped = (steps[:, _COL["num_blocks_swapped_out"]].sum()
+                          + steps[:, _COL["num_blocks_swapped_in"]].sum())
+        result.update({
+            "num_preemptions": sum(request.num_preemptions for request in requests),
+            "peak_kv_blocks": int(steps[:, _COL["kv_blocks_used"]].max()) if len(steps) else 0,
+            "kv_waste_fraction": float(waste.mean()) if waste.size else 0.0,
+            "swap_bytes": int(blocks_swapped) * self.kv_bytes_per_block,
+            "num_steps": len(self.step_rows),
+            "wall_time_s": float(wall_time_s),
+            # Simulated seconds per wall second: how much faster than real time the run went.
+            "sim_speedup": _per_second(duration_s, wall_time_s),
+        })
+        return result
+
+    @staticmethod
+    def _goodput(completed: list[Request], slos_ms: dict[str, float],
+                 duration_s: float) -> dict[str, float]:
+        unknown = set(slos_ms) - {"ttft", "tpot", "e2el"}
+        if unknown:
+            raise ValueError(f"unknown SLO metrics {sorted(unknown)}; use ttft, tpot, e2el")
+        num_good = 0
+        for request in completed:
+            ttft, tpot, e2el = map(_ms, request_latencies_s(request))
+            latencies_ms = {"ttft": ttft, "tpot": tpot, "e2el": e2el}
+            # A request without a TPOT (single-token samples) cannot miss a TPOT SLO.
+            if all(latencies_ms[name] is None or latencies_ms[name] <= limit
+                   for name, limit in slos_ms.items()):
+                num_good += 1
+        return {"goodput": _per_second(num_good, duration_s),
+                "slo_attainment": num_good / len(completed) if completed else 0.0}
+
+    def write_outputs(self, out_dir: Path, requests: list[Request], summary: dict,
+                      plots: bool = True) -> list[Path]:
+        """Write summary.json, requests.csv, steps.csv and (unless plots=False) the PNG plots
+        into out_dir. Returns the paths written."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        summary_path = out_dir / "summary.json"
+        # allow_nan=False: fail loudly here rather than write JSON other tools cannot parse.
+        summary_path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        requests_path = _write_csv(out_dir / "requests.csv", REQUEST_COLUMNS,
+                                   request_rows(requests))
+        steps_path = _write_csv(out_dir / "steps.csv", STEP_COLUMNS, self.step_rows)
+        written = [summary_path, requests_path, steps_path]
+        if plots:
+            # Imported here so that runs that never plot never import matplotlib.
+            from sim.plots import write_plots
+            written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS)
+        return written
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    return path
+
+
+# ---- console output -----------------------------------------------------------------------------
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return f"{value:,.{digits}f}" if math.isfinite(value) else str(value)
+
+
+def format_summary_table(summary: dict) -> Table:
+    """Two tables side by side: run totals on the left, latencies (ms) on the right."""
+    totals = Table(show_header=False, box=None, pad_edge=False)
+    totals.add_column(style="bold")
+    totals.add_column(justify="right")
+    totals.add_row("completed / rejected", f"{summary['completed']:,} / {summary['rejected']:,}")
+    totals.add_row("duration (sim)", f"{_fmt(summary['duration_s'])} s")
+    totals.add_row("requests/s", _fmt(summary["request_throughput"]))
+    totals.add_row("output tok/s", _fmt(summary["output_throughput"], 1))
+    totals.add_row("total tok/s", _fmt(summary["total_token_throughput"], 1))
+    if "goodput" in summary:
+        totals.add_row("goodput req/s", _fmt(summary["goodput"]))
+        totals.add_row("SLO attainment", f"{summary['slo_attainment']:.1%}")
+    totals.add_row("preemptions", f"{summary['num_preemptions']:,}")
+    totals.add_row("peak KV blocks", f"{summary['peak_kv_blocks']:,}")
+    totals.add_row("KV waste", f"{summary['kv_waste_fraction']:.1%}")
+    if summary.get("swap_bytes"):
+        totals.add_row("swapped", f"{summary['swap_bytes'] / 2**20:,.1f} MiB")
+    totals.add_row("steps", f"{summary['num_steps']:,}")
+    totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
+
+    latencies = Table(box=None, pad_edge=False)
+    latencies.add_column("ms", style="bold")
+    for heading in ("mean", "median", "p99"):
+        latencies.add_column(heading, justify="right")
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        latencies.add_row(label, *(_fmt(summary[f"{stat}_{name}_ms"])
+                                   for stat in ("mean", "median", "p99")))
+
+    grid = Table.grid(padding=(0, 4))
+    grid.add_row(totals, latencies)
+    return grid
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    (console or Console()).print(format_summary_table(summary))

@@ -1,0 +1,123 @@
+"""PNG plots of a run: latency CDFs, KV blocks in use over time, batch size and queue length.
+
+Runs headless (Agg backend). Step series are decimated to a few thousand points so a 100k-step
+run plots in about a second; the decimation keeps each bucket's min and max so peaks survive.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (must come after the backend is chosen)
+import numpy as np  # noqa: E402
+
+from policies.types import Request  # noqa: E402
+from sim.metrics import latency_arrays_s  # noqa: E402
+
+MAX_POINTS_PER_LINE = 5000
+
+
+def downsample_indices(values: np.ndarray, max_points: int = MAX_POINTS_PER_LINE) -> np.ndarray:
+    """Sorted indices of at most ~max_points elements of `values` that keep its shape: the first,
+    the last, and the min and max of each of max_points // 2 equal buckets. Plain striding would
+    step over short spikes, e.g. a KV-blocks peak."""
+    n = len(values)
+    if n <= max_points:
+        return np.arange(n)
+    num_buckets = max(1, (max_points - 2) // 2)
+    bucket_size = -(-n // num_buckets)  # ceil
+    # Pad with the last value so the series reshapes into whole buckets; padding is clipped below.
+    padded = np.concatenate([values, np.full(num_buckets * bucket_size - n, values[-1])])
+    buckets = padded.reshape(num_buckets, bucket_size)
+    starts = np.arange(num_buckets) * bucket_size
+    picks = np.concatenate([[0, n - 1],
+                            starts + buckets.argmin(axis=1),
+                            starts + buckets.argmax(axis=1)])
+    return np.unique(np.minimum(picks, n - 1))
+
+
+def _no_data(ax, message: str = "no data") -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _plot_cdf(ax, values_ms: np.ndarray, title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(True, alpha=0.3)
+    if values_ms.size == 0:
+        _no_data(ax)
+        return
+    ordered = np.sort(values_ms)
+    fractions = np.arange(1, ordered.size + 1) / ordered.size
+    keep = downsample_indices(ordered)  # monotone, so this is plain thinning
+    ax.step(ordered[keep], fractions[keep], where="post")
+    # Latencies often span orders of magnitude (queueing tails); log x only when they do.
+    if ordered[0] > 0 and ordered[-1] / ordered[0] > 20:
+        ax.set_xscale("log")
+
+
+def _write_latency_cdf(path: Path, requests: list[Request]) -> None:
+    latencies_s = latency_arrays_s(requests)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    panels = (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2E latency"))
+    for ax, (name, title) in zip(axes, panels):
+        _plot_cdf(ax, latencies_s[name] * 1000.0, f"{title} CDF")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: str,
+                      label: str) -> None:
+    """One line per replica of `column` against step start time."""
+    replica_col, time_col, value_col = (columns.index(name)
+                                        for name in ("replica_id", "start_time", column))
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel(label)
+    ax.grid(True, alpha=0.3)
+    if steps.size == 0:
+        _no_data(ax, "no steps")
+        return
+    replicas = np.unique(steps[:, replica_col])
+    for replica in replicas:
+        rows = steps[steps[:, replica_col] == replica]
+        keep = downsample_indices(rows[:, value_col])
+        ax.plot(rows[keep, time_col], rows[keep, value_col], linewidth=0.8,
+                label=f"replica {int(replica)}")
+    if len(replicas) > 1:
+        ax.legend(loc="upper right", fontsize="small")
+
+
+def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
+                step_columns: tuple[str, ...]) -> list[Path]:
+    """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir; return their paths.
+    Empty inputs give labelled figures that say "no data" rather than an error."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = tuple(step_columns)
+    steps = (np.asarray(step_rows, dtype=np.float64) if step_rows
+             else np.empty((0, len(columns)), dtype=np.float64))
+
+    latency_path = out_dir / "latency_cdf.png"
+    _write_latency_cdf(latency_path, requests)
+
+    kv_path = out_dir / "kv_blocks.png"
+    fig, ax = plt.subplots(figsize=(10, 4), constrained_layout=True)
+    ax.set_title("KV cache blocks in use")
+    _plot_per_replica(ax, steps, columns, "kv_blocks_used", "blocks")
+    fig.savefig(kv_path, dpi=100)
+    plt.close(fig)
+
+    batch_path = out_dir / "batch_size.png"
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, constrained_layout=True)
+    top.set_title("Batch size and waiting queue")
+    _plot_per_replica(top, steps, columns, "num_seqs", "sequences in the step")
+    _plot_per_replica(bottom, steps, columns, "num_waiting", "waiting queue length")
+    top.set_xlabel("")  # shared x axis: label only the bottom panel
+    fig.savefig(batch_path, dpi=100)
+    plt.close(fig)
+
+    return [latency_path, kv_path, batch_path]

@@ -1,0 +1,152 @@
+"""Build one experiment from its config and run it: the code behind `twinserve`, callable from
+tests and scripts without the command line.
+
+The config is the Hydra tree of conf/ (model, hardware, workload, scheduler, kv_cache, preemption,
+cost_model, cluster, backend). Policies are built with `hydra.utils.instantiate`, so any
+`_target_` class works, the built-in ones and a user's own.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import simpy
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from policies.routing import LeastOutstandingRouter, RoundRobinRouter
+from policies.types import Request
+from sim.executor import SimExecutor
+from sim.metrics import MetricsCollector
+from sim.replica import Replica, arrivals
+from sim.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.workload import build_workload
+
+ROUTERS = {"round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter}
+GIB = 1 << 30
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    requests: list[Request]
+    metrics: MetricsCollector
+    num_kv_blocks: int
+
+
+def build_policy(cfg: DictConfig, group: str, **kwargs):
+    """Instantiate a policy config group; a bad `_target_` or argument is one clear line."""
+    try:
+        return instantiate(cfg, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ValueError):
+            raise cause from None
+        target = cfg.get("_target_", "?") if isinstance(cfg, DictConfig) else "?"
+        raise ValueError(f"{group}._target_={target}: {cause or error}") from None
+
+
+def build_router(router_cfg):
+    """`cluster.router` is a built-in name, a dotted class path, or a {_target_: ...} mapping."""
+    if isinstance(router_cfg, DictConfig):
+        return build_policy(router_cfg, "cluster.router")
+    name = str(router_cfg)
+    if name in ROUTERS:
+        return ROUTERS[name]()
+    if "." in name:
+        module_name, _, class_name = name.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), class_name)()
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cluster.router={name}: cannot import it ({error})") from None
+    raise ValueError(f"cluster.router must be one of {', '.join(ROUTERS)} or a dotted class "
+                     f"path; got {name!r}")
+
+
+def positive_int(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
+    """The step token budget; null means vLLM's default without chunking, big enough for any
+    prompt the model allows."""
+    value = cfg.scheduler.get("max_num_batched_tokens")
+    if value is None:
+        return max(model.max_model_len, 2048)
+    return positive_int(value, "scheduler.max_num_batched_tokens")
+
+
+def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> int:
+    """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic."""
+    block_size = positive_int(cfg.kv_cache.block_size, "kv_cache.block_size")
+    if cfg.kv_cache.get("num_blocks") is not None:
+        return positive_int(cfg.kv_cache.num_blocks, "kv_cache.num_blocks")
+    return kv_cache_num_blocks(
+        model, hardware, block_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=cfg.cluster.tensor_parallel_size,
+        max_num_batched_tokens=max_num_batched_tokens(cfg, model))
+
+
+def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec):
+    backend = cfg.backend.name
+    if backend == "sim":
+        cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
+                                  tensor_parallel_size=cfg.cluster.tensor_parallel_size)
+        return SimExecutor(cost_model)
+    raise ValueError(f"backend must be one of sim; got {backend!r}")
+
+
+def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
+                   progress: bool = False) -> RunResult:
+    """Run the experiment `cfg` describes; write its files into `out_dir` if given."""
+    wall_start = time.perf_counter()
+    model = ModelSpec.from_config(cfg.model)
+    hardware = HardwareSpec.from_config(cfg.hardware)
+    positive_int(cfg.cluster.num_replicas, "cluster.num_replicas")
+    positive_int(cfg.cluster.tensor_parallel_size, "cluster.tensor_parallel_size")
+    num_blocks = num_kv_blocks(cfg, model, hardware)
+    # KV bytes of one block on one GPU: what a swap moves over that GPU's host link.
+    bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
+    bytes_per_block_per_gpu = bytes_per_block / cfg.cluster.tensor_parallel_size
+    router = build_router(cfg.cluster.router)
+    requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+
+    env = simpy.Environment()
+    metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress,
+               mininterval=0.5, leave=False)
+    replicas = []
+    for replica_id in range(cfg.cluster.num_replicas):
+        preemption = build_policy(cfg.preemption, "preemption")
+        swap_space_gb = getattr(preemption, "swap_space_gb", 0.0)
+        num_host_blocks = int(swap_space_gb * GIB // bytes_per_block_per_gpu)
+        kv_cache = build_policy(cfg.kv_cache, "kv_cache", num_blocks=num_blocks,
+                                num_host_blocks=num_host_blocks)
+        scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
+                                 preemption=preemption, max_model_len=model.max_model_len,
+                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model))
+        executor = build_executor(cfg, model, hardware)
+        replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
+                                on_requests_done=bar.update))
+    env.process(arrivals(env, requests, router, replicas))
+    env.run()
+    bar.close()
+
+    for replica in replicas:
+        metrics.add_itl_counts(replica.scheduler.itl_counts)
+    unfinished = [r for r in requests if not r.is_finished]
+    if unfinished:
+        raise RuntimeError(f"{len(unfinished)} requests never finished (first: "
+                           f"{unfinished[0].request_id}); the simulation stalled")
+    summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start)
+    summary["num_kv_blocks"] = num_blocks
+    if out_dir is not None:
+        metrics.write_outputs(Path(out_dir), requests, summary)
+    return RunResult(summary, requests, metrics, num_blocks)

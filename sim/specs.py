@@ -1,0 +1,285 @@
+"""Model and hardware specs, and the KV-capacity arithmetic both cost models share.
+
+A `ModelSpec` is the shape of a decoder-only transformer as its Hugging Face config states it; a
+`HardwareSpec` is one accelerator as its spec sheet states it. Each loads from a flat mapping
+(`conf/model/*.yaml`, `conf/hardware/*.yaml`) and rejects unknown or missing fields by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+GIB = 1024 ** 3
+GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
+
+MLP_KINDS = ("gated", "plain")
+DTYPE_BYTES = (1, 2, 4)  # fp8/int8, fp16/bf16, fp32
+
+
+def _fields_from_config(cls: type, config: Mapping | DictConfig) -> dict[str, Any]:
+    """The mapping as plain keyword arguments for `cls`, or a ValueError naming the bad keys."""
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{cls.__name__}: expected a mapping of fields, got {type(config).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; allowed fields: {sorted(fields)}")
+    missing = sorted(name for name, f in fields.items()
+                     if name not in config
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing required field(s) {missing}")
+    return dict(config)
+
+
+def _require_positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _require_positive_number(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape. Field names follow the HF Llama config."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    num_key_value_heads: int | None = None  # None: multi-head attention (= num_attention_heads)
+    head_dim: int | None = None             # None: hidden_size // num_attention_heads
+    dtype_bytes: int = 2
+    mlp: str = "gated"                      # "gated": SwiGLU, 3 matrices; "plain": OPT, 2 matrices
+    tie_word_embeddings: bool = False
+    bias: bool = False                      # biases on every linear layer and LayerNorm (OPT)
+    num_position_embeddings: int = 0        # rows of a learned position table (OPT: 2050); 0 = RoPE
+    hf_repo: str | None = None              # where the engine finds the weights; unused here
+
+    def __post_init__(self):
+        owner = f"ModelSpec({self.name!r})"
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                     "vocab_size", "max_model_len"):
+            _require_positive_int(owner, name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        _require_positive_int(owner, "num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{owner}.num_key_value_heads={self.num_key_value_heads} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"{owner}: hidden_size={self.hidden_size} is not a multiple of "
+                                 f"num_attention_heads={self.num_attention_heads}; set head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _require_positive_int(owner, "head_dim", self.head_dim)
+        if self.dtype_bytes not in DTYPE_BYTES:
+            raise ValueError(f"{owner}.dtype_bytes must be one of {DTYPE_BYTES}, got {self.dtype_bytes!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"{owner}.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
+        for name in ("tie_word_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.num_position_embeddings, bool) or not isinstance(self.num_position_embeddings, int) \
+                or self.num_position_embeddings < 0:
+            raise ValueError(f"{owner}.num_position_embeddings must be an integer >= 0, "
+                             f"got {self.num_position_embeddings!r}")
+
+    @classmethod
+    def from_config(cls, config: Mapping | DictConfig) -> ModelSpec:
+        return cls(**_fields_from_config(cls, config))
+
+    # --- parameter counts -------------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def linear_parameters_per_layer(self) -> int:
+        """Weights of the matrix multiplies in one layer (q, k, v, o and the MLP), biases included."""
+        h, inter = self.hidden_size, self.intermediate_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        num_mlp_matrices = 3 if self.mlp == "gated" else 2
+        mlp = num_mlp_matrices * h * inter
+        if self.bias:
+            attention += self.q_size + 2 * self.kv_size + h
+            mlp += (num_mlp_matrices - 1) * inter + h
+        return attention + mlp
+
+    @property
+    def norm_parameters_per_layer(self) -> int:
+        # Two norms per layer; LayerNorm (OPT) has a bias, RMSNorm (Llama) has not.
+        return 2 * self.hidden_size * (2 if self.bias else 1)
+
+    @property
+    def lm_head_parameters(self) -> int:
+        """The output projection's size, read every step whether or not it is tied to the input
+        embedding."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_parameters(self) -> int:
+        """As `model.num_parameters()` counts them in transformers (tied weights counted once)."""
+        embeddings = (self.vocab_size + self.num_position_embeddings) * self.hidden_size
+        layers = self.num_layers * (self.linear_parameters_per_layer + self.norm_parameters_per_layer)
+        final_norm = self.hidden_size * (2 if self.bias else 1)
+        lm_head = 0 if self.tie_word_embeddings else self.lm_head_parameters
+        return embeddings + layers + final_norm + lm_head
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_parameters * self.dtype_bytes
+
+    # --- KV cache -----------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Key and value for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
+        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        _require_positive_int("kv_bytes_per_block", "block_size", block_size)
+        return block_size * self.kv_bytes_per_token
+
+    def kv_heads_per_gpu(self, tensor_parallel_size: int) -> int:
+        """KV heads each GPU stores. vLLM replicates KV heads when tp exceeds their number
+        (GQA models such as Llama-2-70B at tp=16), so a GPU never holds less than one."""
+        return max(1, math.ceil(self.num_key_value_heads / tensor_parallel_size))
+
+    def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
+        return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
+                * self.head_dim * self.dtype_bytes)
+
+    def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """vLLM's rule: attention heads split evenly over the GPUs."""
+        _require_positive_int(f"ModelSpec({self.name!r})", "tensor_parallel_size", tensor_parallel_size)
+        if self.num_attention_heads % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide "
+                             f"{self.name}'s num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (or a CPU socket) as its spec sheet states it."""
+
+    name: str
+    memory_gb: float              # device memory in GiB, as the driver reports its total
+    peak_tflops: float            # dense fp16/bf16 tensor-core TFLOP/s (fp32 for a CPU)
+    memory_bandwidth_gbps: float  # device memory bandwidth, GB/s
+    host_to_device_gbps: float    # one direction of the host link (PCIe), GB/s: swap traffic
+    interconnect_gbps: float      # one direction of the GPU-GPU link (NVLink), GB/s: TP all-reduce
+    reserved_memory_gb: float = 0.0  # GiB the runtime holds outside the model (CUDA context,
+                                     # cuBLAS/NCCL workspaces); vLLM counts it against utilisation
+
+    def __post_init__(self):
+        owner = f"HardwareSpec({self.name!r})"
+        for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
+                     "interconnect_gbps"):
+            _require_positive_number(owner, name, getattr(self, name))
+        reserved = self.reserved_memory_gb
+        if isinstance(reserved, bool) or not isinstance(reserved, (int, float)) \
+                or not 0 <= reserved < self.memory_gb:
+            raise ValueError(f"{owner}.reserved_memory_gb must be >= 0 and below memory_gb="
+                             f"{self.memory_gb}, got {reserved!r}")
+
+    @classmethod
+    def from_config(cls, config: Mapping | DictConfig) -> HardwareSpec:
+        return cls(**_fields_from_config(cls, config))
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * GIB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.memory_bandwidth_gbps * GB
+
+    @property
+    def host_to_device_bandwidth(self) -> float:
+        return self.host_to_device_gbps * GB
+
+    @property
+    def interconnect_bandwidth(self) -> float:
+        return self.interconnect_gbps * GB
+
+
+def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
+                          tensor_parallel_size: int = 1) -> int:
+    """Peak activation memory of one forward pass over `max_num_batched_tokens` tokens, per GPU.
+
+    vLLM measures this with a dummy forward at its largest batch; we estimate what is alive at
+    the widest point, the MLP: the residual stream and its normed copy (2 × hidden), the
+    attention projections still referenced (q + k + v + o), the up/gate output and the activated
+    intermediate. Plus the fp32 logits of `max_num_seqs` sampled sequences (the sampler's peak).
+    Flash attention keeps no score matrix, so nothing grows with the square of the length.
+    """
+    tp = tensor_parallel_size
+    num_mlp_outputs = 2 if model.mlp == "gated" else 1
+    per_token = (
+        2 * model.hidden_size
+        + (model.q_size + 2 * model.kv_size) // tp + model.hidden_size
+        + (num_mlp_outputs + 1) * model.intermediate_size // tp
+    ) * model.dtype_bytes
+    logits = max_num_seqs * model.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits
+
+
+def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: int,
+                        gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                        max_num_batched_tokens: int | None = None, max_num_seqs: int = 256) -> int:
+    """How many KV blocks each GPU holds, as vLLM sizes its cache:
+
+        (memory × utilisation − reserved − weights / tp − activation peak) / (KV bytes per block / tp)
+
+    `max_num_batched_tokens` defaults to max(max_model_len, 2048) and `max_num_seqs` to 256, as
+    vLLM's scheduler config does without chunked prefill. Raises ValueError when the weights and
+    activations leave no room for a single block.
+    """
+    _require_positive_int("kv_cache_num_blocks", "block_size", block_size)
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+            or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    model.check_tensor_parallel_size(tensor_parallel_size)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(model.max_model_len, 2048)
+    _require_positive_int("kv_cache_num_blocks", "max_num_batched_tokens", max_num_batched_tokens)
+    _require_positive_int("kv_cache_num_blocks", "max_num_seqs", max_num_seqs)
+
+    tp = tensor_parallel_size
+    budget = hardware.memory_bytes * gpu_memory_utilization - hardware.reserved_memory_gb * GIB
+    weights = model.weight_bytes / tp
+    activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
+    free_for_kv = budget - weights - activations
+    block_bytes = block_size * model.kv_bytes_per_token_per_gpu(tp)
+    num_blocks = int(free_for_kv // block_bytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"{model.name} does not fit on {hardware.name} at tensor_parallel_size={tp}: "
+            f"{gpu_memory_utilization:.0%} of {hardware.memory_gb:g} GiB minus "
+            f"{hardware.reserved_memory_gb:g} GiB reserved leaves {budget / GIB:.1f} GiB per GPU, "
+            f"weights need {weights / GIB:.1f} GiB and activations {activations / GIB:.1f} GiB, "
+            f"leaving no room for one {block_bytes / 2**20:.1f} MiB KV block. "
+            f"Raise tensor_parallel_size or gpu_memory_utilization, or use a larger device.")
+    return num_blocks

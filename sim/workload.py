@@ -1,0 +1,445 @@
+"""Workload generation: turn the `workload` config group into the requests a run replays.
+
+Two kinds of workload:
+
+* `synthetic` — `num_requests` requests whose arrival gaps come from a Poisson, gamma or constant
+  process at `rate` requests/s, and whose prompt and output lengths each come from a
+  fixed / uniform / lognormal / zipf distribution.
+* `trace` — arrival times and lengths replayed from a CSV file (the Azure LLM trace format
+  `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain `arrival_time,prompt_len,output_len`).
+
+Either kind can attach random prompt token ids (`with_token_ids`), optionally all starting with
+the same `shared_prefix_len` tokens, for runs that need ids (the engine, prefix caching).
+
+Everything random is drawn from `numpy.random.default_rng(seed)`, vectorised. The generator is
+split into one independent stream per quantity (arrivals, prompt lengths, output lengths, token
+ids), so that changing one part of the config — say the output-length distribution — leaves the
+others unchanged: two runs that differ in one knob see the same arrivals (common random numbers).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from policies.types import Request
+
+KINDS = ("synthetic", "trace")
+ARRIVAL_PROCESSES = ("poisson", "gamma", "constant")
+LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "zipf")
+
+SYNTHETIC_FIELDS = ("kind", "num_requests", "rate", "arrival", "burstiness", "prompt_len",
+                    "output_len", "n", "with_token_ids", "shared_prefix_len")
+TRACE_FIELDS = ("kind", "trace_path", "time_scale", "max_requests", "n", "with_token_ids",
+                "shared_prefix_len")
+# Every parameter any length distribution takes; a length mapping may carry the parameters of
+# another distribution (left over after a `dist=` override) but nothing outside this list.
+LENGTH_FIELDS = ("dist", "value", "low", "high", "mean", "sigma", "a", "min", "max")
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
+
+# A relative trace_path is looked up in the working directory, then here (the repo root), so the
+# default config works whether or not Hydra changed the working directory.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The truncated zipf sampler builds a table over every length in [min, max]; this caps its size.
+MAX_ZIPF_SUPPORT = 10_000_000
+
+_REQUIRED = object()
+
+
+def build_workload(cfg: Mapping[str, Any], *, seed: int,
+                   vocab_size: int | None = None) -> list[Request]:
+    """The requests described by `cfg` (the `workload` config group: a DictConfig or a dict).
+
+    Returns them sorted by arrival time with request_id 0..N-1. Raises ValueError, naming the
+    config field, for any bad value.
+    """
+    fields = _Fields(_as_plain_dict(cfg), "workload")
+    kind = fields.choice("kind", KINDS)
+    arrival_rng, prompt_rng, output_rng, token_rng = np.random.default_rng(seed).spawn(4)
+
+    if kind == "synthetic":
+        fields.reject_unknown(SYNTHETIC_FIELDS)
+        num_requests = fields.integer("num_requests", minimum=1)
+        rate = fields.rate("rate")
+        arrival = fields.choice("arrival", ARRIVAL_PROCESSES, default="poisson")
+        burstiness = fields.number("burstiness", default=1.0, greater_than=0.0)
+        prompt_dist = _parse_length_distribution(fields.section("prompt_len"))
+        output_dist = _parse_length_distribution(fields.section("output_len"))
+        n, token_spec = _parse_common(fields, vocab_size)
+
+        arrival_times = _sample_arrival_times(arrival, rate, burstiness, num_requests, arrival_rng)
+        prompt_lens = prompt_dist.sample(num_requests, prompt_rng)
+        output_lens = output_dist.sample(num_requests, output_rng)
+    else:
+        fields.reject_unknown(TRACE_FIELDS)
+        trace_path = resolve_trace_path(fields.string("trace_path"))
+        time_scale = fields.number("time_scale", default=1.0, greater_than=0.0)
+        max_requests = fields.integer("max_requests", default=None, minimum=1)
+        n, token_spec = _parse_common(fields, vocab_size)
+
+        arrival_times, prompt_lens, output_lens = read_trace(trace_path)
+        order = np.argsort(arrival_times, kind="stable")[:max_requests]
+        arrival_times = arrival_times[order] * time_scale
+        prompt_lens, output_lens = prompt_lens[order], output_lens[order]
+
+    token_ids = (_sample_prompt_token_ids(prompt_lens, *token_spec, token_rng)
+                 if token_spec is not None else [None] * len(prompt_lens))
+    # .tolist() turns the arrays into Python floats/ints in one pass (much faster than per item).
+    return [
+        Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o, n=n, prompt_token_ids=ids)
+        for i, (t, p, o, ids) in enumerate(zip(arrival_times.tolist(), prompt_lens.tolist(),
+                                               output_lens.tolist(), token_ids))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config reading and validation
+
+
+def _as_plain_dict(cfg: Any) -> dict:
+    if OmegaConf.is_config(cfg):
+        # resolve=True so interpolations such as ${oc.env:...} in trace_path become strings.
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"workload config must be a mapping, got {type(cfg).__name__}")
+    return dict(cfg)
+
+
+class _Fields:
+    """Typed reads from one config mapping; errors name the field by its full dotted path."""
+
+    def __init__(self, values: Mapping[str, Any], path: str):
+        self.values = values
+        self.path = path
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.values.get(key, default)
+        if value is _REQUIRED:
+            raise ValueError(f"{self.name(key)} is required")
+        return value
+
+    def reject_unknown(self, known: Sequence[str]) -> None:
+        # Catches typos (`num_request=1000`) that would otherwise be silently ignored.
+        for key in self.values:
+            if key not in known:
+                raise ValueError(f"{self.name(key)} is not a known field; known fields: "
+                                 f"{', '.join(known)}")
+
+    def choice(self, key: str, options: Sequence[str], default: Any = _REQUIRED) -> str:
+        value = self.get(key, default)
+        if value not in options:
+            raise ValueError(f"{self.name(key)} must be one of {', '.join(options)}; got {value!r}")
+        return value
+
+    def integer(self, key: str, *, default: Any = _REQUIRED, minimum: int) -> int | None:
+        value = self.get(key, default)
+        if value is None and default is None:
+            return None
+        # bool is an int subclass; `n: true` is a mistake, not 1. Integral floats (1e4) are fine.
+        is_integral = (isinstance(value, (int, np.integer)) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+        if not is_integral:
+            raise ValueError(f"{self.name(key)} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{self.name(key)} must be >= {minimum}, got {value!r}")
+        return int(value)
+
+    def number(self, key: str, *, default: Any = _REQUIRED, greater_than: float | None = None,
+               allow_inf: bool = False) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise ValueError(f"{self.name(key)} must be a number, got {value!r}")
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise ValueError(f"{self.name(key)} must be a finite number, got {value!r}")
+        # Written as `not >` so NaN fails too.
+        if greater_than is not None and not value > greater_than:
+            raise ValueError(f"{self.name(key)} must be > {greater_than:g}, got {value!r}")
+        return float(value)
+
+    def rate(self, key: str) -> float:
+        # A YAML `inf` (without the dot) or a plain-dict "inf" arrives as a string.
+        value = self.get(key, _REQUIRED)
+        if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity"):
+            return math.inf
+        return self.number(key, greater_than=0.0, allow_inf=True)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{self.name(key)} must be true or false, got {value!r}")
+        return bool(value)
+
+    def string(self, key: str) -> str:
+        value = self.get(key, _REQUIRED)
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise ValueError(f"{self.name(key)} must be a non-empty path string, got {value!r}")
+        return str(value)
+
+    def section(self, key: str) -> "_Fields":
+        value = self.get(key, _REQUIRED)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{self.name(key)} must be a mapping such as "
+                             f"{{dist: lognormal, mean: 512, sigma: 1.0}}, got {value!r}")
+        return _Fields(value, self.name(key))
+
+
+def _parse_common(fields: _Fields, vocab_size: int | None) -> tuple[int, tuple[int, int] | None]:
+    """`n` and the token-id settings both kinds share; token spec is (vocab_size, prefix_len)."""
+    n = fields.integer("n", default=1, minimum=1)
+    with_token_ids = fields.boolean("with_token_ids", default=False)
+    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
+    if not with_token_ids:
+        if shared_prefix_len:
+            # A shared prefix only exists in token ids; without them it would silently do nothing.
+            raise ValueError(f"{fields.name('shared_prefix_len')}={shared_prefix_len} needs "
+                             f"{fields.name('with_token_ids')}=true")
+        return n, None
+    if vocab_size is None:
+        raise ValueError(f"{fields.name('with_token_ids')}=true needs a vocab_size: call "
+                         f"build_workload(cfg, seed=..., vocab_size=...)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
+            or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    return n, (int(vocab_size), shared_prefix_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic sampling
+
+
+def _sample_arrival_times(arrival: str, rate: float, burstiness: float, num_requests: int,
+                          rng: np.random.Generator) -> np.ndarray:
+    """Arrival times (s) of `num_requests` requests; the first arrives one gap after t=0."""
+    if math.isinf(rate):
+        return np.zeros(num_requests)
+    if arrival == "constant":
+        return np.arange(1, num_requests + 1) / rate
+    if arrival == "poisson":
+        gaps = rng.exponential(1.0 / rate, num_requests)
+    else:
+        # Gamma gaps with mean 1/rate: shape k = burstiness, scale = 1/(rate*k). The coefficient
+        # of variation is 1/sqrt(k): k=1 is Poisson, k<1 burstier, k>1 more regular.
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+    return np.cumsum(gaps)
+
+
+@dataclass(frozen=True)
+class _LengthDistribution:
+    """A parsed `prompt_len` / `output_len` mapping. Samples are int64 >= 1."""
+
+    dist: str
+    value: int = 1          # fixed
+    low: int = 1            # uniform, inclusive
+    high: int = 1           # uniform, inclusive
+    mean: float = 1.0       # lognormal: arithmetic mean of the unclipped distribution
+    sigma: float = 0.0      # lognormal: std of the underlying normal
+    a: float = 2.0          # zipf exponent
+    min: int = 1            # lognormal clip / zipf truncation
+    max: int | None = None  # lognormal clip (None: no upper clip) / zipf truncation (required)
+
+    def sample(self, size: int, rng: np.random.Generator) -> np.ndarray:
+        if self.dist == "fixed":
+            return np.full(size, self.value, dtype=np.int64)
+        if self.dist == "uniform":
+            return rng.integers(self.low, self.high + 1, size, dtype=np.int64)
+        if self.dist == "lognormal":
+            # E[exp(N(mu, sigma^2))] = exp(mu + sigma^2/2), so this mu makes the mean `mean`.
+            mu = math.log(self.mean) - self.sigma ** 2 / 2
+            lengths = np.rint(rng.lognormal(mu, self.sigma, size))
+            upper = self.max if self.max is not None else np.iinfo(np.int64).max // 2
+            return np.clip(lengths, self.min, upper).astype(np.int64)
+        # zipf, truncated to [min, max]: P(length = min + r - 1) ∝ r^-a for rank r >= 1, so `min`
+        # is the most common length. Exact inverse-CDF sampling of the truncated law, which is
+        # what rejecting samples above `max` would give, without the rejection loop.
+        ranks = np.arange(1, self.max - self.min + 2, dtype=np.float64)
+        cdf = np.cumsum(ranks ** -self.a)
+        cdf /= cdf[-1]
+        index = np.searchsorted(cdf, rng.random(size), side="right")
+        return self.min + np.minimum(index, len(ranks) - 1).astype(np.int64)
+
+
+def _parse_length_distribution(fields: _Fields) -> _LengthDistribution:
+    fields.reject_unknown(LENGTH_FIELDS)
+    dist = fields.choice("dist", LENGTH_DISTRIBUTIONS)
+    if dist == "fixed":
+        return _LengthDistribution(dist, value=fields.integer("value", minimum=1))
+    if dist == "uniform":
+        low = fields.integer("low", minimum=1)
+        high = fields.integer("high", minimum=low)
+        return _LengthDistribution(dist, low=low, high=high)
+    minimum = fields.integer("min", default=1, minimum=1)
+    if dist == "lognormal":
+        mean = fields.number("mean", greater_than=0.0)
+        sigma = fields.number("sigma", greater_than=None)
+        if sigma < 0:
+            raise ValueError(f"{fields.name('sigma')} must be >= 0, got {sigma!r}")
+        maximum = fields.integer("max", default=None, minimum=minimum)
+        return _LengthDistribution(dist, mean=mean, sigma=sigma, min=minimum, max=maximum)
+    a = fields.number("a", greater_than=1.0)
+    maximum = fields.integer("max", minimum=minimum)
+    if maximum - minimum + 1 > MAX_ZIPF_SUPPORT:
+        raise ValueError(f"{fields.name('max')} - {fields.name('min')} must be < "
+                         f"{MAX_ZIPF_SUPPORT}, got {maximum} - {minimum}")
+    return _LengthDistribution(dist, a=a, min=minimum, max=maximum)
+
+
+def _sample_prompt_token_ids(prompt_lens: np.ndarray, vocab_size: int, shared_prefix_len: int,
+                             rng: np.random.Generator) -> list[list[int]]:
+    """Uniform random ids in [0, vocab_size); every prompt starts with the same
+    `shared_prefix_len` ids (a prompt shorter than that is a prefix of the shared prefix)."""
+    prefix = rng.integers(0, vocab_size, shared_prefix_len).tolist()
+    unique_lens = np.maximum(prompt_lens - shared_prefix_len, 0)
+    unique_ids = rng.integers(0, vocab_size, int(unique_lens.sum())).tolist()
+    token_ids = []
+    start = 0
+    for prompt_len, unique_len in zip(prompt_lens.tolist(), unique_lens.tolist()):
+        token_ids.append(prefix[:prompt_len] + unique_ids[start:start + unique_len])
+        start += unique_len
+    return token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Traces
+
+
+def resolve_trace_path(trace_path: str | Path) -> Path:
+    """An absolute path as is; a relative one against the working directory, then the repo root."""
+    path = Path(trace_path).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = " or ".join(str(candidate) for candidate in candidates)
+    raise ValueError(f"workload.trace_path: no trace file at {tried}")
+
+
+def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order.
+
+    Arrival times are relative to the earliest row, which is at 0. Accepts the Azure columns
+    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`, or the plain
+    columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored.
+    """
+    path = Path(path)
+    try:
+        # utf-8-sig drops a byte-order mark that would otherwise stick to the first column name.
+        with open(path, newline="", encoding="utf-8-sig") as file:
+            reader = csv.reader(file)
+            header = [name.strip() for name in next(reader, [])]
+            rows, line_numbers = [], []
+            for row in reader:
+                if row:  # skip blank lines
+                    rows.append(row)
+                    line_numbers.append(reader.line_num)
+    except OSError as error:
+        raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
+
+    columns = AZURE_COLUMNS if set(AZURE_COLUMNS) & set(header) else PLAIN_COLUMNS
+    missing = [name for name in columns if name not in header]
+    if missing:
+        raise ValueError(
+            f"trace {path}: missing column(s) {', '.join(missing)}; found "
+            f"{', '.join(header) or 'no header'}; expected {', '.join(AZURE_COLUMNS)} (Azure) "
+            f"or {', '.join(PLAIN_COLUMNS)} (plain)")
+    if not rows:
+        raise ValueError(f"trace {path}: no data rows")
+
+    indices = [header.index(name) for name in columns]
+    for row_number, (row, line) in enumerate(zip(rows, line_numbers), start=1):
+        if len(row) <= max(indices):
+            raise ValueError(f"trace {path}: row {row_number} (line {line}) has {len(row)} "
+                             f"field(s), expected {len(header)}")
+    time_column, prompt_column, output_column = (
+        [row[index].strip() for row in rows] for index in indices)
+
+    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
+    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
+    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
+    return arrival_times, prompt_lens, output_lens
+
+
+def _bad_row_error(path: Path, line_numbers: list[int], index: int, column: str, what: str,
+                   value: str) -> ValueError:
+    return ValueError(f"trace {path}: row {index + 1} (line {line_numbers[index]}): {column} "
+                      f"must be {what}, got {value!r}")
+
+
+def _parse_lengths(values: list[str], column: str, line_numbers: list[int],
+                   path: Path) -> np.ndarray:
+    try:
+        lengths = np.array(values, dtype=np.float64)
+    except ValueError:
+        lengths = None
+    if lengths is None:  # find the culprit only on the error path
+        for index, value in enumerate(values):
+            try:
+                float(value)
+            except ValueError:
+                raise _bad_row_error(path, line_numbers, index, column, "a positive integer",
+                                     value) from None
+    # NaN and inf fail these checks too.
+    bad = ~np.isfinite(lengths) | (lengths < 1) | (lengths != np.floor(lengths))
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise _bad_row_error(path, line_numbers, index, column, "a positive integer", values[index])
+    return lengths.astype(np.int64)
+
+
+# Python's datetime.fromisoformat reads at most 6 fractional digits; the Azure trace has 7.
+_EXTRA_FRACTION_DIGITS = re.compile(r"(\.\d{6})\d+")
+
+
+def _parse_times(values: list[str], column: str, line_numbers: list[int],
+                 path: Path) -> np.ndarray:
+    """Seconds relative to the earliest value; numeric seconds or ISO datetimes."""
+    try:
+        seconds = np.array(values, dtype=np.float64)
+    except ValueError:
+        seconds = _parse_datetimes(values, column, line_numbers, path)
+    bad = ~np.isfinite(seconds)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise _bad_row_error(path, line_numbers, index, column, "a finite time", values[index])
+    return seconds - seconds.min()
+
+
+def _parse_datetimes(values: list[str], column: str, line_numbers: list[int],
+                     path: Path) -> np.ndarray:
+    """Seconds since the earliest of some datetime strings (naive ones taken as UTC)."""
+    # Fast path: numpy parses naive ISO datetimes with up to 9 fractional digits, vectorised.
+    # It warns about (and we then refuse) timezone offsets, which the slow path handles.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            stamps = np.array(values, dtype="datetime64[ns]")
+        return (stamps - stamps.min()).astype(np.int64) / 1e9
+    except (ValueError, Warning):
+        pass
+    # Slow path: one row at a time, dropping fractional digits past the 6th (sub-microsecond).
+    stamps = []
+    for index, value in enumerate(values):
+        try:
+            stamp = datetime.fromisoformat(_EXTRA_FRACTION_DIGITS.sub(r"\1", value))
+        except ValueError:
+            raise _bad_row_error(path, line_numbers, index, column,
+                                 "a datetime like 2023-11-16 18:17:03.9799600 or seconds",
+                                 value) from None
+        stamps.append(stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc))
+    earliest = min(stamps)
+    # Differences of datetimes are exact to the microsecond, unlike epoch seconds as floats.
+    return np.array([(stamp - earliest).total_seconds() for stamp in stamps])

@@ -1,0 +1,210 @@
+"""The simulator end to end: config composition, determinism, outputs, the vLLM paper's claims,
+clustering, plug-ins and bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from sim.runner import run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+AZURE_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=["progress=false", *overrides])
+
+
+def run(*overrides: str, out_dir=None):
+    return run_experiment(make_cfg(*overrides), out_dir)
+
+
+def summary_without_wall_time(result):
+    """The summary less what depends on the machine's speed."""
+    return {k: v for k, v in result.summary.items() if k not in ("wall_time_s", "sim_speedup")}
+
+
+def test_default_experiment_writes_its_files(tmp_path):
+    result = run("workload.num_requests=200", out_dir=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ["completed", "rejected", "duration_s", "request_throughput",
+                "output_throughput", "total_token_throughput", "num_preemptions",
+                "peak_kv_blocks", "kv_waste_fraction", "wall_time_s"]:
+        assert key in summary
+    for metric in ["ttft", "tpot", "itl", "e2el"]:
+        for stat in ["mean", "median", "p90", "p99"]:
+            assert f"{stat}_{metric}_ms" in summary
+    assert summary["completed"] == 200 and summary["rejected"] == 0
+    assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
+    assert summary["median_ttft_ms"] <= summary["p99_ttft_ms"]
+    requests_csv = (tmp_path / "requests.csv").read_text().splitlines()
+    assert len(requests_csv) == 201
+    steps_csv = (tmp_path / "steps.csv").read_text().splitlines()
+    assert len(steps_csv) == summary["num_steps"] + 1
+    for plot in ["latency_cdf.png", "kv_blocks.png", "batch_size.png"]:
+        assert (tmp_path / plot).stat().st_size > 1000
+    assert result.summary["output_throughput"] > 0
+
+
+def test_same_config_and_seed_give_the_same_summary():
+    first = run("workload.num_requests=100", "seed=3")
+    second = run("workload.num_requests=100", "seed=3")
+    other = run("workload.num_requests=100", "seed=4")
+    assert summary_without_wall_time(first) == summary_without_wall_time(second)
+    assert summary_without_wall_time(first) != summary_without_wall_time(other)
+
+
+def test_every_request_output_length_is_generated():
+    result = run("workload.num_requests=150", "workload.rate=50", "kv_cache.num_blocks=300",
+                 "preemption=swap")
+    assert result.summary["num_preemptions"] > 0
+    for request in result.requests:
+        assert request.rejected_reason is None
+        assert all(seq.num_output_tokens == request.output_len for seq in request.sequences)
+
+
+# ---- the vLLM paper's claims, reproduced in the simulator -----------------------------------
+
+def test_continuous_batching_beats_static_on_mixed_lengths():
+    overrides = ["workload=sharegpt_like", "workload.num_requests=300", "workload.rate=30",
+                 "scheduler.max_num_seqs=32"]
+    static = run("scheduler=static", *overrides).summary
+    continuous = run("scheduler=continuous", *overrides).summary
+    assert continuous["request_throughput"] > 1.2 * static["request_throughput"]
+    assert continuous["median_e2el_ms"] < static["median_e2el_ms"]
+
+
+def test_paged_wastes_little_and_contiguous_wastes_most_slots():
+    overrides = ["model=opt-13b", "hardware=a100-40gb", "workload=sharegpt_like",
+                 "workload.num_requests=200", "workload.rate=20"]
+    paged = run("kv_cache=paged", *overrides).summary
+    contiguous = run("kv_cache=contiguous", *overrides).summary
+    assert paged["kv_waste_fraction"] < 0.04
+    assert contiguous["kv_waste_fraction"] > 0.5
+
+
+def test_larger_blocks_waste_more():
+    overrides = ["workload=sharegpt_like", "workload.num_requests=150", "workload.rate=20"]
+    wastes = [run(f"kv_cache.block_size={size}", *overrides).summary["kv_waste_fraction"]
+              for size in (4, 16, 64, 256)]
+    assert wastes == sorted(wastes) and wastes[0] < wastes[-1]
+
+
+def test_parallel_sampling_shares_blocks():
+    overrides = ["workload=sharegpt_like", "workload.num_requests=100", "workload.rate=5",
+                 "workload.n=4"]
+    shared = run("kv_cache.share_on_fork=true", *overrides).summary
+    copied = run("kv_cache.share_on_fork=false", *overrides).summary
+    assert shared["completed"] == copied["completed"] == 100
+    assert shared["peak_kv_blocks"] < copied["peak_kv_blocks"]
+
+
+# ---- configurations --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    ["scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=512"],
+    ["scheduler=static", "kv_cache=contiguous", "kv_cache.reserve=oracle"],
+    ["preemption=swap", "preemption.swap_space_gb=0.01", "kv_cache.num_blocks=200"],
+    ["cluster.num_replicas=3", "cluster.router=least_outstanding"],
+    ["model=llama-2-70b", "cluster.tensor_parallel_size=4", "hardware=h100-80gb"],
+    ["model=tiny-llama", "hardware=cpu", "workload.rate=2"],
+])
+def test_configurations_run_to_completion(overrides):
+    result = run("workload.num_requests=60", "workload.rate=40", *overrides)
+    assert result.summary["completed"] + result.summary["rejected"] == 60
+    assert result.summary["completed"] > 0
+
+
+def test_trace_replay_with_time_scale():
+    overrides = ["workload=trace", f"workload.trace_path={AZURE_TRACE}",
+                 "workload.max_requests=300"]
+    normal = run(*overrides).summary
+    fast = run(*overrides, "workload.time_scale=0.25").summary
+    # Code-completion prompts reach 7k tokens: those beyond Llama-2's 4,096 are rejected.
+    assert normal["rejected"] == fast["rejected"] > 0
+    assert normal["completed"] == fast["completed"] == 300 - normal["rejected"]
+    assert fast["request_throughput"] > normal["request_throughput"]
+
+
+def test_least_outstanding_balances_better_than_round_robin_under_skew():
+    overrides = ["workload=sharegpt_like", "workload.num_requests=300", "workload.rate=60",
+                 "cluster.num_replicas=4"]
+    round_robin = run("cluster.router=round_robin", *overrides).summary
+    least = run("cluster.router=least_outstanding", *overrides).summary
+    assert least["p99_e2el_ms"] <= round_robin["p99_e2el_ms"]
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, field", [
+    (["workload.rate=-1"], "workload.rate"),
+    (["kv_cache.block_size=0"], "kv_cache.block_size"),
+    (["scheduler.max_num_seqs=0"], "scheduler.max_num_seqs"),
+    (["cluster.router=fastest"], "cluster.router"),
+    (["kv_cache=contiguous", "kv_cache.reserve=sometimes"], "kv_cache.reserve"),
+    (["scheduler._target_=no_such_module.Scheduler"], "scheduler._target_"),
+])
+def test_bad_config_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        run("workload.num_requests=10", *overrides)
+
+
+def test_trace_missing_a_column_names_it(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.9799600,10\n")
+    with pytest.raises(ValueError, match="GeneratedTokens"):
+        run("workload=trace", f"workload.trace_path={trace}")
+
+
+def test_request_longer_than_the_model_is_rejected_and_counted(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_time,prompt_len,output_len\n0.0,100,10\n0.1,4000,200\n0.2,50,5\n")
+    summary = run("workload=trace", f"workload.trace_path={trace}").summary
+    assert summary["completed"] == 2 and summary["rejected"] == 1
+
+
+def twinserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "sim.app", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_error_is_one_clear_line(tmp_path):
+    result = twinserve("workload.rate=-1", "progress=false", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "workload.rate" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_user_plugin_and_sweep(tmp_path):
+    """The README's worked example: a policy in the user's own file, named in config, in a
+    Hydra multirun sweep."""
+    (tmp_path / "my_policies.py").write_text(textwrap.dedent('''
+        from policies.batching import ContinuousBatchingScheduler
+
+        class ShortestPromptFirst(ContinuousBatchingScheduler):
+            """Admit the waiting request with the shortest prompt first."""
+            def next_waiting(self):
+                return min(self.waiting, key=lambda request: request.prompt_len)
+    '''))
+    result = twinserve("-m", "scheduler._target_=my_policies.ShortestPromptFirst,"
+                       "policies.batching.ContinuousBatchingScheduler",
+                       "workload.num_requests=200", "workload.rate=40",
+                       "scheduler.max_num_seqs=8", "progress=false",
+                       "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summaries = [json.loads((tmp_path / "sweep" / str(job) / "summary.json").read_text())
+                 for job in (0, 1)]
+    shortest_first, fcfs = summaries
+    assert shortest_first["completed"] == fcfs["completed"] == 200
+    # Shortest-prompt-first is the textbook way to cut mean waiting time.
+    assert shortest_first["mean_ttft_ms"] < fcfs["mean_ttft_ms"]
