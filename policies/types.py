@@ -56,7 +56,7 @@ class Sequence:
                 f"{self.status.value})")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A request and its bookkeeping. `output_len` is max_tokens: the simulator generates exactly
     that many tokens per sample (a trace replays its recorded lengths); the engine may stop early
@@ -135,7 +135,18 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        """Nothing to run and nothing changed: a scheduler that returns this is stuck. (A step
+        that only preempted is not empty: the next one can use the memory it freed.)"""
+        return not (self.seqs or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.preempted_recompute)
+
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """Schedule one token for each of `seqs`, every one at its last token with outputs
+        already (a decode). One call per step instead of one per sequence."""
+        self.seqs.extend(seqs)
+        self.num_new_tokens.extend([1] * len(seqs))
+        self.num_decode_seqs += len(seqs)
+        self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule `num_new_tokens` of `seq` and account for them in the step features."""

@@ -117,7 +117,7 @@ request_strategy = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     scheduler_name=st.sampled_from(sorted(SCHEDULERS)),
     kv_name=st.sampled_from(["paged", "contiguous_max", "contiguous_oracle"]),

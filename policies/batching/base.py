@@ -13,7 +13,7 @@ passes its own PreemptionPolicy.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 
 from policies.protocols import KVCacheManager, PreemptionPolicy
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
@@ -42,7 +42,7 @@ class BaseScheduler:
         self.num_running_seqs = 0
         # Inter-token latencies as a histogram {seconds: count}: a float per token is too much
         # memory for a 100k-request run, and most tokens of a step share one value.
-        self.itl_counts: dict[float, int] = {}
+        self.itl_counts: defaultdict[float, int] = defaultdict(int)
         self._next_seq_id = 0
         self._now = 0.0  # the time of the step being planned
 
@@ -167,68 +167,74 @@ class BaseScheduler:
     def _schedule_running(self, plan: StepPlan, token_budget: int, *,
                           chunked: bool) -> tuple[int, bool]:
         """Schedule what every running sequence still needs: one token for a decode, a chunk
-        (capped by the budget) for a partial prefill. Decodes go first, as in Sarathi-Serve, so
-        a long prefill never stalls them. Partial prefills are samples of a group that start
-        after it (or, chunked, the rest of a prompt). On an allocation failure, preempt the policy's victim
-        among the requests not yet scheduled this step, and retry.
+        for a partial prefill (the rest of a chunked prompt, or samples of a group that start
+        after it). Decodes go first, as in Sarathi-Serve, so a long prefill never stalls them.
+        On an allocation failure, preempt the policy's victim among the requests not yet
+        scheduled this step, and retry.
 
         Returns the budget left and whether anything was preempted."""
         preempted_any = False
-        scheduled: set[int] = set()
+        # The hot loop of the simulator, once per sequence per step: decodes are collected,
+        # given their slots in one KV-manager call, and accounted in one plan call.
+        decodes: list[Sequence] = []
         partial_prefills: list[Sequence] = []
-        kv_cache = self.kv_cache
-        for request in list(self.running):
+        running_status = SequenceStatus.RUNNING
+        for request in self.running:
             for seq in request.sequences:
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue  # finished, or preempted earlier in this loop
-                if seq.num_tokens - seq.num_computed_tokens != 1:
+                if seq.status is not running_status:
+                    continue  # finished
+                if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
                     partial_prefills.append(seq)
-                    continue
-                if token_budget < 1:
-                    break
-                while not kv_cache.allocate_slots(seq, seq.num_tokens):
-                    preempted_any = True
-                    if self._preempt_for(request, plan, scheduled) is request:
-                        break
                 else:
-                    plan.add(seq, 1)
-                    token_budget -= 1
-                    scheduled.add(request.request_id)
-                    continue
-                break  # this request was itself preempted
+                    decodes.append(seq)
+        del decodes[max(token_budget, 0):]
+        num_allocated = 0
+        while (num_allocated := self.kv_cache.append_slots(decodes, num_allocated)) < len(decodes):
+            preempted_any = True
+            request = decodes[num_allocated].request
+            victim = self._preempt_for(request, plan, decodes[:num_allocated])
+            # The victim's sequences leave the batch; if it was `request` itself, some of its
+            # samples may be among those already given slots.
+            num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
+            decodes[:] = [seq for seq in decodes if seq.request is not victim]
+        plan.add_decodes(decodes)
+        token_budget -= len(decodes)
         for seq in partial_prefills:
             if token_budget < 1:
                 break
-            request = seq.request
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # preempted meanwhile
             chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget, chunked)
             if chunk == 0:
                 continue  # unchunked and too long for what is left: whole, in a later step
-            while not kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk):
+            request = seq.request
+            while not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk):
                 preempted_any = True
-                if self._preempt_for(request, plan, scheduled) is request:
+                if self._preempt_for(request, plan, []) is request:
                     break
             else:
                 plan.add(seq, chunk)
                 token_budget -= chunk
-                scheduled.add(request.request_id)
         return token_budget, preempted_any
 
-    def _preempt_for(self, request: Request, plan: StepPlan, scheduled: set[int]) -> Request:
-        """Preempt one victim to make room for `request`; returns the victim."""
-        candidates = [r for r in self.running
-                      if r.request_id not in scheduled or r is request]
+    def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
+        """Preempt one victim to make room for `request`: the policy's pick among the running
+        requests with nothing scheduled yet this step, or `request` itself. `pending` are
+        decodes given slots this step but not yet in the plan. Returns the victim."""
+        scheduled = {seq.request.request_id for seq in plan.seqs}
+        scheduled.update(seq.request.request_id for seq in pending)
+        candidates = [r for r in self.running if r.request_id not in scheduled or r is request]
         victim = self.preemption.select_victim(candidates)
         if victim.request_id in scheduled and victim is not request:
             raise RuntimeError("preemption policy chose a request already scheduled this step")
-        self._preempt(victim, plan, was_scheduled=victim.request_id in scheduled)
+        if any(seq.request is victim for seq in plan.seqs):
+            # Some of its samples were scheduled before another ran out of memory.
+            self._unschedule(victim, plan)
+        self._preempt(victim, plan)
         return victim
 
-    def _preempt(self, request: Request, plan: StepPlan, was_scheduled: bool) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         seqs = request.unfinished_sequences()
-        if was_scheduled:
-            self._unschedule(request, plan)
         self.running.remove(request)
         self.num_running_seqs -= self._num_live_samples(request)
         request.num_preemptions += 1
@@ -305,35 +311,43 @@ class BaseScheduler:
         stopped = result.stopped_seq_ids
         itl_counts = self.itl_counts
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < seq.num_tokens:
+            num_computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = num_computed
+            if num_computed < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
-            request = seq.request
             if sampled is None:
                 num_sampled = 1
             else:
-                new_ids = sampled[seq.seq_id]
-                seq.output_token_ids.extend(new_ids)
-                num_sampled = len(new_ids)
-            is_first_token = seq.num_output_tokens == 0
-            if is_first_token:
-                if request.first_token_time is None:
-                    request.first_token_time = now
-            else:
-                itl = now - seq.last_token_time
-                itl_counts[itl] = itl_counts.get(itl, 0) + num_sampled
-            seq.num_output_tokens += num_sampled
-            seq.num_tokens += num_sampled
+                new_token_ids = sampled[seq.seq_id]
+                seq.output_token_ids.extend(new_token_ids)
+                num_sampled = len(new_token_ids)
+            num_output_tokens = seq.num_output_tokens
+            if num_output_tokens:
+                itl_counts[now - seq.last_token_time] += num_sampled
+            num_output_tokens += num_sampled
+            seq.num_output_tokens = num_output_tokens
+            seq.num_tokens = num_computed + num_sampled
             seq.last_token_time = now
-            done_seqs = [seq]
-            if is_first_token and len(request.sequences) < request.n:
-                done_seqs += self._fork(seq, result, now)
-            for done in done_seqs:
-                if done.num_output_tokens >= request.output_len or (
-                        stopped and done.seq_id in stopped):
-                    if self._finish_sequence(done, now):
-                        finished_requests.append(request)
+            request = seq.request
+            if num_output_tokens == num_sampled:
+                self._on_first_tokens(seq, result, now, finished_requests)
+            if num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped):
+                if self._finish_sequence(seq, now):
+                    finished_requests.append(request)
         return finished_requests
+
+    def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
+                         finished_requests: list[Request]) -> None:
+        """A sequence sampled its first token: time to first token, and for n > 1 the fork of
+        the other samples (which may finish at once when output_len is 1)."""
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if len(request.sequences) < request.n:
+            for child in self._fork(seq, result, now):
+                if child.num_output_tokens >= request.output_len:
+                    if self._finish_sequence(child, now):
+                        finished_requests.append(request)
 
     def _finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished and free its blocks; True if its request is now done."""

@@ -126,6 +126,14 @@ class ContiguousAllocator:
         self._num_tokens_stored += num_tokens - num_allocated
         return True
 
+
+    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+        """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
+        the first that fails and returns its index (len(seqs) when all succeeded)."""
+        for index in range(start, len(seqs)):
+            if not self.allocate_slots(seqs[index], seqs[index].num_tokens):
+                return index
+        return len(seqs)
     def _reserve(self, seq: Sequence, num_tokens: int, watermark: bool) -> bool:
         if seq.seq_id in self._host_block_tables:
             raise ValueError(f"allocate_slots: seq {seq.seq_id} is swapped out")
