@@ -61,8 +61,8 @@ def measure(name, overrides, profile=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--rate", type=float, default=20.0,
-                        help="synthetic arrival rate, requests/s (about this setup's capacity)")
+    parser.add_argument("--rate", type=float, default=10.0,
+                        help="synthetic arrival rate, requests/s (about 85%% of capacity)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 

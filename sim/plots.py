@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (must come after the backend is chosen)
+from matplotlib.ticker import NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 from policies.types import Request  # noqa: E402
@@ -58,6 +59,7 @@ def _plot_cdf(ax, values_ms: np.ndarray, title: str) -> None:
     # Latencies often span orders of magnitude (queueing tails); log x only when they do.
     if ordered[0] > 0 and ordered[-1] / ordered[0] > 20:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap
 
 
 def _write_latency_cdf(path: Path, requests: list[Request]) -> None:

@@ -185,17 +185,28 @@ def test_cli_error_is_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_cli_user_plugin_and_sweep(tmp_path):
-    """The README's worked example: a policy in the user's own file, named in config, in a
-    Hydra multirun sweep."""
-    (tmp_path / "my_policies.py").write_text(textwrap.dedent('''
-        from policies.batching import ContinuousBatchingScheduler
+def readme_plugin_example() -> str:
+    """The `my_policies.py` block of the README, so the README's example stays true."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("# my_policies.py")
+    return readme[start:readme.index("```", start)]
 
-        class ShortestPromptFirst(ContinuousBatchingScheduler):
-            """Admit the waiting request with the shortest prompt first."""
-            def next_waiting(self):
-                return min(self.waiting, key=lambda request: request.prompt_len)
-    '''))
+
+def test_cli_readme_plugins(tmp_path):
+    (tmp_path / "my_policies.py").write_text(readme_plugin_example())
+    result = twinserve("scheduler._target_=my_policies.ShortestPromptFirst",
+                       "preemption._target_=my_policies.PreemptLongestRemaining",
+                       "cluster.router=my_policies.LeastKVRouter", "cluster.num_replicas=2",
+                       "kv_cache.num_blocks=300", "workload.num_requests=100",
+                       "progress=false", "hydra.run.dir=run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] == 100 and summary["num_preemptions"] > 0
+
+
+def test_cli_user_plugin_in_a_sweep(tmp_path):
+    """A policy in the user's own file, named in config, in a Hydra multirun sweep."""
+    (tmp_path / "my_policies.py").write_text(readme_plugin_example())
     result = twinserve("-m", "scheduler._target_=my_policies.ShortestPromptFirst,"
                        "policies.batching.ContinuousBatchingScheduler",
                        "workload.num_requests=200", "workload.rate=40",
@@ -208,3 +219,44 @@ def test_cli_user_plugin_and_sweep(tmp_path):
     assert shortest_first["completed"] == fcfs["completed"] == 200
     # Shortest-prompt-first is the textbook way to cut mean waiting time.
     assert shortest_first["mean_ttft_ms"] < fcfs["mean_ttft_ms"]
+
+
+def test_cli_unknown_policy_lists_the_choices(tmp_path):
+    result = twinserve("scheduler=fastest", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "scheduler/fastest" in result.stderr
+    assert "chunked_prefill" in result.stderr and "continuous" in result.stderr
+
+
+def test_wandb_logger_logs_config_summary_series_and_plots(tmp_path, monkeypatch):
+    import wandb
+
+    from sim.loggers import log_run
+
+    class RecordingRun:
+        def __init__(self, **init_kwargs):
+            self.init_kwargs, self.summary, self.logged, self.finished = init_kwargs, {}, [], False
+
+        def log(self, values):
+            self.logged.append(values)
+
+        def finish(self):
+            self.finished = True
+
+    runs = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: runs.append(RecordingRun(**kwargs))
+                        or runs[-1])
+    monkeypatch.setattr(wandb, "Image", lambda path: ("image", path))
+    cfg = make_cfg("logger=wandb", "workload.num_requests=20")
+    result = run_experiment(cfg, tmp_path)
+    log_run(cfg, result.summary, tmp_path)
+    (run_record,) = runs
+    assert run_record.init_kwargs["mode"] == "offline"
+    assert run_record.init_kwargs["config"]["scheduler"]["_target_"].endswith(
+        "ContinuousBatchingScheduler")
+    assert run_record.summary["completed"] == 20
+    series = [values for values in run_record.logged if "kv_blocks_used" in values]
+    assert len(series) == result.summary["num_steps"]
+    images = {key for values in run_record.logged for key in values if key.endswith("cdf")}
+    assert images == {"latency_cdf"}
+    assert run_record.finished

@@ -1,0 +1,1 @@
+"""Hydra configs for twinserve (a package so they ship with it and load by pkg://conf)."""
