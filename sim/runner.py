@@ -7,6 +7,7 @@ cost_model, cluster, backend). Policies are built with `hydra.utils.instantiate`
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import time
 from dataclasses import dataclass
@@ -136,7 +137,13 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=bar.update))
     env.process(arrivals(env, requests, router, replicas))
-    env.run()
+    # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
+    # every collection (a 100k-request run spends a good part of its time there otherwise).
+    gc.freeze()
+    try:
+        env.run()
+    finally:
+        gc.unfreeze()
     bar.close()
 
     for replica in replicas:

@@ -64,6 +64,10 @@ class PagedBlockManager:
         # block nobody uses (`_evictable_block_ids`, least recently freed first).
         self.block_tables: dict[int, list[int]] = {}
         self._num_allocated_tokens: dict[int, int] = {}   # seq_id -> slots covered by its table
+        # seq_id -> slots its table holds while its last block is its own: growing within them
+        # needs no block and no copy (append_slots' fast path). Absent means "ask _grow"; it is
+        # dropped whenever the last block may become shared, and never set with prefix caching.
+        self._num_exclusive_slots: dict[int, int] = {}
         self._ref_counts = [0] * num_blocks
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
@@ -124,8 +128,11 @@ class PagedBlockManager:
                 and self._ref_counts[table[-1]] == 1):
             self._num_allocated_tokens[seq_id] = num_tokens
             self._num_tokens_stored += num_tokens - num_allocated
-            if self.enable_prefix_caching and num_tokens == len(table) * self.block_size:
-                self._cache_full_blocks(seq, table, num_tokens)
+            if self.enable_prefix_caching:
+                if num_tokens == len(table) * self.block_size:
+                    self._cache_full_blocks(seq, table, num_tokens)
+            else:
+                self._num_exclusive_slots[seq_id] = len(table) * self.block_size
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
@@ -135,19 +142,14 @@ class PagedBlockManager:
         (len(seqs) when all succeeded). The simulator's hottest call: one pass per step over the
         batch instead of one method call per sequence."""
         num_allocated_tokens = self._num_allocated_tokens
-        block_tables = self.block_tables
-        ref_counts = self._ref_counts
-        block_size = self.block_size
-        fast_path = not self.enable_prefix_caching
+        num_exclusive_slots = self._num_exclusive_slots
         num_stored_added = 0
         for index in range(start, len(seqs)):
             seq = seqs[index]
             seq_id = seq.seq_id
             num_tokens = seq.num_tokens
-            table = block_tables.get(seq_id)
-            # Inside the last block and not shared: only the counts move.
-            if (fast_path and table is not None and num_tokens <= len(table) * block_size
-                    and ref_counts[table[-1]] == 1):
+            # Inside its own last block: only the counts move.
+            if num_tokens <= num_exclusive_slots.get(seq_id, 0):
                 num_new_tokens = num_tokens - num_allocated_tokens[seq_id]
                 if num_new_tokens >= 0:
                     num_stored_added += num_new_tokens
@@ -188,6 +190,8 @@ class PagedBlockManager:
         self._num_tokens_stored += num_tokens - num_allocated
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, table, num_tokens)
+        elif self._ref_counts[table[-1]] == 1:
+            self._num_exclusive_slots[seq.seq_id] = len(table) * block_size
         return True
 
     def _take_free_block(self) -> int:
@@ -206,22 +210,28 @@ class PagedBlockManager:
         block_size = self.block_size
         ref_counts = self._ref_counts
         cached_blocks = self._block_to_hash
+        track_freed = bool(self._pending_copies)
         freed_blocks = []
         num_stored_freed = 0
+        last_index = len(table) - 1
         # Reversed, so a prefix's tail blocks are the least recently freed and get evicted first:
         # a cached block is only useful while every block before it is still cached.
-        for index in range(len(table) - 1, -1, -1):
+        for index in range(last_index, -1, -1):
             block = table[index]
-            ref_counts[block] -= 1
-            if ref_counts[block] == 0:
-                num_stored_freed += min(block_size, num_tokens - index * block_size)
+            ref_count = ref_counts[block] - 1
+            ref_counts[block] = ref_count
+            if ref_count == 0:
+                # Every block but the last is full.
+                num_stored_freed += (block_size if index < last_index
+                                     else num_tokens - index * block_size)
                 if block in cached_blocks:
                     self._evictable_block_ids[block] = None
                 else:
                     self._free_block_ids.append(block)
-                freed_blocks.append(block)
+                if track_freed:
+                    freed_blocks.append(block)
         self._num_tokens_stored -= num_stored_freed
-        if self._pending_copies and freed_blocks:
+        if freed_blocks:
             # A copy into a freed block must not run: the block may be handed out again this step
             # (a swap in writes it before the copies run).
             freed = set(freed_blocks)
@@ -240,6 +250,7 @@ class PagedBlockManager:
             raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
         num_tokens = self._num_allocated_tokens[parent.seq_id]
         if self.share_on_fork:
+            self._num_exclusive_slots.pop(parent.seq_id, None)  # its last block is shared now
             for block in parent_table:
                 self._ref_counts[block] += 1
             child_table = list(parent_table)
@@ -258,6 +269,7 @@ class PagedBlockManager:
     def free(self, seq: Sequence) -> None:
         seq_id = seq.seq_id
         table = self.block_tables.pop(seq_id, None)
+        self._num_exclusive_slots.pop(seq_id, None)
         if table is not None:
             self._release_blocks(table, self._num_allocated_tokens.pop(seq_id))
         host_table = self._host_block_tables.pop(seq_id, None)
@@ -359,6 +371,7 @@ class PagedBlockManager:
                  for device, host in device_to_host.items()]
         for seq in seqs:
             table = self.block_tables.pop(seq.seq_id, None)
+            self._num_exclusive_slots.pop(seq.seq_id, None)
             if table is None:
                 continue
             host_table = [device_to_host[block] for block in table]
@@ -425,6 +438,12 @@ class PagedBlockManager:
                     f"block {block} is shared by sequences that fill it differently")
         assert set(self._num_allocated_tokens) == set(self.block_tables), (
             "allocated lengths and tables name different sequences")
+        for seq_id, num_slots in self._num_exclusive_slots.items():
+            table = self.block_tables.get(seq_id)
+            assert table is not None and num_slots == len(table) * block_size, (
+                f"seq {seq_id}: stale fast-path capacity {num_slots}")
+            assert self._ref_counts[table[-1]] == 1, (
+                f"seq {seq_id}: fast path open on a shared last block")
         for block, ref_count in enumerate(self._ref_counts):
             assert ref_count >= 0, f"block {block} has ref count {ref_count}"
             assert ref_count == refs[block], (
