@@ -2,11 +2,12 @@
 
 Two workloads: the Azure code trace (8,819 requests, replayed as recorded) and a synthetic
 100,000-request Poisson workload with Vidur's benchmark shape (512-token prompts, 128-token
-outputs). Prints wall time, simulated requests per wall-second and simulated seconds per
-wall-second, and the ratio against Vidur's figure on this kind of machine (600-1,200 requests per
-wall-second, Llama-2-70B TP2 on A100, 512/128), the target being >= 5,000 requests/wall-s.
+outputs), at a busy and at an overloaded rate. Prints wall time, simulated requests per
+wall-second and simulated seconds per wall-second, and the ratio against Vidur's figure on this
+kind of machine (600-1,200 requests per wall-second, Llama-2-70B TP2 on A100, 512/128), the
+target being >= 5,000 requests/wall-s.
 
-    python bench/sim_speed.py [--requests 100000] [--profile]
+    python bench/sim_speed.py [--requests 100000] [--rates 10 20] [--profile]
 """
 from __future__ import annotations
 
@@ -61,19 +62,19 @@ def measure(name, overrides, profile=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--rate", type=float, default=10.0,
-                        help="synthetic arrival rate, requests/s (about 85%% of capacity)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[10.0, 20.0],
+                        help="synthetic arrival rates, requests/s (this setup's capacity is "
+                             "about 12: 10 is a busy server, 20 an overloaded one)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
-    rows = [
-        measure("azure code trace", ["workload=trace"], args.profile),
-        measure(f"synthetic {args.requests:,} x 512/128", [
+    rows = [measure("azure code trace", ["workload=trace"], args.profile)]
+    for rate in args.rates:
+        rows.append(measure(f"synthetic {args.requests // 1000}k 512/128 @{rate:g}/s", [
             "workload=synthetic", f"workload.num_requests={args.requests}",
-            f"workload.rate={args.rate}",
+            f"workload.rate={rate}",
             "++workload.prompt_len={dist: fixed, value: 512}",
-            "++workload.output_len={dist: fixed, value: 128}"], args.profile),
-    ]
+            "++workload.output_len={dist: fixed, value: 128}"], args.profile))
     header = (f"{'workload':<28} {'requests':>9} {'steps':>8} {'wall s':>7} {'req/wall-s':>11} "
               f"{'sim-s/wall-s':>13} {'vs Vidur':>11} {'vs target':>9}")
     print(header)

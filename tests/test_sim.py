@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from sim.metrics import STEP_COLUMNS
 from sim.runner import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,22 @@ def test_parallel_sampling_shares_blocks():
     copied = run("kv_cache.share_on_fork=false", *overrides).summary
     assert shared["completed"] == copied["completed"] == 100
     assert shared["peak_kv_blocks"] < copied["peak_kv_blocks"]
+
+
+def test_prefix_caching_skips_a_shared_system_prompt():
+    overrides = ["workload.num_requests=200", "workload.rate=10", "workload.with_token_ids=true",
+                 "workload.shared_prefix_len=256"]
+    plain = run("kv_cache.enable_prefix_caching=false", *overrides)
+    cached = run("kv_cache.enable_prefix_caching=true", *overrides)
+    column = STEP_COLUMNS.index("num_prefill_tokens")
+    prefill_plain = sum(row[column] for row in plain.metrics.step_rows)
+    prefill_cached = sum(row[column] for row in cached.metrics.step_rows)
+    # Every request after the first finds the full blocks of the shared 256-token prefix that
+    # its prompt holds cached (at least one token is always left to compute).
+    cacheable = [min(256, (r.prompt_len - 1) // 16 * 16) for r in cached.requests[1:]]
+    assert prefill_plain - prefill_cached >= 0.95 * sum(cacheable)
+    assert cached.summary["mean_ttft_ms"] < plain.summary["mean_ttft_ms"]
+    assert cached.summary["peak_kv_blocks"] < plain.summary["peak_kv_blocks"]
 
 
 # ---- configurations --------------------------------------------------------------------------
