@@ -140,6 +140,17 @@ class StepPlan:
         return not (self.seqs or self.blocks_to_swap_out or self.blocks_to_swap_in
                     or self.preempted_recompute)
 
+    def remove_request(self, request: Request) -> None:
+        """Take a request's sequences back out of the plan and recompute the features. Rare:
+        some samples of a request were scheduled before another ran out of memory."""
+        kept = [(seq, num_new) for seq, num_new in zip(self.seqs, self.num_new_tokens)
+                if seq.request is not request]
+        self.seqs, self.num_new_tokens = [], []
+        for feature in _STEP_FEATURES:
+            setattr(self, feature, 0)
+        for seq, num_new in kept:
+            self.add(seq, num_new)
+
     def add_decodes(self, seqs: list[Sequence]) -> None:
         """Schedule one token for each of `seqs`, every one at its last token with outputs
         already (a decode). One call per step instead of one per sequence."""
@@ -163,6 +174,11 @@ class StepPlan:
             self.prefill_attention_work += num_new_tokens * end
             self.prefill_context_tokens += end
             self.sum_squared_prefill_chunks += num_new_tokens * num_new_tokens
+
+
+_STEP_FEATURES = ("num_prefill_tokens", "num_prefill_seqs", "prefill_attention_work",
+                  "prefill_context_tokens", "sum_squared_prefill_chunks", "num_decode_seqs",
+                  "decode_context_tokens")
 
 
 @dataclass(slots=True)

@@ -96,10 +96,9 @@ class BaseScheduler:
     # ---- building blocks for schedule() ---------------------------------------------------------
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
-        """Admit waiting requests while the budget, max_num_seqs and the KV pool allow.
-
-        Without chunking a request is admitted only if all its tokens fit the budget. Returns the
-        budget left."""
+        """Admit waiting requests while the budget, max_num_seqs and the KV pool allow (new
+        requests keep the watermark free). Without chunking a sequence's prefill is never split.
+        Returns the budget left."""
         while self.waiting and token_budget > 0:
             request = self.next_waiting()
             if not self._may_admit(request):
@@ -149,8 +148,8 @@ class BaseScheduler:
     def _allocate_all(self, seqs: list[Sequence], chunks: list[int]) -> bool:
         """Allocate slots for every new chunk, respecting the watermark, all or nothing."""
         for seq, chunk in zip(seqs, chunks):
-            if chunk > 0 and not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk,
-                                                watermark=True):
+            if chunk > 0 and not self.kv_cache.allocate_slots(
+                    seq, seq.num_computed_tokens + chunk, watermark=True):
                 return False
         return True
 
@@ -229,7 +228,7 @@ class BaseScheduler:
             raise RuntimeError("preemption policy chose a request already scheduled this step")
         if any(seq.request is victim for seq in plan.seqs):
             # Some of its samples were scheduled before another ran out of memory.
-            self._unschedule(victim, plan)
+            plan.remove_request(victim)
         self._preempt(victim, plan)
         return victim
 
@@ -253,18 +252,6 @@ class BaseScheduler:
             self.waiting.appendleft(request)
             plan.preempted_recompute.append(request)
 
-    def _unschedule(self, request: Request, plan: StepPlan) -> None:
-        """Take a request's sequences back out of a plan: some of its samples were scheduled
-        before another of them ran out of memory. Rebuilds the plan's features; rare."""
-        kept = [(s, n) for s, n in zip(plan.seqs, plan.num_new_tokens) if s.request is not request]
-        rebuilt = StepPlan(block_tables=plan.block_tables)
-        for seq, num_new in kept:
-            rebuilt.add(seq, num_new)
-        for name in ("seqs", "num_new_tokens", "num_prefill_tokens", "num_prefill_seqs",
-                     "prefill_attention_work", "prefill_context_tokens",
-                     "sum_squared_prefill_chunks", "num_decode_seqs", "decode_context_tokens"):
-            setattr(plan, name, getattr(rebuilt, name))
-
     def _swap_in(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
         """Swap requests back in, oldest first, while memory and max_num_seqs allow; their
         sequences are scheduled in the same step."""
@@ -283,7 +270,6 @@ class BaseScheduler:
             self.num_running_seqs += self._num_live_samples(request)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            for seq in seqs:
                 chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget,
                                     chunked)
                 if chunk <= 0 or not self.kv_cache.allocate_slots(

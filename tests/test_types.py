@@ -1,0 +1,49 @@
+"""StepPlan's feature accounting: the numbers every cost model reads."""
+from policies.types import Request, Sequence, StepPlan
+
+
+def make_seq(seq_id, request, num_tokens, num_computed, num_output):
+    seq = Sequence(seq_id, request, num_output)
+    seq.num_tokens = num_tokens
+    seq.num_computed_tokens = num_computed
+    return seq
+
+
+def features(plan):
+    return (plan.num_prefill_tokens, plan.num_prefill_seqs, plan.prefill_attention_work,
+            plan.prefill_context_tokens, plan.sum_squared_prefill_chunks, plan.num_decode_seqs,
+            plan.decode_context_tokens, plan.num_batched_tokens)
+
+
+def test_add_accounts_prefill_chunks_and_decodes():
+    request = Request(0, 0.0, 100, 10)
+    plan = StepPlan()
+    plan.add(make_seq(0, request, 100, 40, 0), 30)    # a chunk of 30 after 40 cached
+    plan.add(make_seq(1, request, 105, 104, 5), 1)    # a decode at context 105
+    plan.add(make_seq(2, request, 101, 0, 1), 101)    # a recompute of prompt + 1 output
+    assert features(plan) == (131, 2, 30 * 70 + 101 * 101, 70 + 101, 30 ** 2 + 101 ** 2,
+                              1, 105, 132)
+
+
+def test_add_decodes_matches_add_one_by_one():
+    request = Request(0, 0.0, 50, 10)
+    seqs = [make_seq(i, request, 60 + i, 59 + i, 3) for i in range(5)]
+    one_by_one, batched = StepPlan(), StepPlan()
+    for seq in seqs:
+        one_by_one.add(seq, 1)
+    batched.add_decodes(seqs)
+    assert features(one_by_one) == features(batched)
+    assert batched.num_new_tokens == [1] * 5 and batched.seqs == seqs
+
+
+def test_remove_request_recomputes_the_features():
+    kept_request, removed_request = Request(0, 0.0, 80, 10), Request(1, 0.0, 50, 10)
+    kept = [make_seq(0, kept_request, 80, 0, 0), make_seq(1, kept_request, 90, 89, 2)]
+    removed = [make_seq(2, removed_request, 50, 10, 0), make_seq(3, removed_request, 60, 59, 4)]
+    plan, expected = StepPlan(), StepPlan()
+    for seq in [kept[0], removed[0], kept[1], removed[1]]:
+        plan.add(seq, seq.num_tokens - seq.num_computed_tokens)
+    for seq in kept:
+        expected.add(seq, seq.num_tokens - seq.num_computed_tokens)
+    plan.remove_request(removed_request)
+    assert plan.seqs == kept and features(plan) == features(expected)
