@@ -34,8 +34,10 @@ class Sequence:
         self.num_output_tokens = num_output_tokens
         self.num_tokens = request.prompt_len + num_output_tokens
         self.num_computed_tokens = 0
-        # Token ids are kept only when an executor produces them (the engine); the simulator
+        # Token ids are kept only for requests that have them (the engine's); the simulator
         # counts tokens and never stores one per token.
+        if output_token_ids is None and request.prompt_token_ids is not None:
+            output_token_ids = []
         self.output_token_ids = output_token_ids
         self.status = SequenceStatus.WAITING
         self.last_token_time = 0.0
