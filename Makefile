@@ -8,7 +8,10 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# torch first, pinned: it is the CPU build on this kind of machine, while an unpinned torch
+# (asked for by the project) would pull a multi-GB CUDA build.
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 

@@ -29,7 +29,12 @@ def main(cfg: DictConfig) -> float:
     print(f"results in {out_dir}")
     log_run(cfg, result.summary, out_dir)
     # For sweepers that optimise (Optuna): the job's value.
-    return float(result.summary["request_throughput"])
+    objective = cfg.get("objective", "request_throughput")
+    if objective not in result.summary:
+        print(f"twinserve: error: objective={objective} is not a summary key (goodput and "
+              f"slo_attainment need an slo); see {out_dir / 'summary.json'}", file=sys.stderr)
+        sys.exit(2)
+    return float(result.summary[objective])
 
 
 if __name__ == "__main__":

@@ -95,6 +95,18 @@ def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> 
         max_num_batched_tokens=max_num_batched_tokens(cfg, model))
 
 
+def slos_ms(cfg: DictConfig) -> dict[str, float] | None:
+    """The `slo.<metric>_ms` limits that are set, as MetricsCollector.summary takes them."""
+    limits = {}
+    for key, value in (cfg.get("slo") or {}).items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"slo.{key} must be a positive number of ms or null, got {value!r}")
+        limits[key.removesuffix("_ms")] = float(value)
+    return limits or None
+
+
 def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec):
     backend = cfg.backend.name
     if backend == "sim":
@@ -152,7 +164,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (first: "
                            f"{unfinished[0].request_id}); the simulation stalled")
-    summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start)
+    summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
+                              slos_ms=slos_ms(cfg))
     summary["num_kv_blocks"] = num_blocks
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary)

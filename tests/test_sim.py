@@ -257,6 +257,12 @@ def test_wandb_logger_logs_config_summary_series_and_plots(tmp_path, monkeypatch
         def log(self, values):
             self.logged.append(values)
 
+        def define_metric(self, name, step_metric=None):
+            pass
+
+        def define_metric(self, name, step_metric=None):
+            pass
+
         def finish(self):
             self.finished = True
 

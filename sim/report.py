@@ -1,0 +1,516 @@
+"""`twinserve-report` (or `python -m sim.report`): one table and one comparison figure for a
+Hydra sweep.
+
+    twinserve-report multirun/2024-05-01/12-00-00                # x = workload.rate if it varies
+    twinserve-report SWEEP --x kv_cache.block_size --metrics kv_waste_fraction,peak_num_seqs
+
+A sweep folder (`multirun/<date>/<time>/`, or any `hydra.sweep.dir`) holds one folder per job with
+`.hydra/overrides.yaml` (the job's command-line and sweep overrides) and, once the job finished,
+`summary.json`. The report is:
+
+- `report.csv`: one row per job: its folder, `status`, one column per override key, every summary
+  key, and three figures read from steps.csv (`peak_num_seqs`, `peak_num_running`,
+  `mean_kv_blocks_used`) that summary.json does not hold.
+- a PNG with one panel per metric against the x override, one line (or bar group, when x is not
+  numeric) per *policy*: the combination of the other overrides that vary across the sweep.
+
+Jobs without summary.json (failed, or still running) are listed with their status and left out
+of the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+DEFAULT_METRICS: tuple[str, ...] = ("request_throughput", "p99_ttft_ms", "p99_tpot_ms")
+DEFAULT_X_KEY = "workload.rate"
+REPORT_CSV = "report.csv"
+
+# Figures summary.json does not hold, computed from each job's steps.csv.
+STEP_METRICS: tuple[str, ...] = ("peak_num_seqs", "peak_num_running", "mean_kv_blocks_used")
+
+METRIC_LABELS: dict[str, str] = {
+    "request_throughput": "request throughput (req/s)",
+    "output_throughput": "output throughput (tok/s)",
+    "total_token_throughput": "total throughput (tok/s)",
+    "kv_waste_fraction": "KV waste (fraction of allocated slots)",
+    "peak_kv_blocks": "peak KV blocks in use",
+    "num_kv_blocks": "KV blocks in the pool",
+    "num_preemptions": "preemptions",
+    "swap_bytes": "bytes swapped",
+    "goodput": "goodput (req/s)",
+    "slo_attainment": "SLO attainment",
+    "peak_num_seqs": "largest batch (sequences in a step)",
+    "peak_num_running": "peak running requests",
+    "mean_kv_blocks_used": "mean KV blocks in use (busy time)",
+}
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+# Column headings of the terminal table, short so that it fits 80 columns.
+METRIC_HEADINGS: dict[str, str] = {
+    "request_throughput": "req/s", "output_throughput": "out tok/s",
+    "total_token_throughput": "tok/s", "kv_waste_fraction": "KV waste",
+    "peak_kv_blocks": "peak KV", "mean_kv_blocks_used": "mean KV", "peak_num_seqs": "max batch",
+    "peak_num_running": "max running", "num_preemptions": "preempted", "swap_bytes": "swapped B",
+}
+
+
+class ReportError(ValueError):
+    """Bad input to the report: the message is the one line the user sees."""
+
+
+@dataclass
+class Job:
+    """One job folder of a sweep and what it left behind."""
+    name: str                                   # folder relative to the sweep folder
+    overrides: dict[str, str]                   # key -> value as written in the override
+    values: dict[str, Any]                      # key -> parsed value (int, float, str, dict...)
+    status: str = "ok"                          # or why there is no summary
+    summary: dict | None = None
+    step_metrics: dict[str, float] = field(default_factory=dict)
+
+    def metric(self, key: str) -> Any:
+        if self.summary is not None and key in self.summary:
+            return self.summary[key]
+        return self.step_metrics.get(key)
+
+
+# ---- reading a sweep ----------------------------------------------------------------------------
+
+def natural_key(text: str) -> list:
+    """Sort "2" before "10" (Hydra numbers its job folders 0, 1, ..., 10, ...)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def parse_overrides(lines: list[str], source: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """Keys and values of Hydra override strings (`scheduler=static`, `+experiment=x`,
+    `++workload.prompt_len={dist: fixed, value: 512}`), parsed with Hydra's own grammar."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([str(line) for line in lines])
+    except HydraException as error:
+        raise ReportError(f"{source}: cannot parse the overrides: {error}") from None
+    as_text, as_value = {}, {}
+    for override in parsed:
+        key = override.key_or_group
+        if override.package:
+            key = f"{key}@{override.package}"
+        as_text[key] = override.get_value_element_as_str()
+        as_value[key] = override.value()
+    return as_text, as_value
+
+
+def step_metrics(steps_csv: Path) -> dict[str, float]:
+    """Largest batch, peak running requests and the busy-time mean of KV blocks in use, from a
+    job's steps.csv ({} when it has none). With several replicas these are per replica."""
+    if not steps_csv.is_file():
+        return {}
+    with open(steps_csv, newline="") as file:
+        header = next(csv.reader(file), [])
+    wanted = ("duration", "num_seqs", "num_running", "kv_blocks_used")
+    if any(column not in header for column in wanted):
+        return {}
+    columns = [header.index(column) for column in wanted]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numpy warns about a header-only file
+        steps = np.loadtxt(steps_csv, delimiter=",", skiprows=1, usecols=columns, ndmin=2)
+    if steps.shape[0] == 0:
+        return {"peak_num_seqs": 0, "peak_num_running": 0, "mean_kv_blocks_used": 0.0}
+    duration, num_seqs, num_running, kv_blocks = steps.T
+    busy = duration.sum()
+    # Weighted by step duration: a long prefill step holds its blocks longer than a decode step.
+    mean_blocks = float(np.dot(kv_blocks, duration) / busy) if busy > 0 else float(kv_blocks.mean())
+    return {"peak_num_seqs": int(num_seqs.max()), "peak_num_running": int(num_running.max()),
+            "mean_kv_blocks_used": mean_blocks}
+
+
+def load_jobs(sweep_dir: Path) -> list[Job]:
+    """Every job folder under `sweep_dir` (any depth, so custom `hydra.sweep.subdir`s work)."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.exists():
+        raise ReportError(f"sweep folder {sweep_dir} does not exist")
+    if not sweep_dir.is_dir():
+        raise ReportError(f"{sweep_dir} is not a folder")
+    jobs = []
+    for overrides_file in sweep_dir.rglob(".hydra/overrides.yaml"):
+        job_dir = overrides_file.parent.parent
+        try:
+            lines = yaml.safe_load(overrides_file.read_text()) or []
+        except yaml.YAMLError as error:
+            raise ReportError(f"{overrides_file}: not valid YAML ({error})") from None
+        if not isinstance(lines, list):
+            raise ReportError(f"{overrides_file}: expected a list of overrides")
+        overrides, values = parse_overrides(lines, overrides_file)
+        job = Job(name=job_dir.relative_to(sweep_dir).as_posix(), overrides=overrides,
+                  values=values)
+        summary_file = job_dir / "summary.json"
+        if not summary_file.is_file():
+            job.status = "failed (no summary.json)"
+        else:
+            try:
+                job.summary = json.loads(summary_file.read_text())
+                job.step_metrics = step_metrics(job_dir / "steps.csv")
+            except ValueError:
+                # A job killed while writing: list it, do not stop the report.
+                job.summary, job.status = None, "unreadable summary.json or steps.csv"
+        jobs.append(job)
+    if not jobs:
+        raise ReportError(f"no job folders in {sweep_dir} (a job folder holds "
+                          ".hydra/overrides.yaml); is it a Hydra multirun folder?")
+    return sorted(jobs, key=lambda job: natural_key(job.name))
+
+
+# ---- what varies, what is plotted ---------------------------------------------------------------
+
+def override_keys(jobs: list[Job]) -> list[str]:
+    """Every override key, in the order the jobs first give them."""
+    keys: dict[str, None] = {}
+    for job in jobs:
+        keys.update(dict.fromkeys(job.overrides))
+    return list(keys)
+
+
+def varying_keys(jobs: list[Job]) -> list[str]:
+    """Override keys whose value differs between jobs (a key some jobs lack counts as varying)."""
+    return [key for key in override_keys(jobs)
+            if len({job.overrides.get(key) for job in jobs}) > 1]
+
+
+def as_number(value: Any) -> float | None:
+    """The value as a finite float, or None when it is not one (bools and "inf" are not)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def is_numeric_key(jobs: list[Job], key: str) -> bool:
+    return all(as_number(job.values.get(key)) is not None for job in jobs)
+
+
+def normalise_key(key: str) -> str:
+    """`+workload.rate` and `workload.rate` name the same override."""
+    return key.lstrip("+~")
+
+
+def choose_x_key(jobs: list[Job], x_key: str | None) -> str | None:
+    """The override on the x axis: the one asked for, else workload.rate if it varies, else the
+    first numeric override that varies, else the first override that varies (categorical), else
+    None (nothing varies: one bar per job)."""
+    keys = override_keys(jobs)
+    if x_key is not None:
+        x_key = normalise_key(x_key)
+        if x_key not in keys:
+            raise ReportError(f"--x {x_key} is not among the sweep's overrides: "
+                              f"{', '.join(keys) or '(none)'}")
+        return x_key
+    varying = varying_keys(jobs)
+    if DEFAULT_X_KEY in varying:
+        return DEFAULT_X_KEY
+    numeric = [key for key in varying if is_numeric_key(jobs, key)]
+    if numeric:
+        return numeric[0]
+    return varying[0] if varying else None
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Each key less its config group (`kv_cache.block_size` -> `block_size`) where that stays
+    unambiguous among `keys`, for legends and table headings."""
+    shortened = {key: key.split(".", 1)[1] if "." in key else key for key in keys}
+    counts: dict[str, int] = {}
+    for name in [*shortened.values(), *(key for key in keys if "." in key)]:
+        counts[name] = counts.get(name, 0) + 1
+    return {key: name if counts[name] == 1 else key for key, name in shortened.items()}
+
+
+def policy_label(job: Job, policy_keys: list[str]) -> str:
+    """`scheduler=static, block_size=16`: the job's values of the other varying keys."""
+    if not policy_keys:
+        return "all jobs"
+    names = short_names(policy_keys)
+    return ", ".join(f"{names[key]}={job.overrides.get(key, '(unset)')}" for key in policy_keys)
+
+
+def policy_styles(policies: dict[str, list[Job]], policy_keys: list[str]) -> dict[str, dict]:
+    """Matplotlib line styles per policy. With two varying keys, colour follows the second and
+    the line style the first (e.g. colour = prompt length, dashed = swap), so that the pairs to
+    compare stand side by side; otherwise each policy gets its own colour."""
+    colors = [f"C{index}" for index in range(10)]
+    dashes = ["-", "--", ":", "-."]
+    if len(policy_keys) != 2:
+        return {label: {"color": colors[index % len(colors)], "linestyle": "-"}
+                for index, label in enumerate(policies)}
+    first_values = list(dict.fromkeys(members[0].overrides.get(policy_keys[0])
+                                      for members in policies.values()))
+    second_values = list(dict.fromkeys(members[0].overrides.get(policy_keys[1])
+                                       for members in policies.values()))
+    return {label: {
+        "color": colors[second_values.index(members[0].overrides.get(policy_keys[1]))
+                        % len(colors)],
+        "linestyle": dashes[first_values.index(members[0].overrides.get(policy_keys[0]))
+                            % len(dashes)],
+    } for label, members in policies.items()}
+
+
+def metric_label(key: str) -> str:
+    if key in METRIC_LABELS:
+        return METRIC_LABELS[key]
+    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    if match:
+        return f"{match[1]} {LATENCY_NAMES[match[2]]} (ms)"
+    return key
+
+
+def check_metrics(jobs: list[Job], metrics: Sequence[str]) -> list[str]:
+    """The metrics, once each is known to be in some finished job's results."""
+    finished = [job for job in jobs if job.summary is not None]
+    known = sorted({key for job in finished for key in [*job.summary, *job.step_metrics]})
+    for key in metrics:
+        if finished and not any(job.metric(key) is not None for job in finished):
+            raise ReportError(f"metric {key!r} is in no job's summary; known metrics: "
+                              f"{', '.join(known)}")
+    return list(metrics)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+def write_csv(jobs: list[Job], path: Path) -> Path:
+    """One row per job: folder, status, every override key, every summary key, step metrics."""
+    keys = override_keys(jobs)
+    summary_keys: dict[str, None] = {}
+    for job in jobs:
+        if job.summary is not None:
+            summary_keys.update(dict.fromkeys(job.summary))
+    summary_keys.update(dict.fromkeys(key for key in STEP_METRICS
+                                      if any(key in job.step_metrics for job in jobs)))
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["job", "status", *keys, *summary_keys])
+        for job in jobs:
+            metrics = [job.metric(key) for key in summary_keys]
+            writer.writerow([job.name, job.status, *(job.overrides.get(key, "") for key in keys),
+                             *("" if value is None else value for value in metrics)])
+    return path
+
+
+def default_plot_name(x_key: str | None) -> str:
+    """throughput_vs_load.png for a load sweep, else metrics_vs_<x less its group>.png."""
+    if x_key == DEFAULT_X_KEY:
+        return "throughput_vs_load.png"
+    name = short_names([x_key])[x_key] if x_key else "job"
+    return f"metrics_vs_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}.png"
+
+
+def x_value(job: Job, x_key: str | None) -> str:
+    """The job's x as text: its override value, or its folder when there is no x key."""
+    return job.overrides.get(x_key, "") if x_key else job.name
+
+
+def plot_comparison(jobs: list[Job], x_key: str | None, metrics: list[str], path: Path,
+                    title: str | None = None) -> Path:
+    """One panel per metric; one line per policy against a numeric x, grouped bars otherwise."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finished = [job for job in jobs if job.summary is not None]
+    policy_keys = [key for key in varying_keys(finished) if key != x_key]
+    policies: dict[str, list[Job]] = {}
+    for job in finished:
+        policies.setdefault(policy_label(job, policy_keys), []).append(job)
+    numeric_x = x_key is not None and is_numeric_key(finished, x_key)
+
+    # Up to three panels in a row, then a second row.
+    num_columns = len(metrics) if len(metrics) <= 3 else math.ceil(len(metrics) / 2)
+    num_rows = math.ceil(len(metrics) / num_columns)
+    figure, axes = plt.subplots(num_rows, num_columns, squeeze=False, layout="constrained",
+                                figsize=(4.4 * num_columns, 3.4 * num_rows + 0.6))
+    styles = policy_styles(policies, policy_keys)
+    for ax, metric in zip(axes.flat, metrics):
+        if numeric_x:
+            plot_lines(ax, policies, styles, x_key, metric)
+        else:
+            plot_bars(ax, policies, styles, [x_value(job, x_key) for job in finished], x_key,
+                      metric)
+        ax.set_title(metric_label(metric), fontsize=10)
+        ax.set_xlabel(x_key or "job")
+        ax.grid(True, alpha=0.3)
+        values = [job.metric(metric) for job in finished if job.metric(metric) is not None]
+        # Latencies of an overloaded policy can be 100x another's: log y keeps both readable.
+        if values and min(values) > 0 and max(values) / min(values) > 50:
+            ax.set_yscale("log")
+        elif values and min(values) >= 0:
+            ax.set_ylim(bottom=0)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if labels:
+        # As many legend columns as the figure's width holds (~0.07 in per character at size 8).
+        label_width_in = 0.8 + 0.07 * max(len(label) for label in labels)
+        num_columns = max(1, min(len(labels), int(figure.get_figwidth() / label_width_in)))
+        figure.legend(handles, labels, loc="outside lower center", ncol=num_columns,
+                      fontsize=8, frameon=False)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return path
+
+
+def plot_lines(ax, policies: dict[str, list[Job]], styles: dict[str, dict], x_key: str,
+               metric: str) -> None:
+    xs = sorted({as_number(job.values[x_key]) for members in policies.values()
+                 for job in members})
+    for label, members in policies.items():
+        points = sorted((as_number(job.values[x_key]), job.metric(metric))
+                        for job in members if job.metric(metric) is not None)
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label,
+                **styles[label])
+    # Block sizes double from point to point: a log2 axis spaces them evenly.
+    if xs[0] > 0 and xs[-1] / xs[0] >= 16:
+        ax.set_xscale("log", base=2)
+    if len(xs) <= 12:
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+
+
+def plot_bars(ax, policies: dict[str, list[Job]], styles: dict[str, dict],
+              categories: list[str], x_key: str | None, metric: str) -> None:
+    categories = list(dict.fromkeys(categories))
+    width = 0.8 / len(policies)
+    for index, (label, members) in enumerate(policies.items()):
+        heights = {x_value(job, x_key): job.metric(metric) for job in members
+                   if job.metric(metric) is not None}
+        offset = (index - (len(policies) - 1) / 2) * width
+        ax.bar([position + offset for position, category in enumerate(categories)
+                if category in heights],
+               [heights[category] for category in categories if category in heights],
+               width=width, label=label, color=styles[label]["color"])
+    rotate = len(categories) > 4
+    ax.set_xticks(range(len(categories)), categories, rotation=30 if rotate else 0,
+                  ha="right" if rotate else "center")
+
+
+def report_table(jobs: list[Job], x_key: str | None, metrics: list[str]) -> Table:
+    """The terminal view: each job's varying overrides, completed count and the metrics."""
+    shown_keys = varying_keys(jobs)
+    headings = short_names(shown_keys)
+    table = Table(title="sweep report", title_justify="left")
+    table.add_column("job")
+    # fold, not ellipsis: a narrow terminal wraps names instead of cutting them.
+    for key in shown_keys:
+        table.add_column(headings[key], style="bold" if key == x_key else None, overflow="fold")
+    table.add_column("done", justify="right")
+    for metric in metrics:
+        table.add_column(metric_heading(metric), justify="right", overflow="fold")
+    for job in jobs:
+        if job.summary is None:
+            table.add_row(job.name, *(job.overrides.get(key, "") for key in shown_keys),
+                          Text(job.status, style="red"), *("" for _ in metrics))
+            continue
+        table.add_row(job.name, *(job.overrides.get(key, "") for key in shown_keys),
+                      f"{job.summary.get('completed', '')}",
+                      *(format_value(job.metric(metric)) for metric in metrics))
+    return table
+
+
+def metric_heading(key: str) -> str:
+    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    if match:
+        return f"{match[1]} {match[2].upper()} ms"
+    return METRIC_HEADINGS.get(key, key)
+
+
+def format_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if abs(value) < 1:
+            return f"{value:.4f}"
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def report_console() -> Console:
+    """The terminal's width on a terminal; 160 columns when piped into a log, where rich would
+    otherwise assume 80 and fold every column."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str | Path | None = None,
+                 metrics: Sequence[str] = DEFAULT_METRICS, title: str | None = None,
+                 plot_name: str | None = None, console: Console | None = None) -> Path:
+    """Write report.csv and the comparison PNG for `sweep_dir` into `out_dir` (default: the sweep
+    folder); print the table to `console` when given. Returns the path of report.csv."""
+    sweep_dir = Path(sweep_dir)
+    jobs = load_jobs(sweep_dir)
+    x_key = choose_x_key(jobs, x_key)
+    metrics = check_metrics(jobs, [str(metric) for metric in metrics] or list(DEFAULT_METRICS))
+    out_dir = Path(out_dir) if out_dir is not None else sweep_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = write_csv(jobs, out_dir / REPORT_CSV)
+    written = [csv_path]
+    if any(job.summary is not None for job in jobs):
+        written.append(plot_comparison(jobs, x_key, metrics,
+                                       out_dir / (plot_name or default_plot_name(x_key)), title))
+    if console is not None:
+        console.print(report_table(jobs, x_key, metrics))
+        console.print("report: " + ", ".join(str(path) for path in written))
+    return csv_path
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="twinserve-report",
+        description="Table (report.csv) and comparison plot of a twinserve sweep folder.")
+    parser.add_argument("sweep_dir", type=Path, help="a Hydra multirun folder")
+    parser.add_argument("--x", dest="x_key", default=None,
+                        help="override on the x axis (default: workload.rate if it varies, else "
+                             "the first numeric override that varies)")
+    parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+                        help="comma-separated summary keys (or peak_num_seqs, peak_num_running, "
+                             "mean_kv_blocks_used), one panel each; default: %(default)s")
+    parser.add_argument("--title", default=None, help="figure title")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for report.csv and the plot (default: the sweep folder)")
+    args = parser.parse_args(argv)
+    metrics = [metric.strip() for metric in args.metrics.split(",") if metric.strip()]
+    try:
+        write_report(args.sweep_dir, x_key=args.x_key, out_dir=args.out, metrics=metrics,
+                     title=args.title, console=report_console())
+    except ReportError as error:
+        print(f"twinserve-report: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
