@@ -21,8 +21,9 @@ install: $(VENV)/.installed
 run: install
 	$(BIN)/twinserve
 
+# Without a GPU, Triton kernels run (slowly, at tiny sizes) in its interpreter.
 test: install
-	$(BIN)/python -m pytest -n 2
+	$(if $(shell command -v nvidia-smi),,TRITON_INTERPRET=1) $(BIN)/python -m pytest -n 2
 
 bench: install
 	$(BIN)/python bench/sim_speed.py

@@ -84,10 +84,20 @@ def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
 
 
 def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> int:
-    """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic."""
+    """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic (the
+    engine's, which caps a CPU pool, when the engine runs the steps)."""
     block_size = positive_int(cfg.kv_cache.block_size, "kv_cache.block_size")
     if cfg.kv_cache.get("num_blocks") is not None:
         return positive_int(cfg.kv_cache.num_blocks, "kv_cache.num_blocks")
+    if cfg.backend.name == "engine":
+        from engine.builder import resolve_device
+        from engine.kv_cache import num_device_blocks
+        return num_device_blocks(
+            model, hardware, resolve_device(cfg.backend.device), block_size,
+            max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=model.max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_gb=cfg.backend.cpu_kv_cache_gb)
     return kv_cache_num_blocks(
         model, hardware, block_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -107,13 +117,19 @@ def slos_ms(cfg: DictConfig) -> dict[str, float] | None:
     return limits or None
 
 
-def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec):
+def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache):
+    """Who runs a step: the cost model (sim) or the real engine, whose KV pools match the
+    replica's KV manager."""
     backend = cfg.backend.name
+    if backend == "engine":
+        from engine import build_engine_executor  # torch and transformers: only when asked
+        return build_engine_executor(model.name, kv_cache, device=cfg.backend.device,
+                                     dtype=cfg.backend.dtype, seed=cfg.seed)
     if backend == "sim":
         cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
                                   tensor_parallel_size=cfg.cluster.tensor_parallel_size)
         return SimExecutor(cost_model)
-    raise ValueError(f"backend must be one of sim; got {backend!r}")
+    raise ValueError(f"backend must be one of sim, engine; got {backend!r}")
 
 
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
@@ -145,7 +161,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
                                  preemption=preemption, max_model_len=model.max_model_len,
                                  max_num_batched_tokens=max_num_batched_tokens(cfg, model))
-        executor = build_executor(cfg, model, hardware)
+        executor = build_executor(cfg, model, hardware, kv_cache)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=bar.update))
     env.process(arrivals(env, requests, router, replicas))

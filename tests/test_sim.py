@@ -160,6 +160,28 @@ def test_least_outstanding_balances_better_than_round_robin_under_skew():
     assert least["p99_e2el_ms"] <= round_robin["p99_e2el_ms"]
 
 
+def test_engine_backend_runs_the_same_experiment_with_the_same_outputs(tmp_path):
+    """backend=engine: the same policies and workload, steps run for real on the tiny Llama."""
+    overrides = ["model=tiny-llama", "hardware=cpu", "workload.num_requests=12",
+                 "workload.rate=20", "workload.with_token_ids=true",
+                 "++workload.prompt_len={dist: uniform, low: 8, high: 64}",
+                 "++workload.output_len={dist: uniform, low: 4, high: 16}",
+                 "kv_cache.num_blocks=24", "kv_cache.block_size=4"]
+    engine = run("backend=engine", *overrides, out_dir=tmp_path)
+    simulated = run("backend=sim", *overrides)
+    assert set(engine.summary) == set(simulated.summary)
+    assert engine.summary["completed"] == 12 and engine.summary["num_preemptions"] > 0
+    for request in engine.requests:
+        (seq,) = request.sequences
+        assert len(seq.output_token_ids) == request.output_len  # ignore_eos: trace lengths
+    assert (tmp_path / "steps.csv").exists() and (tmp_path / "latency_cdf.png").exists()
+
+
+def test_engine_backend_needs_token_ids():
+    with pytest.raises(ValueError, match="with_token_ids"):
+        run("backend=engine", "model=tiny-llama", "hardware=cpu", "workload.num_requests=2")
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, field", [

@@ -1,0 +1,17 @@
+"""The real executor: HF model code with a registered paged attention function, KV block pools,
+a sampler, and an offline `LLM.generate()` API shaped like vLLM's.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="tiny-llama", block_size=16, scheduler="continuous")
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].token_ids
+"""
+from engine.builder import build_engine, build_engine_executor, build_executor
+from engine.config import EngineConfig
+from engine.executor import EngineExecutor
+from engine.llm import LLM, CompletionOutput, GenerateStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerateStats",
+           "EngineConfig", "EngineExecutor", "build_engine", "build_engine_executor",
+           "build_executor"]

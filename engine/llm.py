@@ -1,0 +1,208 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+`generate` drives the policies' scheduler in a plain loop (schedule, execute, update) until every
+request is done. A request that cannot run (bad parameters, an empty prompt, a token outside the
+vocabulary, a prompt longer than the model allows) gets an output carrying its `error`; the others
+complete.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+from tqdm import tqdm
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from policies.types import Request
+
+
+@dataclass
+class CompletionOutput:
+    index: int                      # sample j of the request
+    token_ids: list[int]
+    text: str | None = None         # when the model has a tokenizer
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    error: str | None = None        # why the request did not run; outputs is then empty
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass
+class GenerateStats:
+    """What the last generate() call did, for tests and benchmarks."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_copied_blocks: int = 0
+    num_computed_tokens: int = 0    # tokens run through the model (recomputes included)
+    num_cached_tokens: int = 0      # prompt tokens skipped thanks to the prefix cache
+    num_output_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+class LLM:
+    def __init__(self, model: str = "tiny-llama", **kwargs):
+        """`model`: "tiny-llama" (or another conf/model name: seeded random weights) or a local
+        HF checkpoint folder. Keyword arguments are EngineConfig's fields: block_size,
+        num_gpu_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, scheduler
+        ("static" | "continuous" | "chunked_prefill" | a scheduler object), preemption
+        ("recompute" | "swap" | a policy object), swap_space_gb, enable_prefix_caching, seed,
+        device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend."""
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; allowed: {sorted(names)}")
+        self.config = EngineConfig(model=model, **kwargs)
+        engine = build_engine(self.config)
+        self.model = engine.loaded.model
+        self.tokenizer = engine.loaded.tokenizer
+        self.spec = engine.loaded.spec
+        self.eos_token_id = engine.loaded.eos_token_id
+        self.scheduler = engine.scheduler
+        self.executor = engine.executor
+        self.max_model_len = engine.max_model_len
+        self.device = engine.device
+        self.last_stats = GenerateStats()
+        self._next_request_id = 0
+        self._clock_start = time.perf_counter()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._clock_start
+
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a list of token ids, or a string
+        when the model has a tokenizer; one prompt alone may be passed as such."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                                 f"give one, or one per prompt")
+
+        outputs: list[RequestOutput] = []
+        requests: dict[int, tuple[Request, RequestOutput]] = {}
+        for prompt, params in zip(prompts, params_list):
+            output, request = self._make_request(prompt, params)
+            outputs.append(output)
+            if request is not None:
+                self.scheduler.add_request(request, self._now())
+                if request.rejected_reason is not None:
+                    output.error = request.rejected_reason
+                else:
+                    requests[request.request_id] = (request, output)
+        self._run(requests, use_tqdm)
+        return outputs
+
+    def _make_request(self, prompt, params) -> tuple[RequestOutput, Request | None]:
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        text = prompt if isinstance(prompt, str) else None
+        output = RequestOutput(request_id, text, None)
+        if not isinstance(params, SamplingParams):
+            output.error = f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            return output, None
+        output.error = params.error()
+        if output.error is not None:
+            return output, None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                output.error = "this model has no tokenizer: give the prompt as token ids"
+                return output, None
+            token_ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = list(prompt["prompt_token_ids"])
+        else:
+            token_ids = list(prompt)
+        output.prompt_token_ids = token_ids
+        output.error = self._prompt_error(token_ids)
+        if output.error is not None:
+            return output, None
+        request = Request(request_id=request_id, arrival_time=self._now(),
+                          prompt_len=len(token_ids), output_len=params.max_tokens, n=params.n,
+                          prompt_token_ids=token_ids, sampling_params=params)
+        return output, request
+
+    def _prompt_error(self, token_ids: list) -> str | None:
+        if not token_ids:
+            return "the prompt is empty"
+        vocab_size = self.spec.vocab_size
+        for position, token in enumerate(token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                return (f"token {token!r} at position {position} is not a token id of the "
+                        f"vocabulary [0, {vocab_size})")
+        if len(token_ids) > self.max_model_len:
+            return (f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                    f"{self.max_model_len}")
+        return None
+
+    def _run(self, requests: dict[int, tuple[Request, RequestOutput]], use_tqdm: bool) -> None:
+        scheduler, executor = self.scheduler, self.executor
+        stats = GenerateStats()
+        stopped_seq_ids: set[int] = set()
+        seen_seq_ids: set[int] = set()
+        start = time.perf_counter()
+        bar = tqdm(total=len(requests), desc="Processed prompts", unit="req",
+                   disable=not use_tqdm or not requests)
+        while scheduler.has_unfinished():
+            plan = scheduler.schedule(self._now())
+            if plan.is_empty:
+                waiting, running, swapped = scheduler.queue_lengths()
+                raise RuntimeError(
+                    f"the scheduler planned nothing with {waiting} waiting, {running} running "
+                    f"and {swapped} swapped requests and {scheduler.kv_cache.num_free_blocks()} "
+                    f"free KV blocks: the policy cannot make progress")
+            for seq in plan.seqs:
+                if seq.seq_id not in seen_seq_ids:
+                    seen_seq_ids.add(seq.seq_id)
+                    if seq.num_output_tokens == 0 and seq.num_computed_tokens:
+                        stats.num_cached_tokens += seq.num_computed_tokens
+                        if seq.request.request_id in requests:
+                            requests[seq.request.request_id][1].num_cached_tokens += \
+                                seq.num_computed_tokens
+            result = executor.execute(plan)
+            if result.stopped_seq_ids:
+                stopped_seq_ids |= result.stopped_seq_ids
+            stats.num_steps += 1
+            stats.num_preemptions += len(plan.preempted_recompute) + len(plan.preempted_swap)
+            stats.num_swapped_out_blocks += len(plan.blocks_to_swap_out)
+            stats.num_swapped_in_blocks += len(plan.blocks_to_swap_in)
+            stats.num_copied_blocks += len(plan.blocks_to_copy)
+            stats.num_computed_tokens += sum(plan.num_new_tokens)
+            finished = scheduler.update(plan, result, self._now())
+            if finished:
+                bar.update(len(finished))
+        bar.close()
+        stats.elapsed_s = time.perf_counter() - start
+
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for request, output in requests.values():
+            output.num_preemptions = request.num_preemptions
+            for index, seq in enumerate(request.sequences):
+                token_ids = list(seq.output_token_ids)
+                stats.num_output_tokens += len(token_ids)
+                output.outputs.append(CompletionOutput(
+                    index=index, token_ids=token_ids,
+                    text=decode(token_ids) if decode else None,
+                    finish_reason="stop" if seq.seq_id in stopped_seq_ids else "length"))
+        self.last_stats = stats

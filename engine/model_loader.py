@@ -1,0 +1,126 @@
+"""Load the model the engine runs: a conf/model shape with seeded random weights, or a local HF
+checkpoint folder through the real from_pretrained path. Nothing is fetched from a hub."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+import conf
+from sim.specs import ModelSpec
+
+MODEL_CONFIG_DIR = Path(conf.__file__).parent / "model"
+# Wide enough that greedy outputs depend on the context: with HF's default 0.02 a random Llama
+# answers every prompt with one repeated token, and an equivalence test proves nothing.
+RANDOM_INITIALIZER_RANGE = 0.1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module          # an HF *ForCausalLM, eval mode, on its device
+    spec: ModelSpec                 # its shape, for the KV arithmetic
+    tokenizer: object | None        # when the checkpoint folder has one
+    eos_token_id: int | None
+
+
+def resolve_dtype(dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """None: fp32 on CPU; on CUDA the spec's width (2 bytes -> bf16, 4 -> fp32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type != "cuda" or spec.dtype_bytes == 4:
+            return torch.float32
+        return torch.bfloat16 if spec.dtype_bytes == 2 else torch.float16
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)} or a torch.dtype, got {dtype!r}")
+    return names[dtype]
+
+
+def load_model(model: str, device: torch.device, dtype=None, seed: int = 0) -> LoadedModel:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _load_checkpoint(path, device, dtype)
+    config_file = MODEL_CONFIG_DIR / f"{model}.yaml"
+    if config_file.is_file():
+        spec = ModelSpec.from_config(OmegaConf.load(config_file))
+        return _build_random(spec, device, dtype, seed)
+    known = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"model={model!r} is neither a local checkpoint folder nor one of {known}")
+
+
+def _build_random(spec: ModelSpec, device: torch.device, dtype, seed: int) -> LoadedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if spec.mlp != "gated" or spec.bias or spec.num_position_embeddings:
+        raise ValueError(f"{spec.name} is not Llama-shaped; random weights are only built for "
+                         f"Llama-shaped configs; give a local checkpoint folder instead")
+    torch_dtype = resolve_dtype(dtype, spec, device)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_model_len,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=RANDOM_INITIALIZER_RANGE, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+    # Seeded without disturbing the caller's global RNG; built on the target device in the
+    # target dtype (a 7B model in fp32 first would need twice the memory).
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=torch_dtype)
+    model.eval().requires_grad_(False)
+    spec = _with_dtype(spec, torch_dtype)
+    return LoadedModel(model, spec, None, config.eos_token_id)
+
+
+def _load_checkpoint(path: Path, device: torch.device, dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    spec = spec_from_hf_config(config, name=path.name)
+    torch_dtype = resolve_dtype(dtype, spec, device)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    eos = config.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return LoadedModel(model, _with_dtype(spec, torch_dtype), tokenizer, eos)
+
+
+def spec_from_hf_config(config, name: str) -> ModelSpec:
+    """The ModelSpec of an HF decoder config (Llama family field names)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text_config.num_attention_heads
+    return ModelSpec(
+        name=name,
+        num_layers=text_config.num_hidden_layers,
+        hidden_size=text_config.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        intermediate_size=text_config.intermediate_size,
+        vocab_size=text_config.vocab_size,
+        max_model_len=text_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+    )
+
+
+def _with_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
+    from dataclasses import replace
+    return replace(spec, dtype_bytes=torch.empty((), dtype=dtype).element_size())

@@ -1,0 +1,122 @@
+"""Turns a StepPlan into tensors and runs the model once over every scheduled token.
+
+All sequences' new tokens are concatenated into one batch of one (no padding), with explicit
+positions; the attention metadata says which tokens belong to which sequence and where their K/V
+live. Logits are computed only for the last token of each sequence that samples this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCachePool
+from kernels import KernelOps
+from policies.types import Sequence, StepPlan
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor         # [num_tokens]
+    positions: torch.Tensor         # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor    # [num_sampling] rows of the sampling sequences' last tokens
+    sampling_seqs: list[Sequence]   # sequences that reach their last token and sample
+
+
+def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
+    """seq.token_ids()[start:start + num_new] without building the whole list (decode steps
+    need only the last output token)."""
+    prompt = seq.request.prompt_token_ids
+    if prompt is None:
+        raise ValueError(f"request {seq.request.request_id} has no prompt_token_ids: the engine "
+                         f"runs real tokens (a simulator workload needs with_token_ids: true)")
+    prompt_len = len(prompt)
+    end = start + num_new
+    if start >= prompt_len:
+        return seq.output_token_ids[start - prompt_len:end - prompt_len]
+    if end <= prompt_len:
+        return prompt[start:end]
+    return list(prompt[start:]) + seq.output_token_ids[:end - prompt_len]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, ops: KernelOps,
+                 device: torch.device):
+        self.model = model
+        self.pool = pool
+        self.ops = ops
+        self.device = device
+        self.block_size = pool.block_size
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        block_size = self.block_size
+        tables = plan.block_tables
+        num_seqs = len(plan.seqs)
+        token_ids: list[int] = []
+        starts = np.empty(num_seqs, dtype=np.int64)
+        query_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        seq_tables = []
+        sampling_seqs = []
+        sampling_rows = []
+        num_tokens = 0
+        for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+            start = seq.num_computed_tokens
+            starts[index] = start
+            token_ids += new_token_ids(seq, start, num_new)
+            seq_tables.append(tables[seq.seq_id])
+            num_tokens += num_new
+            if start + num_new == seq.num_tokens:
+                sampling_seqs.append(seq)
+                sampling_rows.append(num_tokens - 1)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+
+        # Block tables cut to the blocks this step reads, padded with block 0.
+        max_blocks = int(-(-seq_lens.max() // block_size))
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for row, table in zip(block_tables, seq_tables):
+            num_blocks = min(len(table), max_blocks)
+            row[:num_blocks] = table[:num_blocks]
+
+        # Position and slot of every new token.
+        token_seq = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, query_lens)
+        slots = (block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
+                 + positions % block_size)
+
+        device = self.device
+
+        def to(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            slot_mapping=to(slots, torch.int64),
+            block_tables=to(block_tables, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            query_start_loc=to(query_start_loc, torch.int32),
+            kv_caches=self.pool.device_caches,
+            ops=self.ops)
+        if self.ops.plan_attention is not None:
+            metadata.attention_plan = self.ops.plan_attention(
+                metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                self.pool.device_caches[0])
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
+            positions=to(positions, torch.int64),
+            metadata=metadata,
+            logits_indices=torch.tensor(sampling_rows, dtype=torch.int64).to(device),
+            sampling_seqs=sampling_seqs)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num_sampling, vocab] (fp32) of the sampling sequences' last tokens."""
+        # Chunks that sample nothing still fill the cache: they keep no logits.
+        output = self.model(input_ids=inputs.input_ids[None],
+                            position_ids=inputs.positions[None],
+                            attn_metadata=inputs.metadata, use_cache=False,
+                            logits_to_keep=inputs.logits_indices)
+        return output.logits[0].float()

@@ -1,0 +1,51 @@
+"""Paged-KV kernels: Triton on CUDA (kernels/triton_ops.py), torch on CPU (kernels/reference.py),
+plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/reference.py."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The five operations the engine calls, from one implementation."""
+
+    name: str
+    write_kv_cache: Callable
+    paged_attention: Callable
+    copy_blocks: Callable
+    swap_blocks: Callable
+    # Optional: work shared by every layer of a step, made once per step and passed to
+    # paged_attention(..., plan=...) (the torch path's tiling). None: nothing to share.
+    plan_attention: Callable | None = None
+
+
+def _ops_from(module, name: str) -> KernelOps:
+    return KernelOps(name, module.write_kv_cache, module.paged_attention, module.copy_blocks,
+                     module.swap_blocks, getattr(module, "plan_attention", None))
+
+
+def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
+    """The kernels for `device`: "triton" on CUDA, "torch" (the vectorized reference) elsewhere.
+    `backend` forces one; "naive" gives the loop oracle (slow, for tests)."""
+    device = torch.device(device)
+    if backend is None:
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        from kernels import reference
+        return _ops_from(reference, "torch")
+    if backend == "naive":
+        from kernels import naive
+        return _ops_from(naive, "naive")
+    if backend == "triton":
+        try:
+            from kernels import triton_ops
+        except ImportError as error:  # no triton build for this platform
+            warnings.warn(f"Triton kernels unavailable ({error}); using the torch kernels")
+            from kernels import reference
+            return _ops_from(reference, "torch")
+        return _ops_from(triton_ops, "triton")
+    raise ValueError(f"kernel backend must be one of triton, torch, naive; got {backend!r}")

@@ -1,0 +1,84 @@
+"""The paged-KV operations written as plain loops: the test oracle for every implementation.
+
+Nothing here is meant to be fast. Each function does the obvious thing one sequence, one token
+and one head at a time, so that it can be checked by reading it; the Triton kernels
+(kernels/triton_ops.py) and the engine's vectorized CPU path (kernels/reference.py) are tested
+against it.
+
+Layout (shared by all implementations):
+- kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K,
+  index 1 holds V. A slot is block_id * block_size + offset in block.
+- Sequences' new tokens are flattened sequence-major; query_start_loc[b]:query_start_loc[b + 1]
+  are sequence b's. seq_lens[b] counts its tokens in the cache after this step's writes, so its
+  new token j sits at position seq_lens[b] - q_len_b + j and attends to positions 0..that one.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """kv_cache[:, slot] <- (key[t], value[t]) for each token t; a negative slot (padding) is
+    skipped."""
+    block_size = kv_cache.shape[2]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        kv_cache[0, block, offset] = key[token]
+        kv_cache[1, block, offset] = value[token]
+
+
+def gather_context(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int):
+    """K and V of a sequence's first context_len positions, [context_len, num_kv_heads, head_dim]
+    each, read token by token through its block table."""
+    block_size = kv_cache.shape[2]
+    keys, values = [], []
+    for position in range(context_len):
+        block = int(block_table_row[position // block_size])
+        offset = position % block_size
+        keys.append(kv_cache[0, block, offset])
+        values.append(kv_cache[1, block, offset])
+    return torch.stack(keys), torch.stack(values)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached context; softmax in fp32."""
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    heads_per_kv_head = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        first_token, end_token = starts[seq], starts[seq + 1]
+        query_len = end_token - first_token
+        keys, values = gather_context(kv_cache, block_tables[seq], seq_len)
+        keys, values = keys.float(), values.float()
+        for j in range(query_len):
+            token = first_token + j
+            position = seq_len - query_len + j  # causal: sees positions 0..position
+            for head in range(num_heads):
+                kv_head = head // heads_per_kv_head
+                q = query[token, head].float()
+                k = keys[: position + 1, kv_head]
+                v = values[: position + 1, kv_head]
+                weights = torch.softmax((k @ q) * scale, dim=0)
+                out[token, head] = (weights @ v).to(query.dtype)
+    return out
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_pairs: torch.Tensor) -> None:
+    """For each (src, dst) pair, K and V of block dst <- those of block src (copy-on-write)."""
+    for src, dst in block_pairs.tolist():
+        kv_cache[:, dst] = kv_cache[:, src]
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                block_pairs: torch.Tensor) -> None:
+    """For each (src, dst) pair, dst_cache's block dst <- src_cache's block src (device <->
+    host)."""
+    for src, dst in block_pairs.tolist():
+        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device)

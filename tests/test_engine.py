@@ -1,0 +1,294 @@
+"""The engine against HF transformers, on the tiny random Llama (fp32, CPU, one thread).
+
+Greedy outputs must be token-identical to HF `generate` (plain, unpaged, the model's sdpa
+attention) for ragged prompts, under every scheduler, block size, preemption mode, with chunked
+prefill and with prefix caching; n = 4 samples sharing blocks must equal 4 requests seeded
+seed..seed+3; bad requests fail alone. The tiny model is random with wide weights
+(initializer_range 0.1), so greedy continuations differ from prompt to prompt and a wrong
+position, slot or mask shows as a different token.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import engine  # noqa: F401
+except ImportError:  # until pyproject.toml packages engine/ and kernels/ (editable install)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams
+from engine.attention import PAGED_ATTENTION
+from kernels import get_kernel_ops, reference
+from policies.protocols import Executor
+
+MAX_TOKENS = 16
+# Lengths around the block sizes tested (1, 16, 32): a one-token prompt, full blocks, one past.
+PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Other test workers share this machine's cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def random_prompts(lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
+
+
+def hf_greedy(model, prompts, max_tokens=MAX_TOKENS):
+    """HF generate, one unpadded prompt at a time, with the model's default sdpa attention."""
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens,
+                                   min_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    finally:
+        model.set_attn_implementation(PAGED_ATTENTION)
+
+
+def token_ids(outputs):
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(PROMPT_LENS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    return LLM("tiny-llama", num_gpu_blocks=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def expected(reference_llm, prompts):
+    """HF generate on the engine's own model object."""
+    outputs = hf_greedy(reference_llm.model, prompts)
+    assert len(set(map(tuple, outputs))) == len(outputs), "the tiny model ignores its context"
+    return outputs
+
+
+def test_reference_llm_matches_hf_generate(reference_llm, prompts, expected):
+    assert token_ids(reference_llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert isinstance(reference_llm.executor, Executor)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("static", dict(scheduler="static", num_gpu_blocks=256)),
+    ("continuous", dict(scheduler="continuous", num_gpu_blocks=256)),
+    ("chunked_prefill", dict(scheduler="chunked_prefill", max_num_batched_tokens=24,
+                             num_gpu_blocks=256)),
+    ("block_size_1", dict(block_size=1, num_gpu_blocks=2048)),
+    ("block_size_32", dict(block_size=32, num_gpu_blocks=64)),
+    ("default_pool_size", dict()),
+])
+def test_greedy_matches_hf_generate(name, kwargs, reference_llm, prompts, expected):
+    llm = LLM("tiny-llama", **kwargs)
+    # Seeded random weights: the same model as the reference's, which HF ran.
+    assert torch.equal(llm.model.lm_head.weight, reference_llm.model.lm_head.weight)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    if name == "chunked_prefill":
+        assert llm.last_stats.num_steps > MAX_TOKENS + 4  # prompts took several steps
+
+
+@pytest.mark.parametrize("scheduler, preemption", [("continuous", "recompute"),
+                                                   ("continuous", "swap"),
+                                                   ("chunked_prefill", "recompute"),
+                                                   ("chunked_prefill", "swap")])
+def test_preemption_keeps_outputs(scheduler, preemption, prompts, expected):
+    # 36 blocks of 4 slots: the longest request alone needs 29, all together 90.
+    llm = LLM("tiny-llama", block_size=4, num_gpu_blocks=36, scheduler=scheduler,
+              max_num_batched_tokens=32 if scheduler == "chunked_prefill" else None,
+              preemption=preemption, swap_space_gb=0.01)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    stats = llm.last_stats
+    assert stats.num_preemptions > 0
+    if preemption == "swap":
+        assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
+    else:
+        assert stats.num_computed_tokens > sum(map(len, prompts)) + len(prompts) * MAX_TOKENS
+
+
+def test_prefix_caching_skips_cached_tokens(reference_llm):
+    shared = random_prompts([48], seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 9, 20], seed=4)]
+    expected = hf_greedy(reference_llm.model, prompts)
+    llm = LLM("tiny-llama", num_gpu_blocks=256, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert token_ids(first + rest) == expected
+    assert [out.num_cached_tokens for out in rest] == [48, 48]  # three full blocks of 16
+    assert llm.last_stats.num_computed_tokens == sum(len(p) - 48 for p in prompts[1:]) + \
+        2 * (MAX_TOKENS - 1)
+
+
+def test_parallel_samples_equal_separately_seeded_requests(reference_llm):
+    prompt, other = random_prompts([20, 37], seed=5)  # 20: a shared, partly filled last block
+    common = dict(temperature=0.8, top_k=50, top_p=0.9, max_tokens=12, ignore_eos=True)
+    outputs = reference_llm.generate(
+        [prompt, other], [SamplingParams(n=4, seed=123, **common), GREEDY], use_tqdm=False)
+    assert reference_llm.last_stats.num_copied_blocks > 0  # copy-on-write of the shared block
+    samples = [completion.token_ids for completion in outputs[0].outputs]
+    assert len(samples) == 4 and len(set(map(tuple, samples))) == 4
+    separate = reference_llm.generate(
+        [prompt] * 4, [SamplingParams(n=1, seed=123 + j, **common) for j in range(4)],
+        use_tqdm=False)
+    assert samples == token_ids(separate)
+
+
+def test_sampling_filters_reduce_to_greedy(reference_llm, prompts, expected):
+    """top_k=1, or a top_p nucleus of one token, leaves argmax whatever the draw."""
+    for params in (SamplingParams(temperature=1.0, top_k=1, seed=7, max_tokens=MAX_TOKENS,
+                                  ignore_eos=True),
+                   SamplingParams(temperature=0.5, top_p=1e-6, max_tokens=MAX_TOKENS,
+                                  ignore_eos=True)):
+        assert token_ids(reference_llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
+def test_stops_at_eos(reference_llm, prompts, expected):
+    """With the 4th greedy token declared EOS, generation stops right after it."""
+    executor = reference_llm.executor
+    eos = next(token for i, token in enumerate(expected[3]) if i >= 3
+               and token not in expected[3][:i])
+    stop_at = expected[3].index(eos) + 1
+    previous, executor.eos_token_id = executor.eos_token_id, eos
+    try:
+        out = reference_llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=40),
+                                     use_tqdm=False)[0]
+    finally:
+        executor.eos_token_id = previous
+    assert out.outputs[0].token_ids == expected[3][:stop_at]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_bad_requests_fail_alone(reference_llm, prompts, expected):
+    greedy4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = reference_llm.generate(
+        [prompts[2], [5] * 2100, [], [5, 600], [-1, 4], prompts[4], [5] * 2040, "a string"],
+        [greedy4, greedy4, greedy4, greedy4, greedy4, SamplingParams(top_p=1.5),
+         SamplingParams(max_tokens=10), greedy4],
+        use_tqdm=False)
+    errors = [out.error for out in outputs]
+    assert errors[0] is None and outputs[0].outputs[0].token_ids == expected[2][:4]
+    assert "more than max_model_len=2048" in errors[1]
+    assert "empty" in errors[2]
+    assert "600" in errors[3] and "vocabulary" in errors[3]
+    assert "-1" in errors[4]
+    assert "top_p" in errors[5]
+    assert "exceeds max_model_len" in errors[6]  # the scheduler's rejection: 2040 + 10 tokens
+    assert "tokenizer" in errors[7]
+    assert all(not out.outputs for out in outputs[1:])
+
+
+def test_local_checkpoint_with_tokenizer(tmp_path):
+    """A checkpoint saved with save_pretrained loads by path through from_pretrained, with its
+    tokenizer; string prompts work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, initializer_range=0.2, eos_token_id=2,
+                         bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {word: i for i, word in enumerate(specials + [f"w{i}" for i in range(4, 64)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+
+    llm = LLM(str(tmp_path), block_size=4, num_gpu_blocks=64)
+    assert llm.tokenizer is not None and llm.spec.vocab_size == 64
+    prompts = [[5, 9, 13, 40, 7], [33] * 11]
+    outputs = llm.generate(prompts + ["w5 w9 w13 w40 w7"], GREEDY, use_tqdm=False)
+    expected = hf_greedy(llm.model, prompts)
+    assert token_ids(outputs[:2]) == expected
+    assert outputs[2].outputs[0].token_ids == expected[0]
+    assert outputs[2].outputs[0].text == " ".join(
+        f"w{t}" if t >= 4 else specials[t] for t in expected[0])
+
+
+def test_reference_attention_tiles_match_naive(monkeypatch):
+    """The vectorized torch path against the loop oracle, with tiles so small that a step
+    splits into many (decodes and prefills mixed, ragged, GQA)."""
+    from kernels import naive
+
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, heads, head_dim = 4, 2, 4, 8
+    query_lens = [1, 5, 1, 3, 7, 1, 1]
+    seq_lens = [9, 5, 20, 3, 12, 1, 30]
+    tables = torch.randperm(80, generator=gen)[:len(seq_lens) * 8].view(len(seq_lens), 8).int()
+    kv_cache = torch.randn(2, 80, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
+    query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist()).int()
+    args = (query, kv_cache, tables, torch.tensor(seq_lens).int(), query_start_loc, 0.3)
+    expected = naive.paged_attention(*args)
+    for tile_bytes in (1, 200 * 2 * num_kv_heads * head_dim * 4, reference.TILE_BYTES):
+        monkeypatch.setattr(reference, "TILE_BYTES", tile_bytes)
+        torch.testing.assert_close(reference.paged_attention(*args), expected)
+    ops = get_kernel_ops("cpu")
+    assert ops.name == "torch" and ops.plan_attention is reference.plan_attention
+    plan = ops.plan_attention(*args[2:5], kv_cache)
+    torch.testing.assert_close(ops.paged_attention(*args, plan=plan), expected)
+
+
+def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
+    """A policy object (here a plug-in that admits the shortest prompt first) drives the
+    engine; its KV manager sizes the pools."""
+    from policies.batching import ContinuousBatchingScheduler
+    from policies.memory import PagedBlockManager
+    from policies.preemption import RecomputePreemption
+
+    class ShortestPromptFirst(ContinuousBatchingScheduler):
+        def next_waiting(self):
+            return min(self.waiting, key=lambda request: request.prompt_len)
+
+    scheduler = ShortestPromptFirst(PagedBlockManager(num_blocks=40, block_size=8),
+                                    RecomputePreemption(), max_num_seqs=3,
+                                    max_num_batched_tokens=2048, max_model_len=2048)
+    llm = LLM("tiny-llama", scheduler=scheduler)
+    assert llm.executor.pool.num_blocks == 40
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+def test_engine_executor_under_the_simulator_clock(reference_llm, prompts, expected):
+    """The executor as a simulator replica's: simpy time advances by measured step durations,
+    and the replayed requests (no SamplingParams: greedy, fixed length) get HF's tokens."""
+    import simpy
+
+    from engine import build_engine_executor
+    from policies.batching import ChunkedPrefillScheduler
+    from policies.memory import PagedBlockManager
+    from policies.preemption import RecomputePreemption
+    from policies.routing import RoundRobinRouter
+    from policies.types import Request
+    from sim.metrics import MetricsCollector
+    from sim.replica import Replica, arrivals
+
+    kv_cache = PagedBlockManager(num_blocks=48, block_size=8)
+    scheduler = ChunkedPrefillScheduler(kv_cache, RecomputePreemption(), max_num_seqs=8,
+                                        max_num_batched_tokens=64, max_model_len=2048)
+    executor = build_engine_executor("tiny-llama", kv_cache)
+    requests = [Request(request_id=i, arrival_time=0.01 * i, prompt_len=len(p),
+                        output_len=MAX_TOKENS, prompt_token_ids=p) for i, p in enumerate(prompts)]
+    env = simpy.Environment()
+    replica = Replica(env, 0, scheduler, executor, MetricsCollector())
+    env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
+    env.run()  # until no event is left: every request done, the replica idle
+    assert all(request.finish_time is not None for request in requests)
+    assert [request.sequences[0].output_token_ids for request in requests] == expected
+    assert env.now == max(request.finish_time for request in requests) > requests[-1].arrival_time

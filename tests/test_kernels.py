@@ -1,0 +1,454 @@
+"""Paged-KV kernels against the loop oracle (kernels/naive.py), itself checked against dense SDPA.
+
+Every implementation (the Triton kernels, through Triton's interpreter without a GPU, and the
+engine's vectorized torch path kernels/reference.py) gets random inputs at tiny sizes: block
+tables drawn from a shuffled pool, ragged contexts, pure decode, pure prefill and chunked prefill
+over cached context, with every pair of block size (1/4/16), GQA ratio (1/2) and dtype
+(fp32/fp16) covered. Memory a kernel must not read (block 0, which pads the block tables, and
+the unused tail of each sequence's last block) is poisoned with NaN, so an unmasked read shows.
+
+Triton's interpreter must be chosen before triton is first imported (kernels/triton_ops.py does
+so when it is first). Under pytest-xdist another test module in this worker may have imported
+triton already (transformers does, through torch._dynamo); then the in-process Triton tests skip
+and one test reruns this file in a fresh process. Whether the kernels compile for a real GPU
+without spilling is checked without one (bench/gpu_check.py --compile); tests at Llama-2-7B
+shapes in bf16 need CUDA and skip without it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import naive
+
+try:
+    from kernels import triton_ops  # picks the interpreter without CUDA, if it can (docstring)
+    TRITON_SKIP_REASON = triton_ops.UNAVAILABLE_REASON
+except ImportError as error:  # triton not installed
+    triton_ops = None
+    TRITON_SKIP_REASON = f"triton does not import: {error}"
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(TRITON_SKIP_REASON is not None,
+                                  reason=str(TRITON_SKIP_REASON))
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Other test workers share this machine's cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random paged batches
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+
+    def args(self):
+        return (self.query, self.kv_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+
+def make_batch(query_lens, cached_lens, *, block_size, heads_per_kv_head, dtype, seed,
+               num_kv_heads=2, head_dim=32, spare_blocks=4, poison=float("nan"),
+               device=DEVICE) -> Batch:
+    """Sequence b has cached_lens[b] tokens from earlier steps and query_lens[b] new ones, all
+    already in the cache. Its blocks come from a shuffled pool; block 0 is never allocated and
+    pads the tables, and it and every unused slot hold `poison`."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + spare_blocks
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache[:, 0] = poison
+    pool = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for seq, (seq_len, num) in enumerate(zip(seq_lens, blocks_per_seq)):
+        blocks = [pool.pop() for _ in range(num)]
+        block_tables[seq, :num] = torch.tensor(blocks)
+        kv_cache[:, blocks[-1], seq_len - (num - 1) * block_size:] = poison
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    num_heads = num_kv_heads * heads_per_kv_head
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    return Batch(query.to(device, dtype), kv_cache.to(device, dtype), block_tables.to(device),
+                 torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                 query_start_loc.to(device), head_dim ** -0.5)
+
+
+def dense_attention(batch: Batch) -> torch.Tensor:
+    """Independent of the oracle: each sequence's K/V gathered by whole blocks, then SDPA in
+    fp32 with a causal mask offset by the cached length."""
+    query, kv_cache = batch.query, batch.kv_cache
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    heads_per_kv_head = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    starts = batch.query_start_loc.tolist()
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[seq, : -(-seq_len // block_size)].long()
+        k, v = (kv_cache[i, blocks].flatten(0, 1)[:seq_len].float() for i in (0, 1))
+        k, v = (t.repeat_interleave(heads_per_kv_head, dim=1).transpose(0, 1) for t in (k, v))
+        q = query[starts[seq]: starts[seq + 1]].float().transpose(0, 1)
+        positions = torch.arange(seq_len - q.shape[1], seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=batch.scale)
+        out[starts[seq]: starts[seq + 1]] = attended.transpose(0, 1).to(query.dtype)
+    return out
+
+
+# Workloads: (query_lens, cached_lens).
+DECODE = ([1, 1, 1, 1, 1], [0, 3, 15, 16, 62])
+PREFILL = ([9, 1, 23, 40], [0, 0, 0, 0])
+CHUNKED_PREFILL = ([7, 1, 20, 33], [10, 4, 25, 3])  # cached context (earlier chunks or prefix hits)
+WORKLOADS = {"decode": DECODE, "prefill": PREFILL, "chunked_prefill": CHUNKED_PREFILL}
+
+
+def assert_close(actual, expected, dtype):
+    assert torch.isfinite(actual).all(), "non-finite output: a masked read or an unwritten element"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations under test
+
+
+def reference_module():
+    try:
+        return importlib.import_module("kernels.reference")
+    except ModuleNotFoundError as error:
+        if error.name in ("kernels.reference", "kernels"):
+            pytest.skip("kernels/reference.py does not exist yet")
+        raise
+
+
+def triton_decode(*args):
+    return triton_ops.paged_decode_attention(*args, tile=16)  # small tiles: several per context
+
+
+def triton_split_k(*args):
+    return triton_ops.paged_decode_attention_split_k(*args, num_splits=3, tile=16)
+
+
+def triton_prefill(*args):
+    return triton_ops.paged_prefill_attention(*args, block_m=16, block_n=16)
+
+
+def reference_attention(*args):
+    return reference_module().paged_attention(*args)
+
+
+TRITON_ATTENTION = {"decode": triton_decode, "split_k": triton_split_k, "prefill": triton_prefill}
+
+
+def attention_impls(workload):
+    """pytest params of every implementation that takes this workload. The dispatcher has its
+    own test (test_dispatcher_routes); the kernels it routes to are checked here."""
+    names = ["decode", "split_k"] if workload == "decode" else ["prefill"]
+    impls = [pytest.param(TRITON_ATTENTION[name], id=f"triton_{name}", marks=needs_triton)
+             for name in names]
+    return impls + [pytest.param(reference_attention, id="reference")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle itself
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_naive_matches_dense_sdpa(workload, block_size):
+    batch = make_batch(*WORKLOADS[workload], block_size=block_size, heads_per_kv_head=2,
+                       dtype=torch.float32, seed=block_size, device="cpu")
+    assert_close(naive.paged_attention(*batch.args()), dense_attention(batch), torch.float32)
+
+
+def test_naive_cache_ops():
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.zeros(2, 4, 2, 1, 3)
+    key, value = torch.randn(3, 1, 3, generator=gen), torch.randn(3, 1, 3, generator=gen)
+    naive.write_kv_cache(key, value, kv_cache, torch.tensor([5, -1, 0]))
+    assert torch.equal(kv_cache[0, 2, 1], key[0]) and torch.equal(kv_cache[1, 0, 0], value[2])
+    assert int((kv_cache != 0).any(-1).sum()) == 4  # two slots, K and V; the padding skipped
+    naive.copy_blocks(kv_cache, torch.tensor([[2, 3]]))
+    assert torch.equal(kv_cache[:, 3], kv_cache[:, 2])
+    host = torch.zeros_like(kv_cache)
+    naive.swap_blocks(kv_cache, host, torch.tensor([[0, 1]]))
+    assert torch.equal(host[:, 1], kv_cache[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+# Every pair of (block size, GQA ratio, dtype) values occurs in some case: half the full grid.
+PAIRWISE_CASES = [(1, 1, torch.float32), (1, 2, torch.float16), (4, 1, torch.float16),
+                  (4, 2, torch.float32), (16, 1, torch.float32), (16, 2, torch.float16)]
+
+
+def attention_cases(workload):
+    return [pytest.param(impl.values[0], block_size, heads_per_kv_head, dtype,
+                         id=f"{impl.id}-bs{block_size}-gqa{heads_per_kv_head}-{str(dtype)[6:]}",
+                         marks=impl.marks)
+            for impl in attention_impls(workload)
+            for block_size, heads_per_kv_head, dtype in PAIRWISE_CASES]
+
+
+def check_attention(attention, workload, block_size, heads_per_kv_head, dtype):
+    seed = zlib.crc32(f"{workload}-{block_size}-{heads_per_kv_head}-{dtype}".encode())
+    # The kernels never load memory outside a context, so NaN there must not reach the output.
+    # The reference gathers whole blocks and masks scores (0 x NaN = NaN), so it is held to the
+    # weaker contract a zero-initialised pool gives: finite, wrong values there must not matter.
+    poison = 1e3 if attention is reference_attention else float("nan")
+    batch = make_batch(*WORKLOADS[workload], block_size=block_size,
+                       heads_per_kv_head=heads_per_kv_head, dtype=dtype, seed=seed, poison=poison)
+    out = attention(*batch.args())
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    assert_close(out, naive.paged_attention(*batch.args()), dtype)
+
+
+@pytest.mark.parametrize("attention, block_size, heads_per_kv_head, dtype",
+                         attention_cases("decode"))
+def test_decode_attention(attention, block_size, heads_per_kv_head, dtype):
+    check_attention(attention, "decode", block_size, heads_per_kv_head, dtype)
+
+
+@pytest.mark.parametrize("attention, block_size, heads_per_kv_head, dtype",
+                         attention_cases("prefill"))
+def test_prefill_attention(attention, block_size, heads_per_kv_head, dtype):
+    check_attention(attention, "prefill", block_size, heads_per_kv_head, dtype)
+
+
+@pytest.mark.parametrize("attention, block_size, heads_per_kv_head, dtype",
+                         attention_cases("chunked_prefill"))
+def test_chunked_prefill_attention(attention, block_size, heads_per_kv_head, dtype):
+    check_attention(attention, "chunked_prefill", block_size, heads_per_kv_head, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_dispatcher_routes(workload, dtype):
+    """The engine's entry point, also in bf16 (the engine's dtype on a GPU)."""
+    batch = make_batch(*WORKLOADS[workload], block_size=4, heads_per_kv_head=2, dtype=dtype,
+                       seed=5)
+    out = triton_ops.paged_attention(*batch.args())
+    assert out.dtype == dtype
+    assert_close(out, naive.paged_attention(*batch.args()), dtype)
+
+
+def test_split_count_heuristic():
+    if triton_ops is None:
+        pytest.skip(TRITON_SKIP_REASON)
+    choose = triton_ops.choose_num_splits
+    assert choose(1, 8, 100_000, torch.device("cpu")) == 1  # the interpreter gains nothing
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert choose(2, 8, 1024, cuda) == 1  # short contexts
+        assert choose(512, 32, 8192, cuda) == 1  # enough programs already
+        assert 1 < choose(1, 8, 8192, cuda) <= 8192 // triton_ops.MIN_TOKENS_PER_SPLIT
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 8])
+def test_split_k_any_number_of_splits(num_splits):
+    """Splits past a short context are empty and must drop out of the reduce."""
+    batch = make_batch([1, 1, 1], [2, 40, 70], block_size=4, heads_per_kv_head=2,
+                       dtype=torch.float32, seed=num_splits)
+    out = triton_ops.paged_decode_attention_split_k(*batch.args(), num_splits=num_splits, tile=16)
+    assert_close(out, naive.paged_attention(*batch.args()), torch.float32)
+
+
+@needs_triton
+def test_gqa_4_and_odd_head_dim():
+    """A group of 4 query heads per KV head and a head_dim that is no power of two."""
+    for workload in ("decode", "chunked_prefill"):
+        batch = make_batch(*WORKLOADS[workload], block_size=4, heads_per_kv_head=4,
+                           head_dim=24, dtype=torch.float16, seed=7)
+        expected = naive.paged_attention(*batch.args())
+        assert_close(triton_ops.paged_attention(*batch.args()), expected, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache writes, block copies, swaps
+
+
+def cache_op_impls():
+    return [pytest.param("triton", id="triton", marks=needs_triton),
+            pytest.param("reference", id="reference")]
+
+
+def cache_op_module(name):
+    return triton_ops if name == "triton" else reference_module()
+
+
+@pytest.mark.parametrize("impl", cache_op_impls())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_write_kv_cache(impl, dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 12, 2, 16, 9
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) for _ in "kv")
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    args = [t.to(DEVICE, dtype) for t in (key, value, kv_cache)] + [slots.to(DEVICE)]
+    expected = args[2].clone()
+    naive.write_kv_cache(args[0], args[1], expected, args[3])
+    cache_op_module(impl).write_kv_cache(*args)
+    assert torch.equal(args[2], expected)
+
+
+@needs_triton
+def test_write_kv_cache_skips_padding_slots():
+    kv_cache = torch.zeros(2, 3, 4, 2, 16, device=DEVICE)
+    key = torch.ones(3, 2, 16, device=DEVICE)
+    slots = torch.tensor([-1, 5, -1], device=DEVICE)
+    triton_ops.write_kv_cache(key, 2 * key, kv_cache, slots)
+    assert kv_cache[0, 1, 1].eq(1).all() and kv_cache[1, 1, 1].eq(2).all()
+    assert int(kv_cache.ne(0).sum()) == 2 * 2 * 16
+
+
+@pytest.mark.parametrize("impl", cache_op_impls())
+def test_copy_blocks(impl):
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(2, 10, 16, 2, 32, generator=gen).to(DEVICE)
+    pairs = torch.tensor([[3, 7], [0, 1], [3, 9]], device=DEVICE)  # one source, two copies
+    expected = kv_cache.clone()
+    naive.copy_blocks(expected, pairs)
+    cache_op_module(impl).copy_blocks(kv_cache, pairs)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("impl", cache_op_impls())
+def test_swap_blocks_both_ways(impl):
+    gen = torch.Generator().manual_seed(2)
+    device_cache = torch.randn(2, 6, 4, 2, 16, generator=gen).to(DEVICE)
+    host_cache = torch.randn(2, 5, 4, 2, 16, generator=gen)
+    out_pairs, in_pairs = torch.tensor([[5, 0], [2, 3]]), torch.tensor([[0, 1], [4, 4]])
+    for src, dst, pairs in ((device_cache, host_cache, out_pairs),
+                            (host_cache, device_cache, in_pairs)):
+        expected = dst.clone()
+        naive.swap_blocks(src, expected, pairs)
+        cache_op_module(impl).swap_blocks(src, dst, pairs)
+        assert torch.equal(dst, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# One engine-shaped sequence of steps: chunked prefill, then decode, through the kernels' own
+# cache writes, against dense attention over the unpaged K/V.
+
+
+@needs_triton
+def test_engine_steps_write_then_attend():
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 16
+    prompt_lens, chunk = [11, 6], 8
+    kv_cache = torch.full((2, 12, block_size, num_kv_heads, head_dim), float("nan"),
+                          device=DEVICE)
+    block_tables = torch.tensor([[5, 2, 9, 7, 0], [1, 11, 4, 0, 0]], dtype=torch.int32,
+                                device=DEVICE)
+    total = [14, 10]  # both finish in five steps: 2 + 3 and 1 + 4 (chunks + decodes)
+    keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in total]
+    values = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in total]
+    queries = [torch.randn(n, num_heads, head_dim, generator=gen) for n in total]
+    done = [0, 0]
+    while done != total:
+        # This step's new positions per sequence: a chunk of the prompt, or one decoded token.
+        steps = [range(d, min(d + chunk, p) if d < p else min(d + 1, t))
+                 for d, p, t in zip(done, prompt_lens, total)]
+        positions = [list(s) for s in steps]
+        slots = [int(block_tables[b, i // block_size]) * block_size + i % block_size
+                 for b, ps in enumerate(positions) for i in ps]
+        key = torch.cat([keys[b][ps] for b, ps in enumerate(positions)]).to(DEVICE)
+        value = torch.cat([values[b][ps] for b, ps in enumerate(positions)]).to(DEVICE)
+        query = torch.cat([queries[b][ps] for b, ps in enumerate(positions)]).to(DEVICE)
+        triton_ops.write_kv_cache(key, value, kv_cache, torch.tensor(slots, device=DEVICE))
+        done = [ps[-1] + 1 for ps in positions]
+        query_lens = torch.tensor([len(ps) for ps in positions])
+        query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(DEVICE, torch.int32)
+        seq_lens = torch.tensor(done, dtype=torch.int32, device=DEVICE)
+        out = triton_ops.paged_attention(query, kv_cache, block_tables, seq_lens,
+                                         query_start_loc, head_dim ** -0.5)
+        batch = Batch(query, kv_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5)
+        assert_close(out, dense_attention(batch), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# When this worker imported triton before the interpreter could be chosen
+
+
+def test_triton_kernels_in_a_fresh_process():
+    if TRITON_SKIP_REASON is None:
+        pytest.skip("the Triton tests ran in this process")
+    if triton_ops is None:
+        pytest.skip(TRITON_SKIP_REASON)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__,
+         "-k", "not fresh_process and not compile"],  # the compile check runs here already
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and " passed" in result.stdout, (
+        result.stdout[-4000:] + result.stderr[-2000:])
+
+
+# ---------------------------------------------------------------------------------------------
+# What the interpreter cannot tell: that the kernels compile for a real GPU, unspilled.
+
+
+def test_kernels_compile_for_sm90_without_register_spills():
+    """Compiles every launch the launchers make at Llama shapes for sm_90 (Triton's bundled
+    ptxas, no GPU needed) in a fresh process, where triton is imported to compile."""
+    if triton_ops is None:
+        pytest.skip(TRITON_SKIP_REASON)
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--compile"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "_paged_prefill_kernel" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sizes on a GPU: Llama-2-7B (32 heads, head_dim 128, block 16), bf16, contexts up to 4k.
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("workload", ["decode", "decode_long", "chunked_prefill"])
+def test_llama2_7b_shapes_bf16(workload):
+    query_lens, cached_lens = {
+        "decode": ([1] * 16, [37, 500, 1000, 4000] * 4),
+        "decode_long": ([1] * 2, [4095, 3000]),
+        "chunked_prefill": ([512, 1, 300], [1024, 2000, 0]),
+    }[workload]
+    batch = make_batch(query_lens, cached_lens, block_size=16, heads_per_kv_head=1,
+                       num_kv_heads=32, head_dim=128, dtype=torch.bfloat16, seed=0)
+    expected = dense_attention(batch)
+    outputs = {"dispatch": triton_ops.paged_attention(*batch.args())}
+    if workload.startswith("decode"):
+        outputs["split_k"] = triton_ops.paged_decode_attention_split_k(*batch.args(), num_splits=8)
+        outputs["decode"] = triton_ops.paged_decode_attention(*batch.args())
+    for name, out in outputs.items():
+        error = (out.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, f"{name}: relative error {error:.2e}"
