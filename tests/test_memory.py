@@ -333,12 +333,14 @@ def test_paged_prefix_cache_hits_full_blocks():
     first = make_seq(0, 10, prompt_token_ids=PROMPT)
     assert manager.allocate_prefix(first) == 0
     manager.allocate_slots(first, 10)                           # blocks 0 and 1 are full
+    first.num_computed_tokens = 10                              # ...and the step computed them
 
     second = make_seq(1, 10, prompt_token_ids=PROMPT)
     assert manager.allocate_prefix(second) == 8
     assert manager.block_tables[1] == manager.block_tables[0][:2]
     assert manager._ref_counts[manager.block_tables[1][0]] == 2
     assert manager.allocate_slots(second, 10)
+    second.num_computed_tokens = 10
     assert manager.num_tokens_stored() == 10 + 2
     manager.check_invariants()
 
@@ -346,6 +348,8 @@ def test_paged_prefix_cache_hits_full_blocks():
     assert manager.allocate_prefix(exact) == 4
     diverging = make_seq(3, 10, prompt_token_ids=PROMPT[:4] + [0] * 6)
     assert manager.allocate_prefix(diverging) == 4
+    # As the scheduler does: cached tokens count as computed.
+    exact.num_computed_tokens = diverging.num_computed_tokens = 4
     without_ids = make_seq(4, 10)
     assert manager.allocate_prefix(without_ids) == 0 and 4 not in manager.block_tables
     manager.check_invariants()
@@ -383,12 +387,25 @@ def test_paged_prefix_cache_disabled_or_without_ids_does_nothing():
     assert manager._hash_to_block == {}
 
 
+def test_paged_prefix_cache_forgets_blocks_freed_before_they_were_computed():
+    """A sequence dropped in the step that allocated it (a failed admission, a preemption)
+    leaves no cached block behind: its KV was never written."""
+    manager = PagedBlockManager(8, 4, watermark=0, enable_prefix_caching=True)
+    dropped = make_seq(0, 10, prompt_token_ids=PROMPT)
+    manager.allocate_slots(dropped, 10)
+    dropped.num_computed_tokens = 4                             # only the first block computed
+    manager.free(dropped)
+    manager.check_invariants()
+    assert manager.allocate_prefix(make_seq(1, 10, prompt_token_ids=PROMPT)) == 4
+
+
 def test_paged_prefix_cache_evicts_uncached_first_then_least_recently_freed():
     manager = PagedBlockManager(6, 2, watermark=0, enable_prefix_caching=True)
     first = make_seq(0, 4, prompt_token_ids=[1, 2, 3, 4])
     second = make_seq(1, 4, prompt_token_ids=[5, 6, 7, 8])
     manager.allocate_slots(first, 4)                            # blocks 0, 1
     manager.allocate_slots(second, 4)                           # blocks 2, 3
+    first.num_computed_tokens = second.num_computed_tokens = 4  # the step computed them
     manager.free(first)                                         # freed tail first: 1, 0
     manager.free(second)                                        # then 3, 2
     assert manager.num_free_blocks() == 6

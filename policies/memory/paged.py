@@ -205,8 +205,12 @@ class PagedBlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def _release_blocks(self, table: list[int], num_tokens: int) -> None:
-        """Drop one reference to each block of a table of `num_tokens` slots."""
+    def _release_blocks(self, table: list[int], num_tokens: int,
+                        num_computed_tokens: int) -> None:
+        """Drop one reference to each block of a table of `num_tokens` slots, of which the first
+        `num_computed_tokens` hold computed KV. A freed block that was cached (its hash is
+        registered when allocated) but never fully computed forgets its hash: its KV is not
+        there (the sequence was dropped in the step that allocated it)."""
         block_size = self.block_size
         ref_counts = self._ref_counts
         cached_blocks = self._block_to_hash
@@ -224,6 +228,8 @@ class PagedBlockManager:
                 # Every block but the last is full.
                 num_stored_freed += (block_size if index < last_index
                                      else num_tokens - index * block_size)
+                if block in cached_blocks and (index + 1) * block_size > num_computed_tokens:
+                    del self._hash_to_block[cached_blocks.pop(block)]
                 if block in cached_blocks:
                     self._evictable_block_ids[block] = None
                 else:
@@ -271,7 +277,8 @@ class PagedBlockManager:
         table = self.block_tables.pop(seq_id, None)
         self._num_exclusive_slots.pop(seq_id, None)
         if table is not None:
-            self._release_blocks(table, self._num_allocated_tokens.pop(seq_id))
+            self._release_blocks(table, self._num_allocated_tokens.pop(seq_id),
+                                 seq.num_computed_tokens)
         host_table = self._host_block_tables.pop(seq_id, None)
         if host_table is not None:
             del self._swapped_num_tokens[seq_id]
@@ -380,7 +387,7 @@ class PagedBlockManager:
             num_tokens = self._num_allocated_tokens.pop(seq.seq_id)
             self._host_block_tables[seq.seq_id] = host_table
             self._swapped_num_tokens[seq.seq_id] = num_tokens
-            self._release_blocks(table, num_tokens)
+            self._release_blocks(table, num_tokens, seq.num_computed_tokens)
         return swaps
 
     def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
