@@ -339,9 +339,10 @@ def _decode_config(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
     return tile, num_warps
 
 
-def paged_decode_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                           *, tile: int | None = None):
-    """paged_attention for one new token per sequence. `tile`: context tokens per loop step."""
+def _decode_shape(query, kv_cache, block_tables, seq_lens, query_start_loc) -> tuple:
+    """Checks a decode call and returns its launch shape: num_seqs, num_heads, head_dim,
+    num_kv_heads, block_size, heads_per_kv_head, group_pad, head_dim_pad, default_tile,
+    num_warps."""
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
     num_seqs = seq_lens.shape[0]
     assert query.shape[0] == num_seqs, "decode takes exactly one new token per sequence"
@@ -351,6 +352,16 @@ def paged_decode_attention(query, kv_cache, block_tables, seq_lens, query_start_
     group_pad = triton.next_power_of_2(heads_per_kv_head)
     head_dim_pad = triton.next_power_of_2(head_dim)
     default_tile, num_warps = _decode_config(group_pad, head_dim_pad)
+    return (num_seqs, num_heads, head_dim, num_kv_heads, block_size, heads_per_kv_head,
+            group_pad, head_dim_pad, default_tile, num_warps)
+
+
+def paged_decode_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                           *, tile: int | None = None):
+    """paged_attention for one new token per sequence. `tile`: context tokens per loop step."""
+    shape = _decode_shape(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, heads_per_kv_head, group_pad, \
+        head_dim_pad, default_tile, num_warps = shape
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
@@ -366,16 +377,10 @@ def paged_decode_attention(query, kv_cache, block_tables, seq_lens, query_start_
 def paged_decode_attention_split_k(query, kv_cache, block_tables, seq_lens, query_start_loc,
                                    scale, num_splits: int, *, tile: int | None = None):
     """Flash-decoding: paged_decode_attention with each context cut into num_splits parts."""
-    _check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
-    num_seqs = seq_lens.shape[0]
-    assert query.shape[0] == num_seqs, "decode takes exactly one new token per sequence"
     assert num_splits >= 1
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    heads_per_kv_head = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(heads_per_kv_head)
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    default_tile, num_warps = _decode_config(group_pad, head_dim_pad)
+    shape = _decode_shape(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, heads_per_kv_head, group_pad, \
+        head_dim_pad, default_tile, num_warps = shape
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out

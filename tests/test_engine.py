@@ -31,15 +31,6 @@ PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Other test workers share this machine's cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def random_prompts(lens, seed):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]

@@ -45,15 +45,6 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol
              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Other test workers share this machine's cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # ---------------------------------------------------------------------------------------------
 # Random paged batches
 
