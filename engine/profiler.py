@@ -1,0 +1,490 @@
+"""twinserve-profile: measure step durations on this device over a designed grid of step shapes,
+fit a linear model of duration on the step features, and write `profiles/<device>/<model>.json`
+with the raw samples beside it (`<model>.samples.csv`).
+
+The grid is not a workload: it is chosen to span every feature in `sim.step_features` on its own
+and in combination: prefill chunks of several lengths over several cached-context lengths, several
+prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
+batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
+decode batch, since a real step always runs a forward), over a couple of block sizes. Every plan is
+built for real through a `PagedBlockManager` (valid block tables, copy and swap pairs); the KV
+contents are whatever the pool holds, which is all that timing needs.
+
+    python -m engine.profiler --model tiny-llama            # the default grid, 5 repeats
+    python -m engine.profiler --quick --out-dir /tmp/prof   # a handful of points
+
+Function API (tests, the profiled cost model):
+
+    prof = profile(executor_factory, grid, repeats=5)   # -> Profile (samples + points)
+    content = fit_profile(prof.samples, metadata)        # -> the JSON content (a dict)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as _dt
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from policies.memory import PagedBlockManager
+from policies.types import Request, Sequence, StepPlan
+from sim.step_features import STEP_FEATURES, step_features
+
+SCHEMA = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT_DIR = REPO_ROOT / "profiles"
+VOCAB_FOR_IDS = 512  # random prompt ids are drawn below this (tiny-llama's vocabulary)
+
+
+# ---------------------------------------------------------------- grid
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One step shape. `prefills`: (chunk length, cached context before it) per prefill chunk;
+    `decodes`: context length (tokens incl. the one computed) per decoding sequence; copies and
+    swaps in blocks."""
+
+    point_id: int
+    kind: str
+    block_size: int
+    prefills: tuple[tuple[int, int], ...] = ()
+    decodes: tuple[int, ...] = ()
+    num_copies: int = 0
+    num_swap_out: int = 0
+    num_swap_in: int = 0
+
+    def num_blocks_needed(self) -> int:
+        bs = self.block_size
+        blocks = sum(-(-(chunk + ctx) // bs) for chunk, ctx in self.prefills)
+        blocks += sum(-(-ctx // bs) for ctx in self.decodes)
+        # Copies: a parent of num_copies blocks and its unshared child; swap-in: the blocks
+        # coming back; swap-out: the blocks leaving (allocated before they go).
+        return blocks + 2 * self.num_copies + self.num_swap_in + self.num_swap_out + 1
+
+    def num_host_blocks_needed(self) -> int:
+        return self.num_swap_out + self.num_swap_in
+
+
+def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> list[GridPoint]:
+    """The designed grid. The first block size gets the full grid; the others a subset (decode,
+    prefill and mixed shapes, where the block size changes the attention's gathers)."""
+    specs: list[dict] = []
+
+    def add(kind, full_only=False, **kw):
+        specs.append({"kind": kind, "full_only": full_only, **kw})
+
+    if quick:
+        for chunk, ctx in ((32, 0), (64, 64)):
+            add("prefill", prefills=((chunk, ctx),))
+        for batch, ctx in ((2, 32), (8, 96)):
+            add("decode", decodes=(ctx,) * batch)
+        add("mixed", decodes=(64,) * 4, prefills=((32, 32),))
+        add("copy", full_only=True, decodes=(64,) * 2, num_copies=4)
+        add("swap", full_only=True, decodes=(64,) * 2, num_swap_out=3, num_swap_in=3)
+    else:
+        for chunk in (16, 64, 128, 256, 512):
+            for ctx in (0, 128, 512):
+                add("prefill", prefills=((chunk, ctx),))
+        for ctx in (0, 256):  # longest chunks in the mix, kept within ~1k tokens of context
+            add("prefill", prefills=((768, ctx),))
+        for count in (2, 4, 8):
+            for chunk in (32, 128):
+                add("multi_prefill", prefills=((chunk, 0),) * count)
+        add("multi_prefill", prefills=((64, 256),) * 4)
+        for batch in (1, 4, 8, 16, 32, 64):
+            for ctx in (32, 128, 256, 512, 1024):
+                add("decode", decodes=(ctx,) * batch)
+        for batch in (8, 32, 64):  # contexts spread over 32..~1k, in a shuffled order
+            add("decode_mixed_ctx",
+                decodes=tuple(32 + ((i * 37) % batch) * 992 // batch for i in range(batch)))
+        for batch in (4, 16, 48):
+            for chunk, ctx in ((64, 0), (256, 0), (128, 384), (512, 128)):
+                add("mixed", decodes=(256,) * batch, prefills=((chunk, ctx),))
+        for copies in (4, 16, 64, 256):
+            add("copy", full_only=True, decodes=(128,) * 4, num_copies=copies)
+        for blocks in (4, 16, 64, 256):
+            add("swap_out", full_only=True, decodes=(128,) * 4, num_swap_out=blocks)
+            add("swap_in", full_only=True, decodes=(128,) * 4, num_swap_in=blocks)
+        add("swap", full_only=True, decodes=(128,) * 4, num_swap_out=64, num_swap_in=64)
+
+    grid: list[GridPoint] = []
+    for index, block_size in enumerate(block_sizes):
+        for spec in specs:
+            if index > 0 and spec["full_only"]:
+                continue
+            if index > 0 and not quick and spec["kind"] == "decode" and len(spec["decodes"]) in (
+                    4, 16):
+                continue  # a coarser decode grid for the secondary block sizes
+            kw = {k: v for k, v in spec.items() if k != "full_only"}
+            grid.append(GridPoint(point_id=len(grid), block_size=block_size, **kw))
+    return grid
+
+
+# ---------------------------------------------------------------- building plans
+
+
+class _Ids:
+    def __init__(self):
+        self.next_seq = 0
+        self.next_request = 0
+
+
+def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: int,
+             n: int = 1) -> Sequence:
+    prompt = rng.integers(3, VOCAB_FOR_IDS, size=prompt_len).tolist()
+    request = Request(ids.next_request, 0.0, prompt_len, max(num_outputs, 1) + 16, n=n,
+                      prompt_token_ids=prompt)
+    ids.next_request += 1
+    outputs = rng.integers(3, VOCAB_FOR_IDS, size=num_outputs).tolist()
+    seq = Sequence(ids.next_seq, request, num_output_tokens=num_outputs, output_token_ids=outputs)
+    ids.next_seq += 1
+    request.sequences.append(seq)
+    return seq
+
+
+def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
+               num_blocks: int | None = None, num_host_blocks: int | None = None) -> StepPlan:
+    """The point's StepPlan, built as the policies would: requests with random prompt ids, their
+    sequences, slots allocated in a fresh PagedBlockManager (`num_blocks` device blocks, default
+    just enough), the context put in place by num_computed_tokens, copy pairs from an unshared
+    fork, swap pairs from swap_out/swap_in."""
+    rng = rng if rng is not None else np.random.default_rng(point.point_id)
+    num_blocks = num_blocks or point.num_blocks_needed()
+    num_host_blocks = num_host_blocks if num_host_blocks is not None else (
+        point.num_host_blocks_needed())
+    kv = PagedBlockManager(num_blocks, point.block_size, num_host_blocks=num_host_blocks,
+                           watermark=0.0, share_on_fork=False)
+    bs = point.block_size
+    ids = _Ids()
+    plan = StepPlan()
+
+    # Memory operations first, in the order the executor carries them out.
+    if point.num_swap_in:
+        back = _new_seq(ids, rng, point.num_swap_in * bs, 0)
+        _allocate(kv, back, point.num_swap_in * bs)
+        back.num_computed_tokens = point.num_swap_in * bs
+        kv.swap_out([back])               # (not executed: it only puts the blocks on host)
+        plan.blocks_to_swap_in = kv.swap_in([back])
+    if point.num_swap_out:
+        leaving = _new_seq(ids, rng, point.num_swap_out * bs, 0)
+        _allocate(kv, leaving, point.num_swap_out * bs)
+        leaving.num_computed_tokens = point.num_swap_out * bs
+        plan.blocks_to_swap_out = kv.swap_out([leaving])
+    if point.num_copies:
+        parent = _new_seq(ids, rng, point.num_copies * bs, 0, n=2)
+        _allocate(kv, parent, point.num_copies * bs)
+        child = Sequence(ids.next_seq, parent.request)
+        ids.next_seq += 1
+        if not kv.fork(parent, child):
+            raise RuntimeError(f"grid point {point.point_id}: copies do not fit")
+        plan.blocks_to_copy = kv.take_pending_copies()
+
+    decodes = []
+    for ctx in point.decodes:
+        seq = _new_seq(ids, rng, ctx - 1, 1)
+        _allocate(kv, seq, ctx)
+        seq.num_computed_tokens = ctx - 1
+        decodes.append(seq)
+    if decodes:
+        plan.add_decodes(decodes)
+    for chunk, ctx in point.prefills:
+        seq = _new_seq(ids, rng, ctx + chunk, 0)
+        _allocate(kv, seq, ctx + chunk)
+        seq.num_computed_tokens = ctx
+        plan.add(seq, chunk)
+    plan.block_tables = kv.block_tables
+    return plan
+
+
+def _allocate(kv: PagedBlockManager, seq: Sequence, num_tokens: int) -> None:
+    if not kv.allocate_slots(seq, num_tokens):
+        raise RuntimeError(f"profiler: {num_tokens} slots do not fit the KV pool")
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Profile:
+    """Every sample of a run: one dict per (point, repeat) with point_id, kind, block_size,
+    repeat, every STEP_FEATURES value and duration_s."""
+
+    points: list[GridPoint]
+    samples: list[dict] = field(default_factory=list)
+    repeats: int = 0
+    wall_time_s: float = 0.0
+
+    def fit(self, metadata: dict | None = None) -> dict:
+        return fit_profile(self.samples, metadata)
+
+
+ExecutorFactory = Callable[[int, int, int], object]  # (block_size, num_blocks, host_blocks)
+
+
+def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: int = 5,
+            warmup: int = 1, seed: int = 0, progress: bool = True) -> Profile:
+    """Run every grid point `warmup` untimed + `repeats` timed times on an executor built by
+    `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
+    for the largest point), keeping every sample's measured `duration`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    start = time.perf_counter()
+    result = Profile(points=list(grid), repeats=repeats)
+    rng = np.random.default_rng(seed)
+    by_block_size: dict[int, list[GridPoint]] = {}
+    for point in grid:
+        by_block_size.setdefault(point.block_size, []).append(point)
+    bar = _progress_bar(len(grid) * repeats, progress)
+    try:
+        for block_size, points in by_block_size.items():
+            num_blocks = max(p.num_blocks_needed() for p in points)
+            num_host = max(p.num_host_blocks_needed() for p in points)
+            executor = executor_factory(block_size, num_blocks, num_host)
+            plans = [build_plan(point, rng, num_blocks, num_host) for point in points]
+            features = [dict(zip(STEP_FEATURES, step_features(plan))) for plan in plans]
+            # Warm the executor up on its largest shapes, then every point `warmup` times.
+            for index in sorted(range(len(points)),
+                                key=lambda i: -points[i].num_blocks_needed())[:3]:
+                executor.execute(plans[index])
+            for _ in range(warmup):
+                for plan in plans:
+                    executor.execute(plan)
+            # Repeats in rounds over the points, so a burst of load from elsewhere on the
+            # machine spreads over many points' samples instead of biasing one point.
+            for repeat in range(repeats):
+                for point, plan, feats in zip(points, plans, features):
+                    duration = float(executor.execute(plan).duration)
+                    result.samples.append({"point_id": point.point_id, "kind": point.kind,
+                                           "block_size": block_size, "repeat": repeat,
+                                           **feats, "duration_s": duration})
+                    if bar is not None:
+                        bar.update(1)
+                if bar is not None:
+                    bar.set_postfix_str(f"bs={block_size} round {repeat + 1}/{repeats}")
+            del plans
+    finally:
+        if bar is not None:
+            bar.close()
+    result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
+    result.wall_time_s = time.perf_counter() - start
+    return result
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="profiling", unit="step", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- fitting
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0: Lawson & Hanson's active-set method (scipy's nnls,
+    in numpy)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    max_iter = max_iter or 3 * n + 30
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    w = a.T @ (b - a @ x)
+    for _ in range(max_iter):
+        if passive.all() or not (w[~passive] > tol).any():
+            break
+        candidates = np.where(~passive, w, -np.inf)
+        passive[int(np.argmax(candidates))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # Step back toward x until a passive coefficient hits zero; drop it.
+            blocking = passive & (z <= 0)
+            alpha = np.min(x[blocking] / (x[blocking] - z[blocking] + 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
+    """Fit duration = intercept + Σ coef·feature with every coefficient ≥ 0, weighting each
+    sample by 1/duration (so the fit minimises relative error: steps span two orders of
+    magnitude, and an unweighted fit would sacrifice every small decode step to the long
+    prefills). Returns the profile JSON's content."""
+    if not samples:
+        raise ValueError("fit_profile: no samples")
+    x = np.array([[float(s[f]) for f in STEP_FEATURES] for s in samples])
+    y = np.array([float(s["duration_s"]) for s in samples])
+    if (y <= 0).any():
+        raise ValueError("fit_profile: durations must be positive")
+    design = np.hstack([np.ones((len(y), 1)), x])
+    # Column scaling for conditioning; a feature that never varies from zero is left out.
+    scale = np.abs(design).max(axis=0)
+    used = scale > 0
+    weighted = design[:, used] / scale[used] / y[:, None]
+    coef_scaled = nnls(weighted, np.ones(len(y)))
+    coef = np.zeros(design.shape[1])
+    coef[used] = coef_scaled / scale[used]
+    predicted = design @ coef
+    relative = y / np.maximum(predicted, 1e-12) - 1.0
+    by_kind: dict[str, list[float]] = {}
+    for sample, rel in zip(samples, relative):
+        by_kind.setdefault(str(sample.get("kind", "all")), []).append(float(rel))
+    ss_res = float(((y - predicted) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return {
+        "schema": SCHEMA,
+        "metadata": dict(metadata or {}),
+        "features": list(STEP_FEATURES),
+        "model": {"kind": "linear", "intercept_s": float(coef[0]),
+                  "coefficients_s": {f: float(c) for f, c in zip(STEP_FEATURES, coef[1:])}},
+        "residuals": {"kind": "relative", "samples": [float(r) for r in relative]},
+        "feature_ranges": {f: [float(x[:, i].min()), float(x[:, i].max())]
+                           for i, f in enumerate(STEP_FEATURES)},
+        "fit": {"r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+                "mean_abs_rel_error": float(np.abs(relative).mean()),
+                "median_abs_rel_error": float(np.median(np.abs(relative))),
+                "max_abs_rel_error": float(np.abs(relative).max()),
+                "num_samples": len(y),
+                # Per kind of grid point: a mean far from 0 is a shape the features miss.
+                "by_kind": {kind: {"mean_rel_error": float(np.mean(v)),
+                                   "mean_abs_rel_error": float(np.mean(np.abs(v))),
+                                   "num_samples": len(v)} for kind, v in by_kind.items()}},
+    }
+
+
+def predict(content: dict, features: Iterable[float]) -> float:
+    """A fitted profile's duration for one feature vector (STEP_FEATURES order)."""
+    model = content["model"]
+    coefs = model["coefficients_s"]
+    return model["intercept_s"] + sum(coefs[f] * float(v)
+                                      for f, v in zip(content["features"], features))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_profile(content: dict, samples: list[dict], out_dir: Path, device_dir: str,
+                  model: str) -> tuple[Path, Path]:
+    folder = Path(out_dir) / device_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path = folder / f"{model}.json"
+    csv_path = folder / f"{model}.samples.csv"
+    json_path.write_text(json.dumps(content, indent=1) + "\n")
+    columns = ["point_id", "kind", "block_size", "repeat", *STEP_FEATURES, "duration_s"]
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for sample in samples:
+            writer.writerow({c: sample[c] for c in columns})
+    return json_path, csv_path
+
+
+def device_names(device) -> tuple[str, str]:
+    """(human name for the metadata, folder name under profiles/)."""
+    import torch
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        return name, slug or "cuda"
+    return (platform.processor() or platform.machine() or "cpu"), "cpu"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def engine_executor_factory(model: str, device, dtype=None, seed: int = 0,
+                            kernel_backend: str | None = None):
+    """A factory building real engine executors, loading the model once. Returns (factory,
+    loaded model)."""
+    from engine.builder import build_executor
+    from engine.model_loader import load_model
+
+    loaded = load_model(model, device, dtype, seed)
+
+    def factory(block_size: int, num_blocks: int, num_host_blocks: int):
+        return build_executor(loaded, num_blocks, num_host_blocks, block_size, device, seed,
+                              kernel_backend)
+
+    return factory, loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="twinserve-profile",
+        description="Measure step durations over a designed grid and fit the profiled cost "
+                    "model: writes <out-dir>/<device>/<model>.json and .samples.csv")
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if "
+                                                       "available)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--kernel-backend", default=None)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a handful of points (tests)")
+    parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+
+    from engine.builder import resolve_device
+
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
+                                              args.kernel_backend)
+    grid = make_grid(args.block_sizes, quick=args.quick)
+    prof = profile(factory, grid, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                   progress=not args.no_progress)
+    device_name, device_dir = device_names(device)
+    model_name = Path(args.model).name if Path(args.model).expanduser().is_dir() else args.model
+    metadata = {
+        "device": device_name, "device_type": device.type,
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "model": model_name, "model_config": dataclasses.asdict(loaded.spec),
+        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
+        "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
+        "grid": "quick" if args.quick else "default", "num_points": len(grid),
+        "profile_wall_time_s": round(prof.wall_time_s, 2),
+        "platform": platform.platform(), "python": platform.python_version(),
+    }
+    content = fit_profile(prof.samples, metadata)
+    json_path, csv_path = write_profile(content, prof.samples, Path(args.out_dir), device_dir,
+                                        model_name)
+    fit = content["fit"]
+    print(f"{len(grid)} points x {args.repeats} repeats in {prof.wall_time_s:.1f} s; "
+          f"R2={fit['r2']:.4f}, mean |rel err|={fit['mean_abs_rel_error']:.2%}; "
+          f"wrote {json_path} and {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The profiler: its grid builds valid plans, its fit recovers a known linear cost from a stand-in
+executor, it writes the profile JSON and samples CSV, and one quick real run on the tiny Llama."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls, predict,
+                             profile, write_profile)
+from policies.types import StepResult
+from sim.step_features import STEP_FEATURES, step_features
+
+torch.set_num_threads(1)
+
+# A known cost: seconds per unit of each feature, and a fixed step overhead.
+TRUE_INTERCEPT = 2e-3
+TRUE_COEFS = dict(zip(STEP_FEATURES, (
+    3e-5,    # num_prefill_tokens
+    5e-4,    # num_prefill_seqs
+    2e-9,    # sum_squared_prefill_chunks
+    1e-8,    # prefill_attention_work
+    1e-4,    # num_decode_seqs
+    4e-7,    # decode_context_tokens
+    2e-6,    # num_blocks_copied
+    8e-6,    # num_blocks_swapped
+)))
+
+
+def true_cost(features) -> float:
+    return TRUE_INTERCEPT + sum(TRUE_COEFS[f] * v for f, v in zip(STEP_FEATURES, features))
+
+
+class StandInExecutor:
+    """execute(plan) -> the known cost of the plan's features, with 1% multiplicative noise."""
+
+    def __init__(self, block_size, num_blocks, num_host_blocks, seed=0, noise=0.01):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.rng = np.random.default_rng(seed + block_size)
+        self.noise = noise
+        self.calls = 0
+
+    def execute(self, plan):
+        self.calls += 1
+        for table in plan.block_tables.values():  # tables must index the pool sized for them
+            assert all(0 <= block < self.num_blocks for block in table)
+        for src, dst in plan.blocks_to_copy:
+            assert 0 <= src < self.num_blocks and 0 <= dst < self.num_blocks
+        for dev, host in plan.blocks_to_swap_out:
+            assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
+        for host, dev in plan.blocks_to_swap_in:
+            assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
+        duration = true_cost(step_features(plan)) * (1 + self.noise * self.rng.standard_normal())
+        return StepResult(duration=duration)
+
+
+def held_out_points() -> list[GridPoint]:
+    """Shapes not in the grid, inside its ranges."""
+    return [
+        GridPoint(1000, "prefill", 16, prefills=((200, 300),)),
+        GridPoint(1001, "prefill", 32, prefills=((48, 0), (96, 32), (400, 100))),
+        GridPoint(1002, "decode", 16, decodes=(700,) * 24),
+        GridPoint(1003, "decode", 32, decodes=tuple(range(40, 1000, 40))),
+        GridPoint(1004, "mixed", 16, decodes=(300,) * 20, prefills=((300, 200),)),
+        GridPoint(1005, "copy", 16, decodes=(100,) * 6, num_copies=40),
+        GridPoint(1006, "swap", 16, decodes=(200,) * 3, num_swap_out=30, num_swap_in=90),
+    ]
+
+
+def test_grid_plans_are_real():
+    for point in make_grid((16, 32)):
+        plan = build_plan(point)
+        features = dict(zip(STEP_FEATURES, step_features(plan)))
+        assert features["num_decode_seqs"] == len(point.decodes)
+        assert features["num_prefill_seqs"] == len(point.prefills)
+        assert features["num_prefill_tokens"] == sum(c for c, _ in point.prefills)
+        assert features["decode_context_tokens"] == sum(point.decodes)
+        assert features["num_blocks_copied"] == point.num_copies
+        assert features["num_blocks_swapped"] == point.num_swap_out + point.num_swap_in
+        for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
+            table = plan.block_tables[seq.seq_id]
+            assert len(table) * point.block_size >= seq.num_computed_tokens + num_new
+            assert len(seq.request.prompt_token_ids) == seq.request.prompt_len
+
+
+def test_nnls_matches_lstsq_when_unconstrained_and_clamps_otherwise():
+    rng = np.random.default_rng(0)
+    a = rng.random((50, 4))
+    x_true = np.array([1.0, 2.0, 0.5, 3.0])
+    assert np.allclose(nnls(a, a @ x_true), x_true, atol=1e-8)
+    b = a @ np.array([1.0, -2.0, 0.5, 3.0])
+    x = nnls(a, b)
+    assert (x >= 0).all()
+    # Optimality (KKT): the gradient vanishes on positive coefficients, points up on zeros.
+    grad = a.T @ (a @ x - b)
+    assert np.allclose(grad[x > 0], 0, atol=1e-8)
+    assert (grad[x == 0] >= -1e-8).all()
+
+
+def test_stand_in_recovered_within_two_percent(tmp_path):
+    grid = make_grid((16, 32))
+    executors = []
+
+    def factory(block_size, num_blocks, num_host_blocks):
+        executors.append(StandInExecutor(block_size, num_blocks, num_host_blocks))
+        return executors[-1]
+
+    prof = profile(factory, grid, repeats=3, warmup=1, progress=False)
+    assert len(prof.samples) == len(grid) * 3
+    content = fit_profile(prof.samples, {"device": "stand-in"})
+    assert content["fit"]["r2"] > 0.99
+    for point in held_out_points():
+        features = step_features(build_plan(point))
+        expected = true_cost(features)
+        assert predict(content, features) == pytest.approx(expected, rel=0.02), point
+
+    # The residuals keep the measured spread: 1% noise, one relative residual per sample.
+    residuals = np.array(content["residuals"]["samples"])
+    assert len(residuals) == len(prof.samples)
+    assert 0.005 < residuals.std() < 0.02
+
+    json_path, csv_path = write_profile(content, prof.samples, tmp_path, "standin", "toy")
+    check_written(json_path, csv_path, len(grid), 3)
+
+
+def check_written(json_path, csv_path, num_points, repeats):
+    content = json.loads(json_path.read_text())
+    assert content["schema"] == 1
+    assert set(content) >= {"schema", "metadata", "features", "model", "residuals",
+                            "feature_ranges", "fit"}
+    assert content["features"] == list(STEP_FEATURES)
+    model = content["model"]
+    assert model["kind"] == "linear" and isinstance(model["intercept_s"], float)
+    assert list(model["coefficients_s"]) == list(STEP_FEATURES)
+    assert all(c >= 0 for c in model["coefficients_s"].values()) and model["intercept_s"] >= 0
+    assert content["residuals"]["kind"] == "relative"
+    assert len(content["residuals"]["samples"]) == num_points * repeats
+    assert set(content["feature_ranges"]) == set(STEP_FEATURES)
+    assert all(lo <= hi for lo, hi in content["feature_ranges"].values())
+    assert content["fit"]["num_samples"] == num_points * repeats
+    assert {"r2", "mean_abs_rel_error", "by_kind"} <= set(content["fit"])
+    with csv_path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == num_points * repeats
+    assert set(rows[0]) >= {"point_id", "repeat", "duration_s", *STEP_FEATURES}
+    assert len({(r["point_id"], r["repeat"]) for r in rows}) == len(rows)
+    return content
+
+
+def test_fit_rejects_empty_and_non_positive():
+    with pytest.raises(ValueError):
+        fit_profile([])
+    sample = {f: 1.0 for f in STEP_FEATURES} | {"duration_s": 0.0}
+    with pytest.raises(ValueError):
+        fit_profile([sample])
+
+
+def test_quick_real_run_on_tiny_llama(tmp_path):
+    assert main(["--quick", "--repeats", "2", "--device", "cpu", "--out-dir", str(tmp_path),
+                 "--no-progress"]) == 0
+    json_path = tmp_path / "cpu" / "tiny-llama.json"
+    csv_path = tmp_path / "cpu" / "tiny-llama.samples.csv"
+    num_points = len(make_grid((16, 32), quick=True))
+    content = check_written(json_path, csv_path, num_points, 2)
+    meta = content["metadata"]
+    assert meta["model"] == "tiny-llama" and meta["model_config"]["num_layers"] == 4
+    assert meta["torch_version"] == torch.__version__
+    assert meta["block_sizes"] == [16, 32] and meta["repeats"] == 2 and meta["threads"] == 1
+    assert {"device", "transformers_version", "date", "git_commit"} <= set(meta)
+    assert content["fit"]["r2"] > 0  # a real, noisy run: only that the fit says something
