@@ -1,0 +1,160 @@
+"""The profiled cost model: a step's duration from a model fitted to engine measurements.
+
+A profile (profiles/<device>/<model>.json, written by the profiler) holds a linear model of the
+step duration over the features of sim/step_features.py, the relative residuals of the fit
+(measured / predicted - 1) and the range of every feature it was fitted on:
+
+    {"schema": 1, "metadata": {...}, "features": [STEP_FEATURES names],
+     "model": {"kind": "linear", "intercept_s": float, "coefficients_s": {feature: float}},
+     "residuals": {"kind": "relative", "samples": [float, ...]},
+     "feature_ranges": {feature: [min, max]}, "fit": {...}}
+
+A step takes `prediction × (1 + r)`, r drawn from the residual samples with a seeded generator, so
+the simulated tails carry the measured spread rather than the mean alone. A step whose features
+fall outside the profiled ranges is extrapolated linearly (the model is linear in every feature)
+and the first such step of each feature is logged as a warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from policies.types import StepPlan
+from sim.step_features import STEP_FEATURES, step_features
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+# Residual draws are taken from the generator in batches: one numpy call per batch, not per step.
+_DRAW_BATCH = 4096
+
+
+class ProfileError(ValueError):
+    """The profile file is missing or does not match what this cost model reads."""
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProfileError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read and check a profile; every problem is a ProfileError naming the file and the field."""
+    if path is None or str(path) in ("", "???"):
+        raise ProfileError("cost_model.profile is required: the path of a profile JSON "
+                           "(profiles/<device>/<model>.json, from twinserve-profile)")
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"cost_model.profile={path}: no such file")
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ProfileError(f"cost_model.profile={path}: not a readable JSON file ({error})") from None
+    if not isinstance(profile, dict):
+        raise ProfileError(f"cost_model.profile={path}: expected a JSON object")
+    if profile.get("schema") != SCHEMA_VERSION:
+        raise ProfileError(f"cost_model.profile={path}: schema {profile.get('schema')!r} is not "
+                           f"supported (this twinserve reads schema {SCHEMA_VERSION}); re-run the "
+                           f"profiler")
+    features = profile.get("features")
+    if list(features or []) != list(STEP_FEATURES):
+        raise ProfileError(f"cost_model.profile={path}: its features {features!r} differ from "
+                           f"sim.step_features.STEP_FEATURES {list(STEP_FEATURES)!r}; re-run the "
+                           f"profiler")
+    model = profile.get("model")
+    if not isinstance(model, dict) or model.get("kind") != "linear":
+        raise ProfileError(f"cost_model.profile={path}: model.kind must be 'linear', got "
+                           f"{(model or {}).get('kind') if isinstance(model, dict) else model!r}")
+    coefficients = model.get("coefficients_s")
+    if not isinstance(coefficients, dict) or set(coefficients) != set(STEP_FEATURES):
+        raise ProfileError(f"cost_model.profile={path}: model.coefficients_s must have exactly "
+                           f"the keys {list(STEP_FEATURES)}")
+    residuals = profile.get("residuals") or {"kind": "relative", "samples": []}
+    if not isinstance(residuals, dict) or residuals.get("kind", "relative") != "relative":
+        raise ProfileError(f"cost_model.profile={path}: residuals.kind must be 'relative'")
+    if not isinstance(residuals.get("samples", []), list):
+        raise ProfileError(f"cost_model.profile={path}: residuals.samples must be a list")
+    ranges = profile.get("feature_ranges") or {}
+    if not isinstance(ranges, dict):
+        raise ProfileError(f"cost_model.profile={path}: feature_ranges must be a mapping")
+    return profile
+
+
+class ProfiledCostModel:
+    """Predicts `step_time(plan)` in seconds from a profile fitted on the engine.
+
+    `model`, `hardware`, `tensor_parallel_size` and `block_size` are what the runner passes every
+    cost model; the profile already describes one model on one device, so they are accepted and
+    not used. `sample_residuals=False` gives the fitted mean alone (deterministic)."""
+
+    def __init__(self, profile: str, seed: int = 0, sample_residuals: bool = True,
+                 model=None, hardware=None, tensor_parallel_size: int = 1, block_size=None):
+        data = load_profile(profile)
+        where = f"cost_model.profile={profile}"
+        self.profile_path = str(profile)
+        self.metadata = data.get("metadata") or {}
+        model_data = data["model"]
+        self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
+        self.coefficients_s = tuple(
+            _number(model_data["coefficients_s"][name], f"{where}: model.coefficients_s.{name}")
+            for name in STEP_FEATURES)
+        samples = [_number(value, f"{where}: residuals.samples[]")
+                   for value in data.get("residuals", {}).get("samples", [])]
+        if any(value <= -1.0 for value in samples):
+            raise ProfileError(f"{where}: relative residuals must be > -1 (a measured duration "
+                               f"is positive)")
+        self.residual_samples = np.asarray(samples, dtype=np.float64)
+        ranges = data.get("feature_ranges") or {}
+        self.feature_ranges: dict[str, tuple[float, float]] = {}
+        for name, bounds in ranges.items():
+            if name not in STEP_FEATURES:
+                raise ProfileError(f"{where}: feature_ranges has unknown feature {name!r}")
+            if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+                raise ProfileError(f"{where}: feature_ranges.{name} must be [min, max]")
+            low, high = (_number(v, f"{where}: feature_ranges.{name}") for v in bounds)
+            self.feature_ranges[name] = (low, high)
+        self._ranges_by_index = [(i, name, *self.feature_ranges[name])
+                                 for i, name in enumerate(STEP_FEATURES)
+                                 if name in self.feature_ranges]
+        self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._draws: list[float] = []
+        self._warned: set[str] = set()
+
+    def predict_mean(self, features) -> float:
+        """The fitted linear prediction (seconds) for a feature vector in STEP_FEATURES order."""
+        return self.intercept_s + sum(c * x for c, x in zip(self.coefficients_s, features))
+
+    def _check_range(self, features) -> None:
+        for index, name, low, high in self._ranges_by_index:
+            value = features[index]
+            if (value < low or value > high) and name not in self._warned:
+                self._warned.add(name)
+                log.warning("profiled cost model: %s=%g is outside the profiled range [%g, %g] "
+                            "of %s; extrapolating linearly (warned once per feature)",
+                            name, value, low, high, self.profile_path)
+
+    def _residual(self) -> float:
+        if not self._draws:
+            picks = self._rng.integers(0, self.residual_samples.size, size=_DRAW_BATCH)
+            # Reversed so that pop() hands them out in the order they were drawn.
+            self._draws = self.residual_samples[picks][::-1].tolist()
+        return self._draws.pop()
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds the step takes: 0 for an empty plan, else the linear prediction times
+        (1 + a drawn residual), never negative."""
+        features = step_features(plan)
+        if not any(features):
+            return 0.0
+        self._check_range(features)
+        time = self.predict_mean(features)
+        if self.sample_residuals:
+            time *= 1.0 + self._residual()
+        return max(time, 0.0)

@@ -1,0 +1,398 @@
+"""`twinserve-validate`: run one workload on the engine and on the profiled simulator, and compare.
+
+    python -m sim.validate --out validation/ cost_model.profile=profiles/cpu/tiny-llama.json \\
+        model=tiny-llama hardware=cpu workload.with_token_ids=true workload.num_requests=50
+
+Both runs use the same config (policies, workload, seed, KV pool size) composed from the repo's
+conf/ plus the given overrides; only the backend differs: `backend=engine` runs every step for real,
+`backend=sim cost_model=profiled` predicts each step from the profile alone (it never sees the
+engine run's measurements). Writes <out>/engine/ and <out>/sim/ (each run's usual files) and
+
+- `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
+  time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
+  (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
+- `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both runs).
+
+Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr),
+2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+LATENCIES: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
+METRICS: tuple[str, ...] = (
+    *(f"{stat}_{name}_ms" for name in LATENCIES for stat in STATS),
+    "request_throughput", "output_throughput",
+    "num_preemptions", "peak_kv_blocks", "swap_bytes",
+)
+
+# The issue's targets: means and medians of TTFT, TPOT and e2e and the throughputs within 3 %,
+# p99s within 8 % (p99 TTFT 10 %), the preemption count within 5 %.
+DEFAULT_GATES = {"mean_pct": 3.0, "p99_pct": 8.0, "p99_ttft_pct": 10.0, "preemptions_pct": 5.0}
+GATED_BY: dict[str, str] = {
+    **{f"{stat}_{name}_ms": "mean_pct" for name in ("ttft", "tpot", "e2el")
+       for stat in ("mean", "median")},
+    "request_throughput": "mean_pct", "output_throughput": "mean_pct",
+    "p99_ttft_ms": "p99_ttft_pct", "p99_tpot_ms": "p99_pct", "p99_itl_ms": "p99_pct",
+    "p99_e2el_ms": "p99_pct",
+    "num_preemptions": "preemptions_pct",
+}
+CDF_COLUMNS: tuple[tuple[str, str], ...] = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"),
+                                            ("e2el_ms", "E2E"))
+
+
+UNSET = object()  # a gate not given on the command line
+
+
+class ValidationInputError(ValueError):
+    """Bad input: exit status 2."""
+
+
+# ---- pure functions on summaries ---------------------------------------------------------------
+
+def error_pct(engine: float, sim: float) -> float | None:
+    """Signed (sim - engine) / engine × 100. With engine = 0: 0 if sim is 0 too, else None (an
+    infinite relative error, which fails any gate)."""
+    engine, sim = float(engine), float(sim)
+    if engine == 0.0:
+        return 0.0 if sim == 0.0 else None
+    return (sim - engine) / abs(engine) * 100.0
+
+
+def compare_summaries(engine: dict, sim: dict,
+                      metrics: tuple[str, ...] = METRICS) -> dict[str, dict]:
+    """{name: {"engine": x, "sim": y, "error_pct": e}} for every metric of `metrics`."""
+    missing = [name for name in metrics if name not in engine or name not in sim]
+    if missing:
+        raise ValidationInputError(f"summaries lack the metrics {missing}")
+    return {name: {"engine": engine[name], "sim": sim[name],
+                   "error_pct": error_pct(engine[name], sim[name])} for name in metrics}
+
+
+def check_gates(metrics: dict[str, dict], gates: dict[str, float | None]) -> list[str]:
+    """The gated metrics whose |error| passes their gate, as 'name: error % (gate ±g %)' lines.
+    A gate of None switches that gate off; an error of None (engine 0, sim not) always fails."""
+    failures = []
+    for name, gate_name in GATED_BY.items():
+        gate = gates.get(gate_name)
+        if gate is None or name not in metrics:
+            continue
+        error = metrics[name]["error_pct"]
+        if error is None or not math.isfinite(error) or abs(error) > gate:
+            shown = "inf" if error is None else f"{error:+.3f} %"
+            failures.append(f"{name}: {shown} (gate ±{gate:g} %, {gate_name})")
+    return failures
+
+
+def resolve_gates(cli: dict[str, float | None | str], config=None) -> dict[str, float | None]:
+    """Each gate from the command line if given there, else from the config's `validate` node
+    (`+validate.gate_mean_pct=5`), else the default. UNSET on the command line means not given."""
+    config = config or {}
+    gates = {}
+    for name, default in DEFAULT_GATES.items():
+        value = cli.get(name, UNSET)
+        if value is UNSET:
+            value = config.get(f"gate_{name}", default)
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, float)) or value < 0):
+                raise ValidationInputError(f"validate.gate_{name} must be a percentage >= 0 or "
+                                           f"null, got {value!r}")
+        gates[name] = None if value is None else float(value)
+    return gates
+
+
+def speedup(engine_wall_s: float, sim_wall_s: float) -> float | None:
+    return engine_wall_s / sim_wall_s if sim_wall_s > 0 else None
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1000:
+        return f"{int(value):,}"
+    return f"{value:,.3f}"
+
+
+def _fmt_error(error: float | None) -> str:
+    return "inf" if error is None else f"{error:+.2f}"
+
+
+def report_rows(metrics: dict[str, dict]) -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for name, values in metrics.items():
+        gate = GATED_BY.get(name, "")
+        rows.append((name, _fmt(values["engine"]), _fmt(values["sim"]),
+                     _fmt_error(values["error_pct"]), gate))
+    return rows
+
+
+def rich_table(result: dict) -> Table:
+    table = Table(title=f"validation: engine vs simulator (speedup "
+                        f"{_fmt(result['speedup'])}×)")
+    for column in ("metric", "engine", "sim", "error %", "gate"):
+        table.add_column(column, justify="left" if column in ("metric", "gate") else "right")
+    failed = {line.split(":")[0] for line in result["failures"]}
+    for row in report_rows(result["metrics"]):
+        table.add_row(*row, style="red" if row[0] in failed else None)
+    return table
+
+
+def markdown_report(result: dict) -> str:
+    lines = ["# Validation: engine vs profiled simulator", "",
+             f"profile: `{result['profile']}`", "",
+             f"engine wall time {result['engine_wall_time_s']:.3f} s, simulator "
+             f"{result['sim_wall_time_s']:.3f} s: speedup {_fmt(result['speedup'])}×", "",
+             "| metric | engine | sim | error % | gate |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in report_rows(result["metrics"])]
+    gates = ", ".join(f"{k} {'off' if v is None else f'±{v:g} %'}"
+                      for k, v in result["gates"].items())
+    lines += ["", f"gates: {gates}", ""]
+    if result["failures"]:
+        lines += ["**FAILED**:", ""] + [f"- {line}" for line in result["failures"]]
+    else:
+        lines.append("**passed**: every gated error is within its gate.")
+    if result.get("overrides"):
+        lines += ["", "overrides: `" + " ".join(result["overrides"]) + "`"]
+    return "\n".join(lines) + "\n"
+
+
+def read_latencies_ms(requests_csv: Path) -> dict[str, np.ndarray]:
+    """The TTFT/TPOT/E2E columns of a requests.csv (empty cells skipped), in ms."""
+    values: dict[str, list[float]] = {column: [] for column, _ in CDF_COLUMNS}
+    with open(requests_csv, newline="") as file:
+        for row in csv.DictReader(file):
+            for column in values:
+                if row.get(column):
+                    values[column].append(float(row[column]))
+    return {column: np.asarray(v, dtype=np.float64) for column, v in values.items()}
+
+
+def plot_cdfs(engine_csv: Path, sim_csv: Path, out_path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {"engine": read_latencies_ms(engine_csv), "sim (profiled)": read_latencies_ms(sim_csv)}
+    fig, axes = plt.subplots(1, len(CDF_COLUMNS), figsize=(5 * len(CDF_COLUMNS), 4))
+    for ax, (column, title) in zip(axes, CDF_COLUMNS):
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0.0, 1.0)
+        ax.grid(True, alpha=0.3)
+        for (label, values), style in zip(runs.items(), ("-", "--")):
+            data = np.sort(values[column])
+            if data.size:
+                ax.step(data, np.arange(1, data.size + 1) / data.size, where="post",
+                        linestyle=style, label=label)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+# ---- the two runs ------------------------------------------------------------------------------
+
+def compose_configs(overrides: list[str]):
+    """(engine config, sim config) from conf/ plus `overrides`: identical but for the backend,
+    with the KV pool the engine's memory arithmetic gives (unless kv_cache.num_blocks is set) so
+    the two replicas schedule over the same pool."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    reserved = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in ("backend", "cost_model")]
+    if reserved:
+        raise ValidationInputError(f"{reserved}: validation sets the backend (engine and sim) "
+                                   f"and the cost model (profiled) itself; pass "
+                                   f"cost_model.profile=<path> or --profile")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            base = ["progress=false", "cost_model=profiled", *overrides]
+            engine_cfg = compose("config", overrides=[*base, "backend=engine"])
+            sim_cfg = compose("config", overrides=[*base, "backend=sim"])
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ValidationInputError(f"bad override: {error}") from None
+    if OmegaConf.is_missing(sim_cfg.cost_model, "profile"):
+        raise ValidationInputError("no profile: pass cost_model.profile=<path> or --profile <path> "
+                                   "(profiles/<device>/<model>.json from twinserve-profile)")
+    if not sim_cfg.workload.get("with_token_ids", False):
+        raise ValidationInputError("the engine needs token ids: add workload.with_token_ids=true")
+    return engine_cfg, sim_cfg
+
+
+def pin_kv_pool(engine_cfg, sim_cfg) -> int:
+    """Set kv_cache.num_blocks of both configs to the engine's pool size."""
+    from omegaconf import open_dict
+
+    from sim.runner import num_kv_blocks
+    from sim.specs import HardwareSpec, ModelSpec
+
+    model = ModelSpec.from_config(engine_cfg.model)
+    hardware = HardwareSpec.from_config(engine_cfg.hardware)
+    blocks = num_kv_blocks(engine_cfg, model, hardware)
+    for cfg in (engine_cfg, sim_cfg):
+        with open_dict(cfg):
+            cfg.kv_cache.num_blocks = blocks
+    return blocks
+
+
+def match_profile_conditions(profile_path: str, console: Console) -> dict:
+    """Run the engine as the profile was measured: on CPU, with the profile's torch thread count
+    (metadata.threads). Warns when the torch version differs. Returns what was set."""
+    import torch
+
+    metadata = json.loads(Path(profile_path).read_text()).get("metadata") or {}
+    conditions: dict = {"torch_version": torch.__version__}
+    if metadata.get("torch_version") not in (None, torch.__version__):
+        console.print(f"[yellow]warning: the profile was taken with torch "
+                      f"{metadata['torch_version']}, this is {torch.__version__}[/yellow]")
+    threads = metadata.get("threads")
+    if metadata.get("device_type", "cpu") == "cpu" and isinstance(threads, int) and threads > 0:
+        torch.set_num_threads(threads)
+    conditions["threads"] = torch.get_num_threads()
+    return conditions
+
+
+def warm_up_engine(engine_cfg) -> None:
+    """A 2-request engine run, discarded: the first steps of a fresh process pay one-time costs
+    (allocator, kernel selection) that the profiler's warm-up repeats also leave out."""
+    from omegaconf import open_dict
+
+    from sim.runner import run_experiment
+
+    cfg = engine_cfg.copy()
+    with open_dict(cfg):
+        if "trace_path" in cfg.workload:
+            cfg.workload.max_requests = 2
+        else:
+            cfg.workload.num_requests = 2
+    try:
+        run_experiment(cfg)
+    except (ValueError, KeyError, TypeError):
+        pass  # e.g. a trace workload without num_requests: the real run reports any problem
+
+
+def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
+             console: Console | None = None, warmup: bool = True) -> dict:
+    """Run both backends, write the report into out_dir, and return validation.json's dict."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sim.runner import run_experiment
+
+    console = console or Console()
+    out_dir = Path(out_dir)
+    engine_cfg, sim_cfg = compose_configs(overrides)
+    gates = resolve_gates(gates, sim_cfg.get("validate"))
+    try:
+        num_blocks = pin_kv_pool(engine_cfg, sim_cfg)
+        # The simulator first: a bad profile is bad input, found before minutes of engine steps.
+        sim = run_experiment(sim_cfg, out_dir / "sim")
+        conditions = match_profile_conditions(sim_cfg.cost_model.profile, console)
+        if warmup:
+            warm_up_engine(engine_cfg)
+        engine = run_experiment(engine_cfg, out_dir / "engine")
+    except OmegaConfBaseException as error:
+        raise ValidationInputError(str(error)) from None
+    metrics = compare_summaries(engine.summary, sim.summary)
+    failures = check_gates(metrics, gates)
+    result = {
+        "metrics": metrics,
+        "speedup": speedup(engine.summary["wall_time_s"], sim.summary["wall_time_s"]),
+        "engine_wall_time_s": engine.summary["wall_time_s"],
+        "sim_wall_time_s": sim.summary["wall_time_s"],
+        "gates": dict(gates),
+        "failures": failures,
+        "passed": not failures,
+        "profile": str(sim_cfg.cost_model.profile),
+        "num_kv_blocks": num_blocks,
+        "engine_conditions": {**conditions, "warmup": warmup},
+        "completed": {"engine": engine.summary["completed"], "sim": sim.summary["completed"]},
+        "seed": int(sim_cfg.seed),
+        "overrides": list(overrides),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "validation.md").write_text(markdown_report(result))
+    plot_cdfs(out_dir / "engine" / "requests.csv", out_dir / "sim" / "requests.csv",
+              out_dir / "validation_cdf.png")
+    console.print(rich_table(result))
+    return result
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def _gate(text: str) -> float | None:
+    if text.lower() in ("none", "off", "null"):
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a gate is a percentage >= 0 or 'off', got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="twinserve-validate",
+        description="Run one workload on the engine and on the profiled simulator and compare "
+                    "their metrics. Other arguments are Hydra overrides, as for twinserve.")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny-llama")
+    parser.add_argument("--out", type=Path, default=Path("validation"),
+                        help="output folder (default: ./validation)")
+    parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the discarded 2-request engine warm-up run")
+    parser.add_argument("--gate-mean-pct", type=_gate, default=UNSET,
+                        help="|error| %% gate on means/medians of TTFT, TPOT, e2e and throughputs "
+                             "(default 3; 'off' disables a gate)")
+    parser.add_argument("--gate-p99-pct", type=_gate, default=UNSET,
+                        help="|error| %% gate on p99 TPOT, ITL and e2e (default 8)")
+    parser.add_argument("--gate-p99-ttft-pct", type=_gate, default=UNSET,
+                        help="|error| %% gate on p99 TTFT (default 10)")
+    parser.add_argument("--gate-preemptions-pct", type=_gate,
+                        default=UNSET,
+                        help="|error| %% gate on the preemption count (default 5)")
+    # Intermixed: overrides and options in any order, as Hydra users write them.
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.overrides)
+    if args.profile:
+        overrides.append(f"cost_model.profile={args.profile}")
+    gates = {"mean_pct": args.gate_mean_pct, "p99_pct": args.gate_p99_pct,
+             "p99_ttft_pct": args.gate_p99_ttft_pct,
+             "preemptions_pct": args.gate_preemptions_pct}
+    try:
+        result = validate(overrides, args.out, gates, warmup=not args.no_warmup)
+    except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"results in {args.out}")
+    if result["failures"]:
+        print("twinserve-validate: gate failed:\n  " + "\n  ".join(result["failures"]),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

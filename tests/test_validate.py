@@ -1,0 +1,325 @@
+"""The profiled cost model and twinserve-validate (sim/profiled_cost_model.py, sim/validate.py)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import sim.runner
+from policies.types import StepPlan
+from sim.profiled_cost_model import ProfiledCostModel, ProfileError
+from sim.runner import run_experiment
+from sim.step_features import STEP_FEATURES, step_features
+from sim.validate import (DEFAULT_GATES, GATED_BY, METRICS, UNSET, check_gates,
+                          compare_summaries, error_pct, main, parse_args, read_latencies_ms,
+                          resolve_gates)
+
+torch.set_num_threads(1)
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+COEFFS = {"num_prefill_tokens": 1e-4, "num_prefill_seqs": 2e-4, "sum_squared_prefill_chunks": 1e-7,
+          "prefill_attention_work": 5e-8, "num_decode_seqs": 3e-4, "decode_context_tokens": 1e-6,
+          "num_blocks_copied": 1e-5, "num_blocks_swapped": 2e-5}
+
+
+def write_profile(path: Path, intercept=2e-3, coefficients=None, samples=(-0.1, 0.0, 0.2),
+                  ranges=None, **changes) -> Path:
+    profile = {
+        "schema": 1, "metadata": {"device": "test"}, "features": list(STEP_FEATURES),
+        "model": {"kind": "linear", "intercept_s": intercept,
+                  "coefficients_s": dict(coefficients or COEFFS)},
+        "residuals": {"kind": "relative", "samples": list(samples)},
+        "feature_ranges": ranges if ranges is not None else
+        {name: [0.0, 1e9] for name in STEP_FEATURES},
+        "fit": {},
+    }
+    profile.update(changes)
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=["progress=false", *overrides])
+
+
+class FakePlan:
+    """The StepPlan aggregates step_features reads."""
+
+    def __init__(self, prefill_tokens=0, prefill_seqs=0, sq=0, attn=0, decode_seqs=0,
+                 decode_ctx=0, copies=0, swaps=0):
+        self.num_prefill_tokens, self.num_prefill_seqs = prefill_tokens, prefill_seqs
+        self.sum_squared_prefill_chunks, self.prefill_attention_work = sq, attn
+        self.num_decode_seqs, self.decode_context_tokens = decode_seqs, decode_ctx
+        self.blocks_to_copy = [(0, 1)] * copies
+        self.blocks_to_swap_out, self.blocks_to_swap_in = [(0, 1)] * swaps, []
+
+
+PLAN = FakePlan(prefill_tokens=100, prefill_seqs=2, sq=5000, attn=2000, decode_seqs=8,
+                decode_ctx=800, copies=1, swaps=2)
+
+
+def linear(plan) -> float:
+    return 2e-3 + sum(COEFFS[n] * x for n, x in zip(STEP_FEATURES, step_features(plan)))
+
+
+# ---- error computation and gates ---------------------------------------------------------------
+
+def synthetic_summary(scale: float = 1.0, **changes) -> dict:
+    summary = {name: 10.0 * scale for name in METRICS}
+    summary.update(changes)
+    return summary
+
+
+def test_error_is_signed_relative_to_the_engine():
+    assert error_pct(100.0, 110.0) == pytest.approx(10.0)
+    assert error_pct(100.0, 97.0) == pytest.approx(-3.0)
+    assert error_pct(0, 0) == 0.0
+    assert error_pct(0, 5) is None
+    metrics = compare_summaries(synthetic_summary(), synthetic_summary(1.05, num_preemptions=8))
+    assert set(metrics) == set(METRICS)
+    assert metrics["p99_ttft_ms"] == {"engine": 10.0, "sim": 10.5,
+                                      "error_pct": pytest.approx(5.0)}
+    assert metrics["num_preemptions"]["error_pct"] == pytest.approx(-20.0)
+
+
+def test_metric_names_are_the_summary_keys_with_percentiles_from_the_runs():
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert f"{stat}_{name}_ms" in METRICS
+    for name in ("request_throughput", "output_throughput", "num_preemptions", "peak_kv_blocks",
+                 "swap_bytes"):
+        assert name in METRICS
+    summary = run_experiment(make_cfg("workload.num_requests=30")).summary
+    assert set(METRICS) <= set(summary)
+    with pytest.raises(ValueError, match="lack"):
+        compare_summaries({"mean_ttft_ms": 1.0}, summary)
+
+
+def test_latencies_read_back_from_requests_csv_give_the_summary_percentiles(tmp_path):
+    result = run_experiment(make_cfg("workload.num_requests=40"), tmp_path)
+    latencies = read_latencies_ms(tmp_path / "requests.csv")
+    for column, key in (("ttft_ms", "ttft"), ("e2el_ms", "e2el")):
+        assert np.mean(latencies[column]) == pytest.approx(result.summary[f"mean_{key}_ms"])
+        assert np.percentile(latencies[column], 99) == pytest.approx(result.summary[f"p99_{key}_ms"])
+
+
+def test_gate_passes_within_and_fails_beyond_each_limit():
+    engine = synthetic_summary()
+    assert check_gates(compare_summaries(engine, synthetic_summary(1.02)), DEFAULT_GATES) == []
+    # 4 % off: fails the 3 % mean gate, not the p99 (8 %, 10 %) or preemption (5 %) ones.
+    failures = check_gates(compare_summaries(engine, synthetic_summary(1.04)), DEFAULT_GATES)
+    failed = {line.split(":")[0] for line in failures}
+    assert failed == {n for n, g in GATED_BY.items() if g == "mean_pct"}
+    failed = {line.split(":")[0] for line in
+              check_gates(compare_summaries(engine, synthetic_summary(1.06)), DEFAULT_GATES)}
+    assert "num_preemptions" in failed and "p99_e2el_ms" not in failed
+    # p99 TTFT has its own, looser gate.
+    sim = dict(engine, p99_ttft_ms=10.9, p99_e2el_ms=10.9)
+    failed = {line.split(":")[0] for line in
+              check_gates(compare_summaries(engine, sim), DEFAULT_GATES)}
+    assert failed == {"p99_e2el_ms"}
+    # Engine 0, sim not: an infinite error fails; an ungated metric never fails; a gate can be off.
+    sim = dict(engine, num_preemptions=3, peak_kv_blocks=99.0)
+    assert check_gates(compare_summaries(dict(engine, num_preemptions=0), sim),
+                       DEFAULT_GATES) == ["num_preemptions: inf (gate ±5 %, preemptions_pct)"]
+    assert check_gates(compare_summaries(dict(engine, num_preemptions=0), sim),
+                       dict(DEFAULT_GATES, preemptions_pct=None)) == []
+    # Signed errors are gated on their size: -4 % fails like +4 %.
+    failed = check_gates(compare_summaries(engine, dict(engine, mean_ttft_ms=9.6)), DEFAULT_GATES)
+    assert failed == ["mean_ttft_ms: -4.000 % (gate ±3 %, mean_pct)"]
+
+
+def test_gates_come_from_the_command_line_then_the_config_then_the_defaults():
+    args = parse_args(["--gate-p99-pct=20", "--gate-preemptions-pct=off", "model=tiny-llama"])
+    assert args.overrides == ["model=tiny-llama"] and args.gate_mean_pct is UNSET
+    cli = {"mean_pct": args.gate_mean_pct, "p99_pct": args.gate_p99_pct,
+           "p99_ttft_pct": args.gate_p99_ttft_pct, "preemptions_pct": args.gate_preemptions_pct}
+    assert resolve_gates(cli) == dict(DEFAULT_GATES, p99_pct=20.0, preemptions_pct=None)
+    config = {"gate_mean_pct": 1.5, "gate_p99_pct": 50}
+    assert resolve_gates(cli, config) == dict(DEFAULT_GATES, mean_pct=1.5, p99_pct=20.0,
+                                              preemptions_pct=None)
+    with pytest.raises(ValueError, match="gate_mean_pct"):
+        resolve_gates({}, {"gate_mean_pct": -1})
+
+
+# ---- the profiled cost model -------------------------------------------------------------------
+
+def test_mean_prediction_is_the_linear_function(tmp_path):
+    model = ProfiledCostModel(str(write_profile(tmp_path / "p.json")), sample_residuals=False)
+    assert model.step_time(PLAN) == pytest.approx(linear(PLAN), rel=1e-12)
+    assert model.step_time(FakePlan(decode_seqs=1, decode_ctx=10)) == pytest.approx(
+        2e-3 + 3e-4 + 1e-5, rel=1e-12)
+    assert model.step_time(FakePlan()) == 0.0
+    # Never negative, even where a fit's intercept is.
+    negative = ProfiledCostModel(str(write_profile(tmp_path / "n.json", intercept=-1.0)),
+                                 sample_residuals=False)
+    assert negative.step_time(PLAN) == 0.0
+
+
+def test_residuals_are_drawn_from_the_profile_seeded(tmp_path):
+    samples = (-0.2, 0.1, 0.5)
+    path = str(write_profile(tmp_path / "p.json", samples=samples))
+    draws = [ProfiledCostModel(path, seed=3).step_time(PLAN)]
+    model = ProfiledCostModel(path, seed=3)
+    times = np.array([model.step_time(PLAN) for _ in range(3000)])
+    assert times[0] == draws[0]
+    ratios = times / linear(PLAN) - 1
+    assert set(np.round(ratios, 9)) == set(samples)
+    assert ratios.mean() == pytest.approx(np.mean(samples), abs=0.02)
+    again = ProfiledCostModel(path, seed=3)
+    assert [again.step_time(PLAN) for _ in range(3000)] == times.tolist()
+    other = ProfiledCostModel(path, seed=4)
+    assert [other.step_time(PLAN) for _ in range(3000)] != times.tolist()
+
+
+def test_out_of_range_extrapolates_and_warns_once(tmp_path, caplog):
+    ranges = {name: [0.0, 10.0] for name in STEP_FEATURES}
+    ranges["decode_context_tokens"] = [0.0, 100.0]
+    path = str(write_profile(tmp_path / "p.json", ranges=ranges))
+    model = ProfiledCostModel(path, sample_residuals=False)
+    inside = FakePlan(decode_seqs=2, decode_ctx=50)
+    outside = FakePlan(decode_seqs=2, decode_ctx=5000)
+    with caplog.at_level(logging.WARNING, logger="sim.profiled_cost_model"):
+        model.step_time(inside)
+        assert not caplog.records
+        for _ in range(5):
+            assert model.step_time(outside) == pytest.approx(linear(outside), rel=1e-12)
+    (record,) = caplog.records
+    assert "decode_context_tokens" in record.getMessage() and "[0, 100]" in record.getMessage()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"schema": 2}, "schema"),
+    ({"features": list(STEP_FEATURES[:-1])}, "features"),
+    ({"features": list(reversed(STEP_FEATURES))}, "features"),
+    ({"model": {"kind": "mlp"}}, "linear"),
+    ({"model": {"kind": "linear", "intercept_s": 0.0, "coefficients_s": {"x": 1.0}}},
+     "coefficients_s"),
+    ({"residuals": {"kind": "relative", "samples": [-1.5]}}, "residual"),
+])
+def test_bad_profile_is_a_clear_error(tmp_path, change, match):
+    with pytest.raises(ProfileError, match=match):
+        ProfiledCostModel(str(write_profile(tmp_path / "p.json", **change)))
+
+
+def test_missing_profile_is_a_clear_error(tmp_path):
+    with pytest.raises(ProfileError, match="no such file"):
+        ProfiledCostModel(str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="JSON"):
+        ProfiledCostModel(str(tmp_path / "bad.json"))
+
+
+def test_twinserve_runs_with_the_profiled_cost_model(tmp_path):
+    path = write_profile(tmp_path / "p.json")
+    overrides = ("cost_model=profiled", f"cost_model.profile={path}", "workload.num_requests=50")
+    first = run_experiment(make_cfg(*overrides), tmp_path / "run")
+    assert first.summary["completed"] == 50 and first.summary["mean_tpot_ms"] > 0
+    assert (tmp_path / "run" / "summary.json").exists()
+    again = run_experiment(make_cfg(*overrides)).summary
+    assert again["mean_ttft_ms"] == first.summary["mean_ttft_ms"]
+    reseeded = run_experiment(make_cfg(*overrides, "seed=1")).summary
+    assert reseeded["mean_ttft_ms"] != first.summary["mean_ttft_ms"]
+
+
+# ---- end to end on the tiny Llama --------------------------------------------------------------
+
+TINY = ["model=tiny-llama", "hardware=cpu", "workload.with_token_ids=true",
+        "++workload.prompt_len={dist: uniform, low: 8, high: 64}",
+        "++workload.output_len={dist: uniform, low: 4, high: 16}",
+        "kv_cache.num_blocks=24", "kv_cache.block_size=4"]
+
+
+def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
+    """A profile fitted by least squares on the steps of an engine run of a DIFFERENT seed and
+    workload than the validated one: the simulator never sees the validated run's measurements."""
+    rows: list[tuple[tuple[float, ...], float]] = []
+    original = sim.runner.build_executor
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def execute(self, plan: StepPlan):
+            result = self.inner.execute(plan)
+            rows.append((step_features(plan), result.duration))
+            return result
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sim.runner, "build_executor",
+                      lambda *args, **kwargs: Recording(original(*args, **kwargs)))
+        # Busier than the validated run (more requests, faster, a bigger pool): the fit covers
+        # the batch sizes the validated run reaches instead of extrapolating to them.
+        run_experiment(make_cfg("backend=engine", *TINY, "seed=123", "workload.num_requests=32",
+                                "workload.rate=80", "kv_cache.num_blocks=64"))
+    features = np.array([f for f, _ in rows if any(f)])
+    durations = np.array([d for f, d in rows if any(f)])
+    design = np.column_stack([np.ones(len(features)), features])
+    solution, *_ = np.linalg.lstsq(design, durations, rcond=None)
+    predicted = design @ solution
+    residuals = durations / np.maximum(predicted, 1e-9) - 1
+    ranges = {name: [float(features[:, i].min()), float(features[:, i].max())]
+              for i, name in enumerate(STEP_FEATURES)}
+    return write_profile(tmp_path / "tiny.json", intercept=float(solution[0]),
+                         coefficients=dict(zip(STEP_FEATURES, map(float, solution[1:]))),
+                         samples=[float(r) for r in residuals if r > -1], ranges=ranges,
+                         metadata={"device_type": "cpu", "threads": 1,
+                                   "torch_version": torch.__version__})
+
+
+def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
+    profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
+    overrides = [*TINY, "workload.num_requests=12", "workload.rate=20", f"--profile={profile}"]
+    # The preemption count of so small a run hangs on timing noise (0 on the engine, 1 in the
+    # simulator is an infinite relative error, which fails any gate), so that gate is off here.
+    loose = ["--gate-mean-pct=1000", "--gate-p99-pct=1000", "--gate-p99-ttft-pct=1000",
+             "--gate-preemptions-pct=off"]
+    assert main([*overrides, f"--out={tmp_path / 'loose'}", *loose]) == 0
+    result = json.loads((tmp_path / "loose" / "validation.json").read_text())
+    assert set(result["metrics"]) == set(METRICS)
+    for values in result["metrics"].values():
+        assert set(values) == {"engine", "sim", "error_pct"}
+    assert result["completed"] == {"engine": 12, "sim": 12}
+    assert result["engine_conditions"]["threads"] == 1 and result["engine_conditions"]["warmup"]
+    assert result["speedup"] > 1 and result["failures"] == []
+    assert result["gates"] == {"mean_pct": 1000.0, "p99_pct": 1000.0, "p99_ttft_pct": 1000.0,
+                               "preemptions_pct": None}
+    preemptions = result["metrics"]["num_preemptions"]
+    assert (preemptions["error_pct"] is None) == (preemptions["engine"] == 0 != preemptions["sim"])
+    ttft = result["metrics"]["mean_ttft_ms"]
+    assert ttft["error_pct"] == pytest.approx((ttft["sim"] - ttft["engine"]) / ttft["engine"] * 100)
+    for name in ("validation.md", "validation_cdf.png", "engine/summary.json",
+                 "sim/requests.csv"):
+        assert (tmp_path / "loose" / name).exists()
+    assert "mean_ttft_ms" in (tmp_path / "loose" / "validation.md").read_text()
+
+    tight = ["--gate-mean-pct=0.0001", "--gate-p99-pct=0.0001", "--gate-p99-ttft-pct=0.0001",
+             "--gate-preemptions-pct=0.0001"]
+    assert main([*overrides, f"--out={tmp_path / 'tight'}", *tight]) == 1
+    assert "gate failed" in capsys.readouterr().err
+    assert json.loads((tmp_path / "tight" / "validation.json").read_text())["failures"]
+
+
+def test_validate_bad_input_exits_2(tmp_path, capsys):
+    assert main([*TINY, f"--out={tmp_path}"]) == 2  # no profile
+    assert "profile" in capsys.readouterr().err
+    assert main([*TINY, f"--profile={tmp_path / 'missing.json'}", f"--out={tmp_path}"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    profile = write_profile(tmp_path / "p.json")
+    assert main([*TINY, "backend=sim", f"--profile={profile}", f"--out={tmp_path}"]) == 2
+    assert main(["model=no-such-model", f"--profile={profile}", f"--out={tmp_path}"]) == 2
+    assert main([*TINY, "+validate.gate_mean_pct=-1", f"--profile={profile}",
+                 f"--out={tmp_path}"]) == 2
+    assert "gate_mean_pct" in capsys.readouterr().err
+    bad = write_profile(tmp_path / "bad.json", schema=7)
+    assert main([*TINY, f"--profile={bad}", f"--out={tmp_path}"]) == 2
+    assert "schema" in capsys.readouterr().err
