@@ -16,7 +16,7 @@ from pathlib import Path
 import simpy
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue
 from tqdm import tqdm
 
 from policies.routing import LeastOutstandingRouter, RoundRobinRouter
@@ -43,6 +43,9 @@ def build_policy(cfg: DictConfig, group: str, **kwargs):
     """Instantiate a policy config group; a bad `_target_` or argument is one clear line."""
     try:
         return instantiate(cfg, **kwargs)
+    except MissingMandatoryValue as error:
+        raise ValueError(f"{group}.{error.key} is required (set it on the command line, "
+                         f"e.g. {group}.{error.key}=...)") from None
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, ValueError):

@@ -192,6 +192,7 @@ def test_engine_backend_needs_token_ids():
     (["cluster.router=fastest"], "cluster.router"),
     (["kv_cache=contiguous", "kv_cache.reserve=sometimes"], "kv_cache.reserve"),
     (["scheduler._target_=no_such_module.Scheduler"], "scheduler._target_"),
+    (["cost_model=profiled"], "cost_model.profile is required"),
 ])
 def test_bad_config_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
