@@ -15,7 +15,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test bench
+.PHONY: install run test bench profile validate-grid
 install: $(VENV)/.installed
 
 run: install
@@ -27,3 +27,18 @@ test: install
 
 bench: install
 	$(BIN)/python bench/sim_speed.py
+
+# Calibration: profile the engine on this machine, then validate the profiled simulator against
+# the engine over a grid of policies and loads (README, "Calibration and validation"). Run them
+# on a quiet machine: the profile and the engine runs are timed.
+PROFILE ?= profiles/cpu/tiny-llama.json
+profile: install
+	$(BIN)/twinserve-profile
+
+validate-grid: install
+	$(BIN)/twinserve-validate --out validation/grid --profile $(PROFILE) \
+	    model=tiny-llama hardware=cpu workload.with_token_ids=true workload.num_requests=100 \
+	    '++workload.prompt_len={dist: uniform, low: 16, high: 256}' \
+	    '++workload.output_len={dist: uniform, low: 8, high: 64}' kv_cache.num_blocks=128 \
+	    scheduler=static,continuous,chunked_prefill kv_cache.block_size=16,32 \
+	    preemption=recompute,swap workload.rate=2,8,inf

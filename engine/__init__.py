@@ -5,6 +5,10 @@ a sampler, and an offline `LLM.generate()` API shaped like vLLM's.
     llm = LLM(model="tiny-llama", block_size=16, scheduler="continuous")
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].token_ids
+
+Speculative decoding: LLM(..., speculative_model="ngram" or a draft model,
+num_speculative_tokens=k, speculation="fixed" | "adaptive"); engine/drafters.py proposes,
+engine/rejection_sampler.py verifies.
 """
 from engine.builder import build_engine, build_engine_executor, build_executor
 from engine.config import EngineConfig

@@ -32,3 +32,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.5
     hardware: str | None = None         # conf/hardware name for the arithmetic; None: measured
     kernel_backend: str | None = None   # None: triton on CUDA, torch on CPU
+    # Speculative decoding: "ngram" (prompt lookup), a conf/model name or a local HF checkpoint
+    # folder (a draft model with the target's vocabulary); None: off.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 0     # k (the most, for "adaptive")
+    # "fixed" | "adaptive", or a SpeculationPolicy object.
+    speculation: Any = "fixed"

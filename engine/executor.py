@@ -3,6 +3,11 @@
 Satisfies policies.protocols.Executor, like the simulator's: memory operations as the plan orders
 them (swap out, swap in, copy), one forward over every scheduled token, sampling, and the token
 ids the policies' `update` consumes.
+
+Speculative decoding: a decode in `plan.spec_lens` gets up to k drafts from the drafter, runs
+them after its last token in the same forward (k + 1 query tokens, logits kept for each), and
+gains the accepted drafts plus one token (engine/rejection_sampler.py). Per draft position the
+executor counts how often it was examined and accepted (`acceptance_stats`).
 """
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ import time
 
 import torch
 
+from engine.drafters import DraftModelDrafter, DraftProposal, NgramDrafter, SpeculatingSeq
 from engine.kv_cache import KVCachePool
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.rejection_sampler import rejection_sample, verify_greedy
+from engine.sampler import Sampler, probabilities
 from engine.sampling_params import SamplingParams
-from policies.types import Request, StepPlan, StepResult
+from policies.speculation import AcceptanceCounts
+from policies.types import Request, Sequence, StepPlan, StepResult
 
 # Requests without SamplingParams (a simulator workload replayed on the engine): greedy, and the
 # trace's output length is the length.
@@ -23,12 +31,17 @@ REPLAY_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
 
 class EngineExecutor:
     def __init__(self, runner: ModelRunner, pool: KVCachePool, sampler: Sampler,
-                 eos_token_id: int | None, device: torch.device):
+                 eos_token_id: int | None, device: torch.device,
+                 drafter: NgramDrafter | DraftModelDrafter | None = None,
+                 max_num_speculative_tokens: int = 0):
         self.runner = runner
         self.pool = pool
         self.sampler = sampler
         self.eos_token_id = eos_token_id
         self.device = device
+        self.drafter = drafter
+        # Per draft position 1..max k: times examined and accepted, over every step run.
+        self.acceptance_stats = AcceptanceCounts(max_num_speculative_tokens)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
         self._generators: dict[int, tuple[Request, list[torch.Generator | None]]] = {}
 
@@ -40,15 +53,134 @@ class EngineExecutor:
         sampled: dict[int, list[int]] = {}
         stopped: set[int] = set()
         forked: dict[int, list[int]] = {}
+        num_accepted: dict[int, int] | None = None
         if plan.seqs:
             self._drop_finished()
-            inputs = self.runner.prepare(plan)
+            speculating = self._speculating(plan)
+            proposal = self.drafter.step(plan, speculating) if self.drafter else None
+            drafts = None
+            if speculating:
+                drafts = {s.seq.seq_id: tokens for s, tokens in zip(speculating, proposal.tokens)}
+            inputs = self.runner.prepare(plan, drafts)
             logits = self.runner.forward(inputs)
-            self._sample(inputs.sampling_seqs, logits, sampled, stopped, forked)
+            if speculating:
+                num_accepted = self._sample_speculative(inputs.sampling_seqs, logits, drafts,
+                                                        speculating, proposal, sampled, stopped,
+                                                        forked)
+            else:
+                self._sample(inputs.sampling_seqs, logits, sampled, stopped, forked)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(duration=time.perf_counter() - start, sampled_token_ids=sampled,
-                          stopped_seq_ids=stopped, forked_token_ids=forked)
+                          stopped_seq_ids=stopped, forked_token_ids=forked,
+                          num_accepted=num_accepted)
+
+    def _speculating(self, plan: StepPlan) -> list[SpeculatingSeq]:
+        """The plan's speculating decodes, in plan order, with how they sample."""
+        spec_lens = plan.spec_lens
+        if not spec_lens:
+            return []
+        if self.drafter is None:
+            raise RuntimeError("the plan speculates (spec_lens) but this engine has no drafter: "
+                               "build it with a speculative_model")
+        speculating = []
+        for seq in plan.seqs:
+            k = spec_lens.get(seq.seq_id)
+            if k is None:
+                continue
+            if not 1 <= k <= len(self.acceptance_stats.position_trials):
+                raise ValueError(f"plan.spec_lens[{seq.seq_id}] = {k}: this engine verifies "
+                                 f"1..{len(self.acceptance_stats.position_trials)} drafts "
+                                 f"(max_num_speculative_tokens)")
+            request = seq.request
+            params = request.sampling_params or REPLAY_PARAMS
+            speculating.append(SpeculatingSeq(
+                seq, k, params, self._generator(request, params, _sample_index(seq))))
+        return speculating
+
+    def _sample_speculative(self, seqs: list[Sequence], logits: torch.Tensor,
+                            drafts: dict[int, list[int]], speculating: list[SpeculatingSeq],
+                            proposal: DraftProposal, sampled, stopped, forked) -> dict[int, int]:
+        """Sample the ordinary sequences' rows, verify the speculating ones'. Returns
+        seq_id -> drafts accepted."""
+        plain_seqs, plain_rows, first_rows = [], [], []
+        row = 0
+        for seq in seqs:
+            seq_drafts = drafts.get(seq.seq_id)
+            if seq_drafts is None:
+                plain_seqs.append(seq)
+                plain_rows.append(row)
+                row += 1
+            else:
+                first_rows.append(row)
+                row += 1 + len(seq_drafts)
+        if plain_seqs:
+            self._sample(plain_seqs, logits[torch.tensor(plain_rows, device=logits.device)],
+                         sampled, stopped, forked)
+        return self._verify(speculating, proposal, logits, first_rows, sampled, stopped)
+
+    def _verify(self, speculating: list[SpeculatingSeq], proposal: DraftProposal,
+                logits: torch.Tensor, first_rows: list[int], sampled, stopped) -> dict[int, int]:
+        """Accept a prefix of each sequence's drafts and add one token; logits rows
+        first_rows[b] .. first_rows[b] + len(drafts) are sequence b's verified positions."""
+        device = logits.device
+        num_rows = len(speculating)
+        max_drafts = max(len(tokens) for tokens in proposal.tokens)
+        num_drafts = torch.tensor([len(tokens) for tokens in proposal.tokens], device=device)
+        draft_tokens = torch.zeros(num_rows, max_drafts, dtype=torch.int64, device=device)
+        for row, tokens in enumerate(proposal.tokens):
+            draft_tokens[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        # Row b's positions 0..K; past its own drafts they repeat its last one (never examined).
+        offsets = torch.arange(max_drafts + 1, device=device)
+        target_rows = (torch.tensor(first_rows, device=device)[:, None]
+                       + torch.minimum(offsets[None, :], num_drafts[:, None]))
+        target_logits = logits[target_rows]                     # [rows, K + 1, vocab]
+
+        num_accepted = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        next_tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        greedy = [row for row, spec in enumerate(speculating) if spec.params.greedy]
+        if greedy:
+            num_accepted[greedy], next_tokens[greedy] = verify_greedy(
+                target_logits[greedy].argmax(dim=-1), draft_tokens[greedy], num_drafts[greedy])
+        rows = [row for row, spec in enumerate(speculating) if not spec.params.greedy]
+        if rows:
+            vocab = logits.shape[1]
+            target_probs = probabilities(
+                target_logits[rows].reshape(-1, vocab),
+                [speculating[row].params for row in rows for _ in range(max_drafts + 1)]
+            ).view(len(rows), max_drafts + 1, vocab)
+            generators = [speculating[row].generator for row in rows]
+            uniforms = self.sampler.uniform([len(proposal.tokens[row]) for row in rows],
+                                            max_drafts, device, generators)
+            noise = self.sampler.exponential(len(rows), vocab, device, generators)
+            draft_probs = None if proposal.probs is None else proposal.probs[rows]
+            num_accepted[rows], next_tokens[rows] = rejection_sample(
+                target_probs, draft_tokens[rows], draft_probs, num_drafts[rows], uniforms, noise)
+
+        accepted_counts = num_accepted.tolist()
+        self.acceptance_stats.record([len(tokens) for tokens in proposal.tokens],
+                                     accepted_counts)
+        self.drafter.observe(speculating, proposal, accepted_counts)
+        eos = self.eos_token_id
+        accepted_by_seq = {}
+        for spec, tokens, accepted, next_token in zip(speculating, proposal.tokens,
+                                                      accepted_counts, next_tokens.tolist()):
+            seq = spec.seq
+            outputs = seq.output_token_ids
+            stops_at_eos = not spec.params.ignore_eos
+            if stops_at_eos and outputs and outputs[-1] == eos:
+                # A forked sample whose first token was EOS (see _sample): it gains nothing.
+                sampled[seq.seq_id] = []
+                stopped.add(seq.seq_id)
+                accepted_by_seq[seq.seq_id] = 0
+                continue
+            accepted_by_seq[seq.seq_id] = accepted
+            new_tokens = tokens[:accepted] + [next_token]
+            if stops_at_eos and eos in new_tokens:
+                new_tokens = new_tokens[:new_tokens.index(eos) + 1]
+                stopped.add(seq.seq_id)
+            sampled[seq.seq_id] = new_tokens
+        return accepted_by_seq
 
     def _sample(self, seqs, logits, sampled, stopped, forked) -> None:
         eos = self.eos_token_id
@@ -69,7 +201,7 @@ class EngineExecutor:
             num_samples = 1
             if not outputs and request.n > len(request.sequences):
                 num_samples = request.n  # the prompt's last token: draw the forked samples' too
-            first_sample = 0 if len(request.sequences) == 1 else request.sequences.index(seq)
+            first_sample = _sample_index(seq)
             for sample in range(first_sample, first_sample + num_samples):
                 rows.append(index)
                 row_params.append(params)
@@ -110,3 +242,9 @@ class EngineExecutor:
                                if request.is_finished]:
                 del self._generators[request_id]
 
+
+
+def _sample_index(seq: Sequence) -> int:
+    """Which of its request's n samples `seq` is."""
+    sequences = seq.request.sequences
+    return 0 if len(sequences) == 1 else sequences.index(seq)

@@ -15,22 +15,32 @@ HARDWARE_CONFIG_DIR = Path(conf.__file__).parent / "hardware"
 
 
 class KVCachePool:
+    """Per layer a device tensor of every block (and a host one for swapped-out blocks). With a
+    draft model its layers follow the target's in the same lists, indexed by the same block ids,
+    so swaps and copy-on-write move both models' K/V."""
+
     def __init__(self, spec: ModelSpec, num_blocks: int, num_host_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, ops: KernelOps):
+                 dtype: torch.dtype, device: torch.device, ops: KernelOps,
+                 draft_spec: ModelSpec | None = None):
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.ops = ops
-        shape = (2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
+        layer_shapes = [(spec.num_key_value_heads, spec.head_dim)] * spec.num_layers
+        if draft_spec is not None:
+            layer_shapes += [(draft_spec.num_key_value_heads, draft_spec.head_dim)] * \
+                draft_spec.num_layers
         # Zeros, not empty: attention reads whole blocks and masks the unused slots, and a
         # masked NaN from uninitialised memory would still poison the weighted sum.
-        self.device_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                              for _ in range(spec.num_layers)]
-        host_shape = (2, num_host_blocks) + shape[2:]
+        self.device_caches = [torch.zeros((2, num_blocks, block_size) + shape, dtype=dtype,
+                                          device=device) for shape in layer_shapes]
         pin = device.type == "cuda"
         # Host blocks are always written (swap out) before they are read, so empty is enough.
-        self.host_caches = [torch.empty(host_shape, dtype=dtype, pin_memory=pin)
-                            for _ in range(spec.num_layers)] if num_host_blocks else []
+        self.host_caches = [torch.empty((2, num_host_blocks, block_size) + shape, dtype=dtype,
+                                        pin_memory=pin)
+                            for shape in layer_shapes] if num_host_blocks else []
+        self.target_caches = self.device_caches[:spec.num_layers]
+        self.draft_caches = self.device_caches[spec.num_layers:]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._move(pairs, self.device_caches, self.host_caches)
@@ -73,20 +83,38 @@ def hardware_spec(name: str | None, device: torch.device) -> HardwareSpec:
 def num_device_blocks(spec: ModelSpec, hardware: HardwareSpec, device: torch.device,
                       block_size: int, max_num_seqs: int, max_model_len: int,
                       max_num_batched_tokens: int, gpu_memory_utilization: float,
-                      cpu_kv_cache_gb: float) -> int:
+                      cpu_kv_cache_gb: float, draft_spec: ModelSpec | None = None) -> int:
     """KV blocks for the device pool, by the simulator's arithmetic. On CPU the arithmetic would
     claim most of host RAM, so the pool is capped at what max_num_seqs full-length sequences
-    need and at cpu_kv_cache_gb."""
+    need and at cpu_kv_cache_gb. A draft model's weights come off the memory and its K/V
+    layers are part of every block."""
     num_blocks = kv_cache_num_blocks(spec, hardware, block_size,
                                      gpu_memory_utilization=gpu_memory_utilization,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_num_seqs=max_num_seqs)
+    block_bytes = kv_bytes_per_block(spec, block_size, draft_spec)
+    if draft_spec is not None:
+        free_for_kv = num_blocks * spec.kv_bytes_per_block(block_size) - draft_spec.weight_bytes
+        num_blocks = int(free_for_kv // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the draft model {draft_spec.name} leaves no memory for one KV "
+                             f"block next to {spec.name}")
     if device.type != "cuda":
         enough = max_num_seqs * -(-max_model_len // block_size)
-        budget = int(cpu_kv_cache_gb * GIB // spec.kv_bytes_per_block(block_size))
+        budget = int(cpu_kv_cache_gb * GIB // block_bytes)
         num_blocks = max(1, min(num_blocks, enough, budget))
     return num_blocks
 
 
-def num_host_blocks(spec: ModelSpec, block_size: int, swap_space_gb: float) -> int:
-    return int(swap_space_gb * GIB // spec.kv_bytes_per_block(block_size))
+def kv_bytes_per_block(spec: ModelSpec, block_size: int,
+                       draft_spec: ModelSpec | None = None) -> int:
+    """Bytes of one block in the pool: the target's K/V layers, and the draft model's."""
+    block_bytes = spec.kv_bytes_per_block(block_size)
+    if draft_spec is not None:
+        block_bytes += draft_spec.kv_bytes_per_block(block_size)
+    return block_bytes
+
+
+def num_host_blocks(spec: ModelSpec, block_size: int, swap_space_gb: float,
+                    draft_spec: ModelSpec | None = None) -> int:
+    return int(swap_space_gb * GIB // kv_bytes_per_block(spec, block_size, draft_spec))

@@ -49,6 +49,7 @@ class GenerateStats:
     num_computed_tokens: int = 0    # tokens run through the model (recomputes included)
     num_cached_tokens: int = 0      # prompt tokens skipped thanks to the prefix cache
     num_output_tokens: int = 0
+    num_accepted_tokens: int = 0    # draft tokens accepted (speculative decoding)
     elapsed_s: float = 0.0
 
 
@@ -59,7 +60,10 @@ class LLM:
         num_gpu_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, scheduler
         ("static" | "continuous" | "chunked_prefill" | a scheduler object), preemption
         ("recompute" | "swap" | a policy object), swap_space_gb, enable_prefix_caching, seed,
-        device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend."""
+        device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend,
+        and for speculative decoding speculative_model ("ngram", a conf/model name or a local
+        checkpoint folder of a draft model with the target's vocabulary),
+        num_speculative_tokens (k) and speculation ("fixed" | "adaptive" | a policy object)."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -189,6 +193,8 @@ class LLM:
             stats.num_swapped_in_blocks += len(plan.blocks_to_swap_in)
             stats.num_copied_blocks += len(plan.blocks_to_copy)
             stats.num_computed_tokens += sum(plan.num_new_tokens)
+            if result.num_accepted:
+                stats.num_accepted_tokens += sum(result.num_accepted.values())
             finished = scheduler.update(plan, result, self._now())
             if finished:
                 bar.update(len(finished))

@@ -2,7 +2,8 @@
 
 All sequences' new tokens are concatenated into one batch of one (no padding), with explicit
 positions; the attention metadata says which tokens belong to which sequence and where their K/V
-live. Logits are computed only for the last token of each sequence that samples this step.
+live. Logits are computed only for the last token of each sequence that samples this step (and,
+for a sequence verifying draft tokens, for each of its drafts).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCachePool
 from kernels import KernelOps
 from policies.types import Sequence, StepPlan
 
@@ -22,7 +22,8 @@ class StepInputs:
     input_ids: torch.Tensor         # [num_tokens]
     positions: torch.Tensor         # [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor    # [num_sampling] rows of the sampling sequences' last tokens
+    # Rows whose logits are kept: each sampling sequence's last token (and its drafts').
+    logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]   # sequences that reach their last token and sample
 
 
@@ -43,24 +44,28 @@ def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, ops: KernelOps,
-                 device: torch.device):
+    """Runs one model over paged KV layers `kv_caches` (the target's, or a draft model's: the
+    same block ids index both)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 ops: KernelOps, device: torch.device):
         self.model = model
-        self.pool = pool
+        self.kv_caches = kv_caches
         self.ops = ops
         self.device = device
-        self.block_size = pool.block_size
+        self.block_size = block_size
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
-        block_size = self.block_size
-        tables = plan.block_tables
+    def prepare(self, plan: StepPlan, drafts: dict[int, list[int]] | None = None) -> StepInputs:
+        """The plan's tokens. A sequence with `drafts[seq_id]` also runs its draft tokens after
+        its last token (verification) and keeps logits for all of them: 1 + len(drafts) rows."""
         num_seqs = len(plan.seqs)
         token_ids: list[int] = []
         starts = np.empty(num_seqs, dtype=np.int64)
         query_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        tables = plan.block_tables
         seq_tables = []
         sampling_seqs = []
-        sampling_rows = []
+        logits_rows: list[int] = []
         num_tokens = 0
         for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -70,7 +75,25 @@ class ModelRunner:
             num_tokens += num_new
             if start + num_new == seq.num_tokens:
                 sampling_seqs.append(seq)
-                sampling_rows.append(num_tokens - 1)
+                seq_drafts = drafts.get(seq.seq_id) if drafts else None
+                if seq_drafts:
+                    token_ids += seq_drafts
+                    query_lens[index] += len(seq_drafts)
+                    logits_rows += range(num_tokens - 1, num_tokens + len(seq_drafts))
+                    num_tokens += len(seq_drafts)
+                else:
+                    logits_rows.append(num_tokens - 1)
+        return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs)
+
+    def build(self, token_ids: list[int], starts: np.ndarray, query_lens: np.ndarray,
+              seq_tables: list[list[int]], logits_rows: list[int],
+              sampling_seqs: list[Sequence]) -> StepInputs:
+        """Inputs for sequences b running query_lens[b] tokens from position starts[b] (their
+        ids concatenated in `token_ids`), K/V at the slots of seq_tables[b], keeping the logits
+        of the flattened rows `logits_rows`."""
+        block_size = self.block_size
+        num_seqs = len(seq_tables)
+        num_tokens = len(token_ids)
         seq_lens = starts + query_lens
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -98,22 +121,23 @@ class ModelRunner:
             block_tables=to(block_tables, torch.int32),
             seq_lens=to(seq_lens, torch.int32),
             query_start_loc=to(query_start_loc, torch.int32),
-            kv_caches=self.pool.device_caches,
+            kv_caches=self.kv_caches,
             ops=self.ops)
         if self.ops.plan_attention is not None:
             metadata.attention_plan = self.ops.plan_attention(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                self.pool.device_caches[0])
+                self.kv_caches[0])
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
             positions=to(positions, torch.int64),
             metadata=metadata,
-            logits_indices=torch.tensor(sampling_rows, dtype=torch.int64).to(device),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device),
             sampling_seqs=sampling_seqs)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num_sampling, vocab] (fp32) of the sampling sequences' last tokens."""
+        """Logits [len(logits_indices), vocab] (fp32): the sampling sequences' last tokens (and
+        their drafts')."""
         # Chunks that sample nothing still fill the cache: they keep no logits.
         output = self.model(input_ids=inputs.input_ids[None],
                             position_ids=inputs.positions[None],

@@ -36,9 +36,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from kernels.tiling import TILE_BYTES, tile_tokens
 from policies.memory import PagedBlockManager
 from policies.types import Request, Sequence, StepPlan
-from sim.step_features import STEP_FEATURES, step_features
+from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +77,18 @@ class GridPoint:
         return self.num_swap_out + self.num_swap_in
 
 
+def spread(count: int, low: int, high: int) -> tuple[int, ...]:
+    """`count` lengths spread evenly over [low, high], in a shuffled (deterministic) order."""
+    step = (high - low) / max(count - 1, 1)
+    lengths = [low + round(i * step) for i in range(count)]
+    return tuple(lengths[(i * 37) % count] for i in range(count)) if count > 1 else (low,)
+
+
+def spread_chunks(count: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
+    """`count` fresh prompts (no cached context) of lengths spread over [low, high]."""
+    return tuple((length, 0) for length in spread(count, low, high))
+
+
 def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> list[GridPoint]:
     """The designed grid. The first block size gets the full grid; the others a subset (decode,
     prefill and mixed shapes, where the block size changes the attention's gathers)."""
@@ -89,6 +102,7 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> lis
             add("prefill", prefills=((chunk, ctx),))
         for batch, ctx in ((2, 32), (8, 96)):
             add("decode", decodes=(ctx,) * batch)
+        add("decode_mixed_ctx", decodes=spread(6, 16, 160))
         add("mixed", decodes=(64,) * 4, prefills=((32, 32),))
         add("copy", full_only=True, decodes=(64,) * 2, num_copies=4)
         add("swap", full_only=True, decodes=(64,) * 2, num_swap_out=3, num_swap_in=3)
@@ -98,19 +112,34 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> lis
                 add("prefill", prefills=((chunk, ctx),))
         for ctx in (0, 256):  # longest chunks in the mix, kept within ~1k tokens of context
             add("prefill", prefills=((768, ctx),))
+        add("prefill", prefills=((1536, 0),))
+        # Several prompts in one step, up to a 2,048-token budget (continuous batching admits
+        # every waiting prompt that fits).
         for count in (2, 4, 8):
             for chunk in (32, 128):
                 add("multi_prefill", prefills=((chunk, 0),) * count)
         add("multi_prefill", prefills=((64, 256),) * 4)
+        add("multi_prefill", prefills=spread_chunks(6, 32, 320))
+        add("multi_prefill", prefills=spread_chunks(12, 64, 256))
+        for count, chunk in ((4, 512), (8, 256), (16, 128)):
+            add("multi_prefill", prefills=((chunk, 0),) * count)
         for batch in (1, 4, 8, 16, 32, 64):
             for ctx in (32, 128, 256, 512, 1024):
                 add("decode", decodes=(ctx,) * batch)
-        for batch in (8, 32, 64):  # contexts spread over 32..~1k, in a shuffled order
-            add("decode_mixed_ctx",
-                decodes=tuple(32 + ((i * 37) % batch) * 992 // batch for i in range(batch)))
+        for batch in (128, 256):  # the largest batches, with short contexts to fit the pool
+            for ctx in (32, 128, 320):
+                add("decode", decodes=(ctx,) * batch)
+        # Real batches mix context lengths: the torch attention pads each tile to its longest.
+        for batch in (2, 4, 8, 16, 32, 64, 128):
+            for low, high in ((16, 320), (32, 1024)):
+                add("decode_mixed_ctx", decodes=spread(batch, low, high))
         for batch in (4, 16, 48):
             for chunk, ctx in ((64, 0), (256, 0), (128, 384), (512, 128)):
                 add("mixed", decodes=(256,) * batch, prefills=((chunk, ctx),))
+        for batch in (8, 32, 96):  # chunked prefill: decodes of spread contexts and chunks
+            for chunk, ctx in ((32, 64), (200, 0), (1024, 256)):
+                add("mixed", decodes=spread(batch, 16, 400), prefills=((chunk, ctx),))
+        add("mixed", decodes=spread(24, 16, 320), prefills=spread_chunks(4, 16, 256))
         for copies in (4, 16, 64, 256):
             add("copy", full_only=True, decodes=(128,) * 4, num_copies=copies)
         for blocks in (4, 16, 64, 256):
@@ -233,10 +262,13 @@ ExecutorFactory = Callable[[int, int, int], object]  # (block_size, num_blocks, 
 
 
 def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: int = 5,
-            warmup: int = 1, seed: int = 0, progress: bool = True) -> Profile:
-    """Run every grid point `warmup` untimed + `repeats` timed times on an executor built by
+            warmup: int = 1, seed: int = 0, progress: bool = True,
+            kv_bytes_per_token: int | None = None) -> Profile:
+    """Run every grid point `warmup` untimed + `repeats` timed times on executors built by
     `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
-    for the largest point), keeping every sample's measured `duration`."""
+    for its largest point), keeping every sample's measured `duration`. With
+    `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
+    attention-tile features too."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     start = time.perf_counter()
@@ -245,34 +277,41 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
     by_block_size: dict[int, list[GridPoint]] = {}
     for point in grid:
         by_block_size.setdefault(point.block_size, []).append(point)
-    bar = _progress_bar(len(grid) * repeats, progress)
+    runs = []  # (point, executor, plan, features) of every point, all block sizes
+    for block_size, points in by_block_size.items():
+        num_blocks = max(p.num_blocks_needed() for p in points)
+        num_host = max(p.num_host_blocks_needed() for p in points)
+        executor = executor_factory(block_size, num_blocks, num_host)
+        tiling = None if kv_bytes_per_token is None else AttentionTiling(
+            block_size, tile_tokens(block_size, kv_bytes_per_token))
+        for point in points:
+            plan = build_plan(point, rng, num_blocks, num_host)
+            runs.append((point, executor, plan, dict(zip(STEP_FEATURES,
+                                                         step_features(plan, tiling)))))
+    bar = _progress_bar(len(runs) * repeats, progress)
     try:
-        for block_size, points in by_block_size.items():
-            num_blocks = max(p.num_blocks_needed() for p in points)
-            num_host = max(p.num_host_blocks_needed() for p in points)
-            executor = executor_factory(block_size, num_blocks, num_host)
-            plans = [build_plan(point, rng, num_blocks, num_host) for point in points]
-            features = [dict(zip(STEP_FEATURES, step_features(plan))) for plan in plans]
-            # Warm the executor up on its largest shapes, then every point `warmup` times.
-            for index in sorted(range(len(points)),
-                                key=lambda i: -points[i].num_blocks_needed())[:3]:
-                executor.execute(plans[index])
-            for _ in range(warmup):
-                for plan in plans:
-                    executor.execute(plan)
-            # Repeats in rounds over the points, so a burst of load from elsewhere on the
-            # machine spreads over many points' samples instead of biasing one point.
-            for repeat in range(repeats):
-                for point, plan, feats in zip(points, plans, features):
-                    duration = float(executor.execute(plan).duration)
-                    result.samples.append({"point_id": point.point_id, "kind": point.kind,
-                                           "block_size": block_size, "repeat": repeat,
-                                           **feats, "duration_s": duration})
-                    if bar is not None:
-                        bar.update(1)
+        # Warm each executor up on its largest shapes, then every point `warmup` times.
+        for executor in {id(run[1]): run[1] for run in runs}.values():
+            own = [run for run in runs if run[1] is executor]
+            for run in sorted(own, key=lambda r: -r[0].num_blocks_needed())[:3]:
+                executor.execute(run[2])
+        for _ in range(warmup):
+            for _, executor, plan, _ in runs:
+                executor.execute(plan)
+        # Repeats in rounds over every point of every block size, in a fresh random order each
+        # round: a drift or a burst of load from elsewhere on the machine spreads over many
+        # points' samples instead of biasing one point, one kind or one block size.
+        for repeat in range(repeats):
+            for index in rng.permutation(len(runs)):
+                point, executor, plan, features = runs[index]
+                duration = float(executor.execute(plan).duration)
+                result.samples.append({"point_id": point.point_id, "kind": point.kind,
+                                       "block_size": point.block_size, "repeat": repeat,
+                                       **features, "duration_s": duration})
                 if bar is not None:
-                    bar.set_postfix_str(f"bs={block_size} round {repeat + 1}/{repeats}")
-            del plans
+                    bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(f"round {repeat + 1}/{repeats}")
     finally:
         if bar is not None:
             bar.close()
@@ -322,16 +361,27 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
 
 
 def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
-    """Fit duration = intercept + Σ coef·feature with every coefficient ≥ 0, weighting each
-    sample by 1/duration (so the fit minimises relative error: steps span two orders of
-    magnitude, and an unweighted fit would sacrifice every small decode step to the long
-    prefills). Returns the profile JSON's content."""
+    """Fit duration = intercept + Σ coef·feature with every coefficient ≥ 0 to the median
+    duration of each grid point (robust to a burst of load from elsewhere on the machine),
+    weighting each point by 1/duration (so the fit minimises relative error: steps span two
+    orders of magnitude, and an unweighted fit would sacrifice every small decode step to the
+    long prefills). Returns the profile JSON's content.
+
+    The residuals the cost model draws from are the measurement noise alone: each sample over
+    its point's median, minus 1, so they spread the prediction the way repeats of one step
+    spread, without the fit's misfit (which is per shape, not random)."""
     if not samples:
         raise ValueError("fit_profile: no samples")
-    x = np.array([[float(s[f]) for f in STEP_FEATURES] for s in samples])
-    y = np.array([float(s["duration_s"]) for s in samples])
-    if (y <= 0).any():
+    by_point: dict[object, list[int]] = {}
+    for index, sample in enumerate(samples):
+        by_point.setdefault(sample.get("point_id", f"sample {index}"), []).append(index)
+    x_all = np.array([[float(s[f]) for f in STEP_FEATURES] for s in samples])
+    y_all = np.array([float(s["duration_s"]) for s in samples])
+    if (y_all <= 0).any():
         raise ValueError("fit_profile: durations must be positive")
+    first = [indices[0] for indices in by_point.values()]
+    x = x_all[first]
+    y = np.array([np.median(y_all[indices]) for indices in by_point.values()])
     design = np.hstack([np.ones((len(y), 1)), x])
     # Column scaling for conditioning; a feature that never varies from zero is left out.
     scale = np.abs(design).max(axis=0)
@@ -340,31 +390,40 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
     coef_scaled = nnls(weighted, np.ones(len(y)))
     coef = np.zeros(design.shape[1])
     coef[used] = coef_scaled / scale[used]
-    predicted = design @ coef
-    relative = y / np.maximum(predicted, 1e-12) - 1.0
+    point_errors = (design @ coef) / y - 1.0          # misfit per point (noise mostly removed)
+    noise = np.empty(len(samples))
+    for indices, median in zip(by_point.values(), y):
+        noise[indices] = y_all[indices] / median - 1.0
+    predicted_all = np.hstack([np.ones((len(y_all), 1)), x_all]) @ coef
+    relative = y_all / np.maximum(predicted_all, 1e-12) - 1.0
     by_kind: dict[str, list[float]] = {}
-    for sample, rel in zip(samples, relative):
-        by_kind.setdefault(str(sample.get("kind", "all")), []).append(float(rel))
-    ss_res = float(((y - predicted) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum())
+    for indices, error in zip(by_point.values(), point_errors):
+        by_kind.setdefault(str(samples[indices[0]].get("kind", "all")), []).append(float(error))
+    ss_res = float(((y_all - predicted_all) ** 2).sum())
+    ss_tot = float(((y_all - y_all.mean()) ** 2).sum())
     return {
         "schema": SCHEMA,
         "metadata": dict(metadata or {}),
         "features": list(STEP_FEATURES),
         "model": {"kind": "linear", "intercept_s": float(coef[0]),
                   "coefficients_s": {f: float(c) for f, c in zip(STEP_FEATURES, coef[1:])}},
-        "residuals": {"kind": "relative", "samples": [float(r) for r in relative]},
+        "residuals": {"kind": "relative", "samples": [float(r) for r in noise]},
         "feature_ranges": {f: [float(x[:, i].min()), float(x[:, i].max())]
                            for i, f in enumerate(STEP_FEATURES)},
         "fit": {"r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
                 "mean_abs_rel_error": float(np.abs(relative).mean()),
                 "median_abs_rel_error": float(np.median(np.abs(relative))),
                 "max_abs_rel_error": float(np.abs(relative).max()),
-                "num_samples": len(y),
+                "num_samples": len(y_all),
+                "num_points": len(y),
+                # Prediction vs each point's median: the model's misfit, noise mostly removed.
+                "mean_abs_point_error": float(np.abs(point_errors).mean()),
+                "max_abs_point_error": float(np.abs(point_errors).max()),
+                "noise_std": float(noise.std()),
                 # Per kind of grid point: a mean far from 0 is a shape the features miss.
-                "by_kind": {kind: {"mean_rel_error": float(np.mean(v)),
-                                   "mean_abs_rel_error": float(np.mean(np.abs(v))),
-                                   "num_samples": len(v)} for kind, v in by_kind.items()}},
+                "by_kind": {kind: {"mean_point_error": float(np.mean(v)),
+                                   "mean_abs_point_error": float(np.mean(np.abs(v))),
+                                   "num_points": len(v)} for kind, v in by_kind.items()}},
     }
 
 
@@ -460,15 +519,20 @@ def main(argv: list[str] | None = None) -> int:
     factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
                                               args.kernel_backend)
     grid = make_grid(args.block_sizes, quick=args.quick)
+    dtype = next(loaded.model.parameters()).dtype
+    spec = loaded.spec
+    kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
     prof = profile(factory, grid, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, kv_bytes_per_token=kv_bytes_per_token)
     device_name, device_dir = device_names(device)
     model_name = Path(args.model).name if Path(args.model).expanduser().is_dir() else args.model
     metadata = {
         "device": device_name, "device_type": device.type,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "model": model_name, "model_config": dataclasses.asdict(loaded.spec),
-        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+        # What the tile features were computed with (sim.step_features.AttentionTiling).
+        "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token, "tile_bytes": TILE_BYTES},
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
         "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
@@ -481,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                                         model_name)
     fit = content["fit"]
     print(f"{len(grid)} points x {args.repeats} repeats in {prof.wall_time_s:.1f} s; "
-          f"R2={fit['r2']:.4f}, mean |rel err|={fit['mean_abs_rel_error']:.2%}; "
+          f"R2={fit['r2']:.4f}, mean |rel err| per sample {fit['mean_abs_rel_error']:.2%}, "
+          f"per point {fit['mean_abs_point_error']:.2%}; "
           f"wrote {json_path} and {csv_path}")
     return 0
 

@@ -25,27 +25,51 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if all(greedy):
             return tokens.tolist()
-        device = logits.device
-        rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=device)
-        sampled_params = [params[i] for i in rows.tolist()]
-        row_generators = [generators[i] for i in rows.tolist()]
-        scaled = logits[rows] / torch.tensor([p.temperature for p in sampled_params],
-                                             device=device, dtype=logits.dtype)[:, None]
-        scaled = _apply_top_k_top_p(scaled, [p.top_k for p in sampled_params],
-                                    [p.top_p for p in sampled_params])
-        probs = torch.softmax(scaled, dim=-1)
-        # Gumbel-style race: argmax(p / Exp(1)) is a draw from p, one noise vector per row.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(row_generators) if g is None]
+        rows = [i for i, g in enumerate(greedy) if not g]
+        probs = probabilities(logits[torch.tensor(rows, device=logits.device)],
+                              [params[i] for i in rows])
+        tokens[rows] = self.draw(probs, [generators[i] for i in rows])
+        return tokens.tolist()
+
+    def draw(self, weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of `weights` [rows, vocab] (non-negative, not necessarily
+        normalised), drawn with probability proportional to its weight, row i with generators[i]."""
+        # Exponential race: argmax(w / Exp(1)) is a draw from w / sum(w).
+        return (weights / self.exponential(weights.shape[0], weights.shape[1], weights.device,
+                                           generators)).argmax(dim=-1)
+
+    def exponential(self, rows: int, size: int, device: torch.device,
+                    generators: list[torch.Generator | None]) -> torch.Tensor:
+        """[rows, size] Exp(1) noise, row i from generators[i] (the default one where None)."""
+        noise = torch.empty(rows, size, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1],
-                                          device=device).exponential_(
-                                              generator=self.default_generator)
-        for i, generator in enumerate(row_generators):
+            noise[unseeded] = torch.empty(len(unseeded), size, device=device).exponential_(
+                generator=self.default_generator)
+        for i, generator in enumerate(generators):
             if generator is not None:
                 noise[i].exponential_(generator=generator)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        return noise
+
+    def uniform(self, counts: list[int], size: int, device: torch.device,
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        """[rows, size] U[0, 1) draws: row i's first counts[i] from generators[i] (the default
+        one where None), the rest 0. A row consumes only its own count, so its draws do not
+        depend on the batch's widest row."""
+        draws = torch.zeros(len(counts), size, device=device)
+        for i, (count, generator) in enumerate(zip(counts, generators)):
+            draws[i, :count].uniform_(generator=generator or self.default_generator)
+        return draws
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: logits [rows, vocab] over the row's temperature
+    (> 0), restricted to its top-k and top-p nucleus, softmaxed."""
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device,
+                                dtype=logits.dtype)
+    scaled = _apply_top_k_top_p(logits / temperatures[:, None], [p.top_k for p in params],
+                                [p.top_p for p in params])
+    return torch.softmax(scaled, dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ def _ops_from(module, name: str) -> KernelOps:
 def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
     """The kernels for `device`: "triton" on CUDA, "torch" (the vectorized reference) elsewhere.
     `backend` forces one; "naive" gives the loop oracle (slow, for tests)."""
+    import torch  # here, not at the top: kernels.tiling is imported by the torch-free simulator
+
     device = torch.device(device)
     if backend is None:
         backend = "triton" if device.type == "cuda" else "torch"

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
@@ -57,12 +59,6 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     dst_cache.index_copy_(1, dst, src_cache.index_select(1, src).to(dst_cache.device))
 
 
-# K and V bytes gathered per tile: small enough to stay in cache between the gather and the
-# attention that reads it (on a 2-core EPYC, 2 MiB tiles attend a 64-sequence decode step about
-# twice as fast as one batch of every sequence; 0.5 MiB tiles lose to per-tile overhead).
-TILE_BYTES = 2 << 20
-
-
 @dataclass
 class AttentionTile:
     """Sequences attended as one padded batch, and where their tokens go."""
@@ -83,13 +79,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     per step and passes the plan to each layer's paged_attention."""
     device = query_start_loc.device
     block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    bytes_per_token = 2 * num_kv_heads * head_dim * kv_cache.element_size()
-    tile_tokens = max(block_size, TILE_BYTES // bytes_per_token)
+    kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    max_tile_tokens = tile_tokens(block_size, kv_bytes_per_token, TILE_BYTES)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
+    all_query_lens = [end - start for start, end in zip(starts, starts[1:])]
     tiles = []
-    for members in _group(lens, starts, tile_tokens):
-        query_lens = [starts[b + 1] - starts[b] for b in members]
+    for members in group_into_tiles(lens, all_query_lens, max_tile_tokens):
+        query_lens = [all_query_lens[b] for b in members]
         max_query_len = max(query_lens)
         num_blocks = -(-lens[members[0]] // block_size)
         context = num_blocks * block_size
@@ -114,26 +111,6 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    <= query_positions[:, :, None])[:, None]
         tiles.append(AttentionTile(seq_ids, block_ids, tokens, padded_rows, visible,
                                    len(members), max_query_len, context))
-    return tiles
-
-
-def _group(seq_lens: list[int], starts: list[int], tile_tokens: int) -> list[list[int]]:
-    """Sequences in tiles of similar context length: decodes and prefills apart (a prefill's
-    query length would pad every decode to it), each sorted by context length, a tile holding
-    as many as fit tile_tokens padded context tokens (at least one)."""
-    is_prefill = [end - start > 1 for start, end in zip(starts, starts[1:])]
-    order = sorted(range(len(seq_lens)), key=lambda b: (is_prefill[b], -seq_lens[b]))
-    tiles: list[list[int]] = []
-    tile: list[int] = []
-    for seq in order:
-        # Longest first, so a tile's first sequence sets its padded length.
-        if tile and (is_prefill[seq] != is_prefill[tile[0]]
-                     or (len(tile) + 1) * seq_lens[tile[0]] > tile_tokens):
-            tiles.append(tile)
-            tile = []
-        tile.append(seq)
-    if tile:
-        tiles.append(tile)
     return tiles
 
 

@@ -1,5 +1,5 @@
 """The contract a plug-in satisfies. A policy is any class with these methods; the built-in ones in
-batching/, memory/, preemption/ and routing/ are ordinary examples. Pure Python: no torch, no simpy.
+batching/, memory/, preemption/, speculation/ and routing/ are ordinary examples. Pure Python: no torch, no simpy.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class KVCacheManager(Protocol):
     def allocate_prefix(self, seq: Sequence) -> int: ...
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool: ...
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int: ...
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> None: ...
     def fork(self, parent: Sequence, child: Sequence) -> bool: ...
     def free(self, seq: Sequence) -> None: ...
     def can_swap_out(self, seqs: Seq[Sequence]) -> bool: ...
@@ -41,6 +42,21 @@ class PreemptionPolicy(Protocol):
 
     def select_victim(self, running: Seq[Request]) -> Request: ...
     def mode(self, request: Request, kv_cache: KVCacheManager) -> Literal["recompute", "swap"]: ...
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """How many draft tokens each decode proposes and verifies per step (speculative decoding)."""
+
+    max_num_speculative_tokens: int  # upper bound on k: sizes the drafter and the lookahead
+
+    def num_speculative_tokens(self, num_decodes: int) -> int:
+        """k for this step's `num_decodes` decoding sequences (0 = no speculation)."""
+        ...
+
+    def observe(self, proposed: list[int], accepted: list[int]) -> None:
+        """After each step: per speculating sequence, drafts proposed and drafts accepted."""
+        ...
 
 
 @runtime_checkable

@@ -106,6 +106,10 @@ class StepPlan:
     (its KV slots are already allocated in `block_tables`). A sequence whose step reaches its last
     token samples one new token. Copies, swaps and preemptions were decided by the policies and
     are carried out before the forward pass, in the order: swap out, swap in, copy.
+
+    Speculative decoding: a decode in `spec_lens` (seq_id -> k >= 1) also proposes k draft tokens
+    and verifies them in the same forward pass; its slots cover positions [0, num_tokens + k).
+    Empty when speculation is off.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -118,6 +122,8 @@ class StepPlan:
     sum_squared_prefill_chunks: int = 0
     num_decode_seqs: int = 0            # sequences computing exactly their last token
     decode_context_tokens: int = 0      # sum over decode sequences of context length read
+    num_draft_tokens: int = 0           # sum of spec_lens: draft tokens verified this step
+    max_draft_len: int = 0              # max of spec_lens: sequential steps of a draft model
     # Memory operations, as (source block, destination block) pairs.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
@@ -126,6 +132,8 @@ class StepPlan:
     preempted_swap: list[Request] = field(default_factory=list)
     # seq_id -> physical block ids; a live view into the KV manager, not a copy.
     block_tables: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> k draft tokens of a speculating decode.
+    spec_lens: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -133,7 +141,8 @@ class StepPlan:
 
     @property
     def num_batched_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_seqs
+        """Tokens the forward pass computes: prefill chunks, decodes and their drafts."""
+        return self.num_prefill_tokens + self.num_decode_seqs + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -147,11 +156,14 @@ class StepPlan:
         some samples of a request were scheduled before another ran out of memory."""
         kept = [(seq, num_new) for seq, num_new in zip(self.seqs, self.num_new_tokens)
                 if seq.request is not request]
-        self.seqs, self.num_new_tokens = [], []
+        kept_spec_lens = {seq.seq_id: self.spec_lens[seq.seq_id] for seq, _ in kept
+                          if seq.seq_id in self.spec_lens}
+        self.seqs, self.num_new_tokens, self.spec_lens = [], [], {}
         for feature in _STEP_FEATURES:
             setattr(self, feature, 0)
         for seq, num_new in kept:
             self.add(seq, num_new)
+        self.add_drafts(kept_spec_lens)
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
         """Schedule one token for each of `seqs`, every one at its last token with outputs
@@ -160,6 +172,14 @@ class StepPlan:
         self.num_new_tokens.extend([1] * len(seqs))
         self.num_decode_seqs += len(seqs)
         self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
+
+    def add_drafts(self, spec_lens: dict[int, int]) -> None:
+        """Let decodes already in the plan speculate: seq_id -> k >= 1 draft tokens each."""
+        if not spec_lens:
+            return
+        self.spec_lens.update(spec_lens)
+        self.num_draft_tokens += sum(spec_lens.values())
+        self.max_draft_len = max(self.max_draft_len, max(spec_lens.values()))
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         """Schedule `num_new_tokens` of `seq` and account for them in the step features."""
@@ -180,16 +200,17 @@ class StepPlan:
 
 _STEP_FEATURES = ("num_prefill_tokens", "num_prefill_seqs", "prefill_attention_work",
                   "prefill_context_tokens", "sum_squared_prefill_chunks", "num_decode_seqs",
-                  "decode_context_tokens")
+                  "decode_context_tokens", "num_draft_tokens", "max_draft_len")
 
 
 @dataclass(slots=True)
 class StepResult:
     """What an executor returns: how long the step took and, from the engine, the token ids.
 
-    `sampled_token_ids` maps seq_id -> the tokens that sequence gained this step (one, or more
-    with speculative decoding). The simulator leaves it None: every sequence that reached its last
-    token gains exactly one token.
+    `sampled_token_ids` maps seq_id -> the tokens that sequence gained this step (one, or with
+    speculative decoding its accepted drafts and one more token). The simulator leaves it None:
+    every sequence that reached its last token gains one token, a speculating one
+    `num_accepted[seq_id] + 1`.
     """
 
     duration: float
@@ -199,3 +220,5 @@ class StepResult:
     # For a request with n > 1 whose first sequence just finished its prompt: the first tokens of
     # the n - 1 samples forked from it (seq_id of the parent -> n - 1 token ids).
     forked_token_ids: dict[int, list[int]] | None = None
+    # For every seq in the plan's spec_lens: how many of its k drafts were accepted (0..k).
+    num_accepted: dict[int, int] | None = None

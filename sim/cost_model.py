@@ -9,8 +9,13 @@ bandwidth), and the groups run one after another, so their times add:
          + prefill attention (causal query-key pairs vs KV read)
          + decode attention  (one query per sequence vs its whole context's KV read)
          + tensor-parallel all-reduces (2 per layer)
+         + drafting          (speculative decoding: max_draft_len sequential decode steps of the
+                              draft model over the speculating sequences, or an n-gram lookup)
 
-Only the StepPlan's aggregate features are used, so a step costs O(1) however large the batch.
+With speculative decoding the k drafts of a sequence are verified in the same forward pass: they
+count as batched tokens (linear layers, LM head rows), and as k more decode-attention queries over
+the sequence's context (taken as the step's mean decode context). Only the StepPlan's aggregate
+features are used, so a step costs O(1) however large the batch.
 """
 from __future__ import annotations
 
@@ -49,7 +54,10 @@ class RooflineCostModel:
                  transfer_efficiency: float = 0.75,
                  step_overhead_s: float = 0.002,
                  per_sequence_overhead_s: float = 20e-6,
-                 allreduce_latency_s: float = 10e-6):
+                 allreduce_latency_s: float = 10e-6,
+                 draft_model: ModelSpec | Mapping | str | None = None,
+                 draft_step_overhead_s: float = 3e-4,
+                 ngram_overhead_s_per_seq: float = 20e-6):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -70,6 +78,24 @@ class RooflineCostModel:
         self.per_sequence_overhead_s = _require_non_negative("per_sequence_overhead_s", per_sequence_overhead_s)
         # Fixed cost of one small NCCL/custom all-reduce over NVLink.
         self.allreduce_latency_s = _require_non_negative("allreduce_latency_s", allreduce_latency_s)
+        # Speculative decoding's drafter: "ngram" (a lookup in the sequence's own tokens, CPU
+        # work per sequence), a small model (its own roofline on one GPU, its launches cheaper
+        # than a full step's), or None (no drafting cost: the plans do not speculate).
+        self.draft_step_overhead_s = _require_non_negative("draft_step_overhead_s", draft_step_overhead_s)
+        self.ngram_overhead_s_per_seq = _require_non_negative("ngram_overhead_s_per_seq",
+                                                              ngram_overhead_s_per_seq)
+        self.draft_model = draft_model
+        self._draft_cost_model = None
+        if isinstance(draft_model, (ModelSpec, Mapping)):
+            self._draft_cost_model = RooflineCostModel(
+                draft_model, self.hardware, block_size=block_size,
+                compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
+                transfer_efficiency=transfer_efficiency, step_overhead_s=draft_step_overhead_s,
+                per_sequence_overhead_s=0.0)
+            self.draft_model = self._draft_cost_model.model
+        elif draft_model not in (None, "ngram"):
+            raise ValueError(f"RooflineCostModel.draft_model must be 'ngram', a model spec or "
+                             f"null, got {draft_model!r}")
 
         m, hw = self.model, self.hardware
         flop_rate = hw.peak_flops * self.compute_efficiency
@@ -106,7 +132,7 @@ class RooflineCostModel:
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
         those plus the fixed overhead."""
-        num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs
+        num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
         num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         num_copied = len(plan.blocks_to_copy)
         if not (num_tokens or num_swapped or num_copied):
@@ -118,9 +144,10 @@ class RooflineCostModel:
             return time
 
         time += max(num_tokens * self._linear_s_per_token, self._linear_weights_s)
-        # Every decode sequence samples; a prefill chunk samples only if it ends the prompt, which
-        # the aggregates do not say, so count them all (an upper bound of a few rows).
-        num_sampling = plan.num_decode_seqs + plan.num_prefill_seqs
+        # Every decode sequence samples (a speculating one at each draft too); a prefill chunk
+        # samples only if it ends the prompt, which the aggregates do not say, so count them all
+        # (an upper bound of a few rows).
+        num_sampling = plan.num_decode_seqs + plan.num_prefill_seqs + plan.num_draft_tokens
         time += max(num_sampling * self._lm_head_s_per_seq, self._lm_head_weights_s)
         if plan.num_prefill_tokens:
             # Causal masking: a chunk of c tokens after k cached ones visits c*k + c²/2 pairs,
@@ -129,7 +156,28 @@ class RooflineCostModel:
             kv_tokens = plan.prefill_context_tokens + plan.num_prefill_tokens
             time += max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
         if plan.num_decode_seqs:
-            kv_tokens = plan.decode_context_tokens + plan.num_decode_seqs
-            time += max(plan.decode_context_tokens * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
+            # The context is read once per sequence however many queries it has; the drafts'
+            # queries each visit about the mean context, and their K/V are written.
+            pairs = plan.decode_context_tokens
+            if plan.num_draft_tokens:
+                pairs += plan.num_draft_tokens * plan.decode_context_tokens / plan.num_decode_seqs
+            kv_tokens = plan.decode_context_tokens + plan.num_decode_seqs + plan.num_draft_tokens
+            time += max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
         time += self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
+        if plan.spec_lens:
+            time += self.draft_time(plan)
         return time
+
+    def draft_time(self, plan: StepPlan) -> float:
+        """Seconds spent proposing the plan's drafts: an n-gram lookup per speculating sequence,
+        or max_draft_len sequential decode steps of the draft model over them (at the step's mean
+        decode context). The draft model's catch-up on accepted tokens is not counted."""
+        num_speculating = len(plan.spec_lens)
+        if self.draft_model == "ngram":
+            return num_speculating * self.ngram_overhead_s_per_seq
+        if self._draft_cost_model is None:
+            return 0.0
+        mean_context = plan.decode_context_tokens / max(plan.num_decode_seqs, 1)
+        draft_step = StepPlan(num_decode_seqs=num_speculating,
+                              decode_context_tokens=round(num_speculating * mean_context))
+        return plan.max_draft_len * self._draft_cost_model.step_time(draft_step)

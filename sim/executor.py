@@ -1,15 +1,26 @@
 """The simulator's executor: a step takes as long as the cost model says and produces no token ids
-(the scheduler counts one new token for every sequence that reached its last token)."""
+(the scheduler counts one new token for every sequence that reached its last token, plus the
+accepted drafts of a speculating one)."""
 from __future__ import annotations
 
 from policies.types import StepPlan, StepResult
+from sim.speculation import AcceptanceModel
 
 
 class SimExecutor:
-    """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`."""
+    """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`; with an
+    acceptance model it also draws how many drafts each speculating sequence keeps."""
 
-    def __init__(self, cost_model):
+    def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None):
         self.cost_model = cost_model
+        self.acceptance_model = acceptance_model
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return StepResult(duration=self.cost_model.step_time(plan))
+        duration = self.cost_model.step_time(plan)
+        if not plan.spec_lens:
+            return StepResult(duration=duration)
+        if self.acceptance_model is None:
+            raise ValueError("the plan speculates but the simulator has no acceptance model "
+                             "(set speculation.acceptance_rate or speculation.acceptance_profile)")
+        accepted = self.acceptance_model.draw(list(plan.spec_lens.values()))
+        return StepResult(duration=duration, num_accepted=dict(zip(plan.spec_lens, accepted)))

@@ -26,6 +26,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "num_waiting", "num_running", "num_swapped",
     "num_preempted_recompute", "num_preempted_swap",
     "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied",
+    "num_draft_tokens", "num_accepted_tokens",
 )
 
 REQUEST_COLUMNS: tuple[str, ...] = (
@@ -174,17 +175,20 @@ class MetricsCollector:
 
     def record_step(self, replica_id: int, start_time: float, plan: StepPlan, duration: float, *,
                     kv_blocks_used: int, kv_slots_allocated: int, kv_tokens_stored: int,
-                    num_waiting: int, num_running: int, num_swapped: int) -> None:
+                    num_waiting: int, num_running: int, num_swapped: int,
+                    num_accepted_tokens: int = 0) -> None:
         """Append one row, in STEP_COLUMNS order. Called every step of every replica, so it only
-        appends a tuple: all per-step analysis happens once, in summary()."""
+        appends a tuple: all per-step analysis happens once, in summary().
+        `num_accepted_tokens`: the step's accepted drafts (speculative decoding)."""
         self.step_rows.append((
             replica_id, start_time, duration,
             len(plan.seqs), plan.num_prefill_seqs, plan.num_prefill_tokens, plan.num_decode_seqs,
-            plan.num_prefill_tokens + plan.num_decode_seqs,
+            plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens,
             kv_blocks_used, kv_slots_allocated, kv_tokens_stored,
             num_waiting, num_running, num_swapped,
             len(plan.preempted_recompute), len(plan.preempted_swap),
             len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(plan.blocks_to_copy),
+            plan.num_draft_tokens, num_accepted_tokens,
         ))
 
     def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
@@ -244,6 +248,9 @@ class MetricsCollector:
         waste = 1.0 - stored[has_slots] / allocated[has_slots]
         blocks_swapped = (steps[:, _COL["num_blocks_swapped_out"]].sum()
                           + steps[:, _COL["num_blocks_swapped_in"]].sum())
+        num_drafts = int(steps[:, _COL["num_draft_tokens"]].sum())
+        num_accepted = int(steps[:, _COL["num_accepted_tokens"]].sum())
+        num_decodes = int(steps[:, _COL["num_decode_seqs"]].sum())
         result.update({
             "num_preemptions": sum(request.num_preemptions for request in requests),
             "peak_kv_blocks": int(steps[:, _COL["kv_blocks_used"]].max()) if len(steps) else 0,
@@ -253,6 +260,13 @@ class MetricsCollector:
             "wall_time_s": float(wall_time_s),
             # Simulated seconds per wall second: how much faster than real time the run went.
             "sim_speedup": _per_second(duration_s, wall_time_s),
+            # Speculative decoding: drafts proposed and accepted, their ratio, and the tokens a
+            # decoding sequence gains per step (1 + accepted drafts per decode; 1.0 without).
+            "num_draft_tokens": num_drafts,
+            "num_accepted_tokens": num_accepted,
+            "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
+            "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
+                                            if num_decodes else 0.0),
         })
         return result
 
@@ -325,6 +339,9 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_row("KV waste", f"{summary['kv_waste_fraction']:.1%}")
     if summary.get("swap_bytes"):
         totals.add_row("swapped", f"{summary['swap_bytes'] / 2**20:,.1f} MiB")
+    if summary.get("num_draft_tokens"):
+        totals.add_row("draft acceptance", f"{summary['spec_acceptance_rate']:.1%}")
+        totals.add_row("tokens / decode step", _fmt(summary["mean_tokens_per_decode_step"]))
     totals.add_row("steps", f"{summary['num_steps']:,}")
     totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
 

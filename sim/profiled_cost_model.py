@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from policies.types import StepPlan
-from sim.step_features import STEP_FEATURES, step_features
+from kernels.tiling import tile_tokens
+from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +63,25 @@ def load_profile(path: str | Path) -> dict:
                            f"supported (this twinserve reads schema {SCHEMA_VERSION}); re-run the "
                            f"profiler")
     features = profile.get("features")
-    if list(features or []) != list(STEP_FEATURES):
+    # A profile from before some features existed (in STEP_FEATURES order, none unknown) still
+    # loads: the missing ones get coefficient 0, and the log says so.
+    if (not isinstance(features, list) or not features
+            or list(features) != [name for name in STEP_FEATURES if name in features]):
         raise ProfileError(f"cost_model.profile={path}: its features {features!r} differ from "
                            f"sim.step_features.STEP_FEATURES {list(STEP_FEATURES)!r}; re-run the "
                            f"profiler")
+    missing = [name for name in STEP_FEATURES if name not in features]
+    if missing:
+        log.warning("profiled cost model: %s was fitted without the features %s; they cost 0 "
+                    "(re-run the profiler to fit them)", path, missing)
     model = profile.get("model")
     if not isinstance(model, dict) or model.get("kind") != "linear":
         raise ProfileError(f"cost_model.profile={path}: model.kind must be 'linear', got "
                            f"{(model or {}).get('kind') if isinstance(model, dict) else model!r}")
     coefficients = model.get("coefficients_s")
-    if not isinstance(coefficients, dict) or set(coefficients) != set(STEP_FEATURES):
+    if not isinstance(coefficients, dict) or set(coefficients) != set(features):
         raise ProfileError(f"cost_model.profile={path}: model.coefficients_s must have exactly "
-                           f"the keys {list(STEP_FEATURES)}")
+                           f"the keys of its features {features}")
     residuals = profile.get("residuals") or {"kind": "relative", "samples": []}
     if not isinstance(residuals, dict) or residuals.get("kind", "relative") != "relative":
         raise ProfileError(f"cost_model.profile={path}: residuals.kind must be 'relative'")
@@ -85,23 +93,49 @@ def load_profile(path: str | Path) -> dict:
     return profile
 
 
+def _attention_tiling(data: dict, block_size, where: str) -> AttentionTiling | None:
+    """The tiling the profile's tile features were measured with, at this run's block size.
+    None when the profile has no tile features (then they were 0 in every sample)."""
+    tiling = (data.get("metadata") or {}).get("attention_tiling")
+    if not tiling:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ProfileError(f"{where}: cost_model.block_size must be the run's positive KV block "
+                           f"size (the profile's tile features need it), got {block_size!r}")
+    try:
+        kv_bytes_per_token = int(tiling["kv_bytes_per_token"])
+        tile_bytes = int(tiling["tile_bytes"])
+    except (KeyError, TypeError, ValueError):
+        raise ProfileError(f"{where}: metadata.attention_tiling must have integer "
+                           f"kv_bytes_per_token and tile_bytes, got {tiling!r}") from None
+    if kv_bytes_per_token <= 0 or tile_bytes <= 0:
+        raise ProfileError(f"{where}: metadata.attention_tiling values must be positive")
+    return AttentionTiling(block_size, tile_tokens(block_size, kv_bytes_per_token, tile_bytes))
+
+
 class ProfiledCostModel:
     """Predicts `step_time(plan)` in seconds from a profile fitted on the engine.
 
-    `model`, `hardware`, `tensor_parallel_size` and `block_size` are what the runner passes every
-    cost model; the profile already describes one model on one device, so they are accepted and
-    not used. `sample_residuals=False` gives the fitted mean alone (deterministic)."""
+    `model`, `hardware` and `tensor_parallel_size` are what the runner passes every cost model
+    (and `draft_model` a speculating run); the profile already describes one model on one device
+    (its draft features the drafter it was measured with), so they are accepted and not used.
+    `block_size` (the run's KV block size) places the sequences in the attention tiles the
+    engine would run, for the tile features. `sample_residuals=False` gives the fitted mean
+    alone (deterministic)."""
 
     def __init__(self, profile: str, seed: int = 0, sample_residuals: bool = True,
-                 model=None, hardware=None, tensor_parallel_size: int = 1, block_size=None):
+                 model=None, hardware=None, tensor_parallel_size: int = 1,
+                 block_size: int | None = None, draft_model=None):
         data = load_profile(profile)
         where = f"cost_model.profile={profile}"
+        self.tiling = _attention_tiling(data, block_size, where)
         self.profile_path = str(profile)
         self.metadata = data.get("metadata") or {}
         model_data = data["model"]
         self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
         self.coefficients_s = tuple(
-            _number(model_data["coefficients_s"][name], f"{where}: model.coefficients_s.{name}")
+            _number(model_data["coefficients_s"].get(name, 0.0),
+                    f"{where}: model.coefficients_s.{name}")
             for name in STEP_FEATURES)
         samples = [_number(value, f"{where}: residuals.samples[]")
                    for value in data.get("residuals", {}).get("samples", [])]
@@ -150,7 +184,7 @@ class ProfiledCostModel:
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes: 0 for an empty plan, else the linear prediction times
         (1 + a drawn residual), never negative."""
-        features = step_features(plan)
+        features = step_features(plan, self.tiling)
         if not any(features):
             return 0.0
         self._check_range(features)

@@ -66,7 +66,9 @@ class Replica:
                         kv_blocks_used=kv_cache.num_used_blocks(),
                         kv_slots_allocated=kv_cache.num_slots_allocated(),
                         kv_tokens_stored=kv_cache.num_tokens_stored(),
-                        num_waiting=waiting, num_running=running, num_swapped=swapped)
+                        num_waiting=waiting, num_running=running, num_swapped=swapped,
+                        num_accepted_tokens=(sum(result.num_accepted.values())
+                                             if result.num_accepted else 0))
             yield env.timeout(result.duration)
             finished = scheduler.update(plan, result, env.now)
             if finished and self.on_requests_done:

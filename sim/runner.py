@@ -2,8 +2,8 @@
 tests and scripts without the command line.
 
 The config is the Hydra tree of conf/ (model, hardware, workload, scheduler, kv_cache, preemption,
-cost_model, cluster, backend). Policies are built with `hydra.utils.instantiate`, so any
-`_target_` class works, the built-in ones and a user's own.
+speculation, cost_model, cluster, backend). Policies are built with `hydra.utils.instantiate`, so
+any `_target_` class works, the built-in ones and a user's own.
 """
 from __future__ import annotations
 
@@ -16,19 +16,25 @@ from pathlib import Path
 import simpy
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, MissingMandatoryValue
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from tqdm import tqdm
 
+import conf
 from policies.routing import LeastOutstandingRouter, RoundRobinRouter
+from policies.speculation import max_speculative_tokens
 from policies.types import Request
 from sim.executor import SimExecutor
 from sim.metrics import MetricsCollector
 from sim.replica import Replica, arrivals
 from sim.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.speculation import AcceptanceModel
 from sim.workload import build_workload
 
 ROUTERS = {"round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter}
 GIB = 1 << 30
+MODEL_CONFIG_DIR = Path(conf.__file__).parent / "model"
+# Keys of the speculation group that describe the run, not the policy: popped before it is built.
+SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile")
 
 
 @dataclass
@@ -120,18 +126,89 @@ def slos_ms(cfg: DictConfig) -> dict[str, float] | None:
     return limits or None
 
 
-def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache):
+@dataclass
+class SpeculationSetup:
+    """The speculation group of a run whose policy drafts: the policy's own config (built once
+    per replica: a policy may keep state), the drafter and, for the simulator, what the drafts
+    cost and how often they are accepted."""
+
+    policy_cfg: DictConfig
+    max_num_speculative_tokens: int
+    draft_model: str                      # "ngram", a conf/model name or (engine) a folder
+    draft_spec: ModelSpec | str | None    # sim: "ngram" or the draft model's shape
+    acceptance: AcceptanceModel | None    # sim: the acceptance statistics
+
+    def acceptance_model(self, seed) -> AcceptanceModel:
+        """The acceptance statistics with a generator of their own (one per replica)."""
+        return AcceptanceModel(self.acceptance.position_probabilities, seed,
+                               self.acceptance.source)
+
+
+def draft_model_spec(name: str) -> ModelSpec | str:
+    """What the roofline costs the drafts with: "ngram" or the draft model's spec."""
+    if name == "ngram":
+        return name
+    config_file = MODEL_CONFIG_DIR / f"{name}.yaml"
+    if not config_file.is_file():
+        known = ", ".join(sorted(path.stem for path in MODEL_CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"speculation.draft_model must be ngram or a conf/model name ({known}) "
+                         f"for the simulator; got {name!r}")
+    return ModelSpec.from_config(OmegaConf.load(config_file))
+
+
+def acceptance_statistics(group: DictConfig) -> AcceptanceModel:
+    """The simulator's acceptance model: the measured profile when given, else i.i.d."""
+    if group.get("acceptance_profile") is not None:
+        return AcceptanceModel.from_file(group.acceptance_profile)
+    if group.get("acceptance_rate") is None:
+        raise ValueError("speculation.acceptance_rate (a probability) or "
+                         "speculation.acceptance_profile (a JSON file) is required to simulate "
+                         "speculative decoding")
+    return AcceptanceModel.iid(group.acceptance_rate)
+
+
+def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
+    """The run's speculation, checked before anything runs; None when it does not draft (no
+    speculation group, or a policy whose max_num_speculative_tokens is 0: speculation=none)."""
+    group = cfg.get("speculation")
+    if group is None:
+        return None
+    policy_cfg = OmegaConf.masked_copy(group, [key for key in group
+                                               if key not in SPECULATION_RUN_KEYS])
+    max_k = max_speculative_tokens(build_policy(policy_cfg, "speculation"))
+    if max_k == 0:
+        return None
+    draft_model = group.get("draft_model")
+    if not isinstance(draft_model, str) or not draft_model:
+        raise ValueError(f"speculation.draft_model must be ngram or a model name, got "
+                         f"{draft_model!r}")
+    if cfg.backend.name != "sim":  # the engine drafts, verifies and counts for real
+        return SpeculationSetup(policy_cfg, max_k, draft_model, None, None)
+    return SpeculationSetup(policy_cfg, max_k, draft_model, draft_model_spec(draft_model),
+                            acceptance_statistics(group))
+
+
+def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache,
+                   speculation: SpeculationSetup | None = None, replica_id: int = 0):
     """Who runs a step: the cost model (sim) or the real engine, whose KV pools match the
     replica's KV manager."""
     backend = cfg.backend.name
     if backend == "engine":
         from engine import build_engine_executor  # torch and transformers: only when asked
+        drafting = {} if speculation is None else {
+            "speculative_model": speculation.draft_model,
+            "max_num_speculative_tokens": speculation.max_num_speculative_tokens}
         return build_engine_executor(model.name, kv_cache, device=cfg.backend.device,
-                                     dtype=cfg.backend.dtype, seed=cfg.seed)
+                                     dtype=cfg.backend.dtype, seed=cfg.seed, **drafting)
     if backend == "sim":
+        drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
         cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
-                                  tensor_parallel_size=cfg.cluster.tensor_parallel_size)
-        return SimExecutor(cost_model)
+                                  tensor_parallel_size=cfg.cluster.tensor_parallel_size,
+                                  **drafting)
+        if speculation is None:
+            return SimExecutor(cost_model)
+        # Each replica draws its own acceptances, reproducibly.
+        return SimExecutor(cost_model, speculation.acceptance_model([cfg.seed, replica_id]))
     raise ValueError(f"backend must be one of sim, engine; got {backend!r}")
 
 
@@ -148,6 +225,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
     bytes_per_block_per_gpu = bytes_per_block / cfg.cluster.tensor_parallel_size
     router = build_router(cfg.cluster.router)
+    speculation = speculation_setup(cfg)
     requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
 
     env = simpy.Environment()
@@ -161,10 +239,14 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         num_host_blocks = int(swap_space_gb * GIB // bytes_per_block_per_gpu)
         kv_cache = build_policy(cfg.kv_cache, "kv_cache", num_blocks=num_blocks,
                                 num_host_blocks=num_host_blocks)
+        # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
+        drafting = ({} if speculation is None else
+                    {"speculation": build_policy(speculation.policy_cfg, "speculation")})
         scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
                                  preemption=preemption, max_model_len=model.max_model_len,
-                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model))
-        executor = build_executor(cfg, model, hardware, kv_cache)
+                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+                                 **drafting)
+        executor = build_executor(cfg, model, hardware, kv_cache, speculation, replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=bar.update))
     env.process(arrivals(env, requests, router, replicas))

@@ -1,7 +1,17 @@
 """The features of a step that its duration depends on: what the profiler measures over, what the
-profiled cost model predicts from. Read from a StepPlan's aggregates, never per sequence."""
+profiled cost model predicts from.
+
+Most are the StepPlan's aggregates. Two describe the attention's tiles as the engine's torch
+kernels run them (kernels/tiling.py): on a CPU each padded tile costs a gather and an attention
+call per layer, and a batch of decodes with spread-out contexts pads to its tiles' longest, so
+Σ context alone under-predicts it. They need the sequences' lengths (one pass over the batch), so
+they are computed only when an `AttentionTiling` is given.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from kernels.tiling import tiling_work
 from policies.types import StepPlan
 
 # Names and order of the feature vector. A profile stores them, so a model fitted on one version
@@ -15,11 +25,41 @@ STEP_FEATURES: tuple[str, ...] = (
     "decode_context_tokens",       # Σ context of decodes: KV tokens read
     "num_blocks_copied",           # copy-on-write copies
     "num_blocks_swapped",          # swap-outs + swap-ins
+    "num_attention_tiles",         # padded batches the torch attention runs (per layer)
+    "padded_kv_tokens",            # K/V tokens those tiles gather, padding included
+    "num_draft_tokens",            # speculative drafts verified (more batched tokens, queries)
+    "max_draft_len",               # longest draft: sequential steps of a draft model
 )
 
 
-def step_features(plan: StepPlan) -> tuple[float, ...]:
-    """The plan's feature vector, in STEP_FEATURES order."""
+@dataclass(frozen=True)
+class AttentionTiling:
+    """What the tile features need: the KV block size and the tile capacity in tokens
+    (kernels.tiling.tile_tokens of the model's K/V bytes per token)."""
+
+    block_size: int
+    max_tile_tokens: int
+
+
+def attention_lengths(plan: StepPlan) -> tuple[list[int], list[int]]:
+    """(context length after the step, query length) of every sequence of the plan, as the
+    engine's attention sees them: a speculating decode also runs its k drafts."""
+    query_lens = list(plan.num_new_tokens)
+    if plan.spec_lens:
+        for index, seq in enumerate(plan.seqs):
+            query_lens[index] += plan.spec_lens.get(seq.seq_id, 0)
+    seq_lens = [seq.num_computed_tokens + query_len
+                for seq, query_len in zip(plan.seqs, query_lens)]
+    return seq_lens, query_lens
+
+
+def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tuple[float, ...]:
+    """The plan's feature vector, in STEP_FEATURES order (tile features 0 without `tiling`)."""
+    num_tiles = padded_kv_tokens = 0
+    if tiling is not None and plan.seqs:
+        seq_lens, query_lens = attention_lengths(plan)
+        num_tiles, padded_kv_tokens = tiling_work(seq_lens, query_lens, tiling.block_size,
+                                                  tiling.max_tile_tokens)
     return (
         float(plan.num_prefill_tokens),
         float(plan.num_prefill_seqs),
@@ -29,4 +69,8 @@ def step_features(plan: StepPlan) -> tuple[float, ...]:
         float(plan.decode_context_tokens),
         float(len(plan.blocks_to_copy)),
         float(len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)),
+        float(num_tiles),
+        float(padded_kv_tokens),
+        float(plan.num_draft_tokens),
+        float(plan.max_draft_len),
     )

@@ -13,6 +13,11 @@ engine run's measurements). Writes <out>/engine/ and <out>/sim/ (each run's usua
   (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
 - `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both runs).
 
+A validation grid is a Hydra sweep: give any override several values (`scheduler=continuous,
+chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combination is validated
+in <out>/<job>/, with one table for the grid, `grid.csv` and `grid.md` (each job's swept values,
+signed errors and speedup; then the largest |error| of each metric over the grid).
+
 Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr),
 2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
 """
@@ -22,6 +27,7 @@ import argparse
 import csv
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -337,6 +343,124 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     return result
 
 
+# ---- the grid ------------------------------------------------------------------------------------
+
+# The columns of the grid table: the errors people compare simulators by.
+GRID_METRICS: tuple[str, ...] = (
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+    "p99_tpot_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput",
+    "num_preemptions",
+)
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Every combination of the overrides' values, as Hydra's basic sweeper expands a multirun
+    (`a=1,2 b=x,y` -> 4 lists; `range(...)`, `choice(...)` and glob work too). One list when
+    nothing sweeps."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        raise ValidationInputError(f"bad override: {error}") from None
+    if not any(override.is_sweep_override() for override in parsed):
+        return [list(overrides)]
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def swept_values(jobs: list[list[str]]) -> list[dict[str, str]]:
+    """Per job, {key: value} of the overrides that differ between jobs."""
+    parsed = [dict(o.split("=", 1) if "=" in o else (o, "") for o in job) for job in jobs]
+    keys = [key for key in parsed[0] if len({p.get(key) for p in parsed}) > 1]
+    return [{key: p.get(key, "") for key in keys} for p in parsed]
+
+
+def grid_rows(results: list[dict], swept: list[dict[str, str]]) -> list[dict]:
+    rows = []
+    for index, (result, values) in enumerate(zip(results, swept)):
+        row = {"job": index, **values}
+        for name in GRID_METRICS:
+            row[f"{name}_error_pct"] = result["metrics"][name]["error_pct"]
+        row["engine_preemptions"] = result["metrics"]["num_preemptions"]["engine"]
+        row["sim_preemptions"] = result["metrics"]["num_preemptions"]["sim"]
+        row["speedup"] = result["speedup"]
+        row["passed"] = result["passed"]
+        rows.append(row)
+    return rows
+
+
+def grid_summary(results: list[dict]) -> dict:
+    """The largest |error| of every metric over the grid (inf where an error was undefined),
+    the mean |error|, and the overall speedup (Σ engine wall time / Σ simulator wall time)."""
+    worst, mean = {}, {}
+    for name in METRICS:
+        errors = [r["metrics"][name]["error_pct"] for r in results]
+        magnitudes = [math.inf if e is None else abs(e) for e in errors]
+        worst[name] = max(magnitudes)
+        mean[name] = float(np.mean(magnitudes))
+    engine_s = sum(r["engine_wall_time_s"] for r in results)
+    sim_s = sum(r["sim_wall_time_s"] for r in results)
+    return {"num_jobs": len(results), "num_passed": sum(r["passed"] for r in results),
+            "max_abs_error_pct": worst, "mean_abs_error_pct": mean,
+            "speedup": speedup(engine_s, sim_s), "engine_wall_time_s": engine_s,
+            "sim_wall_time_s": sim_s}
+
+
+def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], command: str) -> str:
+    short = {"request_throughput": "req/s", "num_preemptions": "preempt"}
+    names = [short.get(n, n.removesuffix("_ms")) for n in GRID_METRICS]
+    header = ["job", *swept_keys, *(f"{n} %" for n in names), "preemptions e/s", "speedup"]
+    lines = [f"Validation grid: signed error of the profiled simulator against the engine, %. "
+             f"{summary['num_passed']}/{summary['num_jobs']} jobs within every gate.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [str(row["job"]), *(row[k] for k in swept_keys),
+                 *(_fmt_error(row[f"{n}_error_pct"]) for n in GRID_METRICS),
+                 f"{_fmt(row['engine_preemptions'])}/{_fmt(row['sim_preemptions'])}",
+                 f"{_fmt(row['speedup'])}×"]
+        lines.append("| " + " | ".join(cells) + " |")
+    worst = summary["max_abs_error_pct"]
+    cells = ["max abs", *("" for _ in swept_keys),
+             *(("inf" if math.isinf(worst[n]) else f"{worst[n]:.2f}") for n in GRID_METRICS),
+             "", f"{_fmt(summary['speedup'])}×"]
+    lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
+                  console: Console | None = None, warmup: bool = True,
+                  command: str = "twinserve-validate") -> dict:
+    """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
+    from tqdm import tqdm
+
+    console = console or Console()
+    out_dir = Path(out_dir)
+    jobs = expand_sweep(overrides)
+    swept = swept_values(jobs)
+    results = []
+    for index, job in enumerate(tqdm(jobs, desc="validation grid", unit="job")):
+        values = " ".join(f"{key}={value}" for key, value in swept[index].items())
+        console.print(f"[bold]job {index}[/bold]: {values}")
+        results.append(validate(job, out_dir / str(index), gates, console, warmup))
+    rows = grid_rows(results, swept)
+    summary = grid_summary(results)
+    swept_keys = list(swept[0])
+    with open(out_dir / "grid.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "grid.md").write_text(grid_markdown(rows, summary, swept_keys, command))
+    grid = {"summary": summary, "jobs": rows,
+            "failures": {row["job"]: results[row["job"]]["failures"] for row in rows
+                         if not row["passed"]}}
+    (out_dir / "grid.json").write_text(json.dumps(grid, indent=2) + "\n")
+    console.print((out_dir / "grid.md").read_text(), soft_wrap=True, markup=False)
+    return grid
+
+
 # ---- command line ------------------------------------------------------------------------------
 
 def _gate(text: str) -> float | None:
@@ -382,6 +506,19 @@ def main(argv: list[str] | None = None) -> int:
              "p99_ttft_pct": args.gate_p99_ttft_pct,
              "preemptions_pct": args.gate_preemptions_pct}
     try:
+        if len(expand_sweep(overrides)) > 1:
+            command = shlex.join(["twinserve-validate",
+                                  *(argv if argv is not None else sys.argv[1:])])
+            grid = validate_grid(overrides, args.out, gates, warmup=not args.no_warmup,
+                                 command=command)
+            print(f"results in {args.out}")
+            failed = grid["failures"]
+            if failed:
+                print(f"twinserve-validate: gate failed in {len(failed)} of "
+                      f"{grid['summary']['num_jobs']} jobs: "
+                      f"{', '.join(str(job) for job in failed)}", file=sys.stderr)
+                return 1
+            return 0
         result = validate(overrides, args.out, gates, warmup=not args.no_warmup)
     except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
         print(f"twinserve-validate: error: {error}", file=sys.stderr)

@@ -11,27 +11,37 @@ import torch
 
 from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls, predict,
                              profile, write_profile)
+from kernels.tiling import tile_tokens
 from policies.types import StepResult
-from sim.step_features import STEP_FEATURES, step_features
+from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 torch.set_num_threads(1)
 
 # A known cost: seconds per unit of each feature, and a fixed step overhead.
 TRUE_INTERCEPT = 2e-3
-TRUE_COEFS = dict(zip(STEP_FEATURES, (
-    3e-5,    # num_prefill_tokens
-    5e-4,    # num_prefill_seqs
-    2e-9,    # sum_squared_prefill_chunks
-    1e-8,    # prefill_attention_work
-    1e-4,    # num_decode_seqs
-    4e-7,    # decode_context_tokens
-    2e-6,    # num_blocks_copied
-    8e-6,    # num_blocks_swapped
-)))
+TRUE_COEFS = {
+    "num_prefill_tokens": 3e-5,
+    "num_prefill_seqs": 5e-4,
+    "sum_squared_prefill_chunks": 2e-9,
+    "prefill_attention_work": 1e-8,
+    "num_decode_seqs": 1e-4,
+    "decode_context_tokens": 4e-7,
+    "num_blocks_copied": 2e-6,
+    "num_blocks_swapped": 8e-6,
+    "num_attention_tiles": 3e-4,
+    "padded_kv_tokens": 2e-7,
+}
+# K/V bytes per token of the stand-in "model": small tiles, so the grid has many of them.
+KV_BYTES_PER_TOKEN = 4096
+
+
+def tiling(block_size: int) -> AttentionTiling:
+    return AttentionTiling(block_size, tile_tokens(block_size, KV_BYTES_PER_TOKEN))
 
 
 def true_cost(features) -> float:
-    return TRUE_INTERCEPT + sum(TRUE_COEFS[f] * v for f, v in zip(STEP_FEATURES, features))
+    # Features a later version adds (speculation's) cost nothing here.
+    return TRUE_INTERCEPT + sum(TRUE_COEFS.get(f, 0.0) * v for f, v in zip(STEP_FEATURES, features))
 
 
 class StandInExecutor:
@@ -55,7 +65,8 @@ class StandInExecutor:
             assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
         for host, dev in plan.blocks_to_swap_in:
             assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
-        duration = true_cost(step_features(plan)) * (1 + self.noise * self.rng.standard_normal())
+        features = step_features(plan, tiling(self.block_size))
+        duration = true_cost(features) * (1 + self.noise * self.rng.standard_normal())
         return StepResult(duration=duration)
 
 
@@ -110,12 +121,14 @@ def test_stand_in_recovered_within_two_percent(tmp_path):
         executors.append(StandInExecutor(block_size, num_blocks, num_host_blocks))
         return executors[-1]
 
-    prof = profile(factory, grid, repeats=3, warmup=1, progress=False)
+    prof = profile(factory, grid, repeats=3, warmup=1, progress=False,
+                   kv_bytes_per_token=KV_BYTES_PER_TOKEN)
     assert len(prof.samples) == len(grid) * 3
+    assert {executor.block_size for executor in executors} == {16, 32}
     content = fit_profile(prof.samples, {"device": "stand-in"})
     assert content["fit"]["r2"] > 0.99
     for point in held_out_points():
-        features = step_features(build_plan(point))
+        features = step_features(build_plan(point), tiling(point.block_size))
         expected = true_cost(features)
         assert predict(content, features) == pytest.approx(expected, rel=0.02), point
 
@@ -143,7 +156,8 @@ def check_written(json_path, csv_path, num_points, repeats):
     assert set(content["feature_ranges"]) == set(STEP_FEATURES)
     assert all(lo <= hi for lo, hi in content["feature_ranges"].values())
     assert content["fit"]["num_samples"] == num_points * repeats
-    assert {"r2", "mean_abs_rel_error", "by_kind"} <= set(content["fit"])
+    assert {"r2", "mean_abs_rel_error", "mean_abs_point_error", "noise_std",
+            "by_kind"} <= set(content["fit"])
     with csv_path.open() as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == num_points * repeats
@@ -172,4 +186,34 @@ def test_quick_real_run_on_tiny_llama(tmp_path):
     assert meta["torch_version"] == torch.__version__
     assert meta["block_sizes"] == [16, 32] and meta["repeats"] == 2 and meta["threads"] == 1
     assert {"device", "transformers_version", "date", "git_commit"} <= set(meta)
+    # tiny-llama in fp32: 2 (K, V) x 2 KV heads x 64 dims x 4 bytes per token and layer.
+    assert meta["attention_tiling"]["kv_bytes_per_token"] == 2 * 2 * 64 * 4
     assert content["fit"]["r2"] > 0  # a real, noisy run: only that the fit says something
+
+
+def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
+    """step_features' tile count and padded K/V tokens are those of kernels.reference's plan."""
+    from kernels import reference
+
+    kv_bytes_per_token = 2 * 2 * 8 * 4  # 2 KV heads of 8 dims, fp32
+    tile_bytes = 300 * kv_bytes_per_token  # tiles of ~300 tokens: several per step
+    monkeypatch.setattr(reference, "TILE_BYTES", tile_bytes)
+    for point in (GridPoint(0, "decode_mixed_ctx", 16, decodes=(5, 300, 17, 64, 129, 33, 250)),
+                  GridPoint(1, "mixed", 8, decodes=(40, 90, 12), prefills=((30, 0), (7, 50)))):
+        plan = build_plan(point)
+        block_size = point.block_size
+        features = dict(zip(STEP_FEATURES, step_features(
+            plan, AttentionTiling(block_size,
+                                  tile_tokens(block_size, kv_bytes_per_token, tile_bytes)))))
+        seq_lens = [s.num_computed_tokens + n for s, n in zip(plan.seqs, plan.num_new_tokens)]
+        max_blocks = max(-(-n // block_size) for n in seq_lens)
+        tables = torch.tensor([plan.block_tables[s.seq_id][:max_blocks]
+                               + [0] * (max_blocks - len(plan.block_tables[s.seq_id][:max_blocks]))
+                               for s in plan.seqs], dtype=torch.int32)
+        starts = np.concatenate([[0], np.cumsum(plan.num_new_tokens)])
+        kv_cache = torch.zeros(2, max(map(max, plan.block_tables.values())) + 1, block_size, 2, 8)
+        tiles = reference.plan_attention(tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                         torch.tensor(starts, dtype=torch.int32), kv_cache)
+        assert len(tiles) > 1
+        assert features["num_attention_tiles"] == len(tiles)
+        assert features["padded_kv_tokens"] == sum(t.num_seqs * t.context for t in tiles)

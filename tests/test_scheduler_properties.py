@@ -30,7 +30,8 @@ SCHEDULERS = {
 
 
 def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_blocks,
-                    num_host_blocks, max_num_seqs, chunk_budget, prefix_caching=False):
+                    num_host_blocks, max_num_seqs, chunk_budget, prefix_caching=False,
+                    speculation=None):
     if kv_name == "paged":
         kv_cache = PagedBlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                      enable_prefix_caching=prefix_caching)
@@ -42,11 +43,28 @@ def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_bl
     budget = chunk_budget if scheduler_name == "chunked_prefill" else MAX_MODEL_LEN
     return SCHEDULERS[scheduler_name](kv_cache, preemption, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=budget,
-                                      max_model_len=MAX_MODEL_LEN)
+                                      max_model_len=MAX_MODEL_LEN, speculation=speculation)
 
 
-def drive(scheduler, requests, step_duration=0.01, max_steps=20_000):
-    """Run a scheduler to completion with a fake executor, checking invariants every step."""
+def check_speculation(scheduler, plan):
+    """Drafts only on decodes, never past the output length or max_model_len, with their slots
+    allocated, and the plan's aggregates in step with spec_lens."""
+    planned = {seq.seq_id: (seq, num_new) for seq, num_new in zip(plan.seqs, plan.num_new_tokens)}
+    for seq_id, k in plan.spec_lens.items():
+        seq, num_new = planned[seq_id]
+        assert k >= 1 and num_new == 1 and seq.num_output_tokens > 0
+        assert seq.num_computed_tokens == seq.num_tokens - 1, f"{seq} speculates mid-prefill"
+        assert seq.num_output_tokens + k + 1 <= seq.request.output_len
+        assert seq.num_tokens + k <= scheduler.max_model_len
+        table = scheduler.kv_cache.block_tables[seq_id]
+        assert len(table) * scheduler.kv_cache.block_size >= seq.num_tokens + k
+    assert plan.num_draft_tokens == sum(plan.spec_lens.values())
+    assert plan.max_draft_len == max(plan.spec_lens.values(), default=0)
+
+
+def drive(scheduler, requests, step_duration=0.01, max_steps=20_000, execute=None):
+    """Run a scheduler to completion with a fake executor, checking invariants every step.
+    `execute(plan) -> StepResult` replaces the default (every step takes step_duration)."""
     kv_cache = scheduler.kv_cache
     pending = sorted(requests, key=lambda r: r.arrival_time)
     now = 0.0
@@ -77,9 +95,13 @@ def drive(scheduler, requests, step_duration=0.01, max_steps=20_000):
                    if s.status is SequenceStatus.RUNNING) <= scheduler.max_num_seqs
         swapped_seq_ids = {s.seq_id for r in scheduler.swapped for s in r.sequences}
         assert not swapped_seq_ids & seen, "a swapped sequence ran before being swapped in"
-        now += step_duration
-        for request in scheduler.update(plan, StepResult(step_duration), now):
+        check_speculation(scheduler, plan)
+        result = StepResult(step_duration) if execute is None else execute(plan)
+        now += result.duration
+        for request in scheduler.update(plan, result, now):
             finished_ids.append(request.request_id)
+        if plan.spec_lens:
+            kv_cache.check_invariants()  # after the rejected drafts' slots went back
     else:
         raise AssertionError(f"did not finish in {max_steps} steps: {scheduler.queue_lengths()}")
     return finished_ids

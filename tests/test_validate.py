@@ -15,16 +15,19 @@ from policies.types import StepPlan
 from sim.profiled_cost_model import ProfiledCostModel, ProfileError
 from sim.runner import run_experiment
 from sim.step_features import STEP_FEATURES, step_features
-from sim.validate import (DEFAULT_GATES, GATED_BY, METRICS, UNSET, check_gates,
-                          compare_summaries, error_pct, main, parse_args, read_latencies_ms,
-                          resolve_gates)
+from sim.validate import (DEFAULT_GATES, GATED_BY, GRID_METRICS, METRICS, UNSET, check_gates,
+                          compare_summaries, error_pct, expand_sweep, grid_markdown, grid_rows,
+                          grid_summary, main, parse_args, read_latencies_ms, resolve_gates,
+                          swept_values)
 
 torch.set_num_threads(1)
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
-COEFFS = {"num_prefill_tokens": 1e-4, "num_prefill_seqs": 2e-4, "sum_squared_prefill_chunks": 1e-7,
-          "prefill_attention_work": 5e-8, "num_decode_seqs": 3e-4, "decode_context_tokens": 1e-6,
-          "num_blocks_copied": 1e-5, "num_blocks_swapped": 2e-5}
+# Features not named here (the attention-tile ones, which FakePlan cannot have) cost nothing.
+COEFFS = {name: 0.0 for name in STEP_FEATURES} | {
+    "num_prefill_tokens": 1e-4, "num_prefill_seqs": 2e-4, "sum_squared_prefill_chunks": 1e-7,
+    "prefill_attention_work": 5e-8, "num_decode_seqs": 3e-4, "decode_context_tokens": 1e-6,
+    "num_blocks_copied": 1e-5, "num_blocks_swapped": 2e-5}
 
 
 def write_profile(path: Path, intercept=2e-3, coefficients=None, samples=(-0.1, 0.0, 0.2),
@@ -58,6 +61,8 @@ class FakePlan:
         self.num_decode_seqs, self.decode_context_tokens = decode_seqs, decode_ctx
         self.blocks_to_copy = [(0, 1)] * copies
         self.blocks_to_swap_out, self.blocks_to_swap_in = [(0, 1)] * swaps, []
+        self.seqs, self.num_new_tokens, self.spec_lens = [], [], {}
+        self.num_draft_tokens = self.max_draft_len = 0
 
 
 PLAN = FakePlan(prefill_tokens=100, prefill_seqs=2, sq=5000, attn=2000, decode_seqs=8,
@@ -146,6 +151,49 @@ def test_gates_come_from_the_command_line_then_the_config_then_the_defaults():
                                               preemptions_pct=None)
     with pytest.raises(ValueError, match="gate_mean_pct"):
         resolve_gates({}, {"gate_mean_pct": -1})
+
+
+# ---- the grid ------------------------------------------------------------------------------------
+
+def test_a_grid_is_every_combination_of_a_hydra_sweep():
+    jobs = expand_sweep(["model=tiny-llama", "scheduler=continuous,chunked_prefill",
+                         "workload.rate=2,inf", "kv_cache.block_size=range(16,48,16)"])
+    assert len(jobs) == 2 * 2 * 2
+    assert {tuple(sorted(job)) for job in jobs} == {
+        tuple(sorted(["model=tiny-llama", f"scheduler={s}", f"workload.rate={r}",
+                      f"kv_cache.block_size={b}"]))
+        for s in ("continuous", "chunked_prefill") for r in ("2", "inf") for b in (16, 32)}
+    swept = swept_values(jobs)
+    assert all(set(values) == {"scheduler", "workload.rate", "kv_cache.block_size"}
+               for values in swept)
+    assert expand_sweep(["model=tiny-llama", "workload.rate=3"]) == [
+        ["model=tiny-llama", "workload.rate=3"]]
+    with pytest.raises(ValueError, match="bad override"):
+        expand_sweep(["scheduler=[oops"])
+
+
+def test_grid_summary_takes_the_largest_error_over_the_jobs():
+    engine = synthetic_summary()
+    results = []
+    for scale, preemptions in ((1.02, 10.0), (0.95, 10.0), (1.0, 0.0)):
+        metrics = compare_summaries(engine, synthetic_summary(scale, num_preemptions=preemptions))
+        results.append({"metrics": metrics, "passed": not check_gates(metrics, DEFAULT_GATES),
+                        "speedup": 50.0, "engine_wall_time_s": 10.0, "sim_wall_time_s": 0.2})
+    summary = grid_summary(results)
+    assert summary["max_abs_error_pct"]["mean_ttft_ms"] == pytest.approx(5.0)
+    assert summary["mean_abs_error_pct"]["mean_ttft_ms"] == pytest.approx(7.0 / 3)
+    assert summary["max_abs_error_pct"]["num_preemptions"] == pytest.approx(100.0)
+    assert summary["num_passed"] == 1 and summary["num_jobs"] == 3
+    assert summary["speedup"] == pytest.approx(50.0)
+    swept = [{"workload.rate": r} for r in ("2", "8", "inf")]
+    rows = grid_rows(results, swept)
+    assert [row["workload.rate"] for row in rows] == ["2", "8", "inf"]
+    assert rows[1]["mean_tpot_ms_error_pct"] == pytest.approx(-5.0)
+    text = grid_markdown(rows, summary, ["workload.rate"], "twinserve-validate ...")
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + 3 + 1  # header, rule, one row per job, the max row
+    assert "-5.00" in lines[3] and lines[-1].startswith("| max")
+    assert len(lines[0].split("|")) == len(lines[-1].split("|")) == 2 + 1 + len(GRID_METRICS) + 3
 
 
 # ---- the profiled cost model -------------------------------------------------------------------
@@ -307,6 +355,23 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     assert main([*overrides, f"--out={tmp_path / 'tight'}", *tight]) == 1
     assert "gate failed" in capsys.readouterr().err
     assert json.loads((tmp_path / "tight" / "validation.json").read_text())["failures"]
+
+
+def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypatch):
+    profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
+    loose = ["--gate-mean-pct=1000", "--gate-p99-pct=1000", "--gate-p99-ttft-pct=1000",
+             "--gate-preemptions-pct=off"]
+    assert main([*TINY, "workload.num_requests=6", "workload.rate=20",
+                 "scheduler=continuous,chunked_prefill", f"--profile={profile}",
+                 f"--out={tmp_path / 'grid'}", *loose]) == 0
+    grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
+    assert grid["summary"]["num_jobs"] == 2 and grid["summary"]["num_passed"] == 2
+    assert [job["scheduler"] for job in grid["jobs"]] == ["continuous", "chunked_prefill"]
+    for job in (0, 1):
+        assert (tmp_path / "grid" / str(job) / "validation.json").exists()
+    with open(tmp_path / "grid" / "grid.csv") as file:
+        assert len(file.read().strip().splitlines()) == 1 + 2
+    assert "chunked_prefill" in (tmp_path / "grid" / "grid.md").read_text()
 
 
 def test_validate_bad_input_exits_2(tmp_path, capsys):

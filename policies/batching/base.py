@@ -8,6 +8,10 @@ the KV manager counts blocks; the executor runs the plan. Subclasses decide the 
 - `_schedule_running`  give every running sequence the tokens it still needs, preempting on OOM
 - `_swap_in`           bring swapped requests back, oldest first
 
+With a SpeculationPolicy (`speculation=`), `_schedule_running` lets decodes propose k draft tokens
+(`StepPlan.spec_lens`, slots reserved for them, 1 + k tokens of the budget each) and `update` keeps
+the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted.
+
 A plug-in that changes only who goes next overrides `next_waiting` (see the README example) or
 passes its own PreemptionPolicy.
 """
@@ -15,14 +19,15 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from policies.protocols import KVCacheManager, PreemptionPolicy
+from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
+from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
 
 
 class BaseScheduler:
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 4096):
+                 max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None):
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -33,6 +38,10 @@ class BaseScheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.speculation = speculation
+        # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
+        self._speculates = (speculation is not None
+                            and max_speculative_tokens(speculation) > 0)
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -187,17 +196,23 @@ class BaseScheduler:
                 else:
                     decodes.append(seq)
         del decodes[max(token_budget, 0):]
-        num_allocated = 0
-        while (num_allocated := self.kv_cache.append_slots(decodes, num_allocated)) < len(decodes):
-            preempted_any = True
-            request = decodes[num_allocated].request
-            victim = self._preempt_for(request, plan, decodes[:num_allocated])
-            # The victim's sequences leave the batch; if it was `request` itself, some of its
-            # samples may be among those already given slots.
-            num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
-            decodes[:] = [seq for seq in decodes if seq.request is not victim]
-        plan.add_decodes(decodes)
-        token_budget -= len(decodes)
+        if self._speculates:
+            num_scheduled, preempted_any = self._schedule_speculative_decodes(plan, decodes,
+                                                                              token_budget)
+        else:
+            num_allocated = 0
+            while ((num_allocated := self.kv_cache.append_slots(decodes, num_allocated))
+                   < len(decodes)):
+                preempted_any = True
+                request = decodes[num_allocated].request
+                victim = self._preempt_for(request, plan, decodes[:num_allocated])
+                # The victim's sequences leave the batch; if it was `request` itself, some of
+                # its samples may be among those already given slots.
+                num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
+                decodes[:] = [seq for seq in decodes if seq.request is not victim]
+            plan.add_decodes(decodes)
+            num_scheduled = len(decodes)
+        token_budget -= num_scheduled
         for seq in partial_prefills:
             if token_budget < 1:
                 break
@@ -216,6 +231,63 @@ class BaseScheduler:
                 token_budget -= chunk
         return token_budget, preempted_any
 
+    def _draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
+        """k for each decode: the policy's k for this batch, lowered (down to 0) so that every
+        decode still gets its own token within the budget, and so that no draft passes the
+        request's output length or max_model_len."""
+        if not decodes:
+            return []
+        k = self.speculation.num_speculative_tokens(len(decodes))
+        max_k = self.speculation.max_num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max_k:
+            raise ValueError(f"{type(self.speculation).__name__}.num_speculative_tokens returned "
+                             f"{k!r}; it must be an integer in [0, {max_k}]")
+        k = min(k, (token_budget - len(decodes)) // len(decodes))
+        max_model_len = self.max_model_len
+        return [max(0, min(k, seq.request.output_len - seq.num_output_tokens - 1,
+                           max_model_len - seq.num_tokens)) for seq in decodes]
+
+    def _schedule_speculative_decodes(self, plan: StepPlan, decodes: list[Sequence],
+                                      token_budget: int) -> tuple[int, bool]:
+        """`_schedule_running`'s decodes when speculating: give each decode slots for its last
+        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
+        decode whose drafts do not fit decodes without them, and one that does not fit even so
+        first takes back the drafts granted so far: drafts never preempt anyone. Returns the tokens scheduled (decodes and drafts) and
+        whether anything was preempted."""
+        preempted_any = False
+        draft_lens = self._draft_lens(decodes, token_budget)
+        spec_lens: dict[int, int] = {}
+        kv_cache = self.kv_cache
+        index = 0
+        while index < len(decodes):
+            seq = decodes[index]
+            k = draft_lens[index]
+            if k and kv_cache.allocate_slots(seq, seq.num_tokens + k):
+                spec_lens[seq.seq_id] = k
+            elif not kv_cache.allocate_slots(seq, seq.num_tokens):
+                if spec_lens:
+                    # Memory is short: this step's drafts give their slots back before anyone
+                    # is preempted (a victim must not leave with draft slots), then retry.
+                    for other in decodes[:index]:
+                        if other.seq_id in spec_lens:
+                            kv_cache.trim_slots(other, other.num_tokens)
+                    spec_lens.clear()
+                    draft_lens = [0] * len(decodes)
+                    continue
+                preempted_any = True
+                victim = self._preempt_for(seq.request, plan, decodes[:index])
+                index -= sum(1 for other in decodes[:index] if other.request is victim)
+                kept = [i for i, other in enumerate(decodes) if other.request is not victim]
+                decodes[:] = [decodes[i] for i in kept]
+                draft_lens = [draft_lens[i] for i in kept]
+                for victim_seq in victim.sequences:
+                    spec_lens.pop(victim_seq.seq_id, None)
+                continue
+            index += 1
+        plan.add_decodes(decodes)
+        plan.add_drafts(spec_lens)
+        return len(decodes) + sum(spec_lens.values()), preempted_any
+
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
         """Preempt one victim to make room for `request`: the policy's pick among the running
         requests with nothing scheduled yet this step, or `request` itself. `pending` are
@@ -227,7 +299,13 @@ class BaseScheduler:
         if victim.request_id in scheduled and victim is not request:
             raise RuntimeError("preemption policy chose a request already scheduled this step")
         if any(seq.request is victim for seq in plan.seqs):
-            # Some of its samples were scheduled before another ran out of memory.
+            # Some of its samples were scheduled before another ran out of memory. The slots
+            # they were given this step (a prefill chunk, drafts) go back first: swapped out,
+            # a table holds only computed tokens, so it is never longer than the chunk it is
+            # given after its swap in.
+            for seq in plan.seqs:
+                if seq.request is victim:
+                    self.kv_cache.trim_slots(seq, max(seq.num_computed_tokens, 1))
             plan.remove_request(victim)
         self._preempt(victim, plan)
         return victim
@@ -290,11 +368,16 @@ class BaseScheduler:
     # ---- after the step ---------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
-        """Account for what the step computed: tokens appended, samples forked, sequences and
-        requests finished (their blocks freed). Returns the requests that finished."""
+        """Account for what the step computed: tokens appended (a speculating decode's
+        accepted drafts and one more), samples forked, sequences and requests finished (their
+        blocks freed). Returns the requests that finished."""
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids
+        spec_lens = plan.spec_lens
+        num_accepted = result.num_accepted
+        if spec_lens and num_accepted is None and sampled is None:
+            raise ValueError("the executor returned no num_accepted for a plan with spec_lens")
         itl_counts = self.itl_counts
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             num_computed = seq.num_computed_tokens + num_new
@@ -307,8 +390,16 @@ class BaseScheduler:
                 new_token_ids = sampled[seq.seq_id]
                 seq.output_token_ids.extend(new_token_ids)
                 num_sampled = len(new_token_ids)
+            if spec_lens and seq.seq_id in spec_lens:
+                if sampled is None:
+                    num_sampled += num_accepted[seq.seq_id]
+                # The verification wrote the accepted drafts' KV; the last token's is computed
+                # next step. The rejected drafts' slots go back.
+                seq.num_computed_tokens = num_computed + num_sampled - 1
+                self.kv_cache.trim_slots(seq, num_computed + num_sampled)
             num_output_tokens = seq.num_output_tokens
             if num_output_tokens:
+                # The tokens gained in one step share one inter-token time.
                 itl_counts[now - seq.last_token_time] += num_sampled
             num_output_tokens += num_sampled
             seq.num_output_tokens = num_output_tokens
@@ -320,7 +411,19 @@ class BaseScheduler:
             if num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped):
                 if self._finish_sequence(seq, now):
                     finished_requests.append(request)
+        if self._speculates:
+            self._observe_acceptance(spec_lens, result)
         return finished_requests
+
+    def _observe_acceptance(self, spec_lens: dict[int, int], result: StepResult) -> None:
+        """Tell the speculation policy, after every step, what each speculating decode
+        proposed and how many of its drafts were accepted."""
+        if result.num_accepted is not None:
+            accepted = [result.num_accepted[seq_id] for seq_id in spec_lens]
+        else:  # an engine that reports tokens only: all but the last one were drafts
+            accepted = [min(len(result.sampled_token_ids[seq_id]) - 1, k)
+                        for seq_id, k in spec_lens.items()]
+        self.speculation.observe(list(spec_lens.values()), accepted)
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
                          finished_requests: list[Request]) -> None:

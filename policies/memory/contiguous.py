@@ -126,6 +126,16 @@ class ContiguousAllocator:
         self._num_tokens_stored += num_tokens - num_allocated
         return True
 
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink the seq's length to at most `num_tokens` (rejected drafts give back their
+        slots); its reserved run stays, so only the tokens stored move."""
+        num_allocated = self._num_allocated_tokens.get(seq.seq_id)
+        if num_allocated is None:
+            raise ValueError(f"trim_slots: seq {seq.seq_id} holds no device blocks")
+        check_positive_int("trim_slots: num_tokens", num_tokens)
+        if num_tokens < num_allocated:
+            self._num_allocated_tokens[seq.seq_id] = num_tokens
+            self._num_tokens_stored -= num_allocated - num_tokens
 
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
@@ -134,6 +144,7 @@ class ContiguousAllocator:
             if not self.allocate_slots(seqs[index], seqs[index].num_tokens):
                 return index
         return len(seqs)
+
     def _reserve(self, seq: Sequence, num_tokens: int, watermark: bool) -> bool:
         if seq.seq_id in self._host_block_tables:
             raise ValueError(f"allocate_slots: seq {seq.seq_id} is swapped out")

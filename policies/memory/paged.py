@@ -161,6 +161,38 @@ class PagedBlockManager:
         self._num_tokens_stored += num_stored_added
         return len(seqs)
 
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink the seq's table to cover at most positions [0, num_tokens), freeing the whole
+        blocks past it: the slots of rejected draft tokens go back after a speculative step. A
+        table already that short is left alone (all drafts accepted)."""
+        seq_id = seq.seq_id
+        num_allocated = self._num_allocated_tokens.get(seq_id)
+        if num_allocated is None:
+            raise ValueError(f"trim_slots: seq {seq_id} holds no device blocks")
+        check_positive_int("trim_slots: num_tokens", num_tokens)
+        if num_tokens >= num_allocated:
+            return
+        block_size = self.block_size
+        table = self.block_tables[seq_id]
+        num_kept_blocks = -(-num_tokens // block_size)
+        released = table[num_kept_blocks:]
+        del table[num_kept_blocks:]
+        # The draft slots were written by this seq alone: its kept last block is its own, and
+        # only its fill shrinks.
+        last_block_start = (num_kept_blocks - 1) * block_size
+        self._num_tokens_stored -= (min(block_size, num_allocated - last_block_start)
+                                    - (num_tokens - last_block_start))
+        self._num_allocated_tokens[seq_id] = num_tokens
+        if seq_id in self._num_exclusive_slots:
+            self._num_exclusive_slots[seq_id] = num_kept_blocks * block_size
+        hashes = self._seq_block_hashes.get(seq_id)
+        if hashes:
+            del hashes[num_tokens // block_size:]
+        if released:
+            released_start = num_kept_blocks * block_size
+            self._release_blocks(released, num_allocated - released_start,
+                                 max(seq.num_computed_tokens - released_start, 0))
+
     def _grow(self, seq: Sequence, table: list[int] | None, num_allocated: int, num_tokens: int,
               watermark: bool) -> bool:
         if table is None and seq.seq_id in self._host_block_tables:

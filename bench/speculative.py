@@ -1,0 +1,134 @@
+"""Speculative decoding on the engine: output tokens/s with and without speculation, per k and
+batch size, with each drafter, and the acceptance rate of every draft position. Writes the
+acceptance statistics files the simulator's acceptance model reads
+(`speculation.acceptance_profile=...`).
+
+The pair is models/tiny-pair (scripts/train_tiny_pair.py: a 3-layer byte-level target and a
+1-layer draft distilled from it, trained on the Python standard library's sources); prompts are
+windows of the files it never trained on. Greedy by default, so every speculative run must give
+the target's own tokens (checked: a mismatch is printed).
+
+    python bench/speculative.py                              # ~8 minutes here, one thread
+    python bench/speculative.py --batch-sizes 1 4 --ks 1 2 4 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from policies.speculation import AcceptanceCounts  # noqa: E402
+from train_tiny_pair import held_out_text  # noqa: E402
+
+PAIR = REPO / "models" / "tiny-pair"
+DRAFTERS = {"draft": str(PAIR / "draft"), "ngram": "ngram"}
+
+
+def held_out_prompts(count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` bytes spread over the held-out text."""
+    text = held_out_text()
+    stride = (len(text) - length) // count
+    return [list(text[i * stride:i * stride + length]) for i in range(count)]
+
+
+def warm_up(llm: LLM, prompts) -> None:
+    """One untimed short request; its drafts are not counted in the acceptance statistics."""
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.executor.acceptance_stats
+    llm.executor.acceptance_stats = AcceptanceCounts(len(stats.position_trials))
+
+
+def timed_run(llm: LLM, prompts, params: SamplingParams) -> tuple[list[list[int]], float]:
+    """(outputs, output tokens/s) of one generate() call."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    return tokens, sum(map(len, tokens)) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "speculation")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=0 if args.temperature else None)
+    prompts = held_out_prompts(max(args.batch_sizes), args.prompt_len)
+    max_k = max(args.ks)
+    counts = {drafter: AcceptanceCounts(max_k) for drafter in args.drafters}
+    target = str(PAIR / "target")
+    print(f"target {target}; prompts {args.prompt_len} bytes of held-out text, "
+          f"{args.max_tokens} output tokens, temperature {args.temperature}, "
+          f"{args.threads} thread(s), fastest of {args.repeats} alternating runs each\n")
+    header = (f"{'batch':>5} {'drafter':>7} {'k':>2} {'base':>8} {'spec':>8} {'speedup':>7} "
+              f"{'tok/step':>8}  acceptance by position   (tok/s without and with speculation;"
+              f" output tokens per step and sequence)")
+    print(header)
+    for batch_size in args.batch_sizes:
+        batch = prompts[:batch_size]
+        baseline = LLM(target)
+        warm_up(baseline, batch)
+        for drafter in args.drafters:
+            for k in args.ks:
+                llm = LLM(target, speculative_model=DRAFTERS[drafter], num_speculative_tokens=k)
+                warm_up(llm, batch)
+                # Runs with and without speculation alternate, and the fastest of each counts:
+                # a burst of load from elsewhere on the machine hits both alike.
+                base_rate = rate = 0.0
+                for _ in range(args.repeats):
+                    reference, base_run = timed_run(baseline, batch, params)
+                    outputs, run = timed_run(llm, batch, params)
+                    base_rate, rate = max(base_rate, base_run), max(rate, run)
+                steps = llm.last_stats.num_steps
+                stats = llm.executor.acceptance_stats
+                rates = [a / t if t else None for t, a in zip(stats.position_trials,
+                                                              stats.position_accepts)]
+                if k == max_k:   # every position examined: the statistics file's run
+                    total = counts[drafter]
+                    total.position_trials = [a + b for a, b in zip(total.position_trials,
+                                                                   stats.position_trials)]
+                    total.position_accepts = [a + b for a, b in zip(total.position_accepts,
+                                                                    stats.position_accepts)]
+                mismatch = "" if (args.temperature or outputs == reference) else \
+                    "  OUTPUT DIFFERS FROM THE TARGET'S"
+                rates_text = " ".join("-" if r is None else f"{r:.2f}" for r in rates)
+                tokens_per_step = sum(map(len, outputs)) / steps / batch_size
+                print(f"{batch_size:>5} {drafter:>7} {k:>2} {base_rate:>8.0f} {rate:>8.0f} "
+                      f"{rate / base_rate:>7.2f} {tokens_per_step:>8.2f}  {rates_text}{mismatch}",
+                      flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for drafter, drafter_counts in counts.items():
+        sampled = f"-t{args.temperature:g}" if args.temperature else ""
+        path = args.out_dir / f"tiny-pair-{drafter}{sampled}.json"
+        source = (f"bench/speculative.py on {torch.get_num_threads()} CPU thread(s): "
+                  f"temperature {args.temperature}, k={max_k}, batch sizes {args.batch_sizes}, "
+                  f"{args.prompt_len}-byte prompts of held-out Python stdlib source, "
+                  f"{args.max_tokens} output tokens each")
+        statistics = drafter_counts.to_statistics(
+            drafter="models/tiny-pair/draft" if drafter == "draft" else "ngram",
+            target="models/tiny-pair/target", source=source)
+        path.write_text(json.dumps(statistics, indent=1) + "\n")
+        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+if __name__ == "__main__":
+    main()
