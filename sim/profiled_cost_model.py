@@ -16,15 +16,15 @@ and the first such step of each feature is logged as a warning.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 import numpy as np
 
-from policies.types import StepPlan
 from kernels.tiling import tile_tokens
+from policies.types import StepPlan
+from sim.json_files import read_json_object
 from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 log = logging.getLogger(__name__)
@@ -50,14 +50,7 @@ def load_profile(path: str | Path) -> dict:
         raise ProfileError("cost_model.profile is required: the path of a profile JSON "
                            "(profiles/<device>/<model>.json, from twinserve-profile)")
     path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"cost_model.profile={path}: no such file")
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ProfileError(f"cost_model.profile={path}: not a readable JSON file ({error})") from None
-    if not isinstance(profile, dict):
-        raise ProfileError(f"cost_model.profile={path}: expected a JSON object")
+    profile = read_json_object(path, f"cost_model.profile={path}", ProfileError)
     if profile.get("schema") != SCHEMA_VERSION:
         raise ProfileError(f"cost_model.profile={path}: schema {profile.get('schema')!r} is not "
                            f"supported (this twinserve reads schema {SCHEMA_VERSION}); re-run the "

@@ -15,11 +15,12 @@ from a seeded generator, one numpy call per step.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
+
+from sim.json_files import read_json_object
 
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
 
@@ -54,15 +55,7 @@ class AcceptanceModel:
     def from_file(cls, path: str | Path, seed=0) -> "AcceptanceModel":
         """Read an acceptance statistics file (the module docstring's format)."""
         where = f"speculation.acceptance_profile={path}"
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"{where}: no such file")
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"{where}: not a readable JSON file ({error})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected a JSON object")
+        data = read_json_object(path, where)
         missing = [key for key in STATISTICS_KEYS if key not in data]
         if missing:
             raise ValueError(f"{where}: missing key(s) {missing}")
