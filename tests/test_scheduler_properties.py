@@ -139,8 +139,8 @@ request_strategy = st.tuples(
 )
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+# The policy space the invariant tests draw from (the speculation tests add to it).
+POLICY_STRATEGIES = dict(
     scheduler_name=st.sampled_from(sorted(SCHEDULERS)),
     kv_name=st.sampled_from(["paged", "contiguous_max", "contiguous_oracle"]),
     preemption_name=st.sampled_from(["recompute", "swap"]),
@@ -151,6 +151,10 @@ request_strategy = st.tuples(
     chunk_budget=st.integers(1, 64),
     request_specs=st.lists(request_strategy, min_size=1, max_size=10),
 )
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**POLICY_STRATEGIES)
 def test_every_policy_keeps_its_invariants(scheduler_name, kv_name, preemption_name,
                                            block_size, pool_slack, num_host_blocks,
                                            max_num_seqs, chunk_budget, request_specs):

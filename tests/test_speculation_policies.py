@@ -17,8 +17,8 @@ from policies.protocols import KVCacheManager, SpeculationPolicy
 from policies.speculation import (AcceptanceCounts, AdaptiveSpeculation, FixedSpeculation,
                                   NoSpeculation, expected_tokens_per_step)
 from policies.types import Request, Sequence, StepResult
-from test_scheduler_properties import (MAX_MODEL_LEN, SCHEDULERS, build_scheduler,
-                                       check_outcome, drive, request_strategy)
+from test_scheduler_properties import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler,
+                                       check_outcome, drive)
 
 
 # ---------------------------------------------------------------- the policies
@@ -366,15 +366,7 @@ def acceptance_executor(pattern: list[int], step_duration: float = 0.01):
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    scheduler_name=st.sampled_from(sorted(SCHEDULERS)),
-    kv_name=st.sampled_from(["paged", "contiguous_max", "contiguous_oracle"]),
-    preemption_name=st.sampled_from(["recompute", "swap"]),
-    block_size=st.sampled_from([1, 4, 16]),
-    pool_slack=st.integers(0, 200),
-    num_host_blocks=st.integers(0, 64),
-    max_num_seqs=st.integers(4, 12),
-    chunk_budget=st.integers(1, 64),
-    request_specs=st.lists(request_strategy, min_size=1, max_size=10),
+    **POLICY_STRATEGIES,
     speculation=st.one_of(st.integers(1, 6).map(FixedSpeculation),
                           st.integers(1, 6).map(lambda k: AdaptiveSpeculation(
                               k, compute_bound_tokens=16))),
