@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import sim.runner
 from policies.types import StepPlan
+from engine.profiler import fit_profile
 from sim.profiled_cost_model import ProfiledCostModel, ProfileError
 from sim.runner import run_experiment
 from sim.step_features import STEP_FEATURES, step_features
@@ -285,7 +286,7 @@ TINY = ["model=tiny-llama", "hardware=cpu", "workload.with_token_ids=true",
 
 
 def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
-    """A profile fitted by least squares on the steps of an engine run of a DIFFERENT seed and
+    """A profile fitted (by the profiler's fit) on the steps of an engine run of a DIFFERENT seed and
     workload than the validated one: the simulator never sees the validated run's measurements."""
     rows: list[tuple[tuple[float, ...], float]] = []
     original = sim.runner.build_executor
@@ -309,29 +310,25 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
         # the batch sizes the validated run reaches instead of extrapolating to them.
         run_experiment(make_cfg("backend=engine", *TINY, "seed=123", "workload.num_requests=32",
                                 "workload.rate=80", "kv_cache.num_blocks=64"))
-    features = np.array([f for f, _ in rows if any(f)])
-    durations = np.array([d for f, d in rows if any(f)])
-    design = np.column_stack([np.ones(len(features)), features])
-    solution, *_ = np.linalg.lstsq(design, durations, rcond=None)
-    predicted = design @ solution
-    residuals = durations / np.maximum(predicted, 1e-9) - 1
-    ranges = {name: [float(features[:, i].min()), float(features[:, i].max())]
-              for i, name in enumerate(STEP_FEATURES)}
-    return write_profile(tmp_path / "tiny.json", intercept=float(solution[0]),
-                         coefficients=dict(zip(STEP_FEATURES, map(float, solution[1:]))),
-                         samples=[float(r) for r in residuals if r > -1], ranges=ranges,
-                         metadata={"device_type": "cpu", "threads": 1,
-                                   "torch_version": torch.__version__})
+    samples = [dict(zip(STEP_FEATURES, features), duration_s=duration)
+               for features, duration in rows if any(features) and duration > 0]
+    profile = fit_profile(samples, metadata={"device_type": "cpu", "threads": 1,
+                                             "torch_version": torch.__version__})
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(profile))
+    return path
+
+
+# Wall-clock accuracy is measured by `make validate-grid`, never gated in a test (the machine's
+# load decides it); gate logic is tested on fixed numbers above. End-to-end runs gate nothing.
+NO_GATES = ["--gate-mean-pct=off", "--gate-p99-pct=off", "--gate-p99-ttft-pct=off",
+            "--gate-preemptions-pct=off"]
 
 
 def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
     overrides = [*TINY, "workload.num_requests=12", "workload.rate=20", f"--profile={profile}"]
-    # The preemption count of so small a run hangs on timing noise (0 on the engine, 1 in the
-    # simulator is an infinite relative error, which fails any gate), so that gate is off here.
-    loose = ["--gate-mean-pct=1000", "--gate-p99-pct=1000", "--gate-p99-ttft-pct=1000",
-             "--gate-preemptions-pct=off"]
-    assert main([*overrides, f"--out={tmp_path / 'loose'}", *loose]) == 0
+    assert main([*overrides, f"--out={tmp_path / 'loose'}", *NO_GATES]) == 0
     result = json.loads((tmp_path / "loose" / "validation.json").read_text())
     assert set(result["metrics"]) == set(METRICS)
     for values in result["metrics"].values():
@@ -339,7 +336,7 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     assert result["completed"] == {"engine": 12, "sim": 12}
     assert result["engine_conditions"]["threads"] == 1 and result["engine_conditions"]["warmup"]
     assert result["speedup"] > 1 and result["failures"] == []
-    assert result["gates"] == {"mean_pct": 1000.0, "p99_pct": 1000.0, "p99_ttft_pct": 1000.0,
+    assert result["gates"] == {"mean_pct": None, "p99_pct": None, "p99_ttft_pct": None,
                                "preemptions_pct": None}
     preemptions = result["metrics"]["num_preemptions"]
     assert (preemptions["error_pct"] is None) == (preemptions["engine"] == 0 != preemptions["sim"])
@@ -359,11 +356,9 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
 
 def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypatch):
     profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
-    loose = ["--gate-mean-pct=1000", "--gate-p99-pct=1000", "--gate-p99-ttft-pct=1000",
-             "--gate-preemptions-pct=off"]
     assert main([*TINY, "workload.num_requests=6", "workload.rate=20",
                  "scheduler=continuous,chunked_prefill", f"--profile={profile}",
-                 f"--out={tmp_path / 'grid'}", *loose]) == 0
+                 f"--out={tmp_path / 'grid'}", *NO_GATES]) == 0
     grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
     assert grid["summary"]["num_jobs"] == 2 and grid["summary"]["num_passed"] == 2
     assert [job["scheduler"] for job in grid["jobs"]] == ["continuous", "chunked_prefill"]
