@@ -15,7 +15,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test bench profile validate-grid
+.PHONY: install run test bench profile validate-grid profile-speculation validate-speculation
 install: $(VENV)/.installed
 
 run: install
@@ -42,3 +42,14 @@ validate-grid: install
 	    '++workload.output_len={dist: uniform, low: 8, high: 64}' kv_cache.num_blocks=128 \
 	    scheduler=static,continuous,chunked_prefill kv_cache.block_size=16,32 \
 	    preemption=recompute,swap workload.rate=2,8,inf
+
+# Speculative decoding on the trained tiny pair: profile the executor without a drafter and with
+# each drafter, then validate acceptance rate and speedup for k = 1..8 (README, "Speculative
+# decoding"). The acceptance statistics come from `python bench/speculative.py`.
+profile-speculation: install
+	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16
+	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 --speculative-model tiny-pair-draft
+	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 --speculative-model ngram
+
+validate-speculation: install
+	$(BIN)/python bench/validate_speculation.py --out validation/speculation

@@ -27,17 +27,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from policies.speculation import AcceptanceCounts  # noqa: E402
-from train_tiny_pair import held_out_text  # noqa: E402
+from train_tiny_pair import held_out_prompts  # noqa: E402
 
 PAIR = REPO / "models" / "tiny-pair"
 DRAFTERS = {"draft": str(PAIR / "draft"), "ngram": "ngram"}
-
-
-def held_out_prompts(count: int, length: int) -> list[list[int]]:
-    """`count` windows of `length` bytes spread over the held-out text."""
-    text = held_out_text()
-    stride = (len(text) - length) // count
-    return [list(text[i * stride:i * stride + length]) for i in range(count)]
 
 
 def warm_up(llm: LLM, prompts) -> None:
@@ -103,11 +96,7 @@ def main() -> None:
                 rates = [a / t if t else None for t, a in zip(stats.position_trials,
                                                               stats.position_accepts)]
                 if k == max_k:   # every position examined: the statistics file's run
-                    total = counts[drafter]
-                    total.position_trials = [a + b for a, b in zip(total.position_trials,
-                                                                   stats.position_trials)]
-                    total.position_accepts = [a + b for a, b in zip(total.position_accepts,
-                                                                    stats.position_accepts)]
+                    counts[drafter].add(stats)
                 mismatch = "" if (args.temperature or outputs == reference) else \
                     "  OUTPUT DIFFERS FROM THE TARGET'S"
                 rates_text = " ".join("-" if r is None else f"{r:.2f}" for r in rates)

@@ -2,6 +2,7 @@
 checkpoint folder through the real from_pretrained path. Nothing is fetched from a hub."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import conf
 from sim.specs import ModelSpec
 
 MODEL_CONFIG_DIR = Path(conf.__file__).parent / "model"
+REPO_ROOT = MODEL_CONFIG_DIR.parent.parent
 # Wide enough that greedy outputs depend on the context: with HF's default 0.02 a random Llama
 # answers every prompt with one repeated token, and an equivalence test proves nothing.
 RANDOM_INITIALIZER_RANGE = 0.1
@@ -49,6 +51,8 @@ def load_model(model: str, device: torch.device, dtype=None, seed: int = 0) -> L
     config_file = MODEL_CONFIG_DIR / f"{model}.yaml"
     if config_file.is_file():
         spec = ModelSpec.from_config(OmegaConf.load(config_file))
+        if spec.checkpoint is not None:
+            return _load_named_checkpoint(spec, device, dtype)
         return _build_random(spec, device, dtype, seed)
     known = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
     raise ValueError(f"model={model!r} is neither a local checkpoint folder nor one of {known}")
@@ -84,13 +88,41 @@ def _build_random(spec: ModelSpec, device: torch.device, dtype, seed: int) -> Lo
     return LoadedModel(model, spec, None, config.eos_token_id)
 
 
+def _load_named_checkpoint(spec: ModelSpec, device: torch.device, dtype) -> LoadedModel:
+    """A conf/model entry's `checkpoint` folder, checked against the shape the simulator costs."""
+    path = Path(spec.checkpoint).expanduser()
+    path = path if path.is_absolute() else REPO_ROOT / path
+    if not path.is_dir():
+        raise ValueError(f"model {spec.name}: checkpoint folder {path} does not exist")
+    loaded = _load_checkpoint(path, device, dtype)
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "vocab_size")
+    differing = [f"{name} {getattr(spec, name)} vs {getattr(loaded.spec, name)}" for name in shape
+                 if getattr(spec, name) != getattr(loaded.spec, name)]
+    if differing:
+        raise ValueError(f"model {spec.name}: conf/model/{spec.name}.yaml and its checkpoint "
+                         f"{path} differ: {', '.join(differing)}")
+    loaded.spec = dataclasses.replace(loaded.spec, name=spec.name)
+    return loaded
+
+
 def _load_checkpoint(path: Path, device: torch.device, dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     spec = spec_from_hf_config(config, name=path.name)
     torch_dtype = resolve_dtype(dtype, spec, device)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    # A local load takes milliseconds: its per-tensor progress bar would only bury the run's own.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=torch_dtype)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     model.to(device).eval().requires_grad_(False)
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):

@@ -44,7 +44,9 @@ from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "profiles"
-VOCAB_FOR_IDS = 512  # random prompt ids are drawn below this (tiny-llama's vocabulary)
+VOCAB_FOR_IDS = 256  # random prompt ids are drawn below this (the smallest test vocabulary)
+# Speculating points' sequences repeat a pattern this long: prompt lookup finds k <= 16 drafts.
+SPEC_PERIOD = 16
 
 
 # ---------------------------------------------------------------- grid
@@ -64,11 +66,12 @@ class GridPoint:
     num_copies: int = 0
     num_swap_out: int = 0
     num_swap_in: int = 0
+    spec_len: int = 0          # draft tokens each decode verifies (speculative decoding)
 
     def num_blocks_needed(self) -> int:
         bs = self.block_size
         blocks = sum(-(-(chunk + ctx) // bs) for chunk, ctx in self.prefills)
-        blocks += sum(-(-ctx // bs) for ctx in self.decodes)
+        blocks += sum(-(-(ctx + self.spec_len) // bs) for ctx in self.decodes)
         # Copies: a parent of num_copies blocks and its unshared child; swap-in: the blocks
         # coming back; swap-out: the blocks leaving (allocated before they go).
         return blocks + 2 * self.num_copies + self.num_swap_in + self.num_swap_out + 1
@@ -89,9 +92,12 @@ def spread_chunks(count: int, low: int, high: int) -> tuple[tuple[int, int], ...
     return tuple((length, 0) for length in spread(count, low, high))
 
 
-def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> list[GridPoint]:
+def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
+              speculative_ks: Iterable[int] = ()) -> list[GridPoint]:
     """The designed grid. The first block size gets the full grid; the others a subset (decode,
-    prefill and mixed shapes, where the block size changes the attention's gathers)."""
+    prefill and mixed shapes, where the block size changes the attention's gathers). With
+    `speculative_ks` (an executor with a drafter), decode batches that verify k drafts each, for
+    every k given, alone and next to a prefill chunk."""
     specs: list[dict] = []
 
     def add(kind, full_only=False, **kw):
@@ -146,6 +152,14 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False) -> lis
             add("swap_out", full_only=True, decodes=(128,) * 4, num_swap_out=blocks)
             add("swap_in", full_only=True, decodes=(128,) * 4, num_swap_in=blocks)
         add("swap", full_only=True, decodes=(128,) * 4, num_swap_out=64, num_swap_in=64)
+    for k in speculative_ks:
+        for batch in ((1, 8) if quick else (1, 2, 4, 8, 16, 32, 64)):
+            for ctx in ((64,) if quick else (64, 320)):
+                add("spec_decode", decodes=(ctx,) * batch, spec_len=k)
+        if not quick:
+            add("spec_decode", decodes=spread(24, 16, 400), spec_len=k)
+            for batch in (4, 16):
+                add("spec_mixed", decodes=(128,) * batch, prefills=((128, 0),), spec_len=k)
 
     grid: list[GridPoint] = []
     for index, block_size in enumerate(block_sizes):
@@ -170,12 +184,19 @@ class _Ids:
 
 
 def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: int,
-             n: int = 1) -> Sequence:
-    prompt = rng.integers(3, VOCAB_FOR_IDS, size=prompt_len).tolist()
+             n: int = 1, period: int = 0) -> Sequence:
+    """A sequence with random ids; with `period`, a random pattern of that length repeated (so
+    that prompt lookup always finds drafts to propose)."""
+    if period:
+        pattern = rng.integers(3, VOCAB_FOR_IDS, size=period)
+        prompt = np.resize(pattern, prompt_len).tolist()
+    else:
+        prompt = rng.integers(3, VOCAB_FOR_IDS, size=prompt_len).tolist()
     request = Request(ids.next_request, 0.0, prompt_len, max(num_outputs, 1) + 16, n=n,
                       prompt_token_ids=prompt)
     ids.next_request += 1
-    outputs = rng.integers(3, VOCAB_FOR_IDS, size=num_outputs).tolist()
+    outputs = (np.resize(pattern, prompt_len + num_outputs)[prompt_len:].tolist() if period
+               else rng.integers(3, VOCAB_FOR_IDS, size=num_outputs).tolist())
     seq = Sequence(ids.next_seq, request, num_output_tokens=num_outputs, output_token_ids=outputs)
     ids.next_seq += 1
     request.sequences.append(seq)
@@ -221,12 +242,14 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
 
     decodes = []
     for ctx in point.decodes:
-        seq = _new_seq(ids, rng, ctx - 1, 1)
-        _allocate(kv, seq, ctx)
+        seq = _new_seq(ids, rng, ctx - 1, 1, period=SPEC_PERIOD if point.spec_len else 0)
+        _allocate(kv, seq, ctx + point.spec_len)   # the drafts' lookahead slots too
         seq.num_computed_tokens = ctx - 1
         decodes.append(seq)
     if decodes:
         plan.add_decodes(decodes)
+        if point.spec_len:
+            plan.add_drafts({seq.seq_id: point.spec_len for seq in decodes})
     for chunk, ctx in point.prefills:
         seq = _new_seq(ids, rng, ctx + chunk, 0)
         _allocate(kv, seq, ctx + chunk)
@@ -474,19 +497,31 @@ def git_commit() -> str | None:
 
 
 def engine_executor_factory(model: str, device, dtype=None, seed: int = 0,
-                            kernel_backend: str | None = None):
-    """A factory building real engine executors, loading the model once. Returns (factory,
-    loaded model)."""
-    from engine.builder import build_executor
+                            kernel_backend: str | None = None,
+                            speculative_model: str | None = None,
+                            max_num_speculative_tokens: int = 0):
+    """A factory building real engine executors, loading the model (and the draft) once.
+    Returns (factory, loaded model)."""
+    from engine.builder import build_executor, load_draft
     from engine.model_loader import load_model
 
     loaded = load_model(model, device, dtype, seed)
+    draft = load_draft(speculative_model, loaded, device, seed)
 
     def factory(block_size: int, num_blocks: int, num_host_blocks: int):
         return build_executor(loaded, num_blocks, num_host_blocks, block_size, device, seed,
-                              kernel_backend)
+                              kernel_backend, draft=draft,
+                              max_num_speculative_tokens=max_num_speculative_tokens)
 
     return factory, loaded
+
+
+def profile_name(model: str, speculative_model: str | None) -> str:
+    """The profile's file stem: the model's, and `+<drafter>` for an executor with a drafter
+    (its steps also run the draft model, so they are another executor's)."""
+    def stem(name: str) -> str:
+        return Path(name).name if Path(name).expanduser().is_dir() else name
+    return stem(model) + (f"+{stem(speculative_model)}" if speculative_model else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,6 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a handful of points (tests)")
+    parser.add_argument("--speculative-model", default=None,
+                        help="profile with this drafter attached (ngram, a conf/model name or a "
+                             "checkpoint folder): every step also runs it, and the grid adds "
+                             "decodes verifying k drafts; writes <model>+<drafter>.json")
+    parser.add_argument("--speculative-ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
+                        help="draft lengths of the speculating points (with --speculative-model)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -516,16 +557,20 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    ks = sorted(set(args.speculative_ks)) if args.speculative_model else []
+    if ks and ks[0] < 1:
+        parser.error(f"--speculative-ks must be >= 1, got {ks}")
     factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
-                                              args.kernel_backend)
-    grid = make_grid(args.block_sizes, quick=args.quick)
+                                              args.kernel_backend, args.speculative_model,
+                                              max(ks, default=0))
+    grid = make_grid(args.block_sizes, quick=args.quick, speculative_ks=ks)
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
     prof = profile(factory, grid, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                    progress=not args.no_progress, kv_bytes_per_token=kv_bytes_per_token)
     device_name, device_dir = device_names(device)
-    model_name = Path(args.model).name if Path(args.model).expanduser().is_dir() else args.model
+    model_name = profile_name(args.model, None)
     metadata = {
         "device": device_name, "device_type": device.type,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
@@ -537,12 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
         "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
         "grid": "quick" if args.quick else "default", "num_points": len(grid),
+        "speculative_model": args.speculative_model, "speculative_ks": ks,
         "profile_wall_time_s": round(prof.wall_time_s, 2),
         "platform": platform.platform(), "python": platform.python_version(),
     }
     content = fit_profile(prof.samples, metadata)
     json_path, csv_path = write_profile(content, prof.samples, Path(args.out_dir), device_dir,
-                                        model_name)
+                                        profile_name(args.model, args.speculative_model))
     fit = content["fit"]
     print(f"{len(grid)} points x {args.repeats} repeats in {prof.wall_time_s:.1f} s; "
           f"R2={fit['r2']:.4f}, mean |rel err| per sample {fit['mean_abs_rel_error']:.2%}, "

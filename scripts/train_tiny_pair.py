@@ -58,6 +58,17 @@ def held_out_text() -> bytes:
                       if index % HELD_OUT_EVERY == 0)
 
 
+def held_out_prompts(count: int, length: int, offset: float = 0.0) -> list[list[int]]:
+    """`count` windows of `length` bytes spread evenly over the held-out text, each starting
+    `offset` (a fraction of the spacing) past its slot: two offsets give disjoint prompt sets."""
+    text = held_out_text()
+    stride = (len(text) - length) // count
+    if not 0 <= offset < 1:
+        raise ValueError(f"offset must be in [0, 1), got {offset!r}")
+    start = int(offset * stride)
+    return [list(text[start + i * stride:start + i * stride + length]) for i in range(count)]
+
+
 def model_config(role: str):
     from transformers import LlamaConfig
 

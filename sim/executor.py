@@ -22,5 +22,5 @@ class SimExecutor:
         if self.acceptance_model is None:
             raise ValueError("the plan speculates but the simulator has no acceptance model "
                              "(set speculation.acceptance_rate or speculation.acceptance_profile)")
-        accepted = self.acceptance_model.draw(list(plan.spec_lens.values()))
+        accepted = self.acceptance_model.draw(plan.spec_lens)
         return StepResult(duration=duration, num_accepted=dict(zip(plan.spec_lens, accepted)))

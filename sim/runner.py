@@ -140,8 +140,7 @@ class SpeculationSetup:
 
     def acceptance_model(self, seed) -> AcceptanceModel:
         """The acceptance statistics with a generator of their own (one per replica)."""
-        return AcceptanceModel(self.acceptance.position_probabilities, seed,
-                               self.acceptance.source)
+        return self.acceptance.reseeded(seed)
 
 
 def draft_model_spec(name: str) -> ModelSpec | str:

@@ -68,6 +68,9 @@ class ModelSpec:
     bias: bool = False                      # biases on every linear layer and LayerNorm (OPT)
     num_position_embeddings: int = 0        # rows of a learned position table (OPT: 2050); 0 = RoPE
     hf_repo: str | None = None              # where the engine finds the weights; unused here
+    # A local HF checkpoint folder (absolute, or relative to the repo root) the engine loads
+    # instead of building seeded random weights; its shape must be this one.
+    checkpoint: str | None = None
 
     def __post_init__(self):
         owner = f"ModelSpec({self.name!r})"

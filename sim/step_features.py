@@ -22,13 +22,17 @@ STEP_FEATURES: tuple[str, ...] = (
     "sum_squared_prefill_chunks",  # Σ chunk² (causal attention within a chunk)
     "prefill_attention_work",      # Σ chunk × context after it (attention over cached context)
     "num_decode_seqs",             # decoding sequences (one token each)
+    "batched",                     # 1 when the step runs more than one sequence: a lone one is
+                                   # cheaper than a line through batches predicts (GEMV kernels)
     "decode_context_tokens",       # Σ context of decodes: KV tokens read
     "num_blocks_copied",           # copy-on-write copies
     "num_blocks_swapped",          # swap-outs + swap-ins
     "num_attention_tiles",         # padded batches the torch attention runs (per layer)
     "padded_kv_tokens",            # K/V tokens those tiles gather, padding included
     "num_draft_tokens",            # speculative drafts verified (more batched tokens, queries)
-    "max_draft_len",               # longest draft: sequential steps of a draft model
+    "speculating",                 # 1 when the step verifies drafts (verification's fixed work)
+    "draft_model_steps",           # longest draft - 1: a draft model's sequential single-token
+                                   # steps (its first draft comes from its pass over the step)
 )
 
 
@@ -66,11 +70,13 @@ def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tupl
         float(plan.sum_squared_prefill_chunks),
         float(plan.prefill_attention_work),
         float(plan.num_decode_seqs),
+        1.0 if plan.num_prefill_seqs + plan.num_decode_seqs > 1 else 0.0,
         float(plan.decode_context_tokens),
         float(len(plan.blocks_to_copy)),
         float(len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)),
         float(num_tiles),
         float(padded_kv_tokens),
         float(plan.num_draft_tokens),
-        float(plan.max_draft_len),
+        1.0 if plan.num_draft_tokens else 0.0,
+        float(max(plan.max_draft_len - 1, 0)),
     )

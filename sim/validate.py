@@ -43,6 +43,7 @@ METRICS: tuple[str, ...] = (
     *(f"{stat}_{name}_ms" for name in LATENCIES for stat in STATS),
     "request_throughput", "output_throughput",
     "num_preemptions", "peak_kv_blocks", "swap_bytes",
+    "spec_acceptance_rate", "mean_tokens_per_decode_step",   # 0 and 1 (or 0) without drafts
 )
 
 # The targets: means and medians of TTFT, TPOT and e2e and the throughputs within 3 %,

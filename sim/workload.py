@@ -6,7 +6,8 @@ Two kinds of workload:
   process at `rate` requests/s, and whose prompt and output lengths each come from a
   fixed / uniform / lognormal / zipf distribution.
 * `trace` — arrival times and lengths replayed from a CSV file (the Azure LLM trace format
-  `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain `arrival_time,prompt_len,output_len`).
+  `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain `arrival_time,prompt_len,output_len`),
+  optionally with the prompts themselves (a `prompt_token_ids` column of space-separated ids).
 
 Either kind can attach random prompt token ids (`with_token_ids`), optionally all starting with
 the same `shared_prefix_len` tokens, for runs that need ids (the engine, prefix caching).
@@ -47,6 +48,7 @@ LENGTH_FIELDS = ("dist", "value", "low", "high", "mean", "sigma", "a", "min", "m
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
+TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
@@ -68,6 +70,7 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
     fields = _Fields(_as_plain_dict(cfg), "workload")
     kind = fields.choice("kind", KINDS)
     arrival_rng, prompt_rng, output_rng, token_rng = np.random.default_rng(seed).spawn(4)
+    token_ids = None  # a trace's own prompts, when it has them
 
     if kind == "synthetic":
         fields.reject_unknown(SYNTHETIC_FIELDS)
@@ -89,13 +92,20 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         max_requests = fields.integer("max_requests", default=None, minimum=1)
         n, token_spec = _parse_common(fields, vocab_size)
 
-        arrival_times, prompt_lens, output_lens = read_trace(trace_path)
+        arrival_times, prompt_lens, output_lens, trace_token_ids = read_trace(trace_path)
         order = np.argsort(arrival_times, kind="stable")[:max_requests]
         arrival_times = arrival_times[order] * time_scale
         prompt_lens, output_lens = prompt_lens[order], output_lens[order]
+        if trace_token_ids is not None:
+            if token_spec is not None and token_spec[1]:
+                raise ValueError(f"{fields.name('shared_prefix_len')}: trace {trace_path} has "
+                                 f"its own prompt_token_ids")
+            _check_vocabulary(trace_token_ids, vocab_size, trace_path)
+            token_ids = [trace_token_ids[i] for i in order.tolist()]
 
-    token_ids = (_sample_prompt_token_ids(prompt_lens, *token_spec, token_rng)
-                 if token_spec is not None else [None] * len(prompt_lens))
+    if token_ids is None:
+        token_ids = (_sample_prompt_token_ids(prompt_lens, *token_spec, token_rng)
+                     if token_spec is not None else [None] * len(prompt_lens))
     # .tolist() turns the arrays into Python floats/ints in one pass (much faster than per item).
     return [
         Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o, n=n, prompt_token_ids=ids)
@@ -328,12 +338,15 @@ def resolve_trace_path(trace_path: str | Path) -> Path:
     raise ValueError(f"workload.trace_path: no trace file at {tried}")
 
 
-def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order.
+def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                          list[list[int]] | None]:
+    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, and the
+    prompts' token ids when it has a `prompt_token_ids` column (else None).
 
     Arrival times are relative to the earliest row, which is at 0. Accepts the Azure columns
     `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`, or the plain
-    columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored.
+    columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored but
+    `prompt_token_ids` (space-separated ids, as many as the row's prompt length).
     """
     path = Path(path)
     try:
@@ -370,7 +383,36 @@ def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
     prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
     output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
-    return arrival_times, prompt_lens, output_lens
+    token_ids = None
+    if TOKEN_IDS_COLUMN in header:
+        index = header.index(TOKEN_IDS_COLUMN)
+        token_ids = [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
+                                      f"row {number} (line {line})", path)
+                     for number, (row, prompt_len, line) in enumerate(
+                         zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
+    return arrival_times, prompt_lens, output_lens, token_ids
+
+
+def _parse_token_ids(text: str, prompt_len: int, where: str, path: Path) -> list[int]:
+    try:
+        token_ids = [int(token) for token in text.split()]
+    except ValueError:
+        raise ValueError(f"trace {path}: {where}: {TOKEN_IDS_COLUMN} must be space-separated "
+                         f"integers, got {text[:40]!r}") from None
+    if len(token_ids) != prompt_len:
+        raise ValueError(f"trace {path}: {where}: {len(token_ids)} {TOKEN_IDS_COLUMN} for a "
+                         f"prompt_len of {prompt_len}")
+    return token_ids
+
+
+def _check_vocabulary(token_ids: list[list[int]], vocab_size: int | None, path: Path) -> None:
+    """Every id within the model's vocabulary (when the caller gives it)."""
+    if vocab_size is None:
+        return
+    for row, ids in enumerate(token_ids, start=1):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(f"trace {path}: row {row}: {TOKEN_IDS_COLUMN} outside the "
+                             f"model's vocabulary [0, {vocab_size})")
 
 
 def _bad_row_error(path: Path, line_numbers: list[int], index: int, column: str, what: str,

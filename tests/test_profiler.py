@@ -219,3 +219,41 @@ def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
         assert len(tiles) > 1
         assert features["num_attention_tiles"] == len(tiles)
         assert features["padded_kv_tokens"] == sum(t.num_seqs * t.context for t in tiles)
+
+
+def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
+    """With a drafter the grid adds decodes that verify k drafts: the plan carries k per decode
+    with the lookahead slots allocated, and the engine proposes and verifies all k (prompt lookup
+    finds them in the points' repeating sequences)."""
+    grid = make_grid((16,), quick=True, speculative_ks=(2, 5))
+    speculating = [point for point in grid if point.spec_len]
+    assert {point.spec_len for point in speculating} == {2, 5}
+    assert not any(point.spec_len for point in make_grid((16,), quick=True))
+    assert main(["--quick", "--repeats", "1", "--device", "cpu", "--out-dir", str(tmp_path),
+                 "--no-progress", "--block-sizes", "16", "--speculative-model", "ngram",
+                 "--speculative-ks", "2", "5"]) == 0
+    content = json.loads((tmp_path / "cpu" / "tiny-llama+ngram.json").read_text())
+    assert content["metadata"]["speculative_model"] == "ngram"
+    assert content["metadata"]["speculative_ks"] == [2, 5]
+    assert content["metadata"]["model"] == "tiny-llama"
+    assert content["fit"]["by_kind"]["spec_decode"]["num_points"] == len(speculating)
+
+    from engine.drafters import ngram_lookup
+    from engine.profiler import engine_executor_factory
+    factory, _ = engine_executor_factory("tiny-llama", torch.device("cpu"),
+                                         speculative_model="ngram", max_num_speculative_tokens=5)
+    for point in speculating:
+        plan = build_plan(point)
+        assert plan.spec_lens == {seq.seq_id: point.spec_len for seq in plan.seqs
+                                  if seq.num_output_tokens}
+        assert plan.num_draft_tokens == point.spec_len * len(point.decodes)
+        for seq in plan.seqs:  # slots for the token and its drafts
+            needed = seq.num_computed_tokens + 1 + point.spec_len
+            assert len(plan.block_tables[seq.seq_id]) * point.block_size >= needed
+            if seq.seq_id in plan.spec_lens:   # prompt lookup proposes all k
+                proposal = ngram_lookup(np.asarray(seq.token_ids()), point.spec_len, 1, 3)
+                assert len(proposal) == point.spec_len
+        executor = factory(point.block_size, point.num_blocks_needed(), 0)
+        result = executor.execute(plan)
+        assert executor.acceptance_stats.position_trials[0] == len(point.decodes)
+        assert set(result.num_accepted) == set(plan.spec_lens)

@@ -452,7 +452,7 @@ def test_acceptance_draws_follow_the_position_probabilities(probabilities):
     model = AcceptanceModel(probabilities, seed=1)
     k, num_draws = 4, 40_000
     per_position = model.probabilities(k).tolist()
-    draws = np.asarray(model.draw([k] * num_draws))
+    draws = np.asarray(model.draw({seq_id: k for seq_id in range(num_draws)}))
     frequencies = np.bincount(draws, minlength=k + 1) / num_draws
     pmf = truncated_geometric_pmf(per_position, k)
     # Five standard errors of a frequency: never fails by chance in practice, catches any bias.
@@ -465,12 +465,56 @@ def test_acceptance_draws_follow_the_position_probabilities(probabilities):
        spec_lens=st.lists(st.integers(1, 9), max_size=40), seed=st.integers(0, 2 ** 32))
 def test_acceptance_draws_stay_within_each_k_and_repeat_with_the_seed(probabilities, spec_lens,
                                                                      seed):
-    draws = AcceptanceModel(probabilities, seed).draw(spec_lens)
-    assert len(draws) == len(spec_lens)
-    assert all(0 <= accepted <= k for accepted, k in zip(draws, spec_lens))
-    assert draws == AcceptanceModel(probabilities, seed).draw(spec_lens)
-    if probabilities[0] == 0.0:
-        assert not any(draws)
+    for runs in (None, probabilities):
+        model = AcceptanceModel(probabilities, seed, run_probabilities=runs)
+        draws = model.draw(dict(enumerate(spec_lens)))
+        assert len(draws) == len(spec_lens)
+        assert all(0 <= accepted <= k for accepted, k in zip(draws, spec_lens))
+        again = AcceptanceModel(probabilities, seed, run_probabilities=runs)
+        assert draws == again.draw(dict(enumerate(spec_lens)))
+        if probabilities[0] == 0.0:
+            assert not any(draws)
+
+
+def test_runs_accept_what_is_left_of_each_run():
+    """Runs of exactly 2 acceptable positions (fresh rates 1, 1, 0): k = 1 accepts 1 and its
+    bonus token ends the run, so the next step meets the rejected position; k = 2 takes the
+    whole run and the bonus is the rejected position; k = 3 stops at it."""
+    def steps(k, num_steps=6):
+        model = AcceptanceModel([0.5], seed=0, run_probabilities=[1.0, 1.0, 0.0])
+        return [model.draw({7: k})[0] for _ in range(num_steps)]
+    assert steps(1) == [1, 0, 1, 0, 1, 0]
+    assert steps(2) == [2] * 6
+    assert steps(3) == [2] * 6
+    # Sequences keep their own place in their runs.
+    model = AcceptanceModel([0.5], seed=0, run_probabilities=[1.0, 1.0, 0.0])
+    assert model.draw({1: 1, 2: 3}) == [1, 2] and model.draw({1: 1, 2: 1}) == [0, 1]
+
+
+def test_runs_of_a_constant_rate_are_independent_draws():
+    """A renewal process whose every position is accepted with p is i.i.d. acceptance: per step
+    the counts follow the truncated geometric law whatever the state."""
+    p, k, num_steps = 0.7, 4, 30_000
+    model = AcceptanceModel([p], seed=3, run_probabilities=[p])
+    draws = np.asarray([model.draw({0: k})[0] for _ in range(num_steps)])
+    frequencies = np.bincount(draws, minlength=k + 1) / num_steps
+    pmf = truncated_geometric_pmf([p] * k, k)
+    assert np.all(np.abs(frequencies - pmf) <= 5 * np.sqrt(pmf * (1 - pmf) / num_steps))
+
+
+def test_fresh_counts_are_the_steps_after_a_rejection(tmp_path):
+    counts = AcceptanceCounts(3)
+    counts.record([3, 3, 2], [1, 3, 0], fresh=[True, False, True])
+    assert counts.position_trials == [3, 2, 1] and counts.position_accepts == [2, 1, 1]
+    assert counts.fresh_position_trials == [2, 1, 0]
+    assert counts.fresh_position_accepts == [1, 0, 0]
+    path = write_statistics(tmp_path / "acc.json", **counts.to_statistics("d", "t", "test"))
+    model = AcceptanceModel.from_file(path)
+    assert model.run_probabilities == pytest.approx([0.5, 0.0])
+    # Files without the fresh counts (older ones) draw independently per step.
+    assert AcceptanceModel.from_file(write_statistics(
+        tmp_path / "old.json", num_speculative_tokens=1, position_trials=[4],
+        position_accepts=[3])).run_probabilities is None
 
 
 def write_statistics(path: Path, **fields) -> Path:
@@ -668,7 +712,7 @@ def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):
     from sim.profiled_cost_model import ProfiledCostModel
     from sim.step_features import STEP_FEATURES
     old_features = [name for name in STEP_FEATURES
-                    if name not in ("num_draft_tokens", "max_draft_len")]
+                    if name not in ("num_draft_tokens", "speculating", "draft_model_steps")]
     coefficients = {name: 0.0 for name in old_features} | {"num_decode_seqs": 1e-3}
     path = tmp_path / "old.json"
     path.write_text(json.dumps({
@@ -677,6 +721,6 @@ def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):
         "residuals": {"kind": "relative", "samples": []}, "feature_ranges": {}}))
     with caplog.at_level("WARNING"):
         cost_model = ProfiledCostModel(str(path), draft_model="ngram")
-    assert "num_draft_tokens" in caplog.text and "max_draft_len" in caplog.text
+    assert "num_draft_tokens" in caplog.text and "draft_model_steps" in caplog.text
     assert cost_model.step_time(spec_plan(4, 100, 3)) == pytest.approx(1e-3 + 4e-3)
     assert cost_model.step_time(spec_plan(4, 100, 0)) == pytest.approx(1e-3 + 4e-3)

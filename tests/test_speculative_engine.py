@@ -429,7 +429,11 @@ def test_engine_executor_speculates_under_the_simulator_clock(prompts, expected)
     env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
     env.run()
     assert [request.sequences[0].output_token_ids for request in requests] == expected
-    assert sum(executor.acceptance_stats.position_accepts) > 0
+    stats = executor.acceptance_stats
+    assert sum(stats.position_accepts) > 0
+    # Steps right after a rejection are a part of all steps, position by position.
+    assert 0 < stats.fresh_position_trials[0] < stats.position_trials[0]
+    assert all(f <= t for f, t in zip(stats.fresh_position_trials, stats.position_trials))
     assert kv_cache.num_free_blocks() == kv_cache.num_blocks
 
 
@@ -447,3 +451,24 @@ def test_parallel_samples_speculate_like_separately_seeded_requests(prompts):
     separate = llm.generate([prompts[3]] * 3, [SamplingParams(seed=11 + j, **common)
                                                for j in range(3)], use_tqdm=False)
     assert samples == token_ids(separate)
+
+
+def test_conf_model_with_a_checkpoint_loads_its_weights():
+    """model=tiny-pair (conf/model/tiny-pair.yaml, `checkpoint:`) is the trained target; a conf
+    whose shape differs from its checkpoint, or whose folder is missing, is a named error."""
+    import dataclasses
+
+    from engine.model_loader import _load_named_checkpoint, load_model
+
+    device = torch.device("cpu")
+    named, folder = load_model("tiny-pair", device), load_model(TARGET, device)
+    assert named.spec.name == "tiny-pair"
+    for (name, a), (_, b) in zip(named.model.state_dict().items(),
+                                 folder.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    wrong = dataclasses.replace(named.spec, num_layers=2, checkpoint="models/tiny-pair/target")
+    with pytest.raises(ValueError, match="differ: num_layers 2 vs 3"):
+        _load_named_checkpoint(wrong, device, None)
+    missing = dataclasses.replace(wrong, checkpoint="models/no-such-model")
+    with pytest.raises(ValueError, match="checkpoint folder .*no-such-model does not exist"):
+        _load_named_checkpoint(missing, device, None)

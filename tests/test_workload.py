@@ -315,3 +315,35 @@ def test_sharegpt_preset_matches_the_paper_means():
     assert np.mean([r.prompt_len for r in requests]) == pytest.approx(161.31, rel=0.03)
     assert np.mean([r.output_len for r in requests]) == pytest.approx(337.99, rel=0.03)
     assert max(r.prompt_len + r.output_len for r in requests) <= 2048
+
+
+def test_trace_prompt_token_ids_are_the_prompts(tmp_path):
+    # Rows out of order: the ids travel with their row when the trace is sorted by arrival.
+    path = write_csv(tmp_path / "ids.csv", "arrival_time,prompt_len,output_len,prompt_token_ids\n"
+                     "1.0,3,4,7 8 9\n0.0,2,5,5 6\n")
+    requests = build_workload(trace_cfg(path), seed=0, vocab_size=16)
+    assert [(r.prompt_len, r.output_len, r.prompt_token_ids) for r in requests] == [
+        (2, 5, [5, 6]), (3, 4, [7, 8, 9])]
+    # with_token_ids=true does not replace a trace's own prompts with random ones.
+    again = build_workload(trace_cfg(path, with_token_ids=True), seed=3, vocab_size=16)
+    assert [r.prompt_token_ids for r in again] == [[5, 6], [7, 8, 9]]
+
+
+@pytest.mark.parametrize("row, match", [
+    ("0.0,3,4,7 8", r"row 1 \(line 2\): 2 prompt_token_ids for a prompt_len of 3"),
+    ("0.0,2,4,7 x", r"row 1 \(line 2\): prompt_token_ids must be space-separated integers"),
+    ("0.0,2,4,7 99", r"row 1: prompt_token_ids outside the model's vocabulary \[0, 16\)"),
+])
+def test_trace_bad_prompt_token_ids_name_the_row(tmp_path, row, match):
+    path = write_csv(tmp_path / "ids.csv",
+                     f"arrival_time,prompt_len,output_len,prompt_token_ids\n{row}\n")
+    with pytest.raises(ValueError, match=match):
+        build_workload(trace_cfg(path), seed=0, vocab_size=16)
+
+
+def test_trace_with_its_own_prompts_refuses_a_shared_prefix(tmp_path):
+    path = write_csv(tmp_path / "ids.csv",
+                     "arrival_time,prompt_len,output_len,prompt_token_ids\n0.0,2,4,1 2\n")
+    with pytest.raises(ValueError, match="shared_prefix_len: trace .* has its own"):
+        build_workload(trace_cfg(path, with_token_ids=True, shared_prefix_len=1), seed=0,
+                       vocab_size=16)

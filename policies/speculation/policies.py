@@ -47,28 +47,51 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
 
 class AcceptanceCounts:
     """Per draft position i = 1..K: how often it was examined (every earlier draft accepted) and
-    how often it was accepted. `to_statistics` gives the acceptance statistics file's content
-    (the format `sim.speculation.AcceptanceModel.from_file` reads)."""
+    how often it was accepted. The same counts over the steps that start right after a rejected
+    draft ("fresh" steps) describe the runs of accepted drafts: where a step starts in a run is
+    known only there, and rejections cluster (a hard stretch of text rejects several steps in a
+    row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
+    file's content (the format `sim.speculation.AcceptanceModel.from_file` reads)."""
 
     def __init__(self, max_num_speculative_tokens: int):
         self.position_trials = [0] * max_num_speculative_tokens
         self.position_accepts = [0] * max_num_speculative_tokens
+        self.fresh_position_trials = [0] * max_num_speculative_tokens
+        self.fresh_position_accepts = [0] * max_num_speculative_tokens
 
-    def record(self, proposed: list[int], accepted: list[int]) -> None:
-        trials, accepts = self.position_trials, self.position_accepts
-        for num_proposed, num_accepted in zip(proposed, accepted, strict=True):
-            if not 0 <= num_accepted <= num_proposed <= len(trials):
+    def record(self, proposed: list[int], accepted: list[int],
+               fresh: list[bool] | None = None) -> None:
+        """One step's drafts: per sequence, drafts proposed and accepted, and (optionally)
+        whether its previous step ended in a rejection."""
+        fresh = fresh if fresh is not None else [False] * len(proposed)
+        for num_proposed, num_accepted, is_fresh in zip(proposed, accepted, fresh, strict=True):
+            if not 0 <= num_accepted <= num_proposed <= len(self.position_trials):
                 raise ValueError(f"{num_accepted} accepted of {num_proposed} proposed drafts "
-                                 f"(at most {len(trials)} per step)")
-            for position in range(min(num_accepted + 1, num_proposed)):
-                trials[position] += 1
-            for position in range(num_accepted):
-                accepts[position] += 1
+                                 f"(at most {len(self.position_trials)} per step)")
+            counts = [(self.position_trials, self.position_accepts)]
+            if is_fresh:
+                counts.append((self.fresh_position_trials, self.fresh_position_accepts))
+            for trials, accepts in counts:
+                for position in range(min(num_accepted + 1, num_proposed)):
+                    trials[position] += 1
+                for position in range(num_accepted):
+                    accepts[position] += 1
+
+    COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
+              "fresh_position_accepts")
 
     def scale(self, factor: float) -> None:
         """Multiply every count by `factor` (exponential forgetting)."""
-        self.position_trials = [trials * factor for trials in self.position_trials]
-        self.position_accepts = [accepts * factor for accepts in self.position_accepts]
+        for name in self.COUNTS:
+            setattr(self, name, [count * factor for count in getattr(self, name)])
+
+    def add(self, other: "AcceptanceCounts") -> None:
+        """Add another run's counts (over as many positions) to these."""
+        if len(other.position_trials) != len(self.position_trials):
+            raise ValueError(f"cannot add counts over {len(other.position_trials)} positions to "
+                             f"counts over {len(self.position_trials)}")
+        for name in self.COUNTS:
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
 
     def acceptance_rates(self) -> list[float | None]:
         """Conditional acceptance per position; None where a position was never examined."""
@@ -79,6 +102,8 @@ class AcceptanceCounts:
         return {"num_speculative_tokens": len(self.position_trials),
                 "position_trials": list(self.position_trials),
                 "position_accepts": list(self.position_accepts),
+                "fresh_position_trials": list(self.fresh_position_trials),
+                "fresh_position_accepts": list(self.fresh_position_accepts),
                 "drafter": drafter, "target": target, "source": source}
 
 

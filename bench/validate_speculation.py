@@ -1,0 +1,256 @@
+"""Does the simulator predict speculative decoding? For each draft length k (and k = 0, no
+speculation) and each batch size, the same workload runs on the engine (the tiny pair, drafting
+and verifying for real) and in the simulator (the same policies; step costs from the profile of
+the executor that runs it, acceptances drawn from statistics measured on OTHER prompts), through
+`twinserve-validate`'s `validate`. Compared: the draft acceptance rate and the speedup (output
+tokens/s with k drafts over output tokens/s without), each within --gate-pct (10 %).
+
+The workload: --num-requests windows of held-out Python source (models/tiny-pair never trained on
+them; bench/speculative.py's acceptance statistics came from windows half a spacing away), all
+arriving at t = 0, at most --batch-sizes sequences running at once (scheduler.max_num_seqs),
+greedy, --output-len tokens each. Every job runs --repeats times, in interleaved rounds (a burst
+of load from elsewhere on the machine spreads over all jobs), each round with its own simulator
+seed; the medians count, and the spread of the engine's runs is reported as its noise.
+
+    python bench/validate_speculation.py                      # draft model, k = 1..8, ~7 minutes
+    python bench/validate_speculation.py --drafter ngram --batch-sizes 1
+
+Needs the profiles of both executors (`make profile-speculation` writes them):
+profiles/cpu/tiny-pair.json (no drafter) and profiles/cpu/tiny-pair+<drafter>.json.
+Writes <out>/speculation.json, .md, .png and one validation folder per job.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from sim.validate import error_pct, validate  # noqa: E402
+
+DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram"}
+ACCEPTANCE_FILES = {"tiny-pair-draft": "tiny-pair-draft.json", "ngram": "tiny-pair-ngram.json"}
+NO_GATES = {"mean_pct": None, "p99_pct": None, "p99_ttft_pct": None, "preemptions_pct": None}
+COMPARED = ("output_throughput", "spec_acceptance_rate", "mean_tokens_per_decode_step",
+            "mean_tpot_ms")
+
+
+def write_trace(path: Path, num_requests: int, prompt_len: int, output_len: int) -> Path:
+    """Every request at t = 0, its prompt a held-out window (offset half a spacing from the
+    windows the acceptance statistics were measured on)."""
+    from train_tiny_pair import held_out_prompts
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["arrival_time", "prompt_len", "output_len", "prompt_token_ids"])
+        for prompt in held_out_prompts(num_requests, prompt_len, offset=0.5):
+            writer.writerow([0.0, len(prompt), output_len, " ".join(map(str, prompt))])
+    return path
+
+
+def job_overrides(trace: Path, batch_size: int, k: int, drafter: str, profiles: Path,
+                  acceptance: Path) -> list[str]:
+    overrides = ["model=tiny-pair", "hardware=cpu", "workload=trace",
+                 f"workload.trace_path={trace}", "workload.with_token_ids=true",
+                 f"scheduler.max_num_seqs={batch_size}", "kv_cache.block_size=16"]
+    if k == 0:
+        return [*overrides, f"cost_model.profile={profiles / 'tiny-pair.json'}"]
+    return [*overrides, "speculation=fixed", f"speculation.num_speculative_tokens={k}",
+            f"speculation.draft_model={DRAFTERS[drafter]}",
+            f"speculation.acceptance_profile={acceptance}",
+            f"cost_model.profile={profiles / f'tiny-pair+{drafter}.json'}"]
+
+
+def median_result(runs: list[dict]) -> dict:
+    """One job's repeated validations as one: the median of each compared metric on each side,
+    and the engine's throughput spread ((max - min) / median, %)."""
+    metrics = {}
+    for name in COMPARED:
+        engine = float(np.median([run["metrics"][name]["engine"] for run in runs]))
+        sim = float(np.median([run["metrics"][name]["sim"] for run in runs]))
+        metrics[name] = {"engine": engine, "sim": sim, "error_pct": error_pct(engine, sim)}
+    throughputs = [run["metrics"]["output_throughput"]["engine"] for run in runs]
+    spread = (max(throughputs) - min(throughputs)) / float(np.median(throughputs)) * 100
+    return {"metrics": metrics, "engine_spread_pct": spread, "num_runs": len(runs)}
+
+
+def speculation_rows(results: dict[tuple[int, int], dict]) -> list[dict]:
+    """One row per (batch size, k >= 1) of median results: acceptance rate and speedup over
+    k = 0 on each side, and the simulator's errors."""
+    rows = []
+    for (batch_size, k), result in sorted(results.items()):
+        if k == 0:
+            continue
+        base = results[(batch_size, 0)]["metrics"]["output_throughput"]
+        metrics = result["metrics"]
+        engine_speedup = metrics["output_throughput"]["engine"] / base["engine"]
+        sim_speedup = metrics["output_throughput"]["sim"] / base["sim"]
+        acceptance = metrics["spec_acceptance_rate"]
+        tokens = metrics["mean_tokens_per_decode_step"]
+        rows.append({
+            "batch_size": batch_size, "k": k,
+            "engine_acceptance": acceptance["engine"], "sim_acceptance": acceptance["sim"],
+            "acceptance_error_pct": acceptance["error_pct"],
+            "engine_tokens_per_step": tokens["engine"], "sim_tokens_per_step": tokens["sim"],
+            "engine_speedup": engine_speedup, "sim_speedup": sim_speedup,
+            "speedup_error_pct": error_pct(engine_speedup, sim_speedup),
+            "throughput_error_pct": metrics["output_throughput"]["error_pct"],
+            # The engine's own run-to-run spread of the two throughputs the speedup divides.
+            "engine_spread_pct": max(result.get("engine_spread_pct", 0.0),
+                                     results[(batch_size, 0)].get("engine_spread_pct", 0.0)),
+        })
+    return rows
+
+
+def summarize(rows: list[dict], gate_pct: float) -> dict:
+    def worst(key):
+        errors = [abs(row[key]) for row in rows if row[key] is not None]
+        return max(errors) if len(errors) == len(rows) else None
+    acceptance, speedup = worst("acceptance_error_pct"), worst("speedup_error_pct")
+    passed = all(e is not None and e <= gate_pct for e in (acceptance, speedup))
+    return {"num_jobs": len(rows), "max_abs_acceptance_error_pct": acceptance,
+            "max_abs_speedup_error_pct": speedup,
+            "max_abs_throughput_error_pct": worst("throughput_error_pct"),
+            "gate_pct": gate_pct, "passed": passed}
+
+
+def markdown(rows: list[dict], summary: dict, command: str) -> str:
+    lines = [f"# Speculative decoding: simulator vs engine\n", f"`{command}`\n",
+             "| batch | k | acceptance engine | sim | error % | tokens/step engine | sim | "
+             "speedup engine | sim | error % | throughput error % | engine spread % |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(
+            f"| {row['batch_size']} | {row['k']} | {row['engine_acceptance']:.3f} | "
+            f"{row['sim_acceptance']:.3f} | {_pct(row['acceptance_error_pct'])} | "
+            f"{row['engine_tokens_per_step']:.2f} | {row['sim_tokens_per_step']:.2f} | "
+            f"{row['engine_speedup']:.2f} | {row['sim_speedup']:.2f} | "
+            f"{_pct(row['speedup_error_pct'])} | {_pct(row['throughput_error_pct'])} | "
+            f"{row['engine_spread_pct']:.1f} |")
+    lines.append(f"\nLargest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} "
+                 f"%, speedup {_pct(summary['max_abs_speedup_error_pct'])} % (gate "
+                 f"{summary['gate_pct']:g} %): {'passed' if summary['passed'] else 'FAILED'}.\n")
+    return "\n".join(lines)
+
+
+def _pct(value) -> str:
+    return "inf" if value is None else f"{value:+.1f}"
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for batch_size in sorted({row["batch_size"] for row in rows}):
+        own = [row for row in rows if row["batch_size"] == batch_size]
+        ks = [row["k"] for row in own]
+        line, = right.plot(ks, [row["engine_speedup"] for row in own], "o-",
+                           label=f"engine, batch {batch_size}")
+        right.plot(ks, [row["sim_speedup"] for row in own], "x--", color=line.get_color(),
+                   label=f"sim, batch {batch_size}")
+        left.plot(ks, [row["engine_acceptance"] for row in own], "o-", color=line.get_color(),
+                  label=f"engine, batch {batch_size}")
+        left.plot(ks, [row["sim_acceptance"] for row in own], "x--", color=line.get_color(),
+                  label=f"sim, batch {batch_size}")
+    left.set(xlabel="draft tokens k", ylabel="draft acceptance rate", ylim=(0, 1))
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set(xlabel="draft tokens k", ylabel="speedup over no speculation")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def table(rows: list[dict], summary: dict) -> Table:
+    out = Table(title=f"speculative decoding: simulator vs engine (gate ±{summary['gate_pct']:g} %)")
+    for name in ("batch", "k", "accept eng", "accept sim", "err %", "speedup eng",
+                 "speedup sim", "err %", "eng spread %"):
+        out.add_column(name, justify="right")
+    for row in rows:
+        out.add_row(str(row["batch_size"]), str(row["k"]), f"{row['engine_acceptance']:.3f}",
+                    f"{row['sim_acceptance']:.3f}", _pct(row["acceptance_error_pct"]),
+                    f"{row['engine_speedup']:.2f}", f"{row['sim_speedup']:.2f}",
+                    _pct(row["speedup_error_pct"]), f"{row['engine_spread_pct']:.1f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--drafter", default="tiny-pair-draft", choices=DRAFTERS)
+    parser.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profiles", type=Path, default=REPO / "profiles" / "cpu",
+                        help="folder with tiny-pair.json and tiny-pair+<drafter>.json")
+    parser.add_argument("--acceptance", type=Path, default=None,
+                        help="acceptance statistics (default profiles/speculation/"
+                             "tiny-pair-<drafter>.json, from bench/speculative.py)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of every job (interleaved rounds); medians count")
+    parser.add_argument("--gate-pct", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=REPO / "validation" / "speculation")
+    args = parser.parse_args(argv)
+    if min(args.ks) < 1 or min(args.batch_sizes) < 1 or min(args.num_requests,
+                                                             args.repeats) < 1:
+        parser.error("--ks, --batch-sizes, --num-requests and --repeats take integers >= 1")
+    acceptance = args.acceptance or REPO / "profiles" / "speculation" / ACCEPTANCE_FILES[
+        args.drafter]
+    needed = [args.profiles / "tiny-pair.json", args.profiles / f"tiny-pair+{args.drafter}.json",
+              acceptance]
+    missing = [str(path) for path in needed if not path.is_file()]
+    if missing:
+        parser.error(f"missing {', '.join(missing)} (make profile-speculation writes the profiles, "
+                     f"python bench/speculative.py the acceptance statistics)")
+
+    console = Console()
+    trace = write_trace(args.out / "trace.csv", args.num_requests, args.prompt_len,
+                        args.output_len)
+    jobs = [(batch_size, k) for batch_size in args.batch_sizes for k in [0, *args.ks]]
+    runs: dict[tuple[int, int], list[dict]] = {job: [] for job in jobs}
+    with tqdm(total=len(jobs) * args.repeats, desc="validation runs", unit="run") as bar:
+        for repeat in range(args.repeats):
+            for batch_size, k in jobs:
+                bar.set_postfix_str(f"round {repeat + 1}, batch {batch_size}, k {k}")
+                overrides = [*job_overrides(trace, batch_size, k, args.drafter, args.profiles,
+                                            acceptance), f"seed={repeat}"]
+                runs[(batch_size, k)].append(validate(
+                    overrides, args.out / f"b{batch_size}-k{k}" / f"run{repeat}",
+                    dict(NO_GATES), console=Console(quiet=True)))
+                bar.update(1)
+    rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
+    summary = summarize(rows, args.gate_pct)
+    command = "python bench/validate_speculation.py " + " ".join(argv if argv is not None
+                                                                  else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculation.json").write_text(json.dumps(
+        {"summary": summary, "rows": rows, "drafter": args.drafter,
+         "acceptance_statistics": str(acceptance), "command": command}, indent=2) + "\n")
+    (args.out / "speculation.md").write_text(markdown(rows, summary, command))
+    plot(rows, args.out / "speculation.png")
+    console.print(table(rows, summary))
+    console.print(f"largest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} %, "
+                  f"speedup {_pct(summary['max_abs_speedup_error_pct'])} %; results in {args.out}")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""bench/validate_speculation.py: speedups and errors from the per-job validations, the gate, and
+one tiny end-to-end run on the trained pair with the shipped profiles."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("validate_speculation",
+                                              REPO / "bench" / "validate_speculation.py")
+validate_speculation = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(validate_speculation)
+
+
+def job(engine_throughput, sim_throughput, acceptance=(0.0, 0.0), tokens=(1.0, 1.0)):
+    def metric(engine, sim):
+        return {"engine": engine, "sim": sim, "error_pct": (sim - engine) / engine * 100
+                if engine else None}
+    return {"metrics": {"output_throughput": metric(engine_throughput, sim_throughput),
+                        "spec_acceptance_rate": metric(*acceptance),
+                        "mean_tokens_per_decode_step": metric(*tokens)}}
+
+
+def test_speedup_is_each_sides_throughput_over_its_own_k0_run():
+    results = {(4, 0): job(100.0, 110.0), (4, 2): job(150.0, 143.0, (0.8, 0.76), (2.4, 2.3)),
+               (1, 0): job(50.0, 50.0), (1, 3): job(40.0, 50.0, (0.5, 0.5))}
+    rows = validate_speculation.speculation_rows(results)
+    assert [(row["batch_size"], row["k"]) for row in rows] == [(1, 3), (4, 2)]
+    row = rows[1]
+    assert row["engine_speedup"] == pytest.approx(1.5)
+    assert row["sim_speedup"] == pytest.approx(1.3)
+    assert row["speedup_error_pct"] == pytest.approx((1.3 - 1.5) / 1.5 * 100)
+    assert row["acceptance_error_pct"] == pytest.approx(-5.0)
+    assert row["throughput_error_pct"] == pytest.approx(-100 * 7 / 150)
+    summary = validate_speculation.summarize(rows, gate_pct=10.0)
+    assert summary["max_abs_speedup_error_pct"] == pytest.approx(25.0)   # batch 1: 1.0 vs 0.8
+    assert not summary["passed"]
+    assert validate_speculation.summarize(rows[1:], gate_pct=15.0)["passed"]
+    # A job whose engine accepted nothing while the simulator did: an infinite error fails.
+    rows[1]["acceptance_error_pct"] = None
+    assert not validate_speculation.summarize(rows[1:], gate_pct=15.0)["passed"]
+
+
+def test_repeated_runs_count_by_their_medians():
+    runs = [job(100.0, 90.0, (0.5, 0.6)), job(120.0, 90.0, (0.7, 0.6)), job(110.0, 95.0)]
+    for run in runs:
+        run["metrics"]["mean_tpot_ms"] = {"engine": 1.0, "sim": 1.0, "error_pct": 0.0}
+    result = validate_speculation.median_result(runs)
+    throughput = result["metrics"]["output_throughput"]
+    assert (throughput["engine"], throughput["sim"]) == (110.0, 90.0)
+    assert throughput["error_pct"] == pytest.approx(-20 / 110 * 100)
+    assert result["metrics"]["spec_acceptance_rate"]["engine"] == 0.5
+    assert result["engine_spread_pct"] == pytest.approx(20 / 110 * 100)
+    assert result["num_runs"] == 3
+
+
+def test_tiny_end_to_end_on_the_trained_pair(tmp_path):
+    out = tmp_path / "spec"
+    status = validate_speculation.main(["--ks", "2", "--batch-sizes", "2", "--num-requests",
+                                        "2", "--output-len", "8", "--prompt-len", "32",
+                                        "--repeats", "2", "--gate-pct", "1000",
+                                        "--out", str(out)])
+    result = json.loads((out / "speculation.json").read_text())
+    [row] = result["rows"]
+    assert (row["batch_size"], row["k"]) == (2, 2)
+    assert 0 < row["engine_acceptance"] <= 1 and 0 < row["sim_acceptance"] <= 1
+    assert row["engine_tokens_per_step"] > 1 and row["sim_tokens_per_step"] > 1
+    assert status == (0 if result["summary"]["passed"] else 1)
+    assert row["engine_spread_pct"] >= 0
+    for name in ("speculation.md", "speculation.png", "trace.csv", "b2-k0/run0/validation.json",
+                 "b2-k2/run1/engine/summary.json"):
+        assert (out / name).exists(), name
+    # The engine ran the trace's own prompts: held-out Python source, bytes.
+    with open(out / "trace.csv") as handle:
+        assert handle.readline().strip().endswith("prompt_token_ids")
+
+
+def test_missing_profiles_are_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        validate_speculation.main(["--profiles", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert "tiny-pair.json" in capsys.readouterr().err
