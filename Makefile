@@ -44,12 +44,12 @@ validate-grid: install
 	    preemption=recompute,swap workload.rate=2,8,inf
 
 # Speculative decoding on the trained tiny pair: profile the executor without a drafter and with
-# each drafter, then validate acceptance rate and speedup for k = 1..8 (README, "Speculative
+# each drafter (together, in the same interleaved rounds: a speedup divides one by the other),
+# then validate acceptance rate and speedup for k = 1..8 (README, "Speculative
 # decoding"). The acceptance statistics come from `python bench/speculative.py`.
 profile-speculation: install
-	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16
-	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 --speculative-model tiny-pair-draft
-	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 --speculative-model ngram
+	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 \
+	    --speculative-models none tiny-pair-draft ngram
 
 validate-speculation: install
 	$(BIN)/python bench/validate_speculation.py --out validation/speculation

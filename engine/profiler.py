@@ -47,6 +47,7 @@ DEFAULT_OUT_DIR = REPO_ROOT / "profiles"
 VOCAB_FOR_IDS = 256  # random prompt ids are drawn below this (the smallest test vocabulary)
 # Speculating points' sequences repeat a pattern this long: prompt lookup finds k <= 16 drafts.
 SPEC_PERIOD = 16
+NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 # ---------------------------------------------------------------- grid
@@ -292,45 +293,55 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
     for its largest point), keeping every sample's measured `duration`. With
     `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
     attention-tile features too."""
+    return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
+                            kv_bytes_per_token)[""]
+
+
+def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
+                     repeats: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True,
+                     kv_bytes_per_token: int | None = None) -> dict[str, Profile]:
+    """`profile` for several executors (name -> (factory, grid)) at once, every point of every
+    one in the same interleaved rounds: profiles that a comparison divides by each other (a
+    speedup with a drafter over one without) then see the same machine, drifts included."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     start = time.perf_counter()
-    result = Profile(points=list(grid), repeats=repeats)
+    results = {name: Profile(points=list(grid), repeats=repeats)
+               for name, (_, grid) in setups.items()}
     rng = np.random.default_rng(seed)
-    by_block_size: dict[int, list[GridPoint]] = {}
-    for point in grid:
-        by_block_size.setdefault(point.block_size, []).append(point)
-    runs = []  # (point, executor, plan, features) of every point, all block sizes
-    for block_size, points in by_block_size.items():
-        num_blocks = max(p.num_blocks_needed() for p in points)
-        num_host = max(p.num_host_blocks_needed() for p in points)
-        executor = executor_factory(block_size, num_blocks, num_host)
-        tiling = None if kv_bytes_per_token is None else AttentionTiling(
-            block_size, tile_tokens(block_size, kv_bytes_per_token))
-        for point in points:
-            plan = build_plan(point, rng, num_blocks, num_host)
-            runs.append((point, executor, plan, dict(zip(STEP_FEATURES,
-                                                         step_features(plan, tiling)))))
+    runs = []  # (name, point, executor, plan, features) of every point, all block sizes
+    for name, (executor_factory, grid) in setups.items():
+        by_block_size: dict[int, list[GridPoint]] = {}
+        for point in grid:
+            by_block_size.setdefault(point.block_size, []).append(point)
+        for block_size, points in by_block_size.items():
+            num_blocks = max(p.num_blocks_needed() for p in points)
+            num_host = max(p.num_host_blocks_needed() for p in points)
+            executor = executor_factory(block_size, num_blocks, num_host)
+            tiling = None if kv_bytes_per_token is None else AttentionTiling(
+                block_size, tile_tokens(block_size, kv_bytes_per_token))
+            largest = sorted(points, key=lambda p: -p.num_blocks_needed())[:3]
+            for point in points:
+                plan = build_plan(point, rng, num_blocks, num_host)
+                runs.append((name, point, executor, plan,
+                             dict(zip(STEP_FEATURES, step_features(plan, tiling)))))
+                if point in largest:   # warm each executor up on its largest shapes first
+                    executor.execute(plan)
     bar = _progress_bar(len(runs) * repeats, progress)
     try:
-        # Warm each executor up on its largest shapes, then every point `warmup` times.
-        for executor in {id(run[1]): run[1] for run in runs}.values():
-            own = [run for run in runs if run[1] is executor]
-            for run in sorted(own, key=lambda r: -r[0].num_blocks_needed())[:3]:
-                executor.execute(run[2])
         for _ in range(warmup):
-            for _, executor, plan, _ in runs:
+            for _, _, executor, plan, _ in runs:
                 executor.execute(plan)
-        # Repeats in rounds over every point of every block size, in a fresh random order each
-        # round: a drift or a burst of load from elsewhere on the machine spreads over many
-        # points' samples instead of biasing one point, one kind or one block size.
+        # Repeats in rounds over every point of every executor and block size, in a fresh random
+        # order each round: a drift or a burst of load from elsewhere on the machine spreads
+        # over many points' samples instead of biasing one point, one kind or one executor.
         for repeat in range(repeats):
             for index in rng.permutation(len(runs)):
-                point, executor, plan, features = runs[index]
+                name, point, executor, plan, features = runs[index]
                 duration = float(executor.execute(plan).duration)
-                result.samples.append({"point_id": point.point_id, "kind": point.kind,
-                                       "block_size": point.block_size, "repeat": repeat,
-                                       **features, "duration_s": duration})
+                results[name].samples.append({"point_id": point.point_id, "kind": point.kind,
+                                              "block_size": point.block_size, "repeat": repeat,
+                                              **features, "duration_s": duration})
                 if bar is not None:
                     bar.update(1)
             if bar is not None:
@@ -338,9 +349,11 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
     finally:
         if bar is not None:
             bar.close()
-    result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
-    result.wall_time_s = time.perf_counter() - start
-    return result
+    wall_time_s = time.perf_counter() - start
+    for result in results.values():
+        result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
+        result.wall_time_s = wall_time_s
+    return results
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -540,12 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a handful of points (tests)")
-    parser.add_argument("--speculative-model", default=None,
-                        help="profile with this drafter attached (ngram, a conf/model name or a "
-                             "checkpoint folder): every step also runs it, and the grid adds "
-                             "decodes verifying k drafts; writes <model>+<drafter>.json")
+    parser.add_argument("--speculative-models", nargs="+", default=[NO_DRAFTER],
+                        help="the executors to profile, together: 'none' (no drafter) and/or "
+                             "drafters (ngram, a conf/model name or a checkpoint folder), whose "
+                             "executors also run the drafter every step and whose grids add "
+                             "decodes verifying k drafts; writes <model>.json and "
+                             "<model>+<drafter>.json")
     parser.add_argument("--speculative-ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
-                        help="draft lengths of the speculating points (with --speculative-model)")
+                        help="draft lengths of the speculating points")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -557,43 +572,52 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    ks = sorted(set(args.speculative_ks)) if args.speculative_model else []
-    if ks and ks[0] < 1:
+    ks = sorted(set(args.speculative_ks))
+    if ks[0] < 1:
         parser.error(f"--speculative-ks must be >= 1, got {ks}")
-    factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
-                                              args.kernel_backend, args.speculative_model,
-                                              max(ks, default=0))
-    grid = make_grid(args.block_sizes, quick=args.quick, speculative_ks=ks)
+    drafters = [None if name == NO_DRAFTER else name
+                for name in dict.fromkeys(args.speculative_models)]
+    setups, loaded = {}, None
+    for drafter in drafters:
+        drafter_ks = ks if drafter else []
+        factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
+                                                  args.kernel_backend, drafter,
+                                                  max(drafter_ks, default=0))
+        setups[profile_name(args.model, drafter)] = (factory, make_grid(
+            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks))
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
-    prof = profile(factory, grid, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                   progress=not args.no_progress, kv_bytes_per_token=kv_bytes_per_token)
+    profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
+                                seed=args.seed, progress=not args.no_progress,
+                                kv_bytes_per_token=kv_bytes_per_token)
     device_name, device_dir = device_names(device)
-    model_name = profile_name(args.model, None)
-    metadata = {
-        "device": device_name, "device_type": device.type,
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-        "model": model_name, "model_config": dataclasses.asdict(loaded.spec),
-        "dtype": str(dtype).removeprefix("torch."),
-        # What the tile features were computed with (sim.step_features.AttentionTiling).
-        "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token, "tile_bytes": TILE_BYTES},
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
-        "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-        "grid": "quick" if args.quick else "default", "num_points": len(grid),
-        "speculative_model": args.speculative_model, "speculative_ks": ks,
-        "profile_wall_time_s": round(prof.wall_time_s, 2),
-        "platform": platform.platform(), "python": platform.python_version(),
-    }
-    content = fit_profile(prof.samples, metadata)
-    json_path, csv_path = write_profile(content, prof.samples, Path(args.out_dir), device_dir,
-                                        profile_name(args.model, args.speculative_model))
-    fit = content["fit"]
-    print(f"{len(grid)} points x {args.repeats} repeats in {prof.wall_time_s:.1f} s; "
-          f"R2={fit['r2']:.4f}, mean |rel err| per sample {fit['mean_abs_rel_error']:.2%}, "
-          f"per point {fit['mean_abs_point_error']:.2%}; "
-          f"wrote {json_path} and {csv_path}")
+    for drafter, (name, prof) in zip(drafters, profiles.items()):
+        metadata = {
+            "device": device_name, "device_type": device.type,
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "model": profile_name(args.model, None),
+            "model_config": dataclasses.asdict(loaded.spec),
+            "dtype": str(dtype).removeprefix("torch."),
+            # What the tile features were computed with (sim.step_features.AttentionTiling).
+            "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
+                                 "tile_bytes": TILE_BYTES},
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
+            "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
+            "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
+            "speculative_model": drafter, "speculative_ks": ks if drafter else [],
+            "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
+            "platform": platform.platform(), "python": platform.python_version(),
+        }
+        content = fit_profile(prof.samples, metadata)
+        json_path, csv_path = write_profile(content, prof.samples, Path(args.out_dir),
+                                            device_dir, name)
+        fit = content["fit"]
+        print(f"{len(prof.points)} points x {args.repeats} repeats ({len(profiles)} executor(s) "
+              f"together, {prof.wall_time_s:.1f} s); R2={fit['r2']:.4f}, mean |rel err| per "
+              f"sample {fit['mean_abs_rel_error']:.2%}, per point "
+              f"{fit['mean_abs_point_error']:.2%}; wrote {json_path} and {csv_path}")
     return 0
 
 

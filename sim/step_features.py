@@ -30,6 +30,8 @@ STEP_FEATURES: tuple[str, ...] = (
     "num_attention_tiles",         # padded batches the torch attention runs (per layer)
     "padded_kv_tokens",            # K/V tokens those tiles gather, padding included
     "num_draft_tokens",            # speculative drafts verified (more batched tokens, queries)
+    "draft_context_work",          # Σ k × context over speculating decodes: the k verified
+                                   # queries' and a draft model's k steps' attention
     "speculating",                 # 1 when the step verifies drafts (verification's fixed work)
     "draft_model_steps",           # longest draft - 1: a draft model's sequential single-token
                                    # steps (its first draft comes from its pass over the step)
@@ -57,6 +59,16 @@ def attention_lengths(plan: StepPlan) -> tuple[list[int], list[int]]:
     return seq_lens, query_lens
 
 
+def draft_context_work(plan: StepPlan) -> int:
+    """Σ over the speculating decodes of k × their context (the cached tokens and the one
+    the step decodes)."""
+    spec_lens = plan.spec_lens
+    if not spec_lens:
+        return 0
+    return sum(spec_lens[seq.seq_id] * (seq.num_computed_tokens + 1) for seq in plan.seqs
+               if seq.seq_id in spec_lens)
+
+
 def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tuple[float, ...]:
     """The plan's feature vector, in STEP_FEATURES order (tile features 0 without `tiling`)."""
     num_tiles = padded_kv_tokens = 0
@@ -77,6 +89,7 @@ def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tupl
         float(num_tiles),
         float(padded_kv_tokens),
         float(plan.num_draft_tokens),
+        float(draft_context_work(plan)),
         1.0 if plan.num_draft_tokens else 0.0,
         float(max(plan.max_draft_len - 1, 0)),
     )

@@ -229,14 +229,20 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
     speculating = [point for point in grid if point.spec_len]
     assert {point.spec_len for point in speculating} == {2, 5}
     assert not any(point.spec_len for point in make_grid((16,), quick=True))
+    # The executors with and without a drafter, profiled together: one file each.
     assert main(["--quick", "--repeats", "1", "--device", "cpu", "--out-dir", str(tmp_path),
-                 "--no-progress", "--block-sizes", "16", "--speculative-model", "ngram",
-                 "--speculative-ks", "2", "5"]) == 0
+                 "--no-progress", "--block-sizes", "16", "--speculative-models", "none",
+                 "ngram", "--speculative-ks", "2", "5"]) == 0
     content = json.loads((tmp_path / "cpu" / "tiny-llama+ngram.json").read_text())
     assert content["metadata"]["speculative_model"] == "ngram"
     assert content["metadata"]["speculative_ks"] == [2, 5]
     assert content["metadata"]["model"] == "tiny-llama"
+    assert content["metadata"]["profiled_with"] == ["tiny-llama", "tiny-llama+ngram"]
     assert content["fit"]["by_kind"]["spec_decode"]["num_points"] == len(speculating)
+    plain = json.loads((tmp_path / "cpu" / "tiny-llama.json").read_text())
+    assert plain["metadata"]["speculative_model"] is None
+    assert "spec_decode" not in plain["fit"]["by_kind"]
+    assert plain["metadata"]["num_points"] == len(grid) - len(speculating)
 
     from engine.drafters import ngram_lookup
     from engine.profiler import engine_executor_factory
@@ -247,6 +253,10 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
         assert plan.spec_lens == {seq.seq_id: point.spec_len for seq in plan.seqs
                                   if seq.num_output_tokens}
         assert plan.num_draft_tokens == point.spec_len * len(point.decodes)
+        features = dict(zip(STEP_FEATURES, step_features(plan)))
+        assert features["draft_context_work"] == point.spec_len * sum(point.decodes)
+        assert features["speculating"] == 1 and features["draft_model_steps"] == point.spec_len - 1
+        assert features["batched"] == (len(plan.seqs) > 1)
         for seq in plan.seqs:  # slots for the token and its drafts
             needed = seq.num_computed_tokens + 1 + point.spec_len
             assert len(plan.block_tables[seq.seq_id]) * point.block_size >= needed
