@@ -188,16 +188,13 @@ def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: 
              n: int = 1, period: int = 0) -> Sequence:
     """A sequence with random ids; with `period`, a random pattern of that length repeated (so
     that prompt lookup always finds drafts to propose)."""
-    if period:
-        pattern = rng.integers(3, VOCAB_FOR_IDS, size=period)
-        prompt = np.resize(pattern, prompt_len).tolist()
-    else:
-        prompt = rng.integers(3, VOCAB_FOR_IDS, size=prompt_len).tolist()
+    num_tokens = prompt_len + num_outputs
+    token_ids = (np.resize(rng.integers(3, VOCAB_FOR_IDS, size=period), num_tokens) if period
+                 else rng.integers(3, VOCAB_FOR_IDS, size=num_tokens))
+    prompt, outputs = token_ids[:prompt_len].tolist(), token_ids[prompt_len:].tolist()
     request = Request(ids.next_request, 0.0, prompt_len, max(num_outputs, 1) + 16, n=n,
                       prompt_token_ids=prompt)
     ids.next_request += 1
-    outputs = (np.resize(pattern, prompt_len + num_outputs)[prompt_len:].tolist() if period
-               else rng.integers(3, VOCAB_FOR_IDS, size=num_outputs).tolist())
     seq = Sequence(ids.next_seq, request, num_output_tokens=num_outputs, output_token_ids=outputs)
     ids.next_seq += 1
     request.sequences.append(seq)
@@ -509,16 +506,12 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def engine_executor_factory(model: str, device, dtype=None, seed: int = 0,
-                            kernel_backend: str | None = None,
-                            speculative_model: str | None = None,
-                            max_num_speculative_tokens: int = 0):
-    """A factory building real engine executors, loading the model (and the draft) once.
-    Returns (factory, loaded model)."""
+def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None = None,
+                     speculative_model: str | None = None, max_num_speculative_tokens: int = 0):
+    """A factory building engine executors of an already loaded model (several factories, with
+    and without drafters, share its weights)."""
     from engine.builder import build_executor, load_draft
-    from engine.model_loader import load_model
 
-    loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)
 
     def factory(block_size: int, num_blocks: int, num_host_blocks: int):
@@ -526,7 +519,7 @@ def engine_executor_factory(model: str, device, dtype=None, seed: int = 0,
                               kernel_backend, draft=draft,
                               max_num_speculative_tokens=max_num_speculative_tokens)
 
-    return factory, loaded
+    return factory
 
 
 def profile_name(model: str, speculative_model: str | None) -> str:
@@ -569,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from engine.builder import resolve_device
+    from engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -577,12 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--speculative-ks must be >= 1, got {ks}")
     drafters = [None if name == NO_DRAFTER else name
                 for name in dict.fromkeys(args.speculative_models)]
-    setups, loaded = {}, None
+    loaded = load_model(args.model, device, args.dtype, args.seed)
+    setups = {}
     for drafter in drafters:
         drafter_ks = ks if drafter else []
-        factory, loaded = engine_executor_factory(args.model, device, args.dtype, args.seed,
-                                                  args.kernel_backend, drafter,
-                                                  max(drafter_ks, default=0))
+        factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
+                                   max(drafter_ks, default=0))
         setups[profile_name(args.model, drafter)] = (factory, make_grid(
             args.block_sizes, quick=args.quick, speculative_ks=drafter_ks))
     dtype = next(loaded.model.parameters()).dtype

@@ -61,7 +61,6 @@ class AcceptanceModel:
             _check_probability(p, f"fresh acceptance probability of draft position {i + 1}")
             for i, p in enumerate(run_probabilities)]
         self.source = source
-        self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._probabilities = np.asarray(self.position_probabilities)
         self._run_probabilities = (None if self.run_probabilities is None
@@ -96,12 +95,11 @@ class AcceptanceModel:
         probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
         if not probabilities:
             raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
-        run_probabilities = None
-        if all(key in data for key in FRESH_KEYS):
-            run_probabilities = _conditional_rates(data, FRESH_KEYS, num_positions, where)
+        run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
+                             if all(key in data for key in FRESH_KEYS) else None)
         source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
         return cls(probabilities, seed, source=source or str(path),
-                   run_probabilities=run_probabilities or None)
+                   run_probabilities=run_probabilities)
 
     def probabilities(self, num_positions: int) -> np.ndarray:
         """p_1..p_num_positions, the last measured one repeated past the measured positions."""

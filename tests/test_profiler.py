@@ -245,9 +245,11 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
     assert plain["metadata"]["num_points"] == len(grid) - len(speculating)
 
     from engine.drafters import ngram_lookup
-    from engine.profiler import engine_executor_factory
-    factory, _ = engine_executor_factory("tiny-llama", torch.device("cpu"),
-                                         speculative_model="ngram", max_num_speculative_tokens=5)
+    from engine.model_loader import load_model
+    from engine.profiler import executor_factory
+    device = torch.device("cpu")
+    factory = executor_factory(load_model("tiny-llama", device), device,
+                               speculative_model="ngram", max_num_speculative_tokens=5)
     for point in speculating:
         plan = build_plan(point)
         assert plan.spec_lens == {seq.seq_id: point.spec_len for seq in plan.seqs

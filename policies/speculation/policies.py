@@ -53,6 +53,9 @@ class AcceptanceCounts:
     row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
     file's content (the format `sim.speculation.AcceptanceModel.from_file` reads)."""
 
+    COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
+              "fresh_position_accepts")
+
     def __init__(self, max_num_speculative_tokens: int):
         self.position_trials = [0] * max_num_speculative_tokens
         self.position_accepts = [0] * max_num_speculative_tokens
@@ -76,9 +79,6 @@ class AcceptanceCounts:
                     trials[position] += 1
                 for position in range(num_accepted):
                     accepts[position] += 1
-
-    COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
-              "fresh_position_accepts")
 
     def scale(self, factor: float) -> None:
         """Multiply every count by `factor` (exponential forgetting)."""
