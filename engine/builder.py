@@ -15,6 +15,8 @@ from engine.kv_cache import KVCachePool, hardware_spec, num_device_blocks, num_h
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.speed import (DEFAULT_INTERVAL_S, PROBE_POINTS, PROBE_POOL_BLOCKS,
+                          SpeedNormalizedExecutor, SpeedProbe)
 from kernels import get_kernel_ops
 from policies.batching import (ChunkedPrefillScheduler, ContinuousBatchingScheduler,
                                StaticBatchingScheduler)
@@ -181,16 +183,31 @@ def build_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int, b
                           max_num_speculative_tokens)
 
 
+def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
+                      kernel_backend: str | None = None,
+                      interval_s: float = DEFAULT_INTERVAL_S) -> SpeedProbe:
+    """A speed probe (engine/speed.py) of the loaded model, on an executor of its own."""
+    executor = build_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINTS[0].block_size, device,
+                              seed, kernel_backend)
+    return SpeedProbe(executor, interval_s, seed)
+
+
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
-                          max_num_speculative_tokens: int = 0) -> EngineExecutor:
+                          max_num_speculative_tokens: int = 0,
+                          speed_reference: list[float] | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size), for a simulator replica run on the engine (backend=engine); with a
     speculative_model ("ngram", a conf/model name or a checkpoint folder) it verifies plans of
-    up to max_num_speculative_tokens drafts per sequence."""
+    up to max_num_speculative_tokens drafts per sequence. With a speed_reference (a profile's
+    probe durations) its step durations are normalised to the profile's machine speed."""
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)
-    return build_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
-                          kv_cache.block_size, device, seed, kernel_backend, draft=draft,
-                          max_num_speculative_tokens=max_num_speculative_tokens)
+    executor = build_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
+                              kv_cache.block_size, device, seed, kernel_backend, draft=draft,
+                              max_num_speculative_tokens=max_num_speculative_tokens)
+    if speed_reference is None:
+        return executor
+    return SpeedNormalizedExecutor(executor, build_speed_probe(loaded, device, seed,
+                                                               kernel_backend), speed_reference)

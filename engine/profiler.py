@@ -36,61 +36,18 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from engine.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
+from engine.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from kernels.tiling import TILE_BYTES, tile_tokens
-from policies.memory import PagedBlockManager
-from policies.types import Request, Sequence, StepPlan
 from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "profiles"
-VOCAB_FOR_IDS = 256  # random prompt ids are drawn below this (the smallest test vocabulary)
-# Speculating points' sequences repeat a pattern this long: prompt lookup finds k <= 16 drafts.
-SPEC_PERIOD = 16
 NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 # ---------------------------------------------------------------- grid
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    """One step shape. `prefills`: (chunk length, cached context before it) per prefill chunk;
-    `decodes`: context length (tokens incl. the one computed) per decoding sequence; copies and
-    swaps in blocks."""
-
-    point_id: int
-    kind: str
-    block_size: int
-    prefills: tuple[tuple[int, int], ...] = ()
-    decodes: tuple[int, ...] = ()
-    num_copies: int = 0
-    num_swap_out: int = 0
-    num_swap_in: int = 0
-    spec_len: int = 0          # draft tokens each decode verifies (speculative decoding)
-
-    def num_blocks_needed(self) -> int:
-        bs = self.block_size
-        blocks = sum(-(-(chunk + ctx) // bs) for chunk, ctx in self.prefills)
-        blocks += sum(-(-(ctx + self.spec_len) // bs) for ctx in self.decodes)
-        # Copies: a parent of num_copies blocks and its unshared child; swap-in: the blocks
-        # coming back; swap-out: the blocks leaving (allocated before they go).
-        return blocks + 2 * self.num_copies + self.num_swap_in + self.num_swap_out + 1
-
-    def num_host_blocks_needed(self) -> int:
-        return self.num_swap_out + self.num_swap_in
-
-
-def spread(count: int, low: int, high: int) -> tuple[int, ...]:
-    """`count` lengths spread evenly over [low, high], in a shuffled (deterministic) order."""
-    step = (high - low) / max(count - 1, 1)
-    lengths = [low + round(i * step) for i in range(count)]
-    return tuple(lengths[(i * 37) % count] for i in range(count)) if count > 1 else (low,)
-
-
-def spread_chunks(count: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
-    """`count` fresh prompts (no cached context) of lengths spread over [low, high]."""
-    return tuple((length, 0) for length in spread(count, low, high))
 
 
 def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
@@ -175,105 +132,21 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
     return grid
 
 
-# ---------------------------------------------------------------- building plans
-
-
-class _Ids:
-    def __init__(self):
-        self.next_seq = 0
-        self.next_request = 0
-
-
-def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: int,
-             n: int = 1, period: int = 0) -> Sequence:
-    """A sequence with random ids; with `period`, a random pattern of that length repeated (so
-    that prompt lookup always finds drafts to propose)."""
-    num_tokens = prompt_len + num_outputs
-    token_ids = (np.resize(rng.integers(3, VOCAB_FOR_IDS, size=period), num_tokens) if period
-                 else rng.integers(3, VOCAB_FOR_IDS, size=num_tokens))
-    prompt, outputs = token_ids[:prompt_len].tolist(), token_ids[prompt_len:].tolist()
-    request = Request(ids.next_request, 0.0, prompt_len, max(num_outputs, 1) + 16, n=n,
-                      prompt_token_ids=prompt)
-    ids.next_request += 1
-    seq = Sequence(ids.next_seq, request, num_output_tokens=num_outputs, output_token_ids=outputs)
-    ids.next_seq += 1
-    request.sequences.append(seq)
-    return seq
-
-
-def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
-               num_blocks: int | None = None, num_host_blocks: int | None = None) -> StepPlan:
-    """The point's StepPlan, built as the policies would: requests with random prompt ids, their
-    sequences, slots allocated in a fresh PagedBlockManager (`num_blocks` device blocks, default
-    just enough), the context put in place by num_computed_tokens, copy pairs from an unshared
-    fork, swap pairs from swap_out/swap_in."""
-    rng = rng if rng is not None else np.random.default_rng(point.point_id)
-    num_blocks = num_blocks or point.num_blocks_needed()
-    num_host_blocks = num_host_blocks if num_host_blocks is not None else (
-        point.num_host_blocks_needed())
-    kv = PagedBlockManager(num_blocks, point.block_size, num_host_blocks=num_host_blocks,
-                           watermark=0.0, share_on_fork=False)
-    bs = point.block_size
-    ids = _Ids()
-    plan = StepPlan()
-
-    # Memory operations first, in the order the executor carries them out.
-    if point.num_swap_in:
-        back = _new_seq(ids, rng, point.num_swap_in * bs, 0)
-        _allocate(kv, back, point.num_swap_in * bs)
-        back.num_computed_tokens = point.num_swap_in * bs
-        kv.swap_out([back])               # (not executed: it only puts the blocks on host)
-        plan.blocks_to_swap_in = kv.swap_in([back])
-    if point.num_swap_out:
-        leaving = _new_seq(ids, rng, point.num_swap_out * bs, 0)
-        _allocate(kv, leaving, point.num_swap_out * bs)
-        leaving.num_computed_tokens = point.num_swap_out * bs
-        plan.blocks_to_swap_out = kv.swap_out([leaving])
-    if point.num_copies:
-        parent = _new_seq(ids, rng, point.num_copies * bs, 0, n=2)
-        _allocate(kv, parent, point.num_copies * bs)
-        child = Sequence(ids.next_seq, parent.request)
-        ids.next_seq += 1
-        if not kv.fork(parent, child):
-            raise RuntimeError(f"grid point {point.point_id}: copies do not fit")
-        plan.blocks_to_copy = kv.take_pending_copies()
-
-    decodes = []
-    for ctx in point.decodes:
-        seq = _new_seq(ids, rng, ctx - 1, 1, period=SPEC_PERIOD if point.spec_len else 0)
-        _allocate(kv, seq, ctx + point.spec_len)   # the drafts' lookahead slots too
-        seq.num_computed_tokens = ctx - 1
-        decodes.append(seq)
-    if decodes:
-        plan.add_decodes(decodes)
-        if point.spec_len:
-            plan.add_drafts({seq.seq_id: point.spec_len for seq in decodes})
-    for chunk, ctx in point.prefills:
-        seq = _new_seq(ids, rng, ctx + chunk, 0)
-        _allocate(kv, seq, ctx + chunk)
-        seq.num_computed_tokens = ctx
-        plan.add(seq, chunk)
-    plan.block_tables = kv.block_tables
-    return plan
-
-
-def _allocate(kv: PagedBlockManager, seq: Sequence, num_tokens: int) -> None:
-    if not kv.allocate_slots(seq, num_tokens):
-        raise RuntimeError(f"profiler: {num_tokens} slots do not fit the KV pool")
-
-
 # ---------------------------------------------------------------- measuring
 
 
 @dataclass
 class Profile:
     """Every sample of a run: one dict per (point, repeat) with point_id, kind, block_size,
-    repeat, every STEP_FEATURES value and duration_s."""
+    repeat, every STEP_FEATURES value and duration_s; with a speed probe, duration_s is at the
+    run's median machine speed, raw_duration_s as measured and speed_factor their ratio, and
+    speed_reference is the profile's (engine/speed.py)."""
 
     points: list[GridPoint]
     samples: list[dict] = field(default_factory=list)
     repeats: int = 0
     wall_time_s: float = 0.0
+    speed_reference: dict | None = None
 
     def fit(self, metadata: dict | None = None) -> dict:
         return fit_profile(self.samples, metadata)
@@ -284,22 +157,26 @@ ExecutorFactory = Callable[[int, int, int], object]  # (block_size, num_blocks, 
 
 def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: int = 5,
             warmup: int = 1, seed: int = 0, progress: bool = True,
-            kv_bytes_per_token: int | None = None) -> Profile:
+            kv_bytes_per_token: int | None = None,
+            speed_probe: SpeedProbe | None = None) -> Profile:
     """Run every grid point `warmup` untimed + `repeats` timed times on executors built by
     `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
     for its largest point), keeping every sample's measured `duration`. With
     `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
-    attention-tile features too."""
+    attention-tile features too. With a `speed_probe`, every sample is normalised to the
+    machine's median speed over the run (engine/speed.py)."""
     return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
-                            kv_bytes_per_token)[""]
+                            kv_bytes_per_token, speed_probe)[""]
 
 
 def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                      repeats: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True,
-                     kv_bytes_per_token: int | None = None) -> dict[str, Profile]:
+                     kv_bytes_per_token: int | None = None,
+                     speed_probe: SpeedProbe | None = None) -> dict[str, Profile]:
     """`profile` for several executors (name -> (factory, grid)) at once, every point of every
     one in the same interleaved rounds: profiles that a comparison divides by each other (a
-    speedup with a drafter over one without) then see the same machine, drifts included."""
+    speedup with a drafter over one without) then see the same machine, drifts included (and
+    one speed probe, so one speed reference)."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     start = time.perf_counter()
@@ -325,6 +202,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 if point in largest:   # warm each executor up on its largest shapes first
                     executor.execute(plan)
     bar = _progress_bar(len(runs) * repeats, progress)
+    probed: list[tuple[dict, int]] = []   # (sample, index of the probe reading before it)
     try:
         for _ in range(warmup):
             for _, _, executor, plan, _ in runs:
@@ -335,10 +213,15 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         for repeat in range(repeats):
             for index in rng.permutation(len(runs)):
                 name, point, executor, plan, features = runs[index]
+                if speed_probe is not None and speed_probe.due():
+                    speed_probe.measure()
                 duration = float(executor.execute(plan).duration)
-                results[name].samples.append({"point_id": point.point_id, "kind": point.kind,
-                                              "block_size": point.block_size, "repeat": repeat,
-                                              **features, "duration_s": duration})
+                sample = {"point_id": point.point_id, "kind": point.kind,
+                          "block_size": point.block_size, "repeat": repeat, **features,
+                          "duration_s": duration}
+                results[name].samples.append(sample)
+                if speed_probe is not None:
+                    probed.append((sample, len(speed_probe.readings) - 1))
                 if bar is not None:
                     bar.update(1)
             if bar is not None:
@@ -347,9 +230,12 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         if bar is not None:
             bar.close()
     wall_time_s = time.perf_counter() - start
+    speed_reference = None if speed_probe is None else normalize_samples(
+        [sample for sample, _ in probed], [reading for _, reading in probed], speed_probe)
     for result in results.values():
         result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
         result.wall_time_s = wall_time_s
+        result.speed_reference = speed_reference
     return results
 
 
@@ -478,12 +364,14 @@ def write_profile(content: dict, samples: list[dict], out_dir: Path, device_dir:
     json_path = folder / f"{model}.json"
     csv_path = folder / f"{model}.samples.csv"
     json_path.write_text(json.dumps(content, indent=1) + "\n")
-    columns = ["point_id", "kind", "block_size", "repeat", *STEP_FEATURES, "duration_s"]
+    columns = ["point_id", "kind", "block_size", "repeat", *STEP_FEATURES, "duration_s",
+               "raw_duration_s", "speed_factor"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
-        for sample in samples:
-            writer.writerow({c: sample[c] for c in columns})
+        for sample in samples:   # (without a speed probe: as measured, factor 1)
+            writer.writerow({"raw_duration_s": sample["duration_s"], "speed_factor": 1.0,
+                             **{c: sample[c] for c in columns if c in sample}})
     return json_path, csv_path
 
 
@@ -554,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                              "<model>+<drafter>.json")
     parser.add_argument("--speculative-ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
                         help="draft lengths of the speculating points")
+    parser.add_argument("--speed-probe-interval", type=float, default=DEFAULT_INTERVAL_S,
+                        help="seconds between speed probes, which normalise every sample to "
+                             "the run's median machine speed and give the profile the speed "
+                             "reference that twinserve-validate's engine runs use (0: off)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -561,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from engine.builder import resolve_device
+    from engine.builder import build_speed_probe, resolve_device
     from engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -569,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     ks = sorted(set(args.speculative_ks))
     if ks[0] < 1:
         parser.error(f"--speculative-ks must be >= 1, got {ks}")
+    if not args.speed_probe_interval >= 0:
+        parser.error(f"--speed-probe-interval must be >= 0, got {args.speed_probe_interval}")
     drafters = [None if name == NO_DRAFTER else name
                 for name in dict.fromkeys(args.speculative_models)]
     loaded = load_model(args.model, device, args.dtype, args.seed)
@@ -582,9 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
+    speed_probe = None if args.speed_probe_interval == 0 else build_speed_probe(
+        loaded, device, args.seed, args.kernel_backend, args.speed_probe_interval)
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
-                                kv_bytes_per_token=kv_bytes_per_token)
+                                kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
         metadata = {
@@ -605,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(), "python": platform.python_version(),
         }
         content = fit_profile(prof.samples, metadata)
+        if prof.speed_reference is not None:
+            content["speed_reference"] = prof.speed_reference
         json_path, csv_path = write_profile(content, prof.samples, Path(args.out_dir),
                                             device_dir, name)
         fit = content["fit"]

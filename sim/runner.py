@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,8 +198,12 @@ def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv
         drafting = {} if speculation is None else {
             "speculative_model": speculation.draft_model,
             "max_num_speculative_tokens": speculation.max_num_speculative_tokens}
-        return build_engine_executor(model.name, kv_cache, device=cfg.backend.device,
-                                     dtype=cfg.backend.dtype, seed=cfg.seed, **drafting)
+        from engine.speed import load_reference
+        speed_profile = cfg.backend.get("speed_reference")
+        return build_engine_executor(
+            model.name, kv_cache, device=cfg.backend.device, dtype=cfg.backend.dtype,
+            seed=cfg.seed, speed_reference=load_reference(speed_profile) if speed_profile else None,
+            **drafting)
     if backend == "sim":
         drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
         cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
@@ -209,6 +214,20 @@ def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv
         # Each replica draws its own acceptances, reproducibly.
         return SimExecutor(cost_model, speculation.acceptance_model([cfg.seed, replica_id]))
     raise ValueError(f"backend must be one of sim, engine; got {backend!r}")
+
+
+def speed_summary(executors: list) -> dict:
+    """An engine run normalised to a profile's machine speed (backend.speed_reference): the
+    speed factors its probes saw, over every replica, and the wall time they took."""
+    summaries = [executor.speed_summary() for executor in executors
+                 if hasattr(executor, "speed_summary")]
+    if not summaries:
+        return {}
+    return {"speed_factor_median": statistics.median(s["speed_factor_median"] for s in summaries),
+            "speed_factor_min": min(s["speed_factor_min"] for s in summaries),
+            "speed_factor_max": max(s["speed_factor_max"] for s in summaries),
+            "speed_probes": sum(s["speed_probes"] for s in summaries),
+            "speed_probe_s": sum(s["speed_probe_s"] for s in summaries)}
 
 
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
@@ -267,6 +286,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
                               slos_ms=slos_ms(cfg))
     summary["num_kv_blocks"] = num_blocks
+    summary.update(speed_summary([replica.executor for replica in replicas]))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary)
     return RunResult(summary, requests, metrics, num_blocks)

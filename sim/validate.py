@@ -6,7 +6,11 @@
 Both runs use the same config (policies, workload, seed, KV pool size) composed from the repo's
 conf/ plus the given overrides; only the backend differs: `backend=engine` runs every step for real,
 `backend=sim cost_model=profiled` predicts each step from the profile alone (it never sees the
-engine run's measurements). Writes <out>/engine/ and <out>/sim/ (each run's usual files) and
+engine run's measurements). When the profile carries a speed reference (twinserve-profile's speed
+probe), the engine's step durations are normalised to the machine speed the profile was taken at
+(engine/speed.py: on a shared machine the speed drifts by tens of % over minutes, which no cost
+model can predict); `--wall-clock` times them as measured. Writes <out>/engine/ and <out>/sim/
+(each run's usual files) and
 
 - `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
   time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
@@ -159,11 +163,21 @@ def rich_table(result: dict) -> Table:
     return table
 
 
+def engine_clock_line(conditions: dict) -> str:
+    if conditions.get("clock") != "profile speed":
+        return "engine steps timed as measured (wall clock)"
+    return (f"engine steps normalised to the profile's machine speed: the machine ran "
+            f"{conditions['speed_factor_min']:.3f}-{conditions['speed_factor_max']:.3f}× the "
+            f"profile's step times (median {conditions['speed_factor_median']:.3f}, "
+            f"{conditions['speed_probes']} probes)")
+
+
 def markdown_report(result: dict) -> str:
     lines = ["# Validation: engine vs profiled simulator", "",
              f"profile: `{result['profile']}`", "",
              f"engine wall time {result['engine_wall_time_s']:.3f} s, simulator "
              f"{result['sim_wall_time_s']:.3f} s: speedup {_fmt(result['speedup'])}×", "",
+             engine_clock_line(result.get("engine_conditions") or {}), "",
              "| metric | engine | sim | error % | gate |", "|---|---:|---:|---:|---|"]
     lines += [f"| {' | '.join(row)} |" for row in report_rows(result["metrics"])]
     gates = ", ".join(f"{k} {'off' if v is None else f'±{v:g} %'}"
@@ -297,9 +311,27 @@ def warm_up_engine(engine_cfg) -> None:
         pass  # e.g. a trace workload without num_requests: the real run reports any problem
 
 
+def use_speed_reference(engine_cfg, profile_path: str, console: Console) -> bool:
+    """Time the engine's steps at the profile's machine speed (engine/speed.py) when the profile
+    has a speed reference; warn and keep wall time when it has none."""
+    from omegaconf import open_dict
+
+    if "speed_reference" not in json.loads(Path(profile_path).read_text()):
+        console.print(f"[yellow]warning: {profile_path} has no speed_reference (taken without "
+                      f"the speed probe): the engine's steps are timed as measured, drift of "
+                      f"the machine since profiling included[/yellow]")
+        return False
+    with open_dict(engine_cfg):
+        engine_cfg.backend.speed_reference = profile_path
+    return True
+
+
 def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
-             console: Console | None = None, warmup: bool = True) -> dict:
-    """Run both backends, write the report into out_dir, and return validation.json's dict."""
+             console: Console | None = None, warmup: bool = True,
+             normalize_speed: bool = True) -> dict:
+    """Run both backends, write the report into out_dir, and return validation.json's dict.
+    With normalize_speed the engine's step durations are normalised to the profile's machine
+    speed (engine/speed.py), when the profile has a speed reference."""
     from omegaconf.errors import OmegaConfBaseException
 
     from sim.runner import run_experiment
@@ -313,6 +345,10 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         # The simulator first: a bad profile is bad input, found before minutes of engine steps.
         sim = run_experiment(sim_cfg, out_dir / "sim")
         conditions = match_profile_conditions(sim_cfg.cost_model.profile, console)
+        conditions["clock"] = "wall"
+        if normalize_speed and use_speed_reference(engine_cfg, sim_cfg.cost_model.profile,
+                                                   console):
+            conditions["clock"] = "profile speed"
         if warmup:
             warm_up_engine(engine_cfg)
         engine = run_experiment(engine_cfg, out_dir / "engine")
@@ -320,17 +356,20 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         raise ValidationInputError(str(error)) from None
     metrics = compare_summaries(engine.summary, sim.summary)
     failures = check_gates(metrics, gates)
+    # The engine's own wall time: without the speed probes' (a measuring cost, not the engine's).
+    engine_wall_s = engine.summary["wall_time_s"] - engine.summary.get("speed_probe_s", 0.0)
+    speed = {key: value for key, value in engine.summary.items() if key.startswith("speed_")}
     result = {
         "metrics": metrics,
-        "speedup": speedup(engine.summary["wall_time_s"], sim.summary["wall_time_s"]),
-        "engine_wall_time_s": engine.summary["wall_time_s"],
+        "speedup": speedup(engine_wall_s, sim.summary["wall_time_s"]),
+        "engine_wall_time_s": engine_wall_s,
         "sim_wall_time_s": sim.summary["wall_time_s"],
         "gates": dict(gates),
         "failures": failures,
         "passed": not failures,
         "profile": str(sim_cfg.cost_model.profile),
         "num_kv_blocks": num_blocks,
-        "engine_conditions": {**conditions, "warmup": warmup},
+        "engine_conditions": {**conditions, "warmup": warmup, **speed},
         "completed": {"engine": engine.summary["completed"], "sim": sim.summary["completed"]},
         "seed": int(sim_cfg.seed),
         "overrides": list(overrides),
@@ -387,6 +426,9 @@ def grid_rows(results: list[dict], swept: list[dict[str, str]]) -> list[dict]:
         row["engine_preemptions"] = result["metrics"]["num_preemptions"]["engine"]
         row["sim_preemptions"] = result["metrics"]["num_preemptions"]["sim"]
         row["speedup"] = result["speedup"]
+        # How much slower than at profiling the machine ran (1 when timed by the wall clock).
+        row["speed_factor"] = (result.get("engine_conditions") or {}).get("speed_factor_median",
+                                                                          1.0)
         row["passed"] = result["passed"]
         rows.append(row)
     return rows
@@ -412,7 +454,8 @@ def grid_summary(results: list[dict]) -> dict:
 def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], command: str) -> str:
     short = {"request_throughput": "req/s", "num_preemptions": "preempt"}
     names = [short.get(n, n.removesuffix("_ms")) for n in GRID_METRICS]
-    header = ["job", *swept_keys, *(f"{n} %" for n in names), "preemptions e/s", "speedup"]
+    header = ["job", *swept_keys, *(f"{n} %" for n in names), "preemptions e/s", "speedup",
+              "machine speed"]
     lines = [f"Validation grid: signed error of the profiled simulator against the engine, %. "
              f"{summary['num_passed']}/{summary['num_jobs']} jobs within every gate.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -420,12 +463,12 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
         cells = [str(row["job"]), *(row[k] for k in swept_keys),
                  *(_fmt_error(row[f"{n}_error_pct"]) for n in GRID_METRICS),
                  f"{_fmt(row['engine_preemptions'])}/{_fmt(row['sim_preemptions'])}",
-                 f"{_fmt(row['speedup'])}×"]
+                 f"{_fmt(row['speedup'])}×", f"{row['speed_factor']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     worst = summary["max_abs_error_pct"]
     cells = ["max abs", *("" for _ in swept_keys),
              *(("inf" if math.isinf(worst[n]) else f"{worst[n]:.2f}") for n in GRID_METRICS),
-             "", f"{_fmt(summary['speedup'])}×"]
+             "", f"{_fmt(summary['speedup'])}×", ""]
     lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"command: `{command}`", ""]
     return "\n".join(lines)
@@ -433,7 +476,7 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
 
 def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
                   console: Console | None = None, warmup: bool = True,
-                  command: str = "twinserve-validate") -> dict:
+                  command: str = "twinserve-validate", normalize_speed: bool = True) -> dict:
     """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
     from tqdm import tqdm
 
@@ -445,7 +488,8 @@ def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | 
     for index, job in enumerate(tqdm(jobs, desc="validation grid", unit="job")):
         values = " ".join(f"{key}={value}" for key, value in swept[index].items())
         console.print(f"[bold]job {index}[/bold]: {values}")
-        results.append(validate(job, out_dir / str(index), gates, console, warmup))
+        results.append(validate(job, out_dir / str(index), gates, console, warmup,
+                                normalize_speed))
     rows = grid_rows(results, swept)
     summary = grid_summary(results)
     swept_keys = list(swept[0])
@@ -484,6 +528,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the discarded 2-request engine warm-up run")
+    parser.add_argument("--wall-clock", action="store_true",
+                        help="time the engine's steps as measured, not normalised to the "
+                             "profile's machine speed by the speed probe")
     parser.add_argument("--gate-mean-pct", type=_gate, default=UNSET,
                         help="|error| %% gate on means/medians of TTFT, TPOT, e2e and throughputs "
                              "(default 3; 'off' disables a gate)")
@@ -511,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             command = shlex.join(["twinserve-validate",
                                   *(argv if argv is not None else sys.argv[1:])])
             grid = validate_grid(overrides, args.out, gates, warmup=not args.no_warmup,
-                                 command=command)
+                                 command=command, normalize_speed=not args.wall_clock)
             print(f"results in {args.out}")
             failed = grid["failures"]
             if failed:
@@ -520,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(str(job) for job in failed)}", file=sys.stderr)
                 return 1
             return 0
-        result = validate(overrides, args.out, gates, warmup=not args.no_warmup)
+        result = validate(overrides, args.out, gates, warmup=not args.no_warmup,
+                          normalize_speed=not args.wall_clock)
     except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
         print(f"twinserve-validate: error: {error}", file=sys.stderr)
         return 2

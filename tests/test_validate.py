@@ -194,7 +194,7 @@ def test_grid_summary_takes_the_largest_error_over_the_jobs():
     lines = [line for line in text.splitlines() if line.startswith("|")]
     assert len(lines) == 2 + 3 + 1  # header, rule, one row per job, the max row
     assert "-5.00" in lines[3] and lines[-1].startswith("| max")
-    assert len(lines[0].split("|")) == len(lines[-1].split("|")) == 2 + 1 + len(GRID_METRICS) + 3
+    assert len(lines[0].split("|")) == len(lines[-1].split("|")) == 2 + 1 + len(GRID_METRICS) + 4
 
 
 # ---- the profiled cost model -------------------------------------------------------------------
@@ -335,6 +335,8 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
         assert set(values) == {"engine", "sim", "error_pct"}
     assert result["completed"] == {"engine": 12, "sim": 12}
     assert result["engine_conditions"]["threads"] == 1 and result["engine_conditions"]["warmup"]
+    # A profile without a speed reference: the engine's steps are timed as measured.
+    assert result["engine_conditions"]["clock"] == "wall"
     assert result["speedup"] > 1 and result["failures"] == []
     assert result["gates"] == {"mean_pct": None, "p99_pct": None, "p99_ttft_pct": None,
                                "preemptions_pct": None}
@@ -354,8 +356,24 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "tight" / "validation.json").read_text())["failures"]
 
 
+def add_speed_reference(profile: Path) -> None:
+    """The profile's speed reference, measured as the profiler does (engine/speed.py)."""
+    from engine.builder import build_speed_probe
+    from engine.model_loader import load_model
+    from engine.speed import normalize_samples
+
+    device = torch.device("cpu")
+    probe = build_speed_probe(load_model("tiny-llama", device, None, 0), device)
+    for _ in range(3):
+        probe.measure()
+    content = json.loads(profile.read_text())
+    content["speed_reference"] = normalize_samples([], [], probe)
+    profile.write_text(json.dumps(content))
+
+
 def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypatch):
     profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
+    add_speed_reference(profile)   # the engine's steps are timed at the profile's speed
     assert main([*TINY, "workload.num_requests=6", "workload.rate=20",
                  "scheduler=continuous,chunked_prefill", f"--profile={profile}",
                  f"--out={tmp_path / 'grid'}", *NO_GATES]) == 0
@@ -367,6 +385,14 @@ def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypat
     with open(tmp_path / "grid" / "grid.csv") as file:
         assert len(file.read().strip().splitlines()) == 1 + 2
     assert "chunked_prefill" in (tmp_path / "grid" / "grid.md").read_text()
+    job = json.loads((tmp_path / "grid" / "0" / "validation.json").read_text())
+    conditions = job["engine_conditions"]
+    assert conditions["clock"] == "profile speed" and conditions["speed_probes"] >= 1
+    assert 0 < conditions["speed_factor_min"] <= conditions["speed_factor_max"]
+    engine = json.loads((tmp_path / "grid" / "0" / "engine" / "summary.json").read_text())
+    assert engine["speed_probes"] == conditions["speed_probes"]
+    assert "profile's machine speed" in (tmp_path / "grid" / "0" / "validation.md").read_text()
+    assert all(job["speed_factor"] > 0 for job in grid["jobs"])
 
 
 def test_validate_bad_input_exits_2(tmp_path, capsys):
