@@ -139,6 +139,10 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
             f"{row['engine_speedup']:.2f} | {row['sim_speedup']:.2f} | "
             f"{_pct(row['speedup_error_pct'])} | {_pct(row['throughput_error_pct'])} | "
             f"{row['engine_spread_pct']:.1f} |")
+    if summary.get("engine_clock") == "profile speed":
+        low, high = summary["machine_speed_factor_range"]
+        lines.append(f"\nEngine steps timed at the profiles' machine speed (engine/speed.py); "
+                     f"the machine ran {low:.2f}-{high:.2f}x the profile's step times.")
     lines.append(f"\nLargest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} "
                  f"%, speedup {_pct(summary['max_abs_speedup_error_pct'])} % (gate "
                  f"{summary['gate_pct']:g} %): {'passed' if summary['passed'] else 'FAILED'}.\n")
@@ -238,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
     rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
     summary = summarize(rows, args.gate_pct)
+    # How much slower than at profiling the machine ran during the engine runs (their steps are
+    # timed at the profile's speed when the profiles carry a speed reference: engine/speed.py).
+    factors = [run["engine_conditions"].get("speed_factor_median", 1.0)
+               for job_runs in runs.values() for run in job_runs]
+    summary["machine_speed_factor_range"] = [min(factors), max(factors)]
+    summary["engine_clock"] = runs[jobs[0]][0]["engine_conditions"]["clock"]
     command = "python bench/validate_speculation.py " + " ".join(argv if argv is not None
                                                                   else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)

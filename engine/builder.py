@@ -15,7 +15,7 @@ from engine.kv_cache import KVCachePool, hardware_spec, num_device_blocks, num_h
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.speed import (DEFAULT_INTERVAL_S, PROBE_POINTS, PROBE_POOL_BLOCKS,
+from engine.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
                           SpeedNormalizedExecutor, SpeedProbe)
 from kernels import get_kernel_ops
 from policies.batching import (ChunkedPrefillScheduler, ContinuousBatchingScheduler,
@@ -187,7 +187,7 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
                       kernel_backend: str | None = None,
                       interval_s: float = DEFAULT_INTERVAL_S) -> SpeedProbe:
     """A speed probe (engine/speed.py) of the loaded model, on an executor of its own."""
-    executor = build_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINTS[0].block_size, device,
+    executor = build_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINT.block_size, device,
                               seed, kernel_backend)
     return SpeedProbe(executor, interval_s, seed)
 
@@ -195,12 +195,12 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: list[float] | None = None):
+                          speed_reference: float | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size), for a simulator replica run on the engine (backend=engine); with a
     speculative_model ("ngram", a conf/model name or a checkpoint folder) it verifies plans of
     up to max_num_speculative_tokens drafts per sequence. With a speed_reference (a profile's
-    probe durations) its step durations are normalised to the profile's machine speed."""
+    probe duration) its step durations are normalised to the profile's machine speed."""
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)

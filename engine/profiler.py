@@ -10,7 +10,7 @@ decode batch, since a real step always runs a forward), over a couple of block s
 built for real through a `PagedBlockManager` (valid block tables, copy and swap pairs); the KV
 contents are whatever the pool holds, which is all that timing needs.
 
-    python -m engine.profiler --model tiny-llama            # the default grid, 5 repeats
+    python -m engine.profiler --model tiny-llama            # the default grid, 10 repeats
     python -m engine.profiler --quick --out-dir /tmp/prof   # a handful of points
 
 Function API (tests, the profiled cost model):
@@ -39,6 +39,7 @@ import numpy as np
 from engine.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
 from engine.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from kernels.tiling import TILE_BYTES, tile_tokens
+from sim.profiled_cost_model import LocalCorrection, fit_local_correction
 from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 SCHEMA = 1
@@ -310,6 +311,7 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
     coef = np.zeros(design.shape[1])
     coef[used] = coef_scaled / scale[used]
     point_errors = (design @ coef) / y - 1.0          # misfit per point (noise mostly removed)
+    correction, correction_fit = fit_local_correction(x, y, design @ coef)
     noise = np.empty(len(samples))
     for indices, median in zip(by_point.values(), y):
         noise[indices] = y_all[indices] / median - 1.0
@@ -342,19 +344,49 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
                 # Per kind of grid point: a mean far from 0 is a shape the features miss.
                 "by_kind": {kind: {"mean_point_error": float(np.mean(v)),
                                    "mean_abs_point_error": float(np.mean(np.abs(v))),
-                                   "num_points": len(v)} for kind, v in by_kind.items()}},
+                                   "num_points": len(v)} for kind, v in by_kind.items()},
+                # With the local correction, each point predicted from the others alone.
+                "correction": correction_fit},
+        "correction": None if correction is None else correction.to_json(x),
     }
 
 
 def predict(content: dict, features: Iterable[float]) -> float:
-    """A fitted profile's duration for one feature vector (STEP_FEATURES order)."""
+    """A fitted profile's duration for one feature vector (STEP_FEATURES order), with its local
+    correction."""
     model = content["model"]
     coefs = model["coefficients_s"]
-    return model["intercept_s"] + sum(coefs[f] * float(v)
-                                      for f, v in zip(content["features"], features))
+    features = [float(v) for v in features]
+    linear = model["intercept_s"] + sum(coefs[f] * v for f, v in zip(content["features"],
+                                                                      features))
+    if content.get("correction") is None:
+        return linear
+    return linear * LocalCorrection.from_json(content["correction"]).factor(features)
 
 
 # ---------------------------------------------------------------- writing
+
+
+def read_samples(csv_path: Path) -> list[dict]:
+    """A samples CSV as write_profile wrote it (numbers as floats, kind as text)."""
+    with Path(csv_path).open(newline="") as handle:
+        return [{key: value if key == "kind" else float(value) for key, value in row.items()}
+                for row in csv.DictReader(handle)]
+
+
+def refit(json_path: Path) -> dict:
+    """Re-fit a profile from its samples CSV (beside it), keeping its metadata and speed
+    reference: what a change of the fit needs, without measuring again."""
+    json_path = Path(json_path)
+    old = json.loads(json_path.read_text())
+    csv_path = json_path.with_name(json_path.stem + ".samples.csv")
+    content = fit_profile(read_samples(csv_path), old.get("metadata"))
+    if old.get("speed_reference") is not None:
+        content["speed_reference"] = old["speed_reference"]
+    content["metadata"]["refitted"] = _dt.datetime.now(_dt.timezone.utc).isoformat(
+        timespec="seconds")
+    json_path.write_text(json.dumps(content, indent=1) + "\n")
+    return content
 
 
 def write_profile(content: dict, samples: list[dict], out_dir: Path, device_dir: str,
@@ -429,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--kernel-backend", default=None)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -447,8 +479,17 @@ def main(argv: list[str] | None = None) -> int:
                              "the run's median machine speed and give the profile the speed "
                              "reference that twinserve-validate's engine runs use (0: off)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    parser.add_argument("--refit", nargs="+", metavar="PROFILE_JSON",
+                        help="re-fit these profiles from their samples CSVs (no measuring)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.refit:
+        for path in args.refit:
+            fit = refit(Path(path))["fit"]
+            print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
+                  f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
+                  f"correction (each point left out)")
+        return 0
 
     import torch
     import transformers

@@ -9,8 +9,12 @@ step duration over the features of sim/step_features.py, the relative residuals 
      "residuals": {"kind": "relative", "samples": [float, ...]},
      "feature_ranges": {feature: [min, max]}, "fit": {...}}
 
-A step takes `prediction × (1 + r)`, r drawn from the residual samples with a seeded generator, so
-the simulated tails carry the measured spread rather than the mean alone. A step whose features
+A linear model cannot follow every shape (a lone decode runs cheaper kernels, a 2,048-token batch
+of prompts spills the caches), so a profile may also carry a `correction` (LocalCorrection): the
+measured/fitted ratio of every grid point, averaged around the step with a Gaussian kernel in
+log-scaled feature space; far from every grid point it fades to 1 (the linear model alone).
+A step takes `prediction × correction × (1 + r)`, r drawn from the residual samples with a seeded
+generator, so the simulated tails carry the measured spread rather than the mean alone. A step whose features
 fall outside the profiled ranges is extrapolated linearly (the model is linear in every feature)
 and the first such step of each feature is logged as a warning.
 """
@@ -106,6 +110,94 @@ def _attention_tiling(data: dict, block_size, where: str) -> AttentionTiling | N
     return AttentionTiling(block_size, tile_tokens(block_size, kv_bytes_per_token, tile_bytes))
 
 
+class LocalCorrection:
+    """The factor on the linear prediction near the profile's grid points: a kernel average of
+    their measured/fitted ratios, with `prior_weight` on a ratio of 1 (so that a step far from
+    every point keeps the linear prediction). Distances are in z = log(1 + x / scale) per
+    feature: relative differences count, and a feature that is 0 in both counts nothing.
+    Factors are cached on z rounded to a tenth of the bandwidth (a run's steps repeat their
+    neighbourhoods: a decode batch's context grows a token a step), which changes a factor by
+    well under 1 % and keeps the simulator's per-step cost to a dict lookup."""
+
+    def __init__(self, points, ratios, scales, bandwidth: float, prior_weight: float):
+        self.scales = np.asarray(scales, dtype=np.float64)
+        self.z = self.transform(points)
+        self.ratios = np.asarray(ratios, dtype=np.float64)
+        self.bandwidth = float(bandwidth)
+        self.prior_weight = float(prior_weight)
+        if (self.z.ndim != 2 or len(self.ratios) != len(self.z) or (self.scales <= 0).any()
+                or not self.bandwidth > 0 or not self.prior_weight > 0
+                or not (self.ratios > 0).all()):
+            raise ValueError("a local correction needs one positive ratio per point, positive "
+                             "scales, bandwidth and prior weight")
+        self._cells_per_unit = 10.0 / self.bandwidth
+        self._inverse_scales = (1.0 / self.scales).tolist()
+        self._cache: dict[tuple[int, ...], float] = {}
+
+    def transform(self, features) -> np.ndarray:
+        return np.log1p(np.asarray(features, dtype=np.float64) / self.scales)
+
+    def weights(self, z: np.ndarray) -> np.ndarray:
+        """Kernel weights of every point for each row of z (or one z)."""
+        squared = ((self.z - z[..., None, :]) ** 2).sum(axis=-1)
+        return np.exp(-squared / self.bandwidth ** 2)
+
+    def factor(self, features) -> float:
+        cells = self._cells_per_unit
+        key = tuple(round(math.log1p(x * inverse) * cells)
+                    for x, inverse in zip(features, self._inverse_scales))
+        factor = self._cache.get(key)
+        if factor is None:
+            weights = self.weights(np.array(key, dtype=np.float64) / cells)
+            factor = self._cache[key] = float((weights @ self.ratios + self.prior_weight)
+                                              / (weights.sum() + self.prior_weight))
+        return factor
+
+    def to_json(self, points) -> dict:
+        return {"kind": "local", "bandwidth": self.bandwidth, "prior_weight": self.prior_weight,
+                "scales": self.scales.tolist(), "points": np.asarray(points).tolist(),
+                "ratios": self.ratios.tolist()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LocalCorrection":
+        return cls(data["points"], data["ratios"], data["scales"], data["bandwidth"],
+                   data["prior_weight"])
+
+
+def feature_scales(points: np.ndarray) -> np.ndarray:
+    """Per feature, the median of its non-zero values over the points (1 where none is)."""
+    scales = np.ones(points.shape[1])
+    for column in range(points.shape[1]):
+        nonzero = np.abs(points[:, column][points[:, column] != 0])
+        if nonzero.size:
+            scales[column] = float(np.median(nonzero))
+    return scales
+
+
+def fit_local_correction(points: np.ndarray, measured: np.ndarray, predicted: np.ndarray,
+                         bandwidths=(0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
+                         prior_weights=(0.25, 1.0, 4.0)) -> tuple[LocalCorrection | None, dict]:
+    """The correction whose leave-one-out error over the grid points is smallest (each point
+    predicted from the others alone), or None when none beats the linear model. Returns it and
+    {"linear": mean |point error|, "corrected": leave-one-out mean |point error|, ...}."""
+    ratios = measured / predicted
+    linear_error = float(np.abs(1.0 / ratios - 1.0).mean())
+    scales = feature_scales(points)
+    best, best_error = None, linear_error
+    for bandwidth in bandwidths:
+        for prior_weight in prior_weights:
+            correction = LocalCorrection(points, ratios, scales, bandwidth, prior_weight)
+            weights = correction.weights(correction.z)
+            np.fill_diagonal(weights, 0.0)             # leave each point out of its own
+            factors = (weights @ ratios + prior_weight) / (weights.sum(axis=1) + prior_weight)
+            error = float(np.abs(predicted * factors / measured - 1.0).mean())
+            if error < best_error:
+                best, best_error = correction, error
+    return best, {"linear_point_error": linear_error, "loo_point_error": best_error,
+                  "bandwidth": None if best is None else best.bandwidth,
+                  "prior_weight": None if best is None else best.prior_weight}
+
+
 class ProfiledCostModel:
     """Predicts `step_time(plan)` in seconds from a profile fitted on the engine.
 
@@ -148,6 +240,16 @@ class ProfiledCostModel:
         self._ranges_by_index = [(i, name, *self.feature_ranges[name])
                                  for i, name in enumerate(STEP_FEATURES)
                                  if name in self.feature_ranges]
+        self.correction = None
+        if data.get("correction") is not None:
+            try:
+                self.correction = LocalCorrection.from_json(data["correction"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise ProfileError(f"{where}: correction is malformed ({error}); re-fit the "
+                                   f"profile") from None
+            if self.correction.z.shape[1] != len(STEP_FEATURES):
+                raise ProfileError(f"{where}: correction.points must have "
+                                   f"{len(STEP_FEATURES)} features each")
         self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
         self.seed = seed
         self._rng = np.random.default_rng(seed)
@@ -155,8 +257,10 @@ class ProfiledCostModel:
         self._warned: set[str] = set()
 
     def predict_mean(self, features) -> float:
-        """The fitted linear prediction (seconds) for a feature vector in STEP_FEATURES order."""
-        return self.intercept_s + sum(c * x for c, x in zip(self.coefficients_s, features))
+        """The fitted prediction (seconds) for a feature vector in STEP_FEATURES order: linear,
+        times the local correction where the profile has one."""
+        linear = self.intercept_s + sum(c * x for c, x in zip(self.coefficients_s, features))
+        return linear if self.correction is None else linear * self.correction.factor(features)
 
     def _check_range(self, features) -> None:
         for index, name, low, high in self._ranges_by_index:

@@ -224,8 +224,8 @@ def speed_summary(executors: list) -> dict:
     if not summaries:
         return {}
     return {"speed_factor_median": statistics.median(s["speed_factor_median"] for s in summaries),
-            "speed_factor_min": min(s["speed_factor_min"] for s in summaries),
-            "speed_factor_max": max(s["speed_factor_max"] for s in summaries),
+            "speed_factor_p05": min(s["speed_factor_p05"] for s in summaries),
+            "speed_factor_p95": max(s["speed_factor_p95"] for s in summaries),
             "speed_probes": sum(s["speed_probes"] for s in summaries),
             "speed_probe_s": sum(s["speed_probe_s"] for s in summaries)}
 

@@ -167,9 +167,9 @@ def engine_clock_line(conditions: dict) -> str:
     if conditions.get("clock") != "profile speed":
         return "engine steps timed as measured (wall clock)"
     return (f"engine steps normalised to the profile's machine speed: the machine ran "
-            f"{conditions['speed_factor_min']:.3f}-{conditions['speed_factor_max']:.3f}× the "
-            f"profile's step times (median {conditions['speed_factor_median']:.3f}, "
-            f"{conditions['speed_probes']} probes)")
+            f"{conditions['speed_factor_median']:.3f}× the profile's step times (median of "
+            f"{conditions['speed_probes']} probes; 5-95 %: {conditions['speed_factor_p05']:.3f}-"
+            f"{conditions['speed_factor_p95']:.3f}×)")
 
 
 def markdown_report(result: dict) -> str:

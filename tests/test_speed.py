@@ -4,17 +4,18 @@ recovered as if it had not drifted), and clear errors for a profile without a us
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from engine.profiler import build_plan, fit_profile, make_grid, predict, profile
-from engine.speed import (PROBE_POINTS, SpeedNormalizedExecutor, SpeedProbe, applied_factor,
-                          check_reference, load_reference, probe_points_spec, speed_factor)
+from engine.speed import (PROBE_POINT, SpeedNormalizedExecutor, SpeedProbe, check_reference,
+                          load_reference, probe_point_spec)
 from policies.types import StepResult
 from sim.step_features import step_features
 from tests.test_profiler import KV_BYTES_PER_TOKEN, held_out_points, tiling, true_cost
 
-PROBE_REFERENCE = [0.004, 0.010, 0.020]   # the stand-in probe's durations at speed 1
+PROBE_REFERENCE = 0.004   # the stand-in probe step's duration at speed 1
 
 
 class Machine:
@@ -25,32 +26,35 @@ class Machine:
 
 
 class ProbeExecutor:
-    """Times the probe plans at PROBE_REFERENCE x the machine's slowdown."""
+    """Times the probe plan at PROBE_REFERENCE x the machine's slowdown."""
 
     def __init__(self, machine: Machine):
         self.machine = machine
 
     def execute(self, plan):
-        index = {4: 0, 1: 1, 32: 2}[len(plan.seqs)]   # 4 decodes, 1 prefill, 32 decodes
-        return StepResult(duration=PROBE_REFERENCE[index] * self.machine.slowdown)
+        assert len(plan.seqs) == len(PROBE_POINT.decodes)
+        return StepResult(duration=PROBE_REFERENCE * self.machine.slowdown)
+
+
+class EveryStepProbe(SpeedProbe):
+    def due(self) -> bool:   # a reading before every step, whatever the clock says
+        return True
 
 
 def probe_on(machine: Machine) -> SpeedProbe:
-    return SpeedProbe(ProbeExecutor(machine), interval_s=1e-9)   # a reading before every step
+    return EveryStepProbe(ProbeExecutor(machine))
 
 
-def test_probe_plans_are_the_probe_points():
-    probe = probe_on(Machine())
-    assert [len(plan.seqs) for plan in probe.plans] == [len(p.decodes) + len(p.prefills)
-                                                        for p in PROBE_POINTS]
+def test_probe_times_the_probe_point_and_keeps_every_reading():
+    machine = Machine()
+    probe = probe_on(machine)
     assert probe.measure() == pytest.approx(PROBE_REFERENCE)
-
-
-def test_factor_is_the_median_ratio_averaged_over_the_latest_two_readings():
-    assert speed_factor([2.0, 3.0, 40.0], [1.0, 1.0, 1.0]) == 3.0   # one hiccup ignored
-    assert speed_factor([1.5, 3.0], [1.0, 2.0]) == 1.5
-    factors = [1.0, 2.0, 4.0]
-    assert [applied_factor(factors, i) for i in range(3)] == [1.0, 1.5, 3.0]
+    machine.slowdown = 3.0
+    probe.measure()
+    probe.measure()
+    assert probe.readings == pytest.approx([PROBE_REFERENCE, 3 * PROBE_REFERENCE,
+                                            3 * PROBE_REFERENCE])
+    assert probe.reference() == pytest.approx(3 * PROBE_REFERENCE)   # the median
 
 
 class ConstantStep:
@@ -71,20 +75,28 @@ def test_normalised_executor_times_steps_at_the_reference_speed():
     machine.slowdown = 1.3
     durations = [executor.execute(None).duration for _ in range(3)]
     assert durations == pytest.approx([0.05] * 3)
-    machine.slowdown = 0.8        # faster: one reading at 0.8 is averaged with one at 1.3 ...
-    assert executor.execute(None).duration == pytest.approx(0.05 * 0.8 / 1.05)
-    assert executor.execute(None).duration == pytest.approx(0.05)   # ... then two at 0.8
+    machine.slowdown = 0.8
+    assert executor.execute(None).duration == pytest.approx(0.05)
     summary = executor.speed_summary()
-    assert summary["speed_probes"] == 5 and summary["speed_factor_min"] == pytest.approx(0.8)
-    assert summary["speed_factor_max"] == pytest.approx(1.3)
+    assert summary["speed_probes"] == 4 and summary["speed_factor_median"] == pytest.approx(1.3)
+    assert summary["speed_factor_p05"] == pytest.approx(0.8 + 0.15 * (1.3 - 0.8))  # numpy's
     assert executor.acceptance_stats == "the engine's"       # the rest is the engine executor's
 
 
-def test_probe_waits_its_interval():
+def test_probe_waits_its_interval_and_ten_times_its_own_duration():
     probe = SpeedProbe(ProbeExecutor(Machine()), interval_s=3600)
     assert probe.due()
     probe.measure()
     assert not probe.due() and len(probe.readings) == 1
+
+    class Slow(ProbeExecutor):
+        def execute(self, plan):
+            time.sleep(0.02)
+            return super().execute(plan)
+
+    probe = SpeedProbe(Slow(Machine()), interval_s=1e-9)
+    probe.measure()
+    assert not probe.due()          # 0.02 s of probing: the next waits >= 0.2 s
     with pytest.raises(ValueError, match="interval"):
         SpeedProbe(ProbeExecutor(Machine()), interval_s=0)
 
@@ -123,10 +135,10 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
         features = step_features(build_plan(point), tiling(16))
         assert predict(content, features) == pytest.approx(true_cost(features), rel=0.02)
     reference = prof.speed_reference
-    assert reference["points"] == probe_points_spec()
-    assert reference["durations_s"] == pytest.approx(PROBE_REFERENCE)    # the median speed
-    assert reference["factor_min"] == pytest.approx(1.0)
-    assert reference["factor_max"] == pytest.approx(1.4)
+    assert reference["point"] == probe_point_spec()
+    assert reference["duration_s"] == pytest.approx(PROBE_REFERENCE)    # the median speed
+    assert reference["factor_p05"] == pytest.approx(1.0)
+    assert reference["factor_p95"] == pytest.approx(1.4)
     assert check_reference(json.loads(json.dumps(reference)), "it") == pytest.approx(
         PROBE_REFERENCE)
 
@@ -141,9 +153,9 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
 
 @pytest.mark.parametrize("reference, match", [
     (None, "no speed_reference"),
-    ({"points": [], "durations_s": [1.0, 1.0, 1.0]}, "other probe shapes"),
-    ({"points": probe_points_spec(), "durations_s": [1.0, -1.0, 1.0]}, "positive numbers"),
-    ({"points": probe_points_spec(), "durations_s": [1.0]}, "positive numbers"),
+    ({"point": {}, "duration_s": 1.0}, "another probe shape"),
+    ({"point": probe_point_spec(), "duration_s": -1.0}, "positive number"),
+    ({"point": probe_point_spec(), "duration_s": "1"}, "positive number"),
 ])
 def test_unusable_reference_is_a_clear_error(reference, match):
     with pytest.raises(ValueError, match=match):
@@ -152,8 +164,8 @@ def test_unusable_reference_is_a_clear_error(reference, match):
 
 def test_load_reference_reads_a_profile(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"speed_reference": {"points": probe_points_spec(),
-                                                    "durations_s": PROBE_REFERENCE}}))
+    path.write_text(json.dumps({"speed_reference": {"point": probe_point_spec(),
+                                                    "duration_s": PROBE_REFERENCE}}))
     assert load_reference(path) == PROBE_REFERENCE
     with pytest.raises(ValueError, match="cannot read profile"):
         load_reference(tmp_path / "missing.json")

@@ -388,7 +388,7 @@ def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypat
     job = json.loads((tmp_path / "grid" / "0" / "validation.json").read_text())
     conditions = job["engine_conditions"]
     assert conditions["clock"] == "profile speed" and conditions["speed_probes"] >= 1
-    assert 0 < conditions["speed_factor_min"] <= conditions["speed_factor_max"]
+    assert 0 < conditions["speed_factor_p05"] <= conditions["speed_factor_p95"]
     engine = json.loads((tmp_path / "grid" / "0" / "engine" / "summary.json").read_text())
     assert engine["speed_probes"] == conditions["speed_probes"]
     assert "profile's machine speed" in (tmp_path / "grid" / "0" / "validation.md").read_text()
