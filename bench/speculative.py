@@ -93,8 +93,7 @@ def main() -> None:
                     base_rate, rate = max(base_rate, base_run), max(rate, run)
                 steps = llm.last_stats.num_steps
                 stats = llm.executor.acceptance_stats
-                rates = [a / t if t else None for t, a in zip(stats.position_trials,
-                                                              stats.position_accepts)]
+                rates = stats.acceptance_rates()
                 if k == max_k:   # every position examined: the statistics file's run
                     counts[drafter].add(stats)
                 mismatch = "" if (args.temperature or outputs == reference) else \

@@ -231,8 +231,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         if bar is not None:
             bar.close()
     wall_time_s = time.perf_counter() - start
-    speed_reference = None if speed_probe is None else normalize_samples(
-        [sample for sample, _ in probed], [reading for _, reading in probed], speed_probe)
+    speed_reference = None if speed_probe is None else normalize_samples(probed, speed_probe)
     for result in results.values():
         result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
         result.wall_time_s = wall_time_s

@@ -27,6 +27,7 @@ import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -79,14 +80,13 @@ class SpeedProbe:
         return statistics.median(self.readings)
 
 
-def normalize_samples(samples: list[dict], reading_of_sample: list[int],
-                      probe: SpeedProbe) -> dict:
+def normalize_samples(probed: list[tuple[dict, int]], probe: SpeedProbe) -> dict:
     """Divide each profile sample's duration_s by the speed factor of the probe reading before it
-    (raw_duration_s and speed_factor keep what was measured); returns the profile's
-    `speed_reference`."""
+    (`probed`: (sample, index of that reading) pairs; raw_duration_s and speed_factor keep what
+    was measured); returns the profile's `speed_reference`."""
     reference = probe.reference()
     factors = [duration / reference for duration in probe.readings]
-    for sample, reading in zip(samples, reading_of_sample):
+    for sample, reading in probed:
         sample["raw_duration_s"] = sample["duration_s"]
         sample["speed_factor"] = factors[reading]
         sample["duration_s"] = sample["raw_duration_s"] / factors[reading]
@@ -99,7 +99,7 @@ def normalize_samples(samples: list[dict], reading_of_sample: list[int],
 def load_reference(profile_path) -> float:
     """The speed reference duration of a profile JSON file."""
     try:
-        content = json.loads(open(profile_path).read())
+        content = json.loads(Path(profile_path).read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"backend.speed_reference: cannot read profile {profile_path!r}: "
                          f"{error}") from None
@@ -131,20 +131,21 @@ class SpeedNormalizedExecutor:
         self.executor = executor
         self.probe = probe
         self.reference_s = reference_s
-        self.factors: list[float] = []   # of every reading; the latest one applies
 
     def execute(self, plan):
         if self.probe.due():
-            self.factors.append(self.probe.measure() / self.reference_s)
+            self.probe.measure()
         result = self.executor.execute(plan)
-        result.duration = result.duration / self.factors[-1]
+        result.duration = result.duration * self.reference_s / self.probe.readings[-1]
         return result
 
     def speed_summary(self) -> dict:
-        return {"speed_factor_median": statistics.median(self.factors),
-                "speed_factor_p05": float(np.percentile(self.factors, 5)),
-                "speed_factor_p95": float(np.percentile(self.factors, 95)),
-                "speed_probes": len(self.factors), "speed_probe_s": self.probe.probe_time_s}
+        """The speed factors of every reading (the probe's durations over the reference)."""
+        factors = np.asarray(self.probe.readings) / self.reference_s
+        return {"speed_factor_median": float(np.median(factors)),
+                "speed_factor_p05": float(np.percentile(factors, 5)),
+                "speed_factor_p95": float(np.percentile(factors, 95)),
+                "speed_probes": len(factors), "speed_probe_s": self.probe.probe_time_s}
 
     def __getattr__(self, name):   # acceptance_stats and the rest: the engine executor's
         return getattr(self.executor, name)

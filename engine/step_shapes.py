@@ -18,6 +18,7 @@ VOCAB_FOR_IDS = 256  # random prompt ids are drawn below this (the smallest test
 # Speculating points' sequences repeat a pattern this long: prompt lookup finds k <= 16 drafts.
 SPEC_PERIOD = 16
 
+
 @dataclass(frozen=True)
 class GridPoint:
     """One step shape. `prefills`: (chunk length, cached context before it) per prefill chunk;
@@ -56,7 +57,6 @@ def spread(count: int, low: int, high: int) -> tuple[int, ...]:
 def spread_chunks(count: int, low: int, high: int) -> tuple[tuple[int, int], ...]:
     """`count` fresh prompts (no cached context) of lengths spread over [low, high]."""
     return tuple((length, 0) for length in spread(count, low, high))
-
 
 
 class _Ids:
@@ -140,4 +140,4 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
 
 def _allocate(kv: PagedBlockManager, seq: Sequence, num_tokens: int) -> None:
     if not kv.allocate_slots(seq, num_tokens):
-        raise RuntimeError(f"profiler: {num_tokens} slots do not fit the KV pool")
+        raise RuntimeError(f"step shape: {num_tokens} slots do not fit the KV pool")

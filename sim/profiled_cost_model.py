@@ -135,7 +135,7 @@ class LocalCorrection:
         self._cache: dict[tuple[int, ...], float] = {}
 
     def transform(self, features) -> np.ndarray:
-        return np.log1p(np.asarray(features, dtype=np.float64) / self.scales)
+        return log_scaled(features, self.scales)
 
     def weights(self, z: np.ndarray) -> np.ndarray:
         """Kernel weights of every point for each row of z (or one z)."""
@@ -164,6 +164,11 @@ class LocalCorrection:
                    data["prior_weight"])
 
 
+def log_scaled(features, scales: np.ndarray) -> np.ndarray:
+    """z = log(1 + x / scale), per feature: the space the correction measures distances in."""
+    return np.log1p(np.asarray(features, dtype=np.float64) / scales)
+
+
 def feature_scales(points: np.ndarray) -> np.ndarray:
     """Per feature, the median of its non-zero values over the points (1 where none is)."""
     scales = np.ones(points.shape[1])
@@ -183,19 +188,21 @@ def fit_local_correction(points: np.ndarray, measured: np.ndarray, predicted: np
     ratios = measured / predicted
     linear_error = float(np.abs(1.0 / ratios - 1.0).mean())
     scales = feature_scales(points)
+    z = log_scaled(points, scales)
+    squared = ((z[:, None, :] - z[None, :, :]) ** 2).sum(axis=-1)   # once, for every candidate
     best, best_error = None, linear_error
     for bandwidth in bandwidths:
+        weights = np.exp(-squared / bandwidth ** 2)
+        np.fill_diagonal(weights, 0.0)                  # leave each point out of its own
         for prior_weight in prior_weights:
-            correction = LocalCorrection(points, ratios, scales, bandwidth, prior_weight)
-            weights = correction.weights(correction.z)
-            np.fill_diagonal(weights, 0.0)             # leave each point out of its own
             factors = (weights @ ratios + prior_weight) / (weights.sum(axis=1) + prior_weight)
             error = float(np.abs(predicted * factors / measured - 1.0).mean())
             if error < best_error:
-                best, best_error = correction, error
-    return best, {"linear_point_error": linear_error, "loo_point_error": best_error,
-                  "bandwidth": None if best is None else best.bandwidth,
-                  "prior_weight": None if best is None else best.prior_weight}
+                best, best_error = (bandwidth, prior_weight), error
+    correction = None if best is None else LocalCorrection(points, ratios, scales, *best)
+    return correction, {"linear_point_error": linear_error, "loo_point_error": best_error,
+                        "bandwidth": None if best is None else best[0],
+                        "prior_weight": None if best is None else best[1]}
 
 
 class ProfiledCostModel:

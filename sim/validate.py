@@ -275,13 +275,19 @@ def pin_kv_pool(engine_cfg, sim_cfg) -> int:
     return blocks
 
 
-def match_profile_conditions(profile_path: str, console: Console) -> dict:
-    """Run the engine as the profile was measured: on CPU, with the profile's torch thread count
-    (metadata.threads). Warns when the torch version differs. Returns what was set."""
+def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: bool,
+                             console: Console) -> dict:
+    """Run the engine (engine_cfg) as the profile was measured: on CPU, with the profile's torch
+    thread count (metadata.threads); with normalize_speed, at the profile's machine speed
+    (engine/speed.py: backend.speed_reference) when the profile has a speed reference, else
+    warns and keeps the wall clock. Warns when the torch version differs. Returns what was
+    set."""
     import torch
+    from omegaconf import open_dict
 
-    metadata = json.loads(Path(profile_path).read_text()).get("metadata") or {}
-    conditions: dict = {"torch_version": torch.__version__}
+    profile = json.loads(Path(profile_path).read_text())
+    metadata = profile.get("metadata") or {}
+    conditions: dict = {"torch_version": torch.__version__, "clock": "wall"}
     if metadata.get("torch_version") not in (None, torch.__version__):
         console.print(f"[yellow]warning: the profile was taken with torch "
                       f"{metadata['torch_version']}, this is {torch.__version__}[/yellow]")
@@ -289,6 +295,15 @@ def match_profile_conditions(profile_path: str, console: Console) -> dict:
     if metadata.get("device_type", "cpu") == "cpu" and isinstance(threads, int) and threads > 0:
         torch.set_num_threads(threads)
     conditions["threads"] = torch.get_num_threads()
+    if normalize_speed:
+        if "speed_reference" not in profile:
+            console.print(f"[yellow]warning: {profile_path} has no speed_reference (taken "
+                          f"without the speed probe): the engine's steps are timed as measured, "
+                          f"drift of the machine since profiling included[/yellow]")
+        else:
+            with open_dict(engine_cfg):
+                engine_cfg.backend.speed_reference = profile_path
+            conditions["clock"] = "profile speed"
     return conditions
 
 
@@ -311,21 +326,6 @@ def warm_up_engine(engine_cfg) -> None:
         pass  # e.g. a trace workload without num_requests: the real run reports any problem
 
 
-def use_speed_reference(engine_cfg, profile_path: str, console: Console) -> bool:
-    """Time the engine's steps at the profile's machine speed (engine/speed.py) when the profile
-    has a speed reference; warn and keep wall time when it has none."""
-    from omegaconf import open_dict
-
-    if "speed_reference" not in json.loads(Path(profile_path).read_text()):
-        console.print(f"[yellow]warning: {profile_path} has no speed_reference (taken without "
-                      f"the speed probe): the engine's steps are timed as measured, drift of "
-                      f"the machine since profiling included[/yellow]")
-        return False
-    with open_dict(engine_cfg):
-        engine_cfg.backend.speed_reference = profile_path
-    return True
-
-
 def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
              console: Console | None = None, warmup: bool = True,
              normalize_speed: bool = True) -> dict:
@@ -344,11 +344,8 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         num_blocks = pin_kv_pool(engine_cfg, sim_cfg)
         # The simulator first: a bad profile is bad input, found before minutes of engine steps.
         sim = run_experiment(sim_cfg, out_dir / "sim")
-        conditions = match_profile_conditions(sim_cfg.cost_model.profile, console)
-        conditions["clock"] = "wall"
-        if normalize_speed and use_speed_reference(engine_cfg, sim_cfg.cost_model.profile,
-                                                   console):
-            conditions["clock"] = "profile speed"
+        conditions = match_profile_conditions(sim_cfg.cost_model.profile, engine_cfg,
+                                              normalize_speed, console)
         if warmup:
             warm_up_engine(engine_cfg)
         engine = run_experiment(engine_cfg, out_dir / "engine")

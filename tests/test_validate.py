@@ -367,7 +367,7 @@ def add_speed_reference(profile: Path) -> None:
     for _ in range(3):
         probe.measure()
     content = json.loads(profile.read_text())
-    content["speed_reference"] = normalize_samples([], [], probe)
+    content["speed_reference"] = normalize_samples([], probe)
     profile.write_text(json.dumps(content))
 
 
