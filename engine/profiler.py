@@ -484,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.refit:
         for path in args.refit:
-            fit = refit(Path(path))["fit"]
+            try:
+                fit = refit(Path(path))["fit"]
+            except (OSError, ValueError, KeyError) as error:
+                parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
+                             f"{error}); it needs a profile JSON and its .samples.csv beside it")
             print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
                   f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
                   f"correction (each point left out)")

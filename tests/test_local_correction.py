@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.profiler import fit_profile, predict, refit, write_profile
+from engine.profiler import fit_profile, main, predict, refit, write_profile
 from sim.profiled_cost_model import (LocalCorrection, ProfileError, ProfiledCostModel,
                                      fit_local_correction)
 from sim.step_features import STEP_FEATURES
@@ -102,3 +102,13 @@ def test_refit_rewrites_the_fit_from_the_samples_keeping_metadata(tmp_path):
     assert refitted["metadata"]["device"] == "stand-in" and "refitted" in refitted["metadata"]
     assert refitted["speed_reference"] == {"duration_s": 0.004}
     assert json.loads(json_path.read_text())["model"] == refitted["model"]
+
+
+def test_refit_of_a_missing_or_unreadable_profile_is_a_clear_error(tmp_path, capsys):
+    not_json = tmp_path / "p.json"
+    not_json.write_text("not json")
+    for path in (tmp_path / "missing.json", not_json):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--refit", str(path)])
+        assert exit_info.value.code == 2
+        assert f"--refit {path}: cannot re-fit it" in capsys.readouterr().err
