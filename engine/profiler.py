@@ -140,8 +140,9 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
 class Profile:
     """Every sample of a run: one dict per (point, repeat) with point_id, kind, block_size,
     repeat, every STEP_FEATURES value and duration_s; with a speed probe, duration_s is at the
-    run's median machine speed, raw_duration_s as measured and speed_factor their ratio, and
-    speed_reference is the profile's (engine/speed.py)."""
+    run's median machine speed, raw_duration_s as measured, speed_factor the machine's (smoothed)
+    factor when it ran, and speed_reference is the profile's, with the exponent of that factor
+    each kind of step follows (engine/speed.py)."""
 
     points: list[GridPoint]
     samples: list[dict] = field(default_factory=list)
@@ -203,7 +204,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 if point in largest:   # warm each executor up on its largest shapes first
                     executor.execute(plan)
     bar = _progress_bar(len(runs) * repeats, progress)
-    probed: list[tuple[dict, int]] = []   # (sample, index of the probe reading before it)
+    # (sample, index of the probe reading before it, its run: one point of one executor)
+    probed: list[tuple[dict, int, int]] = []
     try:
         for _ in range(warmup):
             for _, _, executor, plan, _ in runs:
@@ -222,7 +224,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                           "duration_s": duration}
                 results[name].samples.append(sample)
                 if speed_probe is not None:
-                    probed.append((sample, len(speed_probe.readings) - 1))
+                    probed.append((sample, len(speed_probe.readings) - 1, index))
                 if bar is not None:
                     bar.update(1)
             if bar is not None:

@@ -19,6 +19,15 @@ Measured on this 2-core VM in a busy hour (30 s of the probe's own step back to 
 random shapes): 0.1-s windows of step times correlate at 0.89 with the next, 2-s windows at 0.18,
 so the probe must be frequent. Probing every 0.05 s, the means of 1-second windows strayed from
 the overall mean by 1.4 % on average (4 % at most) instead of 9.5 % (37 %); every 0.5 s, 6 %.
+
+Not every step follows the probe one for one. Alternating six shapes with the probe for two
+minutes (log duration regressed on log factor, the factor smoothed over neighbouring readings):
+decodes moved with an exponent of 1.0-1.2 of the probe's factor, a 64-token prefill 1.0, a
+256-token prefill 0.8, four 128-token prefills 0.7: compute-bound steps feel the neighbours less.
+Normalising those with the plain factor overcorrects them by the drift's 20-30 % share whenever
+the machine runs far from the profile's speed (live prefills came out 7-18 % slower than the
+profile's at factors 0.77-0.9). So the profile also fits a `SpeedReference.exponents` curve over
+log2(1 + the step's prefill tokens), and a step is divided by factor ** exponent.
 """
 from __future__ import annotations
 
@@ -38,6 +47,18 @@ PROBE_POINT = GridPoint(0, "decode", 16, decodes=(128,) * 4)
 PROBE_POOL_BLOCKS = PROBE_POINT.num_blocks_needed()
 DEFAULT_INTERVAL_S = 0.05
 MAX_PROBE_SHARE = 0.1   # probes wait at least 10x their own duration: at most ~10 % more time
+# Where the speed exponent is fitted: log2(1 + the step's prefill tokens) of 0 (decodes only),
+# ~16, 64, 256, 1024 and 4096 tokens; linear in between, flat beyond.
+EXPONENT_KNOTS = (0.0, 4.0, 6.0, 8.0, 10.0, 12.0)
+# The profiler's factor for a sample: the median of the readings within this many intervals
+# either side (a single reading carries a few % of noise).
+SMOOTHING_INTERVALS = 3.5
+# Each exponent is pulled toward its neighbours with the weight of this many typical samples, so
+# a knot with little data follows the ones around it.
+EXPONENT_PRIOR_SAMPLES = 5
+# The decodes' fitted exponent below which the run cannot tell how steps follow the probe
+# (measured: 0.7 in a 2-minute profile, where the probe's noise flattens it from 1).
+MIN_DECODE_EXPONENT = 0.3
 
 
 def probe_point_spec() -> dict:
@@ -56,6 +77,7 @@ class SpeedProbe:
         self.plan = build_plan(PROBE_POINT, np.random.default_rng(seed), PROBE_POOL_BLOCKS, 0)
         self.interval_s = interval_s
         self.readings: list[float] = []   # the probe step's duration, per reading
+        self.times: list[float] = []      # when each reading was taken (perf_counter, s)
         self.probe_time_s = 0.0           # wall time spent probing
         self._next = -math.inf
         for _ in range(3):                # untimed: the first runs pay one-time costs
@@ -71,6 +93,7 @@ class SpeedProbe:
         self.probe_time_s += end - start
         self._next = end + max(self.interval_s, (end - start) / MAX_PROBE_SHARE)
         self.readings.append(duration)
+        self.times.append(start)
         return duration
 
     def reference(self) -> float:
@@ -80,24 +103,98 @@ class SpeedProbe:
         return statistics.median(self.readings)
 
 
-def normalize_samples(probed: list[tuple[dict, int]], probe: SpeedProbe) -> dict:
-    """Divide each profile sample's duration_s by the speed factor of the probe reading before it
-    (`probed`: (sample, index of that reading) pairs; raw_duration_s and speed_factor keep what
-    was measured); returns the profile's `speed_reference`."""
+@dataclasses.dataclass(frozen=True)
+class SpeedReference:
+    """A profile's speed reference: the probe step's duration at the profile's machine speed,
+    and how strongly a step follows the probe (an exponent at each of EXPONENT_KNOTS)."""
+
+    duration_s: float
+    exponents: tuple[float, ...] = (1.0,) * len(EXPONENT_KNOTS)
+
+    def exponent(self, num_prefill_tokens: float) -> float:
+        return float(np.interp(math.log2(1 + num_prefill_tokens), EXPONENT_KNOTS,
+                               self.exponents))
+
+    def slowdown(self, factor: float, num_prefill_tokens: float) -> float:
+        """How much slower than at the reference speed a step with this many prefill tokens runs
+        while the probe reads `factor` x its reference duration."""
+        return factor ** self.exponent(num_prefill_tokens)
+
+
+def smoothed_factors(probe: SpeedProbe, reference_s: float) -> np.ndarray:
+    """Each reading's factor as the median of the readings within SMOOTHING_INTERVALS probe
+    intervals of it (centred: the profiler normalises after the run)."""
+    factors = np.asarray(probe.readings) / reference_s
+    times = np.asarray(probe.times)
+    half_window = SMOOTHING_INTERVALS * probe.interval_s
+    lows = np.searchsorted(times, times - half_window, side="left")
+    highs = np.searchsorted(times, times + half_window, side="right")
+    return np.array([np.median(factors[low:high]) for low, high in zip(lows, highs)])
+
+
+def fit_exponents(num_prefill_tokens, factors, durations, groups) -> tuple[float, ...]:
+    """The exponents at EXPONENT_KNOTS of duration ~ factor ** exponent(prefill tokens), by least
+    squares on logs centred within each group (one grid point of one executor, so its own cost
+    cancels), piecewise linear between the knots, each pulled toward its neighbours where its
+    data are few."""
+    _, group_of = np.unique(np.asarray(groups), return_inverse=True)
+    group_sizes = np.bincount(group_of)
+
+    def centred(values):
+        logs = np.log(np.asarray(values, dtype=float))
+        return logs - (np.bincount(group_of, logs) / group_sizes)[group_of]
+
+    x, y = centred(factors), centred(durations)
+    position = np.log2(1 + np.asarray(num_prefill_tokens, dtype=float))
+    weights = np.stack([np.interp(position, EXPONENT_KNOTS, np.eye(len(EXPONENT_KNOTS))[knot])
+                        for knot in range(len(EXPONENT_KNOTS))], axis=1)
+    design = x[:, None] * weights
+    prior = EXPONENT_PRIOR_SAMPLES * max(float(np.mean(x * x)), 1e-12)
+    differences = np.diff(np.eye(len(EXPONENT_KNOTS)), axis=0)
+    # Each knot is pulled toward its neighbours (a knot without data takes theirs) and, faintly,
+    # toward 1 (so that no data at all gives the plain factor).
+    gram = (design.T @ design + prior * differences.T @ differences
+            + 1e-3 * prior * np.eye(len(EXPONENT_KNOTS)))
+    exponents = np.linalg.solve(gram, design.T @ y + 1e-3 * prior)
+    return tuple(float(e) for e in np.clip(exponents, 0.0, 2.0))
+
+
+def normalize_samples(probed: list[tuple[dict, int, int]], probe: SpeedProbe) -> dict:
+    """Divide each profile sample's duration_s by its slowdown at the probe's smoothed factor
+    around the reading before it (`probed`: (sample, index of that reading, group of the sample:
+    one grid point of one executor) triples; raw_duration_s and speed_factor keep what was
+    measured), after fitting the exponents on them (relative to decodes'); returns the profile's
+    `speed_reference`."""
     reference = probe.reference()
-    factors = [duration / reference for duration in probe.readings]
-    for sample, reading in probed:
+    factors = smoothed_factors(probe, reference)
+    for sample, reading, _ in probed:
         sample["raw_duration_s"] = sample["duration_s"]
-        sample["speed_factor"] = factors[reading]
-        sample["duration_s"] = sample["raw_duration_s"] / factors[reading]
+        sample["speed_factor"] = float(factors[reading])
+    exponents = tuple(1.0 for _ in EXPONENT_KNOTS)
+    if probed:
+        fitted = fit_exponents([s["num_prefill_tokens"] for s, _, _ in probed],
+                               [s["speed_factor"] for s, _, _ in probed],
+                               [s["raw_duration_s"] for s, _, _ in probed],
+                               [group for _, _, group in probed])
+        # Relative to decodes: they follow the probe (a decode itself) one for one, and the
+        # factor's noise flattens every fitted exponent by the same ratio. A run too short or
+        # too steady to show the decodes following the probe keeps the plain factor.
+        if fitted[0] >= MIN_DECODE_EXPONENT:
+            exponents = tuple(min(exponent / fitted[0], 2.0) for exponent in fitted)
+    speed = SpeedReference(reference, exponents)
+    for sample, _, _ in probed:
+        sample["duration_s"] = sample["raw_duration_s"] / speed.slowdown(
+            sample["speed_factor"], sample["num_prefill_tokens"])
+    raw_factors = np.asarray(probe.readings) / reference
     return {"point": probe_point_spec(), "duration_s": reference,
-            "interval_s": probe.interval_s, "num_readings": len(factors),
-            "factor_p05": float(np.percentile(factors, 5)),
-            "factor_p95": float(np.percentile(factors, 95))}
+            "interval_s": probe.interval_s, "num_readings": len(raw_factors),
+            "factor_p05": float(np.percentile(raw_factors, 5)),
+            "factor_p95": float(np.percentile(raw_factors, 95)),
+            "exponent_knots": list(EXPONENT_KNOTS), "exponents": list(exponents)}
 
 
-def load_reference(profile_path) -> float:
-    """The speed reference duration of a profile JSON file."""
+def load_reference(profile_path) -> SpeedReference:
+    """The speed reference of a profile JSON file."""
     try:
         content = json.loads(Path(profile_path).read_text())
     except (OSError, ValueError) as error:
@@ -106,8 +203,9 @@ def load_reference(profile_path) -> float:
     return check_reference(content.get("speed_reference"), f"profile {profile_path}")
 
 
-def check_reference(reference: dict | None, source: str) -> float:
-    """The reference duration of a profile's `speed_reference`, or a clear error."""
+def check_reference(reference: dict | None, source: str) -> SpeedReference:
+    """A profile's `speed_reference` (exponents 1 where it has none: before they were fitted),
+    or a clear error."""
     if not reference:
         raise ValueError(f"{source} has no speed_reference: re-take it with twinserve-profile "
                          f"(its speed probe is on by default), or run without "
@@ -119,29 +217,41 @@ def check_reference(reference: dict | None, source: str) -> float:
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
         raise ValueError(f"{source}: speed_reference.duration_s must be a positive number of "
                          f"seconds, got {duration!r}")
-    return float(duration)
+    exponents = reference.get("exponents")
+    if exponents is None:
+        return SpeedReference(float(duration))
+    if (reference.get("exponent_knots") != list(EXPONENT_KNOTS)
+            or len(exponents) != len(EXPONENT_KNOTS)
+            or not all(isinstance(e, (int, float)) and 0 <= e <= 2 for e in exponents)):
+        raise ValueError(f"{source}: speed_reference.exponents must be {len(EXPONENT_KNOTS)} "
+                         f"numbers in [0, 2] at exponent_knots {list(EXPONENT_KNOTS)}, got "
+                         f"{exponents!r} at {reference.get('exponent_knots')!r}; re-take the "
+                         f"profile")
+    return SpeedReference(float(duration), tuple(float(e) for e in exponents))
 
 
 class SpeedNormalizedExecutor:
-    """An engine executor whose step durations are divided by the machine's latest speed factor
-    against `reference_s` (a profile's probe duration): the run's clock runs at the profile's
+    """An engine executor whose step durations are divided by their slowdown at the machine's
+    latest speed factor against `reference` (a profile's): the run's clock runs at the profile's
     machine speed. Everything else is the wrapped executor's."""
 
-    def __init__(self, executor, probe: SpeedProbe, reference_s: float):
+    def __init__(self, executor, probe: SpeedProbe, reference: SpeedReference):
         self.executor = executor
         self.probe = probe
-        self.reference_s = reference_s
+        self.reference = reference
 
     def execute(self, plan):
         if self.probe.due():
             self.probe.measure()
         result = self.executor.execute(plan)
-        result.duration = result.duration * self.reference_s / self.probe.readings[-1]
+        factor = self.probe.readings[-1] / self.reference.duration_s
+        result.duration = result.duration / self.reference.slowdown(
+            factor, plan.num_prefill_tokens)
         return result
 
     def speed_summary(self) -> dict:
         """The speed factors of every reading (the probe's durations over the reference)."""
-        factors = np.asarray(self.probe.readings) / self.reference_s
+        factors = np.asarray(self.probe.readings) / self.reference.duration_s
         return {"speed_factor_median": float(np.median(factors)),
                 "speed_factor_p05": float(np.percentile(factors, 5)),
                 "speed_factor_p95": float(np.percentile(factors, 95)),

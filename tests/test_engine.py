@@ -283,3 +283,29 @@ def test_engine_executor_under_the_simulator_clock(reference_llm, prompts, expec
     assert all(request.finish_time is not None for request in requests)
     assert [request.sequences[0].output_token_ids for request in requests] == expected
     assert env.now == max(request.finish_time for request in requests) > requests[-1].arrival_time
+
+
+def test_warm_up_runs_the_longest_prefill_the_pool_holds_and_a_decode_batch():
+    """build_engine_executor warms the executor up before a timed run (engine/builder.py)."""
+    from engine.builder import warm_up
+    from policies.types import StepResult
+
+    class Recorder:
+        def __init__(self):
+            self.plans = []
+
+        def execute(self, plan):
+            self.plans.append(plan)
+            return StepResult(duration=0.0)
+
+    recorder = Recorder()
+    warm_up(recorder, num_blocks=48, block_size=8, max_tokens=2048)
+    prefill, decode = recorder.plans
+    assert prefill.num_new_tokens == [47 * 8] and prefill.num_prefill_tokens == 47 * 8
+    assert len(decode.seqs) == 23 and decode.num_decode_seqs == 23
+    recorder.plans.clear()
+    warm_up(recorder, num_blocks=48, block_size=8, max_tokens=100)   # the model's limit
+    assert recorder.plans[0].num_new_tokens == [100]
+    recorder.plans.clear()
+    warm_up(recorder, num_blocks=1, block_size=8, max_tokens=2048)   # nothing fits
+    assert recorder.plans == []

@@ -1,17 +1,21 @@
 """The speed probe (engine/speed.py): its factor, the executor that normalises an engine run's
 step durations with it, the profiler's normalised samples (a drifting stand-in machine is
-recovered as if it had not drifted), and clear errors for a profile without a usable reference."""
+recovered as if it had not drifted, also where prefills follow the drift less than decodes), and
+clear errors for a profile without a usable reference."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
+import numpy as np
 import pytest
 
 from engine.profiler import build_plan, fit_profile, make_grid, predict, profile
-from engine.speed import (PROBE_POINT, SpeedNormalizedExecutor, SpeedProbe, check_reference,
-                          load_reference, probe_point_spec)
-from policies.types import StepResult
+from engine.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor, SpeedProbe,
+                          SpeedReference, check_reference, fit_exponents, load_reference,
+                          normalize_samples, probe_point_spec, smoothed_factors)
+from policies.types import StepPlan, StepResult
 from sim.step_features import step_features
 from tests.test_profiler import KV_BYTES_PER_TOKEN, held_out_points, tiling, true_cost
 
@@ -42,7 +46,8 @@ class EveryStepProbe(SpeedProbe):
 
 
 def probe_on(machine: Machine) -> SpeedProbe:
-    return EveryStepProbe(ProbeExecutor(machine))
+    # An interval far below a step's time: the profiler smooths no reading with another.
+    return EveryStepProbe(ProbeExecutor(machine), interval_s=1e-12)
 
 
 def test_probe_times_the_probe_point_and_keeps_every_reading():
@@ -68,15 +73,19 @@ class ConstantStep:
         return StepResult(duration=self.duration * self.machine.slowdown)
 
 
+def decode_plan() -> StepPlan:
+    return build_plan(PROBE_POINT)
+
+
 def test_normalised_executor_times_steps_at_the_reference_speed():
     machine = Machine()
     executor = SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe_on(machine),
-                                       PROBE_REFERENCE)
+                                       SpeedReference(PROBE_REFERENCE))
     machine.slowdown = 1.3
-    durations = [executor.execute(None).duration for _ in range(3)]
+    durations = [executor.execute(decode_plan()).duration for _ in range(3)]
     assert durations == pytest.approx([0.05] * 3)
     machine.slowdown = 0.8
-    assert executor.execute(None).duration == pytest.approx(0.05)
+    assert executor.execute(decode_plan()).duration == pytest.approx(0.05)
     summary = executor.speed_summary()
     assert summary["speed_probes"] == 4 and summary["speed_factor_median"] == pytest.approx(1.3)
     assert summary["speed_factor_p05"] == pytest.approx(0.8 + 0.15 * (1.3 - 0.8))  # numpy's
@@ -139,8 +148,10 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
     assert reference["duration_s"] == pytest.approx(PROBE_REFERENCE)    # the median speed
     assert reference["factor_p05"] == pytest.approx(1.0)
     assert reference["factor_p95"] == pytest.approx(1.4)
-    assert check_reference(json.loads(json.dumps(reference)), "it") == pytest.approx(
-        PROBE_REFERENCE)
+    loaded = check_reference(json.loads(json.dumps(reference)), "it")
+    assert loaded.duration_s == pytest.approx(PROBE_REFERENCE)
+    # All its steps drift alike (but the probe sees a switch one step late).
+    assert loaded.exponents == pytest.approx((1.0,) * len(EXPONENT_KNOTS), abs=0.1)
 
     # Without the probe the same machine misfits: some grid point is off by more than 5 %.
     calls[0] = 0
@@ -156,6 +167,10 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
     ({"point": {}, "duration_s": 1.0}, "another probe shape"),
     ({"point": probe_point_spec(), "duration_s": -1.0}, "positive number"),
     ({"point": probe_point_spec(), "duration_s": "1"}, "positive number"),
+    ({"point": probe_point_spec(), "duration_s": 1.0, "exponent_knots": [0, 1],
+      "exponents": [1, 1]}, "exponents must be"),
+    ({"point": probe_point_spec(), "duration_s": 1.0, "exponent_knots": list(EXPONENT_KNOTS),
+      "exponents": [1.0] * (len(EXPONENT_KNOTS) - 1) + [5.0]}, "exponents must be"),
 ])
 def test_unusable_reference_is_a_clear_error(reference, match):
     with pytest.raises(ValueError, match=match):
@@ -166,10 +181,115 @@ def test_load_reference_reads_a_profile(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"speed_reference": {"point": probe_point_spec(),
                                                     "duration_s": PROBE_REFERENCE}}))
-    assert load_reference(path) == PROBE_REFERENCE
+    assert load_reference(path) == SpeedReference(PROBE_REFERENCE)   # exponents 1: an old one
     with pytest.raises(ValueError, match="cannot read profile"):
         load_reference(tmp_path / "missing.json")
     path.write_text(json.dumps({"model": {}}))
     with pytest.raises(ValueError, match="no speed_reference"):
         load_reference(path)
 
+
+
+def true_exponent(num_prefill_tokens):
+    """The stand-in machine's: decodes follow the probe one for one, long prefills at 0.6."""
+    return np.interp(np.log2(1 + np.asarray(num_prefill_tokens, dtype=float)), EXPONENT_KNOTS,
+                     (1.0, 1.0, 0.9, 0.7, 0.6, 0.6))
+
+
+def test_fit_exponents_recovers_how_strongly_each_kind_of_step_follows_the_probe():
+    rng = np.random.default_rng(0)
+    tokens = rng.choice([0, 16, 64, 256, 1024, 4096], size=3000)
+    groups = rng.integers(0, 60, size=3000) * 10 + np.searchsorted([0, 16, 64, 256, 1024], tokens)
+    factors = np.exp(rng.normal(0, 0.15, size=3000))
+    durations = (0.01 * (1 + groups % 7) * factors ** true_exponent(tokens)
+                 * np.exp(rng.normal(0, 0.02, size=3000)))
+    exponents = fit_exponents(tokens, factors, durations, groups)
+    assert exponents == pytest.approx((1.0, 1.0, 0.9, 0.7, 0.6, 0.6), abs=0.05)
+    # A knot without data takes its neighbours' value: here only decodes and 16-token
+    # prefills were seen.
+    seen = tokens <= 16
+    exponents = fit_exponents(tokens[seen], factors[seen], durations[seen], groups[seen])
+    assert exponents[:2] == pytest.approx((1.0, 1.0), abs=0.05)
+    assert exponents[2:] == pytest.approx((exponents[1],) * 4, abs=0.01)
+
+
+def test_normalised_executor_divides_by_the_factor_to_the_steps_exponent():
+    machine = Machine()
+    reference = SpeedReference(PROBE_REFERENCE, (1.0, 1.0, 0.9, 0.7, 0.6, 0.6))
+    executor = SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe_on(machine), reference)
+    machine.slowdown = 1.5
+    prefill = build_plan(PROBE_POINT.__class__(0, "prefill", 16, prefills=((255, 0),)))
+    assert reference.exponent(255) == pytest.approx(0.7)
+    assert executor.execute(prefill).duration == pytest.approx(0.05 * 1.5 / 1.5 ** 0.7)
+    assert executor.execute(decode_plan()).duration == pytest.approx(0.05)
+
+
+def test_smoothed_factor_is_the_median_of_the_readings_within_the_window():
+    probe = SpeedProbe(ProbeExecutor(Machine()), interval_s=1.0)
+    probe.readings = [1.0, 1.0, 5.0, 1.0, 2.0, 2.0, 2.0]
+    probe.times = [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0]   # 3.5 intervals either side
+    assert smoothed_factors(probe, 1.0).tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+class PartlyDriftingStandIn(DriftingStandIn):
+    """Slows a step by the machine's slowdown to its true_exponent (drifting smoothly)."""
+
+    def execute(self, plan):
+        self.calls[0] += 1
+        self.machine.slowdown = 1.0 + 0.3 * math.sin(self.calls[0] / 40)
+        features = step_features(plan, tiling(self.block_size))
+        return StepResult(duration=true_cost(features)
+                          * self.machine.slowdown ** true_exponent(plan.num_prefill_tokens))
+
+
+def test_profiler_recovers_the_cost_where_prefills_drift_less_than_the_probe():
+    machine, calls = Machine(), [0]
+
+    def factory(block_size, num_blocks, num_host_blocks):
+        return PartlyDriftingStandIn(machine, block_size, calls)
+
+    prof = profile(factory, make_grid((16,)), repeats=3, progress=False, seed=1,
+                   kv_bytes_per_token=KV_BYTES_PER_TOKEN, speed_probe=probe_on(machine))
+    content = fit_profile(prof.samples)
+    median_slowdown = prof.speed_reference["duration_s"] / PROBE_REFERENCE   # the profile's speed
+    for point in held_out_points():
+        if point.block_size == 16:
+            plan = build_plan(point)
+            features = step_features(plan, tiling(16))
+            expected = true_cost(features) * median_slowdown ** true_exponent(
+                plan.num_prefill_tokens)
+            assert predict(content, features) == pytest.approx(expected, rel=0.02)
+    # The grid's prefills reach 1536 tokens: every knot up to 1024 has data.
+    assert prof.speed_reference["exponents"][:5] == pytest.approx((1.0, 1.0, 0.9, 0.7, 0.6),
+                                                                  abs=0.05)
+
+
+
+def test_profile_exponents_are_relative_to_decodes_so_reading_noise_cancels():
+    """Noisy probe readings flatten every fitted exponent alike; decodes follow the probe (a
+    decode) one for one, so dividing by theirs gives back the prefills' own."""
+    rng = np.random.default_rng(1)
+    probe = SpeedProbe(ProbeExecutor(Machine()), interval_s=1.0)
+    speed = np.exp(0.15 * np.sin(np.arange(3000) / 25))
+    probe.readings = list(PROBE_REFERENCE * speed * np.exp(rng.normal(0, 0.08, 3000)))
+    probe.times = list(np.arange(3000.0))
+    probed = []
+    for reading in range(3000):
+        tokens = int(rng.choice([0, 16, 64, 256, 1024]))
+        group = reading % 50 * 5 + [0, 16, 64, 256, 1024].index(tokens)
+        duration = 0.01 * (1 + group % 3) * speed[reading] ** float(true_exponent(tokens))
+        probed.append(({"num_prefill_tokens": tokens, "duration_s": duration}, reading, group))
+    reference = normalize_samples(probed, probe)
+    assert reference["exponents"][:5] == pytest.approx((1.0, 1.0, 0.9, 0.7, 0.6), abs=0.06)
+    normalised = [sample["duration_s"] / (0.01 * (1 + group % 3)) for sample, _, group in probed]
+    assert np.median(normalised) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_run_that_cannot_show_the_decodes_following_the_probe_keeps_the_plain_factor():
+    probe = SpeedProbe(ProbeExecutor(Machine()), interval_s=1.0)
+    probe.readings = [PROBE_REFERENCE * f for f in (1.0, 1.2, 0.9, 1.1)]
+    probe.times = [0.0, 10.0, 20.0, 30.0]
+    # Decode durations that move against the probe: no exponent to learn from them.
+    probed = [({"num_prefill_tokens": 0, "duration_s": 0.01 / f}, reading, 0)
+              for reading, f in enumerate((1.0, 1.2, 0.9, 1.1))]
+    assert normalize_samples(probed, probe)["exponents"] == [1.0] * len(EXPONENT_KNOTS)
