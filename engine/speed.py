@@ -121,10 +121,10 @@ class SpeedReference:
         return factor ** self.exponent(num_prefill_tokens)
 
 
-def smoothed_factors(probe: SpeedProbe, reference_s: float) -> np.ndarray:
-    """Each reading's factor as the median of the readings within SMOOTHING_INTERVALS probe
-    intervals of it (centred: the profiler normalises after the run)."""
-    factors = np.asarray(probe.readings) / reference_s
+def smoothed_factors(factors: np.ndarray, probe: SpeedProbe) -> np.ndarray:
+    """Each of the probe's readings' factors (`factors`, in reading order) as the median of the
+    factors within SMOOTHING_INTERVALS probe intervals of it (centred: the profiler normalises
+    after the run)."""
     times = np.asarray(probe.times)
     half_window = SMOOTHING_INTERVALS * probe.interval_s
     lows = np.searchsorted(times, times - half_window, side="left")
@@ -166,11 +166,12 @@ def normalize_samples(probed: list[tuple[dict, int, int]], probe: SpeedProbe) ->
     measured), after fitting the exponents on them (relative to decodes'); returns the profile's
     `speed_reference`."""
     reference = probe.reference()
-    factors = smoothed_factors(probe, reference)
+    raw_factors = np.asarray(probe.readings) / reference
+    factors = smoothed_factors(raw_factors, probe)
     for sample, reading, _ in probed:
         sample["raw_duration_s"] = sample["duration_s"]
         sample["speed_factor"] = float(factors[reading])
-    exponents = tuple(1.0 for _ in EXPONENT_KNOTS)
+    speed = SpeedReference(reference)   # the plain factor, unless the run shows better
     if probed:
         fitted = fit_exponents([s["num_prefill_tokens"] for s, _, _ in probed],
                                [s["speed_factor"] for s, _, _ in probed],
@@ -180,17 +181,16 @@ def normalize_samples(probed: list[tuple[dict, int, int]], probe: SpeedProbe) ->
         # factor's noise flattens every fitted exponent by the same ratio. A run too short or
         # too steady to show the decodes following the probe keeps the plain factor.
         if fitted[0] >= MIN_DECODE_EXPONENT:
-            exponents = tuple(min(exponent / fitted[0], 2.0) for exponent in fitted)
-    speed = SpeedReference(reference, exponents)
+            speed = SpeedReference(reference, tuple(min(exponent / fitted[0], 2.0)
+                                                    for exponent in fitted))
     for sample, _, _ in probed:
         sample["duration_s"] = sample["raw_duration_s"] / speed.slowdown(
             sample["speed_factor"], sample["num_prefill_tokens"])
-    raw_factors = np.asarray(probe.readings) / reference
     return {"point": probe_point_spec(), "duration_s": reference,
             "interval_s": probe.interval_s, "num_readings": len(raw_factors),
             "factor_p05": float(np.percentile(raw_factors, 5)),
             "factor_p95": float(np.percentile(raw_factors, 95)),
-            "exponent_knots": list(EXPONENT_KNOTS), "exponents": list(exponents)}
+            "exponent_knots": list(EXPONENT_KNOTS), "exponents": list(speed.exponents)}
 
 
 def load_reference(profile_path) -> SpeedReference:

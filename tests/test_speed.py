@@ -228,7 +228,8 @@ def test_smoothed_factor_is_the_median_of_the_readings_within_the_window():
     probe = SpeedProbe(ProbeExecutor(Machine()), interval_s=1.0)
     probe.readings = [1.0, 1.0, 5.0, 1.0, 2.0, 2.0, 2.0]
     probe.times = [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0]   # 3.5 intervals either side
-    assert smoothed_factors(probe, 1.0).tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    assert smoothed_factors(np.asarray(probe.readings), probe).tolist() == [
+        1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
 
 
 class PartlyDriftingStandIn(DriftingStandIn):
