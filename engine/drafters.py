@@ -9,8 +9,9 @@
   with the request's own generator.
 
 The executor calls `step(plan, speculating)` once per step before the target's forward (with no
-speculating sequences too: the draft model still keeps pace) and `observe(...)` after
-verification.
+speculating sequences too: the draft model still keeps pace). Where the draft model lags the
+target (after a step that accepted all its drafts) the sequence says so (`Sequence.draft_lag`,
+kept by the scheduler), so the simulator's cost model sees the same extra tokens.
 """
 from __future__ import annotations
 
@@ -61,10 +62,6 @@ class NgramDrafter:
         return DraftProposal([ngram_lookup(np.asarray(s.seq.token_ids()), s.num_drafts,
                                            self.min_n, self.max_n) for s in speculating])
 
-    def observe(self, speculating: list[SpeculatingSeq], proposal: DraftProposal,
-                num_accepted: list[int]) -> None:
-        pass
-
 
 def ngram_lookup(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
@@ -87,11 +84,6 @@ class DraftModelDrafter:
     def __init__(self, runner: ModelRunner, sampler: Sampler):
         self.runner = runner
         self.sampler = sampler
-        # seq_id -> (seq, tokens whose draft K/V is written) for sequences where the draft is
-        # behind the target: all k drafts were accepted, and the draft never ran the last one.
-        # The next step that runs the sequence starts the draft there (or wherever the target
-        # starts, if earlier: after a recompute preemption).
-        self._behind: dict[int, tuple[Sequence, int]] = {}
 
     def step(self, plan: StepPlan, speculating: list[SpeculatingSeq]) -> DraftProposal:
         proposal = DraftProposal([[] for _ in speculating])
@@ -113,20 +105,10 @@ class DraftModelDrafter:
                 proposal.tokens[row].append(token)
         return proposal
 
-    def observe(self, speculating: list[SpeculatingSeq], proposal: DraftProposal,
-                num_accepted: list[int]) -> None:
-        for spec, drafts, accepted in zip(speculating, proposal.tokens, num_accepted):
-            if drafts and accepted == len(drafts):
-                # It ran the last token and drafts 1..k-1; the target ran draft k too.
-                seq = spec.seq
-                self._behind[seq.seq_id] = (seq, seq.num_tokens + len(drafts) - 1)
-        if self._behind:
-            for seq_id in [i for i, (seq, _) in self._behind.items() if seq.is_finished]:
-                del self._behind[seq_id]
-
     def _keep_pace(self, plan: StepPlan, speculating: list[SpeculatingSeq]) -> torch.Tensor:
-        """Run the draft over the step's scheduled tokens (from earlier where it is behind);
-        logits [len(speculating), vocab] at the speculating sequences' last tokens."""
+        """Run the draft over the step's scheduled tokens (from earlier where it lags: the
+        sequence's draft_lag); logits [len(speculating), vocab] at the speculating sequences'
+        last tokens."""
         speculating_ids = {s.seq.seq_id for s in speculating}
         token_ids: list[int] = []
         starts = np.empty(len(plan.seqs), dtype=np.int64)
@@ -134,11 +116,9 @@ class DraftModelDrafter:
         tables = []
         logits_rows = []
         for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
-            start = seq.num_computed_tokens
-            behind = self._behind.pop(seq.seq_id, None)
-            if behind is not None:
-                start = min(start, behind[1])
-            num_new += seq.num_computed_tokens - start
+            lag = min(seq.draft_lag, seq.num_computed_tokens)
+            start = seq.num_computed_tokens - lag
+            num_new += lag
             starts[index], query_lens[index] = start, num_new
             token_ids += new_token_ids(seq, start, num_new)
             tables.append(plan.block_tables[seq.seq_id])

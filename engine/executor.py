@@ -44,9 +44,6 @@ class EngineExecutor:
         self.acceptance_stats = AcceptanceCounts(max_num_speculative_tokens)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
         self._generators: dict[int, tuple[Request, list[torch.Generator | None]]] = {}
-        # seq_id -> sequence whose last step rejected a draft: its next step starts right after
-        # a rejection (a "fresh" step in acceptance_stats).
-        self._after_rejection: dict[int, Sequence] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
@@ -81,12 +78,6 @@ class EngineExecutor:
     def _speculating(self, plan: StepPlan) -> list[SpeculatingSeq]:
         """The plan's speculating decodes, in plan order, with how they sample."""
         spec_lens = plan.spec_lens
-        if self._after_rejection:
-            # A step without drafts moves a sequence on: its next one no longer starts right
-            # after the rejection.
-            for seq in plan.seqs:
-                if seq.seq_id not in spec_lens:
-                    self._after_rejection.pop(seq.seq_id, None)
         if not spec_lens:
             return []
         if self.drafter is None:
@@ -167,18 +158,11 @@ class EngineExecutor:
                 target_probs, draft_tokens[rows], draft_probs, num_drafts[rows], uniforms, noise)
 
         accepted_counts = num_accepted.tolist()
-        fresh = [spec.seq.seq_id in self._after_rejection for spec in speculating]
-        for spec, accepted in zip(speculating, accepted_counts):
-            if accepted < spec.num_drafts:
-                self._after_rejection[spec.seq.seq_id] = spec.seq
-            else:
-                self._after_rejection.pop(spec.seq.seq_id, None)
         # Per position of the k the plan asked for: a draft the drafter could not propose (prompt
         # lookup found no match) counts as rejected there, as the plan charged for it and the
         # simulator's acceptance model, fitted on these counts, draws over all k.
         self.acceptance_stats.record([spec.num_drafts for spec in speculating], accepted_counts,
-                                     fresh)
-        self.drafter.observe(speculating, proposal, accepted_counts)
+                                     [spec.seq.after_rejection for spec in speculating])
         eos = self.eos_token_id
         accepted_by_seq = {}
         for spec, tokens, accepted, next_token in zip(speculating, proposal.tokens,
@@ -259,10 +243,6 @@ class EngineExecutor:
             for request_id in [rid for rid, (request, _) in self._generators.items()
                                if request.is_finished]:
                 del self._generators[request_id]
-        if self._after_rejection:
-            for seq_id in [i for i, seq in self._after_rejection.items() if seq.is_finished]:
-                del self._after_rejection[seq_id]
-
 
 
 def _sample_index(seq: Sequence) -> int:

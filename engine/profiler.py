@@ -39,7 +39,7 @@ import numpy as np
 from engine.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
 from engine.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from kernels.tiling import TILE_BYTES, tile_tokens
-from sim.profiled_cost_model import LocalCorrection, fit_local_correction
+from sim.profiled_cost_model import fit_local_correction
 from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 SCHEMA = 1
@@ -115,10 +115,16 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
         for batch in ((1, 8) if quick else (1, 2, 4, 8, 16, 32, 64)):
             for ctx in ((64,) if quick else (64, 320)):
                 add("spec_decode", decodes=(ctx,) * batch, spec_len=k)
+        if quick:
+            add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
         if not quick:
             add("spec_decode", decodes=spread(24, 16, 400), spec_len=k)
             for batch in (4, 16):
                 add("spec_mixed", decodes=(128,) * batch, prefills=((128, 0),), spec_len=k)
+            # After a step that accepted all its drafts a draft model lags the target by one
+            # token, which its next pass runs again (most sequences, where acceptance is high).
+            for batch, num_lagging in ((1, 1), (4, 2), (4, 4), (16, 8), (16, 16)):
+                add("spec_decode", decodes=(128,) * batch, spec_len=k, num_lagging=num_lagging)
 
     grid: list[GridPoint] = []
     for index, block_size in enumerate(block_sizes):
@@ -213,15 +219,19 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         # Repeats in rounds over every point of every executor and block size, in a fresh random
         # order each round: a drift or a burst of load from elsewhere on the machine spreads
         # over many points' samples instead of biasing one point, one kind or one executor.
+        order = 0   # the sample's position in the run: what ran before it is order - 1
         for repeat in range(repeats):
             for index in rng.permutation(len(runs)):
                 name, point, executor, plan, features = runs[index]
-                if speed_probe is not None and speed_probe.due():
+                after_probe = speed_probe is not None and speed_probe.due()
+                if after_probe:
                     speed_probe.measure()
                 duration = float(executor.execute(plan).duration)
                 sample = {"point_id": point.point_id, "kind": point.kind,
                           "block_size": point.block_size, "repeat": repeat, **features,
-                          "duration_s": duration}
+                          "duration_s": duration, "order": order,
+                          "after_probe": int(after_probe)}
+                order += 1
                 results[name].samples.append(sample)
                 if speed_probe is not None:
                     probed.append((sample, len(speed_probe.readings) - 1, index))
@@ -352,26 +362,17 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
     }
 
 
-def predict(content: dict, features: Iterable[float]) -> float:
-    """A fitted profile's duration for one feature vector (STEP_FEATURES order), with its local
-    correction."""
-    model = content["model"]
-    coefs = model["coefficients_s"]
-    features = [float(v) for v in features]
-    linear = model["intercept_s"] + sum(coefs[f] * v for f, v in zip(content["features"],
-                                                                      features))
-    if content.get("correction") is None:
-        return linear
-    return linear * LocalCorrection.from_json(content["correction"]).factor(features)
-
-
 # ---------------------------------------------------------------- writing
 
 
 def read_samples(csv_path: Path) -> list[dict]:
-    """A samples CSV as write_profile wrote it (numbers as floats, kind as text)."""
+    """A samples CSV as write_profile wrote it (numbers as floats, kind as text; empty cells
+    left out). A file from before a step feature existed gets it as 0: the profiler's steps did
+    not have it then."""
     with Path(csv_path).open(newline="") as handle:
-        return [{key: value if key == "kind" else float(value) for key, value in row.items()}
+        return [{**dict.fromkeys(STEP_FEATURES, 0.0),
+                 **{key: value if key == "kind" else float(value)
+                    for key, value in row.items() if value != ""}}
                 for row in csv.DictReader(handle)]
 
 
@@ -398,7 +399,7 @@ def write_profile(content: dict, samples: list[dict], out_dir: Path, device_dir:
     csv_path = folder / f"{model}.samples.csv"
     json_path.write_text(json.dumps(content, indent=1) + "\n")
     columns = ["point_id", "kind", "block_size", "repeat", *STEP_FEATURES, "duration_s",
-               "raw_duration_s", "speed_factor"]
+               "raw_duration_s", "speed_factor", "order", "after_probe"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()

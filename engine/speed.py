@@ -66,6 +66,17 @@ def probe_point_spec() -> dict:
     return json.loads(json.dumps(dataclasses.asdict(PROBE_POINT)))
 
 
+def _is_probe_point(recorded) -> bool:
+    """Whether a recorded probe shape is PROBE_POINT; a GridPoint field it lacks (added since)
+    had its default value."""
+    if not isinstance(recorded, dict):
+        return False
+    defaults = json.loads(json.dumps({field.name: field.default
+                                      for field in dataclasses.fields(GridPoint)
+                                      if field.default is not dataclasses.MISSING}))
+    return {**defaults, **recorded} == probe_point_spec()
+
+
 class SpeedProbe:
     """Times PROBE_POINT on `executor` (with a pool of its own, of at least PROBE_POOL_BLOCKS
     blocks of 16) when a reading is due."""
@@ -210,7 +221,7 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
         raise ValueError(f"{source} has no speed_reference: re-take it with twinserve-profile "
                          f"(its speed probe is on by default), or run without "
                          f"backend.speed_reference")
-    if reference.get("point") != probe_point_spec():
+    if not _is_probe_point(reference.get("point")):
         raise ValueError(f"{source}: its speed_reference was taken on another probe shape than "
                          f"engine/speed.py's PROBE_POINT; re-take the profile")
     duration = reference.get("duration_s")

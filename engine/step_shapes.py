@@ -34,6 +34,7 @@ class GridPoint:
     num_swap_out: int = 0
     num_swap_in: int = 0
     spec_len: int = 0          # draft tokens each decode verifies (speculative decoding)
+    num_lagging: int = 0       # decodes (the first ones) whose draft model lags one token
 
     def num_blocks_needed(self) -> int:
         bs = self.block_size
@@ -124,6 +125,7 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
         seq = _new_seq(ids, rng, ctx - 1, 1, period=SPEC_PERIOD if point.spec_len else 0)
         _allocate(kv, seq, ctx + point.spec_len)   # the drafts' lookahead slots too
         seq.num_computed_tokens = ctx - 1
+        seq.draft_lag = int(len(decodes) < point.num_lagging)
         decodes.append(seq)
     if decodes:
         plan.add_decodes(decodes)

@@ -24,7 +24,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "num_tokens", "num_computed_tokens", "num_output_tokens",
-        "output_token_ids", "status", "last_token_time",
+        "output_token_ids", "status", "last_token_time", "draft_lag", "after_rejection",
     )
 
     def __init__(self, seq_id: int, request: "Request", num_output_tokens: int = 0,
@@ -41,6 +41,13 @@ class Sequence:
         self.output_token_ids = output_token_ids
         self.status = SequenceStatus.WAITING
         self.last_token_time = 0.0
+        # Speculative decoding, as the sequence's last step left it (set by the scheduler's
+        # update, read by both backends). draft_lag: tokens whose K/V the target computed and a
+        # draft model did not (1 after a step that accepted all k drafts: the draft model never
+        # ran its own last draft), which its next pass runs again. after_rejection: that step
+        # rejected a draft (the next one is a "fresh" step in the acceptance statistics).
+        self.draft_lag = 0
+        self.after_rejection = False
 
     @property
     def is_finished(self) -> bool:
@@ -124,6 +131,7 @@ class StepPlan:
     decode_context_tokens: int = 0      # sum over decode sequences of context length read
     num_draft_tokens: int = 0           # sum of spec_lens: draft tokens verified this step
     max_draft_len: int = 0              # max of spec_lens: sequential steps of a draft model
+    draft_catch_up_tokens: int = 0      # sum of the sequences' draft_lag (within their context)
     # Memory operations, as (source block, destination block) pairs.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
@@ -172,6 +180,7 @@ class StepPlan:
         self.num_new_tokens.extend([1] * len(seqs))
         self.num_decode_seqs += len(seqs)
         self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
+        self.draft_catch_up_tokens += sum([seq.draft_lag for seq in seqs])
 
     def add_drafts(self, spec_lens: dict[int, int]) -> None:
         """Let decodes already in the plan speculate: seq_id -> k >= 1 draft tokens each."""
@@ -187,6 +196,8 @@ class StepPlan:
         self.num_new_tokens.append(num_new_tokens)
         start = seq.num_computed_tokens
         end = start + num_new_tokens
+        if seq.draft_lag:
+            self.draft_catch_up_tokens += min(seq.draft_lag, start)
         if num_new_tokens == 1 and end == seq.num_tokens and seq.num_output_tokens > 0:
             self.num_decode_seqs += 1
             self.decode_context_tokens += end
@@ -200,7 +211,8 @@ class StepPlan:
 
 _STEP_FEATURES = ("num_prefill_tokens", "num_prefill_seqs", "prefill_attention_work",
                   "prefill_context_tokens", "sum_squared_prefill_chunks", "num_decode_seqs",
-                  "decode_context_tokens", "num_draft_tokens", "max_draft_len")
+                  "decode_context_tokens", "num_draft_tokens", "max_draft_len",
+                  "draft_catch_up_tokens")
 
 
 @dataclass(slots=True)

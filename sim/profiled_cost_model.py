@@ -54,9 +54,15 @@ def load_profile(path: str | Path) -> dict:
         raise ProfileError("cost_model.profile is required: the path of a profile JSON "
                            "(profiles/<device>/<model>.json, from twinserve-profile)")
     path = Path(path)
-    profile = read_json_object(path, f"cost_model.profile={path}", ProfileError)
+    where = f"cost_model.profile={path}"
+    return check_profile(read_json_object(path, where, ProfileError), where)
+
+
+def check_profile(profile: dict, where: str = "profile") -> dict:
+    """Check a profile's content (what the profiler's fit_profile returns); every problem is a
+    ProfileError naming `where` and the field."""
     if profile.get("schema") != SCHEMA_VERSION:
-        raise ProfileError(f"cost_model.profile={path}: schema {profile.get('schema')!r} is not "
+        raise ProfileError(f"{where}: schema {profile.get('schema')!r} is not "
                            f"supported (this twinserve reads schema {SCHEMA_VERSION}); re-run the "
                            f"profiler")
     features = profile.get("features")
@@ -64,30 +70,43 @@ def load_profile(path: str | Path) -> dict:
     # loads: the missing ones get coefficient 0, and the log says so.
     if (not isinstance(features, list) or not features
             or list(features) != [name for name in STEP_FEATURES if name in features]):
-        raise ProfileError(f"cost_model.profile={path}: its features {features!r} differ from "
+        raise ProfileError(f"{where}: its features {features!r} differ from "
                            f"sim.step_features.STEP_FEATURES {list(STEP_FEATURES)!r}; re-run the "
                            f"profiler")
     missing = [name for name in STEP_FEATURES if name not in features]
     if missing:
         log.warning("profiled cost model: %s was fitted without the features %s; they cost 0 "
-                    "(re-run the profiler to fit them)", path, missing)
+                    "(re-run the profiler to fit them)", where, missing)
     model = profile.get("model")
     if not isinstance(model, dict) or model.get("kind") != "linear":
-        raise ProfileError(f"cost_model.profile={path}: model.kind must be 'linear', got "
+        raise ProfileError(f"{where}: model.kind must be 'linear', got "
                            f"{(model or {}).get('kind') if isinstance(model, dict) else model!r}")
     coefficients = model.get("coefficients_s")
     if not isinstance(coefficients, dict) or set(coefficients) != set(features):
-        raise ProfileError(f"cost_model.profile={path}: model.coefficients_s must have exactly "
+        raise ProfileError(f"{where}: model.coefficients_s must have exactly "
                            f"the keys of its features {features}")
     residuals = profile.get("residuals") or {"kind": "relative", "samples": []}
     if not isinstance(residuals, dict) or residuals.get("kind", "relative") != "relative":
-        raise ProfileError(f"cost_model.profile={path}: residuals.kind must be 'relative'")
+        raise ProfileError(f"{where}: residuals.kind must be 'relative'")
     if not isinstance(residuals.get("samples", []), list):
-        raise ProfileError(f"cost_model.profile={path}: residuals.samples must be a list")
+        raise ProfileError(f"{where}: residuals.samples must be a list")
     ranges = profile.get("feature_ranges") or {}
     if not isinstance(ranges, dict):
-        raise ProfileError(f"cost_model.profile={path}: feature_ranges must be a mapping")
+        raise ProfileError(f"{where}: feature_ranges must be a mapping")
     return profile
+
+
+def _in_step_features(correction: dict, features: list[str]) -> dict:
+    """A correction fitted over `features` (a profile from before some STEP_FEATURES existed)
+    over all of STEP_FEATURES: the missing features were 0 at every grid point."""
+    if list(features) == list(STEP_FEATURES):
+        return correction
+    columns = [STEP_FEATURES.index(name) for name in features]
+    points = np.zeros((len(correction["points"]), len(STEP_FEATURES)))
+    points[:, columns] = np.asarray(correction["points"], dtype=np.float64)
+    scales = np.ones(len(STEP_FEATURES))
+    scales[columns] = correction["scales"]
+    return {**correction, "points": points, "scales": scales}
 
 
 def _attention_tiling(data: dict, block_size, where: str) -> AttentionTiling | None:
@@ -213,15 +232,20 @@ class ProfiledCostModel:
     (its draft features the drafter it was measured with), so they are accepted and not used.
     `block_size` (the run's KV block size) places the sequences in the attention tiles the
     engine would run, for the tile features. `sample_residuals=False` gives the fitted mean
-    alone (deterministic)."""
+    alone (deterministic). `profile` is a path, or a profile's content (the profiler's
+    fit_profile), which needs no block size when only `predict_mean` is used."""
 
-    def __init__(self, profile: str, seed: int = 0, sample_residuals: bool = True,
+    def __init__(self, profile: str | Path | dict, seed: int = 0, sample_residuals: bool = True,
                  model=None, hardware=None, tensor_parallel_size: int = 1,
                  block_size: int | None = None, draft_model=None):
-        data = load_profile(profile)
-        where = f"cost_model.profile={profile}"
-        self.tiling = _attention_tiling(data, block_size, where)
-        self.profile_path = str(profile)
+        if isinstance(profile, dict):
+            data, where, self.profile_path = check_profile(profile), "profile", "a profile"
+            self.tiling = (None if block_size is None
+                           else _attention_tiling(data, block_size, where))
+        else:
+            data, where = load_profile(profile), f"cost_model.profile={profile}"
+            self.profile_path = str(profile)
+            self.tiling = _attention_tiling(data, block_size, where)
         self.metadata = data.get("metadata") or {}
         model_data = data["model"]
         self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
@@ -250,7 +274,8 @@ class ProfiledCostModel:
         self.correction = None
         if data.get("correction") is not None:
             try:
-                self.correction = LocalCorrection.from_json(data["correction"])
+                self.correction = LocalCorrection.from_json(
+                    _in_step_features(data["correction"], data["features"]))
             except (KeyError, TypeError, ValueError) as error:
                 raise ProfileError(f"{where}: correction is malformed ({error}); re-fit the "
                                    f"profile") from None

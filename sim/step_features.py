@@ -35,6 +35,8 @@ STEP_FEATURES: tuple[str, ...] = (
     "speculating",                 # 1 when the step verifies drafts (verification's fixed work)
     "draft_model_steps",           # longest draft - 1: a draft model's sequential single-token
                                    # steps (its first draft comes from its pass over the step)
+    "draft_catch_up_tokens",       # tokens a draft model runs again in its pass over the step,
+                                   # where it lags the target (Sequence.draft_lag)
 )
 
 
@@ -92,4 +94,5 @@ def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tupl
         float(draft_context_work(plan)),
         1.0 if plan.num_draft_tokens else 0.0,
         float(max(plan.max_draft_len - 1, 0)),
+        float(plan.draft_catch_up_tokens),
     )

@@ -307,28 +307,8 @@ def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: boo
     return conditions
 
 
-def warm_up_engine(engine_cfg) -> None:
-    """A 2-request engine run, discarded: the first steps of a fresh process pay one-time costs
-    (allocator, kernel selection) that the profiler's warm-up repeats also leave out."""
-    from omegaconf import open_dict
-
-    from sim.runner import run_experiment
-
-    cfg = engine_cfg.copy()
-    with open_dict(cfg):
-        if "trace_path" in cfg.workload:
-            cfg.workload.max_requests = 2
-        else:
-            cfg.workload.num_requests = 2
-    try:
-        run_experiment(cfg)
-    except (ValueError, KeyError, TypeError):
-        pass  # e.g. a trace workload without num_requests: the real run reports any problem
-
-
 def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
-             console: Console | None = None, warmup: bool = True,
-             normalize_speed: bool = True) -> dict:
+             console: Console | None = None, normalize_speed: bool = True) -> dict:
     """Run both backends, write the report into out_dir, and return validation.json's dict.
     With normalize_speed the engine's step durations are normalised to the profile's machine
     speed (engine/speed.py), when the profile has a speed reference."""
@@ -346,8 +326,6 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         sim = run_experiment(sim_cfg, out_dir / "sim")
         conditions = match_profile_conditions(sim_cfg.cost_model.profile, engine_cfg,
                                               normalize_speed, console)
-        if warmup:
-            warm_up_engine(engine_cfg)
         engine = run_experiment(engine_cfg, out_dir / "engine")
     except OmegaConfBaseException as error:
         raise ValidationInputError(str(error)) from None
@@ -366,7 +344,7 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         "passed": not failures,
         "profile": str(sim_cfg.cost_model.profile),
         "num_kv_blocks": num_blocks,
-        "engine_conditions": {**conditions, "warmup": warmup, **speed},
+        "engine_conditions": {**conditions, **speed},
         "completed": {"engine": engine.summary["completed"], "sim": sim.summary["completed"]},
         "seed": int(sim_cfg.seed),
         "overrides": list(overrides),
@@ -472,8 +450,7 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
 
 
 def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
-                  console: Console | None = None, warmup: bool = True,
-                  command: str = "twinserve-validate", normalize_speed: bool = True) -> dict:
+                  console: Console | None = None, command: str = "twinserve-validate", normalize_speed: bool = True) -> dict:
     """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
     from tqdm import tqdm
 
@@ -485,8 +462,7 @@ def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | 
     for index, job in enumerate(tqdm(jobs, desc="validation grid", unit="job")):
         values = " ".join(f"{key}={value}" for key, value in swept[index].items())
         console.print(f"[bold]job {index}[/bold]: {values}")
-        results.append(validate(job, out_dir / str(index), gates, console, warmup,
-                                normalize_speed))
+        results.append(validate(job, out_dir / str(index), gates, console, normalize_speed))
     rows = grid_rows(results, swept)
     summary = grid_summary(results)
     swept_keys = list(swept[0])
@@ -523,8 +499,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("validation"),
                         help="output folder (default: ./validation)")
     parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the discarded 2-request engine warm-up run")
     parser.add_argument("--wall-clock", action="store_true",
                         help="time the engine's steps as measured, not normalised to the "
                              "profile's machine speed by the speed probe")
@@ -554,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(expand_sweep(overrides)) > 1:
             command = shlex.join(["twinserve-validate",
                                   *(argv if argv is not None else sys.argv[1:])])
-            grid = validate_grid(overrides, args.out, gates, warmup=not args.no_warmup,
-                                 command=command, normalize_speed=not args.wall_clock)
+            grid = validate_grid(overrides, args.out, gates, command=command,
+                                 normalize_speed=not args.wall_clock)
             print(f"results in {args.out}")
             failed = grid["failures"]
             if failed:
@@ -564,8 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(str(job) for job in failed)}", file=sys.stderr)
                 return 1
             return 0
-        result = validate(overrides, args.out, gates, warmup=not args.no_warmup,
-                          normalize_speed=not args.wall_clock)
+        result = validate(overrides, args.out, gates, normalize_speed=not args.wall_clock)
     except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
         print(f"twinserve-validate: error: {error}", file=sys.stderr)
         return 2

@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from engine.profiler import fit_profile, main, predict, refit, write_profile
+from engine.profiler import fit_profile, main, refit, write_profile
 from sim.profiled_cost_model import (LocalCorrection, ProfileError, ProfiledCostModel,
                                      fit_local_correction)
 from sim.step_features import STEP_FEATURES
+from tests.test_profiler import predict
 
 DECODE = STEP_FEATURES.index("num_decode_seqs")
 CONTEXT = STEP_FEATURES.index("decode_context_tokens")

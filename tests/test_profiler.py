@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls, predict,
+from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls,
                              profile, write_profile)
 from kernels.tiling import tile_tokens
 from policies.types import StepResult
+from sim.profiled_cost_model import ProfiledCostModel
 from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 torch.set_num_threads(1)
+
+
+def predict(content: dict, features) -> float:
+    """A fitted profile's duration for one feature vector: what the simulator predicts."""
+    return ProfiledCostModel(content, sample_residuals=False).predict_mean(features)
 
 # A known cost: seconds per unit of each feature, and a fixed step overhead.
 TRUE_INTERCEPT = 2e-3
@@ -239,6 +245,7 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
     assert content["metadata"]["model"] == "tiny-llama"
     assert content["metadata"]["profiled_with"] == ["tiny-llama", "tiny-llama+ngram"]
     assert content["fit"]["by_kind"]["spec_decode"]["num_points"] == len(speculating)
+    assert any(point.num_lagging for point in speculating)
     plain = json.loads((tmp_path / "cpu" / "tiny-llama.json").read_text())
     assert plain["metadata"]["speculative_model"] is None
     assert "spec_decode" not in plain["fit"]["by_kind"]
@@ -259,6 +266,7 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
         assert features["draft_context_work"] == point.spec_len * sum(point.decodes)
         assert features["speculating"] == 1 and features["draft_model_steps"] == point.spec_len - 1
         assert features["batched"] == (len(plan.seqs) > 1)
+        assert features["draft_catch_up_tokens"] == point.num_lagging
         for seq in plan.seqs:  # slots for the token and its drafts
             needed = seq.num_computed_tokens + 1 + point.spec_len
             assert len(plan.block_tables[seq.seq_id]) * point.block_size >= needed

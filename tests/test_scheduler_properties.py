@@ -96,10 +96,17 @@ def drive(scheduler, requests, step_duration=0.01, max_steps=20_000, execute=Non
         swapped_seq_ids = {s.seq_id for r in scheduler.swapped for s in r.sequences}
         assert not swapped_seq_ids & seen, "a swapped sequence ran before being swapped in"
         check_speculation(scheduler, plan)
+        assert plan.draft_catch_up_tokens == sum(min(seq.draft_lag, seq.num_computed_tokens)
+                                                 for seq in plan.seqs)
         result = StepResult(step_duration) if execute is None else execute(plan)
         now += result.duration
         for request in scheduler.update(plan, result, now):
             finished_ids.append(request.request_id)
+        for seq in plan.seqs:  # what the drafts' outcome leaves for the sequence's next step
+            k = plan.spec_lens.get(seq.seq_id, 0)
+            accepted = (result.num_accepted or {}).get(seq.seq_id, 0)
+            assert seq.draft_lag == (1 if k and accepted == k else 0)
+            assert seq.after_rejection == (accepted < k)
         if plan.spec_lens:
             kv_cache.check_invariants()  # after the rejected drafts' slots went back
     else:

@@ -472,3 +472,32 @@ def test_conf_model_with_a_checkpoint_loads_its_weights():
     missing = dataclasses.replace(wrong, checkpoint="models/no-such-model")
     with pytest.raises(ValueError, match="checkpoint folder .*no-such-model does not exist"):
         _load_named_checkpoint(missing, device, None)
+
+
+def test_draft_model_runs_its_lagging_token_again():
+    """A sequence whose draft model lags the target (Sequence.draft_lag, left by a step that
+    accepted all its drafts) starts the draft's pass one token earlier: the extra token the
+    step features count as draft_catch_up_tokens."""
+    from engine.model_loader import load_model
+    from engine.profiler import executor_factory
+    from engine.step_shapes import GridPoint, build_plan
+    from sim.step_features import STEP_FEATURES, step_features
+
+    device = torch.device("cpu")
+    factory = executor_factory(load_model(TARGET, device), device,
+                               speculative_model=DRAFT, max_num_speculative_tokens=2)
+    point = GridPoint(0, "spec_decode", 16, decodes=(40, 40, 40), spec_len=2, num_lagging=2)
+    plan = build_plan(point)
+    assert [seq.draft_lag for seq in plan.seqs] == [1, 1, 0]
+    assert dict(zip(STEP_FEATURES, step_features(plan)))["draft_catch_up_tokens"] == 2
+    executor = factory(16, point.num_blocks_needed(), 0)
+    runner = executor.drafter.runner
+    passes = []
+    build = runner.build
+    runner.build = lambda token_ids, starts, query_lens, *rest: (
+        passes.append((starts.tolist(), query_lens.tolist()))
+        or build(token_ids, starts, query_lens, *rest))
+    executor.execute(plan)
+    computed = [seq.num_computed_tokens for seq in plan.seqs]
+    assert passes[0] == ([computed[0] - 1, computed[1] - 1, computed[2]], [2, 2, 1])
+    assert [query_lens for _, query_lens in passes[1:]] == [[1, 1, 1]]  # draft 2 of 2

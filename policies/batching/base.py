@@ -412,18 +412,28 @@ class BaseScheduler:
                 if self._finish_sequence(seq, now):
                     finished_requests.append(request)
         if self._speculates:
-            self._observe_acceptance(spec_lens, result)
+            self._observe_drafts(plan, result)
         return finished_requests
 
-    def _observe_acceptance(self, spec_lens: dict[int, int], result: StepResult) -> None:
-        """Tell the speculation policy, after every step, what each speculating decode
-        proposed and how many of its drafts were accepted."""
-        if result.num_accepted is not None:
-            accepted = [result.num_accepted[seq_id] for seq_id in spec_lens]
-        else:  # an engine that reports tokens only: all but the last one were drafts
-            accepted = [min(len(result.sampled_token_ids[seq_id]) - 1, k)
-                        for seq_id, k in spec_lens.items()]
-        self.speculation.observe(list(spec_lens.values()), accepted)
+    def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
+        """After every step of a speculating run: tell the speculation policy what each
+        speculating decode proposed and how many of its drafts were accepted, and leave on
+        every sequence of the step what its drafts' outcome means for its next step
+        (Sequence.draft_lag, Sequence.after_rejection)."""
+        spec_lens = plan.spec_lens
+        accepted_by_seq = {}
+        if spec_lens:
+            if result.num_accepted is not None:
+                accepted_by_seq = {seq_id: result.num_accepted[seq_id] for seq_id in spec_lens}
+            else:  # an engine that reports tokens only: all but the last one were drafts
+                accepted_by_seq = {seq_id: min(len(result.sampled_token_ids[seq_id]) - 1, k)
+                                   for seq_id, k in spec_lens.items()}
+        for seq in plan.seqs:
+            k = spec_lens.get(seq.seq_id, 0)
+            accepted = accepted_by_seq.get(seq.seq_id, 0)
+            seq.draft_lag = 1 if k and accepted == k else 0
+            seq.after_rejection = accepted < k
+        self.speculation.observe(list(spec_lens.values()), list(accepted_by_seq.values()))
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
                          finished_requests: list[Request]) -> None:
