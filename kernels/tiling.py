@@ -16,18 +16,31 @@ def tile_tokens(block_size: int, kv_bytes_per_token: int, tile_bytes: int = TILE
     return max(block_size, tile_bytes // kv_bytes_per_token)
 
 
+# Query lengths up to this share tiles with each other but not with longer ones: a speculating
+# decode verifies k + 1 <= 16 tokens, and in a tile with a prompt's chunk it would be padded to the
+# chunk's length (a 4-decode, 128-token-prompt step attended 4 x 128 padded queries for 4 x 5).
+MAX_SHORT_QUERY_LEN = 16
+
+
+def query_class(query_len: int) -> int:
+    """0: a decode, 1: a short query (speculative verification, a prompt's last few tokens),
+    2: a prefill chunk."""
+    return 0 if query_len == 1 else 1 if query_len <= MAX_SHORT_QUERY_LEN else 2
+
+
 def group_into_tiles(seq_lens: list[int], query_lens: list[int],
                      max_tile_tokens: int) -> list[list[int]]:
-    """Sequences (indices) in tiles of similar context length: decodes and prefills apart (a
-    prefill's query length would pad every decode to it), each sorted by context length, a tile
-    holding as many as fit max_tile_tokens padded context tokens (at least one)."""
-    is_prefill = [query_len > 1 for query_len in query_lens]
-    order = sorted(range(len(seq_lens)), key=lambda b: (is_prefill[b], -seq_lens[b]))
+    """Sequences (indices) in tiles of similar context length: decodes, short queries and
+    prefill chunks apart (a tile pads every query to its longest), each sorted by context
+    length, a tile holding as many as fit max_tile_tokens padded context tokens (at least
+    one)."""
+    classes = [query_class(query_len) for query_len in query_lens]
+    order = sorted(range(len(seq_lens)), key=lambda b: (classes[b], -seq_lens[b]))
     tiles: list[list[int]] = []
     tile: list[int] = []
     for seq in order:
         # Longest first, so a tile's first sequence sets its padded length.
-        if tile and (is_prefill[seq] != is_prefill[tile[0]]
+        if tile and (classes[seq] != classes[tile[0]]
                      or (len(tile) + 1) * seq_lens[tile[0]] > max_tile_tokens):
             tiles.append(tile)
             tile = []
@@ -38,11 +51,13 @@ def group_into_tiles(seq_lens: list[int], query_lens: list[int],
 
 
 def tiling_work(seq_lens: list[int], query_lens: list[int], block_size: int,
-                max_tile_tokens: int) -> tuple[int, int]:
-    """(number of tiles, padded K/V tokens gathered over all tiles) for one layer of a step."""
+                max_tile_tokens: int) -> tuple[int, int, int]:
+    """For one layer of a step: (number of tiles, padded K/V tokens gathered over all tiles,
+    padded query x K/V scores the tiles compute)."""
     tiles = group_into_tiles(seq_lens, query_lens, max_tile_tokens)
-    padded_tokens = 0
+    padded_tokens = padded_scores = 0
     for tile in tiles:
         context = -(-seq_lens[tile[0]] // block_size) * block_size
         padded_tokens += len(tile) * context
-    return len(tiles), padded_tokens
+        padded_scores += len(tile) * context * max(query_lens[b] for b in tile)
+    return len(tiles), padded_tokens, padded_scores

@@ -1,10 +1,10 @@
 """The features of a step that its duration depends on: what the profiler measures over, what the
 profiled cost model predicts from.
 
-Most are the StepPlan's aggregates. Two describe the attention's tiles as the engine's torch
+Most are the StepPlan's aggregates. Three describe the attention's tiles as the engine's torch
 kernels run them (kernels/tiling.py): on a CPU each padded tile costs a gather and an attention
-call per layer, and a batch of decodes with spread-out contexts pads to its tiles' longest, so
-Σ context alone under-predicts it. They need the sequences' lengths (one pass over the batch), so
+call per layer, a batch of decodes with spread-out contexts pads to its tiles' longest (so
+Σ context alone under-predicts it), and the queries of a tile pad to its longest query. They need the sequences' lengths (one pass over the batch), so
 they are computed only when an `AttentionTiling` is given.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ STEP_FEATURES: tuple[str, ...] = (
                                    # steps (its first draft comes from its pass over the step)
     "draft_catch_up_tokens",       # tokens a draft model runs again in its pass over the step,
                                    # where it lags the target (Sequence.draft_lag)
+    "padded_attention_scores",     # query x K/V scores the tiles compute: each tile pads its
+                                   # queries to its longest and its contexts to its longest
 )
 
 
@@ -73,11 +75,11 @@ def draft_context_work(plan: StepPlan) -> int:
 
 def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tuple[float, ...]:
     """The plan's feature vector, in STEP_FEATURES order (tile features 0 without `tiling`)."""
-    num_tiles = padded_kv_tokens = 0
+    num_tiles = padded_kv_tokens = padded_scores = 0
     if tiling is not None and plan.seqs:
         seq_lens, query_lens = attention_lengths(plan)
-        num_tiles, padded_kv_tokens = tiling_work(seq_lens, query_lens, tiling.block_size,
-                                                  tiling.max_tile_tokens)
+        num_tiles, padded_kv_tokens, padded_scores = tiling_work(
+            seq_lens, query_lens, tiling.block_size, tiling.max_tile_tokens)
     return (
         float(plan.num_prefill_tokens),
         float(plan.num_prefill_seqs),
@@ -95,4 +97,5 @@ def step_features(plan: StepPlan, tiling: AttentionTiling | None = None) -> tupl
         1.0 if plan.num_draft_tokens else 0.0,
         float(max(plan.max_draft_len - 1, 0)),
         float(plan.draft_catch_up_tokens),
+        float(padded_scores),
     )

@@ -11,10 +11,10 @@ import torch
 
 from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls,
                              profile, write_profile)
-from kernels.tiling import tile_tokens
+from kernels.tiling import query_class, tile_tokens
 from policies.types import StepResult
 from sim.profiled_cost_model import ProfiledCostModel
-from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
+from sim.step_features import STEP_FEATURES, AttentionTiling, attention_lengths, step_features
 
 torch.set_num_threads(1)
 
@@ -207,24 +207,31 @@ def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
     tile_bytes = 300 * kv_bytes_per_token  # tiles of ~300 tokens: several per step
     monkeypatch.setattr(reference, "TILE_BYTES", tile_bytes)
     for point in (GridPoint(0, "decode_mixed_ctx", 16, decodes=(5, 300, 17, 64, 129, 33, 250)),
-                  GridPoint(1, "mixed", 8, decodes=(40, 90, 12), prefills=((30, 0), (7, 50)))):
+                  GridPoint(1, "mixed", 8, decodes=(40, 90, 12), prefills=((30, 0), (7, 50))),
+                  GridPoint(2, "spec_mixed", 16, decodes=(60, 70), prefills=((40, 0),),
+                            spec_len=3)):
         plan = build_plan(point)
         block_size = point.block_size
         features = dict(zip(STEP_FEATURES, step_features(
             plan, AttentionTiling(block_size,
                                   tile_tokens(block_size, kv_bytes_per_token, tile_bytes)))))
-        seq_lens = [s.num_computed_tokens + n for s, n in zip(plan.seqs, plan.num_new_tokens)]
+        seq_lens, query_lens = attention_lengths(plan)   # a speculating decode's drafts too
         max_blocks = max(-(-n // block_size) for n in seq_lens)
         tables = torch.tensor([plan.block_tables[s.seq_id][:max_blocks]
                                + [0] * (max_blocks - len(plan.block_tables[s.seq_id][:max_blocks]))
                                for s in plan.seqs], dtype=torch.int32)
-        starts = np.concatenate([[0], np.cumsum(plan.num_new_tokens)])
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
         kv_cache = torch.zeros(2, max(map(max, plan.block_tables.values())) + 1, block_size, 2, 8)
         tiles = reference.plan_attention(tables, torch.tensor(seq_lens, dtype=torch.int32),
                                          torch.tensor(starts, dtype=torch.int32), kv_cache)
         assert len(tiles) > 1
+        # Queries pad only to their own class's longest: drafts verified apart from prompts.
+        assert all(len({query_class(query_lens[b]) for b in t.seq_ids.tolist()}) == 1
+                   for t in tiles)
         assert features["num_attention_tiles"] == len(tiles)
         assert features["padded_kv_tokens"] == sum(t.num_seqs * t.context for t in tiles)
+        assert features["padded_attention_scores"] == sum(
+            t.num_seqs * t.max_query_len * t.context for t in tiles)
 
 
 def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
