@@ -41,6 +41,20 @@ def warm_up(llm: LLM, prompts) -> None:
     llm.executor.acceptance_stats = AcceptanceCounts(len(stats.position_trials))
 
 
+def sequence_counts(llm: LLM, prompts, params: SamplingParams) -> list[dict]:
+    """Each prompt run alone: its counts per draft position, fresh and over every step (how
+    acceptance varies from one text to another, which the simulator's acceptance model fits a
+    spread to)."""
+    counts = []
+    for prompt in prompts:
+        max_k = len(llm.executor.acceptance_stats.position_trials)
+        llm.executor.acceptance_stats = AcceptanceCounts(max_k)
+        llm.generate([prompt], params, use_tqdm=False)
+        stats = llm.executor.acceptance_stats
+        counts.append({name: list(getattr(stats, name)) for name in AcceptanceCounts.COUNTS})
+    return counts
+
+
 def timed_run(llm: LLM, prompts, params: SamplingParams) -> tuple[list[list[int]], float]:
     """(outputs, output tokens/s) of one generate() call."""
     start = time.perf_counter()
@@ -60,6 +74,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the fastest counts")
+    parser.add_argument("--sequences", type=int, default=48,
+                        help="windows run alone for the per-sequence counts (48: every third of "
+                             "the 16-window spacing, a sixth of it from the validation's windows)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "profiles" / "speculation")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,15 +122,20 @@ def main() -> None:
                       flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for drafter, drafter_counts in counts.items():
+        llm = LLM(target, speculative_model=DRAFTERS[drafter], num_speculative_tokens=max_k)
+        sequences = sequence_counts(llm, held_out_prompts(args.sequences, args.prompt_len),
+                                    params)
         sampled = f"-t{args.temperature:g}" if args.temperature else ""
         path = args.out_dir / f"tiny-pair-{drafter}{sampled}.json"
         source = (f"bench/speculative.py on {torch.get_num_threads()} CPU thread(s): "
                   f"temperature {args.temperature}, k={max_k}, batch sizes {args.batch_sizes}, "
                   f"{args.prompt_len}-byte prompts of held-out Python stdlib source, "
-                  f"{args.max_tokens} output tokens each")
+                  f"{args.max_tokens} output tokens each; sequences: {args.sequences} windows "
+                  f"run alone")
         statistics = drafter_counts.to_statistics(
             drafter="models/tiny-pair/draft" if drafter == "draft" else "ngram",
             target="models/tiny-pair/target", source=source)
+        statistics["sequences"] = sequences   # each of the prompts run alone, at k = max k
         path.write_text(json.dumps(statistics, indent=1) + "\n")
         print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 

@@ -162,7 +162,7 @@ class EngineExecutor:
         # lookup found no match) counts as rejected there, as the plan charged for it and the
         # simulator's acceptance model, fitted on these counts, draws over all k.
         self.acceptance_stats.record([spec.num_drafts for spec in speculating], accepted_counts,
-                                     [spec.seq.after_rejection for spec in speculating])
+                                     [spec.seq.starts_run for spec in speculating])
         eos = self.eos_token_id
         accepted_by_seq = {}
         for spec, tokens, accepted, next_token in zip(speculating, proposal.tokens,

@@ -24,7 +24,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "num_tokens", "num_computed_tokens", "num_output_tokens",
-        "output_token_ids", "status", "last_token_time", "draft_lag", "after_rejection",
+        "output_token_ids", "status", "last_token_time", "draft_lag", "starts_run",
     )
 
     def __init__(self, seq_id: int, request: "Request", num_output_tokens: int = 0,
@@ -41,13 +41,14 @@ class Sequence:
         self.output_token_ids = output_token_ids
         self.status = SequenceStatus.WAITING
         self.last_token_time = 0.0
-        # Speculative decoding, as the sequence's last step left it (set by the scheduler's
-        # update, read by both backends). draft_lag: tokens whose K/V the target computed and a
-        # draft model did not (1 after a step that accepted all k drafts: the draft model never
-        # ran its own last draft), which its next pass runs again. after_rejection: that step
-        # rejected a draft (the next one is a "fresh" step in the acceptance statistics).
+        # Speculative decoding, as the sequence's steps left it (set by the scheduler's update,
+        # read by both backends). draft_lag: tokens whose K/V the target computed and a draft
+        # model did not (1 after a step that accepted all k drafts: the draft model never ran
+        # its own last draft), which its next pass runs again. starts_run: its next speculating
+        # step starts a run of acceptable drafts (its first one, or the one after a rejection:
+        # a "fresh" step in the acceptance statistics, where the simulator draws a new run).
         self.draft_lag = 0
-        self.after_rejection = False
+        self.starts_run = True
 
     @property
     def is_finished(self) -> bool:

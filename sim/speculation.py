@@ -13,13 +13,24 @@ p_i = a_i / t_i. A position past the measured ones takes the last measured proba
 Rejections cluster: a stretch of text the draft gets wrong rejects several steps in a row, so
 each step drawing independently under-predicts acceptance at some k and over-predicts at others.
 When the file also has `fresh_position_trials` / `fresh_position_accepts` (the same counts over
-the steps that start right after a rejection, where a run of acceptable drafts starts), the
+the steps that start a run of acceptable drafts: a sequence's first, and each one right after
+a rejection), the
 model is a renewal process instead: each sequence walks through runs of acceptable draft
 positions ended by one the target rejects, run lengths drawn from those fresh per-position
 rates (the last one repeated past the measured positions). A step of k accepts min(k, what is
 left of the run); if the whole run fits, the rejected position ends the step, else the bonus
 token takes one more position of it. With greedy decoding this is exactly how the engine's
 acceptances arise (a draft is acceptable at a position of the text or not, whatever k is).
+
+Texts differ: some requests' drafts are accepted far more often than others' (one hard window
+of source kept a sequence running alone for the last 13-18 steps of the engine's batch-4 runs,
+where the simulator's sequences, all drawn alike, finished together). When the file also has
+`sequences`, the same counts (fresh and over every step) for each of several sequences
+measured alone (`[{"fresh_position_trials": [...], "fresh_position_accepts": [...],
+"position_trials": [...], "position_accepts": [...]}, ...]`), each simulated
+sequence gets its own shift z ~ N(0, spread²) of every rate's log-odds, drawn when it first
+speculates, with the spread fitted to those sequences by maximum likelihood
+(`fit_sequence_spread`).
 
 Counts are drawn, not averaged: from a seeded generator, i.i.d. in one numpy call per step, or
 one run length per run.
@@ -35,6 +46,13 @@ from sim.json_files import read_json_object
 
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
 FRESH_KEYS = ("fresh_position_trials", "fresh_position_accepts")
+# The spreads fit_sequence_spread chooses from (SD of a sequence's log-odds shift), and the
+# Gauss-Hermite nodes that integrate each sequence's likelihood over its unknown shift.
+SPREAD_GRID = np.linspace(0.0, 3.0, 61)
+_HERMITE_NODES, _HERMITE_WEIGHTS = np.polynomial.hermite.hermgauss(24)
+# Rates are kept off 0 and 1 before their log-odds are taken (a position every sequence
+# accepted still varies between sequences).
+_RATE_CLIP = 1e-3
 # A run whose every position is acceptable (a fresh rate of 1) never ends; this stands for it.
 ENDLESS_RUN = 1 << 40
 
@@ -51,7 +69,7 @@ class AcceptanceModel:
     with `run_probabilities` (the fresh per-position rates), from runs of acceptable drafts."""
 
     def __init__(self, position_probabilities: list[float], seed=0, source: str = "",
-                 run_probabilities: list[float] | None = None):
+                 run_probabilities: list[float] | None = None, sequence_spread: float = 0.0):
         if not position_probabilities:
             raise ValueError("an acceptance model needs at least one position probability")
         self.position_probabilities = [
@@ -65,14 +83,21 @@ class AcceptanceModel:
         self._probabilities = np.asarray(self.position_probabilities)
         self._run_probabilities = (None if self.run_probabilities is None
                                    else np.asarray(self.run_probabilities))
+        if (isinstance(sequence_spread, bool) or not isinstance(sequence_spread, (int, float))
+                or not 0 <= sequence_spread < math.inf):
+            raise ValueError(f"the acceptance model's sequence spread must be a number >= 0, "
+                             f"got {sequence_spread!r}")
+        self.sequence_spread = float(sequence_spread)
         # Runs: seq_id -> acceptable positions left before the next rejected one (absent: the
         # sequence starts a new run at its next step).
         self._left_in_run: dict[int, int] = {}
+        # seq_id -> the sequence's log-odds shift (with a spread), drawn when it first speculates.
+        self._shifts: dict[int, float] = {}
 
     def reseeded(self, seed) -> "AcceptanceModel":
         """The same model with a generator (and run state) of its own."""
         return AcceptanceModel(self.position_probabilities, seed, self.source,
-                               self.run_probabilities)
+                               self.run_probabilities, self.sequence_spread)
 
     @classmethod
     def iid(cls, acceptance_rate: float, seed=0) -> "AcceptanceModel":
@@ -97,9 +122,13 @@ class AcceptanceModel:
             raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
         run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
                              if all(key in data for key in FRESH_KEYS) else None)
+        spread = 0.0
+        if data.get("sequences") is not None:
+            sequences = _sequence_counts(data["sequences"], num_positions, where)
+            spread = fit_sequence_spread(sequences)
         source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
         return cls(probabilities, seed, source=source or str(path),
-                   run_probabilities=run_probabilities)
+                   run_probabilities=run_probabilities, sequence_spread=spread)
 
     def probabilities(self, num_positions: int) -> np.ndarray:
         """p_1..p_num_positions, the last measured one repeated past the measured positions."""
@@ -122,7 +151,11 @@ class AcceptanceModel:
             return [self._draw_in_run(seq_id, k) for seq_id, k in spec_lens.items()]
         lengths = np.fromiter(spec_lens.values(), dtype=np.int64, count=len(spec_lens))
         max_len = int(lengths.max())
-        accepted = self._rng.random((lengths.size, max_len)) < self.probabilities(max_len)
+        probabilities = self.probabilities(max_len)
+        if self.sequence_spread:
+            shifts = np.array([self._shift(seq_id) for seq_id in spec_lens])
+            probabilities = _shifted(probabilities[None, :], shifts[:, None])
+        accepted = self._rng.random((lengths.size, max_len)) < probabilities
         # A draft counts only while it and every draft before it were accepted, and only up to
         # the sequence's own k.
         accepted &= np.arange(max_len) < lengths[:, None]
@@ -131,15 +164,24 @@ class AcceptanceModel:
     def _draw_in_run(self, seq_id: int, k: int) -> int:
         left = self._left_in_run.pop(seq_id, None)
         if left is None:
-            left = self._run_length()
+            left = self._run_length(self._shift(seq_id) if self.sequence_spread else 0.0)
         if left > k:    # all k accepted; the bonus token takes the run's next position
             self._left_in_run[seq_id] = left - k - 1
             return k
         return left     # the rejected position ends the run (and the step, or is the bonus's)
 
-    def _run_length(self) -> int:
-        """Acceptable positions before the next rejected one, from the fresh rates."""
+    def _shift(self, seq_id: int) -> float:
+        shift = self._shifts.get(seq_id)
+        if shift is None:
+            shift = self._shifts[seq_id] = float(self._rng.normal(0.0, self.sequence_spread))
+        return shift
+
+    def _run_length(self, shift: float = 0.0) -> int:
+        """Acceptable positions before the next rejected one, from the fresh rates (their
+        log-odds shifted by `shift`)."""
         rates = self._run_probabilities
+        if shift:
+            rates = _shifted(rates, shift)
         rejected = np.flatnonzero(self._rng.random(rates.size) >= rates)
         if rejected.size:
             return int(rejected[0])
@@ -147,6 +189,72 @@ class AcceptanceModel:
         if tail >= 1.0:
             return ENDLESS_RUN
         return rates.size + int(self._rng.geometric(1.0 - tail)) - 1
+
+
+def _shifted(rates: np.ndarray, shift) -> np.ndarray:
+    """Rates with their log-odds moved by `shift` (a rate of 0 or 1 stays where it is)."""
+    clipped = np.clip(rates, _RATE_CLIP, 1.0 - _RATE_CLIP)
+    moved = 1.0 / (1.0 + np.exp(-(np.log(clipped / (1.0 - clipped)) + shift)))
+    return np.where((rates <= 0.0) | (rates >= 1.0), rates, moved)
+
+
+def fit_sequence_spread(sequences: list[tuple[np.ndarray, np.ndarray, float, float]]) -> float:
+    """The SD of a per-sequence shift of the fresh rates' log-odds that makes `sequences` most
+    likely, by a grid over SPREAD_GRID. Each sequence is (fresh trials and accepts per position,
+    trials and accepts of its other steps): in the runs model a step that does not start a run
+    continues one past the measured positions, where the last fresh rate holds, so those count
+    at that rate (a sequence that never rejects a draft shows its ease there). Each sequence's
+    binomial likelihood is integrated over its unknown shift (Gauss-Hermite), around the rates
+    of all of them pooled. 0 for fewer than two sequences."""
+    if len(sequences) < 2:
+        return 0.0
+    # Columns: the measured positions, then the continuation at the last one's rate.
+    trials = np.array([[*fresh_trials, tail_trials]
+                       for fresh_trials, _, tail_trials, _ in sequences], dtype=np.float64)
+    accepts = np.array([[*fresh_accepts, tail_accepts]
+                        for _, fresh_accepts, _, tail_accepts in sequences], dtype=np.float64)
+    pooled = np.clip(accepts[:, :-1].sum(axis=0) / np.maximum(trials[:, :-1].sum(axis=0), 1.0),
+                     _RATE_CLIP, 1.0 - _RATE_CLIP)
+    examined = np.flatnonzero(trials[:, :-1].sum(axis=0))
+    last = examined[-1] if examined.size else 0
+    log_odds = np.log(pooled / (1.0 - pooled))
+    log_odds = np.append(log_odds, log_odds[last])
+    best_spread, best_likelihood = 0.0, -math.inf
+    for spread in SPREAD_GRID:
+        shifts = math.sqrt(2.0) * spread * _HERMITE_NODES           # [nodes]
+        rates = 1.0 / (1.0 + np.exp(-(log_odds[None, :] + shifts[:, None])))   # [nodes, K + 1]
+        # log P(sequence | shift) for every sequence and node: [sequences, nodes]
+        log_given = (accepts @ np.log(rates).T) + ((trials - accepts) @ np.log1p(-rates).T)
+        peak = log_given.max(axis=1, keepdims=True)
+        likelihood = float((peak[:, 0] + np.log(
+            np.exp(log_given - peak) @ _HERMITE_WEIGHTS / math.sqrt(math.pi))).sum())
+        if likelihood > best_likelihood + 1e-9:
+            best_spread, best_likelihood = float(spread), likelihood
+    return best_spread
+
+
+def _sequence_counts(sequences, num_positions: int, where: str):
+    """The file's `sequences`: per sequence, (fresh trials, fresh accepts) per position and the
+    trials and accepts of its other steps (its position counts less its fresh ones)."""
+    if not isinstance(sequences, list):
+        raise ValueError(f"{where}: sequences must be a list of per-sequence counts")
+    keys = (*FRESH_KEYS, *STATISTICS_KEYS[1:])
+    counts = []
+    for index, entry in enumerate(sequences):
+        name = f"{where}: sequences[{index}]"
+        if not isinstance(entry, dict) or not all(key in entry for key in keys):
+            raise ValueError(f"{name} must have {list(keys)}")
+        _conditional_rates(entry, FRESH_KEYS, num_positions, name)
+        _conditional_rates(entry, STATISTICS_KEYS[1:], num_positions, name)
+        fresh_trials, fresh_accepts, all_trials, all_accepts = (
+            np.asarray(entry[key], dtype=np.float64) for key in keys)
+        if (fresh_accepts > fresh_trials).any() or (all_accepts > all_trials).any():
+            raise ValueError(f"{name} accepts more drafts than it examined")
+        if (fresh_trials > all_trials).any() or (fresh_accepts > all_accepts).any():
+            raise ValueError(f"{name}: its fresh counts exceed its counts over every step")
+        counts.append((fresh_trials, fresh_accepts, float((all_trials - fresh_trials).sum()),
+                       float((all_accepts - fresh_accepts).sum())))
+    return counts
 
 
 def _conditional_rates(data: dict, keys: tuple[str, str], num_positions: int,

@@ -98,6 +98,7 @@ def drive(scheduler, requests, step_duration=0.01, max_steps=20_000, execute=Non
         check_speculation(scheduler, plan)
         assert plan.draft_catch_up_tokens == sum(min(seq.draft_lag, seq.num_computed_tokens)
                                                  for seq in plan.seqs)
+        starts_run = {seq.seq_id: seq.starts_run for seq in plan.seqs}
         result = StepResult(step_duration) if execute is None else execute(plan)
         now += result.duration
         for request in scheduler.update(plan, result, now):
@@ -106,7 +107,8 @@ def drive(scheduler, requests, step_duration=0.01, max_steps=20_000, execute=Non
             k = plan.spec_lens.get(seq.seq_id, 0)
             accepted = (result.num_accepted or {}).get(seq.seq_id, 0)
             assert seq.draft_lag == (1 if k and accepted == k else 0)
-            assert seq.after_rejection == (accepted < k)
+            # A run of acceptable drafts ends at a rejection; a step without drafts leaves it.
+            assert seq.starts_run == (accepted < k if k else starts_run[seq.seq_id])
         if plan.spec_lens:
             kv_cache.check_invariants()  # after the rejected drafts' slots went back
     else:

@@ -466,14 +466,17 @@ def test_acceptance_draws_follow_the_position_probabilities(probabilities):
 def test_acceptance_draws_stay_within_each_k_and_repeat_with_the_seed(probabilities, spec_lens,
                                                                      seed):
     for runs in (None, probabilities):
-        model = AcceptanceModel(probabilities, seed, run_probabilities=runs)
-        draws = model.draw(dict(enumerate(spec_lens)))
-        assert len(draws) == len(spec_lens)
-        assert all(0 <= accepted <= k for accepted, k in zip(draws, spec_lens))
-        again = AcceptanceModel(probabilities, seed, run_probabilities=runs)
-        assert draws == again.draw(dict(enumerate(spec_lens)))
-        if probabilities[0] == 0.0:
-            assert not any(draws)
+        for spread in (0.0, 1.5):   # sequences drawn alike, or each with its own rates
+            model = AcceptanceModel(probabilities, seed, run_probabilities=runs,
+                                    sequence_spread=spread)
+            draws = model.draw(dict(enumerate(spec_lens)))
+            assert len(draws) == len(spec_lens)
+            assert all(0 <= accepted <= k for accepted, k in zip(draws, spec_lens))
+            again = AcceptanceModel(probabilities, seed, run_probabilities=runs,
+                                    sequence_spread=spread)
+            assert draws == again.draw(dict(enumerate(spec_lens)))
+            if probabilities[0] == 0.0:
+                assert not any(draws)
 
 
 def test_runs_accept_what_is_left_of_each_run():
@@ -515,6 +518,84 @@ def test_fresh_counts_are_the_steps_after_a_rejection(tmp_path):
     assert AcceptanceModel.from_file(write_statistics(
         tmp_path / "old.json", num_speculative_tokens=1, position_trials=[4],
         position_accepts=[3])).run_probabilities is None
+
+
+BASE_FRESH_RATES = np.array([0.9, 0.8, 0.75, 0.7, 0.7, 0.7, 0.7, 0.7])
+
+
+def heterogeneous_sequences(spread: float, num_sequences: int, num_runs: int, seed: int):
+    """(fresh trials, fresh accepts, tail trials, tail accepts) of sequences that each walk
+    num_runs runs with the base rates' log-odds shifted by their own z ~ N(0, spread^2): a
+    run's first 8 positions are its fresh step's, what follows is at the last rate."""
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for _ in range(num_sequences):
+        log_odds = np.log(BASE_FRESH_RATES / (1 - BASE_FRESH_RATES)) + rng.normal(0, spread)
+        rates = 1 / (1 + np.exp(-log_odds))
+        trials, accepts = np.zeros(8), np.zeros(8)
+        tail_trials = tail_accepts = 0
+        for _ in range(num_runs):
+            position = 0
+            while True:
+                rate = rates[min(position, 7)]
+                if position < 8:
+                    trials[position] += 1
+                else:
+                    tail_trials += 1
+                if rng.random() >= rate:
+                    break
+                if position < 8:
+                    accepts[position] += 1
+                else:
+                    tail_accepts += 1
+                position += 1
+        sequences.append((trials, accepts, tail_trials, tail_accepts))
+    return sequences
+
+
+@pytest.mark.parametrize("spread", [0.0, 1.0])
+def test_sequence_spread_is_recovered_from_per_sequence_counts(spread):
+    from sim.speculation import fit_sequence_spread
+    fitted = fit_sequence_spread(heterogeneous_sequences(spread, 60, 40, seed=2))
+    assert fitted == pytest.approx(spread, abs=0.3)
+    assert fit_sequence_spread(heterogeneous_sequences(spread, 1, 40, seed=2)) == 0.0
+
+
+def test_a_sequence_spread_makes_some_sequences_accept_more_than_others(tmp_path):
+    """With a spread each sequence keeps its own rates: the per-sequence means vary far more than
+    draws that treat every sequence alike, around a similar overall mean; a statistics file with
+    `sequences` fits the spread, and a bad entry is named."""
+    runs = BASE_FRESH_RATES.tolist()
+    means = {}
+    for spread in (0.0, 1.0):
+        model = AcceptanceModel([0.8], seed=4, run_probabilities=runs, sequence_spread=spread)
+        per_seq = np.array([[model.draw({seq_id: 4})[0] for _ in range(60)]
+                            for seq_id in range(150)])
+        means[spread] = per_seq.mean(axis=1)
+        assert model.reseeded(5).sequence_spread == spread
+    assert means[1.0].var() > 3 * means[0.0].var()
+    assert means[1.0].mean() == pytest.approx(means[0.0].mean(), rel=0.15)
+
+    # Spread over every step: the tail's counts go with the last position's.
+    sequences = [{"fresh_position_trials": trials.tolist(),
+                  "fresh_position_accepts": accepts.tolist(),
+                  "position_trials": (trials + np.eye(8)[7] * tail_trials).tolist(),
+                  "position_accepts": (accepts + np.eye(8)[7] * tail_accepts).tolist()}
+                 for trials, accepts, tail_trials, tail_accepts
+                 in heterogeneous_sequences(1.0, 40, 40, seed=3)]
+    fields = dict(num_speculative_tokens=8, position_trials=[10] * 8, position_accepts=[8] * 8,
+                  fresh_position_trials=[10] * 8, fresh_position_accepts=[8] * 8)
+    model = AcceptanceModel.from_file(write_statistics(tmp_path / "s.json", **fields,
+                                                       sequences=sequences))
+    assert 0.6 <= model.sequence_spread <= 1.4
+    assert AcceptanceModel.from_file(write_statistics(tmp_path / "n.json", **fields)
+                                     ).sequence_spread == 0.0
+    sequences[1] = {"fresh_position_trials": [1] * 8}
+    with pytest.raises(ValueError, match=r"sequences\[1\]"):
+        AcceptanceModel.from_file(write_statistics(tmp_path / "b.json", **fields,
+                                                   sequences=sequences))
+    with pytest.raises(ValueError, match="spread"):
+        AcceptanceModel([0.8], sequence_spread=-1.0)
 
 
 def write_statistics(path: Path, **fields) -> Path:

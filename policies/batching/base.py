@@ -419,7 +419,8 @@ class BaseScheduler:
         """After every step of a speculating run: tell the speculation policy what each
         speculating decode proposed and how many of its drafts were accepted, and leave on
         every sequence of the step what its drafts' outcome means for its next step
-        (Sequence.draft_lag, Sequence.after_rejection)."""
+        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
+        the simulator's runs of acceptable drafts)."""
         spec_lens = plan.spec_lens
         accepted_by_seq = {}
         if spec_lens:
@@ -432,7 +433,8 @@ class BaseScheduler:
             k = spec_lens.get(seq.seq_id, 0)
             accepted = accepted_by_seq.get(seq.seq_id, 0)
             seq.draft_lag = 1 if k and accepted == k else 0
-            seq.after_rejection = accepted < k
+            if k:
+                seq.starts_run = accepted < k
         self.speculation.observe(list(spec_lens.values()), list(accepted_by_seq.values()))
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
