@@ -466,14 +466,14 @@ def test_acceptance_draws_follow_the_position_probabilities(probabilities):
 def test_acceptance_draws_stay_within_each_k_and_repeat_with_the_seed(probabilities, spec_lens,
                                                                      seed):
     for runs in (None, probabilities):
-        for spread in (0.0, 1.5):   # sequences drawn alike, or each with its own rates
+        for shifts in (None, [-1.5, 0.3, 2.0]):   # sequences alike, or each with its own rates
             model = AcceptanceModel(probabilities, seed, run_probabilities=runs,
-                                    sequence_spread=spread)
+                                    sequence_shifts=shifts)
             draws = model.draw(dict(enumerate(spec_lens)))
             assert len(draws) == len(spec_lens)
             assert all(0 <= accepted <= k for accepted, k in zip(draws, spec_lens))
             again = AcceptanceModel(probabilities, seed, run_probabilities=runs,
-                                    sequence_spread=spread)
+                                    sequence_shifts=shifts)
             assert draws == again.draw(dict(enumerate(spec_lens)))
             if probabilities[0] == 0.0:
                 assert not any(draws)
@@ -554,27 +554,38 @@ def heterogeneous_sequences(spread: float, num_sequences: int, num_runs: int, se
 
 
 @pytest.mark.parametrize("spread", [0.0, 1.0])
-def test_sequence_spread_is_recovered_from_per_sequence_counts(spread):
-    from sim.speculation import fit_sequence_spread
-    fitted = fit_sequence_spread(heterogeneous_sequences(spread, 60, 40, seed=2))
+def test_sequence_shifts_are_recovered_from_per_sequence_counts(spread):
+    """The spread, the rates of a sequence with no shift (not the pooled ones: sequences that
+    reject often weigh more in those) and each sequence's own shift come back from simulated
+    counts."""
+    from sim.speculation import fit_sequence_shifts
+    sequences = heterogeneous_sequences(spread, 60, 40, seed=2)
+    shifts, rates, fitted = fit_sequence_shifts(sequences)
     assert fitted == pytest.approx(spread, abs=0.3)
-    assert fit_sequence_spread(heterogeneous_sequences(spread, 1, 40, seed=2)) == 0.0
+    assert rates == pytest.approx(BASE_FRESH_RATES.tolist(), abs=0.06)
+    assert len(shifts) == 60 and np.std(shifts) <= spread + 0.1
+    if spread:   # the sequences that accepted more got the larger shifts
+        acceptance = [accepts.sum() / trials.sum() for trials, accepts, _, _ in sequences]
+        assert np.corrcoef(shifts, acceptance)[0, 1] > 0.8
+    assert fit_sequence_shifts(heterogeneous_sequences(spread, 1, 40, seed=2))[0] == []
 
 
-def test_a_sequence_spread_makes_some_sequences_accept_more_than_others(tmp_path):
-    """With a spread each sequence keeps its own rates: the per-sequence means vary far more than
+def test_sequence_shifts_make_some_sequences_accept_more_than_others(tmp_path):
+    """With shifts each sequence keeps its own rates: the per-sequence means vary far more than
     draws that treat every sequence alike, around a similar overall mean; a statistics file with
-    `sequences` fits the spread, and a bad entry is named."""
+    `sequences` fits the shifts, and a bad entry is named."""
     runs = BASE_FRESH_RATES.tolist()
     means = {}
-    for spread in (0.0, 1.0):
-        model = AcceptanceModel([0.8], seed=4, run_probabilities=runs, sequence_spread=spread)
+    shifts = np.random.default_rng(0).normal(0, 1.0, 40).tolist()
+    for name, sequence_shifts in (("alike", None), ("shifted", shifts)):
+        model = AcceptanceModel([0.8], seed=4, run_probabilities=runs,
+                                sequence_shifts=sequence_shifts)
         per_seq = np.array([[model.draw({seq_id: 4})[0] for _ in range(60)]
                             for seq_id in range(150)])
-        means[spread] = per_seq.mean(axis=1)
-        assert model.reseeded(5).sequence_spread == spread
-    assert means[1.0].var() > 3 * means[0.0].var()
-    assert means[1.0].mean() == pytest.approx(means[0.0].mean(), rel=0.15)
+        means[name] = per_seq.mean(axis=1)
+        assert model.reseeded(5).sequence_shifts == (sequence_shifts or [])
+    assert means["shifted"].var() > 3 * means["alike"].var()
+    assert means["shifted"].mean() == pytest.approx(means["alike"].mean(), rel=0.15)
 
     # Spread over every step: the tail's counts go with the last position's.
     sequences = [{"fresh_position_trials": trials.tolist(),
@@ -587,15 +598,15 @@ def test_a_sequence_spread_makes_some_sequences_accept_more_than_others(tmp_path
                   fresh_position_trials=[10] * 8, fresh_position_accepts=[8] * 8)
     model = AcceptanceModel.from_file(write_statistics(tmp_path / "s.json", **fields,
                                                        sequences=sequences))
-    assert 0.6 <= model.sequence_spread <= 1.4
+    assert len(model.sequence_shifts) == 40 and 0.5 <= np.std(model.sequence_shifts) <= 1.6
     assert AcceptanceModel.from_file(write_statistics(tmp_path / "n.json", **fields)
-                                     ).sequence_spread == 0.0
+                                     ).sequence_shifts == []
     sequences[1] = {"fresh_position_trials": [1] * 8}
     with pytest.raises(ValueError, match=r"sequences\[1\]"):
         AcceptanceModel.from_file(write_statistics(tmp_path / "b.json", **fields,
                                                    sequences=sequences))
-    with pytest.raises(ValueError, match="spread"):
-        AcceptanceModel([0.8], sequence_spread=-1.0)
+    with pytest.raises(ValueError, match="shifts"):
+        AcceptanceModel([0.8], sequence_shifts=[0.1, float("nan")])
 
 
 def write_statistics(path: Path, **fields) -> Path:
