@@ -46,8 +46,8 @@ def sequence_counts(llm: LLM, prompts, params: SamplingParams) -> list[dict]:
     acceptance varies from one text to another, which the simulator's acceptance model fits a
     spread to)."""
     counts = []
+    max_k = len(llm.executor.acceptance_stats.position_trials)
     for prompt in prompts:
-        max_k = len(llm.executor.acceptance_stats.position_trials)
         llm.executor.acceptance_stats = AcceptanceCounts(max_k)
         llm.generate([prompt], params, use_tqdm=False)
         stats = llm.executor.acceptance_stats

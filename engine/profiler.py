@@ -117,7 +117,7 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
                 add("spec_decode", decodes=(ctx,) * batch, spec_len=k)
         if quick:
             add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
-        if not quick:
+        else:
             add("spec_decode", decodes=spread(24, 16, 400), spec_len=k)
             for batch in (4, 16):
                 add("spec_mixed", decodes=(128,) * batch, prefills=((128, 0),), spec_len=k)

@@ -206,9 +206,18 @@ class AcceptanceModel:
 
 def _shifted(rates: np.ndarray, shift) -> np.ndarray:
     """Rates with their log-odds moved by `shift` (a rate of 0 or 1 stays where it is)."""
-    clipped = np.clip(rates, _RATE_CLIP, 1.0 - _RATE_CLIP)
-    moved = 1.0 / (1.0 + np.exp(-(np.log(clipped / (1.0 - clipped)) + shift)))
+    moved = _sigmoid(_log_odds(rates) + shift)
     return np.where((rates <= 0.0) | (rates >= 1.0), rates, moved)
+
+
+def _sigmoid(log_odds: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-log_odds))
+
+
+def _log_odds(rates: np.ndarray) -> np.ndarray:
+    """The rates' log-odds, kept finite (_RATE_CLIP)."""
+    clipped = np.clip(rates, _RATE_CLIP, 1.0 - _RATE_CLIP)
+    return np.log(clipped / (1.0 - clipped))
 
 
 def fit_sequence_shifts(sequences: list[tuple[np.ndarray, np.ndarray, float, float]]
@@ -234,13 +243,12 @@ def fit_sequence_shifts(sequences: list[tuple[np.ndarray, np.ndarray, float, flo
     # The continuation counts at the last position's rate: the same column.
     trials[:, -1] += [tail_trials for _, _, tail_trials, _ in sequences]
     accepts[:, -1] += [tail_accepts for _, _, _, tail_accepts in sequences]
-    clipped = np.clip(pooled, _RATE_CLIP, 1.0 - _RATE_CLIP)
-    log_odds = np.log(clipped / (1.0 - clipped))
+    log_odds = _log_odds(pooled)
     best = (-math.inf, 0.0, log_odds)
     for spread in SPREAD_GRID:
         shifts = math.sqrt(2.0) * spread * _HERMITE_NODES
         for _ in range(EM_ITERATIONS):
-            likelihood, weights = _shifted_likelihood(log_odds, shifts, trials, accepts)
+            _, weights = _shifted_likelihood(log_odds, shifts, trials, accepts)
             log_odds = _solve_log_odds(log_odds, shifts, weights, trials, accepts)
         likelihood, _ = _shifted_likelihood(log_odds, shifts, trials, accepts)
         if likelihood > best[0] + 1e-9:
@@ -248,13 +256,13 @@ def fit_sequence_shifts(sequences: list[tuple[np.ndarray, np.ndarray, float, flo
     _, spread, log_odds = best
     nodes = math.sqrt(2.0) * spread * _HERMITE_NODES
     _, weights = _shifted_likelihood(log_odds, nodes, trials, accepts)
-    return (weights @ nodes).tolist(), (1.0 / (1.0 + np.exp(-log_odds))).tolist(), spread
+    return (weights @ nodes).tolist(), _sigmoid(log_odds).tolist(), spread
 
 
 def _shifted_likelihood(log_odds, shifts, trials, accepts) -> tuple[float, np.ndarray]:
     """(log likelihood of every sequence, integrated over its shift; each sequence's posterior
     weights over the quadrature nodes [sequences, nodes])."""
-    rates = 1.0 / (1.0 + np.exp(-(log_odds[None, :] + shifts[:, None])))      # [nodes, K]
+    rates = _sigmoid(log_odds[None, :] + shifts[:, None])      # [nodes, K]
     rates = np.clip(rates, 1e-12, 1.0 - 1e-12)
     log_given = accepts @ np.log(rates).T + (trials - accepts) @ np.log1p(-rates).T
     log_given += np.log(_HERMITE_WEIGHTS / math.sqrt(math.pi))[None, :]
@@ -271,7 +279,7 @@ def _solve_log_odds(log_odds, shifts, weights, trials, accepts) -> np.ndarray:
     target = accepts.sum(axis=0)
     solved = log_odds.copy()
     for _ in range(20):
-        rates = 1.0 / (1.0 + np.exp(-(solved[None, :] + shifts[:, None])))
+        rates = _sigmoid(solved[None, :] + shifts[:, None])
         expected = (node_trials * rates).sum(axis=0)
         slope = (node_trials * rates * (1.0 - rates)).sum(axis=0)
         step = (target - expected) / np.maximum(slope, 1e-12)

@@ -4,8 +4,9 @@ profiled cost model predicts from.
 Most are the StepPlan's aggregates. Three describe the attention's tiles as the engine's torch
 kernels run them (kernels/tiling.py): on a CPU each padded tile costs a gather and an attention
 call per layer, a batch of decodes with spread-out contexts pads to its tiles' longest (so
-Σ context alone under-predicts it), and the queries of a tile pad to its longest query. They need the sequences' lengths (one pass over the batch), so
-they are computed only when an `AttentionTiling` is given.
+Σ context alone under-predicts it), and the queries of a tile pad to its longest query. They
+need the sequences' lengths (one pass over the batch), so they are computed only when an
+`AttentionTiling` is given.
 """
 from __future__ import annotations
 

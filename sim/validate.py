@@ -450,7 +450,8 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
 
 
 def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
-                  console: Console | None = None, command: str = "twinserve-validate", normalize_speed: bool = True) -> dict:
+                  console: Console | None = None, command: str = "twinserve-validate",
+                  normalize_speed: bool = True) -> dict:
     """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
     from tqdm import tqdm
 

@@ -49,9 +49,9 @@ class AcceptanceCounts:
     """Per draft position i = 1..K: how often it was examined (every earlier draft accepted) and
     how often it was accepted. The same counts over the steps that start a run of acceptable
     drafts (a sequence's first speculating step, or the one after a rejected draft: "fresh"
-    steps, Sequence.starts_run) describe the runs of accepted drafts: where a step starts in a run is
-    known only there, and rejections cluster (a hard stretch of text rejects several steps in a
-    row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
+    steps, Sequence.starts_run) describe the runs of accepted drafts: where a step starts in a
+    run is known only there, and rejections cluster (a hard stretch of text rejects several steps
+    in a row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
     file's content (the format `sim.speculation.AcceptanceModel.from_file` reads)."""
 
     COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
