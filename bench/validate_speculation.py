@@ -9,10 +9,13 @@ The workload: --num-requests windows of held-out Python source (models/tiny-pair
 them; bench/speculative.py's acceptance statistics came from windows half a spacing away), all
 arriving at t = 0, at most --batch-sizes sequences running at once (scheduler.max_num_seqs),
 greedy, --output-len tokens each. Every job runs --repeats times, in interleaved rounds (a burst
-of load from elsewhere on the machine spreads over all jobs), each round with its own simulator
-seed; the medians count, and the spread of the engine's runs is reported as its noise.
+of load from elsewhere on the machine spreads over all jobs); the medians count, and the spread
+of the engine's runs is reported as its noise. Beside each engine run the simulator runs
+--sim-runs times with seeds of their own and predicts the mean: one simulated run gives each of
+its 16 sequences the acceptance of one measured text drawn at random, so its acceptance rate
+varies by several % from draw to draw where the engine's, on fixed texts, does not.
 
-    python bench/validate_speculation.py                      # draft model, k = 1..8, ~7 minutes
+    python bench/validate_speculation.py                      # draft model, k = 1..8, ~20 minutes
     python bench/validate_speculation.py --drafter ngram --batch-sizes 1
 
 Needs the profiles of both executors (`make profile-speculation` writes them):
@@ -210,12 +213,17 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny-pair-<drafter>.json, from bench/speculative.py)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of every job (interleaved rounds); medians count")
+    parser.add_argument("--sim-runs", type=int, default=16,
+                        help="simulator runs per engine run (each its own acceptance and "
+                             "residual draws: one run draws 16 of the measured texts' rates); "
+                             "the simulator's value is their mean")
     parser.add_argument("--gate-pct", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=REPO / "validation" / "speculation")
     args = parser.parse_args(argv)
-    if min(args.ks) < 1 or min(args.batch_sizes) < 1 or min(args.num_requests,
-                                                             args.repeats) < 1:
-        parser.error("--ks, --batch-sizes, --num-requests and --repeats take integers >= 1")
+    if min(args.ks) < 1 or min(args.batch_sizes) < 1 or min(args.num_requests, args.repeats,
+                                                             args.sim_runs) < 1:
+        parser.error("--ks, --batch-sizes, --num-requests, --repeats and --sim-runs take "
+                     "integers >= 1")
     acceptance = args.acceptance or REPO / "profiles" / "speculation" / ACCEPTANCE_FILES[
         args.drafter]
     needed = [args.profiles / "tiny-pair.json", args.profiles / f"tiny-pair+{args.drafter}.json",
@@ -234,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for batch_size, k in jobs:
                 bar.set_postfix_str(f"round {repeat + 1}, batch {batch_size}, k {k}")
+                # Each round's simulator runs draw from seeds of their own.
                 overrides = [*job_overrides(trace, batch_size, k, args.drafter, args.profiles,
-                                            acceptance), f"seed={repeat}"]
+                                            acceptance), f"seed={repeat}",
+                             f"sim_seed={repeat * args.sim_runs}"]
                 runs[(batch_size, k)].append(validate(
                     overrides, args.out / f"b{batch_size}-k{k}" / f"run{repeat}",
-                    dict(NO_GATES), console=Console(quiet=True)))
+                    dict(NO_GATES), console=Console(quiet=True), sim_runs=args.sim_runs))
                 bar.update(1)
     rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
     summary = summarize(rows, args.gate_pct)

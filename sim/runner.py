@@ -212,7 +212,8 @@ def build_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv
         if speculation is None:
             return SimExecutor(cost_model)
         # Each replica draws its own acceptances, reproducibly.
-        return SimExecutor(cost_model, speculation.acceptance_model([cfg.seed, replica_id]))
+        sim_seed = cfg.get("sim_seed", cfg.seed)
+        return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]))
     raise ValueError(f"backend must be one of sim, engine; got {backend!r}")
 
 
@@ -231,8 +232,9 @@ def speed_summary(executors: list) -> dict:
 
 
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
-                   progress: bool = False) -> RunResult:
-    """Run the experiment `cfg` describes; write its files into `out_dir` if given."""
+                   progress: bool = False, plots: bool = True) -> RunResult:
+    """Run the experiment `cfg` describes; write its files into `out_dir` if given (the PNG
+    plots too, unless plots=False)."""
     wall_start = time.perf_counter()
     model = ModelSpec.from_config(cfg.model)
     hardware = HardwareSpec.from_config(cfg.hardware)
@@ -288,5 +290,5 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary["num_kv_blocks"] = num_blocks
     summary.update(speed_summary([replica.executor for replica in replicas]))
     if out_dir is not None:
-        metrics.write_outputs(Path(out_dir), requests, summary)
+        metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
     return RunResult(summary, requests, metrics, num_blocks)

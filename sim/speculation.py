@@ -53,6 +53,10 @@ FRESH_KEYS = ("fresh_position_trials", "fresh_position_accepts")
 # Gauss-Hermite nodes that integrate each sequence's likelihood over its unknown shift.
 SPREAD_GRID = np.linspace(0.0, 3.0, 61)
 EM_ITERATIONS = 15
+# The M step's Newton iterations, at most, and the log-odds step that ends them early (warm
+# started from the last iteration's, they settle in a few: a simulator run loads the file anew).
+NEWTON_STEPS = 20
+NEWTON_TOLERANCE = 1e-9
 LOG_ODDS_LIMIT = 12.0   # a rate of 1 - 6e-6: a position every sequence accepted
 _HERMITE_NODES, _HERMITE_WEIGHTS = np.polynomial.hermite.hermgauss(24)
 # Rates are kept off 0 and 1 before their log-odds are taken (a position every sequence
@@ -278,12 +282,14 @@ def _solve_log_odds(log_odds, shifts, weights, trials, accepts) -> np.ndarray:
     node_trials = weights.T @ trials                                          # [nodes, K]
     target = accepts.sum(axis=0)
     solved = log_odds.copy()
-    for _ in range(20):
+    for _ in range(NEWTON_STEPS):
         rates = _sigmoid(solved[None, :] + shifts[:, None])
         expected = (node_trials * rates).sum(axis=0)
         slope = (node_trials * rates * (1.0 - rates)).sum(axis=0)
-        step = (target - expected) / np.maximum(slope, 1e-12)
-        solved = np.clip(solved + np.clip(step, -2.0, 2.0), -LOG_ODDS_LIMIT, LOG_ODDS_LIMIT)
+        step = np.clip((target - expected) / np.maximum(slope, 1e-12), -2.0, 2.0)
+        solved = np.clip(solved + step, -LOG_ODDS_LIMIT, LOG_ODDS_LIMIT)
+        if np.abs(step).max() < NEWTON_TOLERANCE:
+            break
     return solved
 
 

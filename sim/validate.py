@@ -9,13 +9,16 @@ conf/ plus the given overrides; only the backend differs: `backend=engine` runs 
 engine run's measurements). When the profile carries a speed reference (twinserve-profile's speed
 probe), the engine's step durations are normalised to the machine speed the profile was taken at
 (engine/speed.py: on a shared machine the speed drifts by tens of % over minutes, which no cost
-model can predict); `--wall-clock` times them as measured. Writes <out>/engine/ and <out>/sim/
-(each run's usual files) and
+model can predict); `--wall-clock` times them as measured. The simulator runs the workload
+`--sim-runs` times (sim_seed, sim_seed + 1, ...: other draws of step-time noise and acceptances)
+and its value of a metric is the mean over them. Writes <out>/engine/, <out>/sim/ and
+<out>/sim-run1/... (each run's usual files; plots for the first simulator run only) and
 
 - `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
   time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
   (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
-- `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both runs).
+- `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both
+  backends, the simulator's runs pooled).
 
 A validation grid is a Hydra sweep: give any override several values (`scheduler=continuous,
 chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combination is validated
@@ -66,6 +69,9 @@ CDF_COLUMNS: tuple[tuple[str, str], ...] = (("ttft_ms", "TTFT"), ("tpot_ms", "TP
 
 
 UNSET = object()  # a gate not given on the command line
+# The simulator predicts a run's expected metrics: the mean over this many runs of its random
+# draws (a p99 of one run moves by several % between draws; the engine's run is one draw).
+DEFAULT_SIM_RUNS = 5
 
 
 class ValidationInputError(ValueError):
@@ -203,12 +209,16 @@ def read_latencies_ms(requests_csv: Path) -> dict[str, np.ndarray]:
     return {column: np.asarray(v, dtype=np.float64) for column, v in values.items()}
 
 
-def plot_cdfs(engine_csv: Path, sim_csv: Path, out_path: Path) -> Path:
+def plot_cdfs(engine_csv: Path, sim_csvs: list[Path], out_path: Path) -> Path:
+    """The engine's CDFs over the simulator's (every simulator run's requests pooled)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {"engine": read_latencies_ms(engine_csv), "sim (profiled)": read_latencies_ms(sim_csv)}
+    sim_latencies = [read_latencies_ms(path) for path in sim_csvs]
+    pooled = {column: np.concatenate([run[column] for run in sim_latencies])
+              for column, _ in CDF_COLUMNS}
+    runs = {"engine": read_latencies_ms(engine_csv), "sim (profiled)": pooled}
     fig, axes = plt.subplots(1, len(CDF_COLUMNS), figsize=(5 * len(CDF_COLUMNS), 4))
     for ax, (column, title) in zip(axes, CDF_COLUMNS):
         ax.set_title(f"{title} CDF")
@@ -307,15 +317,36 @@ def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: boo
     return conditions
 
 
+def sim_run_dirs(out_dir: Path, sim_runs: int) -> list[Path]:
+    """Where each simulator run writes: <out>/sim, then <out>/sim-run1, sim-run2, ..."""
+    return [out_dir / ("sim" if run == 0 else f"sim-run{run}") for run in range(sim_runs)]
+
+
+def mean_summary(summaries: list[dict], metrics: tuple[str, ...] = METRICS) -> dict:
+    """Several simulator runs of one workload as one prediction: each metric's mean over the
+    runs (their expected value, where one run is one draw of the residuals and acceptances)."""
+    mean = {name: float(np.mean([summary[name] for summary in summaries]))
+            for name in metrics if all(name in summary for summary in summaries)}
+    mean["wall_time_s"] = float(np.mean([summary["wall_time_s"] for summary in summaries]))
+    mean["completed"] = summaries[0]["completed"]
+    return mean
+
+
 def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
-             console: Console | None = None, normalize_speed: bool = True) -> dict:
+             console: Console | None = None, normalize_speed: bool = True,
+             sim_runs: int = DEFAULT_SIM_RUNS) -> dict:
     """Run both backends, write the report into out_dir, and return validation.json's dict.
     With normalize_speed the engine's step durations are normalised to the profile's machine
-    speed (engine/speed.py), when the profile has a speed reference."""
+    speed (engine/speed.py), when the profile has a speed reference. The simulator runs
+    `sim_runs` times (sim_seed, sim_seed + 1, ...: the same workload, other residual and
+    acceptance draws) and predicts each metric's mean over them."""
+    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     from sim.runner import run_experiment
 
+    if isinstance(sim_runs, bool) or not isinstance(sim_runs, int) or sim_runs < 1:
+        raise ValidationInputError(f"sim_runs must be an integer >= 1, got {sim_runs!r}")
     console = console or Console()
     out_dir = Path(out_dir)
     engine_cfg, sim_cfg = compose_configs(overrides)
@@ -323,36 +354,46 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     try:
         num_blocks = pin_kv_pool(engine_cfg, sim_cfg)
         # The simulator first: a bad profile is bad input, found before minutes of engine steps.
-        sim = run_experiment(sim_cfg, out_dir / "sim")
+        first_sim_seed = int(sim_cfg.sim_seed)
+        sims = []
+        for run, run_dir in enumerate(sim_run_dirs(out_dir, sim_runs)):
+            with open_dict(sim_cfg):
+                sim_cfg.sim_seed = first_sim_seed + run
+            # The first run's plots; the others' numbers (validation_cdf.png pools them all).
+            sims.append(run_experiment(sim_cfg, run_dir, plots=run == 0))
         conditions = match_profile_conditions(sim_cfg.cost_model.profile, engine_cfg,
                                               normalize_speed, console)
         engine = run_experiment(engine_cfg, out_dir / "engine")
     except OmegaConfBaseException as error:
         raise ValidationInputError(str(error)) from None
-    metrics = compare_summaries(engine.summary, sim.summary)
+    sim_summary = mean_summary([sim.summary for sim in sims])
+    metrics = compare_summaries(engine.summary, sim_summary)
     failures = check_gates(metrics, gates)
     # The engine's own wall time: without the speed probes' (a measuring cost, not the engine's).
     engine_wall_s = engine.summary["wall_time_s"] - engine.summary.get("speed_probe_s", 0.0)
     speed = {key: value for key, value in engine.summary.items() if key.startswith("speed_")}
     result = {
         "metrics": metrics,
-        "speedup": speedup(engine_wall_s, sim.summary["wall_time_s"]),
+        "speedup": speedup(engine_wall_s, sim_summary["wall_time_s"]),
         "engine_wall_time_s": engine_wall_s,
-        "sim_wall_time_s": sim.summary["wall_time_s"],
+        "sim_wall_time_s": sim_summary["wall_time_s"],   # one run's (the mean over the runs)
+        "sim_runs": sim_runs,
         "gates": dict(gates),
         "failures": failures,
         "passed": not failures,
         "profile": str(sim_cfg.cost_model.profile),
         "num_kv_blocks": num_blocks,
         "engine_conditions": {**conditions, **speed},
-        "completed": {"engine": engine.summary["completed"], "sim": sim.summary["completed"]},
+        "completed": {"engine": engine.summary["completed"], "sim": sim_summary["completed"]},
         "seed": int(sim_cfg.seed),
+        "sim_seeds": [first_sim_seed + run for run in range(sim_runs)],
         "overrides": list(overrides),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "validation.md").write_text(markdown_report(result))
-    plot_cdfs(out_dir / "engine" / "requests.csv", out_dir / "sim" / "requests.csv",
+    plot_cdfs(out_dir / "engine" / "requests.csv",
+              [run_dir / "requests.csv" for run_dir in sim_run_dirs(out_dir, sim_runs)],
               out_dir / "validation_cdf.png")
     console.print(rich_table(result))
     return result
@@ -451,7 +492,7 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
 
 def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
                   console: Console | None = None, command: str = "twinserve-validate",
-                  normalize_speed: bool = True) -> dict:
+                  normalize_speed: bool = True, sim_runs: int = DEFAULT_SIM_RUNS) -> dict:
     """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
     from tqdm import tqdm
 
@@ -463,7 +504,8 @@ def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | 
     for index, job in enumerate(tqdm(jobs, desc="validation grid", unit="job")):
         values = " ".join(f"{key}={value}" for key, value in swept[index].items())
         console.print(f"[bold]job {index}[/bold]: {values}")
-        results.append(validate(job, out_dir / str(index), gates, console, normalize_speed))
+        results.append(validate(job, out_dir / str(index), gates, console, normalize_speed,
+                                sim_runs))
     rows = grid_rows(results, swept)
     summary = grid_summary(results)
     swept_keys = list(swept[0])
@@ -503,6 +545,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wall-clock", action="store_true",
                         help="time the engine's steps as measured, not normalised to the "
                              "profile's machine speed by the speed probe")
+    parser.add_argument("--sim-runs", type=int, default=DEFAULT_SIM_RUNS,
+                        help="simulator runs of the workload, each with its own residual and "
+                             "acceptance draws (sim_seed, sim_seed + 1, ...); the simulator's "
+                             f"value of a metric is its mean over them (default "
+                             f"{DEFAULT_SIM_RUNS})")
     parser.add_argument("--gate-mean-pct", type=_gate, default=UNSET,
                         help="|error| %% gate on means/medians of TTFT, TPOT, e2e and throughputs "
                              "(default 3; 'off' disables a gate)")
@@ -530,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             command = shlex.join(["twinserve-validate",
                                   *(argv if argv is not None else sys.argv[1:])])
             grid = validate_grid(overrides, args.out, gates, command=command,
-                                 normalize_speed=not args.wall_clock)
+                                 normalize_speed=not args.wall_clock, sim_runs=args.sim_runs)
             print(f"results in {args.out}")
             failed = grid["failures"]
             if failed:
@@ -539,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(str(job) for job in failed)}", file=sys.stderr)
                 return 1
             return 0
-        result = validate(overrides, args.out, gates, normalize_speed=not args.wall_clock)
+        result = validate(overrides, args.out, gates, normalize_speed=not args.wall_clock,
+                          sim_runs=args.sim_runs)
     except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
         print(f"twinserve-validate: error: {error}", file=sys.stderr)
         return 2

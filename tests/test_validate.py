@@ -1,6 +1,7 @@
 """The profiled cost model and twinserve-validate (sim/profiled_cost_model.py, sim/validate.py)."""
 from __future__ import annotations
 
+import csv
 import json
 import logging
 from pathlib import Path
@@ -18,8 +19,8 @@ from sim.runner import run_experiment
 from sim.step_features import STEP_FEATURES, step_features
 from sim.validate import (DEFAULT_GATES, GATED_BY, GRID_METRICS, METRICS, UNSET, check_gates,
                           compare_summaries, error_pct, expand_sweep, grid_markdown, grid_rows,
-                          grid_summary, main, parse_args, read_latencies_ms, resolve_gates,
-                          swept_values)
+                          grid_summary, main, mean_summary, parse_args, read_latencies_ms,
+                          resolve_gates, swept_values)
 
 torch.set_num_threads(1)
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -105,6 +106,14 @@ def test_metric_names_are_the_summary_keys_with_percentiles_from_the_runs():
     assert set(METRICS) <= set(summary)
     with pytest.raises(ValueError, match="lack"):
         compare_summaries({"mean_ttft_ms": 1.0}, summary)
+
+
+def test_several_simulator_runs_predict_each_metric_by_its_mean():
+    runs = [{"mean_ttft_ms": 10.0, "p99_ttft_ms": 30.0, "wall_time_s": 0.2, "completed": 5},
+            {"mean_ttft_ms": 14.0, "p99_ttft_ms": 36.0, "wall_time_s": 0.4, "completed": 5}]
+    mean = mean_summary(runs, ("mean_ttft_ms", "p99_ttft_ms"))
+    assert mean == {"mean_ttft_ms": 12.0, "p99_ttft_ms": 33.0, "wall_time_s": pytest.approx(0.3),
+                    "completed": 5}
 
 
 def test_latencies_read_back_from_requests_csv_give_the_summary_percentiles(tmp_path):
@@ -327,12 +336,28 @@ NO_GATES = ["--gate-mean-pct=off", "--gate-p99-pct=off", "--gate-p99-ttft-pct=of
 
 def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     profile = fit_profile_on_engine_steps(tmp_path, monkeypatch)
+    # Fitted on one sample per step shape, the profile has no spread of its own: give it some,
+    # so that the simulator's runs draw different step times.
+    content = json.loads(profile.read_text())
+    content["residuals"]["samples"] = [-0.1, 0.0, 0.1]
+    profile.write_text(json.dumps(content))
     overrides = [*TINY, "workload.num_requests=12", "workload.rate=20", f"--profile={profile}"]
-    assert main([*overrides, f"--out={tmp_path / 'loose'}", *NO_GATES]) == 0
+    assert main([*overrides, f"--out={tmp_path / 'loose'}", "--sim-runs=3", *NO_GATES]) == 0
     result = json.loads((tmp_path / "loose" / "validation.json").read_text())
     assert set(result["metrics"]) == set(METRICS)
     for values in result["metrics"].values():
         assert set(values) == {"engine", "sim", "error_pct"}
+    # Three simulator runs of the same workload with their own draws; the prediction is their
+    # mean.
+    assert result["sim_runs"] == 3 and result["sim_seeds"] == [0, 1, 2]
+    sims = [json.loads((tmp_path / "loose" / folder / "summary.json").read_text())
+            for folder in ("sim", "sim-run1", "sim-run2")]
+    tpots = [summary["mean_tpot_ms"] for summary in sims]
+    assert len(set(tpots)) == 3
+    assert result["metrics"]["mean_tpot_ms"]["sim"] == pytest.approx(np.mean(tpots))
+    prompts = [[row["prompt_len"] for row in csv.DictReader(
+        open(tmp_path / "loose" / folder / "requests.csv"))] for folder in ("sim", "sim-run2")]
+    assert prompts[0] == prompts[1]
     assert result["completed"] == {"engine": 12, "sim": 12}
     assert result["engine_conditions"]["threads"] == 1
     # A profile without a speed reference: the engine's steps are timed as measured.
@@ -406,6 +431,8 @@ def test_validate_bad_input_exits_2(tmp_path, capsys):
     assert main([*TINY, "+validate.gate_mean_pct=-1", f"--profile={profile}",
                  f"--out={tmp_path}"]) == 2
     assert "gate_mean_pct" in capsys.readouterr().err
+    assert main([*TINY, "--sim-runs=0", f"--profile={profile}", f"--out={tmp_path}"]) == 2
+    assert "sim_runs must be an integer >= 1" in capsys.readouterr().err
     bad = write_profile(tmp_path / "bad.json", schema=7)
     assert main([*TINY, f"--profile={bad}", f"--out={tmp_path}"]) == 2
     assert "schema" in capsys.readouterr().err

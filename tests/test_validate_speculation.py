@@ -63,8 +63,8 @@ def test_tiny_end_to_end_on_the_trained_pair(tmp_path):
     out = tmp_path / "spec"
     status = validate_speculation.main(["--ks", "2", "--batch-sizes", "2", "--num-requests",
                                         "2", "--output-len", "8", "--prompt-len", "32",
-                                        "--repeats", "2", "--gate-pct", "1000",
-                                        "--out", str(out)])
+                                        "--repeats", "2", "--sim-runs", "2",
+                                        "--gate-pct", "1000", "--out", str(out)])
     result = json.loads((out / "speculation.json").read_text())
     [row] = result["rows"]
     assert (row["batch_size"], row["k"]) == (2, 2)
@@ -75,6 +75,10 @@ def test_tiny_end_to_end_on_the_trained_pair(tmp_path):
     for name in ("speculation.md", "speculation.png", "trace.csv", "b2-k0/run0/validation.json",
                  "b2-k2/run1/engine/summary.json"):
         assert (out / name).exists(), name
+    # Each round's simulator runs draw from seeds of their own.
+    seeds = [json.loads((out / f"b2-k2/run{repeat}/validation.json").read_text())["sim_seeds"]
+             for repeat in (0, 1)]
+    assert seeds == [[0, 1], [2, 3]]
     # The engine ran the trace's own prompts: held-out Python source, bytes.
     with open(out / "trace.csv") as handle:
         assert handle.readline().strip().endswith("prompt_token_ids")
