@@ -354,13 +354,14 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     try:
         num_blocks = pin_kv_pool(engine_cfg, sim_cfg)
         # The simulator first: a bad profile is bad input, found before minutes of engine steps.
-        first_sim_seed = int(sim_cfg.sim_seed)
+        sim_seeds = [int(sim_cfg.sim_seed) + run for run in range(sim_runs)]
+        run_dirs = sim_run_dirs(out_dir, sim_runs)
         sims = []
-        for run, run_dir in enumerate(sim_run_dirs(out_dir, sim_runs)):
+        for sim_seed, run_dir in zip(sim_seeds, run_dirs):
             with open_dict(sim_cfg):
-                sim_cfg.sim_seed = first_sim_seed + run
+                sim_cfg.sim_seed = sim_seed
             # The first run's plots; the others' numbers (validation_cdf.png pools them all).
-            sims.append(run_experiment(sim_cfg, run_dir, plots=run == 0))
+            sims.append(run_experiment(sim_cfg, run_dir, plots=not sims))
         conditions = match_profile_conditions(sim_cfg.cost_model.profile, engine_cfg,
                                               normalize_speed, console)
         engine = run_experiment(engine_cfg, out_dir / "engine")
@@ -386,14 +387,14 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         "engine_conditions": {**conditions, **speed},
         "completed": {"engine": engine.summary["completed"], "sim": sim_summary["completed"]},
         "seed": int(sim_cfg.seed),
-        "sim_seeds": [first_sim_seed + run for run in range(sim_runs)],
+        "sim_seeds": sim_seeds,
         "overrides": list(overrides),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "validation.md").write_text(markdown_report(result))
     plot_cdfs(out_dir / "engine" / "requests.csv",
-              [run_dir / "requests.csv" for run_dir in sim_run_dirs(out_dir, sim_runs)],
+              [run_dir / "requests.csv" for run_dir in run_dirs],
               out_dir / "validation_cdf.png")
     console.print(rich_table(result))
     return result
