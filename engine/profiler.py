@@ -208,7 +208,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 block_size, tile_tokens(block_size, kv_bytes_per_token))
             largest = sorted(points, key=lambda p: -p.num_blocks_needed())[:3]
             for point in points:
-                plan = build_plan(point, rng, num_blocks, num_host)
+                # Blocks scattered over the pool, as a serving run's are (build_plan's aged_pool).
+                plan = build_plan(point, rng, num_blocks, num_host, aged_pool=True)
                 runs.append((name, point, executor, plan,
                              dict(zip(STEP_FEATURES, step_features(plan, tiling)))))
                 if point in largest:   # warm each executor up on its largest shapes first

@@ -105,6 +105,25 @@ def test_grid_plans_are_real():
             assert len(seq.request.prompt_token_ids) == seq.request.prompt_len
 
 
+def test_an_aged_pool_scatters_the_blocks_and_keeps_the_step():
+    """The profiler's plans take their blocks from a pool handed out in a random order, as a
+    serving run's pool is; the step (its features) is the fresh pool's."""
+    point = GridPoint(0, "mixed", 16, decodes=(256,) * 8, prefills=((128, 64),))
+    fresh = build_plan(point, np.random.default_rng(3), 400, 0)
+    aged = build_plan(point, np.random.default_rng(3), 400, 0, aged_pool=True)
+    assert step_features(aged) == step_features(fresh)
+    tables = [aged.block_tables[seq.seq_id] for seq in aged.seqs]
+    neighbours = [b == a + 1 for table in tables for a, b in zip(table, table[1:])]
+    assert sum(neighbours) < 0.1 * len(neighbours)
+    for seq in fresh.seqs:   # a fresh pool: consecutive blocks
+        table = fresh.block_tables[seq.seq_id]
+        assert table == list(range(table[0], table[0] + len(table)))
+    blocks = [block for table in tables for block in table]
+    assert len(set(blocks)) == len(blocks) and max(blocks) < 400
+    again = build_plan(point, np.random.default_rng(3), 400, 0, aged_pool=True)
+    assert [again.block_tables[seq.seq_id] for seq in again.seqs] == tables
+
+
 def test_nnls_matches_lstsq_when_unconstrained_and_clamps_otherwise():
     rng = np.random.default_rng(0)
     a = rng.random((50, 4))
