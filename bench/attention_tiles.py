@@ -1,6 +1,6 @@
 """Attention tiles with short queries kept apart, against one class for every multi-token query.
 
-The torch attention path (kernels/reference.py) attends sequences in padded tiles, and a tile
+The torch attention path (kernels/torch_paged.py) attends sequences in padded tiles, and a tile
 pads every query to its longest. A speculating decode verifies k + 1 tokens; in a tile with a
 prompt's chunk it was padded to the chunk's length. kernels/tiling.py now tiles short queries
 (up to MAX_SHORT_QUERY_LEN tokens) apart from prefill chunks. This times the steps where that

@@ -179,7 +179,7 @@ def check_correctness(shapes: Shapes, device, triton_ops, naive):
     return rows
 
 
-def decode_bandwidth(shapes: Shapes, device, triton_ops, reference, copy_rate):
+def decode_bandwidth(shapes: Shapes, device, triton_ops, torch_paged, copy_rate):
     """Rows (case, ms, GB/s of K/V read, % of copy bandwidth)."""
     rows = []
 
@@ -191,8 +191,8 @@ def decode_bandwidth(shapes: Shapes, device, triton_ops, reference, copy_rate):
     for num_seqs, context in shapes.bandwidth_cases:
         batch = make_batch(shapes, [1] * num_seqs, [context - 1] * num_seqs, device)
         measure(f"decode {num_seqs} seqs x {context}", triton_ops.paged_decode_attention, batch)
-        if reference is not None:
-            measure("  torch reference, same", reference.paged_attention, batch)
+        if torch_paged is not None:
+            measure("  torch kernels, same", torch_paged.paged_attention, batch)
         del batch
     num_seqs, context = shapes.split_k_case
     batch = make_batch(shapes, [1] * num_seqs, [context - 1] * num_seqs, device)
@@ -324,16 +324,16 @@ def main() -> int:
 
     from kernels import naive, triton_ops  # before triton: it picks the interpreter on CPU
     try:
-        from kernels import reference
+        from kernels import torch_paged
     except ImportError:
-        reference = None
+        torch_paged = None
     torch.manual_seed(0)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
     started = time.perf_counter()
     correctness = check_correctness(shapes, device, triton_ops, naive)
     copy_rate = copy_bandwidth(shapes, device)
-    bandwidth = decode_bandwidth(shapes, device, triton_ops, reference, copy_rate)
+    bandwidth = decode_bandwidth(shapes, device, triton_ops, torch_paged, copy_rate)
     prefill = prefill_rate(shapes, device, triton_ops)
     elapsed = time.perf_counter() - started
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from sim.runner import run_experiment
+from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_REQUESTS_PER_WALL_S = 5_000

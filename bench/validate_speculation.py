@@ -40,7 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from sim.validate import DEFAULT_GATES, error_pct, validate  # noqa: E402
+from sim.calibration.validate import DEFAULT_GATES, error_pct, validate  # noqa: E402
 
 DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram"}
 ACCEPTANCE_FILES = {"tiny-pair-draft": "tiny-pair-draft.json", "ngram": "tiny-pair-ngram.json"}

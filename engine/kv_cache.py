@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 import conf
 from kernels import KernelOps
-from sim.specs import GIB, HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.core.specs import GIB, HardwareSpec, ModelSpec, kv_cache_num_blocks
 
 HARDWARE_CONFIG_DIR = Path(conf.__file__).parent / "hardware"
 

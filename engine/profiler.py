@@ -2,7 +2,7 @@
 fit a linear model of duration on the step features, and write `profiles/<device>/<model>.json`
 with the raw samples beside it (`<model>.samples.csv`).
 
-The grid is not a workload: it is chosen to span every feature in `sim.step_features` on its own
+The grid is not a workload: it is chosen to span every feature in `sim.calibration.step_features` on its own
 and in combination: prefill chunks of several lengths over several cached-context lengths, several
 prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
 batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
@@ -39,8 +39,8 @@ import numpy as np
 from engine.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
 from engine.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from kernels.tiling import TILE_BYTES, tile_tokens
-from sim.profiled_cost_model import fit_local_correction
-from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
+from sim.calibration.profiled_cost_model import fit_local_correction
+from sim.calibration.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": profile_name(args.model, None),
             "model_config": dataclasses.asdict(loaded.spec),
             "dtype": str(dtype).removeprefix("torch."),
-            # What the tile features were computed with (sim.step_features.AttentionTiling).
+            # What the tile features were computed with (sim.calibration.step_features.AttentionTiling).
             "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
                                  "tile_bytes": TILE_BYTES},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -1,5 +1,5 @@
-"""Paged-KV kernels: Triton on CUDA (kernels/triton_ops.py), torch on CPU (kernels/reference.py),
-plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/reference.py."""
+"""Paged-KV kernels: Triton on CUDA (kernels/triton_ops.py), torch on CPU (kernels/torch_paged.py),
+plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/torch_paged.py."""
 from __future__ import annotations
 
 import warnings
@@ -30,7 +30,7 @@ def _ops_from(module, name: str) -> KernelOps:
 
 
 def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
-    """The kernels for `device`: "triton" on CUDA, "torch" (the vectorized reference) elsewhere.
+    """The kernels for `device`: "triton" on CUDA, "torch" (the vectorised torch path) elsewhere.
     `backend` forces one; "naive" gives the loop oracle (slow, for tests)."""
     import torch  # here, not at the top: kernels.tiling is imported by the torch-free simulator
 
@@ -38,8 +38,8 @@ def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> Ke
     if backend is None:
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
-        from kernels import reference
-        return _ops_from(reference, "torch")
+        from kernels import torch_paged
+        return _ops_from(torch_paged, "torch")
     if backend == "naive":
         from kernels import naive
         return _ops_from(naive, "naive")
@@ -48,7 +48,7 @@ def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> Ke
             from kernels import triton_ops
         except ImportError as error:  # no triton build for this platform
             warnings.warn(f"Triton kernels unavailable ({error}); using the torch kernels")
-            from kernels import reference
-            return _ops_from(reference, "torch")
+            from kernels import torch_paged
+            return _ops_from(torch_paged, "torch")
         return _ops_from(triton_ops, "triton")
     raise ValueError(f"kernel backend must be one of triton, torch, naive; got {backend!r}")

@@ -2,7 +2,7 @@
 
 Nothing here is meant to be fast. Each function does the obvious thing one sequence, one token
 and one head at a time, so that it can be checked by reading it; the Triton kernels
-(kernels/triton_ops.py) and the engine's vectorized CPU path (kernels/reference.py) are tested
+(kernels/triton_ops.py) and the engine's vectorized CPU path (kernels/torch_paged.py) are tested
 against it.
 
 Layout (shared by all implementations):

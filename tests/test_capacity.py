@@ -1,4 +1,4 @@
-"""Capacity search (sim/capacity.py): the bisection on a known curve, the simulator's capacity
+"""Capacity search (sim/tools/capacity.py): the bisection on a known curve, the simulator's capacity
 meeting the SLO at the capacity and missing it just above, and bad input."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sim.capacity import SLO, compose_config, find_capacity, search_capacity
-from sim.runner import run_experiment
+from sim.tools.capacity import SLO, compose_config, find_capacity, search_capacity
+from sim.core.experiment import run_experiment
 
 # 400 requests: enough that the queue past capacity shows in p99 TTFT/TPOT, ~0.2 s a probe.
 CONFIG = ["workload.num_requests=400"]
@@ -87,7 +87,7 @@ def test_a_looser_slo_gives_a_higher_capacity(strict_capacity):
 
 def test_cli_writes_json_and_plot(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "sim.capacity", "workload.num_requests=100", "--ttft-p99-ms",
+        [sys.executable, "-m", "sim.tools.capacity", "workload.num_requests=100", "--ttft-p99-ms",
          "1000", "--tpot-p99-ms", "100", "--low", "8", "--high", "16", "--tolerance", "0.3",
          "--out", "out"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -130,7 +130,7 @@ def test_bad_slo_and_config_are_refused():
     (["workload.num_requests=-3", "--ttft-p99-ms", "100"], "workload.num_requests"),  # the run's
 ])
 def test_cli_errors_are_one_line(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "sim.capacity", *args, "--out", "out"],
+    result = subprocess.run([sys.executable, "-m", "sim.tools.capacity", *args, "--out", "out"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

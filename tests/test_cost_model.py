@@ -8,9 +8,9 @@ from omegaconf import OmegaConf
 
 from policies.protocols import Executor
 from policies.types import StepPlan
-from sim.cost_model import RooflineCostModel
-from sim.executor import SimExecutor
-from sim.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.core.roofline import RooflineCostModel
+from sim.core.executor import SimExecutor
+from sim.core.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 MODEL_FILES = sorted((CONF / "model").glob("*.yaml"))

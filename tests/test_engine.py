@@ -22,7 +22,7 @@ except ImportError:  # until pyproject.toml packages engine/ and kernels/ (edita
 
 from engine import LLM, SamplingParams
 from engine.attention import PAGED_ATTENTION
-from kernels import get_kernel_ops, reference
+from kernels import get_kernel_ops, torch_paged
 from policies.protocols import Executor
 
 MAX_TOKENS = 16
@@ -228,11 +228,11 @@ def test_reference_attention_tiles_match_naive(monkeypatch):
     query_start_loc = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist()).int()
     args = (query, kv_cache, tables, torch.tensor(seq_lens).int(), query_start_loc, 0.3)
     expected = naive.paged_attention(*args)
-    for tile_bytes in (1, 200 * 2 * num_kv_heads * head_dim * 4, reference.TILE_BYTES):
-        monkeypatch.setattr(reference, "TILE_BYTES", tile_bytes)
-        torch.testing.assert_close(reference.paged_attention(*args), expected)
+    for tile_bytes in (1, 200 * 2 * num_kv_heads * head_dim * 4, torch_paged.TILE_BYTES):
+        monkeypatch.setattr(torch_paged, "TILE_BYTES", tile_bytes)
+        torch.testing.assert_close(torch_paged.paged_attention(*args), expected)
     ops = get_kernel_ops("cpu")
-    assert ops.name == "torch" and ops.plan_attention is reference.plan_attention
+    assert ops.name == "torch" and ops.plan_attention is torch_paged.plan_attention
     plan = ops.plan_attention(*args[2:5], kv_cache)
     torch.testing.assert_close(ops.paged_attention(*args, plan=plan), expected)
 
@@ -267,8 +267,8 @@ def test_engine_executor_under_the_simulator_clock(reference_llm, prompts, expec
     from policies.preemption import RecomputePreemption
     from policies.routing import RoundRobinRouter
     from policies.types import Request
-    from sim.metrics import MetricsCollector
-    from sim.replica import Replica, arrivals
+    from sim.core.metrics import MetricsCollector
+    from sim.core.replica import Replica, arrivals
 
     kv_cache = PagedBlockManager(num_blocks=48, block_size=8)
     scheduler = ChunkedPrefillScheduler(kv_cache, RecomputePreemption(), max_num_seqs=8,

@@ -1,7 +1,7 @@
 """Paged-KV kernels against the loop oracle (kernels/naive.py), itself checked against dense SDPA.
 
 Every implementation (the Triton kernels, through Triton's interpreter without a GPU, and the
-engine's vectorized torch path kernels/reference.py) gets random inputs at tiny sizes: block
+engine's vectorized torch path kernels/torch_paged.py) gets random inputs at tiny sizes: block
 tables drawn from a shuffled pool, ragged contexts, pure decode, pure prefill and chunked prefill
 over cached context, with every pair of block size (1/4/16), GQA ratio (1/2) and dtype
 (fp32/fp16) covered. Memory a kernel must not read (block 0, which pads the block tables, and
@@ -129,10 +129,10 @@ def assert_close(actual, expected, dtype):
 
 def reference_module():
     try:
-        return importlib.import_module("kernels.reference")
+        return importlib.import_module("kernels.torch_paged")
     except ModuleNotFoundError as error:
-        if error.name in ("kernels.reference", "kernels"):
-            pytest.skip("kernels/reference.py does not exist yet")
+        if error.name in ("kernels.torch_paged", "kernels"):
+            pytest.skip("kernels/torch_paged.py does not exist yet")
         raise
 
 

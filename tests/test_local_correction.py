@@ -1,4 +1,4 @@
-"""The profile's local correction (sim/profiled_cost_model.py): where the linear model misfits a
+"""The profile's local correction (sim/calibration/profiled_cost_model.py): where the linear model misfits a
 region of step shapes, the kernel average of the grid points' measured/fitted ratios brings the
 prediction back, chosen by leave-one-out; far from the points and where the linear model is
 already right it changes nothing. And `twinserve-profile --refit` re-fits a written profile."""
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from engine.profiler import fit_profile, main, refit, write_profile
-from sim.profiled_cost_model import (LocalCorrection, ProfileError, ProfiledCostModel,
+from sim.calibration.profiled_cost_model import (LocalCorrection, ProfileError, ProfiledCostModel,
                                      fit_local_correction)
-from sim.step_features import STEP_FEATURES
+from sim.calibration.step_features import STEP_FEATURES
 from tests.test_profiler import predict
 
 DECODE = STEP_FEATURES.index("num_decode_seqs")

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
-from sim.metrics import (
+from sim.core.metrics import (
     REQUEST_COLUMNS, STEP_COLUMNS, MetricsCollector, format_summary_table, print_summary,
     weighted_percentiles,
 )
-from sim.plots import downsample_indices, write_plots
+from sim.tools.plots import downsample_indices, write_plots
 
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
                 for stat in ("mean", "median", "p90", "p99")]

@@ -13,8 +13,8 @@ from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid
                              profile, write_profile)
 from kernels.tiling import query_class, tile_tokens
 from policies.types import StepResult
-from sim.profiled_cost_model import ProfiledCostModel
-from sim.step_features import STEP_FEATURES, AttentionTiling, attention_lengths, step_features
+from sim.calibration.profiled_cost_model import ProfiledCostModel
+from sim.calibration.step_features import STEP_FEATURES, AttentionTiling, attention_lengths, step_features
 
 torch.set_num_threads(1)
 
@@ -219,12 +219,12 @@ def test_quick_real_run_on_tiny_llama(tmp_path):
 
 
 def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
-    """step_features' tile count and padded K/V tokens are those of kernels.reference's plan."""
-    from kernels import reference
+    """step_features' tile count and padded K/V tokens are those of kernels.torch_paged's plan."""
+    from kernels import torch_paged
 
     kv_bytes_per_token = 2 * 2 * 8 * 4  # 2 KV heads of 8 dims, fp32
     tile_bytes = 300 * kv_bytes_per_token  # tiles of ~300 tokens: several per step
-    monkeypatch.setattr(reference, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(torch_paged, "TILE_BYTES", tile_bytes)
     for point in (GridPoint(0, "decode_mixed_ctx", 16, decodes=(5, 300, 17, 64, 129, 33, 250)),
                   GridPoint(1, "mixed", 8, decodes=(40, 90, 12), prefills=((30, 0), (7, 50))),
                   GridPoint(2, "spec_mixed", 16, decodes=(60, 70), prefills=((40, 0),),
@@ -241,7 +241,7 @@ def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
                                for s in plan.seqs], dtype=torch.int32)
         starts = np.concatenate([[0], np.cumsum(query_lens)])
         kv_cache = torch.zeros(2, max(map(max, plan.block_tables.values())) + 1, block_size, 2, 8)
-        tiles = reference.plan_attention(tables, torch.tensor(seq_lens, dtype=torch.int32),
+        tiles = torch_paged.plan_attention(tables, torch.tensor(seq_lens, dtype=torch.int32),
                                          torch.tensor(starts, dtype=torch.int32), kv_cache)
         assert len(tiles) > 1
         # Queries pad only to their own class's longest: drafts verified apart from prompts.

@@ -1,4 +1,4 @@
-"""The sweep report (sim/report.py), its Hydra callback and the experiment presets."""
+"""The sweep report (sim/tools/report.py), its Hydra callback and the experiment presets."""
 from __future__ import annotations
 
 import csv
@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from sim.report import ReportError, main, write_report
+from sim.tools.report import ReportError, main, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -24,7 +24,7 @@ PRESETS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
 
 def twinserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "sim.app", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -137,7 +137,7 @@ def test_every_job_of_every_preset_composes(preset):
         hydra_cfg = compose("config", overrides=[f"+experiment={preset}"],
                             return_hydra_config=True).hydra
         assert hydra_cfg.mode.name == "MULTIRUN"
-        assert hydra_cfg.callbacks.report._target_ == "sim.callbacks.ReportCallback"
+        assert hydra_cfg.callbacks.report._target_ == "sim.tools.callbacks.ReportCallback"
         # Every value of every swept key at least once (the whole grid takes too long to compose).
         choices = [[f"{key}={value}" for value in str(values).split(",")]
                    for key, values in hydra_cfg.sweeper.params.items()]

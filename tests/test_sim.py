@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sim.metrics import STEP_COLUMNS
-from sim.runner import run_experiment
+from sim.core.metrics import STEP_COLUMNS
+from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -215,7 +215,7 @@ def test_request_longer_than_the_model_is_rejected_and_counted(tmp_path):
 
 def twinserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "sim.app", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -272,7 +272,7 @@ def test_cli_unknown_policy_lists_the_choices(tmp_path):
 def test_wandb_logger_logs_config_summary_series_and_plots(tmp_path, monkeypatch):
     import wandb
 
-    from sim.loggers import log_run
+    from sim.tools.loggers import log_run
 
     class RecordingRun:
         def __init__(self, **init_kwargs):

@@ -426,11 +426,11 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 from policies.types import StepPlan  # noqa: E402
-from sim.cost_model import RooflineCostModel  # noqa: E402
-from sim.executor import SimExecutor  # noqa: E402
-from sim.runner import run_experiment  # noqa: E402
-from sim.specs import HardwareSpec, ModelSpec  # noqa: E402
-from sim.speculation import AcceptanceModel  # noqa: E402
+from sim.core.roofline import RooflineCostModel  # noqa: E402
+from sim.core.executor import SimExecutor  # noqa: E402
+from sim.core.experiment import run_experiment  # noqa: E402
+from sim.core.specs import HardwareSpec, ModelSpec  # noqa: E402
+from sim.core.acceptance import AcceptanceModel  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -558,7 +558,7 @@ def test_sequence_shifts_are_recovered_from_per_sequence_counts(spread):
     """The spread, the rates of a sequence with no shift (not the pooled ones: sequences that
     reject often weigh more in those) and each sequence's own shift come back from simulated
     counts."""
-    from sim.speculation import fit_sequence_shifts
+    from sim.core.acceptance import fit_sequence_shifts
     sequences = heterogeneous_sequences(spread, 60, 40, seed=2)
     shifts, rates, fitted = fit_sequence_shifts(sequences)
     assert fitted == pytest.approx(spread, abs=0.3)
@@ -801,8 +801,8 @@ def test_bad_speculation_config_is_one_clear_error(overrides, message):
 
 def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):
     """Its draft features cost 0, and the log says so; the fitted ones predict as before."""
-    from sim.profiled_cost_model import ProfiledCostModel
-    from sim.step_features import STEP_FEATURES
+    from sim.calibration.profiled_cost_model import ProfiledCostModel
+    from sim.calibration.step_features import STEP_FEATURES
     old_features = [name for name in STEP_FEATURES
                     if name not in ("num_draft_tokens", "speculating", "draft_model_steps")]
     coefficients = {name: 0.0 for name in old_features} | {"num_decode_seqs": 1e-3}

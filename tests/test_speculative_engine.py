@@ -372,7 +372,7 @@ def test_draft_kv_layers_share_the_block_budget():
     from engine.kv_cache import KVCachePool, num_device_blocks
     from kernels import get_kernel_ops
     from engine.model_loader import load_model
-    from sim.specs import HardwareSpec
+    from sim.core.specs import HardwareSpec
 
     device = torch.device("cpu")
     target = load_model("tiny-llama", device).spec
@@ -413,8 +413,8 @@ def test_engine_executor_speculates_under_the_simulator_clock(prompts, expected)
     from policies.routing import RoundRobinRouter
     from policies.speculation import FixedSpeculation
     from policies.types import Request
-    from sim.metrics import MetricsCollector
-    from sim.replica import Replica, arrivals
+    from sim.core.metrics import MetricsCollector
+    from sim.core.replica import Replica, arrivals
 
     kv_cache = PagedBlockManager(num_blocks=64, block_size=8)
     scheduler = ChunkedPrefillScheduler(kv_cache, RecomputePreemption(), max_num_seqs=8,
@@ -481,7 +481,7 @@ def test_draft_model_runs_its_lagging_token_again():
     from engine.model_loader import load_model
     from engine.profiler import executor_factory
     from engine.step_shapes import GridPoint, build_plan
-    from sim.step_features import STEP_FEATURES, step_features
+    from sim.calibration.step_features import STEP_FEATURES, step_features
 
     device = torch.device("cpu")
     factory = executor_factory(load_model(TARGET, device), device,

@@ -16,7 +16,7 @@ from engine.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor, 
                           SpeedReference, check_reference, fit_exponents, load_reference,
                           normalize_samples, probe_point_spec, smoothed_factors)
 from policies.types import StepPlan, StepResult
-from sim.step_features import step_features
+from sim.calibration.step_features import step_features
 from tests.test_profiler import KV_BYTES_PER_TOKEN, held_out_points, predict, tiling, true_cost
 
 PROBE_REFERENCE = 0.004   # the stand-in probe step's duration at speed 1

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import yaml
 
-from sim.loggers import (EVENT_SERIES, LEVEL_SERIES, MAX_SERIES_POINTS, TIME_KEY,
+from sim.tools.loggers import (EVENT_SERIES, LEVEL_SERIES, MAX_SERIES_POINTS, TIME_KEY,
                          read_requests_table, step_series_rows)
-from sim.metrics import STEP_COLUMNS
+from sim.core.metrics import STEP_COLUMNS
 
 TINY = ["workload.num_requests=20", "progress=false"]
 
 
 def twinserve(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.app", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

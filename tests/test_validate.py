@@ -1,4 +1,4 @@
-"""The profiled cost model and twinserve-validate (sim/profiled_cost_model.py, sim/validate.py)."""
+"""The profiled cost model and twinserve-validate (sim/calibration/profiled_cost_model.py, sim/calibration/validate.py)."""
 from __future__ import annotations
 
 import csv
@@ -11,13 +11,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import sim.runner
+import sim.core.experiment
 from policies.types import StepPlan
 from engine.profiler import fit_profile
-from sim.profiled_cost_model import ProfiledCostModel, ProfileError
-from sim.runner import run_experiment
-from sim.step_features import STEP_FEATURES, step_features
-from sim.validate import (DEFAULT_GATES, GATED_BY, GRID_METRICS, METRICS, UNSET, check_gates,
+from sim.calibration.profiled_cost_model import ProfiledCostModel, ProfileError
+from sim.core.experiment import run_experiment
+from sim.calibration.step_features import STEP_FEATURES, step_features
+from sim.calibration.validate import (DEFAULT_GATES, GATED_BY, GRID_METRICS, METRICS, UNSET, check_gates,
                           compare_summaries, error_pct, expand_sweep, grid_markdown, grid_rows,
                           grid_summary, main, mean_summary, parse_args, read_latencies_ms,
                           resolve_gates, swept_values)
@@ -243,7 +243,7 @@ def test_out_of_range_extrapolates_and_warns_once(tmp_path, caplog):
     model = ProfiledCostModel(path, sample_residuals=False)
     inside = FakePlan(decode_seqs=2, decode_ctx=50)
     outside = FakePlan(decode_seqs=2, decode_ctx=5000)
-    with caplog.at_level(logging.WARNING, logger="sim.profiled_cost_model"):
+    with caplog.at_level(logging.WARNING, logger="sim.calibration.profiled_cost_model"):
         model.step_time(inside)
         assert not caplog.records
         for _ in range(5):
@@ -298,7 +298,7 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
     """A profile fitted (by the profiler's fit) on the steps of an engine run of a DIFFERENT seed and
     workload than the validated one: the simulator never sees the validated run's measurements."""
     rows: list[tuple[tuple[float, ...], float]] = []
-    original = sim.runner.build_executor
+    original = sim.core.experiment.build_executor
 
     class Recording:
         def __init__(self, inner):
@@ -313,7 +313,7 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
             return getattr(self.inner, name)
 
     with monkeypatch.context() as patch:
-        patch.setattr(sim.runner, "build_executor",
+        patch.setattr(sim.core.experiment, "build_executor",
                       lambda *args, **kwargs: Recording(original(*args, **kwargs)))
         # Busier than the validated run (more requests, faster, a bigger pool): the fit covers
         # the batch sizes the validated run reaches instead of extrapolating to them.

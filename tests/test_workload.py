@@ -1,4 +1,4 @@
-"""Tests for sim/workload.py: synthetic sampling, trace replay, validation, the yaml presets."""
+"""Tests for sim/core/workload.py: synthetic sampling, trace replay, validation, the yaml presets."""
 from __future__ import annotations
 
 import csv
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
-from sim.workload import REPO_ROOT, build_workload
+from sim.core.workload import REPO_ROOT, build_workload
 
 CONF_DIR = REPO_ROOT / "conf" / "workload"
 AZURE_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"

@@ -1,5 +1,5 @@
 """Speculation policies: how many draft tokens each decode proposes per step."""
-from policies.speculation.policies import (AcceptanceCounts, AdaptiveSpeculation,
+from policies.speculation.draft_length import (AcceptanceCounts, AdaptiveSpeculation,
                                            FixedSpeculation, NoSpeculation,
                                            expected_tokens_per_step, max_speculative_tokens)
 

@@ -52,7 +52,7 @@ TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The truncated zipf sampler builds a table over every length in [min, max]; this caps its size.
 MAX_ZIPF_SUPPORT = 10_000_000

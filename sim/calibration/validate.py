@@ -1,6 +1,6 @@
 """`twinserve-validate`: run one workload on the engine and on the profiled simulator, and compare.
 
-    python -m sim.validate --out validation/ cost_model.profile=profiles/cpu/tiny-llama.json \\
+    python -m sim.calibration.validate --out validation/ cost_model.profile=profiles/cpu/tiny-llama.json \\
         model=tiny-llama hardware=cpu workload.with_token_ids=true workload.num_requests=50
 
 Both runs use the same config (policies, workload, seed, KV pool size) composed from the repo's
@@ -42,7 +42,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 LATENCIES: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
 STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
@@ -273,8 +273,8 @@ def pin_kv_pool(engine_cfg, sim_cfg) -> int:
     """Set kv_cache.num_blocks of both configs to the engine's pool size."""
     from omegaconf import open_dict
 
-    from sim.runner import num_kv_blocks
-    from sim.specs import HardwareSpec, ModelSpec
+    from sim.core.experiment import num_kv_blocks
+    from sim.core.specs import HardwareSpec, ModelSpec
 
     model = ModelSpec.from_config(engine_cfg.model)
     hardware = HardwareSpec.from_config(engine_cfg.hardware)
@@ -343,7 +343,7 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from sim.runner import run_experiment
+    from sim.core.experiment import run_experiment
 
     if isinstance(sim_runs, bool) or not isinstance(sim_runs, int) or sim_runs < 1:
         raise ValidationInputError(f"sim_runs must be an integer >= 1, got {sim_runs!r}")

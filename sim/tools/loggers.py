@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from sim.metrics import STEP_COLUMNS
+from sim.core.metrics import STEP_COLUMNS
 
 # A wandb chart stays responsive up to a few thousand points; a long run has 100k+ steps.
 MAX_SERIES_POINTS = 5000

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.json_files import read_json_object
+from sim.core.json_files import read_json_object
 
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
 FRESH_KEYS = ("fresh_position_trials", "fresh_position_accepts")

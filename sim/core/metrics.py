@@ -302,7 +302,7 @@ class MetricsCollector:
         written = [summary_path, requests_path, steps_path]
         if plots:
             # Imported here so that runs that never plot never import matplotlib.
-            from sim.plots import write_plots
+            from sim.tools.plots import write_plots
             written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS)
         return written
 

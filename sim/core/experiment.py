@@ -24,12 +24,12 @@ import conf
 from policies.routing import LeastOutstandingRouter, RoundRobinRouter
 from policies.speculation import max_speculative_tokens
 from policies.types import Request
-from sim.executor import SimExecutor
-from sim.metrics import MetricsCollector
-from sim.replica import Replica, arrivals
-from sim.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
-from sim.speculation import AcceptanceModel
-from sim.workload import build_workload
+from sim.core.executor import SimExecutor
+from sim.core.metrics import MetricsCollector
+from sim.core.replica import Replica, arrivals
+from sim.core.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.core.acceptance import AcceptanceModel
+from sim.core.workload import build_workload
 
 ROUTERS = {"round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter}
 GIB = 1 << 30

@@ -15,7 +15,7 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 from policies.types import Request  # noqa: E402
-from sim.metrics import latency_arrays_s  # noqa: E402
+from sim.core.metrics import latency_arrays_s  # noqa: E402
 
 MAX_POINTS_PER_LINE = 5000
 

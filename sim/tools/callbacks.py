@@ -1,10 +1,10 @@
 """Hydra callbacks. `ReportCallback` writes a sweep's report (report.csv and its comparison plot,
-see sim/report.py) when the sweep ends, so an experiment preset ends with its figure and table:
+see sim/tools/report.py) when the sweep ends, so an experiment preset ends with its figure and table:
 
     hydra:
       callbacks:
         report:
-          _target_: sim.callbacks.ReportCallback
+          _target_: sim.tools.callbacks.ReportCallback
           x_key: kv_cache.block_size
           metrics: [kv_waste_fraction, peak_num_seqs]
 """
@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from sim.report import DEFAULT_METRICS, ReportError, report_console, write_report
+from sim.tools.report import DEFAULT_METRICS, ReportError, report_console, write_report
 
 
 class ReportCallback(Callback):

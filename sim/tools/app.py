@@ -9,12 +9,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from sim.loggers import log_run
-from sim.metrics import print_summary
-from sim.runner import run_experiment
+from sim.tools.loggers import log_run
+from sim.core.metrics import print_summary
+from sim.core.experiment import run_experiment
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     # A user's own policy (scheduler._target_=my_policies.MyScheduler) lives in their folder.
     if os.getcwd() not in sys.path:

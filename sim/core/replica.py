@@ -12,7 +12,7 @@ import simpy
 
 from policies.protocols import Executor, Router, Scheduler
 from policies.types import Request
-from sim.metrics import MetricsCollector
+from sim.core.metrics import MetricsCollector
 
 
 class Replica:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies.types import StepPlan
-from sim.specs import HardwareSpec, ModelSpec
+from sim.core.specs import HardwareSpec, ModelSpec
 
 
 def _require_fraction(name: str, value: float) -> float:

@@ -1,4 +1,4 @@
-"""`twinserve-report` (or `python -m sim.report`): one table and one comparison figure for a
+"""`twinserve-report` (or `python -m sim.tools.report`): one table and one comparison figure for a
 Hydra sweep.
 
     twinserve-report multirun/2024-05-01/12-00-00                # x = workload.rate if it varies

@@ -4,7 +4,7 @@ accepted drafts of a speculating one)."""
 from __future__ import annotations
 
 from policies.types import StepPlan, StepResult
-from sim.speculation import AcceptanceModel
+from sim.core.acceptance import AcceptanceModel
 
 
 class SimExecutor:

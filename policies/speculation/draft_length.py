@@ -52,7 +52,7 @@ class AcceptanceCounts:
     steps, Sequence.starts_run) describe the runs of accepted drafts: where a step starts in a
     run is known only there, and rejections cluster (a hard stretch of text rejects several steps
     in a row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
-    file's content (the format `sim.speculation.AcceptanceModel.from_file` reads)."""
+    file's content (the format `sim.core.acceptance.AcceptanceModel.from_file` reads)."""
 
     COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
               "fresh_position_accepts")

@@ -6,7 +6,7 @@ latency target — here p99 TTFT and/or p99 TPOT, found as Vidur searches it: bi
 the SLO form an interval from zero up to the capacity; the search brackets its end and halves the
 bracket until it is `tolerance` (relative) wide.
 
-    python -m sim.capacity scheduler=chunked_prefill workload.num_requests=2000 \\
+    python -m sim.tools.capacity scheduler=chunked_prefill workload.num_requests=2000 \\
         --ttft-p99-ms 2000 --tpot-p99-ms 100 --out capacity/chunked
 
 Past capacity the queue grows for as long as requests keep arriving, so the overload a probe can
@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from sim.runner import run_experiment
+from sim.core.experiment import run_experiment
 
 PROG = "twinserve-capacity"
 # Each doubling of --high (or halving of --low) costs a probe; past this many the bracket is

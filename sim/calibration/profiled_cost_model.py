@@ -1,7 +1,7 @@
 """The profiled cost model: a step's duration from a model fitted to engine measurements.
 
 A profile (profiles/<device>/<model>.json, written by the profiler) holds a linear model of the
-step duration over the features of sim/step_features.py, the relative residuals of the fit
+step duration over the features of sim/calibration/step_features.py, the relative residuals of the fit
 (measured / predicted - 1) and the range of every feature it was fitted on:
 
     {"schema": 1, "metadata": {...}, "features": [STEP_FEATURES names],
@@ -28,8 +28,8 @@ import numpy as np
 
 from kernels.tiling import tile_tokens
 from policies.types import StepPlan
-from sim.json_files import read_json_object
-from sim.step_features import STEP_FEATURES, AttentionTiling, step_features
+from sim.core.json_files import read_json_object
+from sim.calibration.step_features import STEP_FEATURES, AttentionTiling, step_features
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def check_profile(profile: dict, where: str = "profile") -> dict:
     if (not isinstance(features, list) or not features
             or list(features) != [name for name in STEP_FEATURES if name in features]):
         raise ProfileError(f"{where}: its features {features!r} differ from "
-                           f"sim.step_features.STEP_FEATURES {list(STEP_FEATURES)!r}; re-run the "
+                           f"sim.calibration.step_features.STEP_FEATURES {list(STEP_FEATURES)!r}; re-run the "
                            f"profiler")
     missing = [name for name in STEP_FEATURES if name not in features]
     if missing:

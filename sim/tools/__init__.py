@@ -1,0 +1,1 @@
+"""The tools around the simulator: the Hydra app, reports, capacity search, loggers and plots."""
