@@ -17,7 +17,7 @@ from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-AZURE_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+AZURE_TRACE = REPO / "data" / "traces" / "azure_llm_2023_code.csv"
 
 
 def make_cfg(*overrides: str):

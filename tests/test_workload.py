@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from sim.core.workload import REPO_ROOT, build_workload
 
 CONF_DIR = REPO_ROOT / "conf" / "workload"
-AZURE_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+AZURE_TRACE = REPO_ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
 
 
 def synthetic(**overrides) -> dict:
@@ -207,8 +207,6 @@ def trace_cfg(path, **overrides) -> dict:
 
 @pytest.fixture
 def azure_trace() -> Path:
-    if not AZURE_TRACE.is_file():
-        pytest.skip(f"{AZURE_TRACE} not present")
     return AZURE_TRACE
 
 
@@ -236,9 +234,8 @@ def test_time_scale_and_max_requests(azure_trace):
 
 
 def test_trace_yaml_resolves_from_another_working_directory(azure_trace, tmp_path, monkeypatch):
-    # ../shared/... is not there from tmp_path, so the repo-root fallback must find it.
+    # data/traces/... is not there from tmp_path, so the repo-root fallback must find it.
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TWINSERVE_SHARED", raising=False)
     requests = build_workload(OmegaConf.load(CONF_DIR / "trace.yaml"), seed=0)
     assert len(requests) == 8819
 
