@@ -298,7 +298,7 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
     """A profile fitted (by the profiler's fit) on the steps of an engine run of a DIFFERENT seed and
     workload than the validated one: the simulator never sees the validated run's measurements."""
     rows: list[tuple[tuple[float, ...], float]] = []
-    original = sim.core.experiment.build_executor
+    original = sim.core.experiment.build_replica_executor
 
     class Recording:
         def __init__(self, inner):
@@ -313,7 +313,7 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
             return getattr(self.inner, name)
 
     with monkeypatch.context() as patch:
-        patch.setattr(sim.core.experiment, "build_executor",
+        patch.setattr(sim.core.experiment, "build_replica_executor",
                       lambda *args, **kwargs: Recording(original(*args, **kwargs)))
         # Busier than the validated run (more requests, faster, a bigger pool): the fit covers
         # the batch sizes the validated run reaches instead of extrapolating to them.

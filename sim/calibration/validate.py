@@ -273,7 +273,7 @@ def pin_kv_pool(engine_cfg, sim_cfg) -> int:
     """Set kv_cache.num_blocks of both configs to the engine's pool size."""
     from omegaconf import open_dict
 
-    from sim.core.experiment import num_kv_blocks
+    from sim.core.build import num_kv_blocks
     from sim.core.specs import HardwareSpec, ModelSpec
 
     model = ModelSpec.from_config(engine_cfg.model)
