@@ -7,10 +7,11 @@ a sampler, and an offline `LLM.generate()` API shaped like vLLM's.
     outs[0].outputs[0].token_ids
 
 Speculative decoding: LLM(..., speculative_model="ngram" or a draft model,
-num_speculative_tokens=k, speculation="fixed" | "adaptive"); engine/drafters.py proposes,
-engine/rejection_sampler.py verifies.
+num_speculative_tokens=k, speculation="fixed" | "adaptive" | a dotted class path | a policy
+object); engine/drafters.py proposes, engine/rejection_sampler.py verifies.
 """
-from engine.builder import build_engine, build_engine_executor, build_executor
+from engine.builder import (build_engine, build_engine_executor, build_model_executor,
+                            kv_cache_limit_gb)
 from engine.config import EngineConfig
 from engine.executor import EngineExecutor
 from engine.llm import LLM, CompletionOutput, GenerateStats, RequestOutput
@@ -18,4 +19,4 @@ from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerateStats",
            "EngineConfig", "EngineExecutor", "build_engine", "build_engine_executor",
-           "build_executor"]
+           "build_model_executor", "kv_cache_limit_gb"]

@@ -1,37 +1,36 @@
 """Assembles an engine from its config: model, kernels, KV pools, runner, sampler, executor, and
-the policies' scheduler (by name, or the caller's own object); with speculative decoding also
-the drafter (a draft model or n-gram lookup) and the speculation policy."""
+the policies, named and built as the simulator builds them (sim/core/build.py: a conf/ group
+name, a dotted class path or a {_target_: ...} mapping) or the caller's own objects; with
+speculative decoding also the drafter (a draft model or n-gram lookup) and the speculation
+policy."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
-from engine.kv_cache import KVCachePool, hardware_spec, num_device_blocks, num_host_blocks
+from engine.kv_cache import KVCachePool, hardware_spec
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
-                          SpeedNormalizedExecutor, SpeedProbe, SpeedReference)
-from engine.step_shapes import GridPoint, build_plan
 from kernels import get_kernel_ops
-from policies.batching import (ChunkedPrefillScheduler, ContinuousBatchingScheduler,
-                               StaticBatchingScheduler)
-from policies.memory import PagedBlockManager
-from policies.preemption import RecomputePreemption, SwapPreemption
-from policies.speculation import AdaptiveSpeculation, FixedSpeculation
+from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
+                                             SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
+                                             load_reference)
+from sim.calibration.step_shapes import GridPoint, build_plan
+from sim.core.build import build_policy, policy_config, speculation_policy_config
+from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
-SCHEDULERS = {"static": StaticBatchingScheduler, "continuous": ContinuousBatchingScheduler,
-              "chunked_prefill": ChunkedPrefillScheduler}
-PREEMPTIONS = {"recompute": RecomputePreemption, "swap": SwapPreemption}
-SPECULATIONS = {"fixed": FixedSpeculation, "adaptive": AdaptiveSpeculation}
 NGRAM = "ngram"
-CHUNKED_PREFILL_TOKEN_BUDGET = 2048  # conf/scheduler/chunked_prefill.yaml's
+# The KV manager the engine builds its pools' block tables with (conf/kv_cache).
+KV_CACHE_CONFIG = "paged"
 
 
 @dataclass
@@ -49,6 +48,19 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
+def kv_cache_limit_gb(device, cpu_kv_cache_gb: float) -> float | None:
+    """The most GiB of K/V the engine's pool takes on `device` (None: cuda when there is one):
+    none on a GPU, where the memory arithmetic sizes it, and cpu_kv_cache_gb on a CPU, where
+    the arithmetic would claim most of host RAM."""
+    return None if resolve_device(device).type == "cuda" else cpu_kv_cache_gb
+
+
+def names_a_policy(choice) -> bool:
+    """Whether a policy setting names its policy (a conf/ name, a dotted class path or a
+    mapping) rather than being the policy object itself."""
+    return isinstance(choice, (str, Mapping, DictConfig))
+
+
 def build_engine(config: EngineConfig) -> Engine:
     device = resolve_device(config.device)
     loaded = load_model(config.model, device, config.dtype, config.seed)
@@ -59,7 +71,7 @@ def build_engine(config: EngineConfig) -> Engine:
                          f"{spec.max_model_len} positions")
     draft = load_draft(config.speculative_model, loaded, device, config.seed, max_model_len)
     scheduler = config.scheduler
-    if isinstance(scheduler, str):
+    if names_a_policy(scheduler):
         scheduler = build_scheduler(config, loaded, device, max_model_len, draft)
     elif config.speculative_model is not None and config.num_speculative_tokens:
         raise ValueError("with a scheduler object, speculation is the scheduler's own "
@@ -69,9 +81,10 @@ def build_engine(config: EngineConfig) -> Engine:
     if max_k and draft is None:
         raise ValueError("the scheduler speculates but no speculative_model was given")
     kv_cache = scheduler.kv_cache
-    executor = build_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
-                              kv_cache.block_size, device, config.seed, config.kernel_backend,
-                              draft=draft, max_num_speculative_tokens=max_k)
+    executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
+                                    kv_cache.block_size, device, config.seed,
+                                    config.kernel_backend, draft=draft,
+                                    max_num_speculative_tokens=max_k)
     return Engine(loaded, scheduler, executor, max_model_len, device)
 
 
@@ -100,8 +113,9 @@ def load_draft(speculative_model: str | None, target: LoadedModel, device: torch
 
 
 def build_speculation(config: EngineConfig):
-    """The speculation policy of the config: None without a speculative_model; else "fixed"
-    or "adaptive" up to num_speculative_tokens, or the config's own policy object."""
+    """The speculation policy of the config: None without a speculative_model; else the named
+    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens, or the
+    config's own policy object."""
     k = config.num_speculative_tokens
     if config.speculative_model is None:
         if k:
@@ -109,60 +123,67 @@ def build_speculation(config: EngineConfig):
                              f"({NGRAM!r}, a conf/model name or a checkpoint folder)")
         return None
     speculation = config.speculation
-    if not isinstance(speculation, str):
+    if not names_a_policy(speculation):
         return speculation  # a SpeculationPolicy object
-    if speculation not in SPECULATIONS:
-        raise ValueError(f"speculation must be one of {', '.join(SPECULATIONS)} or a "
-                         f"SpeculationPolicy object, got {speculation!r}")
+    policy_cfg = speculation_policy_config(policy_config(speculation, "speculation"))
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with a "
                          f"speculative_model, got {k!r}")
-    return SPECULATIONS[speculation](k)
+    # k is the policy's own draft length: fixed's num_speculative_tokens, adaptive's most.
+    k_keys = [key for key in ("num_speculative_tokens", "max_num_speculative_tokens")
+              if key in policy_cfg]
+    return build_policy(policy_cfg, "speculation", **{key: k for key in k_keys[:1]})
 
 
 def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.device,
                     max_model_len: int, draft: LoadedModel | str | None = None):
-    if config.scheduler not in SCHEDULERS:
-        raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)} or a scheduler "
-                         f"object, got {config.scheduler!r}")
+    """The config's scheduler, its preemption policy and KV manager, built from their conf/
+    groups as the simulator builds them, the engine's settings over the groups' defaults."""
+    scheduler_cfg = policy_config(config.scheduler, "scheduler")
     preemption = config.preemption
-    if isinstance(preemption, str):
-        if preemption not in PREEMPTIONS:
-            raise ValueError(f"preemption must be one of {', '.join(PREEMPTIONS)} or a "
-                             f"PreemptionPolicy object, got {preemption!r}")
-        preemption = (SwapPreemption(config.swap_space_gb) if preemption == "swap"
-                      else RecomputePreemption())
+    if names_a_policy(preemption):
+        preemption_cfg = policy_config(preemption, "preemption")
+        overrides = ({"swap_space_gb": config.swap_space_gb}
+                     if config.swap_space_gb is not None and "swap_space_gb" in preemption_cfg
+                     else {})
+        preemption = build_policy(preemption_cfg, "preemption", **overrides)
     budget = config.max_num_batched_tokens
     if budget is None:
-        budget = (CHUNKED_PREFILL_TOKEN_BUDGET if config.scheduler == "chunked_prefill"
-                  else max(max_model_len, 2048))
+        budget = step_token_budget(scheduler_cfg.get("max_num_batched_tokens"), max_model_len,
+                                   "scheduler.max_num_batched_tokens")
     spec = loaded.spec
     draft_spec = draft.spec if isinstance(draft, LoadedModel) else None
     num_blocks = config.num_gpu_blocks
     if num_blocks is None:
-        num_blocks = num_device_blocks(
-            spec, hardware_spec(config.hardware, device), device, config.block_size,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=budget,
+        num_blocks = kv_cache_num_blocks(
+            spec, hardware_spec(config.hardware, device), config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            cpu_kv_cache_gb=config.cpu_kv_cache_gb, draft_spec=draft_spec)
-    host_blocks = num_host_blocks(spec, config.block_size,
-                                  getattr(preemption, "swap_space_gb", 0.0), draft_spec)
-    kv_cache = PagedBlockManager(num_blocks, config.block_size, num_host_blocks=host_blocks,
-                                 enable_prefix_caching=config.enable_prefix_caching)
-    return SCHEDULERS[config.scheduler](kv_cache, preemption, max_num_seqs=config.max_num_seqs,
-                                        max_num_batched_tokens=budget,
-                                        max_model_len=max_model_len,
-                                        speculation=build_speculation(config))
+            max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs, draft=draft_spec,
+            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb),
+            max_model_len=max_model_len)
+    host_blocks = kv_cache_num_host_blocks(spec, config.block_size,
+                                           getattr(preemption, "swap_space_gb", 0.0),
+                                           draft=draft_spec)
+    kv_cache = build_policy(policy_config(KV_CACHE_CONFIG, "kv_cache"), "kv_cache",
+                            num_blocks=num_blocks, block_size=config.block_size,
+                            num_host_blocks=host_blocks,
+                            enable_prefix_caching=config.enable_prefix_caching)
+    speculation = build_speculation(config)
+    drafting = {} if speculation is None else {"speculation": speculation}
+    return build_policy(scheduler_cfg, "scheduler", kv_cache=kv_cache, preemption=preemption,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+                        max_model_len=max_model_len, **drafting)
 
 
-def build_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int, block_size: int,
-                   device: torch.device, seed: int = 0, kernel_backend: str | None = None,
-                   draft: LoadedModel | str | None = None,
-                   max_num_speculative_tokens: int = 0) -> EngineExecutor:
-    """The executor for pools of these sizes (the KV manager's): also what a simulator run with
-    backend=engine needs. `draft` (load_draft's): the drafter of speculative decoding, for
-    plans of up to max_num_speculative_tokens drafts per sequence."""
+def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
+                         block_size: int, device: torch.device, seed: int = 0,
+                         kernel_backend: str | None = None,
+                         draft: LoadedModel | str | None = None,
+                         max_num_speculative_tokens: int = 0) -> EngineExecutor:
+    """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
+    kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
+    drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
+    sequence."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
@@ -206,29 +227,34 @@ def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_toke
 def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
                       kernel_backend: str | None = None,
                       interval_s: float = DEFAULT_INTERVAL_S) -> SpeedProbe:
-    """A speed probe (engine/speed.py) of the loaded model, on an executor of its own."""
-    executor = build_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINT.block_size, device,
-                              seed, kernel_backend)
+    """A speed probe (sim/calibration/cpu_noise/speed.py) of the loaded model, on an executor
+    of its own."""
+    executor = build_model_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINT.block_size,
+                                    device, seed, kernel_backend)
     return SpeedProbe(executor, interval_s, seed)
 
 
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: SpeedReference | None = None):
+                          speed_reference: SpeedReference | str | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
-    block_size), for a simulator replica run on the engine (backend=engine); with a
-    speculative_model ("ngram", a conf/model name or a checkpoint folder) it verifies plans of
-    up to max_num_speculative_tokens drafts per sequence. With a speed_reference (a profile's
-    speed reference) its step durations are normalised to the profile's machine speed."""
+    block_size), for a simulator replica run on the engine (backend=engine, whose config names
+    this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
+    it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
+    speed_reference (a profile's speed reference, or the profile's path) its step durations are
+    normalised to the profile's machine speed."""
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)
-    executor = build_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
-                              kv_cache.block_size, device, seed, kernel_backend, draft=draft,
-                              max_num_speculative_tokens=max_num_speculative_tokens)
+    executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
+                                    kv_cache.block_size, device, seed, kernel_backend,
+                                    draft=draft,
+                                    max_num_speculative_tokens=max_num_speculative_tokens)
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
     if speed_reference is None:
         return executor
+    if isinstance(speed_reference, str):
+        speed_reference = load_reference(speed_reference)
     return SpeedNormalizedExecutor(executor, build_speed_probe(loaded, device, seed,
                                                                kernel_backend), speed_reference)

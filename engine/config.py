@@ -1,8 +1,12 @@
-"""The engine's settings, one plain dataclass: what `LLM(...)` takes."""
+"""The engine's settings, one plain dataclass: what `LLM(...)` takes, checked when it is made, each
+bad value named as the user wrote it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from policies.validators import (boolean, non_negative_int, non_negative_number, number_in,
+                                 positive_int, positive_number)
 
 
 @dataclass
@@ -13,15 +17,18 @@ class EngineConfig:
     # None: sized by the simulator's memory arithmetic (sim.core.specs.kv_cache_num_blocks).
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 256
-    # None: max(max_model_len, 2048) (a whole prompt fits one step), 2048 for chunked prefill.
+    # None: the scheduler config's (conf/scheduler: 2048 for chunked prefill), else
+    # max(max_model_len, 2048) so that a whole prompt fits one step.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None   # None: the model's
-    # "static" | "continuous" | "chunked_prefill", or a scheduler object (its kv_cache sizes
-    # the pools).
+    # The policies, each as the simulator names them: a conf/<group> name (that file's class and
+    # defaults: scheduler static | continuous | chunked_prefill, preemption recompute | swap,
+    # speculation fixed | adaptive | none), a dotted class path, a {_target_: ...} mapping, or an
+    # object used as is (a scheduler object's kv_cache sizes the pools).
     scheduler: Any = "continuous"
-    # "recompute" | "swap", or a PreemptionPolicy object.
     preemption: Any = "recompute"
-    swap_space_gb: float = 4.0         # host pool when preempting by swap (vLLM's --swap-space)
+    # Host pool when preempting by swap (vLLM's --swap-space); None: the preemption config's.
+    swap_space_gb: float | None = None
     enable_prefix_caching: bool = False
     seed: int = 0                       # weights of a random model, and unseeded sampling
     device: str | None = None           # None: cuda when there is one, else cpu
@@ -35,6 +42,28 @@ class EngineConfig:
     # Speculative decoding: "ngram" (prompt lookup), a conf/model name or a local HF checkpoint
     # folder (a draft model with the target's vocabulary); None: off.
     speculative_model: str | None = None
-    num_speculative_tokens: int = 0     # k (the most, for "adaptive")
-    # "fixed" | "adaptive", or a SpeculationPolicy object.
+    # k: the speculation config's num_speculative_tokens (fixed) or max_num_speculative_tokens
+    # (adaptive: the most).
+    num_speculative_tokens: int = 0
     speculation: Any = "fixed"
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a conf/model name or a checkpoint folder, got "
+                             f"{self.model!r}")
+        positive_int("block_size", self.block_size)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if self.swap_space_gb is not None:
+            non_negative_number("swap_space_gb", self.swap_space_gb)
+        boolean("enable_prefix_caching", self.enable_prefix_caching)
+        non_negative_int("seed", self.seed)
+        number_in("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
+        positive_number("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        non_negative_int("num_speculative_tokens", self.num_speculative_tokens)
+        for name in ("hardware", "kernel_backend"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a name (a string) or None, got {value!r}")

@@ -1,5 +1,6 @@
 """The KV block pools the policies' block ids index: one device tensor per layer, and a host pool
-for swapped-out blocks. Sized by the simulator's memory arithmetic so both backends agree."""
+for swapped-out blocks. Sized by the simulator's memory arithmetic (sim/core/specs.py) so both
+backends agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from omegaconf import OmegaConf
 
 import conf
 from kernels import KernelOps
-from sim.core.specs import GIB, HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.core.specs import GIB, HardwareSpec, ModelSpec
 
 HARDWARE_CONFIG_DIR = Path(conf.__file__).parent / "hardware"
 
@@ -70,7 +71,12 @@ def hardware_spec(name: str | None, device: torch.device) -> HardwareSpec:
     """A conf/hardware spec by name, or the device as it stands: total memory and what other
     processes already hold (the rates do not matter for sizing)."""
     if name is not None:
-        return HardwareSpec.from_config(OmegaConf.load(HARDWARE_CONFIG_DIR / f"{name}.yaml"))
+        config_file = HARDWARE_CONFIG_DIR / f"{name}.yaml"
+        if not config_file.is_file():
+            known = ", ".join(sorted(path.stem for path in HARDWARE_CONFIG_DIR.glob("*.yaml")))
+            raise ValueError(f"hardware must be a conf/hardware name ({known}) or None, got "
+                             f"{name!r}")
+        return HardwareSpec.from_config(OmegaConf.load(config_file))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         held_by_others = max(0, total - free - torch.cuda.memory_reserved(device))
@@ -78,43 +84,3 @@ def hardware_spec(name: str | None, device: torch.device) -> HardwareSpec:
                             peak_tflops=1, memory_bandwidth_gbps=1, host_to_device_gbps=1,
                             interconnect_gbps=1, reserved_memory_gb=held_by_others / GIB)
     return HardwareSpec.from_config(OmegaConf.load(HARDWARE_CONFIG_DIR / "cpu.yaml"))
-
-
-def num_device_blocks(spec: ModelSpec, hardware: HardwareSpec, device: torch.device,
-                      block_size: int, max_num_seqs: int, max_model_len: int,
-                      max_num_batched_tokens: int, gpu_memory_utilization: float,
-                      cpu_kv_cache_gb: float, draft_spec: ModelSpec | None = None) -> int:
-    """KV blocks for the device pool, by the simulator's arithmetic. On CPU the arithmetic would
-    claim most of host RAM, so the pool is capped at what max_num_seqs full-length sequences
-    need and at cpu_kv_cache_gb. A draft model's weights come off the memory and its K/V
-    layers are part of every block."""
-    num_blocks = kv_cache_num_blocks(spec, hardware, block_size,
-                                     gpu_memory_utilization=gpu_memory_utilization,
-                                     max_num_batched_tokens=max_num_batched_tokens,
-                                     max_num_seqs=max_num_seqs)
-    block_bytes = kv_bytes_per_block(spec, block_size, draft_spec)
-    if draft_spec is not None:
-        free_for_kv = num_blocks * spec.kv_bytes_per_block(block_size) - draft_spec.weight_bytes
-        num_blocks = int(free_for_kv // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"the draft model {draft_spec.name} leaves no memory for one KV "
-                             f"block next to {spec.name}")
-    if device.type != "cuda":
-        enough = max_num_seqs * -(-max_model_len // block_size)
-        budget = int(cpu_kv_cache_gb * GIB // block_bytes)
-        num_blocks = max(1, min(num_blocks, enough, budget))
-    return num_blocks
-
-
-def kv_bytes_per_block(spec: ModelSpec, block_size: int,
-                       draft_spec: ModelSpec | None = None) -> int:
-    """Bytes of one block in the pool: the target's K/V layers, and the draft model's."""
-    block_bytes = spec.kv_bytes_per_block(block_size)
-    if draft_spec is not None:
-        block_bytes += draft_spec.kv_bytes_per_block(block_size)
-    return block_bytes
-
-
-def num_host_blocks(spec: ModelSpec, block_size: int, swap_space_gb: float,
-                    draft_spec: ModelSpec | None = None) -> int:
-    return int(swap_space_gb * GIB // kv_bytes_per_block(spec, block_size, draft_spec))

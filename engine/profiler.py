@@ -437,12 +437,12 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
                      speculative_model: str | None = None, max_num_speculative_tokens: int = 0):
     """A factory building engine executors of an already loaded model (several factories, with
     and without drafters, share its weights)."""
-    from engine.builder import build_executor, load_draft
+    from engine.builder import build_model_executor, load_draft
 
     draft = load_draft(speculative_model, loaded, device, seed)
 
     def factory(block_size: int, num_blocks: int, num_host_blocks: int):
-        return build_executor(loaded, num_blocks, num_host_blocks, block_size, device, seed,
+        return build_model_executor(loaded, num_blocks, num_host_blocks, block_size, device, seed,
                               kernel_backend, draft=draft,
                               max_num_speculative_tokens=max_num_speculative_tokens)
 

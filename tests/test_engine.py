@@ -256,6 +256,72 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=0), "block_size must be a positive integer, got 0"),
+    (dict(num_gpu_blocks=-3), "num_gpu_blocks must be a positive integer, got -3"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be a positive integer, got 2.5"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be a positive integer"),
+    (dict(swap_space_gb=-1), "swap_space_gb must be a number >= 0, got -1"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\]"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be true or false"),
+    (dict(seed="abc"), "seed must be a non-negative integer, got 'abc'"),
+    (dict(hardware="tpu"), "hardware must be a conf/hardware name"),
+    (dict(scheduler="fastest"), "scheduler must be one of chunked_prefill, continuous, static"),
+    (dict(preemption="evict"), "preemption must be one of recompute, swap"),
+])
+def test_bad_engine_settings_name_the_argument(kwargs, message):
+    """Each bad setting is named as LLM(...) takes it, not as some function inside calls it."""
+    with pytest.raises(ValueError, match="^" + message) as error:
+        LLM("tiny-llama", **kwargs)
+    assert "kv_cache_num_blocks" not in str(error.value)
+
+
+def test_policies_are_named_as_the_simulator_names_them():
+    """A conf/ group name brings that file's class and defaults (chunked prefill's budget of
+    2048, swap's 4 GiB host pool), a dotted path or a {_target_} mapping its class, and the
+    engine's own settings override the defaults."""
+    from policies.batching import ChunkedPrefillScheduler, StaticBatchingScheduler
+    from policies.preemption import SwapPreemption
+    from sim.core.specs import GIB
+
+    llm = LLM("tiny-llama", scheduler="chunked_prefill", preemption="swap", num_gpu_blocks=64)
+    scheduler = llm.scheduler
+    assert type(scheduler) is ChunkedPrefillScheduler
+    assert scheduler.max_num_batched_tokens == 2048
+    assert type(scheduler.preemption) is SwapPreemption
+    assert scheduler.preemption.swap_space_gb == 4.0
+    assert scheduler.kv_cache.num_host_blocks == int(4 * GIB // llm.spec.kv_bytes_per_block(16))
+    assert scheduler.kv_cache.watermark == 0.01            # conf/kv_cache/paged.yaml's
+
+    llm = LLM("tiny-llama", scheduler="policies.batching.StaticBatchingScheduler",
+              preemption="swap", swap_space_gb=0.01, num_gpu_blocks=64)
+    assert type(llm.scheduler) is StaticBatchingScheduler
+    assert llm.scheduler.max_num_batched_tokens == 2048    # max(max_model_len, 2048)
+    assert llm.scheduler.preemption.swap_space_gb == 0.01
+
+    llm = LLM("tiny-llama", scheduler={"_target_": "policies.batching.ChunkedPrefillScheduler",
+                                       "max_num_batched_tokens": 64}, num_gpu_blocks=64)
+    assert llm.scheduler.max_num_batched_tokens == 64
+    assert LLM("tiny-llama", scheduler="chunked_prefill", max_num_batched_tokens=32,
+               num_gpu_blocks=64).scheduler.max_num_batched_tokens == 32
+
+
+def test_default_pool_is_the_simulators_arithmetic():
+    """Without num_gpu_blocks the CPU pool is the simulator's arithmetic with the engine's
+    cap: max_num_seqs sequences of max_model_len tokens, and cpu_kv_cache_gb."""
+    from omegaconf import OmegaConf
+
+    from sim.core.build import CONF_DIR
+    from sim.core.specs import HardwareSpec, kv_cache_num_blocks
+
+    llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=512, device="cpu")
+    cpu = HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / "cpu.yaml"))
+    assert llm.executor.pool.num_blocks == 4 * 512 // 16 == kv_cache_num_blocks(
+        llm.spec, cpu, 16, max_num_seqs=4, kv_cache_limit_gb=0.5, max_model_len=512)
+    small = LLM("tiny-llama", cpu_kv_cache_gb=0.001, device="cpu")
+    assert small.executor.pool.num_blocks == int(0.001 * 2**30 // llm.spec.kv_bytes_per_block(16))
+
+
 def test_engine_executor_under_the_simulator_clock(reference_llm, prompts, expected):
     """The executor as a simulator replica's: simpy time advances by measured step durations,
     and the replayed requests (no SamplingParams: greedy, fixed length) get HF's tokens."""

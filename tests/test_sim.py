@@ -226,6 +226,35 @@ def test_cli_error_is_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_cli_bad_seed_is_one_clear_line(tmp_path):
+    result = twinserve("seed=abc", "progress=false", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "twinserve: error: seed must be a non-negative integer, got 'abc'"]
+
+
+def test_a_run_that_rejects_every_request_says_why(tmp_path):
+    from rich.console import Console
+
+    from sim.core.metrics import print_summary
+
+    summary = run("kv_cache.num_blocks=2", "workload.num_requests=20").summary
+    assert summary["completed"] == 0 and summary["rejected"] == 20
+    assert summary["rejected_reason_count"] == 20
+    assert summary["rejected_reason"].endswith("tokens can never fit in the KV cache of 2 blocks")
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    print_summary(summary, console)
+    table = console.export_text()
+    assert "rejected because" in table and "KV cache of 2 blocks (20 like it)" in table
+    assert "rejected_reason" not in run("workload.num_requests=20").summary
+
+
+def test_router_as_a_target_mapping():
+    summary = run("cluster.num_replicas=2", "workload.num_requests=50",
+                  "cluster.router={_target_: policies.routing.LeastOutstandingRouter}").summary
+    assert summary["completed"] == 50
+
+
 def readme_plugin_example() -> str:
     """The `my_policies.py` block of the README, so the README's example stays true."""
     readme = (REPO / "README.md").read_text()

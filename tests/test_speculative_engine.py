@@ -360,7 +360,7 @@ def test_bad_speculation_settings_are_named(small_vocab_pair):
         LLM(target, num_speculative_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
         LLM(target, speculative_model="ngram")
-    with pytest.raises(ValueError, match="speculation must be one of fixed, adaptive"):
+    with pytest.raises(ValueError, match="speculation must be one of adaptive, fixed, none"):
         LLM(target, speculative_model="ngram", num_speculative_tokens=2, speculation="greedy")
     with pytest.raises(ValueError, match="neither a local checkpoint folder"):
         LLM(target, speculative_model="no-such-model", num_speculative_tokens=2)
@@ -369,10 +369,10 @@ def test_bad_speculation_settings_are_named(small_vocab_pair):
 def test_draft_kv_layers_share_the_block_budget():
     """The pool holds the draft's K/V layers in every block: fewer blocks fit the same memory,
     and swaps and copies move both models' layers."""
-    from engine.kv_cache import KVCachePool, num_device_blocks
+    from engine.kv_cache import KVCachePool
     from kernels import get_kernel_ops
     from engine.model_loader import load_model
-    from sim.core.specs import HardwareSpec
+    from sim.core.specs import HardwareSpec, kv_cache_num_blocks
 
     device = torch.device("cpu")
     target = load_model("tiny-llama", device).spec
@@ -380,9 +380,9 @@ def test_draft_kv_layers_share_the_block_budget():
     hardware = HardwareSpec(name="small", memory_gb=1, peak_tflops=1, memory_bandwidth_gbps=1,
                             host_to_device_gbps=1, interconnect_gbps=1)
     sizing = dict(block_size=16, max_num_seqs=4096, max_model_len=2048,
-                  max_num_batched_tokens=2048, gpu_memory_utilization=0.9, cpu_kv_cache_gb=64)
-    alone = num_device_blocks(target, hardware, device, **sizing)
-    with_draft = num_device_blocks(target, hardware, device, draft_spec=draft, **sizing)
+                  max_num_batched_tokens=2048, gpu_memory_utilization=0.9, kv_cache_limit_gb=64)
+    alone = kv_cache_num_blocks(target, hardware, **sizing)
+    with_draft = kv_cache_num_blocks(target, hardware, draft=draft, **sizing)
     target_bytes = target.kv_bytes_per_block(16)
     block_bytes = target_bytes + draft.kv_bytes_per_block(16)
     # The draft's weights and blocks fit where the target's blocks alone did, one more does not.

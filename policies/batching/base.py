@@ -22,17 +22,16 @@ from collections import defaultdict, deque
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
+from policies.validators import positive_int
 
 
 class BaseScheduler:
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None):
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
+        positive_int("scheduler.max_num_seqs", max_num_seqs)
+        positive_int("scheduler.max_num_batched_tokens", max_num_batched_tokens)
+        positive_int("scheduler.max_model_len", max_model_len)
         self.kv_cache = kv_cache
         self.preemption = preemption
         self.max_num_seqs = max_num_seqs

@@ -15,10 +15,8 @@ import bisect
 from collections import deque
 from typing import Sequence as Seq
 
-from policies.memory.paged import (
-    check_fraction, check_non_negative_int, check_positive_int,
-)
 from policies.types import Sequence
+from policies.validators import fraction, non_negative_int, positive_int
 
 RESERVE_MODES = ("max", "oracle")
 
@@ -41,14 +39,14 @@ class ContiguousAllocator:
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, reserve: str = "max",
                  num_host_blocks: int = 0, watermark: float = 0.0):
-        check_positive_int("kv_cache.num_blocks", num_blocks)
-        check_positive_int("kv_cache.block_size", block_size)
-        check_positive_int("kv_cache.max_model_len", max_model_len)
+        positive_int("kv_cache.num_blocks", num_blocks)
+        positive_int("kv_cache.block_size", block_size)
+        positive_int("kv_cache.max_model_len", max_model_len)
         if reserve not in RESERVE_MODES:
             raise ValueError(f"kv_cache.reserve must be one of {', '.join(RESERVE_MODES)}, "
                              f"got {reserve!r}")
-        check_non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
-        check_fraction("kv_cache.watermark", watermark)
+        non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
+        fraction("kv_cache.watermark", watermark)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -132,7 +130,7 @@ class ContiguousAllocator:
         num_allocated = self._num_allocated_tokens.get(seq.seq_id)
         if num_allocated is None:
             raise ValueError(f"trim_slots: seq {seq.seq_id} holds no device blocks")
-        check_positive_int("trim_slots: num_tokens", num_tokens)
+        positive_int("trim_slots: num_tokens", num_tokens)
         if num_tokens < num_allocated:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens

@@ -16,26 +16,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Sequence as Seq
 
 from policies.types import Sequence
-
-
-def check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def check_non_negative_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def check_fraction(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
-
-
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
 class PagedBlockManager:
@@ -46,12 +27,12 @@ class PagedBlockManager:
                  share_on_fork: bool = True, free_block_order: list[int] | None = None):
         """`free_block_order`: the order the device blocks are first handed out in (a
         permutation of range(num_blocks); default ascending)."""
-        check_positive_int("kv_cache.num_blocks", num_blocks)
-        check_positive_int("kv_cache.block_size", block_size)
-        check_non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
-        check_fraction("kv_cache.watermark", watermark)
-        check_bool("kv_cache.enable_prefix_caching", enable_prefix_caching)
-        check_bool("kv_cache.share_on_fork", share_on_fork)
+        positive_int("kv_cache.num_blocks", num_blocks)
+        positive_int("kv_cache.block_size", block_size)
+        non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
+        fraction("kv_cache.watermark", watermark)
+        boolean("kv_cache.enable_prefix_caching", enable_prefix_caching)
+        boolean("kv_cache.share_on_fork", share_on_fork)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
@@ -176,7 +157,7 @@ class PagedBlockManager:
         num_allocated = self._num_allocated_tokens.get(seq_id)
         if num_allocated is None:
             raise ValueError(f"trim_slots: seq {seq_id} holds no device blocks")
-        check_positive_int("trim_slots: num_tokens", num_tokens)
+        positive_int("trim_slots: num_tokens", num_tokens)
         if num_tokens >= num_allocated:
             return
         block_size = self.block_size

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal, Sequence as Seq
 
 from policies.types import Request
+from policies.validators import non_negative_number
 
 
 class RecomputePreemption:
@@ -15,8 +16,7 @@ class RecomputePreemption:
     when it is admitted again."""
 
     def __init__(self, swap_space_gb: float = 0.0):
-        if swap_space_gb < 0:
-            raise ValueError(f"preemption.swap_space_gb must be >= 0, got {swap_space_gb}")
+        non_negative_number("preemption.swap_space_gb", swap_space_gb)
         # The host pool is sized from this by whoever builds the KV manager.
         self.swap_space_gb = float(swap_space_gb)
 

@@ -13,15 +13,7 @@ after the step reports every speculating sequence's (proposed, accepted) to `obs
 """
 from __future__ import annotations
 
-from policies.memory.paged import check_non_negative_int, check_positive_int
-
-
-def _check_number(name: str, value, low: float, high: float, *, low_open: bool = False) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (low < value if low_open else low <= value) or not value <= high):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
-    return float(value)
+from policies.validators import non_negative_int, number_in, positive_int
 
 
 def max_speculative_tokens(policy) -> int:
@@ -126,7 +118,7 @@ class FixedSpeculation:
     `acceptance`."""
 
     def __init__(self, num_speculative_tokens: int):
-        check_non_negative_int("speculation.num_speculative_tokens", num_speculative_tokens)
+        non_negative_int("speculation.num_speculative_tokens", num_speculative_tokens)
         self.max_num_speculative_tokens = num_speculative_tokens
         self.acceptance = AcceptanceCounts(num_speculative_tokens)
 
@@ -168,20 +160,20 @@ class AdaptiveSpeculation:
                  per_sequence_cost_ratio: float = 0.02, draft_cost_ratio: float = 0.05,
                  initial_acceptance_rate: float = 0.7, prior_weight: float = 10.0,
                  decay: float = 0.99):
-        check_positive_int("speculation.max_num_speculative_tokens", max_num_speculative_tokens)
+        positive_int("speculation.max_num_speculative_tokens", max_num_speculative_tokens)
         self.max_num_speculative_tokens = max_num_speculative_tokens
-        self.compute_bound_tokens = _check_number(
-            "speculation.compute_bound_tokens", compute_bound_tokens, 0, float("inf"),
-            low_open=True)
-        self.per_sequence_cost_ratio = _check_number(
-            "speculation.per_sequence_cost_ratio", per_sequence_cost_ratio, 0, float("inf"))
-        self.draft_cost_ratio = _check_number("speculation.draft_cost_ratio", draft_cost_ratio,
-                                              0, float("inf"))
-        self.initial_acceptance_rate = _check_number(
-            "speculation.initial_acceptance_rate", initial_acceptance_rate, 0, 1)
-        self.prior_weight = _check_number("speculation.prior_weight", prior_weight, 0,
-                                          float("inf"), low_open=True)
-        self.decay = _check_number("speculation.decay", decay, 0, 1, low_open=True)
+        inf = float("inf")
+        self.compute_bound_tokens = float(number_in(
+            "speculation.compute_bound_tokens", compute_bound_tokens, 0, inf, low_open=True))
+        self.per_sequence_cost_ratio = float(number_in(
+            "speculation.per_sequence_cost_ratio", per_sequence_cost_ratio, 0, inf))
+        self.draft_cost_ratio = float(number_in("speculation.draft_cost_ratio",
+                                                draft_cost_ratio, 0, inf))
+        self.initial_acceptance_rate = float(number_in(
+            "speculation.initial_acceptance_rate", initial_acceptance_rate, 0, 1))
+        self.prior_weight = float(number_in("speculation.prior_weight", prior_weight, 0, inf,
+                                            low_open=True))
+        self.decay = float(number_in("speculation.decay", decay, 0, 1, low_open=True))
         self._counts = AcceptanceCounts(max_num_speculative_tokens)
 
     def acceptance_estimates(self) -> list[float]:
@@ -200,7 +192,7 @@ class AdaptiveSpeculation:
                 + num_decodes * self.per_sequence_cost_ratio + self.draft_cost_ratio * k)
 
     def num_speculative_tokens(self, num_decodes: int) -> int:
-        check_non_negative_int("num_decodes", num_decodes)
+        non_negative_int("num_decodes", num_decodes)
         if num_decodes == 0:
             return 0
         acceptance = self.acceptance_estimates()

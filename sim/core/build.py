@@ -1,10 +1,11 @@
 """Builds a run's parts from its Hydra config: policies (`_target_` classes, the built-in ones and
-a user's own), the router, the step token budget, the KV pool's size, the speculation setup and
-the replica's executor."""
+a user's own), the router, the step token budget, the KV pools' sizes, the speculation setup and
+the replica's executor. The engine (`LLM(...)`) names and builds its policies with the same
+functions, from the same conf/ groups."""
 from __future__ import annotations
 
-import importlib
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,17 +14,43 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 import conf
-from policies.routing import LeastOutstandingRouter, RoundRobinRouter
 from policies.speculation import max_speculative_tokens
+from policies.validators import non_negative_int, positive_int
 from sim.core.acceptance import AcceptanceModel
 from sim.core.executor import SimExecutor
-from sim.core.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
+                            kv_cache_num_host_blocks, step_token_budget)
 
-ROUTERS = {"round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter}
-GIB = 1 << 30
-MODEL_CONFIG_DIR = Path(conf.__file__).parent / "model"
+CONF_DIR = Path(conf.__file__).parent
+MODEL_CONFIG_DIR = CONF_DIR / "model"
 # Keys of the speculation group that describe the run, not the policy: popped before it is built.
 SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile")
+
+
+def config_names(group: str) -> list[str]:
+    """The configs of a conf/ group, by name."""
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def policy_config(choice, group: str, field: str | None = None) -> DictConfig:
+    """The config of a policy as a user names it: a conf/<group> name (that file: its `_target_`
+    and defaults), a dotted class path, or a {_target_: ...} mapping. `field` is the setting as
+    the user wrote it (default: the group), for the error."""
+    field = field or group
+    if isinstance(choice, (DictConfig, Mapping)):
+        config = choice if isinstance(choice, DictConfig) else OmegaConf.create(dict(choice))
+        if "_target_" not in config:
+            raise ValueError(f"{field}: a mapping must name its class in _target_, got "
+                             f"{dict(choice) if isinstance(choice, Mapping) else choice!r}")
+        return config
+    if isinstance(choice, str):
+        config_file = CONF_DIR / group / f"{choice}.yaml"
+        if config_file.is_file():
+            return OmegaConf.load(config_file)
+        if "." in choice:
+            return OmegaConf.create({"_target_": choice})
+    raise ValueError(f"{field} must be one of {', '.join(config_names(group))} (conf/{group}), a "
+                     f"dotted class path or a {{_target_: ...}} mapping; got {choice!r}")
 
 
 def build_policy(cfg: DictConfig, group: str, **kwargs):
@@ -42,57 +69,52 @@ def build_policy(cfg: DictConfig, group: str, **kwargs):
 
 
 def build_router(router_cfg):
-    """`cluster.router` is a built-in name, a dotted class path, or a {_target_: ...} mapping."""
-    if isinstance(router_cfg, DictConfig):
-        return build_policy(router_cfg, "cluster.router")
-    name = str(router_cfg)
-    if name in ROUTERS:
-        return ROUTERS[name]()
-    if "." in name:
-        module_name, _, class_name = name.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module_name), class_name)()
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"cluster.router={name}: cannot import it ({error})") from None
-    raise ValueError(f"cluster.router must be one of {', '.join(ROUTERS)} or a dotted class "
-                     f"path; got {name!r}")
+    """`cluster.router`: a conf/router name, a dotted class path, or a {_target_: ...} mapping."""
+    return build_policy(policy_config(router_cfg, "router", "cluster.router"), "cluster.router")
 
 
-def positive_int(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{field} must be a positive integer, got {value!r}")
-    return value
+def check_run_settings(cfg: DictConfig) -> None:
+    """The run's own settings, checked before anything is built."""
+    non_negative_int("seed", cfg.seed)
+    if cfg.get("sim_seed") is not None:
+        non_negative_int("sim_seed", cfg.sim_seed)
+    positive_int("cluster.num_replicas", cfg.cluster.num_replicas)
+    positive_int("cluster.tensor_parallel_size", cfg.cluster.tensor_parallel_size)
 
 
 def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
-    """The step token budget; null means vLLM's default without chunking, big enough for any
-    prompt the model allows."""
-    value = cfg.scheduler.get("max_num_batched_tokens")
-    if value is None:
-        return max(model.max_model_len, 2048)
-    return positive_int(value, "scheduler.max_num_batched_tokens")
+    """The step token budget (null: big enough for any prompt the model allows)."""
+    return step_token_budget(cfg.scheduler.get("max_num_batched_tokens"), model.max_model_len,
+                             "scheduler.max_num_batched_tokens")
 
 
 def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> int:
-    """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic (the
-    engine's, which caps a CPU pool, when the engine runs the steps)."""
-    block_size = positive_int(cfg.kv_cache.block_size, "kv_cache.block_size")
+    """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic, with a
+    draft model's K/V in every block and the backend's own sizing (`backend.kv_cache_sizing`:
+    the engine's activations for the run's max_num_seqs and its cap on a CPU)."""
+    block_size = positive_int("kv_cache.block_size", cfg.kv_cache.block_size)
     if cfg.kv_cache.get("num_blocks") is not None:
-        return positive_int(cfg.kv_cache.num_blocks, "kv_cache.num_blocks")
-    if cfg.backend.name == "engine":
-        from engine.builder import resolve_device
-        from engine.kv_cache import num_device_blocks
-        return num_device_blocks(
-            model, hardware, resolve_device(cfg.backend.device), block_size,
-            max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=model.max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cpu_kv_cache_gb=cfg.backend.cpu_kv_cache_gb)
+        return positive_int("kv_cache.num_blocks", cfg.kv_cache.num_blocks)
+    sizing = cfg.backend.get("kv_cache_sizing")
+    sizing = {} if sizing is None else build_policy(sizing, "backend.kv_cache_sizing",
+                                                    _convert_="all")
+    speculation = speculation_setup(cfg)
     return kv_cache_num_blocks(
         model, hardware, block_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
-        max_num_batched_tokens=max_num_batched_tokens(cfg, model))
+        max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+        draft=speculation.draft_kv if speculation is not None else None, **sizing)
+
+
+def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
+                       speculation: SpeculationSetup | None) -> int:
+    """Blocks of each replica's host swap pool: the preemption policy's swap_space_gb (0
+    without swap) over one block's K/V, a draft model's included."""
+    return kv_cache_num_host_blocks(
+        model, cfg.kv_cache.block_size, getattr(preemption, "swap_space_gb", 0.0),
+        cfg.cluster.tensor_parallel_size,
+        draft=speculation.draft_kv if speculation is not None else None)
 
 
 def slos_ms(cfg: DictConfig) -> dict[str, float] | None:
@@ -118,6 +140,9 @@ class SpeculationSetup:
     draft_model: str                      # "ngram", a conf/model name or (engine) a folder
     draft_spec: ModelSpec | str | None    # sim: "ngram" or the draft model's shape
     acceptance: AcceptanceModel | None    # sim: the acceptance statistics
+    # The draft model whose K/V shares the KV pool's blocks: None for ngram (no K/V), or for a
+    # checkpoint folder the engine loads (its shape is not in conf/model).
+    draft_kv: ModelSpec | None = None
 
     def acceptance_model(self, seed) -> AcceptanceModel:
         """The acceptance statistics with a generator of their own (one per replica)."""
@@ -130,9 +155,8 @@ def draft_model_spec(name: str) -> ModelSpec | str:
         return name
     config_file = MODEL_CONFIG_DIR / f"{name}.yaml"
     if not config_file.is_file():
-        known = ", ".join(sorted(path.stem for path in MODEL_CONFIG_DIR.glob("*.yaml")))
-        raise ValueError(f"speculation.draft_model must be ngram or a conf/model name ({known}) "
-                         f"for the simulator; got {name!r}")
+        raise ValueError(f"speculation.draft_model must be ngram or a conf/model name "
+                         f"({', '.join(config_names('model'))}) for the simulator; got {name!r}")
     return ModelSpec.from_config(OmegaConf.load(config_file))
 
 
@@ -147,14 +171,18 @@ def acceptance_statistics(group: DictConfig) -> AcceptanceModel:
     return AcceptanceModel.iid(group.acceptance_rate)
 
 
+def speculation_policy_config(group: DictConfig) -> DictConfig:
+    """A speculation group's policy config: the group less the keys that describe the run."""
+    return OmegaConf.masked_copy(group, [key for key in group if key not in SPECULATION_RUN_KEYS])
+
+
 def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
     """The run's speculation, checked before anything runs; None when it does not draft (no
     speculation group, or a policy whose max_num_speculative_tokens is 0: speculation=none)."""
     group = cfg.get("speculation")
     if group is None:
         return None
-    policy_cfg = OmegaConf.masked_copy(group, [key for key in group
-                                               if key not in SPECULATION_RUN_KEYS])
+    policy_cfg = speculation_policy_config(group)
     max_k = max_speculative_tokens(build_policy(policy_cfg, "speculation"))
     if max_k == 0:
         return None
@@ -162,39 +190,40 @@ def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
     if not isinstance(draft_model, str) or not draft_model:
         raise ValueError(f"speculation.draft_model must be ngram or a model name, got "
                          f"{draft_model!r}")
-    if cfg.backend.name != "sim":  # the engine drafts, verifies and counts for real
-        return SpeculationSetup(policy_cfg, max_k, draft_model, None, None)
-    return SpeculationSetup(policy_cfg, max_k, draft_model, draft_model_spec(draft_model),
-                            acceptance_statistics(group))
+    if cfg.backend.get("executor") is not None:  # a real backend drafts, verifies and counts
+        draft_kv = None
+        if (MODEL_CONFIG_DIR / f"{draft_model}.yaml").is_file():
+            draft_kv = draft_model_spec(draft_model)
+        return SpeculationSetup(policy_cfg, max_k, draft_model, None, None, draft_kv)
+    draft_spec = draft_model_spec(draft_model)
+    return SpeculationSetup(policy_cfg, max_k, draft_model, draft_spec,
+                            acceptance_statistics(group),
+                            draft_spec if isinstance(draft_spec, ModelSpec) else None)
 
 
 def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache,
-                   speculation: SpeculationSetup | None = None, replica_id: int = 0):
-    """Who runs a step: the cost model (sim) or the real engine, whose KV pools match the
-    replica's KV manager."""
-    backend = cfg.backend.name
-    if backend == "engine":
-        from engine import build_engine_executor  # torch and transformers: only when asked
+                           speculation: SpeculationSetup | None = None, replica_id: int = 0):
+    """Who runs a step: the executor the backend's config names (`backend.executor`, e.g. the
+    real engine, whose pools match the replica's KV manager), else the cost model (sim)."""
+    executor_cfg = cfg.backend.get("executor")
+    if executor_cfg is not None:
         drafting = {} if speculation is None else {
             "speculative_model": speculation.draft_model,
             "max_num_speculative_tokens": speculation.max_num_speculative_tokens}
-        from engine.speed import load_reference
-        speed_profile = cfg.backend.get("speed_reference")
-        return build_engine_executor(
-            model.name, kv_cache, device=cfg.backend.device, dtype=cfg.backend.dtype,
-            seed=cfg.seed, speed_reference=load_reference(speed_profile) if speed_profile else None,
-            **drafting)
-    if backend == "sim":
-        drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
-        cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
-                                  tensor_parallel_size=cfg.cluster.tensor_parallel_size,
-                                  **drafting)
-        if speculation is None:
-            return SimExecutor(cost_model)
-        # Each replica draws its own acceptances, reproducibly.
-        sim_seed = cfg.get("sim_seed", cfg.seed)
-        return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]))
-    raise ValueError(f"backend must be one of sim, engine; got {backend!r}")
+        return build_policy(executor_cfg, "backend.executor", model=model.name,
+                            kv_cache=kv_cache, **drafting)
+    if cfg.backend.name != "sim":
+        raise ValueError(f"backend must be sim or name its executor (backend.executor); got "
+                         f"backend.name={cfg.backend.name!r}")
+    drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
+    cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
+                              tensor_parallel_size=cfg.cluster.tensor_parallel_size,
+                              **drafting)
+    if speculation is None:
+        return SimExecutor(cost_model)
+    # Each replica draws its own acceptances, reproducibly.
+    sim_seed = cfg.get("sim_seed", cfg.seed)
+    return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]))
 
 
 def speed_summary(executors: list) -> dict:

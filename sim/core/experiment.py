@@ -17,10 +17,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
-from sim.core.build import (GIB, build_policy, build_replica_executor, build_router,
-                             max_num_batched_tokens, num_kv_blocks, positive_int, slos_ms,
-                             speculation_setup, speed_summary)
-from sim.core.metrics import MetricsCollector
+from sim.core.build import (build_policy, build_replica_executor, build_router,
+                             check_run_settings, max_num_batched_tokens, num_host_kv_blocks,
+                             num_kv_blocks, slos_ms, speculation_setup, speed_summary)
+from sim.core.metrics import MetricsCollector, rejection_summary
 from sim.core.replica import Replica, arrivals
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.core.workload import build_workload
@@ -42,12 +42,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     wall_start = time.perf_counter()
     model = ModelSpec.from_config(cfg.model)
     hardware = HardwareSpec.from_config(cfg.hardware)
-    positive_int(cfg.cluster.num_replicas, "cluster.num_replicas")
-    positive_int(cfg.cluster.tensor_parallel_size, "cluster.tensor_parallel_size")
+    check_run_settings(cfg)
     num_blocks = num_kv_blocks(cfg, model, hardware)
-    # KV bytes of one block on one GPU: what a swap moves over that GPU's host link.
+    # The target's KV bytes of one block: what the summary counts a swapped block as.
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
-    bytes_per_block_per_gpu = bytes_per_block / cfg.cluster.tensor_parallel_size
     router = build_router(cfg.cluster.router)
     speculation = speculation_setup(cfg)
     requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
@@ -59,10 +57,9 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     replicas = []
     for replica_id in range(cfg.cluster.num_replicas):
         preemption = build_policy(cfg.preemption, "preemption")
-        swap_space_gb = getattr(preemption, "swap_space_gb", 0.0)
-        num_host_blocks = int(swap_space_gb * GIB // bytes_per_block_per_gpu)
         kv_cache = build_policy(cfg.kv_cache, "kv_cache", num_blocks=num_blocks,
-                                num_host_blocks=num_host_blocks)
+                                num_host_blocks=num_host_kv_blocks(cfg, model, preemption,
+                                                                   speculation))
         # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
         drafting = ({} if speculation is None else
                     {"speculation": build_policy(speculation.policy_cfg, "speculation")})
@@ -92,6 +89,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
                               slos_ms=slos_ms(cfg))
     summary["num_kv_blocks"] = num_blocks
+    summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)

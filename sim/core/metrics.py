@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,20 @@ def _histogram_stats_ms(itl_counts: dict[float, int], name: str) -> dict[str, fl
 
 def _per_second(amount: float, duration_s: float) -> float:
     return amount / duration_s if duration_s > 0 else 0.0
+
+
+def rejection_summary(requests: list[Request]) -> dict:
+    """For a run that rejected requests, why: the most common kind of rejection (reasons alike
+    but for their numbers), the first such request's reason and how many requests it covers."""
+    kinds: dict[str, list] = {}
+    for request in requests:
+        if request.rejected_reason is not None:
+            kind = re.sub(r"\d+", "#", request.rejected_reason)
+            kinds.setdefault(kind, [request.rejected_reason, 0])[1] += 1
+    if not kinds:
+        return {}
+    reason, count = max(kinds.values(), key=lambda example_count: example_count[1])
+    return {"rejected_reason": reason, "rejected_reason_count": count}
 
 
 # ---- the collector ------------------------------------------------------------------------------
@@ -327,6 +342,9 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_column(style="bold")
     totals.add_column(justify="right")
     totals.add_row("completed / rejected", f"{summary['completed']:,} / {summary['rejected']:,}")
+    if summary.get("rejected_reason"):
+        totals.add_row("rejected because", f"{summary['rejected_reason']} "
+                                           f"({summary['rejected_reason_count']:,} like it)")
     totals.add_row("duration (sim)", f"{_fmt(summary['duration_s'])} s")
     totals.add_row("requests/s", _fmt(summary["request_throughput"]))
     totals.add_row("output tok/s", _fmt(summary["output_throughput"], 1))

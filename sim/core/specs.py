@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from policies.validators import number_in, positive_int, positive_number
+
 GIB = 1024 ** 3
 GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
 
@@ -37,16 +39,6 @@ def _fields_from_config(cls: type, config: Mapping | DictConfig) -> dict[str, An
     if missing:
         raise ValueError(f"{cls.__name__}: missing required field(s) {missing}")
     return dict(config)
-
-
-def _require_positive_int(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
-
-
-def _require_positive_number(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{owner}.{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,10 +68,10 @@ class ModelSpec:
         owner = f"ModelSpec({self.name!r})"
         for name in ("num_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                      "vocab_size", "max_model_len"):
-            _require_positive_int(owner, name, getattr(self, name))
+            positive_int(f"{owner}.{name}", getattr(self, name))
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _require_positive_int(owner, "num_key_value_heads", self.num_key_value_heads)
+        positive_int(f"{owner}.num_key_value_heads", self.num_key_value_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{owner}.num_key_value_heads={self.num_key_value_heads} must divide "
                              f"num_attention_heads={self.num_attention_heads}")
@@ -88,7 +80,7 @@ class ModelSpec:
                 raise ValueError(f"{owner}: hidden_size={self.hidden_size} is not a multiple of "
                                  f"num_attention_heads={self.num_attention_heads}; set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _require_positive_int(owner, "head_dim", self.head_dim)
+        positive_int(f"{owner}.head_dim", self.head_dim)
         if self.dtype_bytes not in DTYPE_BYTES:
             raise ValueError(f"{owner}.dtype_bytes must be one of {DTYPE_BYTES}, got {self.dtype_bytes!r}")
         if self.mlp not in MLP_KINDS:
@@ -159,7 +151,7 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        _require_positive_int("kv_bytes_per_block", "block_size", block_size)
+        positive_int("block_size", block_size)
         return block_size * self.kv_bytes_per_token
 
     def kv_heads_per_gpu(self, tensor_parallel_size: int) -> int:
@@ -173,7 +165,7 @@ class ModelSpec:
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """vLLM's rule: attention heads split evenly over the GPUs."""
-        _require_positive_int(f"ModelSpec({self.name!r})", "tensor_parallel_size", tensor_parallel_size)
+        positive_int("tensor_parallel_size", tensor_parallel_size)
         if self.num_attention_heads % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide "
                              f"{self.name}'s num_attention_heads={self.num_attention_heads}")
@@ -196,7 +188,7 @@ class HardwareSpec:
         owner = f"HardwareSpec({self.name!r})"
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
                      "interconnect_gbps"):
-            _require_positive_number(owner, name, getattr(self, name))
+            positive_number(f"{owner}.{name}", getattr(self, name))
         reserved = self.reserved_memory_gb
         if isinstance(reserved, bool) or not isinstance(reserved, (int, float)) \
                 or not 0 <= reserved < self.memory_gb:
@@ -249,33 +241,55 @@ def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num
     return max_num_batched_tokens * per_token + logits
 
 
+def step_token_budget(max_num_batched_tokens: int | None, max_model_len: int,
+                      name: str = "max_num_batched_tokens") -> int:
+    """Tokens one step may compute: `max_num_batched_tokens` when set, else vLLM's default
+    without chunked prefill, max(max_model_len, 2048), so that any prompt the model allows fits
+    one step. `name` is the setting as the user wrote it, for the error."""
+    if max_num_batched_tokens is None:
+        return max(max_model_len, 2048)
+    return positive_int(name, max_num_batched_tokens)
+
+
+def kv_bytes_per_block_per_gpu(model: ModelSpec, block_size: int, tensor_parallel_size: int = 1,
+                               draft: ModelSpec | None = None) -> int:
+    """Bytes of one block of the pool on one GPU: the target's K/V layers (its KV heads split
+    over the GPUs) and, with a draft model, the draft's, whole (it runs unsplit, as the
+    roofline costs it)."""
+    block_bytes = block_size * model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
+    if draft is not None:
+        block_bytes += draft.kv_bytes_per_block(block_size)
+    return block_bytes
+
+
 def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: int,
                         gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-                        max_num_batched_tokens: int | None = None, max_num_seqs: int = 256) -> int:
-    """How many KV blocks each GPU holds, as vLLM sizes its cache:
+                        max_num_batched_tokens: int | None = None, max_num_seqs: int = 256, *,
+                        draft: ModelSpec | None = None, kv_cache_limit_gb: float | None = None,
+                        max_model_len: int | None = None) -> int:
+    """How many KV blocks each GPU's device pool holds, as vLLM sizes its cache:
 
         (memory × utilisation − reserved − weights / tp − activation peak) / (KV bytes per block / tp)
 
-    `max_num_batched_tokens` defaults to max(max_model_len, 2048) and `max_num_seqs` to 256, as
-    vLLM's scheduler config does without chunked prefill. Raises ValueError when the weights and
-    activations leave no room for a single block.
+    `max_num_batched_tokens` defaults to step_token_budget's and `max_num_seqs` to 256, as
+    vLLM's scheduler config does without chunked prefill. A `draft` model's weights come off the
+    memory and its K/V layers are part of every block. With `kv_cache_limit_gb` (the engine on
+    a CPU, where the arithmetic would claim most of host RAM) the pool is capped at that many GiB
+    and at what max_num_seqs sequences of max_model_len (default the model's) tokens need.
+    Raises ValueError when the weights and activations leave no room for a single block.
     """
-    _require_positive_int("kv_cache_num_blocks", "block_size", block_size)
-    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
-            or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    positive_int("block_size", block_size)
+    number_in("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
     model.check_tensor_parallel_size(tensor_parallel_size)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(model.max_model_len, 2048)
-    _require_positive_int("kv_cache_num_blocks", "max_num_batched_tokens", max_num_batched_tokens)
-    _require_positive_int("kv_cache_num_blocks", "max_num_seqs", max_num_seqs)
+    max_num_batched_tokens = step_token_budget(max_num_batched_tokens, model.max_model_len)
+    positive_int("max_num_seqs", max_num_seqs)
 
     tp = tensor_parallel_size
     budget = hardware.memory_bytes * gpu_memory_utilization - hardware.reserved_memory_gb * GIB
     weights = model.weight_bytes / tp
     activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     free_for_kv = budget - weights - activations
-    block_bytes = block_size * model.kv_bytes_per_token_per_gpu(tp)
+    block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp)
     num_blocks = int(free_for_kv // block_bytes)
     if num_blocks < 1:
         raise ValueError(
@@ -285,4 +299,25 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
             f"weights need {weights / GIB:.1f} GiB and activations {activations / GIB:.1f} GiB, "
             f"leaving no room for one {block_bytes / 2**20:.1f} MiB KV block. "
             f"Raise tensor_parallel_size or gpu_memory_utilization, or use a larger device.")
+    if draft is not None:
+        block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp, draft)
+        num_blocks = int((free_for_kv - draft.weight_bytes) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the draft model {draft.name} leaves no memory for one KV block "
+                             f"next to {model.name} on {hardware.name}")
+    if kv_cache_limit_gb is not None:
+        max_model_len = max_model_len or model.max_model_len
+        enough = max_num_seqs * -(-max_model_len // block_size)
+        limit = int(kv_cache_limit_gb * GIB // block_bytes)
+        num_blocks = max(1, min(num_blocks, enough, limit))
     return num_blocks
+
+
+def kv_cache_num_host_blocks(model: ModelSpec, block_size: int, swap_space_gb: float,
+                             tensor_parallel_size: int = 1, draft: ModelSpec | None = None) -> int:
+    """How many blocks each GPU's host swap pool holds: swap_space_gb GiB (per GPU, vLLM's
+    --swap-space) over one block's K/V, the target's (split over the GPUs) and the draft's."""
+    block_bytes = model.kv_bytes_per_block(block_size) / tensor_parallel_size
+    if draft is not None:
+        block_bytes += draft.kv_bytes_per_block(block_size)
+    return int(swap_space_gb * GIB // block_bytes)

@@ -8,6 +8,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from sim.tools.loggers import log_run
 from sim.core.metrics import print_summary
@@ -22,7 +23,7 @@ def main(cfg: DictConfig) -> float:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         result = run_experiment(cfg, out_dir, progress=cfg.progress)
-    except ValueError as error:
+    except (ValueError, OmegaConfBaseException) as error:  # a bad setting: one line, no traceback
         print(f"twinserve: error: {error}", file=sys.stderr)
         sys.exit(2)
     print_summary(result.summary)

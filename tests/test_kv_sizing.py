@@ -1,0 +1,147 @@
+"""One source of names, defaults and memory arithmetic: the step token budget and the device and
+host KV pools both backends size with (a draft model's K/V counted), the policies' names in
+conf/ alone, sim/ never importing the engine, and the shared argument validators."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from policies import validators
+from sim.core.build import CONF_DIR, build_router, num_kv_blocks, policy_config
+from sim.core.experiment import run_experiment
+from sim.core.specs import (GIB, HardwareSpec, ModelSpec, kv_cache_num_blocks,
+                            kv_cache_num_host_blocks, step_token_budget)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=["progress=false", *overrides])
+
+
+def model(name: str) -> ModelSpec:
+    return ModelSpec.from_config(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+
+
+def hardware(name: str) -> HardwareSpec:
+    return HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml"))
+
+
+def test_step_token_budget():
+    assert step_token_budget(None, 4096) == 4096
+    assert step_token_budget(None, 1024) == 2048      # vLLM's floor without chunking
+    assert step_token_budget(256, 4096) == 256
+    with pytest.raises(ValueError, match=r"^scheduler\.max_num_batched_tokens must be a "
+                                         r"positive integer, got 0$"):
+        step_token_budget(0, 4096, "scheduler.max_num_batched_tokens")
+
+
+def test_a_draft_models_weights_and_kv_come_off_the_pool():
+    llama, draft, a100 = model("llama-2-7b"), model("llama-68m"), hardware("a100-80gb")
+    alone = kv_cache_num_blocks(llama, a100, 16)
+    with_draft = kv_cache_num_blocks(llama, a100, 16, draft=draft)
+    target_bytes = llama.kv_bytes_per_block(16)
+    block_bytes = target_bytes + draft.kv_bytes_per_block(16)
+    assert with_draft < alone
+    # The draft's weights and the blocks fit where the target's blocks alone did.
+    assert with_draft * block_bytes + draft.weight_bytes <= (alone + 1) * target_bytes
+    assert (with_draft + 1) * block_bytes + draft.weight_bytes > alone * target_bytes
+    host = kv_cache_num_host_blocks(llama, 16, 4.0, draft=draft)
+    assert host == int(4 * GIB // block_bytes) < kv_cache_num_host_blocks(llama, 16, 4.0)
+
+
+def test_the_simulator_counts_a_draft_models_kv_and_ngram_has_none():
+    llama, a100 = model("llama-2-7b"), hardware("a100-80gb")
+    plain = make_cfg()
+    ngram = make_cfg("speculation=fixed")
+    drafted = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m")
+    k0 = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
+                  "speculation.num_speculative_tokens=0")   # never drafts: no draft model
+    assert (num_kv_blocks(plain, llama, a100) == num_kv_blocks(ngram, llama, a100)
+            == num_kv_blocks(k0, llama, a100) == kv_cache_num_blocks(llama, a100, 16))
+    assert num_kv_blocks(drafted, llama, a100) == kv_cache_num_blocks(
+        llama, a100, 16, draft=model("llama-68m"))
+    result = run_experiment(make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
+                                     "preemption=swap", "workload.num_requests=20"))
+    assert result.summary["num_kv_blocks"] == num_kv_blocks(drafted, llama, a100)
+
+
+def test_the_engine_backend_sizes_the_pool_with_the_engines_cap():
+    """backend=engine on a CPU: the engine's cap (max_num_seqs full-length sequences and
+    cpu_kv_cache_gb), taken from the backend's config, not from an import of the engine."""
+    pytest.importorskip("torch")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the cap applies on a CPU")
+    tiny, cpu = model("tiny-llama"), hardware("cpu")
+    base = ["backend=engine", "model=tiny-llama", "hardware=cpu"]
+    assert num_kv_blocks(make_cfg(*base, "scheduler.max_num_seqs=4"), tiny, cpu) == 4 * 2048 // 16
+    assert num_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01"), tiny, cpu) == int(
+        0.01 * GIB // tiny.kv_bytes_per_block(16))
+    assert num_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01", "speculation=fixed",
+                                  "speculation.draft_model=tiny-llama"), tiny, cpu) == int(
+        0.01 * GIB // (2 * tiny.kv_bytes_per_block(16)))
+
+
+def test_policy_names_are_conf_files():
+    assert policy_config("chunked_prefill", "scheduler").max_num_batched_tokens == 2048
+    assert policy_config("my.Policy", "scheduler") == {"_target_": "my.Policy"}
+    assert policy_config({"_target_": "my.Policy", "k": 2}, "speculation").k == 2
+    with pytest.raises(ValueError, match=r"^cluster\.router must be one of least_outstanding, "
+                                         r"round_robin \(conf/router\)"):
+        build_router("fastest")
+    with pytest.raises(ValueError, match="must name its class in _target_"):
+        policy_config({"k": 2}, "speculation")
+    assert type(build_router("least_outstanding")).__name__ == "LeastOutstandingRouter"
+
+
+def test_no_name_to_class_map_of_policies_outside_conf():
+    pattern = re.compile(r"^\s*(SCHEDULERS|ROUTERS|PREEMPTIONS|SPECULATIONS)\s*=", re.M)
+    offenders = [str(path.relative_to(REPO))
+                 for folder in ("engine", "sim", "policies")
+                 for path in (REPO / folder).rglob("*.py") if pattern.search(path.read_text())]
+    assert offenders == []
+
+
+def test_sim_never_imports_the_engine():
+    """The engine plugs into the simulator by config (backend.executor): sim/ imports no
+    engine module, at the top of a file or inside a function."""
+    importers = []
+    for path in (REPO / "sim").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name == "engine" or name.startswith("engine.") for name in names):
+                importers.append(str(path.relative_to(REPO)))
+    assert importers == []
+
+
+@pytest.mark.parametrize("check, value, message", [
+    (validators.positive_int, 0, "x.y must be a positive integer, got 0"),
+    (validators.positive_int, True, "x.y must be a positive integer, got True"),
+    (validators.positive_int, 1.5, "x.y must be a positive integer, got 1.5"),
+    (validators.non_negative_int, -1, "x.y must be a non-negative integer, got -1"),
+    (validators.positive_number, 0.0, "x.y must be a positive number, got 0.0"),
+    (validators.non_negative_number, "a", "x.y must be a number >= 0, got 'a'"),
+    (validators.fraction, 1.0, r"x.y must be a number in \[0, 1\), got 1.0"),
+    (validators.fraction, float("nan"), r"x.y must be a number in \[0, 1\), got nan"),
+    (validators.boolean, 1, "x.y must be true or false, got 1"),
+])
+def test_validators_name_the_argument(check, value, message):
+    with pytest.raises(ValueError, match="^" + message + "$"):
+        check("x.y", value)
+
+
+def test_validators_return_good_values():
+    assert validators.positive_int("n", 3) == 3
+    assert validators.non_negative_int("n", 0) == 0
+    assert validators.positive_number("x", 0.5) == 0.5
+    assert validators.fraction("x", 0) == 0
+    assert validators.number_in("x", 1, 0, 1, low_open=True) == 1
+    assert validators.boolean("b", False) is False
