@@ -2,13 +2,15 @@
 fit a linear model of duration on the step features, and write `profiles/<device>/<model>.json`
 with the raw samples beside it (`<model>.samples.csv`).
 
-The grid is not a workload: it is chosen to span every feature in `sim.calibration.step_features` on its own
-and in combination: prefill chunks of several lengths over several cached-context lengths, several
+The grid is not a workload: it is chosen to span every step feature
+(sim/calibration/step_features.py, and the attention-tile features) on its own and in
+combination: prefill chunks of several lengths over several cached-context lengths, several
 prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
 batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
-decode batch, since a real step always runs a forward), over a couple of block sizes. Every plan is
-built for real through a `PagedBlockManager` (valid block tables, copy and swap pairs); the KV
-contents are whatever the pool holds, which is all that timing needs.
+decode batch, since a real step always runs a forward), over a couple of block sizes. Every plan
+is built for real through a `PagedBlockManager` (sim/calibration/step_shapes.py: valid block
+tables, copy and swap pairs, blocks scattered over an aged pool); the KV contents are whatever
+the pool holds, which is all that timing needs.
 
     python -m engine.profiler --model tiny-llama            # the default grid, 10 repeats
     python -m engine.profiler --quick --out-dir /tmp/prof   # a handful of points
@@ -36,11 +38,12 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from engine.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
-from engine.step_shapes import GridPoint, build_plan, spread, spread_chunks
-from kernels.tiling import TILE_BYTES, tile_tokens
-from sim.calibration.profiled_cost_model import fit_local_correction
-from sim.calibration.step_features import STEP_FEATURES, AttentionTiling, step_features
+from kernels.tiling import TILE_BYTES
+from sim.calibration.cpu_noise.local_correction import fit_local_correction
+from sim.calibration.cpu_noise.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
+from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
+from sim.calibration.step_features import STEP_FEATURES, step_features
+from sim.calibration.step_shapes import GridPoint, build_plan, spread, spread_chunks
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +92,7 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
         for count, chunk in ((4, 512), (8, 256), (16, 128)):
             add("multi_prefill", prefills=((chunk, 0),) * count)
         # 2 and 3 too: a light load runs mostly such batches, and from 1 to 4 sequences the
-        # cost bends (a batch of 2 took 8-9 % less than the fit through 1 and 4 predicted).
+        # cost bends.
         for batch in (1, 2, 3, 4, 8, 16, 32, 64):
             for ctx in (32, 128, 256, 512, 1024):
                 add("decode", decodes=(ctx,) * batch)
@@ -100,8 +103,8 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
         for batch in (2, 4, 8, 16, 32, 64, 128):
             for low, high in ((16, 320), (32, 1024)):
                 add("decode_mixed_ctx", decodes=spread(batch, low, high))
-        # From 1 decode on: chunked prefill at a light load mixes a prompt with one or two (the
-        # fit through 4+ under-predicted those steps by 6-19 %).
+        # From 1 decode on: chunked prefill at a light load mixes a prompt with one or two,
+        # which a fit through 4+ under-predicts.
         for batch in (1, 2, 4, 16, 48):
             for chunk, ctx in ((64, 0), (256, 0), (128, 384), (512, 128)):
                 add("mixed", decodes=(256,) * batch, prefills=((chunk, ctx),))
@@ -149,10 +152,11 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
 @dataclass
 class Profile:
     """Every sample of a run: one dict per (point, repeat) with point_id, kind, block_size,
-    repeat, every STEP_FEATURES value and duration_s; with a speed probe, duration_s is at the
-    run's median machine speed, raw_duration_s as measured, speed_factor the machine's (smoothed)
-    factor when it ran, and speed_reference is the profile's, with the exponent of that factor
-    each kind of step follows (engine/speed.py)."""
+    repeat, every STEP_FEATURES value (and TILE_FEATURES value, where measured with them) and
+    duration_s; with a speed probe, duration_s is at the run's median machine speed,
+    raw_duration_s as measured, speed_factor the machine's (smoothed) factor when it ran, and
+    speed_reference is the profile's, with the exponent of that factor each kind of step follows
+    (sim/calibration/cpu_noise/speed.py)."""
 
     points: list[GridPoint]
     samples: list[dict] = field(default_factory=list)
@@ -176,7 +180,7 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
     for its largest point), keeping every sample's measured `duration`. With
     `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
     attention-tile features too. With a `speed_probe`, every sample is normalised to the
-    machine's median speed over the run (engine/speed.py)."""
+    machine's median speed over the run (sim/calibration/cpu_noise/speed.py)."""
     return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
                             kv_bytes_per_token, speed_probe)[""]
 
@@ -204,14 +208,16 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
             num_blocks = max(p.num_blocks_needed() for p in points)
             num_host = max(p.num_host_blocks_needed() for p in points)
             executor = executor_factory(block_size, num_blocks, num_host)
-            tiling = None if kv_bytes_per_token is None else AttentionTiling(
-                block_size, tile_tokens(block_size, kv_bytes_per_token))
+            tiling = None if kv_bytes_per_token is None else AttentionTiling.of(
+                block_size, kv_bytes_per_token)
             largest = sorted(points, key=lambda p: -p.num_blocks_needed())[:3]
             for point in points:
                 # Blocks scattered over the pool, as a serving run's are (build_plan's aged_pool).
                 plan = build_plan(point, rng, num_blocks, num_host, aged_pool=True)
-                runs.append((name, point, executor, plan,
-                             dict(zip(STEP_FEATURES, step_features(plan, tiling)))))
+                features = dict(zip(STEP_FEATURES, step_features(plan)))
+                if tiling is not None:
+                    features.update(zip(TILE_FEATURES, tile_features(plan, tiling)))
+                runs.append((name, point, executor, plan, features))
                 if point in largest:   # warm each executor up on its largest shapes first
                     executor.execute(plan)
     bar = _progress_bar(len(runs) * repeats, progress)
@@ -296,8 +302,16 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x
 
 
+def sample_features(samples: list[dict]) -> list[str]:
+    """The features a profile of these samples is fitted with: STEP_FEATURES, and the
+    attention-tile features where every sample has them."""
+    return [*STEP_FEATURES, *(name for name in TILE_FEATURES
+                              if all(name in sample for sample in samples))]
+
+
 def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
-    """Fit duration = intercept + Σ coef·feature with every coefficient ≥ 0 to the median
+    """Fit duration = intercept + Σ coef·feature (over `sample_features(samples)`) with every
+    coefficient ≥ 0 to the median
     duration of each grid point (robust to a burst of load from elsewhere on the machine),
     weighting each point by 1/duration (so the fit minimises relative error: steps span two
     orders of magnitude, and an unweighted fit would sacrifice every small decode step to the
@@ -311,7 +325,8 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
     by_point: dict[object, list[int]] = {}
     for index, sample in enumerate(samples):
         by_point.setdefault(sample.get("point_id", f"sample {index}"), []).append(index)
-    x_all = np.array([[float(s[f]) for f in STEP_FEATURES] for s in samples])
+    features = sample_features(samples)
+    x_all = np.array([[float(s[f]) for f in features] for s in samples])
     y_all = np.array([float(s["duration_s"]) for s in samples])
     if (y_all <= 0).any():
         raise ValueError("fit_profile: durations must be positive")
@@ -341,12 +356,12 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
     return {
         "schema": SCHEMA,
         "metadata": dict(metadata or {}),
-        "features": list(STEP_FEATURES),
+        "features": features,
         "model": {"kind": "linear", "intercept_s": float(coef[0]),
-                  "coefficients_s": {f: float(c) for f, c in zip(STEP_FEATURES, coef[1:])}},
+                  "coefficients_s": {f: float(c) for f, c in zip(features, coef[1:])}},
         "residuals": {"kind": "relative", "samples": [float(r) for r in noise]},
         "feature_ranges": {f: [float(x[:, i].min()), float(x[:, i].max())]
-                           for i, f in enumerate(STEP_FEATURES)},
+                           for i, f in enumerate(features)},
         "fit": {"r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
                 "mean_abs_rel_error": float(np.abs(relative).mean()),
                 "median_abs_rel_error": float(np.median(np.abs(relative))),
@@ -372,8 +387,8 @@ def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
 
 def read_samples(csv_path: Path) -> list[dict]:
     """A samples CSV as write_profile wrote it (numbers as floats, kind as text; empty cells
-    left out). A file from before a step feature existed gets it as 0: the profiler's steps did
-    not have it then."""
+    left out). A file from before a core step feature existed gets it as 0: the profiler's steps
+    did not have it then."""
     with Path(csv_path).open(newline="") as handle:
         return [{**dict.fromkeys(STEP_FEATURES, 0.0),
                  **{key: value if key == "kind" else float(value)
@@ -403,7 +418,7 @@ def write_profile(content: dict, samples: list[dict], out_dir: Path, device_dir:
     json_path = folder / f"{model}.json"
     csv_path = folder / f"{model}.samples.csv"
     json_path.write_text(json.dumps(content, indent=1) + "\n")
-    columns = ["point_id", "kind", "block_size", "repeat", *STEP_FEATURES, "duration_s",
+    columns = ["point_id", "kind", "block_size", "repeat", *content["features"], "duration_s",
                "raw_duration_s", "speed_factor", "order", "after_probe"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
@@ -541,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": profile_name(args.model, None),
             "model_config": dataclasses.asdict(loaded.spec),
             "dtype": str(dtype).removeprefix("torch."),
-            # What the tile features were computed with (sim.calibration.step_features.AttentionTiling).
+            # What the tile features were computed with (cpu_noise.tile_features.profile_tiling).
             "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
                                  "tile_bytes": TILE_BYTES},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

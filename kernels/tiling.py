@@ -1,13 +1,12 @@
 """How the torch attention path groups a step's sequences into padded tiles. Pure Python (no
-torch): the kernels (kernels/torch_paged.py) run these tiles, and the profiled cost model's step
-features (sim/calibration/step_features.py) count the same tiles, so the simulator sees the padding and the
-per-tile overhead the engine pays on a CPU.
+torch): the kernels (kernels/torch_paged.py) run these tiles, and the profiled cost model's
+attention-tile features (sim/calibration/cpu_noise/tile_features.py) count the same tiles, so the
+simulator sees the padding and the per-tile overhead the engine pays on a CPU.
 """
 from __future__ import annotations
 
 # K and V bytes gathered per tile: small enough to stay in cache between the gather and the
-# attention that reads it (on a 2-core EPYC, 2 MiB tiles attend a 64-sequence decode step about
-# twice as fast as one batch of every sequence; 0.5 MiB tiles lose to per-tile overhead).
+# attention that reads it, large enough that the per-tile overhead does not dominate.
 TILE_BYTES = 2 << 20
 
 
@@ -18,7 +17,7 @@ def tile_tokens(block_size: int, kv_bytes_per_token: int, tile_bytes: int = TILE
 
 # Query lengths up to this share tiles with each other but not with longer ones: a speculating
 # decode verifies k + 1 <= 16 tokens, and in a tile with a prompt's chunk it would be padded to the
-# chunk's length (a 4-decode, 128-token-prompt step attended 4 x 128 padded queries for 4 x 5).
+# chunk's length.
 MAX_SHORT_QUERY_LEN = 16
 
 

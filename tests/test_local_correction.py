@@ -1,7 +1,7 @@
-"""The profile's local correction (sim/calibration/profiled_cost_model.py): where the linear model misfits a
-region of step shapes, the kernel average of the grid points' measured/fitted ratios brings the
-prediction back, chosen by leave-one-out; far from the points and where the linear model is
-already right it changes nothing. And `twinserve-profile --refit` re-fits a written profile."""
+"""The profile's local correction (sim/calibration/cpu_noise/local_correction.py): where the
+linear model misfits a region of step shapes, the kernel average of the grid points'
+measured/fitted ratios brings the prediction back, chosen by leave-one-out; far from the points
+and where the linear model is already right it changes nothing. And `twinserve-profile --refit` re-fits a written profile."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from engine.profiler import fit_profile, main, refit, write_profile
-from sim.calibration.profiled_cost_model import (LocalCorrection, ProfileError, ProfiledCostModel,
-                                     fit_local_correction)
+from sim.calibration.cpu_noise.local_correction import LocalCorrection, fit_local_correction
+from sim.calibration.profiled_cost_model import ProfileError, ProfiledCostModel
 from sim.calibration.step_features import STEP_FEATURES
 from tests.test_profiler import predict
 

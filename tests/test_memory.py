@@ -52,27 +52,12 @@ def test_both_satisfy_the_protocol():
     (dict(watermark=-0.1), "kv_cache.watermark must be a number in [0, 1)"),
     (dict(enable_prefix_caching="yes"), "kv_cache.enable_prefix_caching must be true or false"),
     (dict(share_on_fork=1), "kv_cache.share_on_fork must be true or false"),
-    (dict(free_block_order=[0, 1, 2]), "free_block_order must be a permutation of the 8"),
-    (dict(free_block_order=[0, 0, 1, 2, 3, 4, 5, 6]), "free_block_order must be a permutation"),
 ])
 def test_paged_rejects_bad_config(kwargs, message):
     arguments = dict(num_blocks=8, block_size=4) | kwargs
     with pytest.raises(ValueError) as error:
         PagedBlockManager(**arguments)
     assert message in str(error.value)
-
-
-def test_paged_hands_out_blocks_in_the_given_order_then_as_freed():
-    manager = PagedBlockManager(6, 4, watermark=0, free_block_order=[3, 0, 5, 1, 4, 2])
-    first, second = make_seq(0, 8), make_seq(1, 4)
-    assert manager.allocate_slots(first, 8) and manager.allocate_slots(second, 4)
-    assert manager.block_tables == {0: [3, 0], 1: [5]}
-    manager.free(first)
-    third = make_seq(2, 16)
-    assert manager.allocate_slots(third, 16)
-    # The rest of the order, then the freed ones (a table is released from its last block).
-    assert manager.block_tables[2] == [1, 4, 2, 0]
-    manager.check_invariants()
 
 
 # ---------------------------------------------------------------- paged: growth

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,10 +12,14 @@ import torch
 
 from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls,
                              profile, write_profile)
-from kernels.tiling import query_class, tile_tokens
-from policies.types import StepResult
+from kernels.tiling import query_class
+from policies.memory import PagedBlockManager
+from policies.types import Request, Sequence, StepResult
+from sim.calibration.cpu_noise.tile_features import (TILE_FEATURES, AttentionTiling,
+                                                     attention_lengths, tile_features)
 from sim.calibration.profiled_cost_model import ProfiledCostModel
-from sim.calibration.step_features import STEP_FEATURES, AttentionTiling, attention_lengths, step_features
+from sim.calibration.step_features import STEP_FEATURES, step_features
+from sim.calibration.step_shapes import age_pool
 
 torch.set_num_threads(1)
 
@@ -41,13 +46,22 @@ TRUE_COEFS = {
 KV_BYTES_PER_TOKEN = 4096
 
 
+# The stand-in's profiles are fitted with the attention-tile features too, as a CPU engine's are.
+ALL_FEATURES = STEP_FEATURES + TILE_FEATURES
+
+
 def tiling(block_size: int) -> AttentionTiling:
-    return AttentionTiling(block_size, tile_tokens(block_size, KV_BYTES_PER_TOKEN))
+    return AttentionTiling.of(block_size, KV_BYTES_PER_TOKEN)
+
+
+def features_of(plan, block_size: int) -> tuple[float, ...]:
+    """The plan's core and tile features, in ALL_FEATURES order."""
+    return step_features(plan) + tile_features(plan, tiling(block_size))
 
 
 def true_cost(features) -> float:
     # Features a later version adds (speculation's) cost nothing here.
-    return TRUE_INTERCEPT + sum(TRUE_COEFS.get(f, 0.0) * v for f, v in zip(STEP_FEATURES, features))
+    return TRUE_INTERCEPT + sum(TRUE_COEFS.get(f, 0.0) * v for f, v in zip(ALL_FEATURES, features))
 
 
 class StandInExecutor:
@@ -71,7 +85,7 @@ class StandInExecutor:
             assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
         for host, dev in plan.blocks_to_swap_in:
             assert 0 <= dev < self.num_blocks and 0 <= host < self.num_host_blocks
-        features = step_features(plan, tiling(self.block_size))
+        features = features_of(plan, self.block_size)
         duration = true_cost(features) * (1 + self.noise * self.rng.standard_normal())
         return StepResult(duration=duration)
 
@@ -124,6 +138,86 @@ def test_an_aged_pool_scatters_the_blocks_and_keeps_the_step():
     assert [again.block_tables[seq.seq_id] for seq in again.seqs] == tables
 
 
+def test_an_aged_pool_hands_out_blocks_in_the_given_order_then_as_freed():
+    manager = PagedBlockManager(6, 4, watermark=0)
+    age_pool(manager, [3, 0, 5, 1, 4, 2])
+    assert manager.num_used_blocks() == 0 and not manager.block_tables
+    request = Request(0, 0.0, 16, 1)
+    first, second, third = (Sequence(seq_id, request) for seq_id in range(3))
+    assert manager.allocate_slots(first, 8) and manager.allocate_slots(second, 4)
+    assert manager.block_tables == {0: [3, 0], 1: [5]}
+    manager.free(first)
+    assert manager.allocate_slots(third, 16)
+    # The rest of the order, then the freed ones (a table is released from its last block).
+    assert manager.block_tables[2] == [1, 4, 2, 0]
+    manager.check_invariants()
+    for order in ([0, 1, 2], [0, 0, 1, 2, 3, 4]):
+        with pytest.raises(ValueError, match="free_order must be a permutation"):
+            age_pool(PagedBlockManager(6, 4, watermark=0), order)
+    with pytest.raises(ValueError, match="empty pool"):
+        age_pool(manager, list(range(6)))
+
+
+def test_a_profile_without_tile_features_is_fitted_and_predicted_on_the_core_ones(tmp_path):
+    """Profiled without the tile features (no kv_bytes_per_token), a profile lists only
+    STEP_FEATURES and its cost model needs no block size."""
+    def factory(block_size, num_blocks, num_host_blocks):
+        return StandInExecutor(block_size, num_blocks, num_host_blocks)
+
+    prof = profile(factory, make_grid((16,), quick=True), repeats=2, progress=False)
+    assert not set(TILE_FEATURES) & set(prof.samples[0])
+    content = fit_profile(prof.samples)
+    assert content["features"] == list(STEP_FEATURES)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(content))
+    model = ProfiledCostModel(str(path), sample_residuals=False)
+    assert model.feature_names == STEP_FEATURES and model.tiling is None
+    plan = build_plan(GridPoint(0, "decode", 16, decodes=(100,) * 4))
+    assert model.step_time(plan) == pytest.approx(model.predict_mean(step_features(plan)))
+
+
+def test_tile_features_in_any_position_predict_the_same():
+    """A profile lists its features in its own order (the shipped ones have the tile features
+    among the core ones): the prediction is by name."""
+    def factory(block_size, num_blocks, num_host_blocks):
+        return StandInExecutor(block_size, num_blocks, num_host_blocks)
+
+    prof = profile(factory, make_grid((16,), quick=True), repeats=2, progress=False,
+                   kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+    content = fit_profile(prof.samples, {"attention_tiling": {
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "tile_bytes": 2 << 20}})
+    assert content["features"] == list(ALL_FEATURES)
+    order = [*STEP_FEATURES[:9], *TILE_FEATURES[:2], *STEP_FEATURES[9:], TILE_FEATURES[2]]
+    columns = [ALL_FEATURES.index(name) for name in order]
+    interleaved = json.loads(json.dumps(content))
+    interleaved["features"] = order
+    if content["correction"] is not None:
+        correction = interleaved["correction"]
+        correction["points"] = [[point[c] for c in columns] for point in correction["points"]]
+        correction["scales"] = [correction["scales"][c] for c in columns]
+    as_fitted = ProfiledCostModel(content, sample_residuals=False, block_size=16)
+    reordered = ProfiledCostModel(interleaved, sample_residuals=False, block_size=16)
+    assert reordered.feature_names == tuple(order)
+    for point in held_out_points():
+        plan = build_plan(point)
+        assert reordered.step_time(plan) == pytest.approx(as_fitted.step_time(plan), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pair", "tiny-pair+ngram",
+                                  "tiny-pair+tiny-pair-draft"])
+def test_the_shipped_cpu_profiles_load_with_their_tile_features_and_correction(name):
+    path = Path(__file__).resolve().parents[1] / "profiles" / "cpu" / f"{name}.json"
+    model = ProfiledCostModel(str(path), sample_residuals=False, block_size=16)
+    content = json.loads(path.read_text())
+    assert model.feature_names == tuple(content["features"])
+    assert set(TILE_FEATURES) <= set(model.feature_names) and model.tiling is not None
+    assert model.correction is not None
+    plan = build_plan(GridPoint(0, "decode_mixed_ctx", 16, decodes=(40, 300, 120, 900)))
+    features = dict(zip(model.feature_names, model.features(plan)))
+    assert features["num_attention_tiles"] >= 1 and features["num_decode_seqs"] == 4
+    assert 0 < model.step_time(plan) < 1
+
+
 def test_nnls_matches_lstsq_when_unconstrained_and_clamps_otherwise():
     rng = np.random.default_rng(0)
     a = rng.random((50, 4))
@@ -153,7 +247,7 @@ def test_stand_in_recovered_within_two_percent(tmp_path):
     content = fit_profile(prof.samples, {"device": "stand-in"})
     assert content["fit"]["r2"] > 0.99
     for point in held_out_points():
-        features = step_features(build_plan(point), tiling(point.block_size))
+        features = features_of(build_plan(point), point.block_size)
         expected = true_cost(features)
         assert predict(content, features) == pytest.approx(expected, rel=0.02), point
 
@@ -171,14 +265,14 @@ def check_written(json_path, csv_path, num_points, repeats):
     assert content["schema"] == 1
     assert set(content) >= {"schema", "metadata", "features", "model", "residuals",
                             "feature_ranges", "fit"}
-    assert content["features"] == list(STEP_FEATURES)
+    assert content["features"] == list(ALL_FEATURES)   # the tile features declared
     model = content["model"]
     assert model["kind"] == "linear" and isinstance(model["intercept_s"], float)
-    assert list(model["coefficients_s"]) == list(STEP_FEATURES)
+    assert list(model["coefficients_s"]) == list(ALL_FEATURES)
     assert all(c >= 0 for c in model["coefficients_s"].values()) and model["intercept_s"] >= 0
     assert content["residuals"]["kind"] == "relative"
     assert len(content["residuals"]["samples"]) == num_points * repeats
-    assert set(content["feature_ranges"]) == set(STEP_FEATURES)
+    assert set(content["feature_ranges"]) == set(ALL_FEATURES)
     assert all(lo <= hi for lo, hi in content["feature_ranges"].values())
     assert content["fit"]["num_samples"] == num_points * repeats
     assert {"r2", "mean_abs_rel_error", "mean_abs_point_error", "noise_std",
@@ -186,7 +280,7 @@ def check_written(json_path, csv_path, num_points, repeats):
     with csv_path.open() as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == num_points * repeats
-    assert set(rows[0]) >= {"point_id", "repeat", "duration_s", *STEP_FEATURES}
+    assert set(rows[0]) >= {"point_id", "repeat", "duration_s", *ALL_FEATURES}
     assert len({(r["point_id"], r["repeat"]) for r in rows}) == len(rows)
     return content
 
@@ -219,7 +313,8 @@ def test_quick_real_run_on_tiny_llama(tmp_path):
 
 
 def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
-    """step_features' tile count and padded K/V tokens are those of kernels.torch_paged's plan."""
+    """tile_features' tile count and padded K/V tokens are those of kernels.torch_paged's
+    plan."""
     from kernels import torch_paged
 
     kv_bytes_per_token = 2 * 2 * 8 * 4  # 2 KV heads of 8 dims, fp32
@@ -231,9 +326,8 @@ def test_tile_features_count_the_tiles_the_torch_kernel_runs(monkeypatch):
                             spec_len=3)):
         plan = build_plan(point)
         block_size = point.block_size
-        features = dict(zip(STEP_FEATURES, step_features(
-            plan, AttentionTiling(block_size,
-                                  tile_tokens(block_size, kv_bytes_per_token, tile_bytes)))))
+        features = dict(zip(TILE_FEATURES, tile_features(
+            plan, AttentionTiling.of(block_size, kv_bytes_per_token, tile_bytes))))
         seq_lens, query_lens = attention_lengths(plan)   # a speculating decode's drafts too
         max_blocks = max(-(-n // block_size) for n in seq_lens)
         tables = torch.tensor([plan.block_tables[s.seq_id][:max_blocks]

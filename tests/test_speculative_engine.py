@@ -480,7 +480,7 @@ def test_draft_model_runs_its_lagging_token_again():
     step features count as draft_catch_up_tokens."""
     from engine.model_loader import load_model
     from engine.profiler import executor_factory
-    from engine.step_shapes import GridPoint, build_plan
+    from sim.calibration.step_shapes import GridPoint, build_plan
     from sim.calibration.step_features import STEP_FEATURES, step_features
 
     device = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The speed probe (engine/speed.py): its factor, the executor that normalises an engine run's
+"""The speed probe (sim/calibration/cpu_noise/speed.py): its factor, the executor that normalises an engine run's
 step durations with it, the profiler's normalised samples (a drifting stand-in machine is
 recovered as if it had not drifted, also where prefills follow the drift less than decodes), and
 clear errors for a profile without a usable reference."""
@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from engine.profiler import build_plan, fit_profile, make_grid, profile
-from engine.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor, SpeedProbe,
-                          SpeedReference, check_reference, fit_exponents, load_reference,
-                          normalize_samples, probe_point_spec, smoothed_factors)
 from policies.types import StepPlan, StepResult
-from sim.calibration.step_features import step_features
-from tests.test_profiler import KV_BYTES_PER_TOKEN, held_out_points, predict, tiling, true_cost
+from sim.calibration.cpu_noise.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor,
+                                             SpeedProbe, SpeedReference, check_reference,
+                                             fit_exponents, load_reference, normalize_samples,
+                                             probe_point_spec, smoothed_factors)
+from tests.test_profiler import (KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,
+                                 true_cost)
 
 PROBE_REFERENCE = 0.004   # the stand-in probe step's duration at speed 1
 
@@ -121,7 +122,7 @@ class DriftingStandIn:
     def execute(self, plan):
         self.calls[0] += 1
         self.machine.slowdown = 1.4 if self.calls[0] % 100 >= 70 else 1.0
-        return StepResult(duration=true_cost(step_features(plan, tiling(self.block_size)))
+        return StepResult(duration=true_cost(features_of(plan, self.block_size))
                           * self.machine.slowdown)
 
 
@@ -141,7 +142,7 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
     for point in held_out_points():
         if point.block_size != 16:
             continue
-        features = step_features(build_plan(point), tiling(16))
+        features = features_of(build_plan(point), 16)
         assert predict(content, features) == pytest.approx(true_cost(features), rel=0.02)
     reference = prof.speed_reference
     assert reference["point"] == probe_point_spec()
@@ -157,8 +158,8 @@ def test_profiler_normalises_a_drifting_machine_back_to_its_median_speed():
     calls[0] = 0
     raw = fit_profile(profile(factory, grid, repeats=3, progress=False, seed=1,
                               kv_bytes_per_token=KV_BYTES_PER_TOKEN).samples)
-    errors = [abs(predict(raw, step_features(build_plan(p), tiling(16)))
-                  / true_cost(step_features(build_plan(p), tiling(16))) - 1) for p in grid]
+    errors = [abs(predict(raw, features_of(build_plan(p), 16))
+                  / true_cost(features_of(build_plan(p), 16)) - 1) for p in grid]
     assert max(errors) > 0.05
 
 
@@ -238,7 +239,7 @@ class PartlyDriftingStandIn(DriftingStandIn):
     def execute(self, plan):
         self.calls[0] += 1
         self.machine.slowdown = 1.0 + 0.3 * math.sin(self.calls[0] / 40)
-        features = step_features(plan, tiling(self.block_size))
+        features = features_of(plan, self.block_size)
         return StepResult(duration=true_cost(features)
                           * self.machine.slowdown ** true_exponent(plan.num_prefill_tokens))
 
@@ -256,7 +257,7 @@ def test_profiler_recovers_the_cost_where_prefills_drift_less_than_the_probe():
     for point in held_out_points():
         if point.block_size == 16:
             plan = build_plan(point)
-            features = step_features(plan, tiling(16))
+            features = features_of(plan, 16)
             expected = true_cost(features) * median_slowdown ** true_exponent(
                 plan.num_prefill_tokens)
             assert predict(content, features) == pytest.approx(expected, rel=0.02)

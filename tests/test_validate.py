@@ -382,10 +382,10 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
 
 
 def add_speed_reference(profile: Path) -> None:
-    """The profile's speed reference, measured as the profiler does (engine/speed.py)."""
+    """The profile's speed reference, measured as the profiler does (cpu_noise/speed.py)."""
     from engine.builder import build_speed_probe
     from engine.model_loader import load_model
-    from engine.speed import normalize_samples
+    from sim.calibration.cpu_noise.speed import normalize_samples
 
     device = torch.device("cpu")
     probe = build_speed_probe(load_model("tiny-llama", device, None, 0), device)

@@ -24,9 +24,7 @@ class PagedBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
-                 share_on_fork: bool = True, free_block_order: list[int] | None = None):
-        """`free_block_order`: the order the device blocks are first handed out in (a
-        permutation of range(num_blocks); default ascending)."""
+                 share_on_fork: bool = True):
         positive_int("kv_cache.num_blocks", num_blocks)
         positive_int("kv_cache.block_size", block_size)
         non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
@@ -52,12 +50,7 @@ class PagedBlockManager:
         # dropped whenever the last block may become shared, and never set with prefix caching.
         self._num_exclusive_slots: dict[int, int] = {}
         self._ref_counts = [0] * num_blocks
-        if free_block_order is None:
-            free_block_order = range(num_blocks)
-        elif sorted(free_block_order) != list(range(num_blocks)):
-            raise ValueError(f"free_block_order must be a permutation of the {num_blocks} block "
-                             f"ids 0..{num_blocks - 1}")
-        self._free_block_ids: deque[int] = deque(free_block_order)
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self._num_tokens_stored = 0
         self._pending_copies: list[tuple[int, int]] = []

@@ -1,5 +1,5 @@
 """Step shapes and the plans that realise them: what the profiler times over its grid and what the
-speed probe (engine/speed.py) times as its reference.
+speed probe (sim/calibration/cpu_noise/speed.py) times as its reference.
 
 A `GridPoint` names a step shape (prefill chunks over cached context, decodes of given contexts,
 copies, swaps, drafts per decode); `build_plan` builds its StepPlan for real through a
@@ -88,22 +88,17 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
                aged_pool: bool = False) -> StepPlan:
     """The point's StepPlan, built as the policies would: requests with random prompt ids, their
     sequences, slots allocated in a fresh PagedBlockManager (`num_blocks` device blocks, default
-    just enough; with `aged_pool`, one that hands out its blocks in a random order, as a pool
-    is after a serving run's allocations and frees), the context put in place by
+    just enough; with `aged_pool`, one aged by `age_pool` in a random order of its own
+    generator, so the plan's draws stay those of a fresh pool), the context put in place by
     num_computed_tokens, copy pairs from an unshared fork, swap pairs from swap_out/swap_in."""
     rng = rng if rng is not None else np.random.default_rng(point.point_id)
     num_blocks = num_blocks or point.num_blocks_needed()
     num_host_blocks = num_host_blocks if num_host_blocks is not None else (
         point.num_host_blocks_needed())
-    # A fresh pool hands a sequence consecutive blocks, which the attention gathers faster than
-    # the scattered ones of a serving run (measured: decode batches of 8-16 ran 4-13 % faster on
-    # consecutive blocks; prefills and batches of 1-2 alike; in the validation grid's engine runs
-    # a third of a sequence's neighbouring blocks were neighbours in the pool). An aged pool
-    # hands them out in a random order (its own generator: the plan's draws stay as they were).
-    order = (np.random.default_rng(point.point_id).permutation(num_blocks).tolist()
-             if aged_pool else None)
     kv = PagedBlockManager(num_blocks, point.block_size, num_host_blocks=num_host_blocks,
-                           watermark=0.0, share_on_fork=False, free_block_order=order)
+                           watermark=0.0, share_on_fork=False)
+    if aged_pool:
+        age_pool(kv, np.random.default_rng(point.point_id).permutation(num_blocks).tolist())
     bs = point.block_size
     ids = _Ids()
     plan = StepPlan()
@@ -147,6 +142,23 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
         plan.add(seq, chunk)
     plan.block_tables = kv.block_tables
     return plan
+
+
+def age_pool(kv: PagedBlockManager, free_order: list[int]) -> None:
+    """Hand every block of the empty pool `kv` out once and free them in `free_order` (a
+    permutation of its block ids), so that it hands them out in that order next: a fresh pool's
+    consecutive blocks are gathered faster than the scattered ones of a serving run's pool."""
+    if kv.num_used_blocks() or sorted(free_order) != list(range(kv.num_blocks)):
+        raise ValueError(f"age_pool: free_order must be a permutation of the empty pool's "
+                         f"{kv.num_blocks} block ids")
+    request = Request(-1, 0.0, kv.block_size, 1)
+    holder_of_block = {}
+    for seq_id in range(kv.num_blocks):      # one block each
+        holder = Sequence(seq_id, request)
+        _allocate(kv, holder, kv.block_size)
+        holder_of_block[kv.block_tables[seq_id][0]] = holder
+    for block in free_order:
+        kv.free(holder_of_block[block])
 
 
 def _allocate(kv: PagedBlockManager, seq: Sequence, num_tokens: int) -> None:

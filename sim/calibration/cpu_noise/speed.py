@@ -1,33 +1,18 @@
-"""A speed meter for a shared machine, so that timings taken minutes apart compare.
+"""Speed normalisation: on a shared machine the same step runs faster or slower from one moment to
+the next, and every step shape slows down with it, so timings taken minutes apart compare only at
+one machine speed.
 
-On a shared VM the same engine step runs faster or slower from one moment to the next (other
-tenants' load; the guest's CPU clock does not see it, so thread time drifts the same): slow phases
-last from a tenth of a second to minutes, and every step shape slows down with them. A profile
-taken at one speed then mispredicts an engine run taken at another by the whole drift, whatever
-the cost model. The probe times one small fixed step (a decode batch of 4, on its own small KV
-pool, never the run's) every `interval_s` of wall time, or less often where a probe would take
-more than a tenth of that time; that step's duration over its reference duration is the
-machine's current speed factor.
+A probe times one small fixed step (PROBE_POINT, on a KV pool of its own) every `interval_s` of
+wall time; its duration over a reference duration is the machine's speed factor. A step slows
+down by factor ** exponent, the exponent fitted per prefill-token class (`SpeedReference`):
+compute-bound steps follow the probe less than decodes.
 
 - The profiler probes while it profiles: the reference is the probe's median over its run, and
-  every sample is divided by the factor of the latest probe (`normalize_samples`).
+  every sample is divided by its slowdown (`normalize_samples`), which gives the profile's
+  `speed_reference`.
 - An engine run given that reference (`backend.speed_reference=<profile>`, which
-  twinserve-validate sets) divides every step's measured duration by the latest factor
+  twinserve-validate sets) divides every step's measured duration by its slowdown
   (`SpeedNormalizedExecutor`), so both time steps at the profile's machine speed.
-
-Measured on this 2-core VM in a busy hour (30 s of the probe's own step back to back, 20 s of
-random shapes): 0.1-s windows of step times correlate at 0.89 with the next, 2-s windows at 0.18,
-so the probe must be frequent. Probing every 0.05 s, the means of 1-second windows strayed from
-the overall mean by 1.4 % on average (4 % at most) instead of 9.5 % (37 %); every 0.5 s, 6 %.
-
-Not every step follows the probe one for one. Alternating six shapes with the probe for two
-minutes (log duration regressed on log factor, the factor smoothed over neighbouring readings):
-decodes moved with an exponent of 1.0-1.2 of the probe's factor, a 64-token prefill 1.0, a
-256-token prefill 0.8, four 128-token prefills 0.7: compute-bound steps feel the neighbours less.
-Normalising those with the plain factor overcorrects them by the drift's 20-30 % share whenever
-the machine runs far from the profile's speed (live prefills came out 7-18 % slower than the
-profile's at factors 0.77-0.9). So the profile also fits a `SpeedReference.exponents` curve over
-log2(1 + the step's prefill tokens), and a step is divided by factor ** exponent.
 """
 from __future__ import annotations
 
@@ -40,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.step_shapes import GridPoint, build_plan
+from sim.calibration.step_shapes import GridPoint, build_plan
 
 # Small and quick, so that probing often costs little: a decode batch of 4 over 128 tokens.
 PROBE_POINT = GridPoint(0, "decode", 16, decodes=(128,) * 4)
 PROBE_POOL_BLOCKS = PROBE_POINT.num_blocks_needed()
-DEFAULT_INTERVAL_S = 0.05
+DEFAULT_INTERVAL_S = 0.05   # often: the machine's slow phases can last a tenth of a second
 MAX_PROBE_SHARE = 0.1   # probes wait at least 10x their own duration: at most ~10 % more time
 # Where the speed exponent is fitted: log2(1 + the step's prefill tokens) of 0 (decodes only),
 # ~16, 64, 256, 1024 and 4096 tokens; linear in between, flat beyond.
@@ -56,8 +41,8 @@ SMOOTHING_INTERVALS = 3.5
 # Each exponent is pulled toward its neighbours with the weight of this many typical samples, so
 # a knot with little data follows the ones around it.
 EXPONENT_PRIOR_SAMPLES = 5
-# The decodes' fitted exponent below which the run cannot tell how steps follow the probe
-# (measured: 0.7 in a 2-minute profile, where the probe's noise flattens it from 1).
+# The decodes' fitted exponent below which the run cannot tell how steps follow the probe (the
+# probe's own noise flattens every fitted exponent).
 MIN_DECODE_EXPONENT = 0.3
 
 
@@ -223,7 +208,8 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
                          f"backend.speed_reference")
     if not _is_probe_point(reference.get("point")):
         raise ValueError(f"{source}: its speed_reference was taken on another probe shape than "
-                         f"engine/speed.py's PROBE_POINT; re-take the profile")
+                         f"sim/calibration/cpu_noise/speed.py's PROBE_POINT; re-take the "
+                         f"profile")
     duration = reference.get("duration_s")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
         raise ValueError(f"{source}: speed_reference.duration_s must be a positive number of "
@@ -242,9 +228,10 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
 
 
 class SpeedNormalizedExecutor:
-    """An engine executor whose step durations are divided by their slowdown at the machine's
-    latest speed factor against `reference` (a profile's): the run's clock runs at the profile's
-    machine speed. Everything else is the wrapped executor's."""
+    """An executor (anything with `execute(plan)` returning a StepResult) whose step durations
+    are divided by their slowdown at the machine's latest speed factor against `reference` (a
+    profile's): the run's clock runs at the profile's machine speed. Everything else is the
+    wrapped executor's."""
 
     def __init__(self, executor, probe: SpeedProbe, reference: SpeedReference):
         self.executor = executor
@@ -268,5 +255,5 @@ class SpeedNormalizedExecutor:
                 "speed_factor_p95": float(np.percentile(factors, 95)),
                 "speed_probes": len(factors), "speed_probe_s": self.probe.probe_time_s}
 
-    def __getattr__(self, name):   # acceptance_stats and the rest: the engine executor's
+    def __getattr__(self, name):   # acceptance_stats and the rest: the wrapped executor's
         return getattr(self.executor, name)
