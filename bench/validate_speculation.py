@@ -40,7 +40,8 @@ from tqdm import tqdm  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from sim.calibration.validate import DEFAULT_GATES, error_pct, validate  # noqa: E402
+from sim.calibration.validate.compare import DEFAULT_GATES, error_pct  # noqa: E402
+from sim.calibration.validate.run import validate  # noqa: E402
 
 DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram"}
 ACCEPTANCE_FILES = {"tiny-pair-draft": "tiny-pair-draft.json", "ngram": "tiny-pair-ngram.json"}
@@ -144,7 +145,8 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
             f"{row['engine_spread_pct']:.1f} |")
     if summary.get("engine_clock") == "profile speed":
         low, high = summary["machine_speed_factor_range"]
-        lines.append(f"\nEngine steps timed at the profiles' machine speed (engine/speed.py); "
+        lines.append(f"\nEngine steps timed at the profiles' machine speed "
+                     f"(sim/calibration/cpu_noise/speed.py); "
                      f"the machine ran {low:.2f}-{high:.2f}x the profile's step times.")
     lines.append(f"\nLargest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} "
                  f"%, speedup {_pct(summary['max_abs_speedup_error_pct'])} % (gate "
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
     summary = summarize(rows, args.gate_pct)
     # How much slower than at profiling the machine ran during the engine runs (their steps are
-    # timed at the profile's speed when the profiles carry a speed reference: engine/speed.py).
+    # timed at the profile's speed when the profiles carry a speed reference).
     factors = [run["engine_conditions"].get("speed_factor_median", 1.0)
                for job_runs in runs.values() for run in job_runs]
     summary["machine_speed_factor_range"] = [min(factors), max(factors)]

@@ -1,15 +1,19 @@
-"""The profiled cost model and twinserve-validate (sim/calibration/profiled_cost_model.py, sim/calibration/validate.py)."""
+"""The profiled cost model and twinserve-validate (sim/calibration/profiled_cost_model.py,
+sim/calibration/validate/)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 import sim.core.experiment
 from policies.types import StepPlan
@@ -17,10 +21,13 @@ from engine.profiler import fit_profile
 from sim.calibration.profiled_cost_model import ProfiledCostModel, ProfileError
 from sim.core.experiment import run_experiment
 from sim.calibration.step_features import STEP_FEATURES, step_features
-from sim.calibration.validate import (DEFAULT_GATES, GATED_BY, GRID_METRICS, METRICS, UNSET, check_gates,
-                          compare_summaries, error_pct, expand_sweep, grid_markdown, grid_rows,
-                          grid_summary, main, mean_summary, parse_args, read_latencies_ms,
-                          resolve_gates, swept_values)
+from sim.calibration.validate.cli import main, parse_args
+from sim.calibration.validate.compare import (DEFAULT_GATES, GATED_BY, METRICS, UNSET,
+                                              check_gates, compare_summaries, error_pct,
+                                              mean_summary, resolve_gates)
+from sim.calibration.validate.grid import GRID_METRICS, grid_markdown, grid_rows, grid_summary
+from sim.calibration.validate.report import read_latencies_ms
+from sim.calibration.validate.sweep import expand_sweep, swept_values
 
 torch.set_num_threads(1)
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -180,6 +187,46 @@ def test_a_grid_is_every_combination_of_a_hydra_sweep():
         ["model=tiny-llama", "workload.rate=3"]]
     with pytest.raises(ValueError, match="bad override"):
         expand_sweep(["scheduler=[oops"])
+    with pytest.raises(ValueError, match="interval"):
+        expand_sweep(["workload.rate=interval(1,4)"])
+    with pytest.raises(ValueError, match="glob"):
+        expand_sweep(["scheduler=glob(*)"])
+
+
+def test_grid_jobs_come_in_the_order_of_hydras_basic_sweeper():
+    """The job numbers of a grid are those a `--multirun` of the same overrides gives: pinned
+    from hydra's BasicSweeper.split_arguments (the last swept key varies fastest; a key given
+    twice keeps its first place and its last values; fixed values are rewritten as Hydra
+    writes them)."""
+    jobs = expand_sweep(["model=tiny-llama", "scheduler=continuous,chunked_prefill",
+                         "workload.rate=2,inf", "kv_cache.block_size=range(16,48,16)",
+                         "workload.with_token_ids=true"])
+    assert [job[1:4] for job in jobs] == [
+        ["scheduler=continuous", "workload.rate=2", "kv_cache.block_size=16"],
+        ["scheduler=continuous", "workload.rate=2", "kv_cache.block_size=32"],
+        ["scheduler=continuous", "workload.rate=inf", "kv_cache.block_size=16"],
+        ["scheduler=continuous", "workload.rate=inf", "kv_cache.block_size=32"],
+        ["scheduler=chunked_prefill", "workload.rate=2", "kv_cache.block_size=16"],
+        ["scheduler=chunked_prefill", "workload.rate=2", "kv_cache.block_size=32"],
+        ["scheduler=chunked_prefill", "workload.rate=inf", "kv_cache.block_size=16"],
+        ["scheduler=chunked_prefill", "workload.rate=inf", "kv_cache.block_size=32"]]
+    assert all(job[0] == "model=tiny-llama" and job[4] == "workload.with_token_ids=True"
+               for job in jobs)
+    assert expand_sweep(["workload.rate=1,2", "scheduler=static,continuous",
+                         "workload.rate=3,4,5", "+validate.gate_mean_pct=5",
+                         "++workload.prompt_len={dist: uniform, low: 16, high: 256}"]) == [
+        ["workload.rate=3", "scheduler=static", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"],
+        ["workload.rate=3", "scheduler=continuous", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"],
+        ["workload.rate=4", "scheduler=static", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"],
+        ["workload.rate=4", "scheduler=continuous", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"],
+        ["workload.rate=5", "scheduler=static", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"],
+        ["workload.rate=5", "scheduler=continuous", "+validate.gate_mean_pct=5",
+         "++workload.prompt_len={dist:uniform,low:16,high:256}"]]
 
 
 def test_grid_summary_takes_the_largest_error_over_the_jobs():
@@ -381,6 +428,67 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "tight" / "validation.json").read_text())["failures"]
 
 
+def engine_replaced_by_scaled_simulator(monkeypatch, time_factor: float) -> None:
+    """The "engine" of a validation becomes the simulator with the same profile, every step
+    taking `time_factor` times the profile's time: a backend with a known bias."""
+    original = sim.core.experiment.build_replica_executor
+
+    class Scaled:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def execute(self, plan: StepPlan):
+            result = self.inner.execute(plan)
+            return dataclasses.replace(result, duration=result.duration * time_factor)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def build(cfg, *args, **kwargs):
+        if cfg.backend.name != "engine":
+            return original(cfg, *args, **kwargs)
+        as_sim = cfg.copy()
+        with open_dict(as_sim):
+            as_sim.backend = {"name": "sim"}   # conf/backend/sim.yaml
+        return Scaled(original(as_sim, *args, **kwargs))
+
+    monkeypatch.setattr(sim.core.experiment, "build_replica_executor", build)
+
+
+# The simulator 10 % slow against its engine (the engine's steps / 1.1) is +10 % on every
+# latency and -9.1 % on throughput; the engine 10 % slow is -9.1 % on latencies, +10 % on
+# throughput.
+@pytest.mark.parametrize("engine_time_factor", [1 / 1.1, 1.1])
+def test_validation_reports_a_known_bias_of_the_engine(tmp_path, monkeypatch, capsys,
+                                                       engine_time_factor):
+    engine_replaced_by_scaled_simulator(monkeypatch, engine_time_factor)
+    # No residual spread: both sides take the profile's mean step time, so with every request
+    # arriving at t = 0 they schedule the same steps and only the clock differs.
+    profile = write_profile(tmp_path / "p.json", samples=(0.0,))
+    out = tmp_path / "biased"
+    assert main([*TINY, "workload.num_requests=12", "workload.rate=inf", f"--profile={profile}",
+                 f"--out={out}", "--sim-runs=1"]) == 1
+    assert "gate failed" in capsys.readouterr().err
+    result = json.loads((out / "validation.json").read_text())
+    metrics = result["metrics"]
+    latency_bias = (1 / engine_time_factor - 1) * 100
+    throughput_bias = (engine_time_factor - 1) * 100
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert metrics[f"{stat}_{name}_ms"]["error_pct"] == pytest.approx(latency_bias,
+                                                                           abs=0.5), name
+    for name in ("request_throughput", "output_throughput"):
+        assert metrics[name]["error_pct"] == pytest.approx(throughput_bias, abs=0.5), name
+    # Counts do not depend on the clock: the same steps on both sides.
+    assert metrics["num_preemptions"]["engine"] > 0
+    for name in ("num_preemptions", "peak_kv_blocks"):
+        assert metrics[name]["error_pct"] == 0.0, name
+    assert result["completed"] == {"engine": 12, "sim": 12}
+    failed = {line.split(":")[0] for line in result["failures"]}
+    assert {"mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "request_throughput"} <= failed
+    assert "num_preemptions" not in failed
+
+
 def add_speed_reference(profile: Path) -> None:
     """The profile's speed reference, measured as the profiler does (cpu_noise/speed.py)."""
     from engine.builder import build_speed_probe
@@ -403,10 +511,21 @@ def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypat
                  "scheduler=continuous,chunked_prefill", f"--profile={profile}",
                  f"--out={tmp_path / 'grid'}", *NO_GATES]) == 0
     grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
-    assert grid["summary"]["num_jobs"] == 2 and grid["summary"]["num_passed"] == 2
+    assert grid["summary"]["num_jobs"] == 2
     assert [job["scheduler"] for job in grid["jobs"]] == ["continuous", "chunked_prefill"]
-    for job in (0, 1):
-        assert (tmp_path / "grid" / str(job) / "validation.json").exists()
+    jobs = [json.loads((tmp_path / "grid" / str(job) / "validation.json").read_text())
+            for job in (0, 1)]
+    assert [job["overrides"][-2] for job in jobs] == ["scheduler=continuous",
+                                                      "scheduler=chunked_prefill"]
+    # The grid's table holds each job's own errors, and its worst error is theirs.
+    for row, job in zip(grid["jobs"], jobs):
+        for name in GRID_METRICS:
+            assert row[f"{name}_error_pct"] == job["metrics"][name]["error_pct"], name
+        assert row["speedup"] == job["speedup"]
+    for name in METRICS:
+        errors = [job["metrics"][name]["error_pct"] for job in jobs]
+        assert grid["summary"]["max_abs_error_pct"][name] == max(
+            math.inf if error is None else abs(error) for error in errors), name
     with open(tmp_path / "grid" / "grid.csv") as file:
         assert len(file.read().strip().splitlines()) == 1 + 2
     assert "chunked_prefill" in (tmp_path / "grid" / "grid.md").read_text()

@@ -1,0 +1,115 @@
+"""A validation grid: every job of a sweep (sweep.py) validated in <out>/<job>/, then one table for
+the grid: grid.csv, grid.md and grid.json (each job's swept values, signed errors and speedup;
+then the largest |error| of each metric over the grid)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from sim.calibration.validate.compare import METRICS, speedup
+from sim.calibration.validate.report import format_error, format_value
+from sim.calibration.validate.run import DEFAULT_SIM_RUNS, validate
+from sim.calibration.validate.sweep import expand_sweep, swept_values
+
+# The columns of the grid table: the errors people compare simulators by.
+GRID_METRICS: tuple[str, ...] = (
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+    "p99_tpot_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput",
+    "num_preemptions",
+)
+
+
+def grid_rows(results: list[dict], swept: list[dict[str, str]]) -> list[dict]:
+    """One row per job: its swept values, its errors on GRID_METRICS, preemptions, speedup."""
+    rows = []
+    for index, (result, values) in enumerate(zip(results, swept)):
+        row = {"job": index, **values}
+        for name in GRID_METRICS:
+            row[f"{name}_error_pct"] = result["metrics"][name]["error_pct"]
+        row["engine_preemptions"] = result["metrics"]["num_preemptions"]["engine"]
+        row["sim_preemptions"] = result["metrics"]["num_preemptions"]["sim"]
+        row["speedup"] = result["speedup"]
+        # How much slower than at profiling the machine ran (1 when timed by the wall clock).
+        row["speed_factor"] = (result.get("engine_conditions") or {}).get("speed_factor_median",
+                                                                          1.0)
+        row["passed"] = result["passed"]
+        rows.append(row)
+    return rows
+
+
+def grid_summary(results: list[dict]) -> dict:
+    """The largest |error| of every metric over the grid (inf where an error was undefined),
+    the mean |error|, and the overall speedup (Σ engine wall time / Σ simulator wall time)."""
+    worst, mean = {}, {}
+    for name in METRICS:
+        errors = [r["metrics"][name]["error_pct"] for r in results]
+        magnitudes = [math.inf if e is None else abs(e) for e in errors]
+        worst[name] = max(magnitudes)
+        mean[name] = float(np.mean(magnitudes))
+    engine_s = sum(r["engine_wall_time_s"] for r in results)
+    sim_s = sum(r["sim_wall_time_s"] for r in results)
+    return {"num_jobs": len(results), "num_passed": sum(r["passed"] for r in results),
+            "max_abs_error_pct": worst, "mean_abs_error_pct": mean,
+            "speedup": speedup(engine_s, sim_s), "engine_wall_time_s": engine_s,
+            "sim_wall_time_s": sim_s}
+
+
+def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], command: str) -> str:
+    short = {"request_throughput": "req/s", "num_preemptions": "preempt"}
+    names = [short.get(n, n.removesuffix("_ms")) for n in GRID_METRICS]
+    header = ["job", *swept_keys, *(f"{n} %" for n in names), "preemptions e/s", "speedup",
+              "machine speed"]
+    lines = [f"Validation grid: signed error of the profiled simulator against the engine, %. "
+             f"{summary['num_passed']}/{summary['num_jobs']} jobs within every gate.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [str(row["job"]), *(row[k] for k in swept_keys),
+                 *(format_error(row[f"{n}_error_pct"]) for n in GRID_METRICS),
+                 f"{format_value(row['engine_preemptions'])}/"
+                 f"{format_value(row['sim_preemptions'])}",
+                 f"{format_value(row['speedup'])}×", f"{row['speed_factor']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    worst = summary["max_abs_error_pct"]
+    cells = ["max abs", *("" for _ in swept_keys),
+             *(("inf" if math.isinf(worst[n]) else f"{worst[n]:.2f}") for n in GRID_METRICS),
+             "", f"{format_value(summary['speedup'])}×", ""]
+    lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
+                  console: Console | None = None, command: str = "twinserve-validate",
+                  normalize_speed: bool = True, sim_runs: int = DEFAULT_SIM_RUNS) -> dict:
+    """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
+    from tqdm import tqdm
+
+    console = console or Console()
+    out_dir = Path(out_dir)
+    jobs = expand_sweep(overrides)
+    swept = swept_values(jobs)
+    results = []
+    for index, job in enumerate(tqdm(jobs, desc="validation grid", unit="job")):
+        values = " ".join(f"{key}={value}" for key, value in swept[index].items())
+        console.print(f"[bold]job {index}[/bold]: {values}")
+        results.append(validate(job, out_dir / str(index), gates, console, normalize_speed,
+                                sim_runs))
+    rows = grid_rows(results, swept)
+    summary = grid_summary(results)
+    swept_keys = list(swept[0])
+    with open(out_dir / "grid.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "grid.md").write_text(grid_markdown(rows, summary, swept_keys, command))
+    grid = {"summary": summary, "jobs": rows,
+            "failures": {row["job"]: results[row["job"]]["failures"] for row in rows
+                         if not row["passed"]}}
+    (out_dir / "grid.json").write_text(json.dumps(grid, indent=2) + "\n")
+    console.print((out_dir / "grid.md").read_text(), soft_wrap=True, markup=False)
+    return grid
