@@ -245,7 +245,7 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     from policies.preemption import RecomputePreemption
 
     class ShortestPromptFirst(ContinuousBatchingScheduler):
-        def next_waiting(self):
+        def next_waiting(self, now):
             return min(self.waiting, key=lambda request: request.prompt_len)
 
     scheduler = ShortestPromptFirst(PagedBlockManager(num_blocks=40, block_size=8),
