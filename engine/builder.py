@@ -209,9 +209,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
 def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_tokens: int) -> None:
     """Run an untimed prefill as long as the pool holds (up to max_tokens) and a decode batch, so
     that a timed run's first steps do not pay one-time costs (allocator growth, kernel set-up)
-    that no profiled step paid: measured, a cold first step of 13 prompts took 250-290 ms where
-    it takes ~210 ms warm. The blocks it writes hold nothing a sequence reads: each one writes
-    its own K/V before attending to it."""
+    that no profiled step paid. The blocks it writes hold nothing a sequence reads: each one
+    writes its own K/V before attending to it."""
     chunk = min(max_tokens, (num_blocks - 1) * block_size)
     if chunk < 1:
         return
