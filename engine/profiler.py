@@ -39,6 +39,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from kernels.tiling import TILE_BYTES
+from policies import validators
 from sim.calibration.cpu_noise.local_correction import fit_local_correction
 from sim.calibration.cpu_noise.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
@@ -193,8 +194,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
     one in the same interleaved rounds: profiles that a comparison divides by each other (a
     speedup with a drafter over one without) then see the same machine, drifts included (and
     one speed probe, so one speed reference)."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    validators.positive_int("repeats", repeats)
     start = time.perf_counter()
     results = {name: Profile(points=list(grid), repeats=repeats)
                for name, (_, grid) in setups.items()}

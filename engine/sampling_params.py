@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies import validators
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @dataclass
 class SamplingParams:
@@ -22,24 +28,18 @@ class SamplingParams:
     def error(self) -> str | None:
         """Why these parameters are invalid, or None. Checked per request at generate time, so
         one bad request fails alone."""
-        def is_int(value):
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def is_number(value):
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        if not is_number(self.temperature) or self.temperature < 0:
-            return f"temperature must be a number >= 0, got {self.temperature!r}"
-        if not is_int(self.top_k) or self.top_k < -1:
-            return f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}"
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            return f"max_tokens must be a positive integer, got {self.max_tokens!r}"
-        if not is_int(self.n) or self.n < 1:
-            return f"n must be a positive integer, got {self.n!r}"
-        if self.seed is not None and not is_int(self.seed):
-            return f"seed must be an integer or None, got {self.seed!r}"
-        if not isinstance(self.ignore_eos, bool):
-            return f"ignore_eos must be true or false, got {self.ignore_eos!r}"
+        try:
+            validators.non_negative_number("temperature", self.temperature)
+            # Rules of their own (-1 turns top-k off; any integer seeds), so no shared validator.
+            if not _is_int(self.top_k) or self.top_k < -1:
+                raise ValueError(f"top_k must be -1 (off) or a non-negative integer, got "
+                                 f"{self.top_k!r}")
+            validators.number_in("top_p", self.top_p, 0, 1, low_open=True)
+            validators.positive_int("max_tokens", self.max_tokens)
+            validators.positive_int("n", self.n)
+            if self.seed is not None and not _is_int(self.seed):
+                raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            validators.boolean("ignore_eos", self.ignore_eos)
+        except ValueError as error:
+            return str(error)
         return None

@@ -34,6 +34,13 @@ def non_negative_number(name: str, value) -> float:
     return value
 
 
+def finite_number(name: str, value) -> float:
+    """A number that is neither infinite nor NaN."""
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
 def number_in(name: str, value, low: float, high: float, *, low_open: bool = False,
               high_open: bool = False) -> float:
     """A number in the interval from low to high, each end closed unless said open."""
@@ -49,6 +56,13 @@ def number_in(name: str, value, low: float, high: float, *, low_open: bool = Fal
 def fraction(name: str, value) -> float:
     """A share of something that must leave some of it: [0, 1)."""
     return number_in(name, value, 0, 1, high_open=True)
+
+
+def probability(name: str, value) -> float:
+    """A probability: a number in [0, 1]."""
+    if not _is_number(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+    return value
 
 
 def boolean(name: str, value) -> bool:

@@ -183,7 +183,7 @@ def test_hundred_thousand_requests_are_ordered_and_numbered():
     ({"output_len": {"dist": "zipf", "a": 1.0, "max": 10}}, "workload.output_len.a must be > 1"),
     ({"output_len": {"dist": "zipf", "a": 2.0}}, "workload.output_len.max is required"),
     ({"output_len": {"dist": "lognormal", "mean": 10, "sigma": -1}},
-     "workload.output_len.sigma must be >= 0, got -1.0"),
+     "workload.output_len.sigma must be a number >= 0, got -1.0"),
     ({"output_len": {"dist": "fixed", "value": 0}}, "workload.output_len.value must be >= 1"),
     ({"output_len": 5}, "workload.output_len must be a mapping"),
 ])

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from policies import validators
 from sim.core.json_files import read_json_object
 
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
@@ -66,20 +67,6 @@ _RATE_CLIP = 1e-3
 ENDLESS_RUN = 1 << 40
 
 
-def _check_finite(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"the acceptance model's {where} must be a finite number, got "
-                         f"{value!r}")
-    return float(value)
-
-
-def _check_probability(value, where: str) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or not 0 <= value <= 1):
-        raise ValueError(f"{where} must be a probability in [0, 1], got {value!r}")
-    return float(value)
-
-
 class AcceptanceModel:
     """Draws accepted-draft counts from per-position conditional acceptance probabilities, or,
     with `run_probabilities` (the fresh per-position rates), from runs of acceptable drafts."""
@@ -90,10 +77,11 @@ class AcceptanceModel:
         if not position_probabilities:
             raise ValueError("an acceptance model needs at least one position probability")
         self.position_probabilities = [
-            _check_probability(p, f"acceptance probability of draft position {i + 1}")
+            float(validators.probability(f"acceptance probability of draft position {i + 1}", p))
             for i, p in enumerate(position_probabilities)]
         self.run_probabilities = None if not run_probabilities else [
-            _check_probability(p, f"fresh acceptance probability of draft position {i + 1}")
+            float(validators.probability(
+                f"fresh acceptance probability of draft position {i + 1}", p))
             for i, p in enumerate(run_probabilities)]
         self.source = source
         self._rng = np.random.default_rng(seed)
@@ -101,7 +89,8 @@ class AcceptanceModel:
         self._run_probabilities = (None if self.run_probabilities is None
                                    else np.asarray(self.run_probabilities))
         self.sequence_shifts = [
-            _check_finite(shift, f"sequence_shifts[{index}]")
+            float(validators.finite_number(
+                f"the acceptance model's sequence_shifts[{index}]", shift))
             for index, shift in enumerate(sequence_shifts or ())]
         # Runs: seq_id -> acceptable positions left before the next rejected one (absent: the
         # sequence starts a new run at its next step).
@@ -118,7 +107,7 @@ class AcceptanceModel:
     @classmethod
     def iid(cls, acceptance_rate: float, seed=0) -> "AcceptanceModel":
         """Every draft accepted with the same probability, independently."""
-        rate = _check_probability(acceptance_rate, "speculation.acceptance_rate")
+        rate = float(validators.probability("speculation.acceptance_rate", acceptance_rate))
         return cls([rate], seed, source=f"i.i.d. acceptance rate {rate:g}")
 
     @classmethod
@@ -130,9 +119,7 @@ class AcceptanceModel:
         if missing:
             raise ValueError(f"{where}: missing key(s) {missing}")
         num_positions = data["num_speculative_tokens"]
-        if isinstance(num_positions, bool) or not isinstance(num_positions, int) or num_positions < 1:
-            raise ValueError(f"{where}: num_speculative_tokens must be a positive integer, got "
-                             f"{num_positions!r}")
+        validators.positive_int(f"{where}: num_speculative_tokens", num_positions)
         probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
         if not probabilities:
             raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
@@ -331,6 +318,6 @@ def _conditional_rates(data: dict, keys: tuple[str, str], num_positions: int,
     for position, (num_trials, num_accepts) in enumerate(zip(trials, accepts), start=1):
         if num_trials == 0:
             break
-        rates.append(_check_probability(num_accepts / num_trials,
-                                        f"{where}: {keys[1]}[{position}] / {keys[0]}[{position}]"))
+        rates.append(float(validators.probability(
+            f"{where}: {keys[1]}[{position}] / {keys[0]}[{position}]", num_accepts / num_trials)))
     return rates

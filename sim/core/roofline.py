@@ -21,20 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from policies import validators
 from policies.types import StepPlan
 from sim.core.specs import HardwareSpec, ModelSpec
 
 
-def _require_fraction(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"RooflineCostModel.{name} must be in (0, 1], got {value!r}")
-    return float(value)
+def _efficiency(name: str, value) -> float:
+    """An achieved share of a spec-sheet rate: (0, 1]."""
+    return float(validators.number_in(f"RooflineCostModel.{name}", value, 0, 1, low_open=True))
 
 
-def _require_non_negative(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"RooflineCostModel.{name} must be a number >= 0, got {value!r}")
-    return float(value)
+def _non_negative(name: str, value) -> float:
+    """A fixed cost in seconds: >= 0."""
+    return float(validators.non_negative_number(f"RooflineCostModel.{name}", value))
 
 
 class RooflineCostModel:
@@ -63,27 +62,25 @@ class RooflineCostModel:
         self.model.check_tensor_parallel_size(tensor_parallel_size)
         self.tensor_parallel_size = tp = tensor_parallel_size
         # Swaps and copies move whole blocks; the plan lists them, the KV manager knows their size.
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"RooflineCostModel.block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = validators.positive_int("RooflineCostModel.block_size", block_size)
         # Large fp16 GEMMs and flash attention reach ~50-70% of tensor-core peak on A100/H100.
-        self.compute_efficiency = _require_fraction("compute_efficiency", compute_efficiency)
+        self.compute_efficiency = _efficiency("compute_efficiency", compute_efficiency)
         # Streaming weights/KV from HBM reaches ~80-90% of the spec bandwidth.
-        self.memory_efficiency = _require_fraction("memory_efficiency", memory_efficiency)
+        self.memory_efficiency = _efficiency("memory_efficiency", memory_efficiency)
         # Pinned PCIe copies get ~25 of 32 GB/s; NCCL all-reduce bus bandwidth ~230 of 300 on A100.
-        self.transfer_efficiency = _require_fraction("transfer_efficiency", transfer_efficiency)
+        self.transfer_efficiency = _efficiency("transfer_efficiency", transfer_efficiency)
         # Scheduling, input preparation and kernel launches: a few ms per step in vLLM (v0).
-        self.step_overhead_s = _require_non_negative("step_overhead_s", step_overhead_s)
+        self.step_overhead_s = _non_negative("step_overhead_s", step_overhead_s)
         # Per-sequence Python work (block tables, sampling metadata, output processing).
-        self.per_sequence_overhead_s = _require_non_negative("per_sequence_overhead_s", per_sequence_overhead_s)
+        self.per_sequence_overhead_s = _non_negative("per_sequence_overhead_s", per_sequence_overhead_s)
         # Fixed cost of one small NCCL/custom all-reduce over NVLink.
-        self.allreduce_latency_s = _require_non_negative("allreduce_latency_s", allreduce_latency_s)
+        self.allreduce_latency_s = _non_negative("allreduce_latency_s", allreduce_latency_s)
         # Speculative decoding's drafter: "ngram" (a lookup in the sequence's own tokens, CPU
         # work per sequence), a small model (its own roofline on one GPU, its launches cheaper
         # than a full step's), or None (no drafting cost: the plans do not speculate).
-        self.draft_step_overhead_s = _require_non_negative("draft_step_overhead_s", draft_step_overhead_s)
-        self.ngram_overhead_s_per_seq = _require_non_negative("ngram_overhead_s_per_seq",
-                                                              ngram_overhead_s_per_seq)
+        self.draft_step_overhead_s = _non_negative("draft_step_overhead_s", draft_step_overhead_s)
+        self.ngram_overhead_s_per_seq = _non_negative("ngram_overhead_s_per_seq",
+                                                      ngram_overhead_s_per_seq)
         self.draft_model = draft_model
         self._draft_cost_model = None
         if isinstance(draft_model, (ModelSpec, Mapping)):

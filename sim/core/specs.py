@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from policies.validators import number_in, positive_int, positive_number
+from policies.validators import boolean, non_negative_int, number_in, positive_int, positive_number
 
 GIB = 1024 ** 3
 GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
@@ -86,12 +86,8 @@ class ModelSpec:
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"{owner}.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         for name in ("tie_word_embeddings", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{owner}.{name} must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.num_position_embeddings, bool) or not isinstance(self.num_position_embeddings, int) \
-                or self.num_position_embeddings < 0:
-            raise ValueError(f"{owner}.num_position_embeddings must be an integer >= 0, "
-                             f"got {self.num_position_embeddings!r}")
+            boolean(f"{owner}.{name}", getattr(self, name))
+        non_negative_int(f"{owner}.num_position_embeddings", self.num_position_embeddings)
 
     @classmethod
     def from_config(cls, config: Mapping | DictConfig) -> ModelSpec:
@@ -189,11 +185,9 @@ class HardwareSpec:
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
                      "interconnect_gbps"):
             positive_number(f"{owner}.{name}", getattr(self, name))
-        reserved = self.reserved_memory_gb
-        if isinstance(reserved, bool) or not isinstance(reserved, (int, float)) \
-                or not 0 <= reserved < self.memory_gb:
-            raise ValueError(f"{owner}.reserved_memory_gb must be >= 0 and below memory_gb="
-                             f"{self.memory_gb}, got {reserved!r}")
+        # What the runtime holds must leave some memory: [0, memory_gb).
+        number_in(f"{owner}.reserved_memory_gb", self.reserved_memory_gb, 0, self.memory_gb,
+                  high_open=True)
 
     @classmethod
     def from_config(cls, config: Mapping | DictConfig) -> HardwareSpec:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from policies import validators
 from policies.types import Request
 
 KINDS = ("synthetic", "trace")
@@ -222,10 +223,10 @@ def _parse_common(fields: _Fields, vocab_size: int | None) -> tuple[int, tuple[i
     if vocab_size is None:
         raise ValueError(f"{fields.name('with_token_ids')}=true needs a vocab_size: call "
                          f"build_workload(cfg, seed=..., vocab_size=...)")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
-            or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    return n, (int(vocab_size), shared_prefix_len)
+    # A model config's numpy integer is as good as an int.
+    vocab_size = validators.positive_int(
+        "vocab_size", int(vocab_size) if isinstance(vocab_size, np.integer) else vocab_size)
+    return n, (vocab_size, shared_prefix_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,9 +296,8 @@ def _parse_length_distribution(fields: _Fields) -> _LengthDistribution:
     minimum = fields.integer("min", default=1, minimum=1)
     if dist == "lognormal":
         mean = fields.number("mean", greater_than=0.0)
-        sigma = fields.number("sigma", greater_than=None)
-        if sigma < 0:
-            raise ValueError(f"{fields.name('sigma')} must be >= 0, got {sigma!r}")
+        sigma = validators.non_negative_number(fields.name("sigma"),
+                                               fields.number("sigma", greater_than=None))
         maximum = fields.integer("max", default=None, minimum=minimum)
         return _LengthDistribution(dist, mean=mean, sigma=sigma, min=minimum, max=maximum)
     a = fields.number("a", greater_than=1.0)
