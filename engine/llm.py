@@ -1,9 +1,9 @@
 """The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-`generate` drives the policies' scheduler in a plain loop (schedule, execute, update) until every
-request is done. A request that cannot run (bad parameters, an empty prompt, a token outside the
-vocabulary, a prompt longer than the model allows) gets an output carrying its `error`; the others
-complete.
+`generate` runs the simulator's step loop (sim/core/step.py: schedule, execute, update) on the
+engine's executor until every request is done, and reports its totals from the same step rows.
+A request that cannot run (bad parameters, an empty prompt, a token outside the vocabulary, a
+prompt longer than the model allows) gets an output carrying its `error`; the others complete.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from policies.types import Request
+from sim.core.metrics import MetricsCollector, StepRecorder
+from sim.core.step import StepLoop
 
 
 @dataclass
@@ -51,6 +53,26 @@ class GenerateStats:
     num_output_tokens: int = 0
     num_accepted_tokens: int = 0    # draft tokens accepted (speculative decoding)
     elapsed_s: float = 0.0
+
+    @classmethod
+    def from_steps(cls, metrics: MetricsCollector, requests: list[Request],
+                   elapsed_s: float) -> "GenerateStats":
+        """The totals of the step rows the step loop recorded (the simulator's steps.csv
+        columns), and of the requests."""
+        def total(*columns: str) -> int:
+            return int(sum(metrics.step_column(column).sum() for column in columns))
+        return cls(
+            num_steps=len(metrics.step_rows),
+            num_preemptions=total("num_preempted_recompute", "num_preempted_swap"),
+            num_swapped_out_blocks=total("num_blocks_swapped_out"),
+            num_swapped_in_blocks=total("num_blocks_swapped_in"),
+            num_copied_blocks=total("num_blocks_copied"),
+            # Prefill chunks and decodes; a decode's drafts are not computed tokens here.
+            num_computed_tokens=total("num_prefill_tokens", "num_decode_seqs"),
+            num_cached_tokens=sum(request.num_cached_tokens for request in requests),
+            num_output_tokens=sum(request.num_output_tokens for request in requests),
+            num_accepted_tokens=total("num_accepted_tokens"),
+            elapsed_s=elapsed_s)
 
 
 class LLM:
@@ -161,52 +183,30 @@ class LLM:
         return None
 
     def _run(self, requests: dict[int, tuple[Request, RequestOutput]], use_tqdm: bool) -> None:
-        scheduler, executor = self.scheduler, self.executor
-        stats = GenerateStats()
+        scheduler = self.scheduler
+        metrics = MetricsCollector()
+        steps = StepLoop(scheduler, self.executor, StepRecorder(metrics))
         stopped_seq_ids: set[int] = set()
-        seen_seq_ids: set[int] = set()
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Processed prompts", unit="req",
                    disable=not use_tqdm or not requests)
         while scheduler.has_unfinished():
-            plan = scheduler.schedule(self._now())
-            if plan.is_empty:
-                waiting, running, swapped = scheduler.queue_lengths()
-                raise RuntimeError(
-                    f"the scheduler planned nothing with {waiting} waiting, {running} running "
-                    f"and {swapped} swapped requests and {scheduler.kv_cache.num_free_blocks()} "
-                    f"free KV blocks: the policy cannot make progress")
-            for seq in plan.seqs:
-                if seq.seq_id not in seen_seq_ids:
-                    seen_seq_ids.add(seq.seq_id)
-                    if seq.num_output_tokens == 0 and seq.num_computed_tokens:
-                        stats.num_cached_tokens += seq.num_computed_tokens
-                        if seq.request.request_id in requests:
-                            requests[seq.request.request_id][1].num_cached_tokens += \
-                                seq.num_computed_tokens
-            result = executor.execute(plan)
+            result = steps.begin(self._now())
             if result.stopped_seq_ids:
                 stopped_seq_ids |= result.stopped_seq_ids
-            stats.num_steps += 1
-            stats.num_preemptions += len(plan.preempted_recompute) + len(plan.preempted_swap)
-            stats.num_swapped_out_blocks += len(plan.blocks_to_swap_out)
-            stats.num_swapped_in_blocks += len(plan.blocks_to_swap_in)
-            stats.num_copied_blocks += len(plan.blocks_to_copy)
-            stats.num_computed_tokens += sum(plan.num_new_tokens)
-            if result.num_accepted:
-                stats.num_accepted_tokens += sum(result.num_accepted.values())
-            finished = scheduler.update(plan, result, self._now())
+            finished = steps.complete(self._now())
             if finished:
                 bar.update(len(finished))
         bar.close()
-        stats.elapsed_s = time.perf_counter() - start
+        stats = GenerateStats.from_steps(metrics, [request for request, _ in requests.values()],
+                                         elapsed_s=time.perf_counter() - start)
 
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         for request, output in requests.values():
             output.num_preemptions = request.num_preemptions
+            output.num_cached_tokens = request.num_cached_tokens
             for index, seq in enumerate(request.sequences):
                 token_ids = list(seq.output_token_ids)
-                stats.num_output_tokens += len(token_ids)
                 output.outputs.append(CompletionOutput(
                     index=index, token_ids=token_ids,
                     text=decode(token_ids) if decode else None,

@@ -1,5 +1,14 @@
-"""The contract a plug-in satisfies. A policy is any class with these methods; the built-in ones in
-batching/, memory/, preemption/, speculation/ and routing/ are ordinary examples. Pure Python: no torch, no simpy.
+"""The contract a plug-in satisfies: every method and attribute that the step loop
+(`sim/core/step.py`), the simulator, the engine and the tools use on a policy. A policy is any
+class with these members; the built-in ones in batching/, memory/, preemption/, speculation/ and
+routing/ are ordinary examples, and `BaseScheduler` is a convenience, not a requirement.
+Pure Python: no torch, no simpy.
+
+The step loop, as both backends run it:
+
+    plan = scheduler.schedule(now)             # an empty plan with requests outstanding stalls
+    result = executor.execute(plan)            # simulated or real; result.duration passes
+    finished = scheduler.update(plan, result, now)
 """
 from __future__ import annotations
 
@@ -13,35 +22,56 @@ class KVCacheManager(Protocol):
     """Counts, shares and moves KV blocks. Physical block ids index the engine's real KV tensors;
     the simulator keeps the same tables without tensors."""
 
-    block_size: int
-    num_blocks: int
-    num_host_blocks: int
-    block_tables: dict[int, list[int]]  # seq_id -> physical block ids
+    block_size: int                       # tokens per block
+    num_blocks: int                       # device blocks: sizes the engine's KV tensors
+    num_host_blocks: int                  # host blocks for swapped-out sequences
+    block_tables: dict[int, list[int]]    # seq_id -> physical block ids, read by the executor
 
-    def num_free_blocks(self) -> int: ...
-    def num_used_blocks(self) -> int: ...
-    def num_slots_allocated(self) -> int: ...
-    def num_tokens_stored(self) -> int: ...
-    def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool: ...
-    def allocate_prefix(self, seq: Sequence) -> int: ...
-    def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool: ...
-    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int: ...
-    def trim_slots(self, seq: Sequence, num_tokens: int) -> None: ...
-    def fork(self, parent: Sequence, child: Sequence) -> bool: ...
-    def free(self, seq: Sequence) -> None: ...
-    def can_swap_out(self, seqs: Seq[Sequence]) -> bool: ...
-    def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]: ...
-    def can_swap_in(self, seqs: Seq[Sequence]) -> bool: ...
-    def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]: ...
-    def take_pending_copies(self) -> list[tuple[int, int]]: ...
+    def num_free_blocks(self) -> int:
+        """Device blocks a sequence could still be given (free or evictable)."""
+    def num_used_blocks(self) -> int:
+        """Device blocks held by sequences (a step row's `kv_blocks_used`)."""
+    def num_slots_allocated(self) -> int:
+        """Token slots of the used blocks (a step row's `kv_slots_allocated`)."""
+    def num_tokens_stored(self) -> int:
+        """Tokens those slots hold (a step row's `kv_tokens_stored`; the gap is waste)."""
+    def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
+        """Whether `num_seqs` sequences of `num_tokens` could be admitted into the empty pool."""
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Point a new sequence at its cached prefix's blocks; returns the tokens they hold."""
+    def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
+        """Make the sequence's table cover positions [0, num_tokens); False changes nothing."""
+    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+        """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order; returns the index of
+        the first that failed (len(seqs) when none did)."""
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink the sequence's table to at most [0, num_tokens) (rejected drafts' slots)."""
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` the parent's blocks (shared or copied); False if the pool cannot."""
+    def free(self, seq: Sequence) -> None:
+        """Release every device and host block the sequence holds."""
+    def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
+        """Whether the host pool can take these sequences' blocks."""
+    def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        """Move their blocks to the host pool; returns the (device, host) block pairs."""
+    def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
+        """Whether the device pool can take these swapped sequences back."""
+    def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        """Move their blocks back to the device; returns the (host, device) block pairs."""
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies decided since the last call (copy-on-write)."""
 
 
 @runtime_checkable
 class PreemptionPolicy(Protocol):
     """Which running request gives up its memory, and how."""
 
-    def select_victim(self, running: Seq[Request]) -> Request: ...
-    def mode(self, request: Request, kv_cache: KVCacheManager) -> Literal["recompute", "swap"]: ...
+    swap_space_gb: float  # host memory for swapped-out KV blocks: sizes the KV manager's host pool
+
+    def select_victim(self, running: Seq[Request]) -> Request:
+        """The request among `running` to preempt."""
+    def mode(self, request: Request, kv_cache: KVCacheManager) -> Literal["recompute", "swap"]:
+        """Whether the victim's blocks are freed (recomputed later) or swapped to the host."""
 
 
 @runtime_checkable
@@ -52,41 +82,54 @@ class SpeculationPolicy(Protocol):
 
     def num_speculative_tokens(self, num_decodes: int) -> int:
         """k for this step's `num_decodes` decoding sequences (0 = no speculation)."""
-        ...
-
     def observe(self, proposed: list[int], accepted: list[int]) -> None:
         """After each step: per speculating sequence, drafts proposed and drafts accepted."""
-        ...
 
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Moves sequences between queues and writes one StepPlan per step."""
+    """Moves requests between its queues and writes one StepPlan per step. Everything it needs
+    arrives as arguments; measurement (step rows, inter-token latencies) is the step loop's."""
 
-    kv_cache: KVCacheManager
+    kv_cache: KVCacheManager                  # the engine sizes its KV tensors from it
+    speculation: SpeculationPolicy | None     # the engine sizes its drafter from it; None: never drafts
 
-    def add_request(self, request: Request, now: float) -> None: ...
-    def schedule(self, now: float) -> StepPlan: ...
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]: ...
-    def has_unfinished(self) -> bool: ...
+    def add_request(self, request: Request, now: float) -> None:
+        """Queue a new request, or set its `rejected_reason` if it can never run."""
+    def schedule(self, now: float) -> StepPlan:
+        """The next step's plan; it is empty only if nothing can progress (a stall)."""
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
+        """Account for the executed plan at time `now`; returns the requests that finished."""
+    def has_unfinished(self) -> bool:
+        """Whether any request is still waiting, running or swapped out."""
     @property
-    def num_outstanding(self) -> int: ...
+    def num_outstanding(self) -> int:
+        """Unfinished requests (what a router balances)."""
+    def queue_lengths(self) -> tuple[int, int, int]:
+        """(waiting, running, swapped) requests: a step row's queue columns and the stall error."""
 
 
 @runtime_checkable
 class Executor(Protocol):
     """Runs a step: the simulator predicts its duration, the engine runs and times it."""
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Carry out the plan's memory operations and forward pass; returns duration (and tokens)."""
 
 
 class ReplicaView(Protocol):
+    """What a router sees of a replica."""
+
     replica_id: int
 
     @property
-    def num_outstanding(self) -> int: ...
+    def num_outstanding(self) -> int:
+        """The replica's unfinished requests."""
 
 
 @runtime_checkable
 class Router(Protocol):
-    def route(self, request: Request, replicas: Seq[ReplicaView]) -> int: ...
+    """Which replica of a cluster gets a new request."""
+
+    def route(self, request: Request, replicas: Seq[ReplicaView]) -> int:
+        """The `replica_id` of the replica that takes `request`."""

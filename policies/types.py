@@ -87,6 +87,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0   # prompt tokens the prefix cache served at its first admission
     rejected_reason: str | None = None
 
     def __post_init__(self):

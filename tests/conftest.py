@@ -3,6 +3,9 @@ import sys
 
 import pytest
 
+# The shared helpers' asserts (factories.drive, check_outcome, ...) say what failed as a test's do.
+pytest.register_assert_rewrite("factories")
+
 
 @pytest.fixture(autouse=True)
 def one_torch_thread():

@@ -12,24 +12,11 @@ from sim.core.roofline import RooflineCostModel
 from sim.core.executor import SimExecutor
 from sim.core.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
 
+from factories import decode_plan, hardware_spec, model_spec
+
 CONF = Path(__file__).resolve().parent.parent / "conf"
 MODEL_FILES = sorted((CONF / "model").glob("*.yaml"))
 HARDWARE_FILES = sorted((CONF / "hardware").glob("*.yaml"))
-
-
-def model(name: str) -> ModelSpec:
-    return ModelSpec.from_config(OmegaConf.load(CONF / "model" / f"{name}.yaml"))
-
-
-def hardware(name: str) -> HardwareSpec:
-    return HardwareSpec.from_config(OmegaConf.load(CONF / "hardware" / f"{name}.yaml"))
-
-
-def decode_plan(num_seqs: int, context_len: int) -> StepPlan:
-    plan = StepPlan()
-    plan.num_decode_seqs = num_seqs
-    plan.decode_context_tokens = num_seqs * context_len
-    return plan
 
 
 def prefill_plan(prompt_len: int, num_seqs: int = 1) -> StepPlan:
@@ -73,15 +60,15 @@ def test_shipped_configs_cover_the_paper_models_and_gpus():
 
 def test_parameter_counts_match_transformers():
     # model.num_parameters() of the HF checkpoints.
-    assert model("llama-2-7b").num_parameters == 6_738_415_616
-    assert model("llama-3-8b").num_parameters == 8_030_261_248
-    assert model("llama-2-70b").num_parameters == 68_976_648_192
-    assert model("opt-13b").num_parameters == pytest.approx(12.85e9, rel=0.01)
+    assert model_spec("llama-2-7b").num_parameters == 6_738_415_616
+    assert model_spec("llama-3-8b").num_parameters == 8_030_261_248
+    assert model_spec("llama-2-70b").num_parameters == 68_976_648_192
+    assert model_spec("opt-13b").num_parameters == pytest.approx(12.85e9, rel=0.01)
 
 
 def test_opt_13b_keeps_about_800_kb_of_kv_per_token():
     # vLLM paper (Kwon et al., SOSP'23), section 3: 800 KB per token for OPT-13B.
-    assert model("opt-13b").kv_bytes_per_token == pytest.approx(800 * 1024, rel=0.05)
+    assert model_spec("opt-13b").kv_bytes_per_token == pytest.approx(800 * 1024, rel=0.05)
 
 
 def test_kv_bytes_per_block_and_derived_head_dim():
@@ -118,51 +105,56 @@ def test_bad_values_name_field_and_allowed_values():
     with pytest.raises(ValueError, match="num_layers"):
         ModelSpec(**{**base, "num_layers": 0})
     with pytest.raises(ValueError, match="compute_efficiency"):
-        RooflineCostModel(model("tiny-llama"), hardware("cpu"), compute_efficiency=1.5)
+        RooflineCostModel(model_spec("tiny-llama"), hardware_spec("cpu"), compute_efficiency=1.5)
 
 
 # --- KV capacity --------------------------------------------------------------------------------
 
 def test_llama_2_7b_on_a100_80gb_holds_thousands_of_blocks():
     # vLLM logs ~7k 16-token GPU blocks for Llama-2-7B on an A100-80GB at utilisation 0.9.
-    blocks = kv_cache_num_blocks(model("llama-2-7b"), hardware("a100-80gb"), block_size=16)
+    blocks = kv_cache_num_blocks(model_spec("llama-2-7b"), hardware_spec("a100-80gb"),
+                                 block_size=16)
     assert 5_000 <= blocks <= 8_500
 
 
 def test_capacity_grows_with_memory_and_utilisation():
-    llama = model("llama-2-13b")
-    small = kv_cache_num_blocks(llama, hardware("a100-40gb"), 16)
-    large = kv_cache_num_blocks(llama, hardware("a100-80gb"), 16)
-    largest = kv_cache_num_blocks(llama, hardware("h200"), 16)
+    llama = model_spec("llama-2-13b")
+    small = kv_cache_num_blocks(llama, hardware_spec("a100-40gb"), 16)
+    large = kv_cache_num_blocks(llama, hardware_spec("a100-80gb"), 16)
+    largest = kv_cache_num_blocks(llama, hardware_spec("h200"), 16)
     assert 0 < small < large < largest
-    assert kv_cache_num_blocks(llama, hardware("a100-80gb"), 16, gpu_memory_utilization=0.5) < large
+    assert kv_cache_num_blocks(llama, hardware_spec("a100-80gb"), 16,
+                               gpu_memory_utilization=0.5) < large
     # Twice the block size, half the blocks (give or take rounding).
-    assert kv_cache_num_blocks(llama, hardware("a100-80gb"), 32) == pytest.approx(large / 2, abs=1)
+    assert kv_cache_num_blocks(llama, hardware_spec("a100-80gb"), 32) == pytest.approx(large / 2,
+                                                                                       abs=1)
 
 
 def test_opt_13b_on_a100_40gb_leaves_room_for_about_ten_thousand_tokens():
     # vLLM paper, Fig. 1: OPT-13B on an A100-40GB, 26 GB of weights and ~12 GB for KV.
-    tokens = 16 * kv_cache_num_blocks(model("opt-13b"), hardware("a100-40gb"), 16)
+    tokens = 16 * kv_cache_num_blocks(model_spec("opt-13b"), hardware_spec("a100-40gb"), 16)
     assert 8_000 <= tokens <= 20_000
 
 
 def test_70b_does_not_fit_one_80gb_gpu_but_fits_two():
-    llama = model("llama-2-70b")
+    llama = model_spec("llama-2-70b")
     with pytest.raises(ValueError, match="does not fit.*tensor_parallel_size"):
-        kv_cache_num_blocks(llama, hardware("a100-80gb"), 16)
-    assert kv_cache_num_blocks(llama, hardware("a100-80gb"), 16, tensor_parallel_size=2) > 500
+        kv_cache_num_blocks(llama, hardware_spec("a100-80gb"), 16)
+    assert kv_cache_num_blocks(llama, hardware_spec("a100-80gb"), 16,
+                               tensor_parallel_size=2) > 500
 
 
 def test_tensor_parallel_size_must_divide_heads():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        kv_cache_num_blocks(model("llama-2-7b"), hardware("a100-80gb"), 16, tensor_parallel_size=3)
+        kv_cache_num_blocks(model_spec("llama-2-7b"), hardware_spec("a100-80gb"), 16,
+                            tensor_parallel_size=3)
 
 
 # --- step time ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def llama_a100():
-    return RooflineCostModel(model("llama-2-7b"), hardware("a100-80gb"))
+    return RooflineCostModel(model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
 
 
 def test_sanity_numbers_for_llama_2_7b_on_a100(llama_a100):
@@ -195,7 +187,7 @@ def test_chunked_prefill_with_cached_context_costs_more_attention(llama_a100):
 
 
 def test_tensor_parallel_is_faster_for_70b():
-    llama, h100 = model("llama-2-70b"), hardware("h100-80gb")
+    llama, h100 = model_spec("llama-2-70b"), hardware_spec("h100-80gb")
     tp1, tp2 = (RooflineCostModel(llama, h100, tensor_parallel_size=tp) for tp in (1, 2))
     for plan in (decode_plan(32, 1024), prefill_plan(2048)):
         assert tp2.step_time(plan) < tp1.step_time(plan)
@@ -222,7 +214,7 @@ def test_copy_on_write_is_cheaper_than_swap(llama_a100):
 def test_instantiate_from_hydra_config():
     root = OmegaConf.create({"kv_cache": {"block_size": 32},
                              "cost_model": OmegaConf.load(CONF / "cost_model" / "roofline.yaml")})
-    llama, a100 = model("llama-2-7b"), hardware("a100-80gb")
+    llama, a100 = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     cost_model = hydra.utils.instantiate(root.cost_model, model=llama, hardware=a100, tensor_parallel_size=2)
     assert isinstance(cost_model, RooflineCostModel)
     assert cost_model.model == llama and cost_model.hardware == a100

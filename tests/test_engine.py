@@ -25,6 +25,8 @@ from engine.attention import PAGED_ATTENTION
 from kernels import get_kernel_ops, torch_paged
 from policies.protocols import Executor
 
+from factories import replay_on_sim_clock, token_ids
+
 MAX_TOKENS = 16
 # Lengths around the block sizes tested (1, 16, 32): a one-token prompt, full blocks, one past.
 PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100]
@@ -46,10 +48,6 @@ def hf_greedy(model, prompts, max_tokens=MAX_TOKENS):
                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     finally:
         model.set_attn_implementation(PAGED_ATTENTION)
-
-
-def token_ids(outputs):
-    return [out.outputs[0].token_ids for out in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -325,30 +323,19 @@ def test_default_pool_is_the_simulators_arithmetic():
 def test_engine_executor_under_the_simulator_clock(reference_llm, prompts, expected):
     """The executor as a simulator replica's: simpy time advances by measured step durations,
     and the replayed requests (no SamplingParams: greedy, fixed length) get HF's tokens."""
-    import simpy
-
     from engine import build_engine_executor
     from policies.batching import ChunkedPrefillScheduler
     from policies.memory import PagedBlockManager
     from policies.preemption import RecomputePreemption
-    from policies.routing import RoundRobinRouter
-    from policies.types import Request
-    from sim.core.metrics import MetricsCollector
-    from sim.core.replica import Replica, arrivals
 
     kv_cache = PagedBlockManager(num_blocks=48, block_size=8)
     scheduler = ChunkedPrefillScheduler(kv_cache, RecomputePreemption(), max_num_seqs=8,
                                         max_num_batched_tokens=64, max_model_len=2048)
     executor = build_engine_executor("tiny-llama", kv_cache)
-    requests = [Request(request_id=i, arrival_time=0.01 * i, prompt_len=len(p),
-                        output_len=MAX_TOKENS, prompt_token_ids=p) for i, p in enumerate(prompts)]
-    env = simpy.Environment()
-    replica = Replica(env, 0, scheduler, executor, MetricsCollector())
-    env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
-    env.run()  # until no event is left: every request done, the replica idle
+    requests, end = replay_on_sim_clock(scheduler, executor, prompts, MAX_TOKENS)
     assert all(request.finish_time is not None for request in requests)
     assert [request.sequences[0].output_token_ids for request in requests] == expected
-    assert env.now == max(request.finish_time for request in requests) > requests[-1].arrival_time
+    assert end == max(request.finish_time for request in requests) > requests[-1].arrival_time
 
 
 def test_warm_up_runs_the_longest_prefill_the_pool_holds_and_a_decode_batch():

@@ -8,29 +8,15 @@ import re
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from policies import validators
-from sim.core.build import CONF_DIR, build_router, num_kv_blocks, policy_config
+from sim.core.build import build_router, num_kv_blocks, policy_config
 from sim.core.experiment import run_experiment
-from sim.core.specs import (GIB, HardwareSpec, ModelSpec, kv_cache_num_blocks,
-                            kv_cache_num_host_blocks, step_token_budget)
+from sim.core.specs import GIB, kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+
+from factories import hardware_spec, make_cfg, model_spec
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("config", overrides=["progress=false", *overrides])
-
-
-def model(name: str) -> ModelSpec:
-    return ModelSpec.from_config(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
-
-
-def hardware(name: str) -> HardwareSpec:
-    return HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml"))
 
 
 def test_step_token_budget():
@@ -43,7 +29,8 @@ def test_step_token_budget():
 
 
 def test_a_draft_models_weights_and_kv_come_off_the_pool():
-    llama, draft, a100 = model("llama-2-7b"), model("llama-68m"), hardware("a100-80gb")
+    llama, draft = model_spec("llama-2-7b"), model_spec("llama-68m")
+    a100 = hardware_spec("a100-80gb")
     alone = kv_cache_num_blocks(llama, a100, 16)
     with_draft = kv_cache_num_blocks(llama, a100, 16, draft=draft)
     target_bytes = llama.kv_bytes_per_block(16)
@@ -57,7 +44,7 @@ def test_a_draft_models_weights_and_kv_come_off_the_pool():
 
 
 def test_the_simulator_counts_a_draft_models_kv_and_ngram_has_none():
-    llama, a100 = model("llama-2-7b"), hardware("a100-80gb")
+    llama, a100 = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     plain = make_cfg()
     ngram = make_cfg("speculation=fixed")
     drafted = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m")
@@ -66,7 +53,7 @@ def test_the_simulator_counts_a_draft_models_kv_and_ngram_has_none():
     assert (num_kv_blocks(plain, llama, a100) == num_kv_blocks(ngram, llama, a100)
             == num_kv_blocks(k0, llama, a100) == kv_cache_num_blocks(llama, a100, 16))
     assert num_kv_blocks(drafted, llama, a100) == kv_cache_num_blocks(
-        llama, a100, 16, draft=model("llama-68m"))
+        llama, a100, 16, draft=model_spec("llama-68m"))
     result = run_experiment(make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
                                      "preemption=swap", "workload.num_requests=20"))
     assert result.summary["num_kv_blocks"] == num_kv_blocks(drafted, llama, a100)
@@ -79,7 +66,7 @@ def test_the_engine_backend_sizes_the_pool_with_the_engines_cap():
     import torch
     if torch.cuda.is_available():
         pytest.skip("the cap applies on a CPU")
-    tiny, cpu = model("tiny-llama"), hardware("cpu")
+    tiny, cpu = model_spec("tiny-llama"), hardware_spec("cpu")
     base = ["backend=engine", "model=tiny-llama", "hardware=cpu"]
     assert num_kv_blocks(make_cfg(*base, "scheduler.max_num_seqs=4"), tiny, cpu) == 4 * 2048 // 16
     assert num_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01"), tiny, cpu) == int(

@@ -13,7 +13,8 @@ from engine.profiler import fit_profile, main, refit, write_profile
 from sim.calibration.cpu_noise.local_correction import LocalCorrection, fit_local_correction
 from sim.calibration.profiled_cost_model import ProfileError, ProfiledCostModel
 from sim.calibration.step_features import STEP_FEATURES
-from tests.test_profiler import predict
+
+from factories import predict
 
 DECODE = STEP_FEATURES.index("num_decode_seqs")
 CONTEXT = STEP_FEATURES.index("decode_context_tokens")

@@ -11,13 +11,7 @@ from policies.memory import ContiguousAllocator, PagedBlockManager
 from policies.protocols import KVCacheManager
 from policies.types import Request, Sequence
 
-
-def make_seq(seq_id: int, prompt_len: int, output_len: int = 16,
-             prompt_token_ids: list[int] | None = None) -> Sequence:
-    request = Request(seq_id, 0.0, prompt_len, output_len, prompt_token_ids=prompt_token_ids)
-    seq = Sequence(seq_id, request)
-    request.sequences.append(seq)
-    return seq
+from factories import make_seq
 
 
 def make_child(parent: Sequence, seq_id: int) -> Sequence:

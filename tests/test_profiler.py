@@ -21,47 +21,10 @@ from sim.calibration.profiled_cost_model import ProfiledCostModel
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.step_shapes import age_pool
 
+from factories import (ALL_FEATURES, KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,
+                       true_cost)
+
 torch.set_num_threads(1)
-
-
-def predict(content: dict, features) -> float:
-    """A fitted profile's duration for one feature vector: what the simulator predicts."""
-    return ProfiledCostModel(content, sample_residuals=False).predict_mean(features)
-
-# A known cost: seconds per unit of each feature, and a fixed step overhead.
-TRUE_INTERCEPT = 2e-3
-TRUE_COEFS = {
-    "num_prefill_tokens": 3e-5,
-    "num_prefill_seqs": 5e-4,
-    "sum_squared_prefill_chunks": 2e-9,
-    "prefill_attention_work": 1e-8,
-    "num_decode_seqs": 1e-4,
-    "decode_context_tokens": 4e-7,
-    "num_blocks_copied": 2e-6,
-    "num_blocks_swapped": 8e-6,
-    "num_attention_tiles": 3e-4,
-    "padded_kv_tokens": 2e-7,
-}
-# K/V bytes per token of the stand-in "model": small tiles, so the grid has many of them.
-KV_BYTES_PER_TOKEN = 4096
-
-
-# The stand-in's profiles are fitted with the attention-tile features too, as a CPU engine's are.
-ALL_FEATURES = STEP_FEATURES + TILE_FEATURES
-
-
-def tiling(block_size: int) -> AttentionTiling:
-    return AttentionTiling.of(block_size, KV_BYTES_PER_TOKEN)
-
-
-def features_of(plan, block_size: int) -> tuple[float, ...]:
-    """The plan's core and tile features, in ALL_FEATURES order."""
-    return step_features(plan) + tile_features(plan, tiling(block_size))
-
-
-def true_cost(features) -> float:
-    # Features a later version adds (speculation's) cost nothing here.
-    return TRUE_INTERCEPT + sum(TRUE_COEFS.get(f, 0.0) * v for f, v in zip(ALL_FEATURES, features))
 
 
 class StandInExecutor:
@@ -88,19 +51,6 @@ class StandInExecutor:
         features = features_of(plan, self.block_size)
         duration = true_cost(features) * (1 + self.noise * self.rng.standard_normal())
         return StepResult(duration=duration)
-
-
-def held_out_points() -> list[GridPoint]:
-    """Shapes not in the grid, inside its ranges."""
-    return [
-        GridPoint(1000, "prefill", 16, prefills=((200, 300),)),
-        GridPoint(1001, "prefill", 32, prefills=((48, 0), (96, 32), (400, 100))),
-        GridPoint(1002, "decode", 16, decodes=(700,) * 24),
-        GridPoint(1003, "decode", 32, decodes=tuple(range(40, 1000, 40))),
-        GridPoint(1004, "mixed", 16, decodes=(300,) * 20, prefills=((300, 200),)),
-        GridPoint(1005, "copy", 16, decodes=(100,) * 6, num_copies=40),
-        GridPoint(1006, "swap", 16, decodes=(200,) * 3, num_swap_out=30, num_swap_in=90),
-    ]
 
 
 def test_grid_plans_are_real():

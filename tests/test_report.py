@@ -4,11 +4,8 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +14,11 @@ from omegaconf import OmegaConf
 
 from sim.tools.report import ReportError, main, write_report
 
+from factories import twinserve
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PRESETS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
-
-
-def twinserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def read_report(path: Path) -> list[dict[str, str]]:

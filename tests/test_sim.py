@@ -4,34 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from sim.core.metrics import STEP_COLUMNS
 from sim.core.experiment import run_experiment
 
+from factories import make_cfg, summary_without_wall_time, twinserve
+
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
 AZURE_TRACE = REPO / "data" / "traces" / "azure_llm_2023_code.csv"
-
-
-def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=["progress=false", *overrides])
 
 
 def run(*overrides: str, out_dir=None):
     return run_experiment(make_cfg(*overrides), out_dir)
-
-
-def summary_without_wall_time(result):
-    """The summary less what depends on the machine's speed."""
-    return {k: v for k, v in result.summary.items() if k not in ("wall_time_s", "sim_speedup")}
 
 
 def test_default_experiment_writes_its_files(tmp_path):
@@ -211,12 +199,6 @@ def test_request_longer_than_the_model_is_rejected_and_counted(tmp_path):
     trace.write_text("arrival_time,prompt_len,output_len\n0.0,100,10\n0.1,4000,200\n0.2,50,5\n")
     summary = run("workload=trace", f"workload.trace_path={trace}").summary
     assert summary["completed"] == 2 and summary["rejected"] == 1
-
-
-def twinserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def test_cli_error_is_one_clear_line(tmp_path):

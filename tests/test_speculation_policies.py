@@ -16,9 +16,11 @@ from policies.preemption import RecomputePreemption
 from policies.protocols import KVCacheManager, SpeculationPolicy
 from policies.speculation import (AcceptanceCounts, AdaptiveSpeculation, FixedSpeculation,
                                   NoSpeculation, expected_tokens_per_step)
-from policies.types import Request, Sequence, StepResult
-from test_scheduler_properties import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler,
-                                       check_outcome, drive)
+from policies.types import Request, StepResult
+from sim.core.metrics import MetricsCollector, StepRecorder
+
+from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive,
+                       make_seq)
 
 
 # ---------------------------------------------------------------- the policies
@@ -137,13 +139,6 @@ def test_adaptive_forgets_toward_its_prior_without_observations():
 
 # ---------------------------------------------------------------- KV managers give slots back
 
-def make_seq(seq_id: int, prompt_len: int, output_len: int = 64) -> Sequence:
-    request = Request(seq_id, 0.0, prompt_len, output_len)
-    seq = Sequence(seq_id, request)
-    request.sequences.append(seq)
-    return seq
-
-
 def build_manager(kind: str, num_blocks: int, block_size: int):
     if kind == "paged":
         return PagedBlockManager(num_blocks, block_size)
@@ -163,7 +158,7 @@ def test_trim_leaves_the_manager_as_if_only_the_kept_slots_were_allocated(kind, 
     the kept slots. Both must agree on blocks used, tokens stored and the table's length."""
     num_blocks = 1000
     trimmed, reference = (build_manager(kind, num_blocks, block_size) for _ in range(2))
-    seq = make_seq(0, 1)
+    seq = make_seq(0, 1, output_len=64)
     length = 1
     for num_new, num_drafts, num_kept in steps:
         length += num_new
@@ -183,7 +178,7 @@ def test_trim_leaves_the_manager_as_if_only_the_kept_slots_were_allocated(kind, 
 
 def test_paged_trim_frees_whole_blocks_and_reopens_the_fast_path():
     manager = PagedBlockManager(10, 4)
-    seq = make_seq(0, 5)
+    seq = make_seq(0, 5, output_len=64)
     assert manager.allocate_slots(seq, 5 + 6)  # 11 slots: 3 blocks
     assert manager.num_used_blocks() == 3
     manager.trim_slots(seq, 6)                 # 2 blocks
@@ -199,7 +194,7 @@ def test_paged_trim_frees_whole_blocks_and_reopens_the_fast_path():
 
 def test_trim_errors_name_the_bad_value():
     for manager in (PagedBlockManager(4, 4), ContiguousAllocator(4, 4, max_model_len=16)):
-        seq = make_seq(3, 4)
+        seq = make_seq(3, 4, output_len=64)
         with pytest.raises(ValueError, match="trim_slots: seq 3 holds no device blocks"):
             manager.trim_slots(seq, 2)
         manager.allocate_slots(seq, 4)
@@ -209,7 +204,7 @@ def test_trim_errors_name_the_bad_value():
 
 def test_contiguous_trim_keeps_the_reservation():
     manager = ContiguousAllocator(16, 4, max_model_len=32)
-    seq = make_seq(0, 5)
+    seq = make_seq(0, 5, output_len=64)
     assert manager.allocate_slots(seq, 9)
     manager.trim_slots(seq, 6)
     manager.check_invariants()
@@ -244,11 +239,14 @@ def test_a_decode_speculates_and_keeps_its_accepted_drafts():
     assert plan.spec_lens == {seq.seq_id: 3}
     assert (plan.num_draft_tokens, plan.max_draft_len, plan.num_batched_tokens) == (3, 3, 4)
     assert kv_cache._num_allocated_tokens[seq.seq_id] == 14   # last token + 3 drafts
+    recorder = StepRecorder(MetricsCollector())
+    outputs_before, times_before = [seq.num_output_tokens], [seq.last_token_time]
     scheduler.update(plan, StepResult(0.02, num_accepted={seq.seq_id: 2}), 0.03)
+    recorder.record_itls(plan.seqs, outputs_before, times_before, 0.03)
     assert (seq.num_tokens, seq.num_computed_tokens, seq.num_output_tokens) == (14, 13, 4)
     assert kv_cache._num_allocated_tokens[seq.seq_id] == 14
     # The three tokens of one step share one inter-token time.
-    [(itl, count)] = scheduler.itl_counts.items()
+    [(itl, count)] = recorder.itl_counts.items()
     assert itl == pytest.approx(0.02) and count == 3
     assert scheduler.speculation.acceptance.position_accepts == [1, 1, 0]
     plan = scheduler.schedule(0.03)
@@ -422,17 +420,19 @@ import json  # noqa: E402  (the simulator's tests below need these; the policies
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf, open_dict  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
 
 from policies.types import StepPlan  # noqa: E402
 from sim.core.roofline import RooflineCostModel  # noqa: E402
 from sim.core.executor import SimExecutor  # noqa: E402
 from sim.core.experiment import run_experiment  # noqa: E402
-from sim.core.specs import HardwareSpec, ModelSpec  # noqa: E402
 from sim.core.acceptance import AcceptanceModel  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from factories import (hardware_spec, make_cfg, model_spec,  # noqa: E402
+                       summary_without_wall_time)
+
+# The simulator's runs below: 120 requests at 4 per second.
+SMALL_RUN = ("workload.num_requests=120", "workload.rate=4")
 
 
 def truncated_geometric_pmf(probabilities: list[float], k: int) -> np.ndarray:
@@ -663,14 +663,8 @@ def spec_plan(num_seqs: int, context_len: int, k: int) -> StepPlan:
     return plan
 
 
-def load_spec(group: str, name: str):
-    config = OmegaConf.load(CONF / group / f"{name}.yaml")
-    return (ModelSpec if group == "model" else HardwareSpec).from_config(config)
-
-
 def test_sim_executor_draws_acceptances_for_speculating_plans():
-    cost_model = RooflineCostModel(load_spec("model", "llama-2-7b"),
-                                   load_spec("hardware", "a100-80gb"))
+    cost_model = RooflineCostModel(model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
     executor = SimExecutor(cost_model, AcceptanceModel.iid(0.5, seed=0))
     plan = spec_plan(3, 100, 4)
     result = executor.execute(plan)
@@ -682,7 +676,7 @@ def test_sim_executor_draws_acceptances_for_speculating_plans():
 
 
 def test_verification_is_nearly_free_while_memory_bound_and_not_once_compute_bound():
-    model, hardware = load_spec("model", "llama-2-7b"), load_spec("hardware", "a100-80gb")
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     cost = RooflineCostModel(model, hardware, draft_model="ngram", ngram_overhead_s_per_seq=0.0)
     small_plain, small_spec = cost.step_time(spec_plan(1, 512, 0)), cost.step_time(spec_plan(1, 512, 4))
     assert small_plain < small_spec < 1.05 * small_plain
@@ -695,8 +689,8 @@ def test_verification_is_nearly_free_while_memory_bound_and_not_once_compute_bou
 
 
 def test_draft_cost_is_sequential_draft_model_steps_or_an_ngram_lookup():
-    model, hardware = load_spec("model", "llama-2-7b"), load_spec("hardware", "a100-80gb")
-    draft = load_spec("model", "llama-68m")
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    draft = model_spec("llama-68m")
     no_draft_cost = RooflineCostModel(model, hardware)
     with_draft = RooflineCostModel(model, hardware, draft_model=draft)
     draft_alone = RooflineCostModel(draft, hardware, step_overhead_s=with_draft.draft_step_overhead_s,
@@ -713,34 +707,24 @@ def test_draft_cost_is_sequential_draft_model_steps_or_an_ngram_lookup():
         RooflineCostModel(model, hardware, draft_model="gpt-5")
 
 
-def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=["progress=false", "workload.num_requests=120",
-                                            "workload.rate=4", *overrides])
-
-
-def summary_without_wall_time(result) -> dict:
-    return {key: value for key, value in result.summary.items()
-            if key not in ("wall_time_s", "sim_speedup")}
-
-
 def test_speculation_none_is_the_run_without_speculation():
-    cfg = make_cfg()
+    cfg = make_cfg(*SMALL_RUN)
     plain = run_experiment(cfg)
     with open_dict(cfg):
         del cfg["speculation"]
     assert summary_without_wall_time(run_experiment(cfg)) == summary_without_wall_time(plain)
     assert summary_without_wall_time(
-        run_experiment(make_cfg("speculation=fixed", "speculation.num_speculative_tokens=0"))
+        run_experiment(make_cfg(*SMALL_RUN, "speculation=fixed",
+                                "speculation.num_speculative_tokens=0"))
     ) == summary_without_wall_time(plain)
     assert plain.summary["num_draft_tokens"] == 0 and plain.summary["spec_acceptance_rate"] == 0.0
     assert plain.summary["mean_tokens_per_decode_step"] == 1.0
 
 
 def test_fixed_speculation_in_the_simulator(tmp_path):
-    plain = run_experiment(make_cfg()).summary
-    result = run_experiment(make_cfg("speculation=fixed", "speculation.acceptance_rate=0.7"),
-                            tmp_path)
+    plain = run_experiment(make_cfg(*SMALL_RUN)).summary
+    result = run_experiment(make_cfg(*SMALL_RUN, "speculation=fixed",
+                                     "speculation.acceptance_rate=0.7"), tmp_path)
     summary = result.summary
     assert summary["completed"] == 120
     # k = 4 at 0.7: 0.7 + 0.49 + 0.343 + 0.2401 = 1.77 accepted of 4 (a few k are capped near
@@ -754,7 +738,8 @@ def test_fixed_speculation_in_the_simulator(tmp_path):
     assert steps["num_accepted_tokens"].sum() == summary["num_accepted_tokens"]
     assert np.all(steps["num_accepted_tokens"] <= steps["num_draft_tokens"])
     assert summary_without_wall_time(result) == summary_without_wall_time(
-        run_experiment(make_cfg("speculation=fixed", "speculation.acceptance_rate=0.7")))
+        run_experiment(make_cfg(*SMALL_RUN, "speculation=fixed",
+                                "speculation.acceptance_rate=0.7")))
 
 
 def test_adaptive_speculation_and_a_measured_profile_in_the_simulator(tmp_path):
@@ -762,7 +747,8 @@ def test_adaptive_speculation_and_a_measured_profile_in_the_simulator(tmp_path):
     counts.record([3] * 10, [3, 3, 2, 3, 1, 3, 3, 0, 3, 2])
     path = write_statistics(tmp_path / "acc.json",
                             **counts.to_statistics("llama-68m", "llama-2-7b", "unit test"))
-    summary = run_experiment(make_cfg("speculation=adaptive", "speculation.draft_model=llama-68m",
+    summary = run_experiment(make_cfg(*SMALL_RUN, "speculation=adaptive",
+                                      "speculation.draft_model=llama-68m",
                                       f"speculation.acceptance_profile={path}")).summary
     assert summary["completed"] == 120 and summary["num_draft_tokens"] > 0
     assert summary["mean_tokens_per_decode_step"] > 2.0
@@ -777,7 +763,8 @@ class HalfOfMax(FixedSpeculation):
 
 def test_a_users_speculation_policy_plugs_in():
     summary = run_experiment(make_cfg(
-        "speculation=fixed", "speculation._target_=test_speculation_policies.HalfOfMax",
+        *SMALL_RUN, "speculation=fixed",
+        "speculation._target_=test_speculation_policies.HalfOfMax",
         "speculation.num_speculative_tokens=2")).summary
     # k = 1 every step: acceptance is the i.i.d. rate itself.
     assert summary["spec_acceptance_rate"] == pytest.approx(0.7, abs=0.05)
@@ -796,7 +783,7 @@ def test_a_users_speculation_policy_plugs_in():
 ])
 def test_bad_speculation_config_is_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):
-        run_experiment(make_cfg("speculation=fixed", *overrides))
+        run_experiment(make_cfg(*SMALL_RUN, "speculation=fixed", *overrides))
 
 
 def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):

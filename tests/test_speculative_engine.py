@@ -30,6 +30,8 @@ from engine.drafters import ngram_lookup
 from engine.rejection_sampler import rejection_sample, verify_greedy
 from engine.sampler import Sampler
 
+from factories import replay_on_sim_clock, token_ids
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET = str(REPO / "models" / "tiny-pair" / "target")
 DRAFT = str(REPO / "models" / "tiny-pair" / "draft")
@@ -154,10 +156,6 @@ def text_prompts() -> list[list[int]]:
     starts = [0, 3000, 6000, 9000, 12000, 15000]
     return [list(source[start:start + length])
             for start, length in zip(starts, [1, 17, 40, 90, 150, 230])]
-
-
-def token_ids(outputs):
-    return [out.outputs[0].token_ids for out in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -404,17 +402,11 @@ def test_draft_kv_layers_share_the_block_budget():
 def test_engine_executor_speculates_under_the_simulator_clock(prompts, expected):
     """backend=engine: a simulator replica whose scheduler speculates drives the engine
     executor built by build_engine_executor; replayed requests (greedy) get the target's tokens."""
-    import simpy
-
     from engine import build_engine_executor
     from policies.batching import ChunkedPrefillScheduler
     from policies.memory import PagedBlockManager
     from policies.preemption import RecomputePreemption
-    from policies.routing import RoundRobinRouter
     from policies.speculation import FixedSpeculation
-    from policies.types import Request
-    from sim.core.metrics import MetricsCollector
-    from sim.core.replica import Replica, arrivals
 
     kv_cache = PagedBlockManager(num_blocks=64, block_size=8)
     scheduler = ChunkedPrefillScheduler(kv_cache, RecomputePreemption(), max_num_seqs=8,
@@ -422,12 +414,7 @@ def test_engine_executor_speculates_under_the_simulator_clock(prompts, expected)
                                         speculation=FixedSpeculation(3))
     executor = build_engine_executor(TARGET, kv_cache, speculative_model=DRAFT,
                                      max_num_speculative_tokens=3)
-    requests = [Request(request_id=i, arrival_time=0.01 * i, prompt_len=len(p),
-                        output_len=MAX_TOKENS, prompt_token_ids=p) for i, p in enumerate(prompts)]
-    env = simpy.Environment()
-    replica = Replica(env, 0, scheduler, executor, MetricsCollector())
-    env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
-    env.run()
+    requests, _ = replay_on_sim_clock(scheduler, executor, prompts, MAX_TOKENS)
     assert [request.sequences[0].output_token_ids for request in requests] == expected
     stats = executor.acceptance_stats
     assert sum(stats.position_accepts) > 0

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from engine.profiler import build_plan, fit_profile, make_grid, profile
-from policies.types import StepPlan, StepResult
+from policies.types import StepResult
 from sim.calibration.cpu_noise.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor,
                                              SpeedProbe, SpeedReference, check_reference,
                                              fit_exponents, load_reference, normalize_samples,
                                              probe_point_spec, smoothed_factors)
-from tests.test_profiler import (KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,
-                                 true_cost)
+
+from factories import (KV_BYTES_PER_TOKEN, decode_plan, features_of, held_out_points, predict,
+                       true_cost)
 
 PROBE_REFERENCE = 0.004   # the stand-in probe step's duration at speed 1
 
@@ -74,19 +75,15 @@ class ConstantStep:
         return StepResult(duration=self.duration * self.machine.slowdown)
 
 
-def decode_plan() -> StepPlan:
-    return build_plan(PROBE_POINT)
-
-
 def test_normalised_executor_times_steps_at_the_reference_speed():
     machine = Machine()
     executor = SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe_on(machine),
                                        SpeedReference(PROBE_REFERENCE))
     machine.slowdown = 1.3
-    durations = [executor.execute(decode_plan()).duration for _ in range(3)]
+    durations = [executor.execute(decode_plan(4, 128)).duration for _ in range(3)]
     assert durations == pytest.approx([0.05] * 3)
     machine.slowdown = 0.8
-    assert executor.execute(decode_plan()).duration == pytest.approx(0.05)
+    assert executor.execute(decode_plan(4, 128)).duration == pytest.approx(0.05)
     summary = executor.speed_summary()
     assert summary["speed_probes"] == 4 and summary["speed_factor_median"] == pytest.approx(1.3)
     assert summary["speed_factor_p05"] == pytest.approx(0.8 + 0.15 * (1.3 - 0.8))  # numpy's
@@ -222,7 +219,7 @@ def test_normalised_executor_divides_by_the_factor_to_the_steps_exponent():
     prefill = build_plan(PROBE_POINT.__class__(0, "prefill", 16, prefills=((255, 0),)))
     assert reference.exponent(255) == pytest.approx(0.7)
     assert executor.execute(prefill).duration == pytest.approx(0.05 * 1.5 / 1.5 ** 0.7)
-    assert executor.execute(decode_plan()).duration == pytest.approx(0.05)
+    assert executor.execute(decode_plan(4, 128)).duration == pytest.approx(0.05)
 
 
 def test_smoothed_factor_is_the_median_of_the_readings_within_the_window():

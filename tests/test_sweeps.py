@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +15,9 @@ from sim.tools.loggers import (EVENT_SERIES, LEVEL_SERIES, MAX_SERIES_POINTS, TI
                          read_requests_table, step_series_rows)
 from sim.core.metrics import STEP_COLUMNS
 
+from factories import twinserve
+
 TINY = ["workload.num_requests=20", "progress=false"]
-
-
-def twinserve(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.tools.app", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def job_summaries(sweep_dir: Path) -> dict[tuple[str, ...], dict]:

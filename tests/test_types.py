@@ -2,7 +2,9 @@
 from policies.types import Request, Sequence, StepPlan
 
 
-def make_seq(seq_id, request, num_tokens, num_computed, num_output):
+def sequence_at(seq_id, request, num_tokens, num_computed, num_output):
+    """A sample of `request` part-way through: num_tokens in all, num_computed of them computed,
+    num_output of them outputs."""
     seq = Sequence(seq_id, request, num_output)
     seq.num_tokens = num_tokens
     seq.num_computed_tokens = num_computed
@@ -18,16 +20,16 @@ def features(plan):
 def test_add_accounts_prefill_chunks_and_decodes():
     request = Request(0, 0.0, 100, 10)
     plan = StepPlan()
-    plan.add(make_seq(0, request, 100, 40, 0), 30)    # a chunk of 30 after 40 cached
-    plan.add(make_seq(1, request, 105, 104, 5), 1)    # a decode at context 105
-    plan.add(make_seq(2, request, 101, 0, 1), 101)    # a recompute of prompt + 1 output
+    plan.add(sequence_at(0, request, 100, 40, 0), 30)    # a chunk of 30 after 40 cached
+    plan.add(sequence_at(1, request, 105, 104, 5), 1)    # a decode at context 105
+    plan.add(sequence_at(2, request, 101, 0, 1), 101)    # a recompute of prompt + 1 output
     assert features(plan) == (131, 2, 30 * 70 + 101 * 101, 70 + 101, 30 ** 2 + 101 ** 2,
                               1, 105, 132)
 
 
 def test_add_decodes_matches_add_one_by_one():
     request = Request(0, 0.0, 50, 10)
-    seqs = [make_seq(i, request, 60 + i, 59 + i, 3) for i in range(5)]
+    seqs = [sequence_at(i, request, 60 + i, 59 + i, 3) for i in range(5)]
     one_by_one, batched = StepPlan(), StepPlan()
     for seq in seqs:
         one_by_one.add(seq, 1)
@@ -38,8 +40,9 @@ def test_add_decodes_matches_add_one_by_one():
 
 def test_remove_request_recomputes_the_features():
     kept_request, removed_request = Request(0, 0.0, 80, 10), Request(1, 0.0, 50, 10)
-    kept = [make_seq(0, kept_request, 80, 0, 0), make_seq(1, kept_request, 90, 89, 2)]
-    removed = [make_seq(2, removed_request, 50, 10, 0), make_seq(3, removed_request, 60, 59, 4)]
+    kept = [sequence_at(0, kept_request, 80, 0, 0), sequence_at(1, kept_request, 90, 89, 2)]
+    removed = [sequence_at(2, removed_request, 50, 10, 0),
+               sequence_at(3, removed_request, 60, 59, 4)]
     plan, expected = StepPlan(), StepPlan()
     for seq in [kept[0], removed[0], kept[1], removed[1]]:
         plan.add(seq, seq.num_tokens - seq.num_computed_tokens)

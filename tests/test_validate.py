@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 import sim.core.experiment
@@ -29,8 +28,9 @@ from sim.calibration.validate.grid import GRID_METRICS, grid_markdown, grid_rows
 from sim.calibration.validate.report import read_latencies_ms
 from sim.calibration.validate.sweep import expand_sweep, swept_values
 
+from factories import make_cfg
+
 torch.set_num_threads(1)
-CONF = Path(__file__).resolve().parent.parent / "conf"
 
 # Features not named here (the attention-tile ones, which FakePlan cannot have) cost nothing.
 COEFFS = {name: 0.0 for name in STEP_FEATURES} | {
@@ -53,11 +53,6 @@ def write_profile(path: Path, intercept=2e-3, coefficients=None, samples=(-0.1, 
     profile.update(changes)
     path.write_text(json.dumps(profile))
     return path
-
-
-def make_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=["progress=false", *overrides])
 
 
 class FakePlan:

@@ -12,12 +12,12 @@ With a SpeculationPolicy (`speculation=`), `_schedule_running` lets decodes prop
 (`StepPlan.spec_lens`, slots reserved for them, 1 + k tokens of the budget each) and `update` keeps
 the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted.
 
-A plug-in that changes only who goes next overrides `next_waiting` (see the README example) or
-passes its own PreemptionPolicy.
+A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
+or passes its own PreemptionPolicy.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
@@ -48,9 +48,6 @@ class BaseScheduler:
         # Sequences the running requests hold or will hold: an unforked request with n > 1
         # counts n, so its samples never push the batch past max_num_seqs.
         self.num_running_seqs = 0
-        # Inter-token latencies as a histogram {seconds: count}: a float per token is too much
-        # memory for a 100k-request run, and most tokens of a step share one value.
-        self.itl_counts: defaultdict[float, int] = defaultdict(int)
         self._next_seq_id = 0
         self._now = 0.0  # the time of the step being planned
 
@@ -97,8 +94,9 @@ class BaseScheduler:
         self._next_seq_id += 1
         return seq
 
-    def next_waiting(self) -> Request:
-        """The waiting request to admit next. FCFS; override to reorder admission."""
+    def next_waiting(self, now: float) -> Request:
+        """The waiting request to admit next in the step planned at `now`. FCFS; override to
+        reorder admission."""
         return self.waiting[0]
 
     # ---- building blocks for schedule() ---------------------------------------------------------
@@ -108,7 +106,7 @@ class BaseScheduler:
         requests keep the watermark free). Without chunking a sequence's prefill is never split.
         Returns the budget left."""
         while self.waiting and token_budget > 0:
-            request = self.next_waiting()
+            request = self.next_waiting(self._now)
             if not self._may_admit(request):
                 break
             seqs = request.unfinished_sequences()
@@ -138,6 +136,7 @@ class BaseScheduler:
             self.num_running_seqs += self._num_live_samples(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._now
+                request.num_cached_tokens = num_cached[0]
             token_budget = budget_left
         return token_budget
 
@@ -377,7 +376,6 @@ class BaseScheduler:
         num_accepted = result.num_accepted
         if spec_lens and num_accepted is None and sampled is None:
             raise ValueError("the executor returned no num_accepted for a plan with spec_lens")
-        itl_counts = self.itl_counts
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             num_computed = seq.num_computed_tokens + num_new
             seq.num_computed_tokens = num_computed
@@ -396,11 +394,7 @@ class BaseScheduler:
                 # next step. The rejected drafts' slots go back.
                 seq.num_computed_tokens = num_computed + num_sampled - 1
                 self.kv_cache.trim_slots(seq, num_computed + num_sampled)
-            num_output_tokens = seq.num_output_tokens
-            if num_output_tokens:
-                # The tokens gained in one step share one inter-token time.
-                itl_counts[now - seq.last_token_time] += num_sampled
-            num_output_tokens += num_sampled
+            num_output_tokens = seq.num_output_tokens + num_sampled
             seq.num_output_tokens = num_output_tokens
             seq.num_tokens = num_computed + num_sampled
             seq.last_token_time = now

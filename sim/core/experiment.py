@@ -81,7 +81,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     bar.close()
 
     for replica in replicas:
-        metrics.add_itl_counts(replica.scheduler.itl_counts)
+        metrics.add_itl_counts(replica.recorder.itl_counts)
     unfinished = [r for r in requests if not r.is_finished]
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (first: "

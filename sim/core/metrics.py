@@ -9,16 +9,20 @@ summary.json must stay valid JSON and scripts must not have to special-case empt
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
+import operator
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from policies.types import Request, StepPlan
+from policies.protocols import Scheduler
+from policies.types import Request, Sequence, StepPlan, StepResult
 
 STEP_COLUMNS: tuple[str, ...] = (
     "replica_id", "start_time", "duration",
@@ -212,6 +216,10 @@ class MetricsCollector:
         for itl, count in itl_counts.items():
             merged[itl] = merged.get(itl, 0) + count
 
+    def step_column(self, name: str) -> np.ndarray:
+        """One STEP_COLUMNS column over every recorded step, as a float array."""
+        return self.step_array()[:, _COL[name]]
+
     def step_array(self) -> np.ndarray:
         """The step rows as a (num_steps, len(STEP_COLUMNS)) float array."""
         if not self.step_rows:
@@ -320,6 +328,55 @@ class MetricsCollector:
             from sim.tools.plots import write_plots
             written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS)
         return written
+
+
+class StepRecorder:
+    """What one replica's steps leave in a run's metrics, recorded by the step loop
+    (sim/core/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
+    inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
+    for a 100k-request run, and most tokens of a step share one value)."""
+
+    def __init__(self, metrics: MetricsCollector, replica_id: int = 0):
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.itl_counts: defaultdict[float, int] = defaultdict(int)
+
+    def record_step(self, start_time: float, plan: StepPlan, result: StepResult,
+                    scheduler: Scheduler) -> None:
+        """The step's row: its plan, and memory and queues as they stand during the step
+        (before its finished requests leave)."""
+        kv_cache = scheduler.kv_cache
+        waiting, running, swapped = scheduler.queue_lengths()
+        self.metrics.record_step(
+            self.replica_id, start_time, plan, result.duration,
+            kv_blocks_used=kv_cache.num_used_blocks(),
+            kv_slots_allocated=kv_cache.num_slots_allocated(),
+            kv_tokens_stored=kv_cache.num_tokens_stored(),
+            num_waiting=waiting, num_running=running, num_swapped=swapped,
+            num_accepted_tokens=sum(result.num_accepted.values()) if result.num_accepted else 0)
+
+    def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
+                    times_before: list[float], now: float) -> None:
+        """Inter-token latencies of a step that ended at `now`: each sequence that gained tokens
+        after its first gained them `now - its last token's time` later (the tokens of one step
+        share one time). `outputs_before` and `times_before` are the sequences'
+        `num_output_tokens` and `last_token_time` before the step's update."""
+        itl_counts = self.itl_counts
+        gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
+        num_seqs = len(gained)
+        if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:
+            # Most steps: every sequence decoded one token, and those that last sampled in one
+            # step sit side by side in the batch (one run per earlier step; hashing each
+            # sequence's time would cost more than the rest of its step).
+            if times_before.count(times_before[0]) == num_seqs:
+                itl_counts[now - times_before[0]] += num_seqs
+            else:
+                for last_time, same_time in itertools.groupby(times_before):
+                    itl_counts[now - last_time] += len(list(same_time))
+            return
+        for before, num_gained, last_time in zip(outputs_before, gained, times_before):
+            if before and num_gained:
+                itl_counts[now - last_time] += num_gained
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:

@@ -1,8 +1,7 @@
-"""The simpy processes: one loop per replica, arrivals, and the cluster that routes between them.
+"""The simpy processes: one loop per replica, and the arrivals that a router hands to them.
 
-A replica's loop is DESIGN.md's step contract and nothing else:
-plan = scheduler.schedule(now); result = executor.execute(plan); advance the clock by the step's
-duration; scheduler.update(plan, result, now). One simpy event per step, never per token.
+A replica's loop is the step loop of sim/core/step.py and nothing else: begin a step, let its
+duration pass on the simulated clock, complete it. One simpy event per step, never per token.
 """
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ import simpy
 
 from policies.protocols import Executor, Router, Scheduler
 from policies.types import Request
-from sim.core.metrics import MetricsCollector
+from sim.core.metrics import MetricsCollector, StepRecorder
+from sim.core.step import StepLoop
 
 
 class Replica:
@@ -24,6 +24,8 @@ class Replica:
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
+        self.recorder = StepRecorder(metrics, replica_id)
+        self.steps = StepLoop(scheduler, executor, self.recorder)
         self.on_requests_done = on_requests_done
         self._idle: simpy.Event | None = None
         self.process = env.process(self.run())
@@ -42,35 +44,15 @@ class Replica:
             self._idle.succeed()
 
     def run(self):
-        env, scheduler, executor = self.env, self.scheduler, self.executor
-        kv_cache = scheduler.kv_cache
-        record_step = self.metrics.record_step
+        env, scheduler, steps = self.env, self.scheduler, self.steps
         while True:
             if not scheduler.has_unfinished():
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
-            start = env.now
-            plan = scheduler.schedule(start)
-            if plan.is_empty:
-                waiting, running, swapped = scheduler.queue_lengths()
-                raise RuntimeError(
-                    f"replica {self.replica_id}: the scheduler planned nothing with {waiting} "
-                    f"waiting, {running} running and {swapped} swapped requests and "
-                    f"{kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
-                    f"progress (a request larger than the pool, or max_num_seqs too small?)")
-            result = executor.execute(plan)
-            # Memory and queues as they stand during the step, before finished requests leave.
-            waiting, running, swapped = scheduler.queue_lengths()
-            record_step(self.replica_id, start, plan, result.duration,
-                        kv_blocks_used=kv_cache.num_used_blocks(),
-                        kv_slots_allocated=kv_cache.num_slots_allocated(),
-                        kv_tokens_stored=kv_cache.num_tokens_stored(),
-                        num_waiting=waiting, num_running=running, num_swapped=swapped,
-                        num_accepted_tokens=(sum(result.num_accepted.values())
-                                             if result.num_accepted else 0))
+            result = steps.begin(env.now)
             yield env.timeout(result.duration)
-            finished = scheduler.update(plan, result, env.now)
+            finished = steps.complete(env.now)
             if finished and self.on_requests_done:
                 self.on_requests_done(len(finished))
 
