@@ -1,19 +1,25 @@
-"""How fast the simulator runs: Llama-2-7B on an A100-80GB, continuous batching, paged KV.
+"""How fast the simulator runs, continuous batching and paged KV on an A100-80GB.
 
-Two workloads: the Azure code trace (8,819 requests, replayed as recorded) and a synthetic
-100,000-request Poisson workload with Vidur's benchmark shape (512-token prompts, 128-token
-outputs), at a busy and at an overloaded rate. Prints wall time, simulated requests per
-wall-second and simulated seconds per wall-second, and the ratio against Vidur's figure on this
-kind of machine (600-1,200 requests per wall-second, Llama-2-70B TP2 on A100, 512/128), the
-target being >= 5,000 requests/wall-s.
+Workloads: Vidur's benchmark shape (Llama-2-70B, tensor parallel 2, 10,000 requests, Poisson
+2 req/s, 512-token prompts, 128-token outputs); the Azure code trace (8,819 requests, replayed as
+recorded, Llama-2-7B); and a synthetic 100,000-request Llama-2-7B workload of the same shape at
+a busy and an overloaded rate. Prints wall time, simulated requests per wall-second and simulated
+seconds per wall-second, each beside the same run step by step (`scheduler.coalesce=false`: no
+repeated decode steps run as one event) and against the target of 5,000 requests/wall-s.
 
-    python bench/sim_speed.py [--requests 100000] [--rates 10 20] [--profile]
+With `--vidur PATH` (a Vidur checkout) it also runs Vidur's simulator on the 70B workload and
+prints the ratio; without it, that column says it was not measured.
+
+    python bench/sim_speed.py [--requests 100000] [--rates 10 20] [--vidur PATH] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +29,24 @@ from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_REQUESTS_PER_WALL_S = 5_000
-VIDUR_REQUESTS_PER_WALL_S = (600, 1_200)
+FIXED_512_128 = ["++workload.prompt_len={dist: fixed, value: 512}",
+                 "++workload.output_len={dist: fixed, value: 128}"]
+VIDUR_WORKLOAD = ["model=llama-2-70b", "cluster.tensor_parallel_size=2",
+                  "workload.num_requests=10000", "workload.rate=2", *FIXED_512_128]
+# The same workload in Vidur's command line (its vLLM scheduler, an A100, Poisson arrivals).
+VIDUR_ARGS = ["--replica_config_device", "a100",
+              "--replica_config_model_name", "meta-llama/Llama-2-70b-hf",
+              "--replica_config_tensor_parallel_size", "2",
+              "--replica_config_num_pipeline_stages", "1",
+              "--cluster_config_num_replicas", "1",
+              "--request_generator_config_type", "synthetic",
+              "--synthetic_request_generator_config_num_requests", "10000",
+              "--length_generator_config_type", "fixed",
+              "--fixed_request_length_generator_config_prefill_tokens", "512",
+              "--fixed_request_length_generator_config_decode_tokens", "128",
+              "--interval_generator_config_type", "poisson",
+              "--poisson_request_interval_generator_config_qps", "2",
+              "--replica_scheduler_config_type", "vllm"]
 
 
 def compose_cfg(overrides):
@@ -33,7 +56,8 @@ def compose_cfg(overrides):
                                             "kv_cache=paged", *overrides])
 
 
-def measure(name, overrides, profile=False):
+def measure(overrides, profile=False):
+    """One run: requests, steps, wall time and simulated seconds per wall-second."""
     cfg = compose_cfg(overrides)
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
@@ -45,18 +69,28 @@ def measure(name, overrides, profile=False):
     wall_s = time.perf_counter() - start
     summary = result.summary
     num_requests = summary["completed"] + summary["rejected"]
-    row = {
-        "workload": name,
-        "requests": num_requests,
-        "steps": summary["num_steps"],
-        "wall_s": wall_s,
-        "req_per_wall_s": num_requests / wall_s,
-        "sim_s_per_wall_s": summary["duration_s"] / wall_s,
-        "p99_ttft_ms": summary["p99_ttft_ms"],
-    }
     if profiler:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
-    return row
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return {"requests": num_requests, "steps": summary["num_steps"], "wall_s": wall_s,
+            "req_per_wall_s": num_requests / wall_s,
+            "sim_s_per_wall_s": summary["duration_s"] / wall_s}
+
+
+def measure_vidur(vidur_path: Path) -> float:
+    """Vidur's simulated requests per wall-second on VIDUR_WORKLOAD: its `vidur.main` run from
+    its checkout, timed whole; run twice, the second timed, so its cached execution-time
+    predictors are not retrained inside the measurement."""
+    if not (vidur_path / "vidur" / "main.py").is_file():
+        raise SystemExit(f"--vidur {vidur_path}: not a Vidur checkout (no vidur/main.py)")
+    env = {**os.environ, "PYTHONPATH": str(vidur_path)}
+    command = [sys.executable, "-m", "vidur.main", *VIDUR_ARGS]
+    for attempt in range(2):
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=vidur_path, env=env, capture_output=True, text=True)
+        wall_s = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"Vidur failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+    return 10_000 / wall_s
 
 
 def main():
@@ -65,30 +99,38 @@ def main():
     parser.add_argument("--rates", type=float, nargs="+", default=[10.0, 20.0],
                         help="synthetic arrival rates, requests/s (this setup's capacity is "
                              "about 12: 10 is a busy server, 20 an overloaded one)")
+    parser.add_argument("--vidur", type=Path, default=None,
+                        help="a Vidur checkout: also run Vidur on the 70B workload")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
-    rows = [measure("azure code trace", ["workload=trace"], args.profile)]
+    workloads = [("70B TP2 512/128 @2/s (Vidur's)", VIDUR_WORKLOAD),
+                 ("azure code trace", ["workload=trace"])]
     for rate in args.rates:
-        rows.append(measure(f"synthetic {args.requests // 1000}k 512/128 @{rate:g}/s", [
+        workloads.append((f"synthetic {args.requests // 1000}k 512/128 @{rate:g}/s", [
             "workload=synthetic", f"workload.num_requests={args.requests}",
-            f"workload.rate={rate}",
-            "++workload.prompt_len={dist: fixed, value: 512}",
-            "++workload.output_len={dist: fixed, value: 128}"], args.profile))
-    header = (f"{'workload':<28} {'requests':>9} {'steps':>8} {'wall s':>7} {'req/wall-s':>11} "
-              f"{'sim-s/wall-s':>13} {'vs Vidur':>11} {'vs target':>9}")
+            f"workload.rate={rate}", *FIXED_512_128]))
+    vidur = measure_vidur(args.vidur) if args.vidur else None
+
+    header = (f"{'workload':<32} {'requests':>9} {'steps':>8} {'wall s':>7} {'req/wall-s':>11} "
+              f"{'step by step':>12} {'sim-s/wall-s':>13} {'vs Vidur':>9} {'vs target':>9}")
     print(header)
-    print("-" * len(header))
-    for row in rows:
-        vidur_low, vidur_high = VIDUR_REQUESTS_PER_WALL_S
-        vs_vidur = f"{row['req_per_wall_s'] / vidur_high:.1f}-{row['req_per_wall_s'] / vidur_low:.1f}x"
-        vs_target = f"{row['req_per_wall_s'] / TARGET_REQUESTS_PER_WALL_S:.2f}x"
-        print(f"{row['workload']:<28} {row['requests']:>9,} {row['steps']:>8,} "
-              f"{row['wall_s']:>7.2f} {row['req_per_wall_s']:>11,.0f} "
-              f"{row['sim_s_per_wall_s']:>13,.1f} {vs_vidur:>11} {vs_target:>9}")
+    print("-" * len(header), flush=True)
+    for name, overrides in workloads:
+        row = measure(overrides, args.profile)
+        step_by_step = measure([*overrides, "++scheduler.coalesce=false"])
+        vs_vidur = (f"{row['req_per_wall_s'] / vidur:.1f}x" if vidur and overrides is VIDUR_WORKLOAD
+                    else "-")
+        print(f"{name:<32} {row['requests']:>9,} {row['steps']:>8,} {row['wall_s']:>7.2f} "
+              f"{row['req_per_wall_s']:>11,.0f} {step_by_step['req_per_wall_s']:>12,.0f} "
+              f"{row['sim_s_per_wall_s']:>13,.1f} {vs_vidur:>9} "
+              f"{row['req_per_wall_s'] / TARGET_REQUESTS_PER_WALL_S:>8.2f}x", flush=True)
     print(f"\ntarget: >= {TARGET_REQUESTS_PER_WALL_S:,} simulated requests per wall-second; "
-          f"Vidur: {VIDUR_REQUESTS_PER_WALL_S[0]:,}-{VIDUR_REQUESTS_PER_WALL_S[1]:,} "
-          f"(quoted for this kind of machine, not measured in this run)")
+          f"'step by step': the same run with scheduler.coalesce=false")
+    if vidur:
+        print(f"Vidur on the 70B workload: {vidur:,.0f} requests per wall-second (this run)")
+    else:
+        print("Vidur: not measured (give --vidur PATH, a Vidur checkout, to run it beside)")
 
 
 if __name__ == "__main__":

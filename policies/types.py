@@ -119,6 +119,11 @@ class StepPlan:
     Speculative decoding: a decode in `spec_lens` (seq_id -> k >= 1) also proposes k draft tokens
     and verifies them in the same forward pass; its slots cover positions [0, num_tokens + k).
     Empty when speculation is off.
+
+    Repeated decode steps: `max_repeats` > 1 says the scheduler would plan this same decode batch
+    that many steps in a row (each decode one token further on), if nothing arrived meanwhile;
+    the simulator may then run them as one event (`StepResult.step_durations`). The engine runs
+    every step for real and ignores it.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -144,6 +149,7 @@ class StepPlan:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> k draft tokens of a speculating decode.
     spec_lens: dict[int, int] = field(default_factory=dict)
+    max_repeats: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -236,3 +242,11 @@ class StepResult:
     forked_token_ids: dict[int, list[int]] | None = None
     # For every seq in the plan's spec_lens: how many of its k drafts were accepted (0..k).
     num_accepted: dict[int, int] | None = None
+    # A decode batch run several times in a row (up to plan.max_repeats; the simulator only):
+    # each step's duration, in order. `duration` is then their span on the simulated clock.
+    step_durations: list[float] | None = None
+
+    @property
+    def num_steps(self) -> int:
+        """How many steps of the plan this result stands for."""
+        return len(self.step_durations) if self.step_durations else 1

@@ -429,6 +429,8 @@ def engine_replaced_by_scaled_simulator(monkeypatch, time_factor: float) -> None
     original = sim.core.experiment.build_replica_executor
 
     class Scaled:
+        repeats_steps = False   # as an engine: every step runs (and is scaled) on its own
+
         def __init__(self, inner):
             self.inner = inner
 

@@ -14,6 +14,12 @@ the accepted ones, gives the rejected drafts' slots back and tells the policy wh
 
 A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
 or passes its own PreemptionPolicy.
+
+Repeated decode steps: when nothing waits or is swapped out and every running sequence decodes,
+the next steps would plan the same batch until a sequence finishes or the pool runs short, so
+`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event.
+A subclass whose `schedule` decides by anything else (the clock, a per-step policy) passes
+`coalesce=False`.
 """
 from __future__ import annotations
 
@@ -22,13 +28,14 @@ from collections import deque
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
-from policies.validators import positive_int
+from policies.validators import boolean, positive_int
 
 
 class BaseScheduler:
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None):
+                 max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None,
+                 coalesce: bool = True):
         positive_int("scheduler.max_num_seqs", max_num_seqs)
         positive_int("scheduler.max_num_batched_tokens", max_num_batched_tokens)
         positive_int("scheduler.max_model_len", max_model_len)
@@ -41,6 +48,8 @@ class BaseScheduler:
         # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
+        # Speculation decides per step (and learns from each), so its steps never repeat.
+        self.coalesce = boolean("scheduler.coalesce", coalesce) and not self._speculates
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -361,7 +370,43 @@ class BaseScheduler:
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
+        if self.coalesce and plan.num_decode_seqs:
+            plan.max_repeats = self._num_repeatable_steps(plan)
         return plan
+
+    def _num_repeatable_steps(self, plan: StepPlan) -> int:
+        """How many steps in a row `schedule` would plan this same decode batch, each decode a
+        token further on, if no request arrived: every running sequence decodes, nothing waits or
+        is swapped out, nothing was preempted, copied or swapped, and until the last of them no
+        sequence finishes or needs a block it does not hold alone."""
+        if (self.waiting or self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+                or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
+                or plan.num_decode_seqs != self.num_running_seqs):
+            return 1
+        kv_cache = self.kv_cache
+        if not hasattr(kv_cache, "num_blocks_for_repeated_steps"):
+            return 1
+        # Step j (1, 2, ...) of a decode needs num_tokens + j - 1 slots: past its appendable
+        # ones, a block each block_size steps; it finishes at the step of its last output.
+        appendable = [kv_cache.num_appendable_slots(seq) for seq in plan.seqs]
+        block_size = kv_cache.block_size
+
+        def blocks_needed(num_steps: int) -> int:
+            return sum(-(-(num_steps - 1 - slots) // block_size) for slots in appendable
+                       if num_steps - 1 > slots)
+
+        num_steps = min(seq.request.output_len - seq.num_output_tokens for seq in plan.seqs)
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
+        if blocks_needed(num_steps) > free_blocks:
+            low, high = 1, num_steps   # the most steps whose blocks the pool has
+            while low < high:
+                middle = (low + high + 1) // 2
+                if blocks_needed(middle) <= free_blocks:
+                    low = middle
+                else:
+                    high = middle - 1
+            num_steps = low
+        return max(num_steps, 1)
 
     # ---- after the step ---------------------------------------------------------------------------
 
@@ -369,6 +414,8 @@ class BaseScheduler:
         """Account for what the step computed: tokens appended (a speculating decode's
         accepted drafts and one more), samples forked, sequences and requests finished (their
         blocks freed). Returns the requests that finished."""
+        if result.step_durations:
+            return self._update_repeated(plan, result.num_steps, now)
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids
@@ -406,6 +453,27 @@ class BaseScheduler:
                     finished_requests.append(request)
         if self._speculates:
             self._observe_drafts(plan, result)
+        return finished_requests
+
+    def _update_repeated(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
+        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats):
+        each decode gained a token a step; the blocks it grew into are taken now."""
+        if num_steps > plan.max_repeats:
+            raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
+                             f"{plan.max_repeats}")
+        finished_requests: list[Request] = []
+        allocate_slots = self.kv_cache.allocate_slots
+        for seq in plan.seqs:
+            num_tokens = seq.num_tokens + num_steps
+            if not allocate_slots(seq, num_tokens - 1):
+                raise RuntimeError(f"seq {seq.seq_id}: the KV pool could not hold the repeated "
+                                   f"steps its scheduler planned")
+            seq.num_computed_tokens = num_tokens - 1
+            seq.num_tokens = num_tokens
+            seq.num_output_tokens += num_steps
+            seq.last_token_time = now
+            if seq.num_output_tokens >= seq.request.output_len and self._finish_sequence(seq, now):
+                finished_requests.append(seq.request)
         return finished_requests
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:

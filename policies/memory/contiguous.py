@@ -135,6 +135,18 @@ class ContiguousAllocator:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens
 
+    def num_appendable_slots(self, seq: Sequence) -> int:
+        """Slots of the sequence's reservation past its allocated tokens (it grows into them
+        with no block taken)."""
+        table = self.block_tables.get(seq.seq_id)
+        if not table:
+            return 0
+        return len(table) * self.block_size - self._num_allocated_tokens[seq.seq_id]
+
+    def num_blocks_for_repeated_steps(self) -> int:
+        """0: a sequence grows only within its reservation."""
+        return 0
+
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
         the first that fails and returns its index (len(seqs) when all succeeded)."""

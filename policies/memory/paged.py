@@ -117,6 +117,20 @@ class PagedBlockManager:
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
+    def num_appendable_slots(self, seq: Sequence) -> int:
+        """Slots past the sequence's allocated tokens that its table already holds and it alone
+        writes: it grows into them with no block taken or copied."""
+        table = self.block_tables.get(seq.seq_id)
+        if not table or self._ref_counts[table[-1]] != 1:
+            return 0
+        return len(table) * self.block_size - self._num_allocated_tokens[seq.seq_id]
+
+    def num_blocks_for_repeated_steps(self) -> int:
+        """Blocks that decodes may take during repeated steps, in another order than step by
+        step, without changing any later step: the free ones, or none with prefix caching (its
+        cache evicts blocks in the order they were freed)."""
+        return 0 if self.enable_prefix_caching else len(self._free_block_ids)
+
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
         decoding (one new token each); stops at the first that fails and returns its index
@@ -197,8 +211,17 @@ class PagedBlockManager:
             table[-1] = private_block
             self._pending_copies.append((shared_block, private_block))
             self._num_tokens_stored += num_in_last_block  # the copy holds the tokens so far
-        for _ in range(num_new_blocks):
-            table.append(self._take_free_block())
+        free_block_ids = self._free_block_ids
+        if num_new_blocks <= len(free_block_ids):
+            # Enough uncached blocks: take them in one go (a long prompt takes hundreds).
+            popleft, ref_counts = free_block_ids.popleft, self._ref_counts
+            new_blocks = [popleft() for _ in range(num_new_blocks)]
+            for block in new_blocks:
+                ref_counts[block] = 1
+            table.extend(new_blocks)
+        else:
+            for _ in range(num_new_blocks):
+                table.append(self._take_free_block())
         self._num_allocated_tokens[seq.seq_id] = num_tokens
         self._num_tokens_stored += num_tokens - num_allocated
         if self.enable_prefix_caching:
@@ -228,6 +251,22 @@ class PagedBlockManager:
         ref_counts = self._ref_counts
         cached_blocks = self._block_to_hash
         track_freed = bool(self._pending_copies)
+        if not cached_blocks and not track_freed:
+            # Nothing cached, no copy pending: only the counts and the free list move.
+            freed_blocks = []
+            for block in reversed(table):
+                ref_count = ref_counts[block] - 1
+                ref_counts[block] = ref_count
+                if ref_count == 0:
+                    freed_blocks.append(block)
+            if freed_blocks:
+                # Every freed block is full but the table's last, which holds the remainder.
+                last_freed = freed_blocks[0] == table[-1]
+                self._num_tokens_stored -= (
+                    (len(freed_blocks) - last_freed) * block_size
+                    + (num_tokens - (len(table) - 1) * block_size if last_freed else 0))
+                self._free_block_ids.extend(freed_blocks)
+            return
         freed_blocks = []
         num_stored_freed = 0
         last_index = len(table) - 1

@@ -132,6 +132,8 @@ class ProfiledCostModel:
         # With tile features, a vector of the core and the tile features; its order is the
         # profile's, then the features it lacks (which cost 0).
         self.uses_tiles = any(name in TILE_FEATURES for name in fitted)
+        # The tiles come from each sequence's length; the plain features from the plan's sums.
+        self.reads_only_aggregates = not self.uses_tiles
         computed = STEP_FEATURES + (TILE_FEATURES if self.uses_tiles else ())
         self.feature_names: tuple[str, ...] = tuple(fitted) + tuple(
             name for name in computed if name not in fitted)

@@ -9,11 +9,29 @@ from sim.core.acceptance import AcceptanceModel
 
 class SimExecutor:
     """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`; with an
-    acceptance model it also draws how many drafts each speculating sequence keeps."""
+    acceptance model it also draws how many drafts each speculating sequence keeps.
+
+    A cost model whose `step_time` reads only the plan's aggregate features says so
+    (`reads_only_aggregates = True`): then a decode batch repeated over several steps is costed
+    step by step from its aggregates alone (`repeated_step_times`), and the step loop may run
+    those steps as one event."""
 
     def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None):
         self.cost_model = cost_model
         self.acceptance_model = acceptance_model
+        self.repeats_steps = getattr(cost_model, "reads_only_aggregates", False)
+
+    def repeated_step_times(self, plan: StepPlan, num_steps: int):
+        """The durations of `num_steps` steps of the decode batch `plan`, one at a time (each
+        draws its own noise, as separate steps would): in step j every decode reads j more
+        tokens of context. Stop iterating early to draw no more."""
+        context = plan.decode_context_tokens
+        try:
+            for step in range(num_steps):
+                plan.decode_context_tokens = context + step * plan.num_decode_seqs
+                yield self.cost_model.step_time(plan)
+        finally:
+            plan.decode_context_tokens = context
 
     def execute(self, plan: StepPlan) -> StepResult:
         duration = self.cost_model.step_time(plan)

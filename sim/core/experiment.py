@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import simpy
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -21,7 +20,7 @@ from sim.core.build import (build_policy, build_replica_executor, build_router,
                              check_run_settings, max_num_batched_tokens, num_host_kv_blocks,
                              num_kv_blocks, slos_ms, speculation_setup, speed_summary)
 from sim.core.metrics import MetricsCollector, rejection_summary
-from sim.core.replica import Replica, arrivals
+from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.core.workload import build_workload
 
@@ -50,11 +49,12 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     speculation = speculation_setup(cfg)
     requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
 
-    env = simpy.Environment()
+    env = SimEnvironment()
     metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress,
                mininterval=0.5, leave=False)
     replicas = []
+    next_arrival = NextArrival()
     for replica_id in range(cfg.cluster.num_replicas):
         preemption = build_policy(cfg.preemption, "preemption")
         kv_cache = build_policy(cfg.kv_cache, "kv_cache", num_blocks=num_blocks,
@@ -69,8 +69,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                  **drafting)
         executor = build_replica_executor(cfg, model, hardware, kv_cache, speculation, replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
-                                on_requests_done=bar.update))
-    env.process(arrivals(env, requests, router, replicas))
+                                on_requests_done=bar.update, next_arrival=next_arrival))
+    env.process(arrivals(env, requests, router, replicas, next_arrival))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise).
     gc.freeze()
@@ -79,6 +79,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     finally:
         gc.unfreeze()
     bar.close()
+    metrics.order_steps_by_start()
 
     for replica in replicas:
         metrics.add_itl_counts(replica.recorder.itl_counts)

@@ -220,6 +220,11 @@ class MetricsCollector:
         """One STEP_COLUMNS column over every recorded step, as a float array."""
         return self.step_array()[:, _COL[name]]
 
+    def order_steps_by_start(self) -> None:
+        """Put the step rows in order of their start time (a replica records a run of repeated
+        steps at once, ahead of other replicas' steps in between; ties keep their order)."""
+        self.step_rows.sort(key=operator.itemgetter(1))
+
     def step_array(self) -> np.ndarray:
         """The step rows as a (num_steps, len(STEP_COLUMNS)) float array."""
         if not self.step_rows:
@@ -277,7 +282,8 @@ class MetricsCollector:
         result.update({
             "num_preemptions": sum(request.num_preemptions for request in requests),
             "peak_kv_blocks": int(steps[:, _COL["kv_blocks_used"]].max()) if len(steps) else 0,
-            "kv_waste_fraction": float(waste.mean()) if waste.size else 0.0,
+            # fsum: the same whatever order the replicas' steps were recorded in.
+            "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
             "swap_bytes": int(blocks_swapped) * self.kv_bytes_per_block,
             "num_steps": len(self.step_rows),
             "wall_time_s": float(wall_time_s),
@@ -354,6 +360,45 @@ class StepRecorder:
             kv_tokens_stored=kv_cache.num_tokens_stored(),
             num_waiting=waiting, num_running=running, num_swapped=swapped,
             num_accepted_tokens=sum(result.num_accepted.values()) if result.num_accepted else 0)
+
+    def record_repeated_steps(self, start_time: float, plan: StepPlan, result: StepResult,
+                              scheduler: Scheduler) -> None:
+        """The rows of a decode batch run `result.num_steps` times in a row, each as its own
+        step's row would be: only the start, the duration and the stored tokens (one more per
+        decode each step) move."""
+        kv_cache = scheduler.kv_cache
+        waiting, running, swapped = scheduler.queue_lengths()
+        blocks_used, slots_allocated = kv_cache.num_used_blocks(), kv_cache.num_slots_allocated()
+        tokens_stored = kv_cache.num_tokens_stored()
+        # Step j of a decode with `slots` appendable slots takes a block at j = slots + 2, then
+        # every block_size steps.
+        num_steps, block_size = result.num_steps, kv_cache.block_size
+        new_blocks = [0] * (num_steps + 1)
+        for seq in plan.seqs:
+            for step in range(kv_cache.num_appendable_slots(seq) + 2, num_steps + 1, block_size):
+                new_blocks[step] += 1
+        record_step, replica_id = self.metrics.record_step, self.replica_id
+        for step, duration in enumerate(result.step_durations, start=1):
+            if new_blocks[step]:
+                blocks_used += new_blocks[step]
+                slots_allocated += new_blocks[step] * block_size
+            record_step(replica_id, start_time, plan, duration, kv_blocks_used=blocks_used,
+                        kv_slots_allocated=slots_allocated, kv_tokens_stored=tokens_stored,
+                        num_waiting=waiting, num_running=running, num_swapped=swapped)
+            start_time += duration
+            tokens_stored += plan.num_decode_seqs
+
+    def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
+        """Inter-token latencies of a decode batch's repeated steps: in the first, each
+        sequence's since its last token; in each later one, the step itself for every sequence."""
+        itl_counts = self.itl_counts
+        end = step_end_times[0]
+        for last_time, same_time in itertools.groupby(times_before):
+            itl_counts[end - last_time] += len(list(same_time))
+        num_seqs = len(times_before)
+        for next_end in step_end_times[1:]:
+            itl_counts[next_end - end] += num_seqs
+            end = next_end
 
     def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
                     times_before: list[float], now: float) -> None:

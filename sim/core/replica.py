@@ -1,13 +1,17 @@
 """The simpy processes: one loop per replica, and the arrivals that a router hands to them.
 
 A replica's loop is the step loop of sim/core/step.py and nothing else: begin a step, let its
-duration pass on the simulated clock, complete it. One simpy event per step, never per token.
+duration pass on the simulated clock, complete it. One simpy event per step, never per token, and
+one per run of repeated decode steps, which end at the next arrival (`NextArrival`).
 """
 from __future__ import annotations
 
+import heapq
+import math
 from typing import Callable
 
 import simpy
+from simpy.events import NORMAL
 
 from policies.protocols import Executor, Router, Scheduler
 from policies.types import Request
@@ -15,10 +19,35 @@ from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
 
 
+class SimEnvironment(simpy.Environment):
+    """simpy's environment, able to wake a process at an exact time: where repeated steps end,
+    their durations added one by one, as separate steps would have left the clock (one delay
+    added to the start can miss that time by an ulp)."""
+
+    def timeout_at(self, time: float) -> simpy.Event:
+        if time < self.now:
+            raise ValueError(f"timeout_at({time!r}) lies before now ({self.now!r})")
+        event = simpy.Event(self)
+        event._ok, event._value = True, None   # as simpy's Timeout is born triggered
+        heapq.heappush(self._queue, (time, NORMAL, next(self._eid), event))
+        return event
+
+
+class NextArrival:
+    """When the next request arrives (inf after the last): nothing else reaches a replica from
+    outside, so its repeated decode steps may run up to it. 0 until the arrivals begin."""
+
+    __slots__ = ("time",)
+
+    def __init__(self):
+        self.time = 0.0
+
+
 class Replica:
     def __init__(self, env: simpy.Environment, replica_id: int, scheduler: Scheduler,
                  executor: Executor, metrics: MetricsCollector,
-                 on_requests_done: Callable[[int], None] | None = None):
+                 on_requests_done: Callable[[int], None] | None = None,
+                 next_arrival: NextArrival | None = None):
         self.env = env
         self.replica_id = replica_id
         self.scheduler = scheduler
@@ -27,6 +56,8 @@ class Replica:
         self.recorder = StepRecorder(metrics, replica_id)
         self.steps = StepLoop(scheduler, executor, self.recorder)
         self.on_requests_done = on_requests_done
+        # Without it, every step is its own event; with it, env must be a SimEnvironment.
+        self.next_arrival = next_arrival
         self._idle: simpy.Event | None = None
         self.process = env.process(self.run())
 
@@ -44,25 +75,32 @@ class Replica:
             self._idle.succeed()
 
     def run(self):
-        env, scheduler, steps = self.env, self.scheduler, self.steps
+        env, scheduler, steps, next_arrival = self.env, self.scheduler, self.steps, self.next_arrival
         while True:
             if not scheduler.has_unfinished():
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
-            result = steps.begin(env.now)
-            yield env.timeout(result.duration)
+            result = steps.begin(env.now, next_arrival.time if next_arrival else None)
+            if result.step_durations:
+                yield env.timeout_at(steps.step_end_times[-1])
+            else:
+                yield env.timeout(result.duration)
             finished = steps.complete(env.now)
             if finished and self.on_requests_done:
                 self.on_requests_done(len(finished))
 
 
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,
-             replicas: list[Replica]):
-    """Hand each request to the replica the router picks, at its arrival time."""
+             replicas: list[Replica], next_arrival: NextArrival | None = None):
+    """Hand each request to the replica the router picks, at its arrival time; keep
+    `next_arrival` at the time the next one will arrive."""
+    next_arrival = next_arrival or NextArrival()
     for request in requests:
         delay = request.arrival_time - env.now
         if delay > 0:
+            next_arrival.time = env.now + delay   # the time simpy will wake this process at
             yield env.timeout(delay)
         replica_id = router.route(request, replicas)
         replicas[replica_id].submit(request)
+    next_arrival.time = math.inf

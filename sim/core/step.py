@@ -7,8 +7,15 @@ time passes between the two halves of a step, so a step is begun, then completed
         ...                              # result.duration passes
         finished = steps.complete(now)   # update, record the inter-token latencies
 
-The simulator yields `env.timeout(result.duration)` in between; the engine's step already took
-its time, and it completes the step at its wall clock.
+The simulator yields `env.timeout(result.duration)` in between (for repeated steps, it wakes at
+`step_end_times[-1]`); the engine's step already took its time, and it completes the step at its
+wall clock.
+
+Repeated decode steps (simulator only): when the scheduler says the same decode batch would be
+planned several steps in a row (`StepPlan.max_repeats`) and the executor can cost them from the
+plan alone, `begin(now, horizon)` runs them as one: step by step until the batch changes or a
+step ends at or after `horizon`, the next arrival, which the scheduler must see at the following
+step boundary. Rows, latencies and the clock come out as if each step had run on its own.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from sim.core.metrics import StepRecorder
 class StepLoop:
     """One replica's steps, one at a time."""
 
-    __slots__ = ("scheduler", "executor", "recorder", "plan", "result")
+    __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder):
         self.scheduler = scheduler
@@ -28,10 +35,13 @@ class StepLoop:
         self.recorder = recorder
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
+        self.step_end_times: list[float] | None = None   # of repeated steps, in flight
 
-    def begin(self, now: float) -> StepResult:
-        """Plan the next step at `now`, execute it and record its row. Raises RuntimeError when
-        the scheduler plans nothing while it has requests: no later step could differ."""
+    def begin(self, now: float, horizon: float | None = None) -> StepResult:
+        """Plan the next step at `now`, execute it and record its row. With a `horizon` (the
+        time of the next event outside the replica), a repeatable decode batch runs until a step
+        ends at or past it. Raises RuntimeError when the scheduler plans nothing while it has
+        requests: no later step could differ."""
         scheduler = self.scheduler
         plan = scheduler.schedule(now)
         if plan.is_empty:
@@ -41,10 +51,32 @@ class StepLoop:
                 f"{waiting} waiting, {running} running and {swapped} swapped requests and "
                 f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
                 f"progress (a request larger than the pool, or max_num_seqs too small?)")
-        result = self.executor.execute(plan)
-        self.recorder.record_step(now, plan, result, scheduler)
+        if (horizon is not None and plan.max_repeats > 1
+                and getattr(self.executor, "repeats_steps", False)):
+            result = self._run_repeated(plan, now, horizon)
+            self.recorder.record_repeated_steps(now, plan, result, scheduler)
+        else:
+            result = self.executor.execute(plan)
+            self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
         return result
+
+    def _run_repeated(self, plan: StepPlan, now: float, horizon: float) -> StepResult:
+        """Cost the plan's repeated steps until max_repeats or one ends at or past `horizon`;
+        the end times add up as the simulated clock would add each step's duration."""
+        durations: list[float] = []
+        end_times: list[float] = []
+        end = now
+        step_times = self.executor.repeated_step_times(plan, plan.max_repeats)
+        for duration in step_times:
+            durations.append(duration)
+            end += duration
+            end_times.append(end)
+            if end >= horizon:
+                step_times.close()   # draw no more noise than the steps that ran
+                break
+        self.step_end_times = end_times
+        return StepResult(duration=end - now, step_durations=durations)
 
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the
@@ -55,6 +87,10 @@ class StepLoop:
         outputs_before = [seq.num_output_tokens for seq in seqs]
         times_before = [seq.last_token_time for seq in seqs]
         finished = self.scheduler.update(plan, self.result, now)
-        self.recorder.record_itls(seqs, outputs_before, times_before, now)
+        if self.step_end_times is None:
+            self.recorder.record_itls(seqs, outputs_before, times_before, now)
+        else:
+            self.recorder.record_repeated_itls(times_before, self.step_end_times)
+            self.step_end_times = None
         self.plan = self.result = None
         return finished

@@ -1,0 +1,153 @@
+"""Repeated decode steps: the simulator runs a decode batch that the scheduler would plan again
+unchanged as one event, and a run comes out exactly as if every step had run on its own (every
+summary value, step row and inter-token latency), with the step noise off and on."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from factories import make_cfg
+from sim.calibration.cpu_noise.tile_features import TILE_FEATURES
+from sim.core.build import config_names
+from sim.core.experiment import run_experiment
+from sim.core.replica import SimEnvironment
+from sim.core.step import StepLoop
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_both_ways(overrides, monkeypatch):
+    """The run with repeated steps and without; returns both and how many repeated runs of
+    steps the first one made."""
+    repeated_runs = []
+    run_repeated = StepLoop._run_repeated
+
+    def counting(self, plan, now, horizon):
+        result = run_repeated(self, plan, now, horizon)
+        repeated_runs.append(result.num_steps)
+        return result
+
+    monkeypatch.setattr(StepLoop, "_run_repeated", counting)
+    coalesced = run_experiment(make_cfg(*overrides), plots=False)
+    monkeypatch.undo()
+    step_by_step = run_experiment(make_cfg(*overrides, "++scheduler.coalesce=false"),
+                                  plots=False)
+    return coalesced, step_by_step, repeated_runs
+
+
+def assert_same_run(coalesced, step_by_step):
+    def without_wall_time(summary):
+        return {key: value for key, value in summary.items()
+                if "wall" not in key and key != "sim_speedup"}
+
+    assert without_wall_time(coalesced.summary) == without_wall_time(step_by_step.summary)
+    assert coalesced.metrics.step_rows == step_by_step.metrics.step_rows
+    assert dict(coalesced.metrics.itl_counts) == dict(step_by_step.metrics.itl_counts)
+    for a, b in zip(coalesced.requests, step_by_step.requests):
+        assert (a.first_token_time, a.finish_time, a.num_preemptions) == \
+               (b.first_token_time, b.finish_time, b.num_preemptions)
+
+
+def random_workload(seed: int) -> list[str]:
+    """A random small experiment: load, lengths, block size, pool, preemption, sampling,
+    prefix caching and replicas all drawn."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 8, 16])
+    overrides = [
+        f"seed={seed}", f"workload.num_requests={rng.randint(40, 160)}",
+        f"workload.rate={rng.choice([0.5, 2, 8, 30])}",
+        f"++workload.prompt_len={{dist: uniform, low: 8, high: {rng.choice([64, 600])}}}",
+        f"++workload.output_len={{dist: lognormal, mean: {rng.choice([20, 150])}, sigma: 1.0}}",
+        f"kv_cache.block_size={block_size}",
+        f"cluster.num_replicas={rng.choice([1, 1, 2])}",
+        f"preemption={rng.choice(['recompute', 'swap'])}",
+    ]
+    if rng.random() < 0.5:
+        overrides.append(f"kv_cache.num_blocks={rng.choice([300, 1200])}")
+    if rng.random() < 0.3:
+        overrides.append("++workload.n=3")
+    # (With prefix caching a decode that needs a new block ends the repeats: at size 1, always.)
+    if rng.random() < 0.3 and block_size > 1:
+        overrides += ["kv_cache.enable_prefix_caching=true", "workload.with_token_ids=true",
+                      "workload.shared_prefix_len=32"]
+    return overrides
+
+
+@pytest.mark.parametrize("scheduler", config_names("scheduler"))
+@pytest.mark.parametrize("seed", range(4))
+def test_repeated_steps_give_the_step_by_step_run(scheduler, seed, monkeypatch):
+    overrides = [f"scheduler={scheduler}", *random_workload(seed * 7 + len(scheduler))]
+    if scheduler == "chunked_prefill":
+        overrides.append("scheduler.max_num_batched_tokens=256")
+    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    # Not vacuous: decode batches did run as one event, several steps at a time.
+    assert repeated_runs and max(repeated_runs) > 1, overrides
+
+
+def test_the_contiguous_baseline_repeats_within_its_reservation(monkeypatch):
+    coalesced, step_by_step, repeated_runs = run_both_ways(
+        ["kv_cache=contiguous", "workload.num_requests=100", "workload.rate=2"], monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    assert max(repeated_runs) > 16   # past block boundaries: the reservation holds them
+
+
+def test_with_step_noise_the_draws_match_step_by_step(tmp_path, monkeypatch):
+    """A profiled cost model draws a residual per step; repeated steps draw them in the same
+    order, and stop drawing when an arrival cuts the run short, so even noisy runs agree."""
+    profile = json.loads((REPO / "profiles/cpu/tiny-llama.json").read_text())
+    profile["features"] = [name for name in profile["features"] if name not in TILE_FEATURES]
+    for name in TILE_FEATURES:
+        profile["model"]["coefficients_s"].pop(name, None)
+        profile.get("feature_ranges", {}).pop(name, None)
+    profile["correction"] = None   # fitted over the tile features too
+    path = tmp_path / "no-tiles.json"
+    path.write_text(json.dumps(profile))
+    overrides = ["model=tiny-llama", "hardware=cpu", "cost_model=profiled",
+                 f"cost_model.profile={path}", "workload.num_requests=120", "workload.rate=3",
+                 "++workload.prompt_len={dist: uniform, low: 8, high: 300}"]
+    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert coalesced.summary["p99_itl_ms"] != coalesced.summary["median_itl_ms"]   # noisy
+    assert_same_run(coalesced, step_by_step)
+    assert max(repeated_runs) > 1
+
+
+def test_a_profile_with_tile_features_runs_step_by_step(monkeypatch):
+    """Tile features read each sequence's length, which repeated steps do not update."""
+    _, _, repeated_runs = run_both_ways(
+        ["model=tiny-llama", "hardware=cpu", "cost_model=profiled",
+         f"cost_model.profile={REPO / 'profiles/cpu/tiny-llama.json'}",
+         "workload.num_requests=30", "workload.rate=2"], monkeypatch)
+    assert repeated_runs == []
+
+
+def test_a_speculating_run_never_repeats_steps(monkeypatch):
+    coalesced, step_by_step, repeated_runs = run_both_ways(
+        ["speculation=fixed", "workload.num_requests=60"], monkeypatch)
+    assert repeated_runs == []
+    assert_same_run(coalesced, step_by_step)
+
+
+def test_the_clock_wakes_at_the_exact_end_of_repeated_steps():
+    """0.0634 + 0.3006 rounds past the end its steps' durations add up to (ties to even skip
+    it), so one delay cannot land there; timeout_at does."""
+    start, durations = 0.06338868311109055, [0.3006453747500217 / 3] * 3
+    end = start
+    for duration in durations:
+        end += duration
+    env = SimEnvironment()
+    woke = []
+
+    def process():
+        yield env.timeout(start)
+        yield env.timeout_at(end)
+        woke.append(env.now)
+
+    env.process(process())
+    env.run()
+    assert woke == [end]
+    with pytest.raises(ValueError, match="before now"):
+        env.timeout_at(end - 1)
