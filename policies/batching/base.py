@@ -376,27 +376,33 @@ class BaseScheduler:
 
     def _num_repeatable_steps(self, plan: StepPlan) -> int:
         """How many steps in a row `schedule` would plan this same decode batch, each decode a
-        token further on, if no request arrived: every running sequence decodes, nothing waits or
-        is swapped out, nothing was preempted, copied or swapped, and until the last of them no
-        sequence finishes or needs a block it does not hold alone."""
-        if (self.waiting or self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+        token further on, if no request arrived: every running sequence decodes, nothing is
+        swapped out, nothing was preempted, copied or swapped, and until the last of them no
+        sequence finishes or the pool runs short. Waiting requests stay waiting: the head of the
+        queue was not admitted now, and what kept it out (max_num_seqs, the token budget, the
+        pool's free blocks, the batch) gets no better before a decode finishes; a scheduler that
+        reorders the queue (`next_waiting`) may pick another head later, so it waits for none."""
+        if (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                 or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
-                or plan.num_decode_seqs != self.num_running_seqs):
+                or plan.num_decode_seqs != self.num_running_seqs
+                or (self.waiting and type(self).next_waiting is not BaseScheduler.next_waiting)):
             return 1
         kv_cache = self.kv_cache
         if not hasattr(kv_cache, "num_blocks_for_repeated_steps"):
             return 1
         # Step j (1, 2, ...) of a decode needs num_tokens + j - 1 slots: past its appendable
         # ones, a block each block_size steps; it finishes at the step of its last output.
-        appendable = [kv_cache.num_appendable_slots(seq) for seq in plan.seqs]
         block_size = kv_cache.block_size
+        num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in plan.seqs])
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
+        if len(plan.seqs) * -(-(num_steps - 1) // block_size) <= free_blocks:
+            return num_steps   # even with no appendable slot, the pool holds every block
+        appendable = [kv_cache.num_appendable_slots(seq) for seq in plan.seqs]
 
         def blocks_needed(num_steps: int) -> int:
             return sum(-(-(num_steps - 1 - slots) // block_size) for slots in appendable
                        if num_steps - 1 > slots)
 
-        num_steps = min(seq.request.output_len - seq.num_output_tokens for seq in plan.seqs)
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
         if blocks_needed(num_steps) > free_blocks:
             low, high = 1, num_steps   # the most steps whose blocks the pool has
             while low < high:
@@ -461,15 +467,19 @@ class BaseScheduler:
         if num_steps > plan.max_repeats:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
+        seqs = plan.seqs
+        # The last step computed position num_tokens + num_steps - 2: slots up to there, taken
+        # in one pass of the KV manager.
+        for seq in seqs:
+            seq.num_tokens += num_steps - 1
+        if self.kv_cache.append_slots(seqs) < len(seqs):
+            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
+                               "planned")
         finished_requests: list[Request] = []
-        allocate_slots = self.kv_cache.allocate_slots
-        for seq in plan.seqs:
-            num_tokens = seq.num_tokens + num_steps
-            if not allocate_slots(seq, num_tokens - 1):
-                raise RuntimeError(f"seq {seq.seq_id}: the KV pool could not hold the repeated "
-                                   f"steps its scheduler planned")
-            seq.num_computed_tokens = num_tokens - 1
-            seq.num_tokens = num_tokens
+        for seq in seqs:
+            num_computed = seq.num_tokens
+            seq.num_computed_tokens = num_computed
+            seq.num_tokens = num_computed + 1
             seq.num_output_tokens += num_steps
             seq.last_token_time = now
             if seq.num_output_tokens >= seq.request.output_len and self._finish_sequence(seq, now):

@@ -84,12 +84,13 @@ class StepLoop:
         plan = self.plan
         seqs = plan.seqs
         # What update changes, read before and after it: the loop measures, the scheduler counts.
-        outputs_before = [seq.num_output_tokens for seq in seqs]
         times_before = [seq.last_token_time for seq in seqs]
-        finished = self.scheduler.update(plan, self.result, now)
         if self.step_end_times is None:
+            outputs_before = [seq.num_output_tokens for seq in seqs]
+            finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_itls(seqs, outputs_before, times_before, now)
         else:
+            finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_repeated_itls(times_before, self.step_end_times)
             self.step_end_times = None
         self.plan = self.result = None
