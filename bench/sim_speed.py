@@ -2,8 +2,9 @@
 
 Workloads: Vidur's benchmark shape (Llama-2-70B, tensor parallel 2, 10,000 requests, Poisson
 2 req/s, 512-token prompts, 128-token outputs); the Azure code trace (8,819 requests, replayed as
-recorded, Llama-2-7B); and a synthetic 100,000-request Llama-2-7B workload of the same shape at
-a busy and an overloaded rate. Prints wall time, simulated requests per wall-second and simulated
+recorded, Llama-2-7B); a conversation-like one (19,000 requests, prompts ~1,500 tokens, outputs
+~300, at a busy and an overloaded rate); and a synthetic 100,000-request Llama-2-7B workload of
+Vidur's shape at a busy and an overloaded rate. Prints wall time, simulated requests per wall-second and simulated
 seconds per wall-second, each beside the same run step by step (`scheduler.coalesce=false`: no
 repeated decode steps run as one event) and against the target of 5,000 requests/wall-s.
 
@@ -31,6 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET_REQUESTS_PER_WALL_S = 5_000
 FIXED_512_128 = ["++workload.prompt_len={dist: fixed, value: 512}",
                  "++workload.output_len={dist: fixed, value: 128}"]
+CONVERSATION_LIKE = ["workload.num_requests=19000",
+                     "++workload.prompt_len={dist: lognormal, mean: 1500, sigma: 0.8, min: 16, "
+                     "max: 3500}",
+                     "++workload.output_len={dist: lognormal, mean: 300, sigma: 0.6, min: 8, "
+                     "max: 500}"]
 VIDUR_WORKLOAD = ["model=llama-2-70b", "cluster.tensor_parallel_size=2",
                   "workload.num_requests=10000", "workload.rate=2", *FIXED_512_128]
 # The same workload in Vidur's command line (its vLLM scheduler, an A100, Poisson arrivals).
@@ -105,7 +111,9 @@ def main():
     args = parser.parse_args()
 
     workloads = [("70B TP2 512/128 @2/s (Vidur's)", VIDUR_WORKLOAD),
-                 ("azure code trace", ["workload=trace"])]
+                 ("azure code trace", ["workload=trace"]),
+                 ("conversation-like 19k @3/s", [*CONVERSATION_LIKE, "workload.rate=3"]),
+                 ("conversation-like 19k @4/s", [*CONVERSATION_LIKE, "workload.rate=4"])]
     for rate in args.rates:
         workloads.append((f"synthetic {args.requests // 1000}k 512/128 @{rate:g}/s", [
             "workload=synthetic", f"workload.num_requests={args.requests}",
