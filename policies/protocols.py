@@ -13,7 +13,7 @@ The step loop, as both backends run it:
 Optional, for the simulator's repeated decode steps (a plug-in without them runs every step as
 its own event): a scheduler sets `StepPlan.max_repeats` and its `update` then accepts a result
 with `step_durations` (that many steps of the plan, applied at once); a KV manager answers
-`num_appendable_slots(seq)` and `num_blocks_for_repeated_steps()` (as PagedBlockManager does); an
+`new_blocks_per_step(seqs, num_steps)` and `num_blocks_for_repeated_steps()` (as PagedBlockManager does); an
 executor has `repeats_steps` and `repeated_step_times(plan, num_steps)` (as SimExecutor does).
 """
 from __future__ import annotations

@@ -390,31 +390,19 @@ class BaseScheduler:
         kv_cache = self.kv_cache
         if not hasattr(kv_cache, "num_blocks_for_repeated_steps"):
             return 1
-        # Step j (1, 2, ...) of a decode needs num_tokens + j - 1 slots: past its appendable
-        # ones, a block each block_size steps; it finishes at the step of its last output.
-        block_size = kv_cache.block_size
-        num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in plan.seqs])
+        # A decode finishes at the step of its last output; the pool must hold the blocks the
+        # decodes grow into until then.
+        seqs = plan.seqs
+        num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in seqs])
         free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        if len(plan.seqs) * -(-(num_steps - 1) // block_size) <= free_blocks:
-            return num_steps   # even with no appendable slot, the pool holds every block
-        appendable = [kv_cache.num_appendable_slots(seq) for seq in plan.seqs]
-
-        def blocks_needed(num_steps: int) -> int:
-            return sum(-(-(num_steps - 1 - slots) // block_size) for slots in appendable
-                       if num_steps - 1 > slots)
-
-        if blocks_needed(num_steps) > free_blocks:
-            low, high = 1, num_steps   # the most steps whose blocks the pool has
-            while low < high:
-                middle = (low + high + 1) // 2
-                if blocks_needed(middle) <= free_blocks:
-                    low = middle
-                else:
-                    high = middle - 1
-            num_steps = low
-        return max(num_steps, 1)
-
-    # ---- after the step ---------------------------------------------------------------------------
+        if len(seqs) * -(-(num_steps - 1) // kv_cache.block_size) <= free_blocks:
+            return num_steps   # even a block every block_size steps for each fits
+        taken = 0
+        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps)):
+            taken += num_blocks
+            if taken > free_blocks:
+                return max(step, 1)
+        return num_steps
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's

@@ -135,13 +135,9 @@ class ContiguousAllocator:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens
 
-    def num_appendable_slots(self, seq: Sequence) -> int:
-        """Slots of the sequence's reservation past its allocated tokens (it grows into them
-        with no block taken)."""
-        table = self.block_tables.get(seq.seq_id)
-        if not table:
-            return 0
-        return len(table) * self.block_size - self._num_allocated_tokens[seq.seq_id]
+    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        """None at any step: a sequence grows only within its reservation."""
+        return [0] * num_steps
 
     def num_blocks_for_repeated_steps(self) -> int:
         """0: a sequence grows only within its reservation."""

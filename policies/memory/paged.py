@@ -117,13 +117,17 @@ class PagedBlockManager:
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
-    def num_appendable_slots(self, seq: Sequence) -> int:
-        """Slots past the sequence's allocated tokens that its table already holds and it alone
-        writes: it grows into them with no block taken or copied."""
-        table = self.block_tables.get(seq.seq_id)
-        if not table or self._ref_counts[table[-1]] != 1:
-            return 0
-        return len(table) * self.block_size - self._num_allocated_tokens[seq.seq_id]
+    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+        """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
+        take at each of that step and the next `num_steps - 1` (a token further each)."""
+        tables, allocated, block_size = self.block_tables, self._num_allocated_tokens, self.block_size
+        per_step = [0] * num_steps
+        # Slots left in each last block (written this step, so its own): step j needs j more.
+        for slots_left in [len(tables[seq.seq_id]) * block_size - allocated[seq.seq_id]
+                           for seq in seqs]:
+            for step in range(slots_left + 1, num_steps, block_size):
+                per_step[step] += 1
+        return per_step
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
@@ -133,20 +137,36 @@ class PagedBlockManager:
 
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
-        decoding (one new token each); stops at the first that fails and returns its index
+        decoding (one new token each, or several after repeated steps); stops at the first that
+        fails and returns its index
         (len(seqs) when all succeeded). The simulator's hottest call: one pass per step over the
         batch instead of one method call per sequence."""
         num_allocated_tokens = self._num_allocated_tokens
         num_exclusive_slots = self._num_exclusive_slots
+        free_block_ids, ref_counts = self._free_block_ids, self._ref_counts
+        block_size = self.block_size
         num_stored_added = 0
         for index in range(start, len(seqs)):
             seq = seqs[index]
             seq_id = seq.seq_id
             num_tokens = seq.num_tokens
-            # Inside its own last block: only the counts move.
-            if num_tokens <= num_exclusive_slots.get(seq_id, 0):
+            num_slots = num_exclusive_slots.get(seq_id)
+            if num_slots is not None:   # its last block is its own (kept without prefix caching)
                 num_new_tokens = num_tokens - num_allocated_tokens[seq_id]
                 if num_new_tokens >= 0:
+                    # Inside that block only the counts move; past it, whole blocks come off the
+                    # free list (a running sequence's growth keeps no watermark).
+                    if num_tokens > num_slots:
+                        num_new_blocks = -(-(num_tokens - num_slots) // block_size)
+                        if num_new_blocks > len(free_block_ids):
+                            self._num_tokens_stored += num_stored_added
+                            return index
+                        table = self.block_tables[seq_id]
+                        for _ in range(num_new_blocks):
+                            block = free_block_ids.popleft()
+                            ref_counts[block] = 1
+                            table.append(block)
+                        num_exclusive_slots[seq_id] = len(table) * block_size
                     num_stored_added += num_new_tokens
                     num_allocated_tokens[seq_id] = num_tokens
                     continue
@@ -253,12 +273,17 @@ class PagedBlockManager:
         track_freed = bool(self._pending_copies)
         if not cached_blocks and not track_freed:
             # Nothing cached, no copy pending: only the counts and the free list move.
-            freed_blocks = []
-            for block in reversed(table):
-                ref_count = ref_counts[block] - 1
-                ref_counts[block] = ref_count
-                if ref_count == 0:
-                    freed_blocks.append(block)
+            if max(map(ref_counts.__getitem__, table), default=0) == 1:   # shared with none
+                for block in table:
+                    ref_counts[block] = 0
+                freed_blocks = table[::-1]
+            else:
+                freed_blocks = []
+                for block in reversed(table):
+                    ref_count = ref_counts[block] - 1
+                    ref_counts[block] = ref_count
+                    if ref_count == 0:
+                        freed_blocks.append(block)
             if freed_blocks:
                 # Every freed block is full but the table's last, which holds the remainder.
                 last_freed = freed_blocks[0] == table[-1]

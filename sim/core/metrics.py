@@ -370,15 +370,10 @@ class StepRecorder:
         waiting, running, swapped = scheduler.queue_lengths()
         blocks_used, slots_allocated = kv_cache.num_used_blocks(), kv_cache.num_slots_allocated()
         tokens_stored = kv_cache.num_tokens_stored()
-        # Step j of a decode with `slots` appendable slots takes a block at j = slots + 2, then
-        # every block_size steps.
-        num_steps, block_size = result.num_steps, kv_cache.block_size
-        new_blocks = [0] * (num_steps + 1)
-        for seq in plan.seqs:
-            for step in range(kv_cache.num_appendable_slots(seq) + 2, num_steps + 1, block_size):
-                new_blocks[step] += 1
+        block_size = kv_cache.block_size
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, result.num_steps)
         record_step, replica_id = self.metrics.record_step, self.replica_id
-        for step, duration in enumerate(result.step_durations, start=1):
+        for step, duration in enumerate(result.step_durations):
             if new_blocks[step]:
                 blocks_used += new_blocks[step]
                 slots_allocated += new_blocks[step] * block_size

@@ -137,11 +137,52 @@ class RooflineCostModel:
         if not (num_tokens or num_swapped or num_copied):
             return 0.0
 
-        time = self.step_overhead_s + self.per_sequence_overhead_s * (plan.num_prefill_seqs + plan.num_decode_seqs)
-        time += num_swapped * self._swap_s_per_block + num_copied * self._copy_s_per_block
+        time = self._overhead_s(plan)
         if not num_tokens:
             return time
+        time = self._add_batched_work(time, plan, num_tokens)
+        if plan.num_decode_seqs:
+            time += self._decode_attention_s(plan.decode_context_tokens, plan.num_decode_seqs,
+                                             plan.num_draft_tokens)
+        time += self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
+        if plan.spec_lens:
+            time += self.draft_time(plan)
+        return time
 
+    def repeated_step_times(self, plan: StepPlan, num_steps: int):
+        """step_time of the decode batch `plan` and of the same batch in each of the next
+        `num_steps - 1` steps, every decode's context a token longer each step: the same sums
+        step_time makes, with the parts that do not move computed once."""
+        if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
+            raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
+        num_decodes = num_tokens = plan.num_decode_seqs
+        before_attention = self._add_batched_work(self._overhead_s(plan), plan, num_tokens)
+        after_attention = self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
+        context = plan.decode_context_tokens
+        for step in range(num_steps):
+            yield (before_attention + self._decode_attention_s(context, num_decodes, 0)
+                   + after_attention)
+            context += num_decodes
+
+    def _overhead_s(self, plan: StepPlan) -> float:
+        """The fixed and per-sequence overheads, swaps and copies."""
+        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        time = self.step_overhead_s + self.per_sequence_overhead_s * (plan.num_prefill_seqs + plan.num_decode_seqs)
+        time += num_swapped * self._swap_s_per_block + len(plan.blocks_to_copy) * self._copy_s_per_block
+        return time
+
+    def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:
+        """Decode attention: the context is read once per sequence however many queries it has;
+        the drafts' queries each visit about the mean context, and their K/V are written."""
+        pairs = context_tokens
+        if num_drafts:
+            pairs += num_drafts * context_tokens / num_decodes
+        kv_tokens = context_tokens + num_decodes + num_drafts
+        return max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
+
+    def _add_batched_work(self, time: float, plan: StepPlan, num_tokens: int) -> float:
+        """`time` plus the linear layers, the LM head and prefill attention, in step_time's
+        order of sums."""
         time += max(num_tokens * self._linear_s_per_token, self._linear_weights_s)
         # Every decode sequence samples (a speculating one at each draft too); a prefill chunk
         # samples only if it ends the prompt, which the aggregates do not say, so count them all
@@ -154,17 +195,6 @@ class RooflineCostModel:
             pairs = plan.prefill_attention_work - plan.sum_squared_prefill_chunks / 2
             kv_tokens = plan.prefill_context_tokens + plan.num_prefill_tokens
             time += max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
-        if plan.num_decode_seqs:
-            # The context is read once per sequence however many queries it has; the drafts'
-            # queries each visit about the mean context, and their K/V are written.
-            pairs = plan.decode_context_tokens
-            if plan.num_draft_tokens:
-                pairs += plan.num_draft_tokens * plan.decode_context_tokens / plan.num_decode_seqs
-            kv_tokens = plan.decode_context_tokens + plan.num_decode_seqs + plan.num_draft_tokens
-            time += max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
-        time += self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
-        if plan.spec_lens:
-            time += self.draft_time(plan)
         return time
 
     def draft_time(self, plan: StepPlan) -> float:
