@@ -2,7 +2,7 @@
 the policies, named and built as the simulator builds them (sim/core/build.py: a conf/ group
 name, a dotted class path or a {_target_: ...} mapping) or the caller's own objects; with
 speculative decoding also the drafter (a draft model or n-gram lookup) and the speculation
-policy."""
+policy; and the output-length predictor generate asks."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,7 +25,8 @@ from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PR
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
 from sim.calibration.step_shapes import GridPoint, build_plan
-from sim.core.build import build_policy, policy_config, speculation_policy_config
+from sim.core.build import (build_policy, build_predictor, policy_config,
+                            speculation_policy_config)
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 NGRAM = "ngram"
@@ -40,6 +41,7 @@ class Engine:
     executor: EngineExecutor
     max_model_len: int
     device: torch.device
+    predictor: object = None   # a LengthPredictor, or None: no prediction
 
 
 def resolve_device(device) -> torch.device:
@@ -62,6 +64,8 @@ def names_a_policy(choice) -> bool:
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    # Built first, so that a bad predictor argument fails before the model loads.
+    predictor = build_predictor(config.predictor, config.seed)
     device = resolve_device(config.device)
     loaded = load_model(config.model, device, config.dtype, config.seed)
     spec = loaded.spec
@@ -85,7 +89,7 @@ def build_engine(config: EngineConfig) -> Engine:
                                     kv_cache.block_size, device, config.seed,
                                     config.kernel_backend, draft=draft,
                                     max_num_speculative_tokens=max_k)
-    return Engine(loaded, scheduler, executor, max_model_len, device)
+    return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
 
 
 def load_draft(speculative_model: str | None, target: LoadedModel, device: torch.device,

@@ -46,6 +46,10 @@ class EngineConfig:
     # (adaptive: the most).
     num_speculative_tokens: int = 0
     speculation: Any = "fixed"
+    # Output-length predictor, asked once per request in generate (predicted_output_len): a
+    # conf/predictor name (none | oracle | noisy | bucket), a dotted class path, a mapping or an
+    # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.
+    predictor: Any = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:

@@ -85,7 +85,9 @@ class LLM:
         device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend,
         and for speculative decoding speculative_model ("ngram", a conf/model name or a local
         checkpoint folder of a draft model with the target's vocabulary),
-        num_speculative_tokens (k) and speculation ("fixed" | "adaptive" | a policy object)."""
+        num_speculative_tokens (k) and speculation ("fixed" | "adaptive" | a policy object);
+        predictor ("oracle" | "noisy" | "bucket" | a LengthPredictor object; None: none) sets
+        each request's predicted_output_len when generate creates it."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -98,6 +100,7 @@ class LLM:
         self.eos_token_id = engine.loaded.eos_token_id
         self.scheduler = engine.scheduler
         self.executor = engine.executor
+        self.predictor = engine.predictor
         self.max_model_len = engine.max_model_len
         self.device = engine.device
         self.last_stats = GenerateStats()
@@ -109,9 +112,10 @@ class LLM:
 
     def generate(self, prompts,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a list of token ids, or a string
-        when the model has a tokenizer; one prompt alone may be passed as such."""
+        when the model has a tokenizer; one prompt alone may be passed as such. `priority`: one
+        integer per prompt (lower runs first), for a scheduler that reads it (vLLM's argument)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -126,10 +130,16 @@ class LLM:
                 raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; "
                                  f"give one, or one per prompt")
 
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in priority):
+            raise ValueError(f"priority must be one integer per prompt ({len(prompts)}), got "
+                             f"{priority!r}")
         outputs: list[RequestOutput] = []
         requests: dict[int, tuple[Request, RequestOutput]] = {}
-        for prompt, params in zip(prompts, params_list):
-            output, request = self._make_request(prompt, params)
+        for prompt, params, importance in zip(prompts, params_list, priority):
+            output, request = self._make_request(prompt, params, importance)
             outputs.append(output)
             if request is not None:
                 self.scheduler.add_request(request, self._now())
@@ -140,7 +150,8 @@ class LLM:
         self._run(requests, use_tqdm)
         return outputs
 
-    def _make_request(self, prompt, params) -> tuple[RequestOutput, Request | None]:
+    def _make_request(self, prompt, params,
+                      priority: int = 0) -> tuple[RequestOutput, Request | None]:
         request_id = self._next_request_id
         self._next_request_id += 1
         text = prompt if isinstance(prompt, str) else None
@@ -166,7 +177,9 @@ class LLM:
             return output, None
         request = Request(request_id=request_id, arrival_time=self._now(),
                           prompt_len=len(token_ids), output_len=params.max_tokens, n=params.n,
-                          prompt_token_ids=token_ids, sampling_params=params)
+                          prompt_token_ids=token_ids, sampling_params=params, priority=priority)
+        if self.predictor is not None:
+            request.predicted_output_len = self.predictor.predict(request)
         return output, request
 
     def _prompt_error(self, token_ids: list) -> str | None:

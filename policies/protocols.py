@@ -13,8 +13,9 @@ The step loop, as both backends run it:
 Optional, for the simulator's repeated decode steps (a plug-in without them runs every step as
 its own event): a scheduler sets `StepPlan.max_repeats` and its `update` then accepts a result
 with `step_durations` (that many steps of the plan, applied at once); a KV manager answers
-`new_blocks_per_step(seqs, num_steps)` and `num_blocks_for_repeated_steps()` (as PagedBlockManager does); an
-executor has `repeats_steps` and `repeated_step_times(plan, num_steps)` (as SimExecutor does).
+`new_blocks_per_step(seqs, num_steps)` and `num_blocks_for_repeated_steps()` (as
+PagedBlockManager does); an executor has `repeats_steps` and
+`repeated_step_times(plan, num_steps)` (as SimExecutor does).
 """
 from __future__ import annotations
 
@@ -113,6 +114,17 @@ class Scheduler(Protocol):
         """Unfinished requests (what a router balances)."""
     def queue_lengths(self) -> tuple[int, int, int]:
         """(waiting, running, swapped) requests: a step row's queue columns and the stall error."""
+
+
+@runtime_checkable
+class LengthPredictor(Protocol):
+    """Guesses a request's output length when it arrives (conf/predictor): the simulator's
+    arrivals and the engine's `generate` store it in `request.predicted_output_len`, before
+    routing. Optional: `update(request, num_output_tokens)`, a refined guess that a policy
+    holding the predictor may ask for (`policies.prediction.refine`); the loop never calls it."""
+
+    def predict(self, request: Request) -> int | None:
+        """The predicted output length (tokens per sequence, positive), or None for none."""
 
 
 @runtime_checkable

@@ -80,6 +80,14 @@ class Request:
     prompt_token_ids: list[int] | None = None
     # Opaque to the policies: the engine keeps its SamplingParams here.
     sampling_params: object = None
+    # What a policy may schedule by: lower priority runs first (vLLM's convention), the client
+    # it is served for, its own latency SLOs (None: the run's slo.*), and its output length as a
+    # length predictor guessed it at arrival (None: no predictor).
+    priority: int = 0
+    tenant: str = "default"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    predicted_output_len: int | None = None
 
     sequences: list[Sequence] = field(default_factory=list)
     replica_id: int = -1

@@ -198,6 +198,15 @@ def conf_policy(name: str, group: str):
     return policy_config(name, group)
 
 
+def requests_from_specs(request_specs) -> list[Request]:
+    """The property tests' requests from (arrival, prompt_len, output_len, n) specs, with
+    priorities and length predictions (off by up to ±5 tokens), for the schedulers that read
+    them."""
+    return [Request(i, arrival, prompt_len, output_len, n=n, priority=i % 3,
+                    predicted_output_len=max(1, output_len - 5 + 7 * i % 11))
+            for i, (arrival, prompt_len, output_len, n) in enumerate(request_specs)]
+
+
 def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_blocks,
                     num_host_blocks, max_num_seqs, chunk_budget, prefix_caching=False,
                     speculation=None):
@@ -310,3 +319,21 @@ def check_outcome(scheduler, requests, finished_ids):
     assert kv_cache.num_used_blocks() == 0
     assert kv_cache.num_free_blocks() == kv_cache.num_blocks
     assert not kv_cache.block_tables
+
+
+def synthetic_workload(**overrides) -> dict:
+    """A small synthetic workload config (200 requests at 10/s, prompts 10-20, outputs 7)."""
+    cfg = {
+        "kind": "synthetic", "num_requests": 200, "rate": 10.0, "arrival": "poisson",
+        "prompt_len": {"dist": "uniform", "low": 10, "high": 20},
+        "output_len": {"dist": "fixed", "value": 7},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def request_tuples(requests) -> list[tuple]:
+    """What a workload decides of each request, as comparable tuples."""
+    return [(r.request_id, r.arrival_time, r.prompt_len, r.output_len, r.n, r.prompt_token_ids,
+             r.priority, r.tenant, r.slo_ttft_ms, r.slo_tpot_ms, r.predicted_output_len)
+            for r in requests]

@@ -264,7 +264,8 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be true or false"),
     (dict(seed="abc"), "seed must be a non-negative integer, got 'abc'"),
     (dict(hardware="tpu"), "hardware must be a conf/hardware name"),
-    (dict(scheduler="fastest"), "scheduler must be one of chunked_prefill, continuous, static"),
+    (dict(scheduler="fastest"),
+     "scheduler must be one of chunked_prefill, continuous, priority, sjf, static"),
     (dict(preemption="evict"), "preemption must be one of recompute, swap"),
 ])
 def test_bad_engine_settings_name_the_argument(kwargs, message):

@@ -82,6 +82,11 @@ def test_repeated_steps_give_the_step_by_step_run(scheduler, seed, monkeypatch):
     overrides = [f"scheduler={scheduler}", *random_workload(seed * 7 + len(scheduler))]
     if scheduler == "chunked_prefill":
         overrides.append("scheduler.max_num_batched_tokens=256")
+    if scheduler == "sjf":
+        overrides.append("predictor=noisy")
+    if scheduler == "priority":
+        overrides.append("++workload.classes=[{share: 0.3, priority: 0}, "
+                         "{share: 0.7, priority: 1}]")
     coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
     assert_same_run(coalesced, step_by_step)
     # Not vacuous: decode batches did run as one event, several steps at a time.

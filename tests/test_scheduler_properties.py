@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 
 from policies.types import Request, StepResult
 
-from factories import MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive
+from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive,
+                       requests_from_specs)
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -31,8 +32,7 @@ def test_every_policy_keeps_its_invariants(scheduler_name, kv_name, preemption_n
     num_blocks = math.ceil(MAX_MODEL_LEN / block_size) + pool_slack // block_size
     scheduler = build_scheduler(scheduler_name, kv_name, preemption_name, block_size,
                                 num_blocks, num_host_blocks, max_num_seqs, chunk_budget)
-    requests = [Request(i, arrival, prompt_len, output_len, n=n)
-                for i, (arrival, prompt_len, output_len, n) in enumerate(request_specs)]
+    requests = requests_from_specs(request_specs)
     finished_ids = drive(scheduler, requests)
     check_outcome(scheduler, requests, finished_ids)
 

@@ -20,7 +20,7 @@ from policies.types import Request, StepResult
 from sim.core.metrics import MetricsCollector, StepRecorder
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive,
-                       make_seq)
+                       make_seq, requests_from_specs)
 
 
 # ---------------------------------------------------------------- the policies
@@ -377,8 +377,7 @@ def test_every_policy_keeps_its_invariants_while_speculating(
     scheduler = build_scheduler(scheduler_name, kv_name, preemption_name, block_size,
                                 num_blocks, num_host_blocks, max_num_seqs, chunk_budget,
                                 speculation=speculation)
-    requests = [Request(i, arrival, prompt_len, output_len, n=n)
-                for i, (arrival, prompt_len, output_len, n) in enumerate(request_specs)]
+    requests = requests_from_specs(request_specs)
     finished_ids = drive(scheduler, requests, execute=acceptance_executor(pattern))
     check_outcome(scheduler, requests, finished_ids)
 

@@ -11,25 +11,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
+from factories import request_tuples, synthetic_workload
 from sim.core.workload import REPO_ROOT, build_workload
 
 CONF_DIR = REPO_ROOT / "conf" / "workload"
 AZURE_TRACE = REPO_ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
-
-
-def synthetic(**overrides) -> dict:
-    cfg = {
-        "kind": "synthetic", "num_requests": 200, "rate": 10.0, "arrival": "poisson",
-        "prompt_len": {"dist": "uniform", "low": 10, "high": 20},
-        "output_len": {"dist": "fixed", "value": 7},
-    }
-    cfg.update(overrides)
-    return cfg
-
-
-def as_tuples(requests) -> list[tuple]:
-    return [(r.request_id, r.arrival_time, r.prompt_len, r.output_len, r.n, r.prompt_token_ids)
-            for r in requests]
 
 
 def gaps(requests) -> np.ndarray:
@@ -45,14 +31,14 @@ def write_csv(path: Path, text: str) -> Path:
 
 
 def test_same_seed_same_requests_different_seed_different():
-    cfg = synthetic(with_token_ids=True, shared_prefix_len=4)
+    cfg = synthetic_workload(with_token_ids=True, shared_prefix_len=4)
     first = build_workload(cfg, seed=3, vocab_size=100)
-    assert as_tuples(first) == as_tuples(build_workload(cfg, seed=3, vocab_size=100))
-    assert as_tuples(first) != as_tuples(build_workload(cfg, seed=4, vocab_size=100))
+    assert request_tuples(first) == request_tuples(build_workload(cfg, seed=3, vocab_size=100))
+    assert request_tuples(first) != request_tuples(build_workload(cfg, seed=4, vocab_size=100))
 
 
 def test_requests_are_sorted_and_numbered():
-    requests = build_workload(synthetic(n=3), seed=0)
+    requests = build_workload(synthetic_workload(n=3), seed=0)
     assert [r.request_id for r in requests] == list(range(200))
     times = [r.arrival_time for r in requests]
     assert times == sorted(times) and times[0] > 0
@@ -62,22 +48,23 @@ def test_requests_are_sorted_and_numbered():
 
 def test_changing_lengths_keeps_arrivals():
     # Independent random streams: a different output distribution leaves the arrivals alone.
-    base = build_workload(synthetic(), seed=1)
-    other = build_workload(synthetic(output_len={"dist": "uniform", "low": 1, "high": 99}), seed=1)
+    base = build_workload(synthetic_workload(), seed=1)
+    other = build_workload(
+        synthetic_workload(output_len={"dist": "uniform", "low": 1, "high": 99}), seed=1)
     assert [r.arrival_time for r in base] == [r.arrival_time for r in other]
     assert [r.prompt_len for r in base] == [r.prompt_len for r in other]
 
 
 @pytest.mark.parametrize("arrival", ["poisson", "gamma", "constant"])
 def test_rate_is_respected(arrival):
-    requests = build_workload(synthetic(num_requests=20_000, rate=5.0, arrival=arrival,
+    requests = build_workload(synthetic_workload(num_requests=20_000, rate=5.0, arrival=arrival,
                                         burstiness=0.5), seed=0)
     assert gaps(requests).mean() == pytest.approx(1 / 5.0, rel=0.10)
 
 
 def test_gamma_burstiness_sets_the_coefficient_of_variation():
     def cv(**overrides):
-        g = gaps(build_workload(synthetic(num_requests=20_000, **overrides), seed=0))
+        g = gaps(build_workload(synthetic_workload(num_requests=20_000, **overrides), seed=0))
         return g.std() / g.mean()
 
     assert cv(arrival="gamma", burstiness=0.25) == pytest.approx(2.0, rel=0.15)
@@ -89,7 +76,7 @@ def test_gamma_burstiness_sets_the_coefficient_of_variation():
 
 @pytest.mark.parametrize("rate", [math.inf, "inf"])
 def test_infinite_rate_puts_every_arrival_at_zero(rate):
-    assert {r.arrival_time for r in build_workload(synthetic(rate=rate), seed=0)} == {0.0}
+    assert {r.arrival_time for r in build_workload(synthetic_workload(rate=rate), seed=0)} == {0.0}
 
 
 def truncated_zipf_mean(a, low, high):
@@ -110,8 +97,8 @@ def truncated_zipf_mean(a, low, high):
      0.05),
 ])
 def test_length_distribution_bounds_and_mean(spec, low, high, mean, rel):
-    requests = build_workload(synthetic(num_requests=20_000, prompt_len=spec, output_len=spec),
-                              seed=0)
+    requests = build_workload(
+        synthetic_workload(num_requests=20_000, prompt_len=spec, output_len=spec), seed=0)
     for lengths in ([r.prompt_len for r in requests], [r.output_len for r in requests]):
         lengths = np.array(lengths)
         assert lengths.min() >= low and lengths.max() <= high
@@ -128,13 +115,13 @@ def test_length_distribution_bounds_and_mean(spec, low, high, mean, rel):
        span=st.integers(0, 3000), seed=st.integers(0, 2**32))
 def test_lognormal_lengths_stay_in_bounds(mean, sigma, low, span, seed):
     spec = {"dist": "lognormal", "mean": mean, "sigma": sigma, "min": low, "max": low + span}
-    requests = build_workload(synthetic(num_requests=50, prompt_len=spec), seed=seed)
+    requests = build_workload(synthetic_workload(num_requests=50, prompt_len=spec), seed=seed)
     assert all(low <= r.prompt_len <= low + span for r in requests)
 
 
 def test_token_ids_share_the_prefix():
-    cfg = synthetic(prompt_len={"dist": "uniform", "low": 2, "high": 40}, with_token_ids=True,
-                    shared_prefix_len=16)
+    cfg = synthetic_workload(prompt_len={"dist": "uniform", "low": 2, "high": 40},
+                             with_token_ids=True, shared_prefix_len=16)
     requests = build_workload(cfg, seed=0, vocab_size=50)
     prefix = max(requests, key=lambda r: r.prompt_len).prompt_token_ids[:16]
     for r in requests:
@@ -148,10 +135,10 @@ def test_token_ids_share_the_prefix():
 
 def test_token_ids_need_vocab_size():
     with pytest.raises(ValueError, match="workload.with_token_ids=true needs a vocab_size"):
-        build_workload(synthetic(with_token_ids=True), seed=0)
+        build_workload(synthetic_workload(with_token_ids=True), seed=0)
     with pytest.raises(ValueError, match="workload.shared_prefix_len=8 needs "
                                          "workload.with_token_ids=true"):
-        build_workload(synthetic(shared_prefix_len=8), seed=0)
+        build_workload(synthetic_workload(shared_prefix_len=8), seed=0)
 
 
 def test_hundred_thousand_requests_are_ordered_and_numbered():
@@ -189,7 +176,7 @@ def test_hundred_thousand_requests_are_ordered_and_numbered():
 ])
 def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)) as error:
-        build_workload(synthetic(**overrides), seed=0)
+        build_workload(synthetic_workload(**overrides), seed=0)
     assert "\n" not in str(error.value)
 
 
@@ -230,7 +217,7 @@ def test_time_scale_and_max_requests(azure_trace):
     assert fast[-1].arrival_time == pytest.approx(full[-1].arrival_time / 2)
     assert fast[0].n == 2
     first_ten = build_workload(trace_cfg(azure_trace, max_requests=10), seed=0)
-    assert as_tuples(first_ten) == as_tuples(full[:10])
+    assert request_tuples(first_ten) == request_tuples(full[:10])
 
 
 def test_trace_yaml_resolves_from_another_working_directory(azure_trace, tmp_path, monkeypatch):

@@ -302,7 +302,7 @@ class BaseScheduler:
         scheduled = {seq.request.request_id for seq in plan.seqs}
         scheduled.update(seq.request.request_id for seq in pending)
         candidates = [r for r in self.running if r.request_id not in scheduled or r is request]
-        victim = self.preemption.select_victim(candidates)
+        victim = self.preemption.select_victim(self._victim_candidates(candidates))
         if victim.request_id in scheduled and victim is not request:
             raise RuntimeError("preemption policy chose a request already scheduled this step")
         if any(seq.request is victim for seq in plan.seqs):
@@ -316,6 +316,10 @@ class BaseScheduler:
             plan.remove_request(victim)
         self._preempt(victim, plan)
         return victim
+
+    def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
+        """Hook: the requests the preemption policy may pick its victim among."""
+        return candidates
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         seqs = request.unfinished_sequences()

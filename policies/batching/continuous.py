@@ -22,12 +22,17 @@ class ContinuousBatchingScheduler(BaseScheduler):
 
     def schedule(self, now: float) -> StepPlan:
         plan = self._new_plan(now)
-        if not self.swapped:
-            self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)
-            if plan.seqs:
-                return self._finish_plan(plan)
+        self._admit_prefills(plan)
+        if plan.seqs:
+            return self._finish_plan(plan)
         budget, preempted = self._schedule_running(plan, self.max_num_batched_tokens,
                                                    chunked=False)
         if not preempted:
             self._swap_in(plan, budget, chunked=False)
         return self._finish_plan(plan)
+
+    def _admit_prefills(self, plan: StepPlan) -> None:
+        """A prefill step's admissions: waiting requests, none while one is swapped out (those
+        came first)."""
+        if not self.swapped:
+            self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)

@@ -1,7 +1,7 @@
 """Builds a run's parts from its Hydra config: policies (`_target_` classes, the built-in ones and
-a user's own), the router, the step token budget, the KV pools' sizes, the speculation setup and
-the replica's executor. The engine (`LLM(...)`) names and builds its policies with the same
-functions, from the same conf/ groups."""
+a user's own), the router, the length predictor, the step token budget, the KV pools' sizes, the
+speculation setup and the replica's executor. The engine (`LLM(...)`) names and builds its
+policies with the same functions, from the same conf/ groups."""
 from __future__ import annotations
 
 import statistics
@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 import conf
+from policies.prediction import check_predictor
 from policies.speculation import max_speculative_tokens
 from policies.validators import non_negative_int, positive_int
 from sim.core.acceptance import AcceptanceModel
@@ -71,6 +72,20 @@ def build_policy(cfg: DictConfig, group: str, **kwargs):
 def build_router(router_cfg):
     """`cluster.router`: a conf/router name, a dotted class path, or a {_target_: ...} mapping."""
     return build_policy(policy_config(router_cfg, "router", "cluster.router"), "cluster.router")
+
+
+def build_predictor(choice, seed: int, field: str = "predictor"):
+    """The run's length predictor (built once per run): None for none, else a conf/predictor
+    name, a dotted class path, a {_target_: ...} mapping or an object with predict(request). A
+    config's `seed: null` becomes the run's `seed`."""
+    if choice is None:
+        return None
+    if not isinstance(choice, (str, Mapping, DictConfig)):
+        return check_predictor(choice, field)
+    config = policy_config(choice, "predictor", field)
+    # Only a predictor that asks for a seed gets one: a user's own need not take it.
+    seeded = {"seed": seed} if "seed" in config and config.seed is None else {}
+    return check_predictor(build_policy(config, field, **seeded), field)
 
 
 def check_run_settings(cfg: DictConfig) -> None:

@@ -16,9 +16,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
-from sim.core.build import (build_policy, build_replica_executor, build_router,
-                             check_run_settings, max_num_batched_tokens, num_host_kv_blocks,
-                             num_kv_blocks, slos_ms, speculation_setup, speed_summary)
+from sim.core.build import (build_policy, build_predictor, build_replica_executor,
+                             build_router, check_run_settings, max_num_batched_tokens,
+                             num_host_kv_blocks, num_kv_blocks, slos_ms, speculation_setup,
+                             speed_summary)
 from sim.core.metrics import MetricsCollector, rejection_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.specs import HardwareSpec, ModelSpec
@@ -47,6 +48,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
     router = build_router(cfg.cluster.router)
     speculation = speculation_setup(cfg)
+    # One per run, asked at each arrival; a config without the group predicts nothing.
+    predictor = build_predictor(cfg.get("predictor"), cfg.seed)
     requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
 
     env = SimEnvironment()
@@ -70,7 +73,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         executor = build_replica_executor(cfg, model, hardware, kv_cache, speculation, replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=bar.update, next_arrival=next_arrival))
-    env.process(arrivals(env, requests, router, replicas, next_arrival))
+    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise).
     gc.freeze()

@@ -5,6 +5,11 @@ throughputs per second of simulated time), so the two can be compared side by si
 
 A summary value that has no data to stand on (no completed request, no step) is 0.0, never NaN:
 summary.json must stay valid JSON and scripts must not have to special-case empty runs.
+
+A run whose requests carry more than one tenant (or priority) also gets `per_tenant` (or
+`per_priority`): the headline numbers of each group's requests; with more than one tenant,
+`jain_fairness` of the service they got. A request's own `slo_ttft_ms` / `slo_tpot_ms` replace
+the run's limits for that request wherever SLOs are counted.
 """
 from __future__ import annotations
 
@@ -38,10 +43,17 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "request_id", "replica_id", "arrival_time", "prompt_len", "output_len", "n",
     "num_output_tokens", "first_scheduled_time", "first_token_time", "finish_time",
     "ttft_ms", "tpot_ms", "e2el_ms", "num_preemptions", "rejected_reason",
+    "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "predicted_output_len",
 )
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES: tuple[tuple[str, float], ...] = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
+# What each per_tenant / per_priority entry holds of a group's latencies (ms).
+GROUP_LATENCY_KEYS: tuple[str, ...] = tuple(
+    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "e2el") for stat in ("mean", "median", "p99"))
+# VTC's service weights (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
+# an output token costs twice an input token, roughly its share of the work.
+SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT = 1, 2
 
 _COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
 
@@ -103,6 +115,8 @@ def request_rows(requests: list[Request]) -> list[tuple]:
             request.output_len, request.n, request.num_output_tokens,
             request.first_scheduled_time, request.first_token_time, request.finish_time,
             _ms(ttft), _ms(tpot), _ms(e2el), request.num_preemptions, request.rejected_reason,
+            request.priority, request.tenant, request.slo_ttft_ms, request.slo_tpot_ms,
+            request.predicted_output_len,
         ))
     return rows
 
@@ -181,6 +195,86 @@ def rejection_summary(requests: list[Request]) -> dict:
     return {"rejected_reason": reason, "rejected_reason_count": count}
 
 
+def request_slos_ms(request: Request, slos_ms: dict[str, float] | None) -> dict[str, float]:
+    """The limits (ms) `request` is held to: the run's, with its own TTFT / TPOT SLOs in place."""
+    limits = dict(slos_ms or {})
+    if request.slo_ttft_ms is not None:
+        limits["ttft"] = request.slo_ttft_ms
+    if request.slo_tpot_ms is not None:
+        limits["tpot"] = request.slo_tpot_ms
+    return limits
+
+
+def meets_slos(request: Request, slos_ms: dict[str, float] | None) -> bool:
+    """Whether a completed request met every limit it is held to."""
+    ttft, tpot, e2el = map(_ms, request_latencies_s(request))
+    latencies_ms = {"ttft": ttft, "tpot": tpot, "e2el": e2el}
+    # A request without a TPOT (single-token samples) cannot miss a TPOT SLO.
+    return all(latencies_ms[name] is None or latencies_ms[name] <= limit
+               for name, limit in request_slos_ms(request, slos_ms).items())
+
+
+def service_tokens(request: Request) -> int:
+    """The service a completed request got, in VTC's weighted tokens; 0 for any other."""
+    if not is_completed(request):
+        return 0
+    return (SERVICE_INPUT_WEIGHT * request.prompt_len
+            + SERVICE_OUTPUT_WEIGHT * request.num_output_tokens)
+
+
+def jain_fairness(values: list[float]) -> float:
+    """Jain's index (sum x)^2 / (n * sum x^2): 1.0 when all are equal, 1/n when one has it all;
+    0.0 when nobody got anything (no data, the module's convention)."""
+    squares = math.fsum(value * value for value in values)
+    return math.fsum(values) ** 2 / (len(values) * squares) if squares else 0.0
+
+
+def _group_summary(requests: list[Request], duration_s: float,
+                   slos_ms: dict[str, float] | None, has_slos: bool) -> dict:
+    """One group's numbers; throughputs over the whole run's duration, so that the groups'
+    throughputs add up to the run's."""
+    completed = [request for request in requests if is_completed(request)]
+    result: dict = {
+        "completed": len(completed),
+        "request_throughput": _per_second(len(completed), duration_s),
+        "output_throughput": _per_second(sum(request.num_output_tokens for request in completed),
+                                         duration_s),
+    }
+    latencies = latency_arrays_s(completed)
+    stats = {}
+    for name in ("ttft", "tpot", "e2el"):
+        stats.update(_stats_ms(latencies[name], name))
+    result.update({key: stats[key] for key in GROUP_LATENCY_KEYS})
+    if has_slos:
+        num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
+        result["slo_attainment"] = num_good / len(completed) if completed else 0.0
+    return result
+
+
+def group_summaries(requests: list[Request], duration_s: float,
+                    slos_ms: dict[str, float] | None, has_slos: bool) -> dict:
+    """`per_tenant` with more than one tenant (and `jain_fairness` over them), `per_priority`
+    with more than one priority; nothing for a run of one of each."""
+    by_tenant: dict[str, list[Request]] = defaultdict(list)
+    by_priority: dict[int, list[Request]] = defaultdict(list)
+    for request in requests:
+        by_tenant[request.tenant].append(request)
+        by_priority[request.priority].append(request)
+    result: dict = {}
+    if len(by_tenant) > 1:
+        result["per_tenant"] = {str(tenant): _group_summary(by_tenant[tenant], duration_s,
+                                                            slos_ms, has_slos)
+                                for tenant in sorted(by_tenant, key=str)}
+    if len(by_priority) > 1:
+        result["per_priority"] = {str(priority): _group_summary(by_priority[priority],
+                                                                duration_s, slos_ms, has_slos)
+                                  for priority in sorted(by_priority)}
+    if len(by_tenant) > 1:
+        result["jain_fairness"] = jain_fairness(
+            [float(sum(map(service_tokens, group))) for group in by_tenant.values()])
+    return result
+
+
 # ---- the collector ------------------------------------------------------------------------------
 
 class MetricsCollector:
@@ -237,7 +331,8 @@ class MetricsCollector:
 
         `slos_ms` (optional), e.g. {"ttft": 200, "tpot": 50, "e2el": 10_000}: adds `goodput`
         (req/s of completed requests meeting every given SLO, as vllm defines it) and
-        `slo_attainment` (their fraction of completed requests)."""
+        `slo_attainment` (their fraction of completed requests); so do requests' own SLOs, which
+        replace the run's limits for their request."""
         completed = [request for request in requests if is_completed(request)]
         num_rejected = sum(1 for request in requests if request.rejected_reason is not None)
         if completed:
@@ -266,8 +361,11 @@ class MetricsCollector:
                 result.update(_histogram_stats_ms(self.itl_counts, name))
             else:
                 result.update(_stats_ms(latencies[name], name))
-        if slos_ms is not None:
-            result.update(self._goodput(completed, slos_ms, duration_s))
+        has_slos = slos_ms is not None or any(
+            request.slo_ttft_ms is not None or request.slo_tpot_ms is not None
+            for request in requests)
+        if has_slos:
+            result.update(self._goodput(completed, slos_ms or {}, duration_s))
 
         steps = self.step_array()
         allocated = steps[:, _COL["kv_slots_allocated"]]
@@ -297,6 +395,7 @@ class MetricsCollector:
             "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
                                             if num_decodes else 0.0),
         })
+        result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
         return result
 
     @staticmethod
@@ -305,14 +404,7 @@ class MetricsCollector:
         unknown = set(slos_ms) - {"ttft", "tpot", "e2el"}
         if unknown:
             raise ValueError(f"unknown SLO metrics {sorted(unknown)}; use ttft, tpot, e2el")
-        num_good = 0
-        for request in completed:
-            ttft, tpot, e2el = map(_ms, request_latencies_s(request))
-            latencies_ms = {"ttft": ttft, "tpot": tpot, "e2el": e2el}
-            # A request without a TPOT (single-token samples) cannot miss a TPOT SLO.
-            if all(latencies_ms[name] is None or latencies_ms[name] <= limit
-                   for name, limit in slos_ms.items()):
-                num_good += 1
+        num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
         return {"goodput": _per_second(num_good, duration_s),
                 "slo_attainment": num_good / len(completed) if completed else 0.0}
 
@@ -457,6 +549,8 @@ def format_summary_table(summary: dict) -> Table:
     if summary.get("num_draft_tokens"):
         totals.add_row("draft acceptance", f"{summary['spec_acceptance_rate']:.1%}")
         totals.add_row("tokens / decode step", _fmt(summary["mean_tokens_per_decode_step"]))
+    if "jain_fairness" in summary:
+        totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
     totals.add_row("steps", f"{summary['num_steps']:,}")
     totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
 
@@ -470,7 +564,40 @@ def format_summary_table(summary: dict) -> Table:
 
     grid = Table.grid(padding=(0, 4))
     grid.add_row(totals, latencies)
-    return grid
+    groups = _format_groups(summary)
+    if groups is None:
+        return grid
+    # Below the two tables, not in their columns, which would squeeze it to the totals' width.
+    stacked = Table.grid(padding=(1, 0))
+    stacked.add_row(grid)
+    stacked.add_row(groups)
+    return stacked
+
+
+def _format_groups(summary: dict) -> Table | None:
+    """A row per tenant and per priority, when the summary has them; else None."""
+    sections = [(label, summary[key]) for key, label in (("per_tenant", "tenant"),
+                                                         ("per_priority", "priority"))
+                if key in summary]
+    if not sections:
+        return None
+    has_slos = any("slo_attainment" in group for _, groups in sections
+                   for group in groups.values())
+    table = Table(box=None, pad_edge=False)
+    table.add_column("group", style="bold")
+    for heading in ("done", "req/s", "TTFT p99", "TPOT p99", "E2E p99"):
+        table.add_column(heading, justify="right")
+    if has_slos:
+        table.add_column("SLO", justify="right")
+    for label, groups in sections:
+        for name, group in groups.items():
+            row = [f"{label} {name}", f"{group['completed']:,}",
+                   _fmt(group["request_throughput"]), _fmt(group["p99_ttft_ms"]),
+                   _fmt(group["p99_tpot_ms"]), _fmt(group["p99_e2el_ms"])]
+            if has_slos:
+                row.append(f"{group['slo_attainment']:.1%}")
+            table.add_row(*row)
+    return table
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:

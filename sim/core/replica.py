@@ -75,7 +75,8 @@ class Replica:
             self._idle.succeed()
 
     def run(self):
-        env, scheduler, steps, next_arrival = self.env, self.scheduler, self.steps, self.next_arrival
+        env, scheduler, steps = self.env, self.scheduler, self.steps
+        next_arrival = self.next_arrival
         while True:
             if not scheduler.has_unfinished():
                 self._idle = env.event()
@@ -92,15 +93,21 @@ class Replica:
 
 
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,
-             replicas: list[Replica], next_arrival: NextArrival | None = None):
+             replicas: list[Replica], next_arrival: NextArrival | None = None,
+             predictor=None):
     """Hand each request to the replica the router picks, at its arrival time; keep
-    `next_arrival` at the time the next one will arrive."""
+    `next_arrival` at the time the next one will arrive. With a length `predictor` (a
+    LengthPredictor, policies/prediction), each request's `predicted_output_len` is its
+    prediction, made at arrival before routing."""
     next_arrival = next_arrival or NextArrival()
+    predict = predictor.predict if predictor is not None else None
     for request in requests:
         delay = request.arrival_time - env.now
         if delay > 0:
             next_arrival.time = env.now + delay   # the time simpy will wake this process at
             yield env.timeout(delay)
+        if predict is not None:
+            request.predicted_output_len = predict(request)
         replica_id = router.route(request, replicas)
         replicas[replica_id].submit(request)
     next_arrival.time = math.inf

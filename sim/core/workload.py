@@ -4,18 +4,22 @@ Two kinds of workload:
 
 * `synthetic` — `num_requests` requests whose arrival gaps come from a Poisson, gamma or constant
   process at `rate` requests/s, and whose prompt and output lengths each come from a
-  fixed / uniform / lognormal / zipf distribution.
+  fixed / uniform / lognormal / zipf distribution. Optional `classes` mix request classes by
+  `share`, each with its own priority, tenant, SLOs and, optionally, length distributions.
 * `trace` — arrival times and lengths replayed from a CSV file (the Azure LLM trace format
   `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain `arrival_time,prompt_len,output_len`),
-  optionally with the prompts themselves (a `prompt_token_ids` column of space-separated ids).
+  optionally with the prompts themselves (a `prompt_token_ids` column of space-separated ids) and
+  each request's `priority`, `tenant`, `slo_ttft_ms`, `slo_tpot_ms` (an empty cell: the default).
 
 Either kind can attach random prompt token ids (`with_token_ids`), optionally all starting with
 the same `shared_prefix_len` tokens, for runs that need ids (the engine, prefix caching).
 
 Everything random is drawn from `numpy.random.default_rng(seed)`, vectorised. The generator is
 split into one independent stream per quantity (arrivals, prompt lengths, output lengths, token
-ids), so that changing one part of the config — say the output-length distribution — leaves the
-others unchanged: two runs that differ in one knob see the same arrivals (common random numbers).
+ids, classes), so that changing one part of the config — say the output-length distribution —
+leaves the others unchanged: two runs that differ in one knob see the same arrivals (common random
+numbers). Classes draw from their own stream, so tagging requests with classes that keep the
+workload's lengths changes nothing but the tags.
 """
 from __future__ import annotations
 
@@ -40,7 +44,11 @@ ARRIVAL_PROCESSES = ("poisson", "gamma", "constant")
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "zipf")
 
 SYNTHETIC_FIELDS = ("kind", "num_requests", "rate", "arrival", "burstiness", "prompt_len",
-                    "output_len", "n", "with_token_ids", "shared_prefix_len")
+                    "output_len", "n", "with_token_ids", "shared_prefix_len", "classes")
+CLASS_FIELDS = ("share", "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "prompt_len",
+                "output_len")
+# Within this of 1, shares sum to 1: 1/3 + 1/3 + 1/3 written as decimals may not add up exactly.
+SHARE_SUM_TOLERANCE = 1e-9
 TRACE_FIELDS = ("kind", "trace_path", "time_scale", "max_requests", "n", "with_token_ids",
                 "shared_prefix_len")
 # Every parameter any length distribution takes; a length mapping may carry the parameters of
@@ -50,6 +58,9 @@ LENGTH_FIELDS = ("dist", "value", "low", "high", "mean", "sigma", "a", "min", "m
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
 TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
+# Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
+METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms")
+DEFAULT_TENANT = "default"
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
@@ -70,8 +81,12 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
     """
     fields = _Fields(_as_plain_dict(cfg), "workload")
     kind = fields.choice("kind", KINDS)
-    arrival_rng, prompt_rng, output_rng, token_rng = np.random.default_rng(seed).spawn(4)
+    # Child streams are numbered in spawn order, so appending the class stream leaves the first
+    # four exactly as they were before classes existed.
+    arrival_rng, prompt_rng, output_rng, token_rng, class_rng = (
+        np.random.default_rng(seed).spawn(5))
     token_ids = None  # a trace's own prompts, when it has them
+    metadata: dict[str, list] = {}  # Request field -> one value per request, when not default
 
     if kind == "synthetic":
         fields.reject_unknown(SYNTHETIC_FIELDS)
@@ -81,11 +96,14 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         burstiness = fields.number("burstiness", default=1.0, greater_than=0.0)
         prompt_dist = _parse_length_distribution(fields.section("prompt_len"))
         output_dist = _parse_length_distribution(fields.section("output_len"))
+        classes = _parse_classes(fields)
         n, token_spec = _parse_common(fields, vocab_size)
 
         arrival_times = _sample_arrival_times(arrival, rate, burstiness, num_requests, arrival_rng)
         prompt_lens = prompt_dist.sample(num_requests, prompt_rng)
         output_lens = output_dist.sample(num_requests, output_rng)
+        if classes:
+            metadata = _apply_classes(classes, prompt_lens, output_lens, class_rng)
     else:
         fields.reject_unknown(TRACE_FIELDS)
         trace_path = resolve_trace_path(fields.string("trace_path"))
@@ -93,10 +111,13 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         max_requests = fields.integer("max_requests", default=None, minimum=1)
         n, token_spec = _parse_common(fields, vocab_size)
 
-        arrival_times, prompt_lens, output_lens, trace_token_ids = read_trace(trace_path)
+        arrival_times, prompt_lens, output_lens, trace_token_ids, trace_metadata = (
+            read_trace(trace_path))
         order = np.argsort(arrival_times, kind="stable")[:max_requests]
         arrival_times = arrival_times[order] * time_scale
         prompt_lens, output_lens = prompt_lens[order], output_lens[order]
+        metadata = {name: [values[i] for i in order.tolist()]
+                    for name, values in trace_metadata.items()}
         if trace_token_ids is not None:
             if token_spec is not None and token_spec[1]:
                 raise ValueError(f"{fields.name('shared_prefix_len')}: trace {trace_path} has "
@@ -108,11 +129,15 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         token_ids = (_sample_prompt_token_ids(prompt_lens, *token_spec, token_rng)
                      if token_spec is not None else [None] * len(prompt_lens))
     # .tolist() turns the arrays into Python floats/ints in one pass (much faster than per item).
-    return [
+    requests = [
         Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o, n=n, prompt_token_ids=ids)
         for i, (t, p, o, ids) in enumerate(zip(arrival_times.tolist(), prompt_lens.tolist(),
                                                output_lens.tolist(), token_ids))
     ]
+    for name, values in metadata.items():
+        for request, value in zip(requests, values):
+            setattr(request, name, value)
+    return requests
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +182,7 @@ class _Fields:
             raise ValueError(f"{self.name(key)} must be one of {', '.join(options)}; got {value!r}")
         return value
 
-    def integer(self, key: str, *, default: Any = _REQUIRED, minimum: int) -> int | None:
+    def integer(self, key: str, *, default: Any = _REQUIRED, minimum: int | None) -> int | None:
         value = self.get(key, default)
         if value is None and default is None:
             return None
@@ -166,13 +191,15 @@ class _Fields:
             isinstance(value, float) and value.is_integer())
         if not is_integral:
             raise ValueError(f"{self.name(key)} must be an integer, got {value!r}")
-        if value < minimum:
+        if minimum is not None and value < minimum:
             raise ValueError(f"{self.name(key)} must be >= {minimum}, got {value!r}")
         return int(value)
 
     def number(self, key: str, *, default: Any = _REQUIRED, greater_than: float | None = None,
-               allow_inf: bool = False) -> float:
+               allow_inf: bool = False) -> float | None:
         value = self.get(key, default)
+        if value is None and default is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise ValueError(f"{self.name(key)} must be a number, got {value!r}")
         if math.isnan(value) or (math.isinf(value) and not allow_inf):
@@ -308,6 +335,86 @@ def _parse_length_distribution(fields: _Fields) -> _LengthDistribution:
     return _LengthDistribution(dist, a=a, min=minimum, max=maximum)
 
 
+@dataclass(frozen=True)
+class _RequestClass:
+    """One entry of `workload.classes`; None lengths: the workload's own distributions."""
+
+    share: float
+    priority: int = 0
+    tenant: str = DEFAULT_TENANT
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    prompt_len: _LengthDistribution | None = None
+    output_len: _LengthDistribution | None = None
+
+
+def _parse_classes(fields: _Fields) -> list[_RequestClass]:
+    """`workload.classes`: null (no classes) or a list of class mappings whose shares sum to 1."""
+    value = fields.get("classes", None)
+    if value is None:
+        return []
+    name = fields.name("classes")
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"{name} must be null or a non-empty list such as "
+                         f"[{{share: 0.8, tenant: a}}, {{share: 0.2, tenant: b}}], got {value!r}")
+    classes = []
+    for index, entry in enumerate(value):
+        path = f"{name}[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{path} must be a mapping such as {{share: 0.5, tenant: a}}, "
+                             f"got {entry!r}")
+        item = _Fields(entry, path)
+        item.reject_unknown(CLASS_FIELDS)
+        share = item.number("share")
+        if not 0 < share <= 1:
+            raise ValueError(f"{item.name('share')} must be in (0, 1], got {entry['share']!r}")
+        tenant = item.get("tenant", DEFAULT_TENANT)
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"{item.name('tenant')} must be a non-empty string, got {tenant!r}")
+        classes.append(_RequestClass(
+            share=share,
+            priority=item.integer("priority", default=0, minimum=None),
+            tenant=tenant,
+            slo_ttft_ms=item.number("slo_ttft_ms", default=None, greater_than=0.0),
+            slo_tpot_ms=item.number("slo_tpot_ms", default=None, greater_than=0.0),
+            prompt_len=(_parse_length_distribution(item.section("prompt_len"))
+                        if item.get("prompt_len", None) is not None else None),
+            output_len=(_parse_length_distribution(item.section("output_len"))
+                        if item.get("output_len", None) is not None else None)))
+    total = math.fsum(request_class.share for request_class in classes)
+    if abs(total - 1.0) > SHARE_SUM_TOLERANCE:
+        shares = " + ".join(f"{request_class.share:g}" for request_class in classes)
+        raise ValueError(f"{name}: shares must sum to 1, got {shares} = {total:.12g}")
+    return classes
+
+
+def _apply_classes(classes: list[_RequestClass], prompt_lens: np.ndarray,
+                   output_lens: np.ndarray, rng: np.random.Generator) -> dict[str, list]:
+    """Draw each request's class by share; give a class's requests its own lengths (in place)
+    where it has its own distributions, and return the classes' fields per request."""
+    num_requests = len(prompt_lens)
+    # One stream to choose classes, then a prompt and an output stream per class, so that
+    # changing one class's lengths leaves every other draw as it was.
+    choice_rng, *length_rngs = rng.spawn(1 + 2 * len(classes))
+    # Inverse-CDF on one uniform per request: a small change of shares moves few requests.
+    bounds = np.cumsum([request_class.share for request_class in classes])
+    chosen = np.minimum(np.searchsorted(bounds, choice_rng.random(num_requests), side="right"),
+                        len(classes) - 1)
+    for index, request_class in enumerate(classes):
+        members = chosen == index
+        # Each class draws a full-length sample and keeps its members' entries, so its lengths
+        # for a request do not depend on which other requests joined the class.
+        if request_class.prompt_len is not None:
+            prompt_lens[members] = request_class.prompt_len.sample(
+                num_requests, length_rngs[2 * index])[members]
+        if request_class.output_len is not None:
+            output_lens[members] = request_class.output_len.sample(
+                num_requests, length_rngs[2 * index + 1])[members]
+    chosen = chosen.tolist()
+    return {name: [getattr(classes[index], name) for index in chosen]
+            for name in ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms")}
+
+
 def _sample_prompt_token_ids(prompt_lens: np.ndarray, vocab_size: int, shared_prefix_len: int,
                              rng: np.random.Generator) -> list[list[int]]:
     """Uniform random ids in [0, vocab_size); every prompt starts with the same
@@ -339,14 +446,17 @@ def resolve_trace_path(trace_path: str | Path) -> Path:
 
 
 def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                          list[list[int]] | None]:
-    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, and the
-    prompts' token ids when it has a `prompt_token_ids` column (else None).
+                                          list[list[int]] | None, dict[str, list]]:
+    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, the
+    prompts' token ids when it has a `prompt_token_ids` column (else None), and a list of
+    values per METADATA_COLUMNS column it has, keyed by the column (a Request field).
 
     Arrival times are relative to the earliest row, which is at 0. Accepts the Azure columns
     `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`, or the plain
     columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored but
-    `prompt_token_ids` (space-separated ids, as many as the row's prompt length).
+    `prompt_token_ids` (space-separated ids, as many as the row's prompt length) and the metadata:
+    `priority` (an integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms`
+    (positive numbers), each defaulting (0, "default", none) where its cell is empty.
     """
     path = Path(path)
     try:
@@ -390,7 +500,38 @@ def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                       f"row {number} (line {line})", path)
                      for number, (row, prompt_len, line) in enumerate(
                          zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
-    return arrival_times, prompt_lens, output_lens, token_ids
+    metadata = {}
+    for name in METADATA_COLUMNS:
+        if name in header:
+            index = header.index(name)
+            cells = [row[index].strip() if index < len(row) else "" for row in rows]
+            metadata[name] = _parse_metadata(cells, name, line_numbers, path)
+    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+
+def _parse_metadata(cells: list[str], column: str, line_numbers: list[int], path: Path) -> list:
+    """One METADATA_COLUMNS column's values; an empty cell gives Request's default."""
+    if column == "tenant":
+        return [cell or DEFAULT_TENANT for cell in cells]
+    values: list = []
+    for index, cell in enumerate(cells):
+        if not cell:
+            values.append(0 if column == "priority" else None)
+            continue
+        try:
+            number = float(cell)
+        except ValueError:
+            number = math.nan
+        if column == "priority":
+            if not number.is_integer():  # NaN and inf are not integers either
+                raise _bad_row_error(path, line_numbers, index, column, "an integer", cell)
+            values.append(int(number))
+        else:
+            if not (math.isfinite(number) and number > 0):
+                raise _bad_row_error(path, line_numbers, index, column,
+                                     "a positive number of ms or empty", cell)
+            values.append(number)
+    return values
 
 
 def _parse_token_ids(text: str, prompt_len: int, where: str, path: Path) -> list[int]:

@@ -9,8 +9,9 @@ A sweep folder (`multirun/<date>/<time>/`, or any `hydra.sweep.dir`) holds one f
 `summary.json`. The report is:
 
 - `report.csv`: one row per job: its folder, `status`, one column per override key, every summary
-  key, and three figures read from steps.csv (`peak_num_seqs`, `peak_num_running`,
-  `mean_kv_blocks_used`) that summary.json does not hold.
+  key (a nested one such as `per_tenant` as dotted keys: `per_tenant.a.p99_ttft_ms`), and three
+  figures read from steps.csv (`peak_num_seqs`, `peak_num_running`, `mean_kv_blocks_used`) that
+  summary.json does not hold.
 - a PNG with one panel per metric against the x override, one line (or bar group, when x is not
   numeric) per *policy*: the combination of the other overrides that vary across the sweep.
 
@@ -140,6 +141,18 @@ def step_metrics(steps_csv: Path) -> dict[str, float]:
             "mean_kv_blocks_used": mean_blocks}
 
 
+def flatten_summary(summary: dict, prefix: str = "") -> dict:
+    """The summary with nested maps (per_tenant, per_priority) as dotted keys, so that each is a
+    report.csv column and a metric to plot."""
+    flat = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            flat.update(flatten_summary(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def load_jobs(sweep_dir: Path) -> list[Job]:
     """Every job folder under `sweep_dir` (any depth, so custom `hydra.sweep.subdir`s work)."""
     sweep_dir = Path(sweep_dir)
@@ -164,7 +177,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
             job.status = "failed (no summary.json)"
         else:
             try:
-                job.summary = json.loads(summary_file.read_text())
+                job.summary = flatten_summary(json.loads(summary_file.read_text()))
                 job.step_metrics = step_metrics(job_dir / "steps.csv")
             except ValueError:
                 # A job killed while writing: list it, do not stop the report.
