@@ -75,12 +75,51 @@ def test_sjf_lets_nothing_wait_past_max_wait():
     assert mean_e2e_s(runs["bounded"]) < 0.8 * mean_e2e_s(runs["fcfs"])
 
 
+def test_mlfq_lets_short_jobs_through_without_knowing_lengths():
+    """Without any prediction, demotion by tokens served puts the short jobs first: they finish
+    several times sooner than under FCFS, and the long ones pay for it."""
+    overrides = [*HEAVY_TAILED, "workload.num_requests=800", "workload.rate=9",
+                 "scheduler.max_num_seqs=16"]
+    runs = {name: run_experiment(make_cfg(f"scheduler={name}", *overrides), plots=False)
+            for name in ("continuous", "mlfq")}
+
+    def mean_e2e_of(result, shortest, longest):
+        return np.mean([r.finish_time - r.arrival_time for r in result.requests
+                        if shortest <= r.output_len <= longest])
+
+    assert mean_e2e_of(runs["mlfq"], 1, 64) < 0.3 * mean_e2e_of(runs["continuous"], 1, 64)
+    assert mean_e2e_of(runs["mlfq"], 400, 10**6) > mean_e2e_of(runs["continuous"], 400, 10**6)
+    assert runs["mlfq"].summary["median_ttft_ms"] < 0.1 * runs["continuous"].summary[
+        "median_ttft_ms"]
+
+
+def test_mlfq_levels_skip_join_and_demote():
+    from policies.batching.mlfq import MLFQScheduler
+    from policies.memory import PagedBlockManager
+    from policies.preemption import RecomputePreemption
+    from policies.types import Request, Sequence
+
+    scheduler = MLFQScheduler(PagedBlockManager(64, 16), RecomputePreemption(), num_levels=4,
+                              base_quantum=8, prefill_tokens_per_quantum_token=64)
+
+    def level(prompt_len, served):
+        request = Request(0, 0.0, prompt_len, 1000)
+        request.sequences = [Sequence(0, request, num_output_tokens=served)]
+        return scheduler.rank(request)
+
+    assert [level(100, served) for served in (0, 7, 8, 23, 24, 55, 56, 900)] == \
+        [0, 0, 1, 1, 2, 2, 3, 3]                  # quanta 8, 16, 32, then the last level
+    assert level(64 * 9, 0) == 1                   # a prefill costing 9 > 8 joins at level 1
+    assert level(64 * 20, 15) == 2 and level(64 * 20, 0) == 2   # 20 > 16: level 2 from the start
+
+
 def test_sjf_without_a_predictor_says_what_to_set():
     with pytest.raises(ValueError, match="predictor=oracle"):
         run_experiment(make_cfg("scheduler=sjf", "workload.num_requests=5"), plots=False)
 
 
-@pytest.mark.parametrize("scheduler,predictor", [("priority", None), ("sjf", "oracle")])
+@pytest.mark.parametrize("scheduler,predictor",
+                         [("priority", None), ("sjf", "oracle"), ("mlfq", None)])
 def test_the_schedulers_run_on_the_engine_with_fcfs_outputs(scheduler, predictor):
     from engine import LLM, SamplingParams
 

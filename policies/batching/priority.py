@@ -2,21 +2,33 @@
 `Request.priority`, vLLM's convention) is admitted first and, when memory or max_num_seqs is
 short, preempts the least important running requests (with the configured preemption mode)
 rather than wait; a decode short of memory preempts the least important request too. Requests of
-one priority keep arrival order.
+one priority keep arrival order. A subclass ranks requests its own way (`rank`), as MLFQ does.
 """
 from __future__ import annotations
 
 from policies.batching.continuous import ContinuousBatchingScheduler
 from policies.types import Request, StepPlan
+from policies.validators import boolean
 
 
 class PriorityScheduler(ContinuousBatchingScheduler):
+    def __init__(self, *args, preempt_to_admit: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        # False: the order of admission only; running requests leave only when memory runs out.
+        self.preempt_to_admit = boolean("scheduler.preempt_to_admit", preempt_to_admit)
+
+    def rank(self, request: Request) -> int:
+        """How important a request is now: lower goes first."""
+        return request.priority
+
     def next_waiting(self, now: float) -> Request:
-        return min(self.waiting, key=_importance)
+        return min(self.waiting, key=lambda request: (self.rank(request), request.arrival_time,
+                                                      request.request_id))
 
     def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
-        least_important = max(request.priority for request in candidates)
-        return [request for request in candidates if request.priority == least_important]
+        ranks = [self.rank(request) for request in candidates]
+        least_important = max(ranks)
+        return [request for request, rank in zip(candidates, ranks) if rank == least_important]
 
     def _admit_prefills(self, plan: StepPlan) -> None:
         """Admit waiting requests, most important first; while the most important one still
@@ -25,18 +37,15 @@ class PriorityScheduler(ContinuousBatchingScheduler):
         budget = self.max_num_batched_tokens
         while self.waiting:
             head = self.next_waiting(self._now)
-            if self.swapped and min(r.priority for r in self.swapped) <= head.priority:
+            head_rank = self.rank(head)
+            if self.swapped and min(map(self.rank, self.swapped)) <= head_rank:
                 return
             budget = self._admit_waiting(plan, budget, chunked=False)
             if head not in self.waiting:
                 continue   # admitted: the next head may fit too, or preempt in turn
             need = sum(seq.num_tokens - seq.num_computed_tokens
                        for seq in head.unfinished_sequences())
-            victims = [request for request in self.running if request.priority > head.priority]
-            if need > budget or not victims:
+            victims = [request for request in self.running if self.rank(request) > head_rank]
+            if need > budget or not victims or not self.preempt_to_admit:
                 return   # this step's budget is spent, or nobody ranks below the head
             self._preempt(self.preemption.select_victim(self._victim_candidates(victims)), plan)
-
-
-def _importance(request: Request) -> tuple[int, float, int]:
-    return request.priority, request.arrival_time, request.request_id
