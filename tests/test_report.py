@@ -155,3 +155,22 @@ def test_preset_runs_end_to_end_and_the_callback_writes_the_report(tmp_path):
     assert waste["paged"] < waste["contiguous_oracle"] < waste["contiguous_max"]
     assert (sweep_dir / "metrics_vs_block_size.png").stat().st_size > 10_000
     assert "sweep report" in result.stdout
+
+
+def test_a_sweep_with_request_classes_gets_a_per_class_figure(tmp_path):
+    for job, (rate, ttft_0, ttft_1) in enumerate([(5, 200.0, 300.0), (10, 250.0, 900.0)]):
+        write_job(tmp_path, str(job), [f"workload.rate={rate}"], {
+            "completed": 10, "request_throughput": rate / 2, "p99_ttft_ms": ttft_1,
+            "p99_tpot_ms": 20.0,
+            "per_priority": {"0": {"p99_ttft_ms": ttft_0, "slo_attainment": 1.0},
+                             "1": {"p99_ttft_ms": ttft_1, "slo_attainment": 0.5}}})
+    write_report(tmp_path)
+    assert (tmp_path / "per_class.png").stat().st_size > 10_000
+    row = read_report(tmp_path / "report.csv")[1]
+    assert float(row["per_priority.1.p99_ttft_ms"]) == 900.0
+    # Without classes, no such figure.
+    plain = tmp_path / "plain"
+    write_job(plain, "0", ["workload.rate=5"], {"completed": 10, "request_throughput": 2.5,
+                                                 "p99_ttft_ms": 1.0, "p99_tpot_ms": 1.0})
+    write_report(plain)
+    assert not (plain / "per_class.png").exists()

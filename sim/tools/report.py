@@ -41,6 +41,7 @@ from rich.text import Text
 DEFAULT_METRICS: tuple[str, ...] = ("request_throughput", "p99_ttft_ms", "p99_tpot_ms")
 DEFAULT_X_KEY = "workload.rate"
 REPORT_CSV = "report.csv"
+PER_CLASS_PLOT = "per_class.png"   # written when the runs have request classes
 
 # Figures summary.json does not hold, computed from each job's steps.csv.
 STEP_METRICS: tuple[str, ...] = ("peak_num_seqs", "peak_num_running", "mean_kv_blocks_used")
@@ -477,6 +478,15 @@ def report_console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
+def class_metrics(jobs: list[Job]) -> list[str]:
+    """A sweep whose runs have request classes (per_tenant / per_priority): each class's p99
+    TTFT, and its SLO attainment where the runs have SLOs."""
+    keys = {key for job in jobs if job.summary is not None for key in job.summary
+            if key.startswith(("per_tenant.", "per_priority."))
+            and key.endswith((".p99_ttft_ms", ".slo_attainment"))}
+    return sorted(keys, key=natural_key)
+
+
 def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str | Path | None = None,
                  metrics: Sequence[str] = DEFAULT_METRICS, title: str | None = None,
                  plot_name: str | None = None, console: Console | None = None) -> Path:
@@ -493,6 +503,10 @@ def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str |
     if any(job.summary is not None for job in jobs):
         written.append(plot_comparison(jobs, x_key, metrics,
                                        out_dir / (plot_name or default_plot_name(x_key)), title))
+        per_class = class_metrics(jobs)
+        if per_class:
+            written.append(plot_comparison(jobs, x_key, per_class, out_dir / PER_CLASS_PLOT,
+                                           "p99 TTFT and SLO attainment by request class"))
     if console is not None:
         console.print(report_table(jobs, x_key, metrics))
         console.print("report: " + ", ".join(str(path) for path in written))
