@@ -157,7 +157,7 @@ def test_hundred_thousand_requests_are_ordered_and_numbered():
     ({"rate": -1}, "workload.rate must be > 0, got -1"),
     ({"rate": "fast"}, "workload.rate must be a number, got 'fast'"),
     ({"arrival": "foo"}, "workload.arrival must be one of poisson, gamma, constant; got 'foo'"),
-    ({"kind": "replay"}, "workload.kind must be one of synthetic, trace; got 'replay'"),
+    ({"kind": "replay"}, "workload.kind must be one of synthetic, trace, conversation; got 'replay'"),
     ({"num_requests": 0}, "workload.num_requests must be >= 1, got 0"),
     ({"num_requests": 2.5}, "workload.num_requests must be an integer, got 2.5"),
     ({"burstiness": 0}, "workload.burstiness must be > 0, got 0"),

@@ -1,6 +1,6 @@
 """Workload generation: turn the `workload` config group into the requests a run replays.
 
-Two kinds of workload:
+Three kinds of workload:
 
 * `synthetic` — `num_requests` requests whose arrival gaps come from a Poisson, gamma or constant
   process at `rate` requests/s, and whose prompt and output lengths each come from a
@@ -10,8 +10,13 @@ Two kinds of workload:
   `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain `arrival_time,prompt_len,output_len`),
   optionally with the prompts themselves (a `prompt_token_ids` column of space-separated ids) and
   each request's `priority`, `tenant`, `slo_ttft_ms`, `slo_tpot_ms` (an empty cell: the default).
+* `conversation` — `num_sessions` multi-turn chats starting as a Poisson process at `rate`
+  sessions/s, each of a sampled number of `turns`, a turn arriving a sampled `think_time_s` after
+  the previous one arrived. Each turn's prompt is the whole conversation so far (the previous
+  prompt, a stand-in for its answer, then a new `message_len`-token message), so with token ids
+  later turns start with the earlier turns' exact ids and the prefix cache can serve them.
 
-Either kind can attach random prompt token ids (`with_token_ids`), optionally all starting with
+Any kind can attach random prompt token ids (`with_token_ids`), optionally all starting with
 the same `shared_prefix_len` tokens, for runs that need ids (the engine, prefix caching).
 
 Everything random is drawn from `numpy.random.default_rng(seed)`, vectorised. The generator is
@@ -19,7 +24,10 @@ split into one independent stream per quantity (arrivals, prompt lengths, output
 ids, classes), so that changing one part of the config — say the output-length distribution —
 leaves the others unchanged: two runs that differ in one knob see the same arrivals (common random
 numbers). Classes draw from their own stream, so tagging requests with classes that keep the
-workload's lengths changes nothing but the tags.
+workload's lengths changes nothing but the tags. A conversation draws its session starts, message
+lengths, output lengths and token ids from the streams the synthetic kind draws its arrivals,
+prompt lengths, output lengths and ids from, and its turns and think times from two streams of
+their own.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from omegaconf import OmegaConf
 from policies import validators
 from policies.types import Request
 
-KINDS = ("synthetic", "trace")
+KINDS = ("synthetic", "trace", "conversation")
 ARRIVAL_PROCESSES = ("poisson", "gamma", "constant")
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "zipf")
 
@@ -51,6 +59,11 @@ CLASS_FIELDS = ("share", "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "pr
 SHARE_SUM_TOLERANCE = 1e-9
 TRACE_FIELDS = ("kind", "trace_path", "time_scale", "max_requests", "n", "with_token_ids",
                 "shared_prefix_len")
+CONVERSATION_FIELDS = ("kind", "num_sessions", "rate", "turns", "think_time_s", "message_len",
+                       "output_len", "max_prompt_len", "n", "with_token_ids", "shared_prefix_len")
+# Distributions of a duration in seconds (think_time_s), and every parameter they take.
+TIME_DISTRIBUTIONS = ("fixed", "uniform", "exponential", "lognormal")
+TIME_FIELDS = ("dist", "value", "low", "high", "mean", "sigma")
 # Every parameter any length distribution takes; a length mapping may carry the parameters of
 # another distribution (left over after a `dist=` override) but nothing outside this list.
 LENGTH_FIELDS = ("dist", "value", "low", "high", "mean", "sigma", "a", "min", "max")
@@ -81,10 +94,11 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
     """
     fields = _Fields(_as_plain_dict(cfg), "workload")
     kind = fields.choice("kind", KINDS)
-    # Child streams are numbered in spawn order, so appending the class stream leaves the first
-    # four exactly as they were before classes existed.
-    arrival_rng, prompt_rng, output_rng, token_rng, class_rng = (
-        np.random.default_rng(seed).spawn(5))
+    # Child streams are numbered in spawn order (child i is the same however many are spawned),
+    # so appending the class stream, then the conversation's turns and think-time streams, leaves
+    # the earlier ones exactly as they were before those existed.
+    arrival_rng, prompt_rng, output_rng, token_rng, class_rng, turns_rng, think_rng = (
+        np.random.default_rng(seed).spawn(7))
     token_ids = None  # a trace's own prompts, when it has them
     metadata: dict[str, list] = {}  # Request field -> one value per request, when not default
 
@@ -104,6 +118,36 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         output_lens = output_dist.sample(num_requests, output_rng)
         if classes:
             metadata = _apply_classes(classes, prompt_lens, output_lens, class_rng)
+    elif kind == "conversation":
+        fields.reject_unknown(CONVERSATION_FIELDS)
+        num_sessions = fields.integer("num_sessions", minimum=1)
+        rate = fields.rate("rate")
+        turns_dist = _parse_length_distribution(fields.section("turns"))
+        think_dist = _parse_time_distribution(fields.section("think_time_s"))
+        message_dist = _parse_length_distribution(fields.section("message_len"))
+        output_dist = _parse_length_distribution(fields.section("output_len"))
+        max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
+        # Prefix caching needs ids, so a conversation has them unless told otherwise.
+        n, token_spec = _parse_common(fields, vocab_size, with_token_ids_default=True)
+        shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
+        if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
+            raise ValueError(f"{fields.name('max_prompt_len')} must be > "
+                             f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
+                             f"{shared_prefix_len}")
+
+        turns = _sample_conversations(
+            num_sessions, rate, turns_dist, think_dist, message_dist, output_dist,
+            shared_prefix_len, max_prompt_len,
+            arrival_rng=arrival_rng, turns_rng=turns_rng, think_rng=think_rng,
+            message_rng=prompt_rng, output_rng=output_rng)
+        if not len(turns.arrival_times):
+            raise ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
+                             f"every session's first prompt ({fields.name('shared_prefix_len')} + "
+                             f"a {fields.name('message_len')}) is longer")
+        arrival_times, prompt_lens, output_lens = (
+            turns.arrival_times, turns.prompt_lens, turns.output_lens)
+        if token_spec is not None:
+            token_ids = _conversation_token_ids(turns, *token_spec, token_rng)
     else:
         fields.reject_unknown(TRACE_FIELDS)
         trace_path = resolve_trace_path(fields.string("trace_path"))
@@ -236,10 +280,11 @@ class _Fields:
         return _Fields(value, self.name(key))
 
 
-def _parse_common(fields: _Fields, vocab_size: int | None) -> tuple[int, tuple[int, int] | None]:
-    """`n` and the token-id settings both kinds share; token spec is (vocab_size, prefix_len)."""
+def _parse_common(fields: _Fields, vocab_size: int | None, *,
+                  with_token_ids_default: bool = False) -> tuple[int, tuple[int, int] | None]:
+    """`n` and the token-id settings every kind shares; token spec is (vocab_size, prefix_len)."""
     n = fields.integer("n", default=1, minimum=1)
-    with_token_ids = fields.boolean("with_token_ids", default=False)
+    with_token_ids = fields.boolean("with_token_ids", default=with_token_ids_default)
     shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
     if not with_token_ids:
         if shared_prefix_len:
@@ -427,6 +472,148 @@ def _sample_prompt_token_ids(prompt_lens: np.ndarray, vocab_size: int, shared_pr
     for prompt_len, unique_len in zip(prompt_lens.tolist(), unique_lens.tolist()):
         token_ids.append(prefix[:prompt_len] + unique_ids[start:start + unique_len])
         start += unique_len
+    return token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversations
+
+
+@dataclass(frozen=True)
+class _TimeDistribution:
+    """A parsed `think_time_s` mapping. Samples are float64 seconds >= 0."""
+
+    dist: str
+    value: float = 0.0   # fixed
+    low: float = 0.0     # uniform, [low, high)
+    high: float = 0.0    # uniform
+    mean: float = 1.0    # exponential; lognormal: arithmetic mean
+    sigma: float = 0.0   # lognormal: std of the underlying normal
+
+    def sample(self, size: int, rng: np.random.Generator) -> np.ndarray:
+        if self.dist == "fixed":
+            return np.full(size, self.value)
+        if self.dist == "uniform":
+            return rng.uniform(self.low, self.high, size)
+        if self.dist == "exponential":
+            return rng.exponential(self.mean, size)
+        mu = math.log(self.mean) - self.sigma ** 2 / 2
+        return rng.lognormal(mu, self.sigma, size)
+
+
+def _parse_time_distribution(fields: _Fields) -> _TimeDistribution:
+    fields.reject_unknown(TIME_FIELDS)
+    dist = fields.choice("dist", TIME_DISTRIBUTIONS)
+    if dist == "fixed":
+        value = fields.number("value")
+        return _TimeDistribution(dist, value=validators.non_negative_number(fields.name("value"),
+                                                                            value))
+    if dist == "uniform":
+        low = validators.non_negative_number(fields.name("low"), fields.number("low"))
+        high = fields.number("high")
+        if high < low:
+            raise ValueError(f"{fields.name('high')} must be >= {fields.name('low')}, got "
+                             f"{high:g} < {low:g}")
+        return _TimeDistribution(dist, low=low, high=high)
+    mean = fields.number("mean", greater_than=0.0)
+    if dist == "exponential":
+        return _TimeDistribution(dist, mean=mean)
+    sigma = validators.non_negative_number(fields.name("sigma"), fields.number("sigma"))
+    return _TimeDistribution(dist, mean=mean, sigma=sigma)
+
+
+@dataclass(frozen=True)
+class _ConversationTurns:
+    """Every kept turn of a conversation workload, sorted by arrival (ties: session, then turn),
+    as parallel arrays; message_lens are the new tokens of each turn's prompt."""
+
+    arrival_times: np.ndarray
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    message_lens: np.ndarray
+    sessions: np.ndarray
+    turn_indices: np.ndarray  # 0 for a session's first turn
+
+
+def _segment_exclusive_cumsum(values: np.ndarray, starts: np.ndarray,
+                              lengths: np.ndarray) -> np.ndarray:
+    """For consecutive segments (session-major turns), the sum of each value's predecessors
+    within its own segment."""
+    inclusive = np.cumsum(values)
+    before_segment = np.repeat(inclusive[starts] - values[starts], lengths)
+    return inclusive - values - before_segment
+
+
+def _sample_conversations(num_sessions: int, rate: float, turns_dist: _LengthDistribution,
+                          think_dist: _TimeDistribution, message_dist: _LengthDistribution,
+                          output_dist: _LengthDistribution, shared_prefix_len: int,
+                          max_prompt_len: int | None, *, arrival_rng: np.random.Generator,
+                          turns_rng: np.random.Generator, think_rng: np.random.Generator,
+                          message_rng: np.random.Generator,
+                          output_rng: np.random.Generator) -> _ConversationTurns:
+    """Sample the sessions and lay out their turns.
+
+    Session s starts at its Poisson arrival; its turn k+1 arrives think_time after turn k
+    arrived (all arrivals are fixed before a run starts, so a turn cannot wait for the previous
+    answer). prompt_len(1) = shared_prefix_len + message_len(1) and prompt_len(k+1) =
+    prompt_len(k) + output_len(k) + message_len(k+1). A session ends before its first turn whose
+    prompt would pass max_prompt_len (prompts grow with k, so the kept turns are a prefix)."""
+    session_starts = _sample_arrival_times("poisson", rate, 1.0, num_sessions, arrival_rng)
+    turns = turns_dist.sample(num_sessions, turns_rng)
+    num_turns = int(turns.sum())
+    # Session-major: session 0's turns, then session 1's, ...
+    starts = np.cumsum(turns) - turns
+    sessions = np.repeat(np.arange(num_sessions), turns)
+    turn_indices = np.arange(num_turns) - np.repeat(starts, turns)
+    # One think time per turn: the gap before the session's next turn (the last one's is unused).
+    think_times = think_dist.sample(num_turns, think_rng)
+    message_lens = message_dist.sample(num_turns, message_rng)
+    output_lens = output_dist.sample(num_turns, output_rng)
+
+    arrival_times = (session_starts[sessions]
+                     + _segment_exclusive_cumsum(think_times, starts, turns))
+    prompt_lens = (shared_prefix_len + message_lens
+                   + _segment_exclusive_cumsum(message_lens + output_lens, starts, turns))
+    kept = (np.ones(num_turns, dtype=bool) if max_prompt_len is None
+            else prompt_lens <= max_prompt_len)
+    # Ties (a zero think time, or rate=inf) go to the lower session, then the earlier turn.
+    order = np.lexsort((turn_indices[kept], sessions[kept], arrival_times[kept]))
+    return _ConversationTurns(
+        arrival_times=arrival_times[kept][order], prompt_lens=prompt_lens[kept][order],
+        output_lens=output_lens[kept][order], message_lens=message_lens[kept][order],
+        sessions=sessions[kept][order], turn_indices=turn_indices[kept][order])
+
+
+def _conversation_token_ids(turns: _ConversationTurns, vocab_size: int, shared_prefix_len: int,
+                            rng: np.random.Generator) -> list[list[int]]:
+    """Each turn's prompt ids: the session's previous prompt ids, then random ids standing for
+    the previous turn's answer (its output_len of them), then the new message's random ids; a
+    first turn is the shared prefix then its message.
+
+    The stand-in answer is what the next turn's prompt carries, not what the run generates (the
+    simulator generates no ids, the engine its own). A prefix cache keys on prompt ids, so on
+    either backend turn k+1 can hit on the whole of turn k's prompt (its full blocks), which
+    holds every earlier message and stand-in answer, prefilled when turn k ran; only turn k's
+    answer and the new message are computed. (Turn k+1 hits less when it arrives before turn k's
+    prefill, or after the cache evicted those blocks.)"""
+    prefix = rng.integers(0, vocab_size, shared_prefix_len).tolist()
+    # Messages and answers from streams of their own, drawn in arrival order.
+    message_rng, answer_rng = rng.spawn(2)
+    message_ids = message_rng.integers(0, vocab_size, int(turns.message_lens.sum())).tolist()
+    answer_ids = answer_rng.integers(0, vocab_size, int(turns.output_lens.sum())).tolist()
+    contexts: dict[int, list[int]] = {}  # session -> its last prompt + that turn's stand-in answer
+    token_ids = []
+    message_start = answer_start = 0
+    for session, message_len, output_len in zip(turns.sessions.tolist(),
+                                                 turns.message_lens.tolist(),
+                                                 turns.output_lens.tolist()):
+        # Turns of a session arrive in turn order, so its context is the previous turn's.
+        prompt = contexts.get(session, prefix) + message_ids[message_start:message_start
+                                                             + message_len]
+        message_start += message_len
+        token_ids.append(prompt)
+        contexts[session] = prompt + answer_ids[answer_start:answer_start + output_len]
+        answer_start += output_len
     return token_ids
 
 
