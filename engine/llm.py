@@ -3,7 +3,8 @@
 `generate` runs the simulator's step loop (sim/core/step.py: schedule, execute, update) on the
 engine's executor until every request is done, and reports its totals from the same step rows.
 A request that cannot run (bad parameters, an empty prompt, a token outside the vocabulary, a
-prompt longer than the model allows) gets an output carrying its `error`; the others complete.
+prompt longer than the model allows, or one the scheduler rejects while it waits, such as
+scheduler=edf's hopeless requests) gets an output carrying its `error`; the others complete.
 """
 from __future__ import annotations
 
@@ -216,6 +217,10 @@ class LLM:
 
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         for request, output in requests.values():
+            if request.rejected_reason is not None:
+                # Rejected while it waited (a scheduler's admission control): no outputs.
+                output.error = request.rejected_reason
+                continue
             output.num_preemptions = request.num_preemptions
             output.num_cached_tokens = request.num_cached_tokens
             for index, seq in enumerate(request.sequences):

@@ -337,3 +337,36 @@ def request_tuples(requests) -> list[tuple]:
     return [(r.request_id, r.arrival_time, r.prompt_len, r.output_len, r.n, r.prompt_token_ids,
              r.priority, r.tenant, r.slo_ttft_ms, r.slo_tpot_ms, r.predicted_output_len)
             for r in requests]
+
+
+def run_both_ways(overrides, monkeypatch):
+    """The simulator run of `overrides` with repeated decode steps run as one event and step by
+    step (scheduler.coalesce=false); returns both and the length of each run of repeated steps
+    the first made."""
+    from sim.core.experiment import run_experiment
+    from sim.core.step import StepLoop
+
+    repeated_runs = []
+    run_repeated = StepLoop._run_repeated
+
+    def counting(self, plan, now, horizon):
+        result = run_repeated(self, plan, now, horizon)
+        repeated_runs.append(result.num_steps)
+        return result
+
+    monkeypatch.setattr(StepLoop, "_run_repeated", counting)
+    coalesced = run_experiment(make_cfg(*overrides), plots=False)
+    monkeypatch.undo()   # (every patch of the test: call this before patching anything else)
+    step_by_step = run_experiment(make_cfg(*overrides, "++scheduler.coalesce=false"),
+                                  plots=False)
+    return coalesced, step_by_step, repeated_runs
+
+
+def assert_same_run(coalesced, step_by_step):
+    """Two simulator runs came out alike: summary, every step row, ITLs and request times."""
+    assert summary_without_wall_time(coalesced) == summary_without_wall_time(step_by_step)
+    assert coalesced.metrics.step_rows == step_by_step.metrics.step_rows
+    assert dict(coalesced.metrics.itl_counts) == dict(step_by_step.metrics.itl_counts)
+    for a, b in zip(coalesced.requests, step_by_step.requests):
+        assert (a.first_token_time, a.finish_time, a.num_preemptions) == \
+               (b.first_token_time, b.finish_time, b.num_preemptions)

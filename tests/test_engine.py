@@ -265,7 +265,7 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     (dict(seed="abc"), "seed must be a non-negative integer, got 'abc'"),
     (dict(hardware="tpu"), "hardware must be a conf/hardware name"),
     (dict(scheduler="fastest"),
-     "scheduler must be one of chunked_prefill, continuous, priority, sjf, static"),
+     "scheduler must be one of chunked_prefill, continuous, edf, mlfq, priority, sjf, static, vtc"),
     (dict(preemption="evict"), "preemption must be one of recompute, swap"),
 ])
 def test_bad_engine_settings_name_the_argument(kwargs, message):

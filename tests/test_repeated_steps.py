@@ -9,46 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from factories import make_cfg
+from factories import assert_same_run, make_cfg, run_both_ways
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES
 from sim.core.build import config_names
 from sim.core.experiment import run_experiment
 from sim.core.replica import SimEnvironment
-from sim.core.step import StepLoop
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_both_ways(overrides, monkeypatch):
-    """The run with repeated steps and without; returns both and how many repeated runs of
-    steps the first one made."""
-    repeated_runs = []
-    run_repeated = StepLoop._run_repeated
-
-    def counting(self, plan, now, horizon):
-        result = run_repeated(self, plan, now, horizon)
-        repeated_runs.append(result.num_steps)
-        return result
-
-    monkeypatch.setattr(StepLoop, "_run_repeated", counting)
-    coalesced = run_experiment(make_cfg(*overrides), plots=False)
-    monkeypatch.undo()
-    step_by_step = run_experiment(make_cfg(*overrides, "++scheduler.coalesce=false"),
-                                  plots=False)
-    return coalesced, step_by_step, repeated_runs
-
-
-def assert_same_run(coalesced, step_by_step):
-    def without_wall_time(summary):
-        return {key: value for key, value in summary.items()
-                if "wall" not in key and key != "sim_speedup"}
-
-    assert without_wall_time(coalesced.summary) == without_wall_time(step_by_step.summary)
-    assert coalesced.metrics.step_rows == step_by_step.metrics.step_rows
-    assert dict(coalesced.metrics.itl_counts) == dict(step_by_step.metrics.itl_counts)
-    for a, b in zip(coalesced.requests, step_by_step.requests):
-        assert (a.first_token_time, a.finish_time, a.num_preemptions) == \
-               (b.first_token_time, b.finish_time, b.num_preemptions)
 
 
 def random_workload(seed: int) -> list[str]:

@@ -1,11 +1,14 @@
-"""Batching schedulers: static, continuous and chunked prefill; priority and shortest job first
-on continuous batching."""
+"""Batching schedulers: static, continuous and chunked prefill; priority, shortest job first,
+virtual token counter (tenant fairness) and earliest deadline first on continuous batching."""
 from policies.batching.base import BaseScheduler
 from policies.batching.chunked_prefill import ChunkedPrefillScheduler
 from policies.batching.continuous import ContinuousBatchingScheduler
+from policies.batching.edf import EarliestDeadlineFirstScheduler
 from policies.batching.priority import PriorityScheduler
 from policies.batching.sjf import ShortestJobFirstScheduler
 from policies.batching.static import StaticBatchingScheduler
+from policies.batching.vtc import VirtualTokenCounterScheduler
 
 __all__ = ["BaseScheduler", "ChunkedPrefillScheduler", "ContinuousBatchingScheduler",
-           "PriorityScheduler", "ShortestJobFirstScheduler", "StaticBatchingScheduler"]
+           "EarliestDeadlineFirstScheduler", "PriorityScheduler", "ShortestJobFirstScheduler",
+           "StaticBatchingScheduler", "VirtualTokenCounterScheduler"]

@@ -35,6 +35,19 @@ class RunResult:
     num_kv_blocks: int
 
 
+def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
+    """A scheduler's `tenant_weights` (scheduler=vtc) may weigh only tenants the run's requests
+    have: a name that none has is a typo, not a tenant to wait for."""
+    weights = scheduler_cfg.get("tenant_weights") if hasattr(scheduler_cfg, "get") else None
+    if not weights or not hasattr(weights, "keys"):
+        return   # none, or not a mapping: the scheduler itself says what it takes
+    tenants = sorted({request.tenant for request in requests})
+    for tenant in weights.keys():
+        if tenant not in tenants:
+            raise ValueError(f"scheduler.tenant_weights.{tenant}: no request of the run has "
+                             f"tenant {tenant!r}; the run's tenants: {', '.join(tenants)}")
+
+
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                    progress: bool = False, plots: bool = True) -> RunResult:
     """Run the experiment `cfg` describes; write its files into `out_dir` if given (the PNG
@@ -51,6 +64,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
     requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+    check_tenant_weights(cfg.scheduler, requests)
 
     env = SimEnvironment()
     metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)

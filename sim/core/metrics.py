@@ -183,7 +183,8 @@ def _per_second(amount: float, duration_s: float) -> float:
 
 def rejection_summary(requests: list[Request]) -> dict:
     """For a run that rejected requests, why: the most common kind of rejection (reasons alike
-    but for their numbers), the first such request's reason and how many requests it covers."""
+    but for their numbers), the first such request's reason and how many requests it covers;
+    and `rejected_by_reason`, every kind (its numbers written #) with its count, most first."""
     kinds: dict[str, list] = {}
     for request in requests:
         if request.rejected_reason is not None:
@@ -192,7 +193,9 @@ def rejection_summary(requests: list[Request]) -> dict:
     if not kinds:
         return {}
     reason, count = max(kinds.values(), key=lambda example_count: example_count[1])
-    return {"rejected_reason": reason, "rejected_reason_count": count}
+    by_reason = sorted(kinds.items(), key=lambda kind_count: (-kind_count[1][1], kind_count[0]))
+    return {"rejected_reason": reason, "rejected_reason_count": count,
+            "rejected_by_reason": {kind: kind_count for kind, (_, kind_count) in by_reason}}
 
 
 def request_slos_ms(request: Request, slos_ms: dict[str, float] | None) -> dict[str, float]:
@@ -395,6 +398,12 @@ class MetricsCollector:
             "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
                                             if num_decodes else 0.0),
         })
+        if any(request.prompt_token_ids is not None for request in requests):
+            # Prefix caching needs token ids: the share of completed prompts' tokens it served.
+            prompt_tokens = sum(request.prompt_len for request in completed)
+            result["prefix_cache_hit_rate"] = (
+                sum(request.num_cached_tokens for request in completed) / prompt_tokens
+                if prompt_tokens else 0.0)
         result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
         return result
 

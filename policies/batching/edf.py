@@ -1,0 +1,65 @@
+"""Earliest deadline first: continuous batching that admits the waiting request whose time to
+first token runs out first, as deadline-aware LLM schedulers do. A request's deadline is its
+arrival plus its own `Request.slo_ttft_ms`, else the run's `slo_ttft_ms` (`slo.ttft_ms`); one
+with neither has no deadline and goes after all that have one, in arrival order. A decode short
+of memory preempts among the requests whose deadline is latest.
+
+Admission control (`reject_hopeless`): a request still waiting for its first admission when its
+deadline has passed can no longer meet its SLO; rather than spend the server on it (and make
+the requests behind it late too), it is rejected (`rejected_reason` "slo: TTFT deadline passed
+before admission") and leaves the queue. The check runs at every step boundary, as the step is
+completed (`update`, at the time the next step is planned), and `update` returns the rejected
+requests with the finished ones: both are done (`Request.is_finished`). A request already
+admitted once (and preempted since) is never rejected.
+"""
+from __future__ import annotations
+
+import math
+
+from policies.batching.continuous import ContinuousBatchingScheduler
+from policies.types import Request, StepPlan, StepResult
+from policies.validators import boolean, positive_number
+
+REJECTED_REASON = "slo: TTFT deadline passed before admission"
+
+
+class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
+    def __init__(self, *args, slo_ttft_ms: float | None = None, reject_hopeless: bool = False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slo_ttft_ms = (None if slo_ttft_ms is None else
+                            positive_number("scheduler.slo_ttft_ms", slo_ttft_ms))
+        self.reject_hopeless = boolean("scheduler.reject_hopeless", reject_hopeless)
+
+    def deadline(self, request: Request) -> float:
+        """When the request's first token is due (s); inf without any TTFT SLO."""
+        slo_ms = request.slo_ttft_ms if request.slo_ttft_ms is not None else self.slo_ttft_ms
+        return math.inf if slo_ms is None else request.arrival_time + slo_ms / 1000
+
+    def _urgency(self, request: Request) -> tuple[float, float, int]:
+        return self.deadline(request), request.arrival_time, request.request_id
+
+    def next_waiting(self, now: float) -> Request:
+        return min(self.waiting, key=self._urgency)
+
+    def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
+        latest = max(self.deadline(request) for request in candidates)
+        return [request for request in candidates if self.deadline(request) == latest]
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
+        finished = super().update(plan, result, now)
+        if self.reject_hopeless and self.waiting:
+            finished.extend(self._reject_hopeless(now))
+        return finished
+
+    def _reject_hopeless(self, now: float) -> list[Request]:
+        """Reject the never-admitted waiting requests whose deadline is past at `now`."""
+        hopeless = [request for request in self.waiting
+                    if request.first_scheduled_time is None and self.deadline(request) < now]
+        if hopeless:
+            rejected = set(hopeless)
+            self.waiting = type(self.waiting)(
+                request for request in self.waiting if request not in rejected)
+            for request in hopeless:
+                request.rejected_reason = REJECTED_REASON
+        return hopeless
