@@ -199,7 +199,7 @@ class LLM:
     def _run(self, requests: dict[int, tuple[Request, RequestOutput]], use_tqdm: bool) -> None:
         scheduler = self.scheduler
         metrics = MetricsCollector()
-        steps = StepLoop(scheduler, self.executor, StepRecorder(metrics))
+        steps = StepLoop(scheduler, self.executor, StepRecorder(metrics), self.predictor)
         stopped_seq_ids: set[int] = set()
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Processed prompts", unit="req",

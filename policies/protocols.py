@@ -120,8 +120,8 @@ class Scheduler(Protocol):
 class LengthPredictor(Protocol):
     """Guesses a request's output length when it arrives (conf/predictor): the simulator's
     arrivals and the engine's `generate` store it in `request.predicted_output_len`, before
-    routing. Optional: `update(request, num_output_tokens)`, a refined guess that a policy
-    holding the predictor may ask for (`policies.prediction.refine`); the loop never calls it."""
+    routing. Optional: `update(request, num_output_tokens)`, a refined guess the step loop asks
+    for after every step in which the request made progress (`policies.prediction.refine`)."""
 
     def predict(self, request: Request) -> int | None:
         """The predicted output length (tokens per sequence, positive), or None for none."""

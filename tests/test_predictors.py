@@ -270,3 +270,37 @@ def test_llm_bad_predictor_fails_before_loading(predictor, message, monkeypatch)
     with pytest.raises(ValueError) as error:
         LLM("tiny-llama", predictor=predictor)
     assert message in str(error.value)
+
+
+class HalvingErrorPredictor:
+    """Guesses twice the truth at arrival, then halves its error with every token served."""
+
+    refined: list[tuple[int, int]] = []
+
+    def predict(self, request):
+        return 2 * request.output_len
+
+    def update(self, request, num_output_tokens):
+        HalvingErrorPredictor.refined.append((request.request_id, num_output_tokens))
+        error = request.predicted_output_len - request.output_len
+        return request.output_len + error // 2
+
+
+def test_a_predictor_with_update_is_asked_after_every_step_on_both_backends():
+    from engine import LLM, SamplingParams
+    from sim.core.experiment import run_experiment
+
+    HalvingErrorPredictor.refined.clear()
+    result = run_experiment(make_cfg(
+        "predictor._target_=test_predictors.HalvingErrorPredictor", "workload.num_requests=20",
+        "++workload.output_len={dist: fixed, value: 40}"), plots=False)
+    # Refined after every step as the tokens came out: converged to the truth.
+    assert all(request.predicted_output_len == 40 for request in result.requests)
+    served = [tokens for request_id, tokens in HalvingErrorPredictor.refined if request_id == 0]
+    assert served == sorted(served) and served[0] >= 1 and len(served) > 3
+
+    HalvingErrorPredictor.refined.clear()
+    llm = LLM("tiny-llama", predictor=HalvingErrorPredictor(), seed=0)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    assert [tokens for _, tokens in HalvingErrorPredictor.refined] == [1, 2, 3, 4, 5]

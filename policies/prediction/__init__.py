@@ -3,14 +3,14 @@ before it is generated (`Request.predicted_output_len`), from none at all to the
 
 The predictor is built once per run (conf/predictor, or `LLM(..., predictor=...)`) and asked once
 per request at its arrival, before routing: the simulator's arrivals process and the engine's
-`generate` set `request.predicted_output_len = predictor.predict(request)`. Nothing in the step
-loop calls `update`; it is a hook for a policy that holds the predictor and wants a refined
-guess as tokens come out (`refine` calls it when the predictor has one).
+`generate` set `request.predicted_output_len = predictor.predict(request)`. A predictor with an
+`update` of its own refines its guesses as tokens come out: the step loop asks it after every
+step about each request that made progress (`refine`), and runs every step on its own for it.
 """
 from __future__ import annotations
 
-from policies.prediction.predictors import (BucketPredictor, NoisyPredictor, NoPredictor,
-                                            OraclePredictor, check_predictor)
+from policies.prediction.predictors import (BucketPredictor, KeepPrediction, NoisyPredictor,
+                                            NoPredictor, OraclePredictor, check_predictor)
 from policies.protocols import LengthPredictor
 from policies.types import Request
 
@@ -24,5 +24,5 @@ def refine(predictor, request: Request, num_output_tokens: int) -> int | None:
     return request.predicted_output_len
 
 
-__all__ = ["BucketPredictor", "LengthPredictor", "NoPredictor", "NoisyPredictor",
+__all__ = ["BucketPredictor", "KeepPrediction", "LengthPredictor", "NoPredictor", "NoisyPredictor",
            "OraclePredictor", "check_predictor", "refine"]

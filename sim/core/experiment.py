@@ -86,7 +86,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                  **drafting)
         executor = build_replica_executor(cfg, model, hardware, kv_cache, speculation, replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
-                                on_requests_done=bar.update, next_arrival=next_arrival))
+                                on_requests_done=bar.update, next_arrival=next_arrival,
+                                predictor=predictor))
     env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise).

@@ -47,14 +47,14 @@ class Replica:
     def __init__(self, env: simpy.Environment, replica_id: int, scheduler: Scheduler,
                  executor: Executor, metrics: MetricsCollector,
                  on_requests_done: Callable[[int], None] | None = None,
-                 next_arrival: NextArrival | None = None):
+                 next_arrival: NextArrival | None = None, predictor=None):
         self.env = env
         self.replica_id = replica_id
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
         self.recorder = StepRecorder(metrics, replica_id)
-        self.steps = StepLoop(scheduler, executor, self.recorder)
+        self.steps = StepLoop(scheduler, executor, self.recorder, predictor)
         self.on_requests_done = on_requests_done
         # Without it, every step is its own event; with it, env must be a SimEnvironment.
         self.next_arrival = next_arrival

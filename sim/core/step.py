@@ -19,6 +19,7 @@ step boundary. Rows, latencies and the clock come out as if each step had run on
 """
 from __future__ import annotations
 
+from policies.prediction import KeepPrediction, refine
 from policies.protocols import Executor, Scheduler
 from policies.types import Request, StepPlan, StepResult
 from sim.core.metrics import StepRecorder
@@ -27,12 +28,17 @@ from sim.core.metrics import StepRecorder
 class StepLoop:
     """One replica's steps, one at a time."""
 
-    __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times")
+    __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
+                 "refining_predictor")
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder):
+    def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
+                 predictor=None):
         self.scheduler = scheduler
         self.executor = executor
         self.recorder = recorder
+        # A length predictor whose `update` refines its guesses: asked after every step about
+        # the requests that made progress.
+        self.refining_predictor = predictor if refines(predictor) else None
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
         self.step_end_times: list[float] | None = None   # of repeated steps, in flight
@@ -51,7 +57,8 @@ class StepLoop:
                 f"{waiting} waiting, {running} running and {swapped} swapped requests and "
                 f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
                 f"progress (a request larger than the pool, or max_num_seqs too small?)")
-        if (horizon is not None and plan.max_repeats > 1
+        # A refining predictor is asked after every step: its guesses may move a later one.
+        if (horizon is not None and plan.max_repeats > 1 and self.refining_predictor is None
                 and getattr(self.executor, "repeats_steps", False)):
             result = self._run_repeated(plan, now, horizon)
             self.recorder.record_repeated_steps(now, plan, result, scheduler)
@@ -93,5 +100,20 @@ class StepLoop:
             finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_repeated_itls(times_before, self.step_end_times)
             self.step_end_times = None
+        if self.refining_predictor is not None:
+            self._refine_predictions(seqs)
         self.plan = self.result = None
         return finished
+
+    def _refine_predictions(self, seqs) -> None:
+        requests = {seq.request.request_id: seq.request for seq in seqs}
+        for request in requests.values():
+            if not request.is_finished:
+                refine(self.refining_predictor, request,
+                       max(seq.num_output_tokens for seq in request.sequences))
+
+
+def refines(predictor) -> bool:
+    """Whether a length predictor has an `update` of its own (the built-ins keep their guess)."""
+    update = getattr(type(predictor), "update", None)
+    return predictor is not None and update is not None and update is not KeepPrediction.update
