@@ -426,30 +426,7 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
 def engine_replaced_by_scaled_simulator(monkeypatch, time_factor: float) -> None:
     """The "engine" of a validation becomes the simulator with the same profile, every step
     taking `time_factor` times the profile's time: a backend with a known bias."""
-    original = sim.core.experiment.build_replica_executor
-
-    class Scaled:
-        repeats_steps = False   # as an engine: every step runs (and is scaled) on its own
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        def execute(self, plan: StepPlan):
-            result = self.inner.execute(plan)
-            return dataclasses.replace(result, duration=result.duration * time_factor)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    def build(cfg, *args, **kwargs):
-        if cfg.backend.name != "engine":
-            return original(cfg, *args, **kwargs)
-        as_sim = cfg.copy()
-        with open_dict(as_sim):
-            as_sim.backend = {"name": "sim"}   # conf/backend/sim.yaml
-        return Scaled(original(as_sim, *args, **kwargs))
-
-    monkeypatch.setattr(sim.core.experiment, "build_replica_executor", build)
+    engine_replaced_by_noisy_scaled_simulator(monkeypatch, [time_factor])
 
 
 # The simulator 10 % slow against its engine (the engine's steps / 1.1) is +10 % on every
@@ -552,3 +529,218 @@ def test_validate_bad_input_exits_2(tmp_path, capsys):
     bad = write_profile(tmp_path / "bad.json", schema=7)
     assert main([*TINY, f"--profile={bad}", f"--out={tmp_path}"]) == 2
     assert "schema" in capsys.readouterr().err
+
+
+# ---- the engine's noise: --engine-repeats ------------------------------------------------------
+
+def engine_replaced_by_noisy_scaled_simulator(monkeypatch, time_factors: list[float]) -> list:
+    """The "engine" of a validation becomes the simulator with the same profile, each engine
+    run (repeat) taking the next of `time_factors` (cycled) times the profile's step time: an
+    engine whose timing differs from run to run. Returns the factors the runs took, in order."""
+    import itertools
+
+    original = sim.core.experiment.build_replica_executor
+    factors = itertools.cycle(time_factors)
+    taken: list[float] = []
+
+    class Scaled:
+        repeats_steps = False   # as an engine: every step runs (and is scaled) on its own
+
+        def __init__(self, inner, factor):
+            self.inner, self.factor = inner, factor
+
+        def execute(self, plan: StepPlan):
+            result = self.inner.execute(plan)
+            return dataclasses.replace(result, duration=result.duration * self.factor)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def build(cfg, *args, **kwargs):
+        if cfg.backend.name != "engine":
+            return original(cfg, *args, **kwargs)
+        as_sim = cfg.copy()
+        with open_dict(as_sim):
+            as_sim.backend = {"name": "sim"}
+        taken.append(next(factors))
+        return Scaled(original(as_sim, *args, **kwargs), taken[-1])
+
+    monkeypatch.setattr(sim.core.experiment, "build_replica_executor", build)
+    return taken
+
+
+NOISY = [*TINY, "workload.num_requests=12", "workload.rate=inf", "--sim-runs=1"]
+
+
+def hand_spread(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return (max(values) - min(values)) / 2 / abs(mean) * 100
+
+
+def hand_verdict(error, gate, spread) -> str:
+    if gate is None:
+        return "ungated"
+    if error is None or abs(error) > gate:
+        return "within engine noise" if error is not None and (
+            spread is None or abs(error) <= spread) else "outside both"
+    return "within gate"
+
+
+def check_noise_report(out: Path, factors: list[float]) -> dict:
+    """validation.json of an `--engine-repeats 3` run against the three engine runs' own
+    summaries: the engine's value is their mean, the spread and the verdict computed by hand."""
+    result = json.loads((out / "validation.json").read_text())
+    assert result["engine_repeats"] == 3
+    runs = [json.loads((out / folder / "summary.json").read_text())
+            for folder in ("engine", "engine-run1", "engine-run2")]
+    # The repeats differ (each took its own factor), the workload does not.
+    assert len({run["mean_ttft_ms"] for run in runs}) == 3
+    assert {run["completed"] for run in runs} == {12}
+    sim_summary = json.loads((out / "sim" / "summary.json").read_text())
+    gates = result["gates"]
+    for name, values in result["metrics"].items():
+        repeats = [run[name] for run in runs]
+        assert values["engine_runs"] == repeats, name
+        assert values["engine"] == pytest.approx(np.mean(repeats)), name
+        assert values["sim"] == pytest.approx(sim_summary[name]), name
+        assert values["error_pct"] == pytest.approx(error_pct(np.mean(repeats), sim_summary[name]))
+        if np.mean(repeats) == 0:
+            assert values["engine_spread_pct"] == 0.0 and set(repeats) == {0}, name
+        else:
+            assert values["engine_spread_pct"] == pytest.approx(hand_spread(repeats)), name
+        gate = gates[GATED_BY[name]] if name in GATED_BY else None
+        assert values["verdict"] == hand_verdict(values["error_pct"], gate,
+                                                 values["engine_spread_pct"]), name
+    # Latencies scale with each repeat's factor: the engine's mean TPOT is the mean factor's.
+    tpot = result["metrics"]["mean_tpot_ms"]
+    assert tpot["engine"] == pytest.approx(sim_summary["mean_tpot_ms"] * np.mean(factors),
+                                           rel=1e-6)
+    assert tpot["engine_spread_pct"] == pytest.approx(
+        (max(factors) - min(factors)) / 2 / np.mean(factors) * 100, rel=1e-6)
+    # The gates alone decide: every metric outside its gate (noise or not) is a failure.
+    failed = {line.split(":")[0] for line in result["failures"]}
+    assert failed == {name for name, values in result["metrics"].items()
+                      if values["verdict"] in ("within engine noise", "outside both")}
+    assert result["passed"] == (not failed)
+    return result
+
+
+def test_engine_repeats_report_the_engines_noise_beside_every_error(tmp_path, monkeypatch,
+                                                                    capsys):
+    profile = write_profile(tmp_path / "p.json", samples=(0.0,))
+    # An engine whose runs take 1.00, 1.06 and 0.97 times the profile's step times: its mean is
+    # 1.01 (latency error -0.99 %), its spread ±4.46 %.
+    factors = [1.00, 1.06, 0.97]
+    taken = engine_replaced_by_noisy_scaled_simulator(monkeypatch, factors)
+    out = tmp_path / "noisy"
+    # Means/medians gated at 0.5 %: outside the gate, within the engine's noise; p99s at 2 %:
+    # within the gate; the preemption count's error is 0: within its gate.
+    assert main([*NOISY, f"--profile={profile}", f"--out={out}", "--engine-repeats", "3",
+                 "--gate-mean-pct=0.5", "--gate-p99-pct=2", "--gate-p99-ttft-pct=2"]) == 1
+    assert taken == factors
+    err = capsys.readouterr().err
+    assert "mean_tpot_ms" in err and "within engine noise" in err
+    result = check_noise_report(out, factors)
+    verdicts = {name: values["verdict"] for name, values in result["metrics"].items()}
+    assert verdicts["mean_tpot_ms"] == verdicts["mean_ttft_ms"] == "within engine noise"
+    assert verdicts["request_throughput"] == "within engine noise"
+    assert verdicts["p99_tpot_ms"] == verdicts["p99_ttft_ms"] == "within gate"
+    assert verdicts["num_preemptions"] == "within gate"
+    assert verdicts["peak_kv_blocks"] == verdicts["p90_ttft_ms"] == "ungated"
+    assert result["metrics"]["mean_tpot_ms"]["error_pct"] == pytest.approx(
+        (1 / 1.01 - 1) * 100, abs=0.01)
+    markdown = (out / "validation.md").read_text()
+    assert "| metric | engine | sim | error % | engine spread % | verdict | gate |" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| mean_tpot_ms |"))
+    assert "within engine noise" in row and "±4.46" in row
+    # An engine slower in every repeat (1.10, 1.16, 1.07): the error (-9.9 %) is outside both
+    # the 3 % gate and the engine's spread (±4.05 %).
+    biased = [1.10, 1.16, 1.07]
+    taken = engine_replaced_by_noisy_scaled_simulator(monkeypatch, biased)
+    out = tmp_path / "biased"
+    assert main([*NOISY, f"--profile={profile}", f"--out={out}", "--engine-repeats=3"]) == 1
+    assert taken == biased
+    result = check_noise_report(out, biased)
+    assert result["metrics"]["mean_tpot_ms"]["verdict"] == "outside both"
+    assert result["metrics"]["request_throughput"]["verdict"] == "outside both"
+    assert "within engine noise" not in capsys.readouterr().err
+
+
+def test_one_engine_repeat_keeps_todays_validation(tmp_path, monkeypatch):
+    profile = write_profile(tmp_path / "p.json", samples=(0.0,))
+    engine_replaced_by_noisy_scaled_simulator(monkeypatch, [1.05])
+    default, once = tmp_path / "default", tmp_path / "once"
+    assert main([*NOISY, f"--profile={profile}", f"--out={default}", *NO_GATES]) == 0
+    assert main([*NOISY, f"--profile={profile}", f"--out={once}", "--engine-repeats=1",
+                 *NO_GATES]) == 0
+    results = [json.loads((path / "validation.json").read_text()) for path in (default, once)]
+    assert set(results[0]) == set(results[1])
+    assert "engine_repeats" not in results[0]
+    assert results[0]["metrics"] == results[1]["metrics"]
+    engine = json.loads((once / "engine" / "summary.json").read_text())
+    for name, values in results[1]["metrics"].items():
+        assert set(values) == {"engine", "sim", "error_pct"}
+        assert values["engine"] == engine[name] and type(values["engine"]) is type(engine[name])
+    assert not (once / "engine-run1").exists()
+    assert "verdict" not in (once / "validation.md").read_text()
+    assert "| metric | engine | sim | error % | gate |" in (once / "validation.md").read_text()
+
+
+@pytest.mark.parametrize("bad", [["--engine-repeats=0"], ["--engine-repeats", "-1"],
+                                 ["--engine-repeats=x"], ["--engine-repeats=2.5"]])
+def test_a_bad_engine_repeats_is_one_clear_line(tmp_path, capsys, bad):
+    profile = write_profile(tmp_path / "p.json")
+    assert main([*TINY, *bad, f"--profile={profile}", f"--out={tmp_path / 'out'}"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--engine-repeats" in lines[0] and \
+        "integer >= 1" in lines[0], captured.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_spread_and_verdict_definitions():
+    from sim.calibration.validate.compare import spread_pct, verdict
+
+    assert spread_pct([10.0, 10.6, 9.7]) == pytest.approx(0.45 / (30.3 / 3) * 100)
+    assert spread_pct([5.0]) == 0.0 and spread_pct([0, 0, 0]) == 0.0
+    assert spread_pct([-1.0, 1.0]) is None
+    assert verdict(2.0, 3.0, 1.0) == "within gate"
+    assert verdict(-3.0, 3.0, 0.0) == "within gate"
+    assert verdict(-4.0, 3.0, 5.0) == "within engine noise"
+    assert verdict(4.0, 3.0, 4.0) == "within engine noise"
+    assert verdict(4.0, 3.0, 3.9) == "outside both"
+    assert verdict(None, 3.0, 50.0) == "outside both"
+    assert verdict(4.0, 3.0, None) == "within engine noise"
+    assert verdict(4.0, None, 1.0) == "ungated"
+
+
+def test_validation_grid_carries_spread_and_verdict_with_engine_repeats(tmp_path, monkeypatch):
+    profile = write_profile(tmp_path / "p.json", samples=(0.0,))
+    engine_replaced_by_noisy_scaled_simulator(monkeypatch, [1.00, 1.06, 0.97])
+    out = tmp_path / "grid"
+    assert main([*TINY, "workload.num_requests=8", "workload.rate=inf", "--sim-runs=1",
+                 "scheduler=continuous,chunked_prefill", f"--profile={profile}", f"--out={out}",
+                 "--engine-repeats=3", "--gate-mean-pct=0.5", "--gate-p99-pct=off",
+                 "--gate-p99-ttft-pct=off", "--gate-preemptions-pct=off"]) == 1
+    grid = json.loads((out / "grid.json").read_text())
+    with open(out / "grid.csv", newline="") as file:
+        csv_rows = list(csv.DictReader(file))
+    markdown = (out / "grid.md").read_text()
+    for row, csv_row in zip(grid["jobs"], csv_rows):
+        job = json.loads((out / str(row["job"]) / "validation.json").read_text())
+        assert job["engine_repeats"] == 3
+        for name in GRID_METRICS:
+            metric = job["metrics"][name]
+            assert row[f"{name}_engine_spread_pct"] == metric["engine_spread_pct"], name
+            assert row[f"{name}_verdict"] == csv_row[f"{name}_verdict"] == metric["verdict"]
+            assert float(csv_row[f"{name}_engine_spread_pct"]) == pytest.approx(
+                metric["engine_spread_pct"])
+        assert row["mean_tpot_ms_verdict"] == "within engine noise"
+        assert row["p99_tpot_ms_verdict"] == "ungated"
+    job_lines = [line for line in markdown.splitlines() if line.startswith("| 0 ")]
+    assert job_lines and "±4.46, noise)" in job_lines[0]
+    # Without repeats the grid's rows carry no such columns.
+    results = [{"metrics": compare_summaries(synthetic_summary(), synthetic_summary(1.02)),
+                "passed": True, "speedup": 1.0}]
+    assert not any(key.endswith(("_verdict", "_engine_spread_pct"))
+                   for key in grid_rows(results, [{}])[0])

@@ -10,12 +10,18 @@ engine run's measurements). When the profile carries a speed reference (twinserv
 probe), the engine's step durations are normalised to the machine speed the profile was taken at
 (profile_conditions.py); `--wall-clock` times them as measured. The simulator runs the workload
 `--sim-runs` times (sim_seed, sim_seed + 1, ...: other draws of step-time noise and acceptances)
-and its value of a metric is the mean over them. Writes <out>/engine/, <out>/sim/ and
-<out>/sim-run1/... (each run's usual files; plots for the first simulator run only) and
+and its value of a metric is the mean over them. `--engine-repeats N` runs the engine N times (same
+config and seed; default 1): its value of a metric is then the mean over the repeats, and each
+metric also carries the repeats' values, the engine's spread (the relative half-range of the
+repeats, (max - min) / 2 / |mean| × 100) and a verdict: within gate, within engine noise (outside
+the gate, |error| <= spread) or outside both (compare.py). Writes <out>/engine/, <out>/sim/ and
+<out>/sim-run1/... (and <out>/engine-run1/... for engine repeats; each run's usual files; plots
+for the first simulator run only) and
 
 - `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
   time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
   (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
+  with engine repeats > 1 each metric adds "engine_runs", "engine_spread_pct" and "verdict";
 - `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both
   backends, the simulator's runs pooled).
 
@@ -24,7 +30,8 @@ chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combin
 in <out>/<job>/, with one table for the grid, `grid.csv` and `grid.md` (each job's swept values,
 signed errors and speedup; then the largest |error| of each metric over the grid).
 
-Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr),
+Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
+an error within the engine's noise but outside its gate fails too, and its line says so),
 2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
 """
 from __future__ import annotations
@@ -36,7 +43,9 @@ from pathlib import Path
 
 from sim.calibration.validate.compare import UNSET
 from sim.calibration.validate.grid import validate_grid
-from sim.calibration.validate.run import DEFAULT_SIM_RUNS, validate
+from sim.calibration.validate.compare import ValidationInputError
+from sim.calibration.validate.run import (DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS,
+                                          check_engine_repeats, validate)
 from sim.calibration.validate.sweep import expand_sweep
 
 
@@ -67,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "acceptance draws (sim_seed, sim_seed + 1, ...); the simulator's "
                              f"value of a metric is its mean over them (default "
                              f"{DEFAULT_SIM_RUNS})")
+    # Checked in main (check_engine_repeats): a bad value is one line naming the option.
+    parser.add_argument("--engine-repeats", default=DEFAULT_ENGINE_REPEATS,
+                        help="engine runs of the workload (same config and seed; default "
+                             f"{DEFAULT_ENGINE_REPEATS}); with more than one, the engine's value "
+                             "of a metric is its mean over them, reported with their spread "
+                             "(relative half-range, %%) and a verdict: within gate, within "
+                             "engine noise, outside both")
     parser.add_argument("--gate-mean-pct", type=gate_percentage, default=UNSET,
                         help="|error| %% gate on means/medians of TTFT, TPOT, e2e and throughputs "
                              "(default 3; 'off' disables a gate)")
@@ -90,11 +106,17 @@ def main(argv: list[str] | None = None) -> int:
              "p99_ttft_pct": args.gate_p99_ttft_pct,
              "preemptions_pct": args.gate_preemptions_pct}
     try:
+        engine_repeats = check_engine_repeats(args.engine_repeats)
+    except ValidationInputError as error:
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    try:
         if len(expand_sweep(overrides)) > 1:
             command = shlex.join(["twinserve-validate",
                                   *(argv if argv is not None else sys.argv[1:])])
             grid = validate_grid(overrides, args.out, gates, command=command,
-                                 normalize_speed=not args.wall_clock, sim_runs=args.sim_runs)
+                                 normalize_speed=not args.wall_clock, sim_runs=args.sim_runs,
+                                 engine_repeats=engine_repeats)
             print(f"results in {args.out}")
             failed = grid["failures"]
             if failed:
@@ -104,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         result = validate(overrides, args.out, gates, normalize_speed=not args.wall_clock,
-                          sim_runs=args.sim_runs)
+                          sim_runs=args.sim_runs, engine_repeats=engine_repeats)
     except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
         print(f"twinserve-validate: error: {error}", file=sys.stderr)
         return 2

@@ -1,5 +1,18 @@
 """The compared metrics, their signed errors and the gates on them: pure functions on the summaries
-of the engine's and the simulator's runs."""
+of the engine's and the simulator's runs.
+
+The engine's noise (`--engine-repeats N`, N > 1): the engine runs the same workload N times (same
+config and seed; only its timing differs from run to run); its value of a metric is the mean over
+the repeats, and its spread is the **relative half-range** of the repeats,
+
+    engine_spread_pct = (max - min) / 2 / |mean| × 100
+
+(0 when every repeat gave 0; None, an infinite spread, when the mean is 0 and the repeats are
+not). A simulator whose error is within it is as close to the engine's mean as the engine's own
+repeats are. Each metric's verdict (VERDICTS) weighs the error against its gate and that spread:
+"within gate" (|error| <= gate), "within engine noise" (outside the gate, |error| <= spread),
+"outside both"; "ungated" for a metric without a gate (or with its gate off). The gates alone
+decide pass or fail: a metric within the engine's noise but outside its gate still fails."""
 from __future__ import annotations
 
 import math
@@ -63,6 +76,51 @@ def mean_summary(summaries: list[dict], metrics: tuple[str, ...] = METRICS) -> d
     return mean
 
 
+WITHIN_GATE, WITHIN_NOISE, OUTSIDE_BOTH, UNGATED = ("within gate", "within engine noise",
+                                                   "outside both", "ungated")
+VERDICTS: tuple[str, ...] = (WITHIN_GATE, WITHIN_NOISE, OUTSIDE_BOTH, UNGATED)
+
+
+def spread_pct(values: list[float]) -> float | None:
+    """The relative half-range of the engine's repeats, (max - min) / 2 / |mean| × 100: 0 when
+    they are all 0, None (infinite) when their mean is 0 and they are not."""
+    values = [float(value) for value in values]
+    mean = float(np.mean(values))
+    half_range = (max(values) - min(values)) / 2.0
+    if mean == 0.0:
+        return 0.0 if half_range == 0.0 else None
+    return half_range / abs(mean) * 100.0
+
+
+def verdict(error: float | None, gate: float | None, spread: float | None) -> str:
+    """A metric's verdict: within its gate, else within the engine's noise, else outside both
+    (an error of None, infinite, is outside both; a spread of None is infinite)."""
+    if gate is None:
+        return UNGATED
+    if error is None or not math.isfinite(error):
+        return OUTSIDE_BOTH
+    if abs(error) <= gate:
+        return WITHIN_GATE
+    if spread is None or abs(error) <= spread:
+        return WITHIN_NOISE
+    return OUTSIDE_BOTH
+
+
+def add_engine_noise(metrics: dict[str, dict], engine_summaries: list[dict],
+                     gates: dict[str, float | None]) -> dict[str, dict]:
+    """Each metric of `metrics` (compared against the engine's mean) with the engine's repeats'
+    values ("engine_runs"), their spread ("engine_spread_pct") and the verdict ("verdict")."""
+    for name, values in metrics.items():
+        runs = [summary[name] for summary in engine_summaries]
+        values["engine_runs"] = runs
+        values["engine_spread_pct"] = spread_pct(runs)
+        gate_name = GATED_BY.get(name)
+        values["verdict"] = verdict(values["error_pct"],
+                                    gates.get(gate_name) if gate_name else None,
+                                    values["engine_spread_pct"])
+    return metrics
+
+
 def check_gates(metrics: dict[str, dict], gates: dict[str, float | None]) -> list[str]:
     """The gated metrics whose |error| passes their gate, as 'name: error % (gate ±g %)' lines.
     A gate of None switches that gate off; an error of None (engine 0, sim not) always fails."""
@@ -74,7 +132,12 @@ def check_gates(metrics: dict[str, dict], gates: dict[str, float | None]) -> lis
         error = metrics[name]["error_pct"]
         if error is None or not math.isfinite(error) or abs(error) > gate:
             shown = "inf" if error is None else f"{error:+.3f} %"
-            failures.append(f"{name}: {shown} (gate ±{gate:g} %, {gate_name})")
+            line = f"{name}: {shown} (gate ±{gate:g} %, {gate_name})"
+            if metrics[name].get("verdict") == WITHIN_NOISE:
+                spread = metrics[name]["engine_spread_pct"]
+                line += (" within engine noise (spread " +
+                         ("inf" if spread is None else f"±{spread:.3f} %") + ")")
+            failures.append(line)
     return failures
 
 

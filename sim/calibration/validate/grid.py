@@ -1,6 +1,8 @@
 """A validation grid: every job of a sweep (sweep.py) validated in <out>/<job>/, then one table for
 the grid: grid.csv, grid.md and grid.json (each job's swept values, signed errors and speedup;
-then the largest |error| of each metric over the grid)."""
+then the largest |error| of each metric over the grid). With engine repeats > 1 each error comes
+with the engine's spread and the verdict (compare.py): `<metric>_engine_spread_pct` and
+`<metric>_verdict` in grid.csv and grid.json, `error (±spread, verdict)` cells in grid.md."""
 from __future__ import annotations
 
 import csv
@@ -11,9 +13,10 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from sim.calibration.validate.compare import METRICS, speedup
-from sim.calibration.validate.report import format_error, format_value
-from sim.calibration.validate.run import DEFAULT_SIM_RUNS, validate
+from sim.calibration.validate.compare import METRICS, OUTSIDE_BOTH, WITHIN_GATE, WITHIN_NOISE, \
+    speedup
+from sim.calibration.validate.report import format_error, format_spread, format_value
+from sim.calibration.validate.run import DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS, validate
 from sim.calibration.validate.sweep import expand_sweep, swept_values
 
 # The columns of the grid table: the errors people compare simulators by.
@@ -22,15 +25,24 @@ GRID_METRICS: tuple[str, ...] = (
     "p99_tpot_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "request_throughput",
     "num_preemptions",
 )
+# The verdicts in grid.md's cells.
+SHORT_VERDICTS = {WITHIN_GATE: "gate", WITHIN_NOISE: "noise", OUTSIDE_BOTH: "out"}
 
 
 def grid_rows(results: list[dict], swept: list[dict[str, str]]) -> list[dict]:
-    """One row per job: its swept values, its errors on GRID_METRICS, preemptions, speedup."""
+    """One row per job: its swept values, its errors on GRID_METRICS (with the engine's spread
+    and the verdict where the engine ran several repeats), preemptions, speedup."""
+    noise = any("engine_spread_pct" in result["metrics"][name] for result in results
+                for name in GRID_METRICS)
     rows = []
     for index, (result, values) in enumerate(zip(results, swept)):
         row = {"job": index, **values}
         for name in GRID_METRICS:
             row[f"{name}_error_pct"] = result["metrics"][name]["error_pct"]
+            if noise:
+                row[f"{name}_engine_spread_pct"] = result["metrics"][name].get(
+                    "engine_spread_pct")
+                row[f"{name}_verdict"] = result["metrics"][name].get("verdict")
         row["engine_preemptions"] = result["metrics"]["num_preemptions"]["engine"]
         row["sim_preemptions"] = result["metrics"]["num_preemptions"]["sim"]
         row["speedup"] = result["speedup"]
@@ -67,9 +79,23 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
     lines = [f"Validation grid: signed error of the profiled simulator against the engine, %. "
              f"{summary['num_passed']}/{summary['num_jobs']} jobs within every gate.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    noise = any(f"{n}_verdict" in row for row in rows for n in GRID_METRICS)
+    if noise:
+        lines[0] += (" Each error with the engine's spread over its repeats (±relative "
+                     "half-range, %) and the verdict: gate (within the gate), noise (within the "
+                     "engine's spread only), out (outside both), ungated.")
+
+    def error_cell(row: dict, name: str) -> str:
+        text = format_error(row[f"{name}_error_pct"])
+        if noise:
+            verdict = row.get(f"{name}_verdict")
+            text += (f" ({format_spread(row.get(f'{name}_engine_spread_pct'))}, "
+                     f"{SHORT_VERDICTS.get(verdict, verdict)})")
+        return text
+
     for row in rows:
         cells = [str(row["job"]), *(row[k] for k in swept_keys),
-                 *(format_error(row[f"{n}_error_pct"]) for n in GRID_METRICS),
+                 *(error_cell(row, n) for n in GRID_METRICS),
                  f"{format_value(row['engine_preemptions'])}/"
                  f"{format_value(row['sim_preemptions'])}",
                  f"{format_value(row['speedup'])}×", f"{row['speed_factor']:.2f}"]
@@ -85,7 +111,8 @@ def grid_markdown(rows: list[dict], summary: dict, swept_keys: list[str], comman
 
 def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | None],
                   console: Console | None = None, command: str = "twinserve-validate",
-                  normalize_speed: bool = True, sim_runs: int = DEFAULT_SIM_RUNS) -> dict:
+                  normalize_speed: bool = True, sim_runs: int = DEFAULT_SIM_RUNS,
+                  engine_repeats: int = DEFAULT_ENGINE_REPEATS) -> dict:
     """Validate every combination of a sweep; write grid.csv, grid.md and grid.json."""
     from tqdm import tqdm
 
@@ -98,7 +125,7 @@ def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | 
         values = " ".join(f"{key}={value}" for key, value in swept[index].items())
         console.print(f"[bold]job {index}[/bold]: {values}")
         results.append(validate(job, out_dir / str(index), gates, console, normalize_speed,
-                                sim_runs))
+                                sim_runs, engine_repeats))
     rows = grid_rows(results, swept)
     summary = grid_summary(results)
     swept_keys = list(swept[0])
