@@ -158,6 +158,9 @@ class StepPlan:
     # seq_id -> k draft tokens of a speculating decode.
     spec_lens: dict[int, int] = field(default_factory=dict)
     max_repeats: int = 1
+    # True when requests arriving meanwhile would only wait (the queue's head is blocked): the
+    # repeated steps need not stop at the next arrival.
+    repeats_past_arrivals: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -123,3 +123,25 @@ def test_the_clock_wakes_at_the_exact_end_of_repeated_steps():
     assert woke == [end]
     with pytest.raises(ValueError, match="before now"):
         env.timeout_at(end - 1)
+
+
+def test_repeated_steps_run_past_arrivals_that_must_wait(monkeypatch):
+    """Overloaded, the queue's head waits for memory, so a request arriving during repeated
+    steps only joins the queue: the steps run on past it and its rows count it waiting."""
+    from sim.core.metrics import StepRecorder
+
+    counted = []
+    count_arrivals = StepRecorder.count_arrivals
+
+    def counting(self, first_row, num_rows, arrival_times):
+        counted.append(len(arrival_times))
+        return count_arrivals(self, first_row, num_rows, arrival_times)
+
+    monkeypatch.setattr(StepRecorder, "count_arrivals", counting)
+    overloaded = ["workload.num_requests=300", "workload.rate=40", "kv_cache.num_blocks=400"]
+    coalesced = run_experiment(make_cfg(*overloaded), plots=False)
+    monkeypatch.undo()
+    step_by_step = run_experiment(make_cfg(*overloaded, "++scheduler.coalesce=false"),
+                                  plots=False)
+    assert sum(counted) > 10
+    assert_same_run(coalesced, step_by_step)

@@ -376,6 +376,8 @@ class BaseScheduler:
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
         if self.coalesce and plan.num_decode_seqs:
             plan.max_repeats = self._num_repeatable_steps(plan)
+            # A blocked FCFS head keeps every later arrival waiting behind it.
+            plan.repeats_past_arrivals = bool(self.waiting)
         return plan
 
     def _num_repeatable_steps(self, plan: StepPlan) -> int:

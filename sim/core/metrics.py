@@ -484,6 +484,17 @@ class StepRecorder:
             start_time += duration
             tokens_stored += plan.num_decode_seqs
 
+    def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
+        """Requests that joined the waiting queue during repeated steps (at `arrival_times`):
+        each step row from `first_row` on that started after one counts it waiting, as the
+        row of a separate step would."""
+        rows, column = self.metrics.step_rows, _COL["num_waiting"]
+        for index in range(first_row, first_row + num_rows):
+            row = rows[index]
+            num_arrived = sum(1 for time in arrival_times if time < row[1])
+            if num_arrived:
+                rows[index] = row[:column] + (row[column] + num_arrived,) + row[column + 1:]
+
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
         sequence's since its last token; in each later one, the step itself for every sequence."""

@@ -59,6 +59,7 @@ class Replica:
         # Without it, every step is its own event; with it, env must be a SimEnvironment.
         self.next_arrival = next_arrival
         self._idle: simpy.Event | None = None
+        self._queued_during_step: list[float] = []   # when requests joined its waiting queue
         self.process = env.process(self.run())
 
     @property
@@ -71,7 +72,9 @@ class Replica:
         if request.rejected_reason is not None:
             if self.on_requests_done:
                 self.on_requests_done(1)
-        elif self._idle is not None and not self._idle.triggered:
+            return
+        self._queued_during_step.append(self.env.now)
+        if self._idle is not None and not self._idle.triggered:
             self._idle.succeed()
 
     def run(self):
@@ -82,12 +85,18 @@ class Replica:
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
+            queued = self._queued_during_step
+            queued.clear()
+            first_row = len(self.metrics.step_rows)
             result = steps.begin(env.now, next_arrival.time if next_arrival else None)
             if result.step_durations:
                 yield env.timeout_at(steps.step_end_times[-1])
             else:
                 yield env.timeout(result.duration)
             finished = steps.complete(env.now)
+            if result.step_durations and queued:
+                # Requests that arrived while the run's blocked queue kept them waiting.
+                self.recorder.count_arrivals(first_row, result.num_steps, queued)
             if finished and self.on_requests_done:
                 self.on_requests_done(len(finished))
 

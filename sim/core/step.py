@@ -19,6 +19,8 @@ step boundary. Rows, latencies and the clock come out as if each step had run on
 """
 from __future__ import annotations
 
+import math
+
 from policies.prediction import KeepPrediction, refine
 from policies.protocols import Executor, Scheduler
 from policies.types import Request, StepPlan, StepResult
@@ -60,7 +62,8 @@ class StepLoop:
         # A refining predictor is asked after every step: its guesses may move a later one.
         if (horizon is not None and plan.max_repeats > 1 and self.refining_predictor is None
                 and getattr(self.executor, "repeats_steps", False)):
-            result = self._run_repeated(plan, now, horizon)
+            result = self._run_repeated(plan, now,
+                                        math.inf if plan.repeats_past_arrivals else horizon)
             self.recorder.record_repeated_steps(now, plan, result, scheduler)
         else:
             result = self.executor.execute(plan)
