@@ -307,7 +307,8 @@ def exact_marginals(model, prompt: list[int], num_tokens: int, temperature: floa
     model.set_attn_implementation("sdpa")
     try:
         with torch.inference_mode():
-            logits = model(inputs).logits[:, len(prompt) - 1:].double()
+            device = next(model.parameters()).device   # the engine's: cuda where there is one
+            logits = model(inputs.to(device)).logits[:, len(prompt) - 1:].double().cpu()
     finally:
         model.set_attn_implementation(PAGED_ATTENTION)
     conditionals = torch.softmax(logits / temperature, dim=-1)  # [prefixes, num_tokens, vocab]
