@@ -60,19 +60,18 @@ class GenerateStats:
                    elapsed_s: float) -> "GenerateStats":
         """The totals of the step rows the step loop recorded (the simulator's steps.csv
         columns), and of the requests."""
-        def total(*columns: str) -> int:
-            return int(sum(metrics.step_column(column).sum() for column in columns))
+        total = metrics.step_totals()
         return cls(
             num_steps=len(metrics.step_rows),
-            num_preemptions=total("num_preempted_recompute", "num_preempted_swap"),
-            num_swapped_out_blocks=total("num_blocks_swapped_out"),
-            num_swapped_in_blocks=total("num_blocks_swapped_in"),
-            num_copied_blocks=total("num_blocks_copied"),
+            num_preemptions=total["num_preempted_recompute"] + total["num_preempted_swap"],
+            num_swapped_out_blocks=total["num_blocks_swapped_out"],
+            num_swapped_in_blocks=total["num_blocks_swapped_in"],
+            num_copied_blocks=total["num_blocks_copied"],
             # Prefill chunks and decodes; a decode's drafts are not computed tokens here.
-            num_computed_tokens=total("num_prefill_tokens", "num_decode_seqs"),
+            num_computed_tokens=total["num_prefill_tokens"] + total["num_decode_seqs"],
             num_cached_tokens=sum(request.num_cached_tokens for request in requests),
             num_output_tokens=sum(request.num_output_tokens for request in requests),
-            num_accepted_tokens=total("num_accepted_tokens"),
+            num_accepted_tokens=total["num_accepted_tokens"],
             elapsed_s=elapsed_s)
 
 

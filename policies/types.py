@@ -111,6 +111,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return sum(seq.num_output_tokens for seq in self.sequences)
 
+    @property
+    def num_output_tokens_per_sample(self) -> int:
+        """Output tokens of its longest sample: how far along the request is (what TPOT divides
+        by, as vllm does)."""
+        return max((seq.num_output_tokens for seq in self.sequences), default=0)
+
     def unfinished_sequences(self) -> list[Sequence]:
         return [seq for seq in self.sequences if seq.status is not SequenceStatus.FINISHED]
 

@@ -321,6 +321,13 @@ class BaseScheduler:
         """Hook: the requests the preemption policy may pick its victim among."""
         return candidates
 
+    @staticmethod
+    def _highest(candidates: list[Request], key) -> list[Request]:
+        """The candidates with the highest `key` (the least favoured, for _victim_candidates)."""
+        keys = [key(request) for request in candidates]
+        highest = max(keys)
+        return [request for request, value in zip(candidates, keys) if value == highest]
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         seqs = request.unfinished_sequences()
         self.running.remove(request)

@@ -43,8 +43,7 @@ class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
         return min(self.waiting, key=self._urgency)
 
     def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
-        latest = max(self.deadline(request) for request in candidates)
-        return [request for request in candidates if self.deadline(request) == latest]
+        return self._highest(candidates, self.deadline)   # the latest deadlines
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         finished = super().update(plan, result, now)

@@ -31,7 +31,7 @@ class MLFQScheduler(PriorityScheduler):
         while quantum < prefill_cost and level < self.num_levels - 1:   # skip-join
             quantum *= 2
             level += 1
-        served = max((seq.num_output_tokens for seq in request.sequences), default=0)
+        served = request.num_output_tokens_per_sample
         while served >= quantum and level < self.num_levels - 1:
             served -= quantum
             quantum *= 2

@@ -26,9 +26,7 @@ class PriorityScheduler(ContinuousBatchingScheduler):
                                                       request.request_id))
 
     def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
-        ranks = [self.rank(request) for request in candidates]
-        least_important = max(ranks)
-        return [request for request, rank in zip(candidates, ranks) if rank == least_important]
+        return self._highest(candidates, self.rank)   # the least important
 
     def _admit_prefills(self, plan: StepPlan) -> None:
         """Admit waiting requests, most important first; while the most important one still

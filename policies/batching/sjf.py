@@ -35,6 +35,5 @@ def _arrival_order(request: Request) -> tuple[float, int]:
 
 def _predicted_remaining(request: Request) -> tuple[int, float, int]:
     """Predicted tokens still to generate (a recomputed request has some already), then arrival."""
-    remaining = request.predicted_output_len - max(
-        (seq.num_output_tokens for seq in request.sequences), default=0)
+    remaining = request.predicted_output_len - request.num_output_tokens_per_sample
     return max(remaining, 0), request.arrival_time, request.request_id

@@ -78,9 +78,7 @@ class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
         self._outputs_counted.setdefault(request, request.num_output_tokens)
 
     def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
-        most_served = max(self.counters[request.tenant] for request in candidates)
-        return [request for request in candidates
-                if self.counters[request.tenant] == most_served]
+        return self._highest(candidates, lambda request: self.counters[request.tenant])
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         finished = super().update(plan, result, now)

@@ -143,7 +143,6 @@ class PagedBlockManager:
         batch instead of one method call per sequence."""
         num_allocated_tokens = self._num_allocated_tokens
         num_exclusive_slots = self._num_exclusive_slots
-        free_block_ids, ref_counts = self._free_block_ids, self._ref_counts
         block_size = self.block_size
         num_stored_added = 0
         for index in range(start, len(seqs)):
@@ -158,14 +157,11 @@ class PagedBlockManager:
                     # free list (a running sequence's growth keeps no watermark).
                     if num_tokens > num_slots:
                         num_new_blocks = -(-(num_tokens - num_slots) // block_size)
-                        if num_new_blocks > len(free_block_ids):
+                        if num_new_blocks > len(self._free_block_ids):
                             self._num_tokens_stored += num_stored_added
                             return index
                         table = self.block_tables[seq_id]
-                        for _ in range(num_new_blocks):
-                            block = free_block_ids.popleft()
-                            ref_counts[block] = 1
-                            table.append(block)
+                        table.extend(self._take_uncached_blocks(num_new_blocks))
                         num_exclusive_slots[seq_id] = len(table) * block_size
                     num_stored_added += num_new_tokens
                     num_allocated_tokens[seq_id] = num_tokens
@@ -231,14 +227,9 @@ class PagedBlockManager:
             table[-1] = private_block
             self._pending_copies.append((shared_block, private_block))
             self._num_tokens_stored += num_in_last_block  # the copy holds the tokens so far
-        free_block_ids = self._free_block_ids
-        if num_new_blocks <= len(free_block_ids):
+        if num_new_blocks <= len(self._free_block_ids):
             # Enough uncached blocks: take them in one go (a long prompt takes hundreds).
-            popleft, ref_counts = free_block_ids.popleft, self._ref_counts
-            new_blocks = [popleft() for _ in range(num_new_blocks)]
-            for block in new_blocks:
-                ref_counts[block] = 1
-            table.extend(new_blocks)
+            table.extend(self._take_uncached_blocks(num_new_blocks))
         else:
             for _ in range(num_new_blocks):
                 table.append(self._take_free_block())
@@ -249,6 +240,15 @@ class PagedBlockManager:
         elif self._ref_counts[table[-1]] == 1:
             self._num_exclusive_slots[seq.seq_id] = len(table) * block_size
         return True
+
+    def _take_uncached_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` blocks off the uncached free list (which holds them), ref count 1 each,
+        in the order _take_free_block would hand them out."""
+        popleft, ref_counts = self._free_block_ids.popleft, self._ref_counts
+        blocks = [popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            ref_counts[block] = 1
+        return blocks
 
     def _take_free_block(self) -> int:
         """A free block with ref count 1. Uncached blocks go first so cached prefixes live longer;
@@ -271,26 +271,14 @@ class PagedBlockManager:
         ref_counts = self._ref_counts
         cached_blocks = self._block_to_hash
         track_freed = bool(self._pending_copies)
-        if not cached_blocks and not track_freed:
-            # Nothing cached, no copy pending: only the counts and the free list move.
-            if max(map(ref_counts.__getitem__, table), default=0) == 1:   # shared with none
-                for block in table:
-                    ref_counts[block] = 0
-                freed_blocks = table[::-1]
-            else:
-                freed_blocks = []
-                for block in reversed(table):
-                    ref_count = ref_counts[block] - 1
-                    ref_counts[block] = ref_count
-                    if ref_count == 0:
-                        freed_blocks.append(block)
-            if freed_blocks:
-                # Every freed block is full but the table's last, which holds the remainder.
-                last_freed = freed_blocks[0] == table[-1]
-                self._num_tokens_stored -= (
-                    (len(freed_blocks) - last_freed) * block_size
-                    + (num_tokens - (len(table) - 1) * block_size if last_freed else 0))
-                self._free_block_ids.extend(freed_blocks)
+        if (table and not cached_blocks and not track_freed
+                and max(map(ref_counts.__getitem__, table)) == 1):
+            # Nothing cached, no copy pending, shared with none: every block is freed, the
+            # tail first, and they hold the table's tokens.
+            for block in table:
+                ref_counts[block] = 0
+            self._num_tokens_stored -= num_tokens
+            self._free_block_ids.extend(reversed(table))
             return
         freed_blocks = []
         num_stored_freed = 0

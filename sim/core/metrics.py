@@ -64,11 +64,6 @@ def is_completed(request: Request) -> bool:
     return request.finish_time is not None and request.rejected_reason is None
 
 
-def tokens_per_sample(request: Request) -> int:
-    """Output tokens of the request's longest sample: what TPOT divides by (as vllm does)."""
-    return max((seq.num_output_tokens for seq in request.sequences), default=0)
-
-
 def request_latencies_s(request: Request) -> tuple[float | None, float | None, float | None]:
     """(TTFT, TPOT, E2EL) in seconds; None where the request has no such value."""
     ttft = tpot = e2el = None
@@ -76,7 +71,7 @@ def request_latencies_s(request: Request) -> tuple[float | None, float | None, f
         ttft = request.first_token_time - request.arrival_time
     if request.finish_time is not None:
         e2el = request.finish_time - request.arrival_time
-        tokens = tokens_per_sample(request)
+        tokens = request.num_output_tokens_per_sample
         if request.first_token_time is not None and tokens > 1:
             tpot = (request.finish_time - request.first_token_time) / (tokens - 1)
     return ttft, tpot, e2el
@@ -313,9 +308,10 @@ class MetricsCollector:
         for itl, count in itl_counts.items():
             merged[itl] = merged.get(itl, 0) + count
 
-    def step_column(self, name: str) -> np.ndarray:
-        """One STEP_COLUMNS column over every recorded step, as a float array."""
-        return self.step_array()[:, _COL[name]]
+    def step_totals(self) -> dict[str, int]:
+        """Each STEP_COLUMNS count summed over every recorded step."""
+        totals = self.step_array().sum(axis=0)
+        return {name: int(totals[index]) for name, index in _COL.items()}
 
     def order_steps_by_start(self) -> None:
         """Put the step rows in order of their start time (a replica records a run of repeated

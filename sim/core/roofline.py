@@ -137,7 +137,7 @@ class RooflineCostModel:
         if not (num_tokens or num_swapped or num_copied):
             return 0.0
 
-        time = self._overhead_s(plan)
+        time = self._overhead_s(plan, num_swapped, num_copied)
         if not num_tokens:
             return time
         time = self._add_batched_work(time, plan, num_tokens)
@@ -156,7 +156,9 @@ class RooflineCostModel:
         if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
             raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
         num_decodes = num_tokens = plan.num_decode_seqs
-        before_attention = self._add_batched_work(self._overhead_s(plan), plan, num_tokens)
+        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        before_attention = self._add_batched_work(
+            self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy)), plan, num_tokens)
         after_attention = self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
         context = plan.decode_context_tokens
         for step in range(num_steps):
@@ -164,11 +166,11 @@ class RooflineCostModel:
                    + after_attention)
             context += num_decodes
 
-    def _overhead_s(self, plan: StepPlan) -> float:
-        """The fixed and per-sequence overheads, swaps and copies."""
-        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+    def _overhead_s(self, plan: StepPlan, num_swapped: int, num_copied: int) -> float:
+        """The fixed and per-sequence overheads, and `num_swapped` blocks swapped and
+        `num_copied` copied."""
         time = self.step_overhead_s + self.per_sequence_overhead_s * (plan.num_prefill_seqs + plan.num_decode_seqs)
-        time += num_swapped * self._swap_s_per_block + len(plan.blocks_to_copy) * self._copy_s_per_block
+        time += num_swapped * self._swap_s_per_block + num_copied * self._copy_s_per_block
         return time
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:

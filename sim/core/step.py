@@ -112,8 +112,7 @@ class StepLoop:
         requests = {seq.request.request_id: seq.request for seq in seqs}
         for request in requests.values():
             if not request.is_finished:
-                refine(self.refining_predictor, request,
-                       max(seq.num_output_tokens for seq in request.sequences))
+                refine(self.refining_predictor, request, request.num_output_tokens_per_sample)
 
 
 def refines(predictor) -> bool:
