@@ -494,14 +494,24 @@ class StepRecorder:
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
         sequence's since its last token; in each later one, the step itself for every sequence."""
+        self._add_one_token_each(times_before, step_end_times[0])
         itl_counts = self.itl_counts
         end = step_end_times[0]
-        for last_time, same_time in itertools.groupby(times_before):
-            itl_counts[end - last_time] += len(list(same_time))
         num_seqs = len(times_before)
         for next_end in step_end_times[1:]:
             itl_counts[next_end - end] += num_seqs
             end = next_end
+
+    def _add_one_token_each(self, times_before: list[float], end: float) -> None:
+        """One token for each of the (non-empty) sequences that last sampled at `times_before`,
+        `end - that time` later. Those that last sampled in one step sit side by side in the batch:
+        one run per earlier step (hashing each sequence's time would cost more than its step)."""
+        itl_counts = self.itl_counts
+        if times_before.count(times_before[0]) == len(times_before):
+            itl_counts[end - times_before[0]] += len(times_before)
+            return
+        for last_time, same_time in itertools.groupby(times_before):
+            itl_counts[end - last_time] += len(list(same_time))
 
     def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
                     times_before: list[float], now: float) -> None:
@@ -513,14 +523,7 @@ class StepRecorder:
         gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
         num_seqs = len(gained)
         if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:
-            # Most steps: every sequence decoded one token, and those that last sampled in one
-            # step sit side by side in the batch (one run per earlier step; hashing each
-            # sequence's time would cost more than the rest of its step).
-            if times_before.count(times_before[0]) == num_seqs:
-                itl_counts[now - times_before[0]] += num_seqs
-            else:
-                for last_time, same_time in itertools.groupby(times_before):
-                    itl_counts[now - last_time] += len(list(same_time))
+            self._add_one_token_each(times_before, now)   # most steps: one token each
             return
         for before, num_gained, last_time in zip(outputs_before, gained, times_before):
             if before and num_gained:
