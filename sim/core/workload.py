@@ -341,9 +341,7 @@ class _LengthDistribution:
         if self.dist == "uniform":
             return rng.integers(self.low, self.high + 1, size, dtype=np.int64)
         if self.dist == "lognormal":
-            # E[exp(N(mu, sigma^2))] = exp(mu + sigma^2/2), so this mu makes the mean `mean`.
-            mu = math.log(self.mean) - self.sigma ** 2 / 2
-            lengths = np.rint(rng.lognormal(mu, self.sigma, size))
+            lengths = np.rint(_lognormal(self.mean, self.sigma, size, rng))
             upper = self.max if self.max is not None else np.iinfo(np.int64).max // 2
             return np.clip(lengths, self.min, upper).astype(np.int64)
         # zipf, truncated to [min, max]: P(length = min + r - 1) ∝ r^-a for rank r >= 1, so `min`
@@ -497,8 +495,7 @@ class _TimeDistribution:
             return rng.uniform(self.low, self.high, size)
         if self.dist == "exponential":
             return rng.exponential(self.mean, size)
-        mu = math.log(self.mean) - self.sigma ** 2 / 2
-        return rng.lognormal(mu, self.sigma, size)
+        return _lognormal(self.mean, self.sigma, size, rng)
 
 
 def _parse_time_distribution(fields: _Fields) -> _TimeDistribution:
@@ -520,6 +517,11 @@ def _parse_time_distribution(fields: _Fields) -> _TimeDistribution:
         return _TimeDistribution(dist, mean=mean)
     sigma = validators.non_negative_number(fields.name("sigma"), fields.number("sigma"))
     return _TimeDistribution(dist, mean=mean, sigma=sigma)
+
+
+def _lognormal(mean: float, sigma: float, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Lognormal draws of arithmetic mean `mean`: E[exp(N(mu, sigma^2))] = exp(mu + sigma^2/2)."""
+    return rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, size)
 
 
 @dataclass(frozen=True)
