@@ -25,8 +25,8 @@ from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PR
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
 from sim.calibration.step_shapes import GridPoint, build_plan
-from sim.core.build import (build_policy, build_predictor, policy_config,
-                            speculation_policy_config)
+from sim.core.build import (build_policy, build_predictor, kv_cache_policy_config,
+                            policy_config, speculation_policy_config)
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 NGRAM = "ngram"
@@ -88,7 +88,8 @@ def build_engine(config: EngineConfig) -> Engine:
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, config.seed,
                                     config.kernel_backend, draft=draft,
-                                    max_num_speculative_tokens=max_k)
+                                    max_num_speculative_tokens=max_k,
+                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0))
     return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
 
 
@@ -168,10 +169,14 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
     host_blocks = kv_cache_num_host_blocks(spec, config.block_size,
                                            getattr(preemption, "swap_space_gb", 0.0),
                                            draft=draft_spec)
-    kv_cache = build_policy(policy_config(KV_CACHE_CONFIG, "kv_cache"), "kv_cache",
-                            num_blocks=num_blocks, block_size=config.block_size,
+    # The host tier, sized as the swap pool is (its bandwidth is the simulator's to charge).
+    offload_blocks = kv_cache_num_host_blocks(spec, config.block_size, config.kv_offload_gb,
+                                              draft=draft_spec)
+    kv_cache = build_policy(kv_cache_policy_config(policy_config(KV_CACHE_CONFIG, "kv_cache")),
+                            "kv_cache", num_blocks=num_blocks, block_size=config.block_size,
                             num_host_blocks=host_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching)
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            num_offload_blocks=offload_blocks)
     speculation = build_speculation(config)
     drafting = {} if speculation is None else {"speculation": speculation}
     return build_policy(scheduler_cfg, "scheduler", kv_cache=kv_cache, preemption=preemption,
@@ -183,16 +188,18 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          block_size: int, device: torch.device, seed: int = 0,
                          kernel_backend: str | None = None,
                          draft: LoadedModel | str | None = None,
-                         max_num_speculative_tokens: int = 0) -> EngineExecutor:
+                         max_num_speculative_tokens: int = 0,
+                         num_offload_blocks: int = 0) -> EngineExecutor:
     """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
     kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
     drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
-    sequence."""
+    sequence; with num_offload_blocks, the prefix cache's host tier."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
     pool = KVCachePool(loaded.spec, num_blocks, num_host_blocks, block_size, dtype, device, ops,
-                       draft_spec=draft_model.spec if draft_model else None)
+                       draft_spec=draft_model.spec if draft_model else None,
+                       num_offload_blocks=num_offload_blocks)
     use_paged_attention(loaded.model)
     runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device)
     sampler = Sampler(device, seed)
@@ -242,7 +249,7 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                           max_num_speculative_tokens: int = 0,
                           speed_reference: SpeedReference | str | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
-    block_size), for a simulator replica run on the engine (backend=engine, whose config names
+    block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the engine (backend=engine, whose config names
     this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
     it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
     speed_reference (a profile's speed reference, or the profile's path) its step durations are
@@ -253,7 +260,8 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,
-                                    max_num_speculative_tokens=max_num_speculative_tokens)
+                                    max_num_speculative_tokens=max_num_speculative_tokens,
+                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0))
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
     if speed_reference is None:
         return executor

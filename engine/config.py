@@ -30,6 +30,9 @@ class EngineConfig:
     # Host pool when preempting by swap (vLLM's --swap-space); None: the preemption config's.
     swap_space_gb: float | None = None
     enable_prefix_caching: bool = False
+    # GiB of host memory for the prefix cache's host tier (kv_cache.offload_gb): evicted cached
+    # blocks' K/V go there and come back on a hit. 0: off; needs enable_prefix_caching.
+    kv_offload_gb: float = 0.0
     seed: int = 0                       # weights of a random model, and unseeded sampling
     device: str | None = None           # None: cuda when there is one, else cpu
     dtype: Any = None                   # None: fp32 on CPU, the model's (bf16 for 2-byte) on CUDA
@@ -63,6 +66,10 @@ class EngineConfig:
         if self.swap_space_gb is not None:
             non_negative_number("swap_space_gb", self.swap_space_gb)
         boolean("enable_prefix_caching", self.enable_prefix_caching)
+        non_negative_number("kv_offload_gb", self.kv_offload_gb)
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb needs enable_prefix_caching=True: the host tier holds "
+                             "evicted prefix-cache blocks")
         non_negative_int("seed", self.seed)
         number_in("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
         positive_number("cpu_kv_cache_gb", self.cpu_kv_cache_gb)

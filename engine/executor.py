@@ -1,7 +1,7 @@
 """The engine's executor: runs a StepPlan for real and says how long it took.
 
 Satisfies policies.protocols.Executor, like the simulator's: memory operations as the plan orders
-them (swap out, swap in, copy), one forward over every scheduled token, sampling, and the token
+them (swap out, offload to and load from the prefix cache's host tier, swap in, copy), one forward over every scheduled token, sampling, and the token
 ids the policies' `update` consumes.
 
 Speculative decoding: a decode in `plan.spec_lens` gets up to k drafts from the drafter, runs
@@ -48,6 +48,8 @@ class EngineExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.pool.swap_out(plan.blocks_to_swap_out)
+        self.pool.offload(plan.blocks_to_offload)
+        self.pool.load(plan.blocks_to_load)
         self.pool.swap_in(plan.blocks_to_swap_in)
         self.pool.copy(plan.blocks_to_copy)
         sampled: dict[int, list[int]] = {}

@@ -1,5 +1,5 @@
-"""The KV block pools the policies' block ids index: one device tensor per layer, and a host pool
-for swapped-out blocks. Sized by the simulator's memory arithmetic (sim/core/specs.py) so both
+"""The KV block pools the policies' block ids index: one device tensor per layer, a host pool for
+swapped-out blocks and a host pool for the prefix cache's host tier (evicted cached blocks). Sized by the simulator's memory arithmetic (sim/core/specs.py) so both
 backends agree."""
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ class KVCachePool:
 
     def __init__(self, spec: ModelSpec, num_blocks: int, num_host_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelOps,
-                 draft_spec: ModelSpec | None = None):
+                 draft_spec: ModelSpec | None = None, num_offload_blocks: int = 0):
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
+        self.num_offload_blocks = num_offload_blocks
         self.block_size = block_size
         self.ops = ops
         layer_shapes = [(spec.num_key_value_heads, spec.head_dim)] * spec.num_layers
@@ -40,14 +41,26 @@ class KVCachePool:
         self.host_caches = [torch.empty((2, num_host_blocks, block_size) + shape, dtype=dtype,
                                         pin_memory=pin)
                             for shape in layer_shapes] if num_host_blocks else []
+        # The host tier: a slot is written (a store) before a load reads it.
+        self.offload_caches = [torch.empty((2, num_offload_blocks, block_size) + shape,
+                                           dtype=dtype, pin_memory=pin)
+                               for shape in layer_shapes] if num_offload_blocks else []
         self.target_caches = self.device_caches[:spec.num_layers]
         self.draft_caches = self.device_caches[spec.num_layers:]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(pairs, self.device_caches, self.host_caches)
+        self._move(pairs, self.device_caches, self.host_caches, "swap")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._move(pairs, self.host_caches, self.device_caches)
+        self._move(pairs, self.host_caches, self.device_caches, "swap")
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Store evicted cached blocks in the host tier: (device block, tier slot) pairs."""
+        self._move(pairs, self.device_caches, self.offload_caches, "offload")
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Load host-tier hits back: (tier slot, device block) pairs."""
+        self._move(pairs, self.offload_caches, self.device_caches, "offload")
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -57,11 +70,12 @@ class KVCachePool:
         for cache in self.device_caches:
             self.ops.copy_blocks(cache, block_pairs)
 
-    def _move(self, pairs, sources, destinations) -> None:
+    def _move(self, pairs, sources, destinations, pool: str) -> None:
         if not pairs:
             return
-        if not self.host_caches:
-            raise RuntimeError("the plan swaps blocks but the engine has no host swap pool")
+        if not (self.host_caches if pool == "swap" else self.offload_caches):
+            raise RuntimeError(f"the plan moves blocks to or from the host {pool} pool, but the "
+                               f"engine has none")
         block_pairs = torch.tensor(pairs, dtype=torch.int64)
         for source, destination in zip(sources, destinations):
             self.ops.swap_blocks(source, destination, block_pairs)

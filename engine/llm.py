@@ -51,6 +51,9 @@ class GenerateStats:
     num_copied_blocks: int = 0
     num_computed_tokens: int = 0    # tokens run through the model (recomputes included)
     num_cached_tokens: int = 0      # prompt tokens skipped thanks to the prefix cache
+    num_host_cached_tokens: int = 0  # of those, loaded back from the host tier
+    num_offloaded_blocks: int = 0   # evicted cached blocks stored in the host tier
+    num_loaded_blocks: int = 0      # host-tier blocks loaded back
     num_output_tokens: int = 0
     num_accepted_tokens: int = 0    # draft tokens accepted (speculative decoding)
     elapsed_s: float = 0.0
@@ -70,6 +73,9 @@ class GenerateStats:
             # Prefill chunks and decodes; a decode's drafts are not computed tokens here.
             num_computed_tokens=total["num_prefill_tokens"] + total["num_decode_seqs"],
             num_cached_tokens=sum(request.num_cached_tokens for request in requests),
+            num_host_cached_tokens=sum(request.num_host_cached_tokens for request in requests),
+            num_offloaded_blocks=total["num_blocks_offloaded"],
+            num_loaded_blocks=total["num_blocks_loaded"],
             num_output_tokens=sum(request.num_output_tokens for request in requests),
             num_accepted_tokens=total["num_accepted_tokens"],
             elapsed_s=elapsed_s)
@@ -81,7 +87,8 @@ class LLM:
         HF checkpoint folder. Keyword arguments are EngineConfig's fields: block_size,
         num_gpu_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, scheduler
         ("static" | "continuous" | "chunked_prefill" | a scheduler object), preemption
-        ("recompute" | "swap" | a policy object), swap_space_gb, enable_prefix_caching, seed,
+        ("recompute" | "swap" | a policy object), swap_space_gb, enable_prefix_caching,
+        kv_offload_gb (the prefix cache's host tier), seed,
         device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend,
         and for speculative decoding speculative_model ("ngram", a conf/model name or a local
         checkpoint folder of a draft model with the target's vocabulary),

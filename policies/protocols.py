@@ -16,6 +16,13 @@ with `step_durations` (that many steps of the plan, applied at once); a KV manag
 `new_blocks_per_step(seqs, num_steps)` and `num_blocks_for_repeated_steps()` (as
 PagedBlockManager does); an executor has `repeats_steps` and
 `repeated_step_times(plan, num_steps)` (as SimExecutor does).
+
+Optional, for a KV manager with a host tier for its prefix cache (PagedBlockManager with
+`num_offload_blocks` > 0): `num_offload_blocks` sizes the engine's tier pool;
+`take_pending_offload()` returns the (device, tier) stores and (tier, device) loads decided since
+the last call, which BaseScheduler puts in the plan (`blocks_to_offload`, `blocks_to_load`);
+`num_loaded_prefix_tokens(seq)` says how many of the tokens allocate_prefix gave the sequence
+came from the tier (`Request.num_host_cached_tokens`).
 """
 from __future__ import annotations
 
@@ -46,6 +53,9 @@ class KVCacheManager(Protocol):
         """Whether `num_seqs` sequences of `num_tokens` could be admitted into the empty pool."""
     def allocate_prefix(self, seq: Sequence) -> int:
         """Point a new sequence at its cached prefix's blocks; returns the tokens they hold."""
+    def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        """Tokens at the start of a prompt that allocate_prefix would serve from the cache (any
+        tier), changing nothing; 0 without a prefix cache. What a prefix-aware router reads."""
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
         """Make the sequence's table cover positions [0, num_tokens); False changes nothing."""
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
@@ -143,6 +153,9 @@ class ReplicaView(Protocol):
     @property
     def num_outstanding(self) -> int:
         """The replica's unfinished requests."""
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        """The replica's KV manager, to read (num_cached_prefix_tokens), never to change."""
 
 
 @runtime_checkable

@@ -96,6 +96,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0   # prompt tokens the prefix cache served at its first admission
+    num_host_cached_tokens: int = 0   # of those, the ones loaded back from the host tier
     rejected_reason: str | None = None
 
     def __post_init__(self):
@@ -128,7 +129,7 @@ class StepPlan:
     `seqs[i]` computes `num_new_tokens[i]` tokens starting at position `seqs[i].num_computed_tokens`
     (its KV slots are already allocated in `block_tables`). A sequence whose step reaches its last
     token samples one new token. Copies, swaps and preemptions were decided by the policies and
-    are carried out before the forward pass, in the order: swap out, swap in, copy.
+    are carried out before the forward pass, in the order: swap out, offload, load, swap in, copy.
 
     Speculative decoding: a decode in `spec_lens` (seq_id -> k >= 1) also proposes k draft tokens
     and verifies them in the same forward pass; its slots cover positions [0, num_tokens + k).
@@ -157,6 +158,10 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    # The prefix cache's host tier (kv_cache.offload_gb), in its own host id space: evicted
+    # cached blocks stored there, and host hits loaded back before the forward pass.
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)   # (device, tier)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (tier, device)
     preempted_recompute: list[Request] = field(default_factory=list)
     preempted_swap: list[Request] = field(default_factory=list)
     # seq_id -> physical block ids; a live view into the KV manager, not a copy.
@@ -182,7 +187,7 @@ class StepPlan:
         """Nothing to run and nothing changed: a scheduler that returns this is stuck. (A step
         that only preempted is not empty: the next one can use the memory it freed.)"""
         return not (self.seqs or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.preempted_recompute)
+                    or self.preempted_recompute or self.blocks_to_offload or self.blocks_to_load)
 
     def remove_request(self, request: Request) -> None:
         """Take a request's sequences back out of the plan and recompute the features. Rare:

@@ -26,7 +26,8 @@ from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResu
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.calibration.profiled_cost_model import ProfiledCostModel
 from sim.calibration.step_features import STEP_FEATURES, step_features
-from sim.core.build import CONF_DIR, build_policy, config_names, policy_config
+from sim.core.build import (CONF_DIR, build_policy, config_names, kv_cache_policy_config,
+                            policy_config)
 from sim.core.metrics import MetricsCollector
 from sim.core.replica import Replica, arrivals
 from sim.core.specs import HardwareSpec, ModelSpec
@@ -209,15 +210,17 @@ def requests_from_specs(request_specs) -> list[Request]:
 
 def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_blocks,
                     num_host_blocks, max_num_seqs, chunk_budget, prefix_caching=False,
-                    speculation=None):
+                    speculation=None, num_offload_blocks=0):
     """A conf/scheduler policy over conf/kv_cache and conf/preemption ones, as the sim builds it."""
     # kv_name: "paged", "contiguous_max" or "contiguous_oracle" (the contiguous reserve mode).
     # Only the chunked-prefill scheduler gets chunk_budget as its step token budget.
+    # num_offload_blocks: the paged prefix cache's host tier.
     kv_group, _, reserve = kv_name.partition("_")
-    kv_args = (dict(enable_prefix_caching=prefix_caching) if kv_group == "paged" else
-               dict(reserve=reserve, max_model_len=MAX_MODEL_LEN))
-    kv_cache = build_policy(conf_policy(kv_group, "kv_cache"), "kv_cache", num_blocks=num_blocks,
-                            block_size=block_size, num_host_blocks=num_host_blocks, **kv_args)
+    kv_args = (dict(enable_prefix_caching=prefix_caching, num_offload_blocks=num_offload_blocks)
+               if kv_group == "paged" else dict(reserve=reserve, max_model_len=MAX_MODEL_LEN))
+    kv_cache = build_policy(kv_cache_policy_config(conf_policy(kv_group, "kv_cache")), "kv_cache",
+                            num_blocks=num_blocks, block_size=block_size,
+                            num_host_blocks=num_host_blocks, **kv_args)
     preemption = build_policy(conf_policy(preemption_name, "preemption"), "preemption")
     budget = chunk_budget if scheduler_name == "chunked_prefill" else MAX_MODEL_LEN
     return build_policy(conf_policy(scheduler_name, "scheduler"), "scheduler",

@@ -416,6 +416,99 @@ def test_paged_prefix_cache_evicts_uncached_first_then_least_recently_freed():
     manager.check_invariants()
 
 
+# ---------------------------------------------------------------- paged: host tier
+
+def cache_and_free(manager, seq_id: int, token_ids: list[int]) -> Sequence:
+    """Admit a prompt, compute it (as a step would) and free it: its full blocks stay cached."""
+    seq = make_seq(seq_id, len(token_ids), prompt_token_ids=token_ids)
+    seq.num_computed_tokens = manager.allocate_prefix(seq)
+    assert manager.allocate_slots(seq, len(token_ids))
+    seq.num_computed_tokens = len(token_ids)
+    manager.free(seq)
+    return seq
+
+
+def test_paged_offload_needs_prefix_caching():
+    with pytest.raises(ValueError, match="needs kv_cache.enable_prefix_caching=true"):
+        PagedBlockManager(8, 4, num_offload_blocks=2)
+    with pytest.raises(ValueError, match="kv_cache.num_offload_blocks must be a non-negative"):
+        PagedBlockManager(8, 4, enable_prefix_caching=True, num_offload_blocks=-1)
+
+
+def test_paged_offload_stores_evicted_blocks_and_loads_them_back():
+    manager = PagedBlockManager(4, 2, watermark=0, enable_prefix_caching=True,
+                                num_offload_blocks=3)
+    cache_and_free(manager, 0, [1, 2, 3, 4, 5])             # blocks 0, 1 cached; 2 uncached
+    manager.allocate_slots(make_seq(1, 8), 8)               # takes 2, 3, then evicts 1 and 0
+    stores, loads = manager.take_pending_offload()
+    assert stores == [(1, 0), (0, 1)] and loads == []       # the tail first, to slots 0, 1
+    assert manager.num_offloaded_blocks() == 2 and manager._hash_to_block == {}
+    manager.check_invariants()
+    assert manager.num_cached_prefix_tokens([1, 2, 3, 4, 5]) == 4
+    manager.free(make_seq(1, 8))                            # frees 0, 1, 3, 2, uncached
+
+    again = make_seq(2, 5, prompt_token_ids=[1, 2, 3, 4, 5])
+    assert manager.allocate_prefix(again) == 4
+    assert manager.num_loaded_prefix_tokens(again) == 4
+    assert manager.block_tables[2] == [0, 1]
+    manager.check_invariants()
+    stores, loads = manager.take_pending_offload()
+    assert stores == [] and loads == [(1, 0), (0, 1)]       # slot 1 held the first block
+    assert manager.num_offloaded_blocks() == 0              # one tier per hash
+    manager.check_invariants()
+    assert manager.num_cached_prefix_tokens([1, 2, 3, 4, 9]) == 4   # device hits now
+
+
+def test_paged_offload_freed_before_its_load_returns_to_the_tier():
+    """A failed admission frees the blocks whose loads were pending: no load runs, the hashes
+    are back in their host slots, the blocks are uncached."""
+    manager = PagedBlockManager(2, 2, watermark=0, enable_prefix_caching=True,
+                                num_offload_blocks=2)
+    cache_and_free(manager, 0, [1, 2, 3])                   # block 0 cached
+    manager.allocate_slots(make_seq(1, 4), 4)               # evicts block 0 to slot 0
+    assert manager.take_pending_offload() == ([(0, 0)], [])
+    manager.free(make_seq(1, 4))
+
+    seq = make_seq(2, 3, prompt_token_ids=[1, 2, 3])
+    assert manager.allocate_prefix(seq) == 2
+    manager.free(seq)
+    manager.check_invariants()
+    assert manager.take_pending_offload() == ([], [])
+    assert manager.num_offloaded_blocks() == 1 and manager._block_to_hash == {}
+    assert manager.num_cached_prefix_tokens([1, 2, 3]) == 2
+
+
+def test_paged_offload_keeps_the_most_recently_stored_and_the_watermark():
+    manager = PagedBlockManager(4, 2, watermark=0.25, enable_prefix_caching=True,
+                                num_offload_blocks=1)
+    cache_and_free(manager, 0, [1, 2, 3])                   # block 0 cached
+    cache_and_free(manager, 1, [5, 6, 7])                   # block 2 cached
+    manager.allocate_slots(make_seq(2, 8), 8)               # evicts 0, then 2: slot 0 reused
+    stores, _ = manager.take_pending_offload()
+    assert stores == [(2, 0)]                               # the dropped entry's store is gone
+    assert manager.num_cached_prefix_tokens([1, 2, 3]) == 0
+    assert manager.num_cached_prefix_tokens([5, 6, 7]) == 2
+    manager.check_invariants()
+    # Four blocks in use, the watermark keeps one: a host hit is not loaded into it.
+    seq = make_seq(3, 3, prompt_token_ids=[5, 6, 7])
+    assert manager.allocate_prefix(seq) == 0
+    manager.free(make_seq(2, 8))
+    assert manager.allocate_prefix(seq) == 2 and manager.num_loaded_prefix_tokens(seq) == 2
+
+
+def test_paged_prefix_computed_again_drops_its_host_copy():
+    manager = PagedBlockManager(2, 2, watermark=0, enable_prefix_caching=True,
+                                num_offload_blocks=2)
+    cache_and_free(manager, 0, [1, 2, 3])
+    manager.allocate_slots(make_seq(1, 4), 4)               # block 0's hash to the tier
+    manager.free(make_seq(1, 4))
+    manager.take_pending_offload()
+    # Allocated without asking the cache: its first block registers the same hash on device.
+    manager.allocate_slots(make_seq(2, 3, prompt_token_ids=[1, 2, 3]), 3)
+    assert manager.num_offloaded_blocks() == 0
+    manager.check_invariants()
+
+
 # ---------------------------------------------------------------- contiguous
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -581,6 +674,9 @@ MANAGERS = {
                                                 watermark=0, share_on_fork=False),
     "paged-prefix": lambda: PagedBlockManager(24, BLOCK_SIZE, num_host_blocks=16, watermark=0.1,
                                               enable_prefix_caching=True),
+    # A small device pool, so cached blocks are evicted into the host tier and loaded back.
+    "paged-offload": lambda: PagedBlockManager(14, BLOCK_SIZE, num_host_blocks=8, watermark=0.1,
+                                               enable_prefix_caching=True, num_offload_blocks=6),
     "contiguous-max": lambda: ContiguousAllocator(40, BLOCK_SIZE, max_model_len=40,
                                                   num_host_blocks=16),
     "contiguous-oracle": lambda: ContiguousAllocator(40, BLOCK_SIZE, max_model_len=40,
@@ -590,14 +686,17 @@ MANAGERS = {
 
 
 class KVMemoryModel:
-    """Plays the executor: applies copies and swaps to fake KV blocks and writes each token's id
-    into its slot, so a wrong table, a missed copy-on-write or a bad swap shows up as a sequence
-    reading someone else's tokens."""
+    """Plays the executor: applies copies, swaps and the host tier's stores and loads to fake KV
+    blocks and writes each token's id into its slot, so a wrong table, a missed copy-on-write, a
+    bad swap or a wrong reload shows up as a sequence reading someone else's tokens. Each
+    operation is a step that computes what it allocated."""
 
     def __init__(self, manager):
         self.manager = manager
         self.device = [[None] * BLOCK_SIZE for _ in range(manager.num_blocks)]
         self.host = [[None] * BLOCK_SIZE for _ in range(manager.num_host_blocks)]
+        self.tier = [[None] * BLOCK_SIZE for _ in range(getattr(manager, "num_offload_blocks", 0))]
+        self.num_loaded = 0
         self.requests: dict[int, Request] = {}
         self.swapped: set[int] = set()
         self.next_id = 0
@@ -611,6 +710,17 @@ class KVMemoryModel:
                 if request_id not in self.swapped for seq in request.sequences]
 
     def apply_copies(self) -> None:
+        """The step's memory operations in the executor's order (swaps are applied where they
+        are decided): host-tier stores, loads, copies."""
+        take_pending_offload = getattr(self.manager, "take_pending_offload", None)
+        if take_pending_offload is not None:
+            stores, loads = take_pending_offload()
+            assert len({slot for _, slot in stores}) == len(stores)
+            for device, slot in stores:
+                self.tier[slot] = list(self.device[device])
+            for slot, device in loads:
+                self.device[device] = list(self.tier[slot])
+            self.num_loaded += len(loads)
         for src, dst in self.manager.take_pending_copies():
             self.device[dst] = list(self.device[src])
 
@@ -647,9 +757,11 @@ class KVMemoryModel:
                 self.requests[request_id] = request
                 self.apply_copies()
                 self.write(seq, num_cached)
+                seq.num_computed_tokens = seq.num_tokens
             else:
                 assert snapshot(manager) == before
                 manager.free(seq)
+                self.apply_copies()
         elif operation == "grow":
             seq = running[choice % len(running)]
             limit = seq.request.prompt_len + seq.request.output_len
@@ -664,6 +776,7 @@ class KVMemoryModel:
             if manager.allocate_slots(seq, seq.num_tokens):
                 self.apply_copies()
                 self.write(seq, start)
+                seq.num_computed_tokens = seq.num_tokens
             else:
                 assert snapshot(manager) == before
                 del seq.output_token_ids[-num_new:]
@@ -676,6 +789,7 @@ class KVMemoryModel:
             before = snapshot(manager)
             if manager.fork(parent, child):
                 parent.request.sequences.append(child)
+                child.num_computed_tokens = parent.num_computed_tokens
                 self.apply_copies()
             else:
                 assert snapshot(manager) == before
@@ -704,6 +818,7 @@ class KVMemoryModel:
             if manager.can_swap_in(request.sequences):
                 swaps = manager.swap_in(request.sequences)
                 assert len({device for _, device in swaps}) == len(swaps)
+                self.apply_copies()   # stores of blocks evicted for the swap-in go first
                 for host, device in swaps:
                     self.device[device] = list(self.host[host])
                 self.swapped.discard(request.request_id)
@@ -731,6 +846,9 @@ def test_random_operations_keep_invariants_and_contents(kind, steps):
         model.check()
     model.free_everything()
     assert manager.take_pending_copies() == []
+    if isinstance(manager, PagedBlockManager):
+        assert manager.take_pending_offload() == ([], [])
+        assert manager.num_offloaded_blocks() <= manager.num_offload_blocks
     manager.check_invariants()
     assert manager.block_tables == {}
     assert manager.num_free_blocks() == manager.num_blocks and manager.num_used_blocks() == 0

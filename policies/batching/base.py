@@ -59,6 +59,10 @@ class BaseScheduler:
         self.num_running_seqs = 0
         self._next_seq_id = 0
         self._now = 0.0  # the time of the step being planned
+        # A KV manager with a host tier for its prefix cache (protocols.py, optional members):
+        # its stores and loads go into each plan, its loaded tokens into the request.
+        self._take_pending_offload = getattr(kv_cache, "take_pending_offload", None)
+        self._num_loaded_prefix_tokens = getattr(kv_cache, "num_loaded_prefix_tokens", None)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -146,6 +150,8 @@ class BaseScheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._now
                 request.num_cached_tokens = num_cached[0]
+                if self._num_loaded_prefix_tokens is not None:
+                    request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
             token_budget = budget_left
         return token_budget
 
@@ -381,6 +387,10 @@ class BaseScheduler:
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
+        if self._take_pending_offload is not None:
+            stores, loads = self._take_pending_offload()
+            plan.blocks_to_offload.extend(stores)
+            plan.blocks_to_load.extend(loads)
         if self.coalesce and plan.num_decode_seqs:
             plan.max_repeats = self._num_repeatable_steps(plan)
             # A blocked FCFS head keeps every later arrival waiting behind it.
@@ -397,6 +407,7 @@ class BaseScheduler:
         reorders the queue (`next_waiting`) may pick another head later, so it waits for none."""
         if (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                 or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
+                or plan.blocks_to_offload or plan.blocks_to_load
                 or plan.num_decode_seqs != self.num_running_seqs
                 or (self.waiting and type(self).next_waiting is not BaseScheduler.next_waiting)):
             return 1

@@ -239,6 +239,10 @@ class ContiguousAllocator:
     def allocate_prefix(self, seq: Sequence) -> int:
         return 0
 
+    def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        """Nothing is cached: no prefix cache without shared blocks."""
+        return 0
+
     # ---- swap: only filled blocks travel; swap in reserves a fresh run ----
 
     def can_swap_out(self, seqs: Seq[Sequence]) -> bool:

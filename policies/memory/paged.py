@@ -8,7 +8,16 @@ requests whose prompts start alike. A shared block is copied before a sequence w
 Device block ids 0..num_blocks-1 index the engine's KV tensors; host block ids
 0..num_host_blocks-1 are a separate id space, the swap pool. Copies and swaps are not performed
 here: they are returned as (source, destination) pairs and carried out by the executor before the
-step's forward pass, in the order swap out, swap in, copy.
+step's forward pass, in the order swap out, offload, load, swap in, copy.
+
+The prefix cache's host tier (`num_offload_blocks` > 0, from kv_cache.offload_gb): a cached block
+evicted from the device is stored in a host slot (a third id space, 0..num_offload_blocks-1)
+instead of forgotten, least recently stored dropped first when the tier is full; a prefix hit
+there takes a device block and loads it back in the step that admits the sequence. A hash lives
+in one tier at a time. The step's stores and loads are taken with `take_pending_offload`; a host
+slot read by a load is reused only after that call, so no store of the same step overwrites it,
+and a block whose load is still pending when it is freed (a failed admission) goes back to the
+tier without any transfer.
 """
 from __future__ import annotations
 
@@ -24,19 +33,25 @@ class PagedBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
-                 share_on_fork: bool = True):
+                 share_on_fork: bool = True, num_offload_blocks: int = 0):
         positive_int("kv_cache.num_blocks", num_blocks)
         positive_int("kv_cache.block_size", block_size)
         non_negative_int("kv_cache.num_host_blocks", num_host_blocks)
         fraction("kv_cache.watermark", watermark)
         boolean("kv_cache.enable_prefix_caching", enable_prefix_caching)
         boolean("kv_cache.share_on_fork", share_on_fork)
+        non_negative_int("kv_cache.num_offload_blocks", num_offload_blocks)
+        if num_offload_blocks and not enable_prefix_caching:
+            raise ValueError(f"kv_cache.num_offload_blocks={num_offload_blocks} (from "
+                             f"kv_cache.offload_gb) needs kv_cache.enable_prefix_caching=true: "
+                             f"the host tier holds evicted prefix-cache blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.watermark = watermark
         self.enable_prefix_caching = enable_prefix_caching
         self.share_on_fork = share_on_fork
+        self.num_offload_blocks = num_offload_blocks
         # Blocks kept free by allocations that ask for the watermark (admissions), so that running
         # sequences can still grow without an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -65,6 +80,15 @@ class PagedBlockManager:
         self._swapped_num_tokens: dict[int, int] = {}
         self._host_ref_counts = [0] * num_host_blocks
         self._host_free_block_ids: deque[int] = deque(range(num_host_blocks))
+
+        # Host tier of the prefix cache: hash -> host slot, least recently stored first; the
+        # free slots; this step's stores (device block, slot) and loads (device block -> slot,
+        # the slot held until take_pending_offload); seq_id -> prefix tokens it got by loads.
+        self._offloaded: OrderedDict[int, int] = OrderedDict()
+        self._offload_free_ids: deque[int] = deque(range(num_offload_blocks))
+        self._pending_offloads: list[tuple[int, int]] = []
+        self._pending_loads: dict[int, int] = {}
+        self._seq_loaded_tokens: dict[int, int] = {}
 
     # ---- counts (all O(1): waste is reported every step) ----
 
@@ -257,7 +281,10 @@ class PagedBlockManager:
             block = self._free_block_ids.popleft()
         else:
             block, _ = self._evictable_block_ids.popitem(last=False)
-            del self._hash_to_block[self._block_to_hash.pop(block)]
+            block_hash = self._block_to_hash.pop(block)
+            del self._hash_to_block[block_hash]
+            if self.num_offload_blocks:
+                self._offload(block, block_hash)
         self._ref_counts[block] = 1
         return block
 
@@ -293,7 +320,9 @@ class PagedBlockManager:
                 # Every block but the last is full.
                 num_stored_freed += (block_size if index < last_index
                                      else num_tokens - index * block_size)
-                if block in cached_blocks and (index + 1) * block_size > num_computed_tokens:
+                if block in self._pending_loads:
+                    self._return_to_tier(block)
+                elif block in cached_blocks and (index + 1) * block_size > num_computed_tokens:
                     del self._hash_to_block[cached_blocks.pop(block)]
                 if block in cached_blocks:
                     self._evictable_block_ids[block] = None
@@ -349,6 +378,7 @@ class PagedBlockManager:
             del self._swapped_num_tokens[seq_id]
             self._release_host_blocks(host_table)
         self._seq_block_hashes.pop(seq_id, None)
+        self._seq_loaded_tokens.pop(seq_id, None)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self._pending_copies = self._pending_copies, []
@@ -359,7 +389,8 @@ class PagedBlockManager:
     def allocate_prefix(self, seq: Sequence) -> int:
         """Point a newly admitted seq at the cached blocks of its longest cached prefix and return
         how many tokens they hold. At least one token is left to compute, so the step that
-        admits the seq still produces its logits."""
+        admits the seq still produces its logits. A block in the host tier is loaded back into
+        a device block (a pending load) while the pool has blocks above the watermark."""
         if not self.enable_prefix_caching:
             return 0
         if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
@@ -371,28 +402,58 @@ class PagedBlockManager:
         max_cached_blocks = min((seq.num_tokens - 1) // block_size, len(token_ids) // block_size)
         hashes: list[int] = []
         hit_blocks: list[int] = []
-        previous_hash = None
-        for index in range(max_cached_blocks):
-            start = index * block_size
-            block_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+        num_loaded = 0
+        for block_hash in self._prefix_hashes(token_ids, max_cached_blocks):
             block = self._hash_to_block.get(block_hash)
-            if block is None:
+            if block is not None:
+                if self._ref_counts[block] == 0:  # revived from the evictable pool
+                    del self._evictable_block_ids[block]
+                    self._num_tokens_stored += block_size
+                self._ref_counts[block] += 1
+            elif (block_hash in self._offloaded
+                  and self.num_free_blocks() > self.watermark_blocks):
+                block = self._load(block_hash)
+                num_loaded += 1
+            else:
                 break
             hashes.append(block_hash)
             hit_blocks.append(block)
-            previous_hash = block_hash
         if not hit_blocks:
             return 0
-        for block in hit_blocks:
-            if self._ref_counts[block] == 0:  # revived from the evictable pool
-                del self._evictable_block_ids[block]
-                self._num_tokens_stored += block_size
-            self._ref_counts[block] += 1
         num_cached_tokens = len(hit_blocks) * block_size
         self.block_tables[seq.seq_id] = hit_blocks
         self._num_allocated_tokens[seq.seq_id] = num_cached_tokens
         self._seq_block_hashes[seq.seq_id] = hashes
+        if num_loaded:
+            self._seq_loaded_tokens[seq.seq_id] = num_loaded * block_size
         return num_cached_tokens
+
+    def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        """Tokens at the start of `token_ids` whose full blocks the prefix cache holds, in
+        either tier, as far as allocate_prefix would serve them (one token left to compute);
+        changes nothing. What a prefix-aware router compares across replicas."""
+        if not self.enable_prefix_caching or not token_ids:
+            return 0
+        num_blocks = 0
+        for block_hash in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+            if block_hash not in self._hash_to_block and block_hash not in self._offloaded:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def num_loaded_prefix_tokens(self, seq: Sequence) -> int:
+        """Of the tokens allocate_prefix gave `seq`, those loaded back from the host tier."""
+        return self._seq_loaded_tokens.get(seq.seq_id, 0)
+
+    def _prefix_hashes(self, token_ids: Seq[int], num_blocks: int, previous_hash=None,
+                       first_block: int = 0):
+        """The chained hashes of blocks first_block..num_blocks-1 of `token_ids`, each of the
+        block's tokens and the hash before it (`previous_hash` for the first)."""
+        block_size = self.block_size
+        for index in range(first_block, num_blocks):
+            start = index * block_size
+            previous_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+            yield previous_hash
 
     def _cache_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         """Register the seq's full blocks not hashed yet, as far as its token ids are known."""
@@ -401,12 +462,11 @@ class PagedBlockManager:
         if len(hashes) >= num_full_blocks or seq.request.prompt_token_ids is None:
             return
         token_ids = seq.token_ids()
-        block_size = self.block_size
-        num_full_blocks = min(num_full_blocks, len(token_ids) // block_size)
-        previous_hash = hashes[-1] if hashes else None
-        for index in range(len(hashes), num_full_blocks):
-            start = index * block_size
-            block_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+        num_full_blocks = min(num_full_blocks, len(token_ids) // self.block_size)
+        first_block = len(hashes)
+        for index, block_hash in enumerate(
+                self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
+                                    first_block), first_block):
             hashes.append(block_hash)
             block = table[index]
             # The first block to hold a prefix stays its cache entry; a duplicate computed
@@ -414,7 +474,59 @@ class PagedBlockManager:
             if block_hash not in self._hash_to_block and block not in self._block_to_hash:
                 self._hash_to_block[block_hash] = block
                 self._block_to_hash[block] = block_hash
-            previous_hash = block_hash
+                if self._offloaded:
+                    # Computed again on the device: its host copy goes (one tier per hash).
+                    slot = self._offloaded.pop(block_hash, None)
+                    if slot is not None:
+                        self._offload_free_ids.append(slot)
+
+    # ---- host tier of the prefix cache ----
+
+    def _offload(self, block: int, block_hash: int) -> None:
+        """Store an evicted cached block in the host tier (dropping its least recently stored
+        entry when full). Its K/V is intact until the step's forward pass: stores run first."""
+        if self._offload_free_ids:
+            slot = self._offload_free_ids.popleft()
+        elif self._offloaded:
+            _, slot = self._offloaded.popitem(last=False)
+        else:
+            return  # every slot is being read by a load this step: the block is forgotten
+        self._offloaded[block_hash] = slot
+        self._pending_offloads.append((block, slot))
+
+    def _load(self, block_hash: int) -> int:
+        """A device block for a prefix hit in the host tier, registered as the hash's cache
+        entry, its load pending; the host slot stays held until take_pending_offload."""
+        slot = self._offloaded.pop(block_hash)
+        block = self._take_free_block()
+        self._hash_to_block[block_hash] = block
+        self._block_to_hash[block] = block_hash
+        self._pending_loads[block] = slot
+        self._num_tokens_stored += self.block_size
+        return block
+
+    def _return_to_tier(self, block: int) -> None:
+        """A block freed before its pending load ran: the load is dropped and the hash goes
+        back to the host slot, which still holds its K/V; the block is an uncached free one."""
+        slot = self._pending_loads.pop(block)
+        block_hash = self._block_to_hash.pop(block)
+        del self._hash_to_block[block_hash]
+        self._offloaded[block_hash] = slot
+
+    def take_pending_offload(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The stores (device block, host slot) and loads (host slot, device block) decided
+        since the last call, for the step's plan; the loads' host slots are free again. A slot
+        stored twice (its first entry dropped meanwhile) keeps only its last store."""
+        stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())
+        self._pending_offloads = []
+        loads = [(slot, block) for block, slot in self._pending_loads.items()]
+        self._pending_loads.clear()
+        self._offload_free_ids.extend(slot for slot, _ in loads)
+        return stores, loads
+
+    def num_offloaded_blocks(self) -> int:
+        """Blocks the host tier holds."""
+        return len(self._offloaded)
 
     # ---- swap ----
 
@@ -434,8 +546,13 @@ class PagedBlockManager:
         """Move the seqs' blocks to host memory, each shared block once, so sharing survives."""
         if not self.can_swap_out(seqs):
             raise RuntimeError("swap_out: not enough free host blocks (check can_swap_out first)")
-        device_to_host = {block: self._host_free_block_ids.popleft()
-                          for block in self._distinct_blocks(self.block_tables, seqs)}
+        blocks = self._distinct_blocks(self.block_tables, seqs)
+        if self._pending_loads and any(block in self._pending_loads for block in blocks):
+            # Swap-outs run before loads: the block would be copied before its K/V arrives.
+            raise RuntimeError("swap_out: a block of these seqs is still being loaded from the "
+                               "host tier; a sequence cannot be swapped out in the step that "
+                               "admitted it")
+        device_to_host = {block: self._host_free_block_ids.popleft() for block in blocks}
         # Swaps run before this step's copies: a block still waiting for its copy-on-write copy
         # holds the right tokens only in the copy's source, so that is what goes to host.
         copy_sources = {dst: src for src, dst in self._pending_copies}
@@ -558,3 +675,19 @@ class PagedBlockManager:
             "a free host block is in use")
         assert len(host_free) + len(host_refs) == self.num_host_blocks, (
             f"host free {len(host_free)} + used {len(host_refs)} != {self.num_host_blocks}")
+
+        # The prefix cache's host tier: every slot holds one entry, is free, or is held by a
+        # pending load; a hash is in one tier; a pending load fills a cached block in use.
+        tier_slots = (list(self._offloaded.values()) + list(self._offload_free_ids)
+                      + list(self._pending_loads.values()))
+        assert sorted(tier_slots) == list(range(self.num_offload_blocks)), (
+            f"host tier slots are lost or held twice: {sorted(tier_slots)}")
+        assert not set(self._offloaded) & set(self._hash_to_block), (
+            "a hash is cached in both tiers")
+        for block in self._pending_loads:
+            assert block in self._block_to_hash and self._ref_counts[block] > 0, (
+                f"pending load into block {block}, which is not a cached block in use")
+        assert all(0 <= slot < self.num_offload_blocks for _, slot in self._pending_offloads), (
+            "a store targets a slot outside the host tier")
+        assert set(self._seq_loaded_tokens) <= set(self.block_tables) | set(
+            self._host_block_tables), "loaded-token counts of sequences that hold nothing"

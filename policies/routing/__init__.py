@@ -1,4 +1,4 @@
 """Routers: which replica of a cluster gets a new request."""
-from policies.routing.routers import LeastOutstandingRouter, RoundRobinRouter
+from policies.routing.routers import LeastOutstandingRouter, PrefixAffinityRouter, RoundRobinRouter
 
-__all__ = ["LeastOutstandingRouter", "RoundRobinRouter"]
+__all__ = ["LeastOutstandingRouter", "PrefixAffinityRouter", "RoundRobinRouter"]

@@ -1,10 +1,13 @@
-"""Built-in routers. A router sees the replicas only through `replica_id` and `num_outstanding`."""
+"""Built-in routers. A router sees the replicas only through `replica_id`, `num_outstanding` and
+(to read) `kv_cache`."""
 from __future__ import annotations
 
+import math
 from typing import Sequence as Seq
 
 from policies.protocols import ReplicaView
 from policies.types import Request
+from policies.validators import non_negative_int, number_in
 
 
 class RoundRobinRouter:
@@ -22,4 +25,28 @@ class LeastOutstandingRouter:
 
     def route(self, request: Request, replicas: Seq[ReplicaView]) -> int:
         best = min(replicas, key=lambda replica: (replica.num_outstanding, replica.replica_id))
+        return best.replica_id
+
+
+class PrefixAffinityRouter:
+    """The replica whose prefix cache holds the longest prefix of the prompt (its KV manager's
+    `num_cached_prefix_tokens`, both tiers), among those not overloaded; ties, and prompts that
+    no replica holds, go to the fewest unfinished requests, then the lowest id.
+
+    The load bound keeps one replica from taking every request of a popular prefix: a replica
+    is a candidate only while its unfinished requests are at most
+    `load_factor` x the least loaded replica's + `load_slack`."""
+
+    def __init__(self, load_factor: float = 1.5, load_slack: int = 4):
+        self.load_factor = float(number_in("cluster.router.load_factor", load_factor, 1,
+                                             math.inf, high_open=True))
+        self.load_slack = non_negative_int("cluster.router.load_slack", load_slack)
+
+    def route(self, request: Request, replicas: Seq[ReplicaView]) -> int:
+        loads = [replica.num_outstanding for replica in replicas]
+        bound = min(loads) * self.load_factor + self.load_slack
+        token_ids = request.prompt_token_ids
+        best = min((replica for replica, load in zip(replicas, loads) if load <= bound),
+                   key=lambda replica: (-replica.kv_cache.num_cached_prefix_tokens(token_ids),
+                                        replica.num_outstanding, replica.replica_id))
         return best.replica_id

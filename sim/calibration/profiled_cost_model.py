@@ -30,6 +30,7 @@ from sim.calibration.cpu_noise.local_correction import LocalCorrection
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, profile_tiling, tile_features
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
+from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,10 @@ class ProfiledCostModel:
 
     `model`, `hardware` and `tensor_parallel_size` are what the runner passes every cost model
     (and `draft_model` a speculating run); the profile already describes one model on one device
-    (its draft features the drafter it was measured with), so they are accepted and not used.
+    (its draft features the drafter it was measured with), so the step's prediction does not use
+    them. Only the prefix cache's host tier, which no profile measures, is charged from them:
+    its stores and loads take block bytes / `offload_bandwidth_gbps` (null: the hardware's host
+    link), on top of the prediction.
     `block_size` (the run's KV block size) places the sequences in the attention tiles the
     engine would run, for a profile with tile features. `sample_residuals=False` gives the fitted
     mean alone (deterministic). `profile` is a path, or a profile's content (the profiler's
@@ -121,7 +125,8 @@ class ProfiledCostModel:
 
     def __init__(self, profile: str | Path | dict, seed: int = 0, sample_residuals: bool = True,
                  model=None, hardware=None, tensor_parallel_size: int = 1,
-                 block_size: int | None = None, draft_model=None):
+                 block_size: int | None = None, draft_model=None,
+                 offload_bandwidth_gbps: float | None = None):
         if isinstance(profile, dict):
             data, where, self.profile_path = check_profile(profile), "profile", "a profile"
         else:
@@ -178,6 +183,13 @@ class ProfiledCostModel:
                 raise ProfileError(f"{where}: correction is malformed ({error}); re-fit the "
                                    f"profile") from None
         self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
+        self._offload_s_per_block = None   # None: a plan that moves tier blocks is an error
+        if model is not None and hardware is not None and block_size is not None:
+            model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+            hardware = (hardware if isinstance(hardware, HardwareSpec)
+                        else HardwareSpec.from_config(hardware))
+            self._offload_s_per_block = offload_seconds_per_block(
+                model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._draws: list[float] = []
@@ -218,10 +230,20 @@ class ProfiledCostModel:
         """Seconds the step takes: 0 for an empty plan, else the prediction times (1 + a drawn
         residual), never negative."""
         features = self.features(plan)
+        offload_s = self._offload_s(plan) if plan.blocks_to_offload or plan.blocks_to_load else 0.0
         if not any(features):
-            return 0.0
+            return offload_s
         self._check_range(features)
         time = self.predict_mean(features)
         if self.sample_residuals:
             time *= 1.0 + self._residual()
-        return max(time, 0.0)
+        time = max(time, 0.0)
+        return time + offload_s if offload_s else time
+
+    def _offload_s(self, plan: StepPlan) -> float:
+        """The plan's stores to and loads from the prefix cache's host tier."""
+        if self._offload_s_per_block is None:
+            raise ValueError("the plan moves blocks of the prefix cache's host tier, but this "
+                             "profiled cost model was built without model, hardware and "
+                             "block_size to cost them")
+        return (len(plan.blocks_to_offload) + len(plan.blocks_to_load)) * self._offload_s_per_block

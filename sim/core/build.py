@@ -16,7 +16,8 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 import conf
 from policies.prediction import check_predictor
 from policies.speculation import max_speculative_tokens
-from policies.validators import non_negative_int, positive_int
+from policies.validators import (non_negative_int, non_negative_number, positive_int,
+                                 positive_number)
 from sim.core.acceptance import AcceptanceModel
 from sim.core.executor import SimExecutor
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
@@ -26,6 +27,9 @@ CONF_DIR = Path(conf.__file__).parent
 MODEL_CONFIG_DIR = CONF_DIR / "model"
 # Keys of the speculation group that describe the run, not the policy: popped before it is built.
 SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile")
+# Keys of the kv_cache group that the run turns into the manager's arguments (offload_gb into
+# num_offload_blocks) or that the cost models read (offload_bandwidth_gbps).
+KV_CACHE_RUN_KEYS = ("offload_gb", "offload_bandwidth_gbps")
 
 
 def config_names(group: str) -> list[str]:
@@ -130,6 +134,37 @@ def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
         model, cfg.kv_cache.block_size, getattr(preemption, "swap_space_gb", 0.0),
         cfg.cluster.tensor_parallel_size,
         draft=speculation.draft_kv if speculation is not None else None)
+
+
+def kv_cache_policy_config(group: DictConfig) -> DictConfig:
+    """A kv_cache group's policy config: the group less KV_CACHE_RUN_KEYS."""
+    if not any(key in group for key in KV_CACHE_RUN_KEYS):
+        return group
+    # Resolved first: the copy has no root to resolve interpolations such as
+    # ${model.max_model_len} against.
+    return OmegaConf.create({key: value
+                             for key, value in OmegaConf.to_container(group, resolve=True).items()
+                             if key not in KV_CACHE_RUN_KEYS})
+
+
+def build_kv_cache(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemption,
+                   speculation: SpeculationSetup | None):
+    """A replica's KV manager: the kv_cache group with the pool sizes of the run, its host swap
+    pool (num_host_kv_blocks) and, with `kv_cache.offload_gb`, the prefix cache's host tier of
+    that many GiB, sized as the swap pool is (kv_cache_num_host_blocks)."""
+    group = cfg.kv_cache
+    offload = {}
+    offload_gb = group.get("offload_gb")
+    if offload_gb:
+        non_negative_number("kv_cache.offload_gb", offload_gb)
+        if group.get("offload_bandwidth_gbps") is not None:
+            positive_number("kv_cache.offload_bandwidth_gbps", group.offload_bandwidth_gbps)
+        offload["num_offload_blocks"] = kv_cache_num_host_blocks(
+            model, group.block_size, offload_gb, cfg.cluster.tensor_parallel_size,
+            draft=speculation.draft_kv if speculation is not None else None)
+    return build_policy(kv_cache_policy_config(group), "kv_cache", num_blocks=num_blocks,
+                        num_host_blocks=num_host_kv_blocks(cfg, model, preemption, speculation),
+                        **offload)
 
 
 def slos_ms(cfg: DictConfig) -> dict[str, float] | None:

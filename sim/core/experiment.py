@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
-from sim.core.build import (build_policy, build_predictor, build_replica_executor,
-                             build_router, check_run_settings, max_num_batched_tokens,
-                             num_host_kv_blocks, num_kv_blocks, slos_ms, speculation_setup,
+from sim.core.build import (build_kv_cache, build_policy, build_predictor,
+                             build_replica_executor, build_router, check_run_settings,
+                             max_num_batched_tokens, num_kv_blocks, slos_ms, speculation_setup,
                              speed_summary)
 from sim.core.metrics import MetricsCollector, rejection_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
@@ -74,9 +74,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     next_arrival = NextArrival()
     for replica_id in range(cfg.cluster.num_replicas):
         preemption = build_policy(cfg.preemption, "preemption")
-        kv_cache = build_policy(cfg.kv_cache, "kv_cache", num_blocks=num_blocks,
-                                num_host_blocks=num_host_kv_blocks(cfg, model, preemption,
-                                                                   speculation))
+        kv_cache = build_kv_cache(cfg, model, num_blocks, preemption, speculation)
         # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
         drafting = ({} if speculation is None else
                     {"speculation": build_policy(speculation.policy_cfg, "speculation")})

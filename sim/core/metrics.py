@@ -37,6 +37,7 @@ STEP_COLUMNS: tuple[str, ...] = (
     "num_preempted_recompute", "num_preempted_swap",
     "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied",
     "num_draft_tokens", "num_accepted_tokens",
+    "num_blocks_offloaded", "num_blocks_loaded",
 )
 
 REQUEST_COLUMNS: tuple[str, ...] = (
@@ -300,6 +301,7 @@ class MetricsCollector:
             len(plan.preempted_recompute), len(plan.preempted_swap),
             len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(plan.blocks_to_copy),
             plan.num_draft_tokens, num_accepted_tokens,
+            len(plan.blocks_to_offload), len(plan.blocks_to_load),
         ))
 
     def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
@@ -395,11 +397,22 @@ class MetricsCollector:
                                             if num_decodes else 0.0),
         })
         if any(request.prompt_token_ids is not None for request in requests):
-            # Prefix caching needs token ids: the share of completed prompts' tokens it served.
+            # Prefix caching needs token ids: the share of completed prompts' tokens it served,
+            # and of those the device's cache and the host tier's.
             prompt_tokens = sum(request.prompt_len for request in completed)
-            result["prefix_cache_hit_rate"] = (
-                sum(request.num_cached_tokens for request in completed) / prompt_tokens
-                if prompt_tokens else 0.0)
+            cached = sum(request.num_cached_tokens for request in completed)
+            host_cached = sum(request.num_host_cached_tokens for request in completed)
+            result["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0
+            result["prefix_cache_device_hit_rate"] = (
+                (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
+            result["prefix_cache_host_hit_rate"] = (
+                host_cached / prompt_tokens if prompt_tokens else 0.0)
+        blocks_offloaded = int(steps[:, _COL["num_blocks_offloaded"]].sum())
+        blocks_loaded = int(steps[:, _COL["num_blocks_loaded"]].sum())
+        if blocks_offloaded or blocks_loaded:
+            # The prefix cache's host tier: K/V bytes stored there and loaded back.
+            result["offload_bytes"] = blocks_offloaded * self.kv_bytes_per_block
+            result["reload_bytes"] = blocks_loaded * self.kv_bytes_per_block
         result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
         return result
 

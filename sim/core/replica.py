@@ -66,6 +66,11 @@ class Replica:
     def num_outstanding(self) -> int:
         return self.scheduler.num_outstanding
 
+    @property
+    def kv_cache(self):
+        """The replica's KV manager (a router reads its prefix cache)."""
+        return self.scheduler.kv_cache
+
     def submit(self, request: Request) -> None:
         request.replica_id = self.replica_id
         self.scheduler.add_request(request, self.env.now)

@@ -3,7 +3,7 @@
 Each kernel group of a forward pass takes max(FLOPs / achieved FLOP rate, bytes / achieved
 bandwidth), and the groups run one after another, so their times add:
 
-    step = overhead (fixed + per sequence) + swaps + copies
+    step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
          + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
          + LM head         (only the sequences that sample)
          + prefill attention (causal query-key pairs vs KV read)
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 from policies import validators
 from policies.types import StepPlan
-from sim.core.specs import HardwareSpec, ModelSpec
+from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
 def _efficiency(name: str, value) -> float:
@@ -58,7 +58,8 @@ class RooflineCostModel:
                  allreduce_latency_s: float = 10e-6,
                  draft_model: ModelSpec | Mapping | str | None = None,
                  draft_step_overhead_s: float = 3e-4,
-                 ngram_overhead_s_per_seq: float = 20e-6):
+                 ngram_overhead_s_per_seq: float = 20e-6,
+                 offload_bandwidth_gbps: float | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -122,6 +123,9 @@ class RooflineCostModel:
         # Swaps cross PCIe once; a copy-on-write copy reads and writes a block in device memory.
         self._swap_s_per_block = self.kv_bytes_per_block / (hw.host_to_device_bandwidth * self.transfer_efficiency)
         self._copy_s_per_block = 2 * self.kv_bytes_per_block / byte_rate
+        # The prefix cache's host tier moves blocks at its own configured bandwidth.
+        self._offload_s_per_block = offload_seconds_per_block(m, hw, self.block_size, tp,
+                                                              offload_bandwidth_gbps)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -134,7 +138,8 @@ class RooflineCostModel:
         num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
         num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         num_copied = len(plan.blocks_to_copy)
-        if not (num_tokens or num_swapped or num_copied):
+        if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
+                or plan.blocks_to_load):
             return 0.0
 
         time = self._overhead_s(plan, num_swapped, num_copied)
@@ -167,10 +172,13 @@ class RooflineCostModel:
             context += num_decodes
 
     def _overhead_s(self, plan: StepPlan, num_swapped: int, num_copied: int) -> float:
-        """The fixed and per-sequence overheads, and `num_swapped` blocks swapped and
-        `num_copied` copied."""
+        """The fixed and per-sequence overheads, `num_swapped` blocks swapped, `num_copied`
+        copied, and the plan's blocks stored to and loaded from the prefix cache's host tier."""
         time = self.step_overhead_s + self.per_sequence_overhead_s * (plan.num_prefill_seqs + plan.num_decode_seqs)
         time += num_swapped * self._swap_s_per_block + num_copied * self._copy_s_per_block
+        num_offload_moves = len(plan.blocks_to_offload) + len(plan.blocks_to_load)
+        if num_offload_moves:
+            time += num_offload_moves * self._offload_s_per_block
         return time
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:

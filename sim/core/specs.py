@@ -315,3 +315,16 @@ def kv_cache_num_host_blocks(model: ModelSpec, block_size: int, swap_space_gb: f
     if draft is not None:
         block_bytes += draft.kv_bytes_per_block(block_size)
     return int(swap_space_gb * GIB // block_bytes)
+
+
+def offload_seconds_per_block(model: ModelSpec, hardware: HardwareSpec, block_size: int,
+                              tensor_parallel_size: int = 1,
+                              bandwidth_gbps: float | None = None) -> float:
+    """Seconds one block of each GPU's K/V takes between the device and the prefix cache's host
+    tier (a store or a load): at `bandwidth_gbps` (kv_cache.offload_bandwidth_gbps, GB/s as
+    achieved), or None for the hardware's host link as its spec sheet states it."""
+    if bandwidth_gbps is None:
+        bandwidth = hardware.host_to_device_bandwidth
+    else:
+        bandwidth = positive_number("kv_cache.offload_bandwidth_gbps", bandwidth_gbps) * GB
+    return block_size * model.kv_bytes_per_token_per_gpu(tensor_parallel_size) / bandwidth
