@@ -254,6 +254,34 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
+def test_prefix_cache_host_tier_reloads_keep_outputs(reference_llm):
+    """A pool of 40 blocks of 4: the fillers push the first turns' cached blocks out; with a
+    host tier they are stored there (real host tensors) and the second turns load them back.
+    Greedy outputs equal HF's with and without the tier, and the tier served more."""
+    shared = random_prompts([40], seed=5)[0]
+    first_turns = [shared + tail for tail in random_prompts([6, 10], seed=6)]
+    fillers = random_prompts([50, 50], seed=7)
+    second_turns = [turn + tail for turn, tail in zip(first_turns, random_prompts([5, 9], seed=8))]
+    batches = [first_turns, fillers, second_turns]
+    expected = [hf_greedy(reference_llm.model, batch) for batch in batches]
+    cached = {}
+    for kv_offload_gb in (0.0, 0.002):                      # 0.002 GiB: 131 blocks of 16 KiB
+        llm = LLM("tiny-llama", block_size=4, num_gpu_blocks=40, enable_prefix_caching=True,
+                  kv_offload_gb=kv_offload_gb)
+        assert [token_ids(llm.generate(batch, GREEDY, use_tqdm=False))
+                for batch in batches] == expected
+        stats = llm.last_stats
+        cached[kv_offload_gb] = stats.num_cached_tokens
+        if kv_offload_gb:
+            assert llm.scheduler.kv_cache.num_offload_blocks == int(
+                0.002 * 2**30 // llm.spec.kv_bytes_per_block(4))
+            assert stats.num_loaded_blocks > 0
+            assert stats.num_host_cached_tokens == 4 * stats.num_loaded_blocks
+        else:
+            assert stats.num_loaded_blocks == stats.num_host_cached_tokens == 0
+    assert cached[0.002] > cached[0.0]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=0), "block_size must be a positive integer, got 0"),
     (dict(num_gpu_blocks=-3), "num_gpu_blocks must be a positive integer, got -3"),
@@ -262,6 +290,8 @@ def test_scheduler_object_plugs_in(reference_llm, prompts, expected):
     (dict(swap_space_gb=-1), "swap_space_gb must be a number >= 0, got -1"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\]"),
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be true or false"),
+    (dict(kv_offload_gb=-1), "kv_offload_gb must be a number >= 0, got -1"),
+    (dict(kv_offload_gb=1), "kv_offload_gb needs enable_prefix_caching=True"),
     (dict(seed="abc"), "seed must be a non-negative integer, got 'abc'"),
     (dict(hardware="tpu"), "hardware must be a conf/hardware name"),
     (dict(scheduler="fastest"),
