@@ -56,7 +56,7 @@ def write_profile(path: Path, intercept=2e-3, coefficients=None, samples=(-0.1, 
 
 
 class FakePlan:
-    """The StepPlan aggregates step_features reads."""
+    """The StepPlan aggregates step_features and the profiled cost model read."""
 
     def __init__(self, prefill_tokens=0, prefill_seqs=0, sq=0, attn=0, decode_seqs=0,
                  decode_ctx=0, copies=0, swaps=0):
@@ -65,6 +65,7 @@ class FakePlan:
         self.num_decode_seqs, self.decode_context_tokens = decode_seqs, decode_ctx
         self.blocks_to_copy = [(0, 1)] * copies
         self.blocks_to_swap_out, self.blocks_to_swap_in = [(0, 1)] * swaps, []
+        self.blocks_to_offload, self.blocks_to_load = [], []   # the prefix cache's host tier
         self.seqs, self.num_new_tokens, self.spec_lens = [], [], {}
         self.num_draft_tokens = self.max_draft_len = self.draft_catch_up_tokens = 0
 
