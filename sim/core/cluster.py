@@ -16,8 +16,10 @@ served, until a step of that replica frees room); the KV then moves over the lin
 landing the prefill replica frees its blocks and the decode replica decodes. Other requests run
 colocated: on the mixed pool, or whole on a prefill replica when there is none.
 
-Repeated decode steps on a decode replica end where a transfer could land next: no earlier than
-the end of a prefill replica's step in flight or of a transfer on a link (`next_landing`).
+A decode replica admits a hand-off between its steps, as a scheduler admits arrivals. Repeated
+decode steps on a prefill or decode replica end where a transfer could next start or land
+(`DisaggregatedCluster.next_event`), so a run plans the steps that one planned step by step
+would.
 """
 from __future__ import annotations
 
@@ -210,9 +212,10 @@ def link_names(topology: str, source_id: int, destination_id: int) -> list[str]:
     return [f"replica {source_id}", f"replica {destination_id}"]
 
 
-class NextLanding:
-    """A decode replica's horizon for repeated decode steps: the earliest a KV transfer could
-    land (a `NextArrival` look-alike, read at each step's start)."""
+class NextClusterEvent:
+    """The horizon of a prefill or decode replica's repeated decode steps: the earliest that a
+    transfer could start or land, or a request arrive (a `NextArrival` look-alike, read at each
+    step's start)."""
 
     __slots__ = ("cluster",)
 
@@ -221,7 +224,7 @@ class NextLanding:
 
     @property
     def time(self) -> float:
-        return self.cluster.next_landing()
+        return self.cluster.next_event()
 
 
 class ClusterRouter:
@@ -268,8 +271,10 @@ class DisaggregatedCluster:
     transfers over the links."""
 
     def __init__(self, env: simpy.Environment, replicas: list, pools: list[Pool],
-                 transfer: KVTransferModel, disaggregation, on_requests_done=None):
+                 transfer: KVTransferModel, disaggregation, next_arrival,
+                 on_requests_done=None):
         self.env = env
+        self.next_arrival = next_arrival
         self.transfer = transfer
         self.on_requests_done = on_requests_done
         self.replicas_by_role: dict[str, list] = {}
@@ -287,19 +292,26 @@ class DisaggregatedCluster:
         self.waiting: dict[int, deque[PendingTransfer]] = {
             replica.replica_id: deque() for replica in self.decode_replicas}
         self._landing_times: dict[int, float] = {}   # request_id -> end of its copy in flight
-        landing = NextLanding(self)
+        horizon = NextClusterEvent(self)
         for replica in self.prefill_replicas:
             replica.on_step_done = self._hand_off
+            replica.next_arrival = horizon
         for replica in self.decode_replicas:
             replica.on_step_done = self._admit_waiting
-            replica.next_arrival = landing
+            replica.next_arrival = horizon
 
-    def next_landing(self) -> float:
-        """No transfer lands before a prefill replica's step in flight ends (an idle one waits
-        for an arrival or a transfer) or before a copy on a link ends (the next claims it)."""
-        earliest = min([replica.busy_until for replica in self.prefill_replicas])
+    def next_event(self) -> float:
+        """Nothing reaches a decode replica, nor frees a prefill replica's blocks, before the
+        next arrival, a prefill replica's step in flight ends (an idle one starts one at the
+        next arrival or when a transfer frees its blocks), a copy on a link ends (the next
+        claims the link) or, while hand-offs wait for room, a decode replica's step ends (it
+        may start one of their transfers)."""
+        earliest = min(self.next_arrival.time,
+                       min([replica.busy_until for replica in self.prefill_replicas]))
         if self._landing_times:
             earliest = min(earliest, min(self._landing_times.values()))
+        if any(self.waiting.values()):
+            earliest = min(earliest, min([replica.busy_until for replica in self.decode_replicas]))
         return earliest
 
     def _hand_off(self, prefill) -> None:
@@ -311,10 +323,14 @@ class DisaggregatedCluster:
                                      self.decode_ids, "decode")
             self.waiting[decode_id].append(PendingTransfer(request, request.sequences[0],
                                                            prefill, prefill.last_step_duration))
-            self._admit_waiting(self.by_id[decode_id])
+            decode = self.by_id[decode_id]
+            if decode.busy_until == math.inf:   # idle; a busy one admits after its step
+                self._admit_waiting(decode)
 
     def _admit_waiting(self, decode) -> None:
-        """Start the transfers of the hand-offs waiting for `decode` while it has room."""
+        """Start the transfers of the hand-offs waiting for `decode` while it has room. Called
+        between its steps, as its scheduler admits arrivals: a run of repeated decode steps
+        takes its blocks only when it ends."""
         queue = self.waiting[decode.replica_id]
         while queue:
             pending = queue[0]

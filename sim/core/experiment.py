@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -33,6 +33,7 @@ class RunResult:
     requests: list[Request]
     metrics: MetricsCollector
     num_kv_blocks: int
+    replicas: list[Replica] = field(default_factory=list)   # as the run left them
 
 
 def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
@@ -86,7 +87,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
-                                       on_requests_done=bar.update)
+                                       next_arrival, on_requests_done=bar.update)
         router = cluster.router
     env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
@@ -119,7 +120,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
-    return RunResult(summary, requests, metrics, num_blocks)
+    return RunResult(summary, requests, metrics, num_blocks, replicas)
 
 
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,

@@ -101,7 +101,6 @@ class Replica:
     def run(self):
         env, scheduler, steps = self.env, self.scheduler, self.steps
         next_arrival = self.next_arrival
-        queued_arrivals = self.role != "decode"
         while True:
             while not scheduler.has_unfinished():   # a wake by a transfer may bring nothing
                 self._idle = env.event()
@@ -110,8 +109,11 @@ class Replica:
             queued = self._queued_during_step
             queued.clear()
             first_row = len(self.metrics.step_rows)
+            # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
+            # out of a prefill replica, whose blocks it frees.
+            transfers = self.role == "decode" or self.num_pending_transfers > 0
             result = steps.begin(env.now, next_arrival.time if next_arrival else None,
-                                 queued_arrivals=queued_arrivals,
+                                 queued_arrivals=not transfers,
                                  may_idle=self.num_pending_transfers > 0)
             if result is None:   # nothing can run until a KV transfer frees or brings blocks
                 self._idle = env.event()
