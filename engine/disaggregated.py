@@ -44,22 +44,19 @@ class KVTransfer:
 def copy_kv_blocks(source: KVCachePool, source_blocks: list[int], destination: KVCachePool,
                    destination_blocks: list[int]) -> int:
     """Copy the K/V of `source_blocks` of one pool into `destination_blocks` of another, every
-    layer; returns the bytes copied."""
+    layer, with the kernels' block transfer between two caches (the one swaps use); returns the
+    bytes copied."""
     if len(source_blocks) != len(destination_blocks):
         raise ValueError(f"{len(source_blocks)} source blocks for {len(destination_blocks)} "
                          f"destination blocks")
     if source.block_size != destination.block_size:
         raise ValueError(f"block sizes differ: {source.block_size} and {destination.block_size}")
-    device = destination.device_caches[0].device
-    source_index = torch.tensor(source_blocks, dtype=torch.int64,
-                                device=source.device_caches[0].device)
-    destination_index = torch.tensor(destination_blocks, dtype=torch.int64, device=device)
+    pairs = torch.tensor(list(zip(source_blocks, destination_blocks)), dtype=torch.int64)
     num_bytes = 0
     for source_cache, destination_cache in zip(source.device_caches, destination.device_caches,
                                                strict=True):
-        blocks = source_cache.index_select(1, source_index).to(device)
-        destination_cache.index_copy_(1, destination_index, blocks)
-        num_bytes += blocks.numel() * blocks.element_size()
+        destination.ops.swap_blocks(source_cache, destination_cache, pairs)
+        num_bytes += len(source_blocks) * source_cache[:, 0].numel() * source_cache.element_size()
     return num_bytes
 
 

@@ -448,10 +448,12 @@ class BaseScheduler:
         sequence finishes or the pool runs short. Waiting requests stay waiting: the head of the
         queue was not admitted now, and what kept it out (max_num_seqs, the token budget, the
         pool's free blocks, the batch) gets no better before a decode finishes; a scheduler that
-        reorders the queue (`next_waiting`) may pick another head later, so it waits for none."""
+        reorders the queue (`next_waiting`) may pick another head later, so it waits for none.
+        Requests whose KV is arriving (`receiving`) hold their seats and blocks already; the
+        replica's horizon ends the run where they land."""
         if (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                 or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
-                or plan.num_decode_seqs != self.num_running_seqs
+                or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
                 or (self.waiting and type(self).next_waiting is not BaseScheduler.next_waiting)):
             return 1
         kv_cache = self.kv_cache

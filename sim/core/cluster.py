@@ -303,9 +303,9 @@ class DisaggregatedCluster:
     def next_event(self) -> float:
         """Nothing reaches a decode replica, nor frees a prefill replica's blocks, before the
         next arrival, a prefill replica's step in flight ends (an idle one starts one at the
-        next arrival or when a transfer frees its blocks), a copy on a link ends (the next
-        claims the link) or, while hand-offs wait for room, a decode replica's step ends (it
-        may start one of their transfers)."""
+        next arrival or when a transfer frees its blocks), a transfer could land (one still
+        waiting for its links no sooner than its copy's length from now) or, while hand-offs
+        wait for room, a decode replica's step ends (it may start one of their transfers)."""
         earliest = min(self.next_arrival.time,
                        min([replica.busy_until for replica in self.prefill_replicas]))
         if self._landing_times:
@@ -345,17 +345,19 @@ class DisaggregatedCluster:
                 continue
             queue.popleft()
             decode.num_pending_transfers += 1
-            self.env.process(self._copy(pending, decode))
+            num_bytes = self.transfer.num_bytes(pending.source_seq.num_computed_tokens)
+            duration = self.transfer.duration(num_bytes, pending.prefill_step_s)
+            # The earliest it can land, until it has its links: what bounds repeated steps.
+            self._landing_times[request.request_id] = self.env.now + duration
+            self.env.process(self._copy(pending, decode, num_bytes, duration))
 
-    def _copy(self, pending: PendingTransfer, decode):
+    def _copy(self, pending: PendingTransfer, decode, num_bytes: int, duration: float):
         request = pending.request
         claims = []
         for link in self.links.between(pending.prefill.replica_id, decode.replica_id):
             claim = link.request()
             yield claim
             claims.append((link, claim))
-        num_bytes = self.transfer.num_bytes(pending.source_seq.num_computed_tokens)
-        duration = self.transfer.duration(num_bytes, pending.prefill_step_s)
         request.kv_transfer_start_time = self.env.now
         request.kv_transfer_bytes = num_bytes
         self._landing_times[request.request_id] = self.env.now + duration
