@@ -5,6 +5,7 @@ time; repeated decode steps change nothing; disaggregation takes prefill stalls 
 pays for it in TTFT."""
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -230,7 +231,6 @@ def test_outputs_name_the_pools_and_the_transfers(tmp_path):
     for column in ("prefill_replica_id", "kv_handoff_time", "kv_transfer_start_time",
                    "kv_transfer_end_time", "kv_transfer_bytes"):
         assert column in header
-    import json
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["per_pool"]) == {"prefill", "decode"}
     assert summary["p99_kv_transfer_ms"] >= summary["mean_kv_transfer_ms"] > 0

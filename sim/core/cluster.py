@@ -114,14 +114,15 @@ def _pool_config(base: DictConfig, entry, field: str) -> DictConfig:
         override = entry.get(group)
         if override is None:
             continue
-        if isinstance(override, str):
-            if group == "hardware" and not (CONF_DIR / "hardware" / f"{override}.yaml").is_file():
+        if isinstance(override, str) and group == "hardware":
+            hardware_file = CONF_DIR / "hardware" / f"{override}.yaml"
+            if not hardware_file.is_file():
                 raise ValueError(f"{field}.hardware must be one of "
                                  f"{', '.join(config_names('hardware'))} or a mapping, got "
                                  f"{override!r}")
-            pool_cfg[group] = (OmegaConf.load(CONF_DIR / "hardware" / f"{override}.yaml")
-                               if group == "hardware"
-                               else policy_config(override, group, f"{field}.{group}"))
+            pool_cfg.hardware = OmegaConf.load(hardware_file)
+        elif isinstance(override, str):
+            pool_cfg[group] = policy_config(override, group, f"{field}.{group}")
         elif isinstance(override, (Mapping, DictConfig)):
             override = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(override)))
             # A mapping that names its class replaces the group; one without adds fields to it.
@@ -203,13 +204,6 @@ class Links:
         if self.topology == "shared":
             return [self._shared]
         return [self._by_replica[source_id], self._by_replica[destination_id]]
-
-
-def link_names(topology: str, source_id: int, destination_id: int) -> list[str]:
-    """The names of the links a transfer held (tests check that no two overlap on one)."""
-    if topology == "shared":
-        return ["shared"]
-    return [f"replica {source_id}", f"replica {destination_id}"]
 
 
 class NextClusterEvent:
