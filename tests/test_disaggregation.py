@@ -10,8 +10,10 @@ from collections import defaultdict
 
 import pytest
 
-from factories import make_cfg, model_spec
+from policies.batching import ContinuousBatchingScheduler
 from sim.core.experiment import run_experiment
+
+from factories import make_cfg, model_spec
 
 # Long prompts, short outputs: prefills stall a colocated replica's decodes most.
 LONG_PROMPTS = ["++workload.prompt_len={dist: uniform, low: 3000, high: 3800}",
@@ -183,6 +185,37 @@ def test_zero_bandwidth_refuses_to_run():
 def test_bad_pools_are_named(pools, message):
     with pytest.raises(ValueError, match=message):
         run(f"cluster.pools={pools}")
+
+
+class WithoutHandoffs(ContinuousBatchingScheduler):
+    """A scheduler written before disaggregation: no hand-offs."""
+
+    take_handoffs = None
+
+
+def test_a_pool_needs_a_scheduler_and_backend_that_can_hand_over():
+    with pytest.raises(ValueError, match="WithoutHandoffs cannot run in a prefill pool: it "
+                                         "lacks take_handoffs"):
+        run("cluster=disaggregated", "scheduler._target_=test_disaggregation.WithoutHandoffs")
+    with pytest.raises(ValueError, match="prefill and decode pools run on backend=sim"):
+        run("cluster=disaggregated", "backend=engine", "model=tiny-llama", "hardware=cpu",
+            "workload.with_token_ids=true")
+
+
+def test_colocated_requests_go_to_the_mixed_pool():
+    result = run("workload.num_requests=120", *MIXED_LENGTHS, "workload.rate=4",
+                 "cluster.disaggregate=long_prompts",
+                 "cluster.pools=[{name: m, role: mixed, num_replicas: 1}, "
+                 "{name: p, role: prefill, num_replicas: 1}, "
+                 "{name: d, role: decode, num_replicas: 1}]")
+    role_of = {replica.replica_id: replica.role for replica in result.replicas}
+    for request in result.requests:
+        if request.prompt_len >= 1024:
+            assert role_of[request.prefill_replica_id] == "prefill"
+            assert role_of[request.replica_id] == "decode"
+        else:
+            assert role_of[request.replica_id] == "mixed" and request.prefill_replica_id is None
+    assert result.summary["completed"] == 120
 
 
 def test_pools_take_their_own_hardware_memory_and_scheduler():

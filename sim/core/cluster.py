@@ -260,6 +260,14 @@ class PendingTransfer:
     prefill_step_s: float    # the step that finished the prompt (what overlap hides behind)
 
 
+def check_scheduler_members(scheduler, role: str, members: tuple[str, ...]) -> None:
+    """A scheduler in a prefill or decode pool needs the contract's disaggregation members."""
+    missing = [member for member in members if not callable(getattr(scheduler, member, None))]
+    if missing:
+        raise ValueError(f"{type(scheduler).__name__} cannot run in a {role} pool: it lacks "
+                         f"{', '.join(missing)} (policies/protocols.py; BaseScheduler has them)")
+
+
 class DisaggregatedCluster:
     """The hand-offs from prefill replicas, the decode replicas' admission of them and the
     transfers over the links."""
@@ -276,6 +284,10 @@ class DisaggregatedCluster:
             self.replicas_by_role.setdefault(replica.role, []).append(replica)
         self.prefill_replicas = self.replicas_by_role["prefill"]
         self.decode_replicas = self.replicas_by_role["decode"]
+        for role, members in (("prefill", ("take_handoffs",)),
+                              ("decode", ("admit_transfer", "finish_transfer"))):
+            for replica in self.replicas_by_role[role]:
+                check_scheduler_members(replica.scheduler, role, members)
         self.decode_ids = {replica.replica_id for replica in self.decode_replicas}
         self.by_id = {replica.replica_id: replica for replica in replicas}
         routers = {pool.role: pool.router for pool in pools}
