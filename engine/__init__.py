@@ -9,14 +9,18 @@ a sampler, and an offline `LLM.generate()` API shaped like vLLM's.
 Speculative decoding: LLM(..., speculative_model="ngram" or a draft model,
 num_speculative_tokens=k, speculation="fixed" | "adaptive" | a dotted class path | a policy
 object); engine/drafters.py proposes, engine/rejection_sampler.py verifies.
+
+Prefill/decode disaggregation: DisaggregatedLLM(...) runs a prefill and a decode replica with
+pools of their own, each request's KV copied between them (engine/disaggregated.py).
 """
 from engine.builder import (build_engine, build_engine_executor, build_model_executor,
                             kv_cache_limit_gb)
 from engine.config import EngineConfig
+from engine.disaggregated import DisaggregatedLLM
 from engine.executor import EngineExecutor
 from engine.llm import LLM, CompletionOutput, GenerateStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerateStats",
+__all__ = ["LLM", "DisaggregatedLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerateStats",
            "EngineConfig", "EngineExecutor", "build_engine", "build_engine_executor",
            "build_model_executor", "kv_cache_limit_gb"]

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from policies.types import Request
+from policies.types import Request, Sequence
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
 
@@ -101,6 +101,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; allowed: {sorted(names)}")
         self.config = EngineConfig(model=model, **kwargs)
         engine = build_engine(self.config)
+        self.loaded = engine.loaded
         self.model = engine.loaded.model
         self.tokenizer = engine.loaded.tokenizer
         self.spec = engine.loaded.spec
@@ -206,21 +207,33 @@ class LLM:
         scheduler = self.scheduler
         metrics = MetricsCollector()
         steps = StepLoop(scheduler, self.executor, StepRecorder(metrics), self.predictor)
-        stopped_seq_ids: set[int] = set()
+        stopped: set[Sequence] = set()
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Processed prompts", unit="req",
                    disable=not use_tqdm or not requests)
         while scheduler.has_unfinished():
-            result = steps.begin(self._now())
-            if result.stopped_seq_ids:
-                stopped_seq_ids |= result.stopped_seq_ids
-            finished = steps.complete(self._now())
+            finished = self._step(steps, stopped)
             if finished:
                 bar.update(len(finished))
         bar.close()
-        stats = GenerateStats.from_steps(metrics, [request for request, _ in requests.values()],
-                                         elapsed_s=time.perf_counter() - start)
+        self._fill_outputs(requests, stopped, metrics, time.perf_counter() - start)
 
+    def _step(self, steps: StepLoop, stopped: set[Sequence], may_idle: bool = False):
+        """One step of a replica's step loop; the sequences it stopped early (EOS) join
+        `stopped`. Returns the requests it finished, or None when it could not plan a step
+        and `may_idle`."""
+        result = steps.begin(self._now(), may_idle=may_idle)
+        if result is None:
+            return None
+        if result.stopped_seq_ids:
+            stopped.update(seq for seq in steps.plan.seqs if seq.seq_id in result.stopped_seq_ids)
+        return steps.complete(self._now())
+
+    def _fill_outputs(self, requests: dict[int, tuple[Request, RequestOutput]],
+                      stopped: set[Sequence], metrics: MetricsCollector,
+                      elapsed_s: float) -> None:
+        stats = GenerateStats.from_steps(metrics, [request for request, _ in requests.values()],
+                                         elapsed_s=elapsed_s)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         for request, output in requests.values():
             if request.rejected_reason is not None:
@@ -234,5 +247,5 @@ class LLM:
                 output.outputs.append(CompletionOutput(
                     index=index, token_ids=token_ids,
                     text=decode(token_ids) if decode else None,
-                    finish_reason="stop" if seq.seq_id in stopped_seq_ids else "length"))
+                    finish_reason="stop" if seq in stopped else "length"))
         self.last_stats = stats

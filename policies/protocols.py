@@ -23,10 +23,18 @@ Optional, for a KV manager with a host tier for its prefix cache (PagedBlockMana
 the last call, which BaseScheduler puts in the plan (`blocks_to_offload`, `blocks_to_load`);
 `num_loaded_prefix_tokens(seq)` says how many of the tokens allocate_prefix gave the sequence
 came from the tier (`Request.num_host_cached_tokens`).
+
+Optional, for prefill/decode disaggregation (a scheduler of a prefill or decode pool; BaseScheduler
+has them): on a prefill replica the scheduler stops a request whose `Request.handoff` is set after
+its first token, keeping its blocks, and hands it over through `take_handoffs()`; the cluster frees
+those blocks (`kv_cache.free`) once the KV has moved. On a decode replica `admit_transfer(request,
+now) -> bool` gives the request a sequence of its own and the blocks for the KV computed elsewhere
+(False: no room now; `rejected_reason` set: never), and `finish_transfer(request, now)` lets it
+decode once the KV has arrived; it is never prefilled there unless preempted by recompute.
 """
 from __future__ import annotations
 
-from typing import Literal, Protocol, Sequence as Seq, runtime_checkable
+from typing import Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 from policies.types import Request, Sequence, StepPlan, StepResult
 
@@ -146,7 +154,8 @@ class Executor(Protocol):
 
 
 class ReplicaView(Protocol):
-    """What a router sees of a replica."""
+    """What a router sees of a replica (its `pool` name and `role`, mixed | prefill | decode, too,
+    for a router that wants them)."""
 
     replica_id: int
 
@@ -164,3 +173,13 @@ class Router(Protocol):
 
     def route(self, request: Request, replicas: Seq[ReplicaView]) -> int:
         """The `replica_id` of the replica that takes `request`."""
+
+
+@runtime_checkable
+class DisaggregationPolicy(Protocol):
+    """Whether a request of a cluster with prefill and decode pools runs disaggregated (prefill on
+    a prefill replica, decode on a decode replica after a KV transfer) or colocated (whole on a
+    mixed replica, else on a prefill replica); asked once per request at arrival."""
+
+    def disaggregate(self, request: Request, pools: Mapping[str, Seq[ReplicaView]]) -> bool:
+        """True to disaggregate; `pools` maps each pool's role to its replicas."""

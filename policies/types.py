@@ -98,6 +98,16 @@ class Request:
     num_cached_tokens: int = 0   # prompt tokens the prefix cache served at its first admission
     num_host_cached_tokens: int = 0   # of those, the ones loaded back from the host tier
     rejected_reason: str | None = None
+    # Prefill/decode disaggregation (sim/core/cluster.py), set by the cluster. `handoff`: its
+    # scheduler stops the request after its first token and keeps its blocks for the KV transfer
+    # (Scheduler.take_handoffs); the decode replica is then `replica_id`. The times: hand-off
+    # (the prefill's end), the copy's start on the links and its landing on the decode replica.
+    handoff: bool = False
+    prefill_replica_id: int | None = None
+    kv_handoff_time: float | None = None
+    kv_transfer_start_time: float | None = None
+    kv_transfer_end_time: float | None = None
+    kv_transfer_bytes: int = 0
 
     def __post_init__(self):
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:

@@ -54,6 +54,10 @@ class BaseScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.swapped: deque[Request] = deque()
+        # Prefill/decode disaggregation: requests stopped after their first token whose blocks
+        # wait for the KV transfer (until take_handoffs), and requests whose KV is arriving here.
+        self.handed_off: list[Request] = []
+        self.receiving: list[Request] = []
         # Sequences the running requests hold or will hold: an unforked request with n > 1
         # counts n, so its samples never push the batch past max_num_seqs.
         self.num_running_seqs = 0
@@ -68,7 +72,7 @@ class BaseScheduler:
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.receiving)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -100,6 +104,56 @@ class BaseScheduler:
             return (f"{request.n} x {total_len} tokens can never fit in the KV cache of "
                     f"{self.kv_cache.num_blocks} blocks")
         return None
+
+    # ---- prefill/decode disaggregation (sim/core/cluster.py) -----------------------------------
+
+    def take_handoffs(self) -> list[Request]:
+        """The requests stopped after their first token (`Request.handoff`) since the last call;
+        their blocks stay allocated until the cluster frees them after the KV transfer."""
+        handed_off, self.handed_off = self.handed_off, []
+        return handed_off
+
+    def admit_transfer(self, request: Request, now: float) -> bool:
+        """Give a request prefilled elsewhere a sequence of this replica's and the blocks for the
+        KV it computed there (within max_num_seqs and the watermark), so the KV can arrive.
+        False: no room now, nothing changed; a request that can never run here gets its
+        `rejected_reason` too. It decodes from the step after `finish_transfer`."""
+        reason = self._rejection_reason(request)
+        if reason is not None:
+            request.rejected_reason = reason
+            return False
+        if request.n != 1:
+            request.rejected_reason = f"a KV transfer moves one sequence; n={request.n}"
+            return False
+        if self.num_running_seqs + 1 > self.max_num_seqs:
+            return False
+        source = request.sequences[0]
+        # A sequence id of this scheduler's: the block tables are keyed by it.
+        seq = self._new_sequence(request, source.num_output_tokens,
+                                 None if source.output_token_ids is None
+                                 else list(source.output_token_ids))
+        seq.num_computed_tokens = source.num_computed_tokens
+        seq.last_token_time = source.last_token_time
+        if not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens, watermark=True):
+            return False
+        request.sequences = [seq]
+        self.receiving.append(request)
+        self.num_running_seqs += 1
+        return True
+
+    def finish_transfer(self, request: Request, now: float) -> None:
+        """The KV of a request admitted by admit_transfer has arrived: it decodes from now on."""
+        self.receiving.remove(request)
+        request.sequences[0].status = SequenceStatus.RUNNING
+        self.running.append(request)
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """Stop a request after its first token, its blocks kept for the KV transfer."""
+        request = seq.request
+        self.running.remove(request)
+        self.num_running_seqs -= 1
+        seq.status = SequenceStatus.WAITING
+        self.handed_off.append(request)
 
     def _new_sequence(self, request: Request, num_output_tokens: int = 0,
                       output_token_ids: list[int] | None = None) -> Sequence:
@@ -404,11 +458,13 @@ class BaseScheduler:
         sequence finishes or the pool runs short. Waiting requests stay waiting: the head of the
         queue was not admitted now, and what kept it out (max_num_seqs, the token budget, the
         pool's free blocks, the batch) gets no better before a decode finishes; a scheduler that
-        reorders the queue (`next_waiting`) may pick another head later, so it waits for none."""
+        reorders the queue (`next_waiting`) may pick another head later, so it waits for none.
+        Requests whose KV is arriving (`receiving`) hold their seats and blocks already; the
+        replica's horizon ends the run where they land."""
         if (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                 or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
                 or plan.blocks_to_offload or plan.blocks_to_load
-                or plan.num_decode_seqs != self.num_running_seqs
+                or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
                 or (self.waiting and type(self).next_waiting is not BaseScheduler.next_waiting)):
             return 1
         kv_cache = self.kv_cache
@@ -464,11 +520,14 @@ class BaseScheduler:
             seq.num_tokens = num_computed + num_sampled
             seq.last_token_time = now
             request = seq.request
+            done = num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped)
             if num_output_tokens == num_sampled:
                 self._on_first_tokens(seq, result, now, finished_requests)
-            if num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped):
-                if self._finish_sequence(seq, now):
-                    finished_requests.append(request)
+                if request.handoff and not done:
+                    self._hand_off(seq)
+                    continue
+            if done and self._finish_sequence(seq, now):
+                finished_requests.append(request)
         if self._speculates:
             self._observe_drafts(plan, result)
         return finished_requests

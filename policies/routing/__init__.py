@@ -1,4 +1,8 @@
-"""Routers: which replica of a cluster gets a new request."""
+"""Routers: which replica of a cluster gets a new request; and whether a request runs its prefill
+and decode on separate pools (disaggregation)."""
+from policies.routing.disaggregation import (AlwaysDisaggregate, LongPromptsDisaggregate,
+                                             NeverDisaggregate)
 from policies.routing.routers import LeastOutstandingRouter, PrefixAffinityRouter, RoundRobinRouter
 
-__all__ = ["LeastOutstandingRouter", "PrefixAffinityRouter", "RoundRobinRouter"]
+__all__ = ["AlwaysDisaggregate", "LeastOutstandingRouter", "LongPromptsDisaggregate",
+           "NeverDisaggregate", "PrefixAffinityRouter", "RoundRobinRouter"]

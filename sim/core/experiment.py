@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
-from sim.core.build import (build_kv_cache, build_policy, build_predictor,
-                             build_replica_executor, build_router, check_run_settings,
-                             max_num_batched_tokens, num_kv_blocks, slos_ms, speculation_setup,
-                             speed_summary)
-from sim.core.metrics import MetricsCollector, rejection_summary
+from sim.core.build import (build_kv_cache, build_policy, build_predictor, build_replica_executor,
+                             check_run_settings, max_num_batched_tokens,
+                             policy_config, slos_ms, speculation_setup, speed_summary)
+from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
+                              is_disaggregated, kv_transfer_summary, pools_summary)
+from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
-from sim.core.specs import HardwareSpec, ModelSpec
+from sim.core.specs import ModelSpec
 from sim.core.workload import build_workload
-
 
 
 @dataclass
@@ -33,6 +33,7 @@ class RunResult:
     requests: list[Request]
     metrics: MetricsCollector
     num_kv_blocks: int
+    replicas: list[Replica] = field(default_factory=list)   # as the run left them
 
 
 def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
@@ -54,12 +55,20 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     plots too, unless plots=False)."""
     wall_start = time.perf_counter()
     model = ModelSpec.from_config(cfg.model)
-    hardware = HardwareSpec.from_config(cfg.hardware)
     check_run_settings(cfg)
-    num_blocks = num_kv_blocks(cfg, model, hardware)
+    pools = build_pools(cfg, model)
+    num_blocks = pools[0].num_kv_blocks
     # The target's KV bytes of one block: what the summary counts a swapped block as.
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
-    router = build_router(cfg.cluster.router)
+    disaggregated = is_disaggregated(pools)
+    if disaggregated:
+        if cfg.backend.get("executor") is not None:
+            raise ValueError("prefill and decode pools run on backend=sim; the engine's "
+                             "disaggregated pair is engine.DisaggregatedLLM")
+        transfer = KVTransferModel.from_config(cfg.cluster.get("kv_transfer"), model)
+        disaggregation = build_policy(
+            policy_config(cfg.cluster.get("disaggregate", "always"), "disaggregate",
+                          "cluster.disaggregate"), "cluster.disaggregate")
     speculation = speculation_setup(cfg)
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
@@ -72,20 +81,14 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                mininterval=0.5, leave=False)
     replicas = []
     next_arrival = NextArrival()
-    for replica_id in range(cfg.cluster.num_replicas):
-        preemption = build_policy(cfg.preemption, "preemption")
-        kv_cache = build_kv_cache(cfg, model, num_blocks, preemption, speculation)
-        # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
-        drafting = ({} if speculation is None else
-                    {"speculation": build_policy(speculation.policy_cfg, "speculation")})
-        scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
-                                 preemption=preemption, max_model_len=model.max_model_len,
-                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-                                 **drafting)
-        executor = build_replica_executor(cfg, model, hardware, kv_cache, speculation, replica_id)
-        replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
-                                on_requests_done=bar.update, next_arrival=next_arrival,
-                                predictor=predictor))
+    for pool in pools:
+        replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
+                                        predictor, next_arrival, bar.update)
+    router = pools[0].router
+    if disaggregated:
+        cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
+                                       next_arrival, on_requests_done=bar.update)
+        router = cluster.router
     env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise).
@@ -108,6 +111,38 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))
+    if cfg.cluster.get("pools") is not None:
+        metrics.replica_labels = {replica.replica_id: f"{replica.pool} {replica.replica_id}"
+                                  for replica in replicas}
+        summary.update(pools_summary(pools, replicas, metrics.step_array(), STEP_COLUMNS,
+                                     summary["duration_s"]))
+    if disaggregated:
+        summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
-    return RunResult(summary, requests, metrics, num_blocks)
+    return RunResult(summary, requests, metrics, num_blocks, replicas)
+
+
+def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
+                        metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
+                        next_arrival: NextArrival, on_requests_done) -> list[Replica]:
+    """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
+    config) and executor."""
+    cfg = pool.cfg
+    replicas = []
+    for replica_id in range(first_id, first_id + pool.num_replicas):
+        preemption = build_policy(cfg.preemption, "preemption")
+        kv_cache = build_kv_cache(cfg, model, pool.num_kv_blocks, preemption, speculation)
+        # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
+        drafting = ({} if speculation is None else
+                    {"speculation": build_policy(speculation.policy_cfg, "speculation")})
+        scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
+                                 preemption=preemption, max_model_len=model.max_model_len,
+                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+                                 **drafting)
+        executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
+                                          replica_id)
+        replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
+                                on_requests_done=on_requests_done, next_arrival=next_arrival,
+                                predictor=predictor, pool=pool.name, role=pool.role))
+    return replicas

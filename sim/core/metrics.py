@@ -45,6 +45,8 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "num_output_tokens", "first_scheduled_time", "first_token_time", "finish_time",
     "ttft_ms", "tpot_ms", "e2el_ms", "num_preemptions", "rejected_reason",
     "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "predicted_output_len",
+    "prefill_replica_id", "kv_handoff_time", "kv_transfer_start_time", "kv_transfer_end_time",
+    "kv_transfer_bytes",
 )
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
@@ -112,7 +114,9 @@ def request_rows(requests: list[Request]) -> list[tuple]:
             request.first_scheduled_time, request.first_token_time, request.finish_time,
             _ms(ttft), _ms(tpot), _ms(e2el), request.num_preemptions, request.rejected_reason,
             request.priority, request.tenant, request.slo_ttft_ms, request.slo_tpot_ms,
-            request.predicted_output_len,
+            request.predicted_output_len, request.prefill_replica_id, request.kv_handoff_time,
+            request.kv_transfer_start_time, request.kv_transfer_end_time,
+            request.kv_transfer_bytes,
         ))
     return rows
 
@@ -282,6 +286,8 @@ class MetricsCollector:
 
     def __init__(self, kv_bytes_per_block: int = 0):
         self.kv_bytes_per_block = kv_bytes_per_block
+        # replica_id -> its name in the plots' legends (a cluster of pools names its pool).
+        self.replica_labels: dict[int, str] = {}
         self.step_rows: list[tuple] = []
         self.itl_counts: dict[float, int] = {}
 
@@ -442,7 +448,8 @@ class MetricsCollector:
         if plots:
             # Imported here so that runs that never plot never import matplotlib.
             from sim.tools.plots import write_plots
-            written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS)
+            written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS,
+                                   self.replica_labels)
         return written
 
 
@@ -581,6 +588,11 @@ def format_summary_table(summary: dict) -> Table:
     if summary.get("num_draft_tokens"):
         totals.add_row("draft acceptance", f"{summary['spec_acceptance_rate']:.1%}")
         totals.add_row("tokens / decode step", _fmt(summary["mean_tokens_per_decode_step"]))
+    if summary.get("num_kv_transfers"):
+        totals.add_row("KV transfers", f"{summary['num_kv_transfers']:,} "
+                                       f"({summary['kv_transfer_bytes'] / 2**30:,.1f} GiB)")
+        totals.add_row("KV transfer ms (p99)", f"{_fmt(summary['mean_kv_transfer_ms'])} "
+                                               f"({_fmt(summary['p99_kv_transfer_ms'])})")
     if "jain_fairness" in summary:
         totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
     totals.add_row("steps", f"{summary['num_steps']:,}")

@@ -47,17 +47,28 @@ class Replica:
     def __init__(self, env: simpy.Environment, replica_id: int, scheduler: Scheduler,
                  executor: Executor, metrics: MetricsCollector,
                  on_requests_done: Callable[[int], None] | None = None,
-                 next_arrival: NextArrival | None = None, predictor=None):
+                 next_arrival: NextArrival | None = None, predictor=None,
+                 pool: str = "main", role: str = "mixed"):
         self.env = env
         self.replica_id = replica_id
+        self.pool, self.role = pool, role
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
         self.recorder = StepRecorder(metrics, replica_id)
         self.steps = StepLoop(scheduler, executor, self.recorder, predictor)
         self.on_requests_done = on_requests_done
-        # Without it, every step is its own event; with it, env must be a SimEnvironment.
+        # Without it, every step is its own event; with it, env must be a SimEnvironment. A
+        # decode replica's (sim/core/cluster.py) is the earliest a KV transfer could land.
         self.next_arrival = next_arrival
+        # Disaggregation (sim/core/cluster.py): called with the replica after each step; KV
+        # transfers holding this replica's blocks (out of a prefill replica, into a decode one),
+        # while which an empty plan waits for them instead of stalling; when the step in flight
+        # ends (inf while idle) and how long the last one took.
+        self.on_step_done: Callable[[Replica], None] | None = None
+        self.num_pending_transfers = 0
+        self.busy_until = math.inf
+        self.last_step_duration = 0.0
         self._idle: simpy.Event | None = None
         self._queued_during_step: list[float] = []   # when requests joined its waiting queue
         self.process = env.process(self.run())
@@ -79,31 +90,57 @@ class Replica:
                 self.on_requests_done(1)
             return
         self._queued_during_step.append(self.env.now)
+        self.wake()
+
+    def wake(self) -> None:
+        """Let an idle replica plan again: a request joined it, or a KV transfer moved blocks."""
         if self._idle is not None and not self._idle.triggered:
             self._idle.succeed()
+
+    def receive(self, request: Request) -> None:
+        """A request's KV has arrived (disaggregation): it decodes here from the next step."""
+        request.replica_id = self.replica_id
+        self.scheduler.finish_transfer(request, self.env.now)
+        self.wake()
 
     def run(self):
         env, scheduler, steps = self.env, self.scheduler, self.steps
         next_arrival = self.next_arrival
         while True:
-            if not scheduler.has_unfinished():
+            while not scheduler.has_unfinished():   # a wake by a transfer may bring nothing
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
             queued = self._queued_during_step
             queued.clear()
             first_row = len(self.metrics.step_rows)
-            result = steps.begin(env.now, next_arrival.time if next_arrival else None)
+            # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
+            # out of a prefill replica, whose blocks it frees.
+            transfers = self.role == "decode" or self.num_pending_transfers > 0
+            result = steps.begin(env.now, next_arrival.time if next_arrival else None,
+                                 queued_arrivals=not transfers,
+                                 may_idle=self.num_pending_transfers > 0)
+            if result is None:   # nothing can run until a KV transfer frees or brings blocks
+                self._idle = env.event()
+                yield self._idle
+                self._idle = None
+                continue
             if result.step_durations:
-                yield env.timeout_at(steps.step_end_times[-1])
+                self.busy_until = steps.step_end_times[-1]
+                yield env.timeout_at(self.busy_until)
             else:
+                self.busy_until = env.now + result.duration
                 yield env.timeout(result.duration)
+            self.busy_until = math.inf
+            self.last_step_duration = result.duration
             finished = steps.complete(env.now)
             if result.step_durations and queued:
                 # Requests that arrived while the run's blocked queue kept them waiting.
                 self.recorder.count_arrivals(first_row, result.num_steps, queued)
             if finished and self.on_requests_done:
                 self.on_requests_done(len(finished))
+            if self.on_step_done is not None:
+                self.on_step_done(self)
 
 
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,

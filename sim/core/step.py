@@ -45,14 +45,19 @@ class StepLoop:
         self.result: StepResult | None = None
         self.step_end_times: list[float] | None = None   # of repeated steps, in flight
 
-    def begin(self, now: float, horizon: float | None = None) -> StepResult:
+    def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
+              may_idle: bool = False) -> StepResult | None:
         """Plan the next step at `now`, execute it and record its row. With a `horizon` (the
         time of the next event outside the replica), a repeatable decode batch runs until a step
-        ends at or past it. Raises RuntimeError when the scheduler plans nothing while it has
-        requests: no later step could differ."""
+        ends at or past it; with `queued_arrivals` false (what arrives skips the waiting queue:
+        KV transfers to a decode replica) even when the queue's head is blocked. Raises
+        RuntimeError when the scheduler plans nothing while it has requests: no later step could
+        differ; unless `may_idle` (a KV transfer will change the pool), which returns None."""
         scheduler = self.scheduler
         plan = scheduler.schedule(now)
         if plan.is_empty:
+            if may_idle:
+                return None
             waiting, running, swapped = scheduler.queue_lengths()
             raise RuntimeError(
                 f"replica {self.recorder.replica_id}: the scheduler planned nothing with "
@@ -62,8 +67,8 @@ class StepLoop:
         # A refining predictor is asked after every step: its guesses may move a later one.
         if (horizon is not None and plan.max_repeats > 1 and self.refining_predictor is None
                 and getattr(self.executor, "repeats_steps", False)):
-            result = self._run_repeated(plan, now,
-                                        math.inf if plan.repeats_past_arrivals else horizon)
+            past_arrivals = plan.repeats_past_arrivals and queued_arrivals
+            result = self._run_repeated(plan, now, math.inf if past_arrivals else horizon)
             self.recorder.record_repeated_steps(now, plan, result, scheduler)
         else:
             result = self.executor.execute(plan)

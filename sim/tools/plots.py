@@ -73,8 +73,9 @@ def _write_latency_cdf(path: Path, requests: list[Request]) -> None:
 
 
 def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: str,
-                      label: str) -> None:
-    """One line per replica of `column` against step start time."""
+                      label: str, replica_labels: dict[int, str] | None = None) -> None:
+    """One line per replica of `column` against step start time, named by `replica_labels`
+    (replica_id -> name) where given."""
     replica_col, time_col, value_col = (columns.index(name)
                                         for name in ("replica_id", "start_time", column))
     ax.set_xlabel("simulated time (s)")
@@ -88,15 +89,17 @@ def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: s
         rows = steps[steps[:, replica_col] == replica]
         keep = downsample_indices(rows[:, value_col])
         ax.plot(rows[keep, time_col], rows[keep, value_col], linewidth=0.8,
-                label=f"replica {int(replica)}")
+                label=(replica_labels or {}).get(int(replica), f"replica {int(replica)}"))
     if len(replicas) > 1:
         ax.legend(loc="upper right", fontsize="small")
 
 
 def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
-                step_columns: tuple[str, ...]) -> list[Path]:
+                step_columns: tuple[str, ...],
+                replica_labels: dict[int, str] | None = None) -> list[Path]:
     """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir; return their paths.
-    Empty inputs give labelled figures that say "no data" rather than an error."""
+    Empty inputs give labelled figures that say "no data" rather than an error. Each replica's
+    line is named by `replica_labels` (replica_id -> name), else "replica <id>"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = tuple(step_columns)
@@ -109,15 +112,16 @@ def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
     kv_path = out_dir / "kv_blocks.png"
     fig, ax = plt.subplots(figsize=(10, 4), constrained_layout=True)
     ax.set_title("KV cache blocks in use")
-    _plot_per_replica(ax, steps, columns, "kv_blocks_used", "blocks")
+    _plot_per_replica(ax, steps, columns, "kv_blocks_used", "blocks", replica_labels)
     fig.savefig(kv_path, dpi=100)
     plt.close(fig)
 
     batch_path = out_dir / "batch_size.png"
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, constrained_layout=True)
     top.set_title("Batch size and waiting queue")
-    _plot_per_replica(top, steps, columns, "num_seqs", "sequences in the step")
-    _plot_per_replica(bottom, steps, columns, "num_waiting", "waiting queue length")
+    _plot_per_replica(top, steps, columns, "num_seqs", "sequences in the step", replica_labels)
+    _plot_per_replica(bottom, steps, columns, "num_waiting", "waiting queue length",
+                      replica_labels)
     top.set_xlabel("")  # shared x axis: label only the bottom panel
     fig.savefig(batch_path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,429 @@
+"""A cluster as a list of pools, and prefill/decode disaggregation between them.
+
+`cluster.pools` lists the pools, each with a `name`, a `role` (mixed | prefill | decode), its
+`num_replicas`, a `router` and optional overrides of the run's `hardware`,
+`tensor_parallel_size`, `scheduler` and `kv_cache` (a conf/ name, a {_target_: ...} mapping that
+replaces the group, or a mapping of fields merged over it). Without `cluster.pools` the cluster is
+one mixed pool of `cluster.num_replicas` replicas routed by `cluster.router`, built exactly as
+before pools existed.
+
+With a prefill and a decode pool, each request (n = 1) that the `cluster.disaggregate` policy
+sends there runs its prefill on a prefill replica, whose scheduler stops it after its first token
+(TTFT ends there) and keeps its blocks; the decode pool's router picks a decode replica, whose
+scheduler allocates blocks for the transferred KV (or the request waits there, first come first
+served, until a step of that replica frees room); the KV then moves over the links of
+`cluster.kv_transfer.topology`, one transfer at a time per link (a simpy resource each); on
+landing the prefill replica frees its blocks and the decode replica decodes. Other requests run
+colocated: on the mixed pool, or whole on a prefill replica when there is none.
+
+A decode replica admits a hand-off between its steps, as a scheduler admits arrivals. Repeated
+decode steps on a prefill or decode replica end where a transfer could next start or land
+(`DisaggregatedCluster.next_event`), so a run plans the steps that one planned step by step
+would.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+from omegaconf import DictConfig, OmegaConf
+
+from policies.types import Request, Sequence
+from policies.validators import boolean, non_negative_number, positive_int, positive_number
+from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
+                            policy_config)
+from sim.core.specs import HardwareSpec, ModelSpec
+
+ROLES = ("mixed", "prefill", "decode")
+POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
+             "scheduler", "kv_cache")
+TOPOLOGIES = ("per_replica", "shared")
+
+
+@dataclass
+class Pool:
+    """One pool as the run builds it: its name and role, the run's config with the pool's
+    overrides (`cfg`), its hardware, KV blocks per replica and router."""
+
+    name: str
+    role: str
+    num_replicas: int
+    cfg: DictConfig
+    hardware: HardwareSpec
+    num_kv_blocks: int
+    router: object
+
+
+def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
+    """The run's pools, checked: one mixed pool from cluster.num_replicas and cluster.router
+    without `cluster.pools`; else one pool per entry, at most one of each role, a prefill pool
+    only with a decode pool."""
+    pools_cfg = cfg.cluster.get("pools")
+    if pools_cfg is None:
+        hardware = HardwareSpec.from_config(cfg.hardware)
+        return [Pool("main", "mixed", cfg.cluster.num_replicas, cfg, hardware,
+                     num_kv_blocks(cfg, model, hardware), build_router(cfg.cluster.router))]
+    if isinstance(pools_cfg, (str, bytes)) or not hasattr(pools_cfg, "__len__") or not pools_cfg:
+        raise ValueError(f"cluster.pools must be a non-empty list of pools, got {pools_cfg!r}")
+    # Resolved once into a plain config, so that each pool's overrides can merge into it.
+    base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    pools, names, roles = [], set(), set()
+    for index, entry in enumerate(pools_cfg):
+        field = f"cluster.pools[{index}]"
+        if not isinstance(entry, (Mapping, DictConfig)):
+            raise ValueError(f"{field} must be a mapping with name, role and num_replicas, got "
+                             f"{entry!r}")
+        unknown = sorted(set(entry.keys()) - set(POOL_KEYS))
+        if unknown:
+            raise ValueError(f"{field}: unknown key(s) {unknown}; a pool takes "
+                             f"{', '.join(POOL_KEYS)}")
+        name, role = entry.get("name"), entry.get("role")
+        if not isinstance(name, str) or not name or name in names:
+            raise ValueError(f"{field}.name must be a name no other pool has, got {name!r}")
+        if role not in ROLES or role in roles:
+            raise ValueError(f"{field}.role must be one of {', '.join(ROLES)}, one pool each; "
+                             f"got {role!r}")
+        names.add(name)
+        roles.add(role)
+        num_replicas = positive_int(f"{field}.num_replicas", entry.get("num_replicas"))
+        pool_cfg = _pool_config(base, entry, field)
+        hardware = HardwareSpec.from_config(pool_cfg.hardware)
+        router_cfg = entry.get("router") or cfg.cluster.router
+        router = build_policy(policy_config(router_cfg, "router", f"{field}.router"),
+                              f"{field}.router")
+        pools.append(Pool(name, role, num_replicas, pool_cfg, hardware,
+                          num_kv_blocks(pool_cfg, model, hardware), router))
+    if ("prefill" in roles) != ("decode" in roles):
+        raise ValueError("cluster.pools: a prefill pool needs a decode pool and the other way "
+                         f"round; the pools' roles: {', '.join(pool.role for pool in pools)}")
+    return pools
+
+
+def _pool_config(base: DictConfig, entry, field: str) -> DictConfig:
+    """The run's config with the pool's overrides of hardware, tensor_parallel_size, scheduler
+    and kv_cache."""
+    pool_cfg = base.copy()
+    if entry.get("tensor_parallel_size") is not None:
+        pool_cfg.cluster.tensor_parallel_size = positive_int(f"{field}.tensor_parallel_size",
+                                                             entry.tensor_parallel_size)
+    for group in ("hardware", "scheduler", "kv_cache"):
+        override = entry.get(group)
+        if override is None:
+            continue
+        if isinstance(override, str) and group == "hardware":
+            hardware_file = CONF_DIR / "hardware" / f"{override}.yaml"
+            if not hardware_file.is_file():
+                raise ValueError(f"{field}.hardware must be one of "
+                                 f"{', '.join(config_names('hardware'))} or a mapping, got "
+                                 f"{override!r}")
+            pool_cfg.hardware = OmegaConf.load(hardware_file)
+        elif isinstance(override, str):
+            pool_cfg[group] = policy_config(override, group, f"{field}.{group}")
+        elif isinstance(override, (Mapping, DictConfig)):
+            override = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(override)))
+            # A mapping that names its class replaces the group; one without adds fields to it.
+            pool_cfg[group] = (override if "_target_" in override
+                               else OmegaConf.merge(pool_cfg[group], override))
+        else:
+            raise ValueError(f"{field}.{group} must be a conf/{group} name or a mapping, got "
+                             f"{override!r}")
+    return pool_cfg
+
+
+def is_disaggregated(pools: list[Pool]) -> bool:
+    return any(pool.role == "prefill" for pool in pools)
+
+
+# ---- the KV transfer ----------------------------------------------------------------------------
+
+@dataclass
+class KVTransferModel:
+    """How long a request's KV takes to move: `latency_ms` plus its bytes over
+    `bandwidth_gbps` (GB/s, as the hardware specs count). With `overlap`, the copy runs
+    layer by layer beside the prefill step that finished the prompt: only what outlasts that step
+    is exposed (at least one layer's share)."""
+
+    bandwidth_gbps: float
+    latency_ms: float
+    overlap: bool
+    topology: str
+    kv_bytes_per_token: int
+    num_layers: int
+
+    @classmethod
+    def from_config(cls, transfer_cfg, model: ModelSpec) -> KVTransferModel:
+        if transfer_cfg is None:
+            raise ValueError("cluster.kv_transfer (bandwidth_gbps, latency_ms, overlap, "
+                             "topology) is required with a prefill and a decode pool")
+        bandwidth = transfer_cfg.get("bandwidth_gbps")
+        if isinstance(bandwidth, (int, float)) and not isinstance(bandwidth, bool) \
+                and bandwidth == 0:
+            raise ValueError("cluster.kv_transfer.bandwidth_gbps is 0: no KV could move from "
+                             "the prefill pool to the decode pool; give a positive GB/s (or "
+                             "run colocated: cluster.disaggregate=never, or one mixed pool)")
+        topology = transfer_cfg.get("topology", "per_replica")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"cluster.kv_transfer.topology must be one of "
+                             f"{', '.join(TOPOLOGIES)}, got {topology!r}")
+        return cls(positive_number("cluster.kv_transfer.bandwidth_gbps", bandwidth),
+                   non_negative_number("cluster.kv_transfer.latency_ms",
+                                       transfer_cfg.get("latency_ms", 0.0)),
+                   boolean("cluster.kv_transfer.overlap", transfer_cfg.get("overlap", False)),
+                   topology, model.kv_bytes_per_token, model.num_layers)
+
+    def num_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.kv_bytes_per_token
+
+    def duration(self, num_bytes: int, prefill_step_s: float) -> float:
+        copy_s = num_bytes / (self.bandwidth_gbps * 1e9)
+        if self.overlap:
+            copy_s = max(copy_s - prefill_step_s, copy_s / self.num_layers)
+        return self.latency_ms / 1000.0 + copy_s
+
+
+class Links:
+    """The links transfers share, one simpy resource each: per_replica, a link per replica (its
+    NIC; a transfer holds its prefill replica's, then its decode replica's); shared, one for
+    every transfer."""
+
+    def __init__(self, env: simpy.Environment, topology: str, replica_ids: list[int]):
+        self.topology = topology
+        if topology == "shared":
+            self._shared = simpy.Resource(env, capacity=1)
+        else:
+            self._by_replica = {replica_id: simpy.Resource(env, capacity=1)
+                                for replica_id in replica_ids}
+
+    def between(self, source_id: int, destination_id: int) -> list[simpy.Resource]:
+        """The links a transfer holds, in the order it claims them (prefill side first, so
+        that no two transfers wait on each other)."""
+        if self.topology == "shared":
+            return [self._shared]
+        return [self._by_replica[source_id], self._by_replica[destination_id]]
+
+
+class NextClusterEvent:
+    """The horizon of a prefill or decode replica's repeated decode steps: the earliest that a
+    transfer could start or land, or a request arrive (a `NextArrival` look-alike, read at each
+    step's start)."""
+
+    __slots__ = ("cluster",)
+
+    def __init__(self, cluster: DisaggregatedCluster):
+        self.cluster = cluster
+
+    @property
+    def time(self) -> float:
+        return self.cluster.next_event()
+
+
+class ClusterRouter:
+    """The router the arrivals ask in a disaggregated cluster: the disaggregation policy picks
+    the pool (prefill, with `Request.handoff` set; or colocated), the pool's router the replica.
+    Requests with n > 1 always run colocated: a transfer moves one sequence."""
+
+    def __init__(self, replicas_by_role: dict[str, list], routers: dict[str, object], policy):
+        self.replicas_by_role = replicas_by_role
+        self.routers = routers
+        self.policy = policy
+        self.colocated_role = "mixed" if "mixed" in replicas_by_role else "prefill"
+        self.replica_ids = {role: {replica.replica_id for replica in replicas}
+                            for role, replicas in replicas_by_role.items()}
+
+    def route(self, request: Request, replicas) -> int:
+        role = self.colocated_role
+        if request.n == 1 and self.policy.disaggregate(request, self.replicas_by_role):
+            request.handoff = True
+            role = "prefill"
+        return route_within(self.routers[role], request, self.replicas_by_role[role],
+                            self.replica_ids[role], role)
+
+
+def route_within(router, request: Request, replicas: list, replica_ids: set[int],
+                 role: str) -> int:
+    replica_id = router.route(request, replicas)
+    if replica_id not in replica_ids:
+        raise ValueError(f"{type(router).__name__}.route returned replica {replica_id!r}, not a "
+                         f"replica of the {role} pool ({sorted(replica_ids)})")
+    return replica_id
+
+
+@dataclass
+class PendingTransfer:
+    request: Request
+    source_seq: Sequence
+    prefill: object          # the Replica that holds the KV
+    prefill_step_s: float    # the step that finished the prompt (what overlap hides behind)
+
+
+def check_scheduler_members(scheduler, role: str, members: tuple[str, ...]) -> None:
+    """A scheduler in a prefill or decode pool needs the contract's disaggregation members."""
+    missing = [member for member in members if not callable(getattr(scheduler, member, None))]
+    if missing:
+        raise ValueError(f"{type(scheduler).__name__} cannot run in a {role} pool: it lacks "
+                         f"{', '.join(missing)} (policies/protocols.py; BaseScheduler has them)")
+
+
+class DisaggregatedCluster:
+    """The hand-offs from prefill replicas, the decode replicas' admission of them and the
+    transfers over the links."""
+
+    def __init__(self, env: simpy.Environment, replicas: list, pools: list[Pool],
+                 transfer: KVTransferModel, disaggregation, next_arrival,
+                 on_requests_done=None):
+        self.env = env
+        self.next_arrival = next_arrival
+        self.transfer = transfer
+        self.on_requests_done = on_requests_done
+        self.replicas_by_role: dict[str, list] = {}
+        for replica in replicas:
+            self.replicas_by_role.setdefault(replica.role, []).append(replica)
+        self.prefill_replicas = self.replicas_by_role["prefill"]
+        self.decode_replicas = self.replicas_by_role["decode"]
+        for role, members in (("prefill", ("take_handoffs",)),
+                              ("decode", ("admit_transfer", "finish_transfer"))):
+            for replica in self.replicas_by_role[role]:
+                check_scheduler_members(replica.scheduler, role, members)
+        self.decode_ids = {replica.replica_id for replica in self.decode_replicas}
+        self.by_id = {replica.replica_id: replica for replica in replicas}
+        routers = {pool.role: pool.router for pool in pools}
+        self.decode_router = routers["decode"]
+        self.router = ClusterRouter(self.replicas_by_role, routers, disaggregation)
+        self.links = Links(env, transfer.topology, list(self.by_id))
+        # Per decode replica, the hand-offs waiting for room there, first come first served.
+        self.waiting: dict[int, deque[PendingTransfer]] = {
+            replica.replica_id: deque() for replica in self.decode_replicas}
+        self._landing_times: dict[int, float] = {}   # request_id -> end of its copy in flight
+        horizon = NextClusterEvent(self)
+        for replica in self.prefill_replicas:
+            replica.on_step_done = self._hand_off
+            replica.next_arrival = horizon
+        for replica in self.decode_replicas:
+            replica.on_step_done = self._admit_waiting
+            replica.next_arrival = horizon
+
+    def next_event(self) -> float:
+        """Nothing reaches a decode replica, nor frees a prefill replica's blocks, before the
+        next arrival, a prefill replica's step in flight ends (an idle one starts one at the
+        next arrival or when a transfer frees its blocks), a transfer could land (one still
+        waiting for its links no sooner than its copy's length from now) or, while hand-offs
+        wait for room, a decode replica's step ends (it may start one of their transfers)."""
+        earliest = min(self.next_arrival.time,
+                       min([replica.busy_until for replica in self.prefill_replicas]))
+        if self._landing_times:
+            earliest = min(earliest, min(self._landing_times.values()))
+        if any(self.waiting.values()):
+            earliest = min(earliest, min([replica.busy_until for replica in self.decode_replicas]))
+        return earliest
+
+    def _hand_off(self, prefill) -> None:
+        for request in prefill.scheduler.take_handoffs():
+            request.prefill_replica_id = prefill.replica_id
+            request.kv_handoff_time = self.env.now
+            prefill.num_pending_transfers += 1
+            decode_id = route_within(self.decode_router, request, self.decode_replicas,
+                                     self.decode_ids, "decode")
+            self.waiting[decode_id].append(PendingTransfer(request, request.sequences[0],
+                                                           prefill, prefill.last_step_duration))
+            decode = self.by_id[decode_id]
+            if decode.busy_until == math.inf:   # idle; a busy one admits after its step
+                self._admit_waiting(decode)
+
+    def _admit_waiting(self, decode) -> None:
+        """Start the transfers of the hand-offs waiting for `decode` while it has room. Called
+        between its steps, as its scheduler admits arrivals: a run of repeated decode steps
+        takes its blocks only when it ends."""
+        queue = self.waiting[decode.replica_id]
+        while queue:
+            pending = queue[0]
+            request = pending.request
+            if not decode.scheduler.admit_transfer(request, self.env.now):
+                if request.rejected_reason is None:
+                    return   # no room now: a later step of this replica frees some
+                queue.popleft()   # it can never run there
+                self._release_source(pending)
+                if self.on_requests_done:
+                    self.on_requests_done(1)
+                continue
+            queue.popleft()
+            decode.num_pending_transfers += 1
+            num_bytes = self.transfer.num_bytes(pending.source_seq.num_computed_tokens)
+            duration = self.transfer.duration(num_bytes, pending.prefill_step_s)
+            # The earliest it can land, until it has its links: what bounds repeated steps.
+            self._landing_times[request.request_id] = self.env.now + duration
+            self.env.process(self._copy(pending, decode, num_bytes, duration))
+
+    def _copy(self, pending: PendingTransfer, decode, num_bytes: int, duration: float):
+        request = pending.request
+        claims = []
+        for link in self.links.between(pending.prefill.replica_id, decode.replica_id):
+            claim = link.request()
+            yield claim
+            claims.append((link, claim))
+        request.kv_transfer_start_time = self.env.now
+        request.kv_transfer_bytes = num_bytes
+        self._landing_times[request.request_id] = self.env.now + duration
+        yield self.env.timeout(duration)
+        del self._landing_times[request.request_id]
+        for link, claim in claims:
+            link.release(claim)
+        request.kv_transfer_end_time = self.env.now
+        self._release_source(pending)
+        decode.num_pending_transfers -= 1
+        decode.receive(request)
+
+    @staticmethod
+    def _release_source(pending: PendingTransfer) -> None:
+        """The prefill replica frees the request's blocks once they have moved (or never will)."""
+        prefill = pending.prefill
+        prefill.scheduler.kv_cache.free(pending.source_seq)
+        prefill.num_pending_transfers -= 1
+        prefill.wake()
+
+
+# ---- what the summary adds ----------------------------------------------------------------------
+
+def pools_summary(pools: list[Pool], replicas: list, steps: np.ndarray, step_columns,
+                  duration_s: float) -> dict:
+    """`per_pool`: each pool's role, replicas, KV blocks per replica, steps, prefill tokens and
+    decodes, busy seconds and utilisation (busy time over its replicas' share of the run)."""
+    columns = {name: index for index, name in enumerate(step_columns)}
+    per_pool = {}
+    for pool in pools:
+        ids = [replica.replica_id for replica in replicas if replica.pool == pool.name]
+        rows = steps[np.isin(steps[:, columns["replica_id"]], ids)] if len(steps) else steps
+        busy_s = math.fsum(rows[:, columns["duration"]]) if len(rows) else 0.0
+        per_pool[pool.name] = {
+            "role": pool.role, "num_replicas": pool.num_replicas,
+            "num_kv_blocks": pool.num_kv_blocks, "num_steps": int(len(rows)),
+            "num_prefill_tokens": int(rows[:, columns["num_prefill_tokens"]].sum()),
+            "num_decode_seqs": int(rows[:, columns["num_decode_seqs"]].sum()),
+            "busy_s": busy_s,
+            "utilization": (busy_s / (duration_s * pool.num_replicas)) if duration_s > 0 else 0.0,
+        }
+    return {"per_pool": per_pool}
+
+
+def kv_transfer_summary(requests: list[Request]) -> dict:
+    """The transfers of the run: how many, their bytes, and the mean and p99 of a request's time
+    from hand-off to landing (waiting for room and links included) and of the copy alone."""
+    moved = [request for request in requests if request.kv_transfer_end_time is not None]
+    waits_ms = np.array([(r.kv_transfer_end_time - r.kv_handoff_time) * 1000.0 for r in moved])
+    copies_ms = np.array([(r.kv_transfer_end_time - r.kv_transfer_start_time) * 1000.0
+                          for r in moved])
+
+    def stat(values: np.ndarray, percentile: float | None) -> float:
+        if not values.size:
+            return 0.0
+        return float(values.mean() if percentile is None else np.percentile(values, percentile))
+
+    return {"num_kv_transfers": len(moved),
+            "kv_transfer_bytes": int(sum(request.kv_transfer_bytes for request in moved)),
+            "mean_kv_transfer_ms": stat(waits_ms, None),
+            "p99_kv_transfer_ms": stat(waits_ms, 99.0),
+            "mean_kv_copy_ms": stat(copies_ms, None),
+            "p99_kv_copy_ms": stat(copies_ms, 99.0)}
