@@ -50,11 +50,18 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def kv_cache_limit_gb(device, cpu_kv_cache_gb: float) -> float | None:
+def kv_cache_limit_gb(device, cpu_kv_cache_gb: float,
+                      gpu_memory_utilization: float = 0.9) -> float:
     """The most GiB of K/V the engine's pool takes on `device` (None: cuda when there is one):
-    none on a GPU, where the memory arithmetic sizes it, and cpu_kv_cache_gb on a CPU, where
-    the arithmetic would claim most of host RAM."""
-    return None if resolve_device(device).type == "cuda" else cpu_kv_cache_gb
+    on a GPU gpu_memory_utilization of its free memory (what other processes and this one
+    already hold is not there to take), on a CPU cpu_kv_cache_gb, where the arithmetic would
+    claim most of host RAM. kv_cache_num_blocks also caps the pool at what max_num_seqs
+    sequences of max_model_len tokens can use, so a tiny model takes no more than that."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return gpu_memory_utilization * free / 2**30
+    return cpu_kv_cache_gb
 
 
 def names_a_policy(choice) -> bool:
@@ -163,7 +170,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
             spec, hardware_spec(config.hardware, device), config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs, draft=draft_spec,
-            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb),
+            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb,
+                                                config.gpu_memory_utilization),
             max_model_len=max_model_len)
     host_blocks = kv_cache_num_host_blocks(spec, config.block_size,
                                            getattr(preemption, "swap_space_gb", 0.0),
@@ -194,6 +202,11 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
     pool = KVCachePool(loaded.spec, num_blocks, num_host_blocks, block_size, dtype, device, ops,
                        draft_spec=draft_model.spec if draft_model else None)
     use_paged_attention(loaded.model)
+    if ops.warm_up is not None and device.type == "cuda":
+        # Every kernel variant compiled now, not in the middle of a timed run.
+        for spec in [loaded.spec] + ([draft_model.spec] if draft_model else []):
+            ops.warm_up(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                        block_size, dtype, device)
     runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device)
     sampler = Sampler(device, seed)
     drafter = None

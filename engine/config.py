@@ -32,7 +32,11 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     seed: int = 0                       # weights of a random model, and unseeded sampling
     device: str | None = None           # None: cuda when there is one, else cpu
-    dtype: Any = None                   # None: fp32 on CPU, the model's (bf16 for 2-byte) on CUDA
+    # None: a conf/model entry's dtype_bytes (4: fp32, 2: bf16) on every device; a checkpoint
+    # folder's: fp32 on CPU, bf16 for 2-byte weights on CUDA.
+    dtype: Any = None
+    # On CUDA the KV pool takes at most this share of the device's free memory, and no more than
+    # max_num_seqs sequences of max_model_len tokens need.
     gpu_memory_utilization: float = 0.9
     # The KV arithmetic assumes a whole device; on CPU the pool is capped at what
     # max_num_seqs sequences of max_model_len tokens need and at this many GiB.

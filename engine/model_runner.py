@@ -122,7 +122,9 @@ class ModelRunner:
             seq_lens=to(seq_lens, torch.int32),
             query_start_loc=to(query_start_loc, torch.int32),
             kv_caches=self.kv_caches,
-            ops=self.ops)
+            ops=self.ops,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()))
         if self.ops.plan_attention is not None:
             metadata.attention_plan = self.ops.plan_attention(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
