@@ -387,14 +387,20 @@ def near_tie_gap(model, prompt, shared, engine_token, hf_token, device) -> float
 def compare_greedy(report, label, llm, prompts, expected, device, tie_gap=None,
                    **stats_checks) -> None:
     """The engine's greedy outputs against `expected`; with tie_gap, a divergence at a near tie
-    (HF's logits of the two tokens within tie_gap) passes and is reported as such."""
+    (HF's logits of the two tokens within tie_gap) passes and is reported as such. On CUDA the
+    engine's decode steps must have replayed CUDA graphs unless it was built enforce_eager."""
     from engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=ENGINE_MAX_TOKENS, ignore_eos=True)
+    graphs = llm.executor.runner.decode_graphs
+    replays_before = graphs.num_replays if graphs is not None else 0
     outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params,
                                                                 use_tqdm=False)]
     backend = llm.executor.runner.ops.name
+    replays = (graphs.num_replays if graphs is not None else 0) - replays_before
+    steps = f"{replays} of {llm.last_stats.num_steps} steps as CUDA graphs"
     differing = [i for i, (a, b) in enumerate(zip(outputs, expected)) if a != b]
-    value, ok = f"identical ({len(prompts)} prompts), kernels: {backend}", not differing
+    value = f"identical ({len(prompts)} prompts), kernels: {backend}, {steps}"
+    ok = not differing
     ties = []
     if differing and tie_gap is not None:
         for i in differing:
@@ -402,19 +408,21 @@ def compare_greedy(report, label, llm, prompts, expected, device, tie_gap=None,
             at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
             gap = near_tie_gap(llm.model, prompts[i], b[:at], a[at], b[at], device)
             ties.append({"prompt": i, "position": at, "logit_gap": gap})
-        ok = all(tie["logit_gap"] <= tie_gap for tie in ties)
+        ok = all(abs(tie["logit_gap"]) <= tie_gap for tie in ties)
         gaps = ", ".join(f"{tie['logit_gap']:.3f}" for tie in ties)
         value = (f"{len(differing)} prompt(s) part at a near tie (HF logit gaps {gaps} <= "
                  f"{tie_gap})" if ok else f"{len(differing)} prompt(s) differ: {ties}")
     elif differing:
         value = f"prompts {differing} differ"
+    if device.type == "cuda" and not llm.config.enforce_eager and replays == 0:
+        ok, value = False, f"{value}; but no decode step replayed a CUDA graph"
     if backend != "triton":
         ok, value = False, f"ran the {backend} kernels, not Triton"
     stats = llm.last_stats
     for name, wanted in stats_checks.items():
         if not getattr(stats, name) > 0:
             ok, value = False, f"{value}; but {name} = 0 (wanted {wanted})"
-    report.check(label, value, ok, near_ties=ties, backend=backend)
+    report.check(label, value, ok, near_ties=ties, backend=backend, graph_replays=replays)
 
 
 def step_engine(report: StepReport, smoke: bool) -> None:
@@ -436,6 +444,10 @@ def step_engine(report: StepReport, smoke: bool) -> None:
                        tie_gap)
         if dtype != "float32":
             continue
+        eager = LLM("tiny-llama", num_gpu_blocks=256, dtype=dtype, enforce_eager=True, **common)
+        compare_greedy(report, f"{tag}, continuous, enforce_eager", eager, prompts, expected,
+                       device)
+        del eager
         # Pools of 36 blocks of 4 slots: the longest request alone needs 29, all of them 90.
         small_pool = dict(block_size=4, num_gpu_blocks=36 if not smoke else 12)
         cases = [

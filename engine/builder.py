@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
+from engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, DecodeGraphs, capture_sizes
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
@@ -95,7 +96,10 @@ def build_engine(config: EngineConfig) -> Engine:
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, config.seed,
                                     config.kernel_backend, draft=draft,
-                                    max_num_speculative_tokens=max_k)
+                                    max_num_speculative_tokens=max_k,
+                                    cuda_graph_max_batch=0 if config.enforce_eager
+                                    else getattr(scheduler, "max_num_seqs",
+                                                 DEFAULT_MAX_CAPTURE_SIZE))
     return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
 
 
@@ -191,11 +195,15 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          block_size: int, device: torch.device, seed: int = 0,
                          kernel_backend: str | None = None,
                          draft: LoadedModel | str | None = None,
-                         max_num_speculative_tokens: int = 0) -> EngineExecutor:
+                         max_num_speculative_tokens: int = 0,
+                         cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE
+                         ) -> EngineExecutor:
     """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
     kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
     drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
-    sequence."""
+    sequence. On CUDA the Triton kernels are compiled now and the target's decode steps of up
+    to cuda_graph_max_batch sequences run as CUDA graphs captured now (engine/cuda_graphs.py;
+    0: every step eager)."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
@@ -207,7 +215,14 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
         for spec in [loaded.spec] + ([draft_model.spec] if draft_model else []):
             ops.warm_up(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
                         block_size, dtype, device)
-    runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device)
+    decode_graphs = None
+    if cuda_graph_max_batch and device.type == "cuda" and ops.takes_host_lengths:
+        decode_graphs = DecodeGraphs(loaded.model, pool.target_caches, ops, device,
+                                     capture_sizes(cuda_graph_max_batch),
+                                     loaded.spec.max_model_len, block_size)
+        decode_graphs.capture_all()
+    runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device,
+                         decode_graphs)
     sampler = Sampler(device, seed)
     drafter = None
     if draft == NGRAM:
@@ -253,20 +268,24 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: SpeedReference | str | None = None):
+                          speed_reference: SpeedReference | str | None = None,
+                          enforce_eager: bool = False):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size), for a simulator replica run on the engine (backend=engine, whose config names
     this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
     it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
     speed_reference (a profile's speed reference, or the profile's path) its step durations are
-    normalised to the profile's machine speed."""
+    normalised to the profile's machine speed. On CUDA decode steps run as CUDA graphs unless
+    enforce_eager."""
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,
-                                    max_num_speculative_tokens=max_num_speculative_tokens)
+                                    max_num_speculative_tokens=max_num_speculative_tokens,
+                                    cuda_graph_max_batch=0 if enforce_eager
+                                    else DEFAULT_MAX_CAPTURE_SIZE)
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
     if speed_reference is None:
         return executor

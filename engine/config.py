@@ -43,6 +43,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.5
     hardware: str | None = None         # conf/hardware name for the arithmetic; None: measured
     kernel_backend: str | None = None   # None: triton on CUDA, torch on CPU
+    # On CUDA, decode steps of up to max_num_seqs sequences replay CUDA graphs captured at
+    # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's enforce_eager).
+    enforce_eager: bool = False
     # Speculative decoding: "ngram" (prompt lookup), a conf/model name or a local HF checkpoint
     # folder (a draft model with the target's vocabulary); None: off.
     speculative_model: str | None = None
@@ -67,6 +70,7 @@ class EngineConfig:
         if self.swap_space_gb is not None:
             non_negative_number("swap_space_gb", self.swap_space_gb)
         boolean("enable_prefix_caching", self.enable_prefix_caching)
+        boolean("enforce_eager", self.enforce_eager)
         non_negative_int("seed", self.seed)
         number_in("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
         positive_number("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
