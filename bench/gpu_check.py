@@ -13,6 +13,7 @@ after every step, so a hung step loses nothing before it.
                                             # engine's warm-up compiles, for sm_90; registers
                                             # and spills (what the interpreter cannot tell)
     python bench/gpu_check.py --step NAME   # one step in this process (what the driver runs)
+    python bench/gpu_check.py --only NAME.. # some steps (for a rerun; never exits 0)
 
 Exit status (EXIT_* below): 0 every step passed; 1 a check failed, or a step crashed, ran out
 of its budget or could not run; 2 the environment cannot run the check (a GPU is there but
@@ -509,7 +510,7 @@ def step_bandwidth(report: StepReport, smoke: bool) -> None:
         ("7B", 32, 1, 2, 4096), ("70B-style GQA 8", 8, 8, 64, 4096),
         ("70B-style GQA 8", 8, 8, 4, 8192)]
     if smoke:
-        cases = [("tiny", 2, 1, 4, 32), ("tiny GQA 8", 2, 8, 2, 64)]
+        cases = [("tiny", 2, 1, 64, 32), ("tiny GQA 8", 2, 8, 2, 64)]
     for label, num_kv_heads, group, num_seqs, context in cases:
         batch = make_batch([1] * num_seqs, [context - 1] * num_seqs, num_kv_heads=num_kv_heads,
                            heads_per_kv_head=group, head_dim=128 if not smoke else 32,
@@ -525,6 +526,15 @@ def step_bandwidth(report: StepReport, smoke: bool) -> None:
                        f"(goal {DECODE_BANDWIDTH_GOAL:.0%} at long contexts)",
                        ms=seconds * 1e3, gb_per_s=rate / 1e9, share_of_copy=share,
                        num_splits=splits)
+        if splits == 1 and num_seqs == 64:
+            # Other context tiles than decode_config's, for the next round of tuning.
+            config = triton_ops.decode_config(group, batch[0].shape[2], dtype)
+            for tile in sorted({16, 32, 64, 128} - {config.tile}):
+                seconds = median_seconds(lambda: triton_ops.paged_decode_attention(
+                    *batch, tile=tile), device)
+                report.measure(f"  same, tile {tile} (default {config.tile})",
+                               f"{kv_bytes / seconds / copy_rate:.0%} of copy",
+                               tile=tile, share_of_copy=kv_bytes / seconds / copy_rate)
         del batch
 
 

@@ -2,7 +2,8 @@
 
 - paged_decode_attention: one new token per sequence. One program per (sequence, KV head) holds
   the queries of every head that shares that KV head (GQA), gathers the context tile by tile
-  through the block table and keeps an online softmax, so K/V are read from memory once.
+  through the block table and keeps an online softmax, so K/V are read from memory once. From
+  four query heads per KV head on, the group runs on tl.dot (decode_config).
 - paged_decode_attention_split_k: flash-decoding. With few sequences and long contexts the plain
   decode grid has too few programs to fill the GPU, so each (sequence, KV head) is also split
   along the context; each split writes its partial max / sum / weighted values and a reduce
@@ -12,7 +13,8 @@
   by absolute position, with tl.dot.
 - write_kv_cache, copy_blocks: data movement; swap_blocks is a torch index copy (it crosses
   devices, which a kernel cannot).
-- paged_attention: the dispatcher the engine calls.
+- paged_attention: the dispatcher the engine calls; warm_up: compiles every variant a run
+  launches, before the run.
 
 Runs compiled on CUDA, and through Triton's interpreter on a machine without one. The
 interpreter has to be chosen before triton is first imported (triton.language's own functions

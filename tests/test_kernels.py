@@ -308,25 +308,36 @@ def test_split_count_comes_from_the_fixed_set(monkeypatch):
 
 
 def launch_variants(run) -> set:
-    """The compiled variants `run()` launches: kernel, constexprs and warps, and the
-    specialisation Triton gives the other ints (== 1, divisible by 16), launches captured."""
+    """The compiled variants `run()` launches: kernel, constexprs and warps (the launchers pass
+    them by keyword, the run-time arguments by position), and the specialisation Triton gives
+    the other ints (== 1, divisible by 16) but those a kernel does not specialise on; launches
+    captured, not run (compiled kernels, or the interpreter's)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     variants = set()
 
+    def unspecialised(kernel) -> set:
+        if hasattr(kernel, "params"):  # a JITFunction
+            return {p.name for p in kernel.params if p.do_not_specialize}
+        return set(kernel.kwargs.get("do_not_specialize") or ())  # an InterpretedFunction
+
     def capture(self, *args, grid, warmup, **kwargs):
+        skip = unspecialised(self)
         ints = tuple((name, value == 1, value % 16 == 0)
-                     for param, name, value in zip(self.params, self.arg_names, args)
-                     if type(value) is int and not param.is_constexpr
-                     and not param.do_not_specialize)
+                     for name, value in zip(self.arg_names, args)
+                     if type(value) is int and name not in skip)
         variants.add((self.__name__, tuple(sorted(kwargs.items())), ints))
 
-    original = JITFunction.run
-    JITFunction.run = capture
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+    for cls in originals:
+        cls.run = capture
     try:
         run()
     finally:
-        JITFunction.run = original
+        for cls, original in originals.items():
+            cls.run = original
+    assert variants, "no launch was captured"
     return variants
 
 
