@@ -55,6 +55,8 @@ if [ $install -eq 1 ]; then
     pip=("$venv/bin/python" -m pip install -q)
     if [ -n "$wheels" ]; then
         pip+=(--no-index --find-links "$(cd "$wheels" && pwd)")
+    else
+        pip+=(--retries 1 --timeout 20)  # without network: fail in seconds, not minutes
     fi
     has_cuda_torch='import sys, torch; sys.exit(0 if torch.version.cuda else 1)'
     if ! "$venv/bin/python" -c "$has_cuda_torch" 2>/dev/null; then
