@@ -1,38 +1,78 @@
 #!/usr/bin/env bash
-# For a lent GPU, under 5 minutes: kernel correctness at Llama-2-7B shapes (bf16) against the loop
-# oracle, decode kernels' achieved bandwidth against the device's copy bandwidth, the engine
-# throughput bench on the GPU; the kernel table is printed last. Record it in the README's
-# performance section with the date and the device.
+# The GPU check in one command, for a lent GPU: bench/gpu_check.py's steps (kernel
+# configurations against the oracle, the engine against HF generate, decode bandwidth, engine
+# throughput, a profile and a small validation grid), each under its own budget, the whole
+# within 9 minutes; results stream as a table and go to one JSON file, $OUT/gpu_check.json
+# when $OUT is set (a lent machine's output folder), else gpu_check_out/gpu_check.json.
 #
-#   bash bench/gpu_check.sh            (PYTHON=... to choose the interpreter; default python3)
+#   bash bench/gpu_check.sh                     # check with $PYTHON (default python3) as it is
+#   bash bench/gpu_check.sh --install           # first make .venv-gpu: the environment's torch
+#                                               # (a CUDA build, else one from the PyTorch index),
+#                                               # the project and its dependencies; then check
+#   bash bench/gpu_check.sh --install --wheels DIR   # the same without network: pip installs
+#                                               # only from the wheels in DIR (pip download -d
+#                                               # DIR 'transformers>=5.24,<5.25' ... on a machine
+#                                               # with network; docs/validation-results.md)
+#
+# Exit status: 0 every step passed; 1 a check failed, or a step crashed, overran or did not
+# run; 2 this environment cannot run the check (one line says what is missing and the command
+# that installs it); 3 no GPU here, nothing checked.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-
-has_cuda="import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
-if ! "$PYTHON" -c "$has_cuda" 2>/dev/null; then
-    echo "gpu_check: no CUDA device (or no torch) for $PYTHON; nothing to check."
-    exit 0
+install=0
+wheels=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --install) install=1 ;;
+        --wheels) wheels=${2:-}; shift
+                  if [ -z "$wheels" ] || [ ! -d "$wheels" ]; then
+                      echo "gpu_check: --wheels needs a folder of wheels, got '${wheels}'"; exit 2
+                  fi ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        *) echo "gpu_check: unknown argument '$1' (--install, --wheels DIR)"; exit 2 ;;
+    esac
+    shift
+done
+if [ -n "$wheels" ] && [ $install -eq 0 ]; then
+    echo "gpu_check: --wheels DIR goes with --install"; exit 2
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
-    --format=csv 2>/dev/null
 
-status=0
-table=$(mktemp)
-trap 'rm -f "$table"' EXIT
-
-echo "== 1. kernels: correctness, bandwidth =="
-PYTHONUNBUFFERED=1 timeout 170 "$PYTHON" bench/gpu_check.py | tee "$table" || status=1
-
-# ---- 2. engine throughput (PLACEHOLDER: the lead wires in bench/engine_throughput.py) --------
-echo "== 2. engine throughput =="
-if [ -f bench/engine_throughput.py ]; then
-    timeout 110 "$PYTHON" bench/engine_throughput.py --device cuda || status=1
-else
-    echo "bench/engine_throughput.py does not exist yet: skipped"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no GPU here, nothing checked (nvidia-smi finds none)"
+    exit 3
 fi
-# -----------------------------------------------------------------------------------------------
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-echo
-sed -n '/^## twinserve kernel check/,$p' "$table"
-exit $status
+if [ $install -eq 1 ]; then
+    venv=.venv-gpu
+    # The system's packages stay visible: a lent machine's CUDA torch and triton are used as
+    # they are, never downloaded again.
+    if [ ! -x "$venv/bin/python" ]; then
+        "$PYTHON" -m venv --system-site-packages "$venv" || {
+            echo "gpu_check: cannot create $venv with $PYTHON (python3 -m venv)"; exit 2; }
+    fi
+    pip=("$venv/bin/python" -m pip install -q)
+    if [ -n "$wheels" ]; then
+        pip+=(--no-index --find-links "$(cd "$wheels" && pwd)")
+    else
+        pip+=(--retries 1 --timeout 20)  # without network: fail in seconds, not minutes
+    fi
+    has_cuda_torch='import sys, torch; sys.exit(0 if torch.version.cuda else 1)'
+    if ! "$venv/bin/python" -c "$has_cuda_torch" 2>/dev/null; then
+        if [ -n "$wheels" ]; then
+            "${pip[@]}" torch || {
+                echo "gpu_check: no CUDA build of torch here or in $wheels: add its wheel (pip download torch --index-url https://download.pytorch.org/whl/cu130 -d $wheels)"; exit 2; }
+        else
+            "${pip[@]}" torch --index-url https://download.pytorch.org/whl/cu130 || {
+                echo "gpu_check: cannot install a CUDA build of torch (no network? use --wheels DIR)"; exit 2; }
+        fi
+    fi
+    # The project and what it needs beyond torch (transformers in the pinned range among them);
+    # --no-build-isolation: setuptools comes from the environment, not the network.
+    "${pip[@]}" --no-build-isolation -e . || {
+        echo "gpu_check: cannot install the project's dependencies${wheels:+ from $wheels} (pip install -e . needs them; see the lines above for which)"; exit 2; }
+    PYTHON=$venv/bin/python
+fi
+
+exec env PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_check.py --out "${OUT:-gpu_check_out}"

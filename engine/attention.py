@@ -29,6 +29,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     kv_caches: list[torch.Tensor]   # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     ops: KernelOps
+    max_query_len: int              # the step's longest query and context, host ints: kernels
+    max_seq_len: int                # that take them read nothing back from the device
     attention_plan: object = None   # ops.plan_attention(...) of this step, shared by the layers
 
 
@@ -54,10 +56,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = query.shape[-1] ** -0.5
     args = (query, kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, scaling)
-    if attn_metadata.attention_plan is None:
-        out = ops.paged_attention(*args)
-    else:
+    if attn_metadata.attention_plan is not None:
         out = ops.paged_attention(*args, plan=attn_metadata.attention_plan)
+    elif ops.takes_host_lengths:
+        out = ops.paged_attention(*args, max_query_len=attn_metadata.max_query_len,
+                                  max_seq_len=attn_metadata.max_seq_len)
+    else:
+        out = ops.paged_attention(*args)
     return out.unsqueeze(0), None
 
 

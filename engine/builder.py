@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
+from engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, DecodeGraphs, capture_sizes
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
@@ -50,11 +51,18 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def kv_cache_limit_gb(device, cpu_kv_cache_gb: float) -> float | None:
+def kv_cache_limit_gb(device, cpu_kv_cache_gb: float,
+                      gpu_memory_utilization: float = 0.9) -> float:
     """The most GiB of K/V the engine's pool takes on `device` (None: cuda when there is one):
-    none on a GPU, where the memory arithmetic sizes it, and cpu_kv_cache_gb on a CPU, where
-    the arithmetic would claim most of host RAM."""
-    return None if resolve_device(device).type == "cuda" else cpu_kv_cache_gb
+    on a GPU gpu_memory_utilization of its free memory (what other processes and this one
+    already hold is not there to take), on a CPU cpu_kv_cache_gb, where the arithmetic would
+    claim most of host RAM. kv_cache_num_blocks also caps the pool at what max_num_seqs
+    sequences of max_model_len tokens can use, so a tiny model takes no more than that."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return gpu_memory_utilization * free / 2**30
+    return cpu_kv_cache_gb
 
 
 def names_a_policy(choice) -> bool:
@@ -89,7 +97,10 @@ def build_engine(config: EngineConfig) -> Engine:
                                     kv_cache.block_size, device, config.seed,
                                     config.kernel_backend, draft=draft,
                                     max_num_speculative_tokens=max_k,
-                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0))
+                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
+                                    cuda_graph_max_batch=0 if config.enforce_eager
+                                    else getattr(scheduler, "max_num_seqs",
+                                                 DEFAULT_MAX_CAPTURE_SIZE))
     return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
 
 
@@ -164,7 +175,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
             spec, hardware_spec(config.hardware, device), config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs, draft=draft_spec,
-            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb),
+            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb,
+                                                config.gpu_memory_utilization),
             max_model_len=max_model_len)
     host_blocks = kv_cache_num_host_blocks(spec, config.block_size,
                                            getattr(preemption, "swap_space_gb", 0.0),
@@ -189,11 +201,15 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          kernel_backend: str | None = None,
                          draft: LoadedModel | str | None = None,
                          max_num_speculative_tokens: int = 0,
-                         num_offload_blocks: int = 0) -> EngineExecutor:
+                         num_offload_blocks: int = 0,
+                         cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE
+                         ) -> EngineExecutor:
     """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
     kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
     drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
-    sequence; with num_offload_blocks, the prefix cache's host tier."""
+    sequence; with num_offload_blocks, the prefix cache's host tier. On CUDA the Triton kernels
+    are compiled now and the target's decode steps of up to cuda_graph_max_batch sequences run
+    as CUDA graphs captured now (engine/cuda_graphs.py; 0: every step eager)."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
@@ -201,7 +217,19 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                        draft_spec=draft_model.spec if draft_model else None,
                        num_offload_blocks=num_offload_blocks)
     use_paged_attention(loaded.model)
-    runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device)
+    if ops.warm_up is not None and device.type == "cuda":
+        # Every kernel variant compiled now, not in the middle of a timed run.
+        for spec in [loaded.spec] + ([draft_model.spec] if draft_model else []):
+            ops.warm_up(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                        block_size, dtype, device)
+    decode_graphs = None
+    if cuda_graph_max_batch and device.type == "cuda" and ops.takes_host_lengths:
+        decode_graphs = DecodeGraphs(loaded.model, pool.target_caches, ops, device,
+                                     capture_sizes(cuda_graph_max_batch),
+                                     loaded.spec.max_model_len, block_size)
+        decode_graphs.capture_all()
+    runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device,
+                         decode_graphs)
     sampler = Sampler(device, seed)
     drafter = None
     if draft == NGRAM:
@@ -247,13 +275,15 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: SpeedReference | str | None = None):
+                          speed_reference: SpeedReference | str | None = None,
+                          enforce_eager: bool = False):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
-    block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the engine (backend=engine, whose config names
-    this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
+    block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the
+    engine (backend=engine, whose config names this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
     it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
     speed_reference (a profile's speed reference, or the profile's path) its step durations are
-    normalised to the profile's machine speed."""
+    normalised to the profile's machine speed. On CUDA decode steps run as CUDA graphs unless
+    enforce_eager."""
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)
@@ -261,7 +291,9 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,
                                     max_num_speculative_tokens=max_num_speculative_tokens,
-                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0))
+                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
+                                    cuda_graph_max_batch=0 if enforce_eager
+                                    else DEFAULT_MAX_CAPTURE_SIZE)
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
     if speed_reference is None:
         return executor

@@ -35,13 +35,20 @@ class EngineConfig:
     kv_offload_gb: float = 0.0
     seed: int = 0                       # weights of a random model, and unseeded sampling
     device: str | None = None           # None: cuda when there is one, else cpu
-    dtype: Any = None                   # None: fp32 on CPU, the model's (bf16 for 2-byte) on CUDA
+    # None: a conf/model entry's dtype_bytes (4: fp32, 2: bf16) on every device; a checkpoint
+    # folder's: fp32 on CPU, bf16 for 2-byte weights on CUDA.
+    dtype: Any = None
+    # On CUDA the KV pool takes at most this share of the device's free memory, and no more than
+    # max_num_seqs sequences of max_model_len tokens need.
     gpu_memory_utilization: float = 0.9
     # The KV arithmetic assumes a whole device; on CPU the pool is capped at what
     # max_num_seqs sequences of max_model_len tokens need and at this many GiB.
     cpu_kv_cache_gb: float = 0.5
     hardware: str | None = None         # conf/hardware name for the arithmetic; None: measured
     kernel_backend: str | None = None   # None: triton on CUDA, torch on CPU
+    # On CUDA, decode steps of up to max_num_seqs sequences replay CUDA graphs captured at
+    # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's enforce_eager).
+    enforce_eager: bool = False
     # Speculative decoding: "ngram" (prompt lookup), a conf/model name or a local HF checkpoint
     # folder (a draft model with the target's vocabulary); None: off.
     speculative_model: str | None = None
@@ -70,6 +77,7 @@ class EngineConfig:
         if self.kv_offload_gb and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gb needs enable_prefix_caching=True: the host tier holds "
                              "evicted prefix-cache blocks")
+        boolean("enforce_eager", self.enforce_eager)
         non_negative_int("seed", self.seed)
         number_in("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
         positive_number("cpu_kv_cache_gb", self.cpu_kv_cache_gb)

@@ -29,7 +29,8 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    """None: fp32 on CPU; on CUDA the spec's width (2 bytes -> bf16, 4 -> fp32)."""
+    """A dtype name or torch.dtype; None (a checkpoint folder's default): fp32 on CPU, on CUDA
+    the spec's width (2 bytes -> bf16, 4 -> fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
@@ -44,13 +45,25 @@ def resolve_dtype(dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
+def conf_dtype(spec: ModelSpec) -> torch.dtype:
+    """The dtype a conf/model entry declares (dtype_bytes: 4 fp32, 2 bf16), on every device."""
+    if spec.dtype_bytes not in (2, 4):
+        raise ValueError(f"model {spec.name}: dtype_bytes {spec.dtype_bytes} has no dtype the "
+                         f"engine loads (4: fp32, 2: bf16); pass dtype= to choose one")
+    return torch.float32 if spec.dtype_bytes == 4 else torch.bfloat16
+
+
 def load_model(model: str, device: torch.device, dtype=None, seed: int = 0) -> LoadedModel:
+    """`model` as a checkpoint folder (dtype None: resolve_dtype's default) or a conf/model
+    name (dtype None: the entry's own, conf_dtype, whatever the device)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_checkpoint(path, device, dtype)
     config_file = MODEL_CONFIG_DIR / f"{model}.yaml"
     if config_file.is_file():
         spec = ModelSpec.from_config(OmegaConf.load(config_file))
+        if dtype is None or dtype == "auto":
+            dtype = conf_dtype(spec)
         if spec.checkpoint is not None:
             return _load_named_checkpoint(spec, device, dtype)
         return _build_random(spec, device, dtype, seed)

@@ -13,18 +13,22 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from kernels import KernelOps
 from policies.types import Sequence, StepPlan
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor         # [num_tokens]
-    positions: torch.Tensor         # [num_tokens]
-    metadata: AttentionMetadata
+    # Eager steps: the flattened batch on the device. None for a step that replays a decode
+    # graph, whose inputs are `decode_batch` on the host.
+    input_ids: torch.Tensor | None      # [num_tokens]
+    positions: torch.Tensor | None      # [num_tokens]
+    metadata: AttentionMetadata | None
     # Rows whose logits are kept: each sampling sequence's last token (and its drafts').
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor | None
     sampling_seqs: list[Sequence]   # sequences that reach their last token and sample
+    decode_batch: DecodeBatch | None = None
 
 
 def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
@@ -45,15 +49,18 @@ def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
 
 class ModelRunner:
     """Runs one model over paged KV layers `kv_caches` (the target's, or a draft model's: the
-    same block ids index both)."""
+    same block ids index both). With `decode_graphs` (engine/cuda_graphs.py), a step of one
+    sampled token per sequence that fits a captured bucket replays its graph."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 ops: KernelOps, device: torch.device):
+                 ops: KernelOps, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
         self.device = device
         self.block_size = block_size
+        self.decode_graphs = decode_graphs
 
     def prepare(self, plan: StepPlan, drafts: dict[int, list[int]] | None = None) -> StepInputs:
         """The plan's tokens. A sequence with `drafts[seq_id]` also runs its draft tokens after
@@ -111,6 +118,13 @@ class ModelRunner:
         slots = (block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
                  + positions % block_size)
 
+        graphs = self.decode_graphs
+        if (graphs is not None and num_tokens == num_seqs and graphs.fits(num_seqs, max_blocks)
+                and logits_rows == list(range(num_seqs))):
+            decode_batch = DecodeBatch(np.asarray(token_ids, dtype=np.int64), positions, slots,
+                                       block_tables, seq_lens.astype(np.int32))
+            return StepInputs(None, None, None, None, sampling_seqs, decode_batch)
+
         device = self.device
 
         def to(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +136,9 @@ class ModelRunner:
             seq_lens=to(seq_lens, torch.int32),
             query_start_loc=to(query_start_loc, torch.int32),
             kv_caches=self.kv_caches,
-            ops=self.ops)
+            ops=self.ops,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()))
         if self.ops.plan_attention is not None:
             metadata.attention_plan = self.ops.plan_attention(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
@@ -138,6 +154,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] (fp32): the sampling sequences' last tokens (and
         their drafts')."""
+        if inputs.decode_batch is not None:
+            return self.decode_graphs.run(inputs.decode_batch)
         # Chunks that sample nothing still fill the cache: they keep no logits.
         output = self.model(input_ids=inputs.input_ids[None],
                             position_ids=inputs.positions[None],

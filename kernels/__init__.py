@@ -2,7 +2,6 @@
 plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/torch_paged.py."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -22,16 +21,26 @@ class KernelOps:
     # Optional: work shared by every layer of a step, made once per step and passed to
     # paged_attention(..., plan=...) (the torch path's tiling). None: nothing to share.
     plan_attention: Callable | None = None
+    # Whether paged_attention takes the step's max_query_len and max_seq_len (host ints, from
+    # the runner) so that it reads nothing back from the device (the Triton path).
+    takes_host_lengths: bool = False
+    # Optional: warm_up(num_heads, num_kv_heads, head_dim, block_size, dtype, device) compiles
+    # every kernel variant a run launches, before the run (the Triton path).
+    warm_up: Callable | None = None
 
 
 def _ops_from(module, name: str) -> KernelOps:
     return KernelOps(name, module.write_kv_cache, module.paged_attention, module.copy_blocks,
-                     module.swap_blocks, getattr(module, "plan_attention", None))
+                     module.swap_blocks, getattr(module, "plan_attention", None),
+                     getattr(module, "TAKES_HOST_LENGTHS", False),
+                     getattr(module, "warm_up", None))
 
 
 def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
     """The kernels for `device`: "triton" on CUDA, "torch" (the vectorised torch path) elsewhere.
-    `backend` forces one; "naive" gives the loop oracle (slow, for tests)."""
+    `backend` forces one; "naive" gives the loop oracle (slow, for tests). Nothing falls back:
+    when the Triton kernels cannot run on CUDA (no triton, or Triton's interpreter chosen),
+    this raises, naming kernel_backend="torch" as the way to take the torch path on purpose."""
     import torch  # here, not at the top: kernels.tiling is imported by the torch-free simulator
 
     device = torch.device(device)
@@ -47,8 +56,13 @@ def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> Ke
         try:
             from kernels import triton_ops
         except ImportError as error:  # no triton build for this platform
-            warnings.warn(f"Triton kernels unavailable ({error}); using the torch kernels")
-            from kernels import torch_paged
-            return _ops_from(torch_paged, "torch")
+            raise RuntimeError(f"the Triton kernels cannot load ({error}): install triton, or "
+                               f"choose the torch kernels on purpose (kernel_backend='torch')"
+                               ) from error
+        if device.type == "cuda" and triton_ops.INTERPRETED:
+            raise RuntimeError("the Triton kernels are in Triton's interpreter "
+                               "(TRITON_INTERPRET=1 was set before triton was imported): they "
+                               "would run on the CPU, one program at a time; unset it, or "
+                               "choose the torch kernels on purpose (kernel_backend='torch')")
         return _ops_from(triton_ops, "triton")
     raise ValueError(f"kernel backend must be one of triton, torch, naive; got {backend!r}")

@@ -393,3 +393,68 @@ def test_warm_up_runs_the_longest_prefill_the_pool_holds_and_a_decode_batch():
     recorder.plans.clear()
     warm_up(recorder, num_blocks=1, block_size=8, max_tokens=2048)   # nothing fits
     assert recorder.plans == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine end to end on the Triton kernels (Triton's interpreter without a GPU): the path a
+# GPU runs, tokens identical to HF's (and so to the torch path's, which the tests above hold
+# to the same outputs).
+
+
+def triton_unavailable() -> str | None:
+    try:
+        from kernels import triton_ops
+    except ImportError as error:
+        return f"triton does not import: {error}"
+    return triton_ops.UNAVAILABLE_REASON
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("continuous", dict(num_gpu_blocks=256)),
+    ("chunked_prefill", dict(scheduler="chunked_prefill", max_num_batched_tokens=24,
+                             num_gpu_blocks=256)),
+    ("swap_preemption", dict(block_size=4, num_gpu_blocks=36, preemption="swap",
+                             swap_space_gb=0.01)),
+    # The target as its own draft: every draft is accepted, so verification (k + 1 queries per
+    # sequence through the prefill kernel) makes every token.
+    ("speculative_verification", dict(num_gpu_blocks=256, speculative_model="tiny-llama",
+                                      num_speculative_tokens=3)),
+])
+def test_triton_path_matches_hf_generate(name, kwargs, prompts, expected):
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(f"{reason} (the suite runs with TRITON_INTERPRET=1 without a GPU)")
+    llm = LLM("tiny-llama", kernel_backend="triton", **kwargs)
+    assert llm.executor.runner.ops.name == "triton"
+    if name == "speculative_verification":
+        prompts, expected = prompts[:3], expected[:3]  # two models through the interpreter
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    if name == "swap_preemption":
+        assert llm.last_stats.num_swapped_out_blocks > 0
+    if name == "speculative_verification":
+        assert llm.last_stats.num_accepted_tokens > 0
+
+
+def test_triton_path_prefix_caching(reference_llm):
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(f"{reason} (the suite runs with TRITON_INTERPRET=1 without a GPU)")
+    shared = random_prompts([48], seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 9], seed=4)]
+    expected = hf_greedy(reference_llm.model, prompts)
+    llm = LLM("tiny-llama", num_gpu_blocks=256, enable_prefix_caching=True,
+              kernel_backend="triton")
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert token_ids(first + rest) == expected
+    assert rest[0].num_cached_tokens == 48
+
+
+def test_conf_model_dtype_loads_on_every_device():
+    """A conf/model entry's dtype_bytes is its dtype on a CPU too; dtype= overrides it."""
+    from engine.model_loader import load_model
+
+    tiny = load_model("tiny-llama", torch.device("cpu"))
+    assert next(tiny.model.parameters()).dtype == torch.float32 and tiny.spec.dtype_bytes == 4
+    half = load_model("tiny-llama", torch.device("cpu"), dtype="bfloat16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16 and half.spec.dtype_bytes == 2

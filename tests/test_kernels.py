@@ -273,6 +273,118 @@ def test_split_k_any_number_of_splits(num_splits):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_8_decode_runs_on_tensor_core_dots(dtype):
+    """70B-style groups (8 query heads per KV head) take the tl.dot path, padded to 16 rows;
+    one or two heads per KV head keep the broadcast product."""
+    config = triton_ops.decode_config(8, 128, dtype)
+    assert config.use_dot and config.group_pad == 16
+    assert not triton_ops.decode_config(2, 128, dtype).use_dot
+    batch = make_batch(*DECODE, block_size=4, heads_per_kv_head=8, dtype=dtype, seed=11)
+    expected = naive.paged_attention(*batch.args())
+    assert_close(triton_ops.paged_decode_attention(*batch.args(), tile=16), expected, dtype)
+    assert_close(triton_ops.paged_decode_attention_split_k(*batch.args(), num_splits=4, tile=16),
+                 expected, dtype)
+
+
+def test_split_count_comes_from_the_fixed_set(monkeypatch):
+    """On a GPU of 132 multiprocessors the dispatcher's split counts are SPLIT_K_CHOICES only
+    (one compiled kernel serves them all), never more than the context allows."""
+    if triton_ops is None:
+        pytest.skip(TRITON_SKIP_REASON)
+
+    class Properties:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    cuda = torch.device("cuda")
+    chosen = {triton_ops.choose_num_splits(seqs, kv_heads, context, cuda)
+              for seqs in (1, 2, 3, 5, 16, 64) for kv_heads in (1, 8, 32)
+              for context in (1024, 2049, 3000, 4096, 8192, 32768)}
+    assert chosen <= {1, *triton_ops.SPLIT_K_CHOICES} and len(chosen) > 2
+    assert triton_ops.choose_num_splits(1, 8, 3000, cuda) <= 3000 // \
+        triton_ops.MIN_TOKENS_PER_SPLIT
+    assert triton_ops.choose_num_splits(64, 32, 8192, cuda) == 1  # enough programs already
+
+
+def launch_variants(run) -> set:
+    """The compiled variants `run()` launches: kernel, constexprs and warps (the launchers pass
+    them by keyword, the run-time arguments by position), and the specialisation Triton gives
+    the other ints (== 1, divisible by 16) but those a kernel does not specialise on; launches
+    captured, not run (compiled kernels, or the interpreter's)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    variants = set()
+
+    def unspecialised(kernel) -> set:
+        if hasattr(kernel, "params"):  # a JITFunction
+            return {p.name for p in kernel.params if p.do_not_specialize}
+        return set(kernel.kwargs.get("do_not_specialize") or ())  # an InterpretedFunction
+
+    def capture(self, *args, grid, warmup, **kwargs):
+        skip = unspecialised(self)
+        ints = tuple((name, value == 1, value % 16 == 0)
+                     for name, value in zip(self.arg_names, args)
+                     if type(value) is int and name not in skip)
+        variants.add((self.__name__, tuple(sorted(kwargs.items())), ints))
+
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+    for cls in originals:
+        cls.run = capture
+    try:
+        run()
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+    assert variants, "no launch was captured"
+    return variants
+
+
+@needs_triton
+@pytest.mark.parametrize("heads_per_kv_head, dtype", [(1, torch.float32), (8, torch.bfloat16)])
+def test_warm_up_compiles_every_variant_a_run_launches(heads_per_kv_head, dtype):
+    """No step compiles: whatever a run's steps launch (decodes of any width of block table,
+    any split count, prefills and chunks of any length) warm_up has launched the same
+    variant."""
+    num_kv_heads, head_dim, block_size = 2, 32, 4
+    warmed = launch_variants(lambda: triton_ops.warm_up(
+        num_kv_heads * heads_per_kv_head, num_kv_heads, head_dim, block_size, dtype,
+        torch.device(DEVICE)))
+
+    def run_steps():
+        for seed, (query_lens, cached_lens) in enumerate([
+                ([1], [0]), ([1] * 3, [3, 60, 63]), ([1, 1], [127, 4]), ([5, 1], [3, 70]),
+                ([16, 17], [0, 4]), ([40, 1, 1], [0, 8, 200]), ([100], [28])]):
+            batch = make_batch(query_lens, cached_lens, block_size=block_size,
+                               heads_per_kv_head=heads_per_kv_head, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, dtype=dtype, seed=seed)
+            triton_ops.paged_attention(*batch.args(), max_query_len=max(query_lens),
+                                       max_seq_len=int(batch.seq_lens.max()))
+            if len(query_lens) == len(cached_lens) and max(query_lens) == 1:
+                for num_splits in triton_ops.SPLIT_K_CHOICES:
+                    triton_ops.paged_decode_attention_split_k(*batch.args(),
+                                                              num_splits=num_splits)
+            slots = torch.arange(sum(query_lens), device=DEVICE)
+            key = batch.query[:, :num_kv_heads]
+            triton_ops.write_kv_cache(key.contiguous(), key.contiguous(), batch.kv_cache, slots)
+        triton_ops.copy_blocks(batch.kv_cache, torch.tensor([[1, 2], [3, 4]], device=DEVICE))
+
+    assert launch_variants(run_steps) <= warmed
+
+
+def test_no_silent_fallback_when_triton_cannot_load(monkeypatch):
+    """On CUDA the Triton kernels or a clear error, naming the torch path as a choice."""
+    import sys as _sys
+
+    from kernels import get_kernel_ops
+    monkeypatch.setitem(_sys.modules, "kernels.triton_ops", None)  # import fails
+    with pytest.raises(RuntimeError, match="kernel_backend='torch'"):
+        get_kernel_ops("cuda")
+    assert get_kernel_ops("cuda", "torch").name == "torch"
+
+
+@needs_triton
 def test_gqa_4_and_odd_head_dim():
     """A group of 4 query heads per KV head and a head_dim that is no power of two."""
     for workload in ("decode", "chunked_prefill"):
