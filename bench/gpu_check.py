@@ -252,6 +252,9 @@ def compile_report(arch: int = 90) -> int:
                 triton_ops.paged_decode_attention_split_k(*decode, num_splits=8)
                 triton_ops.paged_prefill_attention(*make_batch(shapes, [100, 3], [130, 40],
                                                                torch.device("cpu")))
+                triton_ops.paged_prefill_attention(*make_batch(shapes, [100, 3], [130, 40],
+                                                               torch.device("cpu")),
+                                                   torch.full((103,), -1))   # a tree mask
                 kv_cache = decode[1]
                 key = torch.empty(5, kv_heads, 128, dtype=dtype)
                 triton_ops.write_kv_cache(key, key, kv_cache, torch.zeros(5, dtype=torch.int64))
