@@ -30,6 +30,7 @@ class AttentionMetadata:
     kv_caches: list[torch.Tensor]   # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     ops: KernelOps
     attention_plan: object = None   # ops.plan_attention(...) of this step, shared by the layers
+    tree_mask: torch.Tensor | None = None  # [num_tokens] int64 with token trees (kernels/)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -54,10 +55,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = query.shape[-1] ** -0.5
     args = (query, kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, scaling)
-    if attn_metadata.attention_plan is None:
-        out = ops.paged_attention(*args)
-    else:
+    if attn_metadata.attention_plan is not None:   # the tree mask is part of the plan
         out = ops.paged_attention(*args, plan=attn_metadata.attention_plan)
+    elif attn_metadata.tree_mask is not None:
+        out = ops.paged_attention(*args, tree_mask=attn_metadata.tree_mask)
+    else:
+        out = ops.paged_attention(*args)
     return out.unsqueeze(0), None
 
 
