@@ -5,18 +5,23 @@ speculative decoding also the drafter (a draft model or n-gram lookup) and the s
 policy; and the output-length predictor generate asks."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
+from engine.lookahead import LookaheadDrafter, lookahead_depth
+from engine.medusa import HEADS_CONFIG, MedusaDrafter, MedusaHeads, tree_paths
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -30,8 +35,91 @@ from sim.core.build import (build_policy, build_predictor, policy_config,
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 NGRAM = "ngram"
+MEDUSA = "medusa"
+LOOKAHEAD = "lookahead"
 # The KV manager the engine builds its pools' block tables with (conf/kv_cache).
 KV_CACHE_CONFIG = "paged"
+
+
+@dataclass
+class TreeSpeculation:
+    """How a token-tree method drafts (engine/medusa.py, engine/lookahead.py): Medusa's heads
+    and tree, or lookahead's window, n-gram size and guesses; max_depth is k, the most tokens a
+    step accepts beyond its own."""
+
+    method: str                     # MEDUSA or LOOKAHEAD
+    max_depth: int
+    medusa_heads: str | None = None
+    tree: Any = None
+    lookahead_window: int = 4
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int = 4
+
+    def num_medusa_heads(self) -> int:
+        if self.medusa_heads is None:
+            return self.max_depth   # seeded random heads, one per depth
+        config = Path(self.medusa_heads) / HEADS_CONFIG
+        if not config.is_file():
+            raise ValueError(f"medusa_heads={self.medusa_heads!r} has no {HEADS_CONFIG} "
+                             f"(scripts/train_medusa.py writes Medusa heads folders)")
+        return json.loads(config.read_text())["num_heads"]
+
+    def medusa_paths(self) -> list[tuple[int, ...]]:
+        return tree_paths(self.tree, self.num_medusa_heads(), self.max_depth)
+
+    def ngram(self) -> int:
+        return self.lookahead_ngram if self.lookahead_ngram is not None else self.max_depth + 1
+
+    def num_tokens(self) -> int:
+        """The most tokens a step verifies per sequence: the policy's largest size."""
+        if self.method == MEDUSA:
+            return len(self.medusa_paths())
+        return (self.lookahead_window + self.lookahead_guesses) * (self.ngram() - 1)
+
+    def depth_per_size(self) -> list[int]:
+        """For each size 0..num_tokens() a step may verify, the most tokens it can accept."""
+        if self.method == MEDUSA:
+            paths = self.medusa_paths()
+            return [0] + [max(len(path) for path in paths[:size])
+                          for size in range(1, len(paths) + 1)]
+        return [lookahead_depth(size, self.ngram()) for size in range(self.num_tokens() + 1)]
+
+    def drafter(self, loaded: LoadedModel, seed: int = 0):
+        if self.method == LOOKAHEAD:
+            return LookaheadDrafter(self.lookahead_window, self.ngram(), self.lookahead_guesses,
+                                    seed)
+        lm_head = loaded.model.lm_head
+        if self.medusa_heads is None:
+            heads = MedusaHeads.seeded(lm_head, self.max_depth, seed)
+        else:
+            heads = MedusaHeads.load(self.medusa_heads, lm_head.weight.device,
+                                     lm_head.weight.dtype)
+            if (heads.hidden_size, heads.vocab_size) != tuple(lm_head.weight.shape[::-1]):
+                raise ValueError(f"medusa_heads={self.medusa_heads!r} were trained for hidden "
+                                 f"size {heads.hidden_size} and {heads.vocab_size} tokens; the "
+                                 f"target has {lm_head.weight.shape[1]} and "
+                                 f"{lm_head.weight.shape[0]}")
+        return MedusaDrafter(heads, self.medusa_paths())
+
+
+def tree_speculation(config: EngineConfig) -> TreeSpeculation | None:
+    """The config's token-tree method, or None for a chain drafter (or none)."""
+    if config.speculative_model not in (MEDUSA, LOOKAHEAD):
+        if config.medusa_heads is not None:
+            raise ValueError("medusa_heads needs speculative_model='medusa'")
+        return None
+    tree = config.speculation_tree
+    if tree is None and names_a_policy(config.speculation):
+        tree = policy_config(config.speculation, "speculation").get("tree")
+    if isinstance(tree, ListConfig):
+        tree = OmegaConf.to_container(tree)
+    k = config.num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be a positive integer with "
+                         f"speculative_model={config.speculative_model!r}, got {k!r}")
+    return TreeSpeculation(config.speculative_model, k, config.medusa_heads, tree,
+                           config.lookahead_window, config.lookahead_ngram,
+                           config.lookahead_guesses)
 
 
 @dataclass
@@ -73,7 +161,8 @@ def build_engine(config: EngineConfig) -> Engine:
     if max_model_len > spec.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds {spec.name}'s "
                          f"{spec.max_model_len} positions")
-    draft = load_draft(config.speculative_model, loaded, device, config.seed, max_model_len)
+    draft = tree_speculation(config) or load_draft(config.speculative_model, loaded, device,
+                                                   config.seed, max_model_len)
     scheduler = config.scheduler
     if names_a_policy(scheduler):
         scheduler = build_scheduler(config, loaded, device, max_model_len, draft)
@@ -116,10 +205,11 @@ def load_draft(speculative_model: str | None, target: LoadedModel, device: torch
     return draft
 
 
-def build_speculation(config: EngineConfig):
+def build_speculation(config: EngineConfig, tree: TreeSpeculation | None = None):
     """The speculation policy of the config: None without a speculative_model; else the named
-    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens, or the
-    config's own policy object."""
+    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens (with a
+    token-tree method: verifying up to its most tokens per step), or the config's own policy
+    object."""
     k = config.num_speculative_tokens
     if config.speculative_model is None:
         if k:
@@ -133,14 +223,20 @@ def build_speculation(config: EngineConfig):
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with a "
                          f"speculative_model, got {k!r}")
+    if tree is not None:
+        k = tree.num_tokens()
     # k is the policy's own draft length: fixed's num_speculative_tokens, adaptive's most.
     k_keys = [key for key in ("num_speculative_tokens", "max_num_speculative_tokens")
               if key in policy_cfg]
-    return build_policy(policy_cfg, "speculation", **{key: k for key in k_keys[:1]})
+    overrides = {key: k for key in k_keys[:1]}
+    if tree is not None and "max_num_speculative_tokens" in policy_cfg:   # adaptive
+        overrides["depth_per_size"] = tree.depth_per_size()
+    return build_policy(policy_cfg, "speculation", **overrides)
 
 
 def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                    max_model_len: int, draft: LoadedModel | str | None = None):
+                    max_model_len: int,
+                    draft: LoadedModel | TreeSpeculation | str | None = None):
     """The config's scheduler, its preemption policy and KV manager, built from their conf/
     groups as the simulator builds them, the engine's settings over the groups' defaults."""
     scheduler_cfg = policy_config(config.scheduler, "scheduler")
@@ -172,7 +268,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
                             num_blocks=num_blocks, block_size=config.block_size,
                             num_host_blocks=host_blocks,
                             enable_prefix_caching=config.enable_prefix_caching)
-    speculation = build_speculation(config)
+    speculation = build_speculation(
+        config, draft if isinstance(draft, TreeSpeculation) else None)
     drafting = {} if speculation is None else {"speculation": speculation}
     return build_policy(scheduler_cfg, "scheduler", kv_cache=kv_cache, preemption=preemption,
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
@@ -182,7 +279,7 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
 def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
                          block_size: int, device: torch.device, seed: int = 0,
                          kernel_backend: str | None = None,
-                         draft: LoadedModel | str | None = None,
+                         draft: LoadedModel | TreeSpeculation | str | None = None,
                          max_num_speculative_tokens: int = 0) -> EngineExecutor:
     """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
     kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
@@ -199,6 +296,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
     drafter = None
     if draft == NGRAM:
         drafter = NgramDrafter()
+    elif isinstance(draft, TreeSpeculation):
+        drafter = draft.drafter(loaded, seed)
     elif draft_model is not None:
         use_paged_attention(draft_model.model)
         drafter = DraftModelDrafter(
@@ -207,7 +306,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
         raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens} needs a "
                          f"draft (a speculative_model)")
     return EngineExecutor(runner, pool, sampler, loaded.eos_token_id, device, drafter,
-                          max_num_speculative_tokens)
+                          max_num_speculative_tokens,
+                          draft.max_depth if isinstance(draft, TreeSpeculation) else None)
 
 
 def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_tokens: int) -> None:

@@ -40,15 +40,17 @@ class EngineExecutor:
     def __init__(self, runner: ModelRunner, pool: KVCachePool, sampler: Sampler,
                  eos_token_id: int | None, device: torch.device,
                  drafter: NgramDrafter | DraftModelDrafter | None = None,
-                 max_num_speculative_tokens: int = 0):
+                 max_num_speculative_tokens: int = 0, max_tree_depth: int | None = None):
         self.runner = runner
         self.pool = pool
         self.sampler = sampler
         self.eos_token_id = eos_token_id
         self.device = device
         self.drafter = drafter
-        # Per draft position 1..max k: times examined and accepted, over every step run.
-        self.acceptance_stats = AcceptanceCounts(max_num_speculative_tokens)
+        self.max_num_speculative_tokens = max_num_speculative_tokens
+        # Per draft position 1..max k (per depth 1..max_tree_depth with a tree drafter): times
+        # examined and accepted, over every step run.
+        self.acceptance_stats = AcceptanceCounts(max_tree_depth or max_num_speculative_tokens)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
         self._generators: dict[int, tuple[Request, list[torch.Generator | None]]] = {}
 
@@ -105,9 +107,9 @@ class EngineExecutor:
             k = spec_lens.get(seq.seq_id)
             if k is None:
                 continue
-            if not 1 <= k <= len(self.acceptance_stats.position_trials):
+            if not 1 <= k <= self.max_num_speculative_tokens:
                 raise ValueError(f"plan.spec_lens[{seq.seq_id}] = {k}: this engine verifies "
-                                 f"1..{len(self.acceptance_stats.position_trials)} drafts "
+                                 f"1..{self.max_num_speculative_tokens} drafts "
                                  f"(max_num_speculative_tokens)")
             request = seq.request
             params = request.sampling_params or REPLAY_PARAMS
@@ -160,11 +162,12 @@ class EngineExecutor:
         it, whose K/V then moves to the slots after the root. Greedy: candidates pass while
         they equal the target's argmax; sampling: the drafter's typical acceptance, the next
         token drawn from the target at the path's end."""
-        paths, next_tokens, moves = [], [], []
+        paths, next_tokens, moves, argmax_rows = [], [], [], []
         for spec, tree, first_row in zip(speculating, trees, first_rows):
             rows = logits[first_row:first_row + 1 + len(tree)]
             if spec.params.greedy:
                 argmax = rows.argmax(dim=-1).tolist()
+                argmax_rows.append(argmax)
                 path = tree.accepted_path(greedy_accepts(tree, argmax))
                 next_tokens.append(argmax[1 + path[-1] if path else 0])
             else:
@@ -179,6 +182,8 @@ class EngineExecutor:
                                       seq.num_tokens - 1, path)
         if moves:
             self._move_slots(moves)
+        if hasattr(self.drafter, "observe_verification"):   # lookahead's Jacobi update
+            self.drafter.observe_verification(speculating, trees, argmax_rows)
         return paths, next_tokens
 
     def _move_slots(self, moves: list[tuple[int, int]]) -> None:

@@ -25,7 +25,7 @@ from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
 CONF_DIR = Path(conf.__file__).parent
 MODEL_CONFIG_DIR = CONF_DIR / "model"
 # Keys of the speculation group that describe the run, not the policy: popped before it is built.
-SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile")
+SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile", "tree")
 
 
 def config_names(group: str) -> list[str]:
