@@ -20,12 +20,14 @@ from engine.config import EngineConfig
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
-from engine.lookahead import LookaheadDrafter, lookahead_depth
-from engine.medusa import HEADS_CONFIG, MedusaDrafter, MedusaHeads, tree_paths
+from engine.lookahead import LookaheadDrafter
+from engine.medusa import HEADS_CONFIG, MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from kernels import get_kernel_ops
+from policies.speculation.trees import (lookahead_depth_per_size, medusa_depth_per_size,
+                                        tree_paths)
 from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
@@ -70,19 +72,16 @@ class TreeSpeculation:
     def ngram(self) -> int:
         return self.lookahead_ngram if self.lookahead_ngram is not None else self.max_depth + 1
 
-    def num_tokens(self) -> int:
-        """The most tokens a step verifies per sequence: the policy's largest size."""
-        if self.method == MEDUSA:
-            return len(self.medusa_paths())
-        return (self.lookahead_window + self.lookahead_guesses) * (self.ngram() - 1)
-
     def depth_per_size(self) -> list[int]:
         """For each size 0..num_tokens() a step may verify, the most tokens it can accept."""
         if self.method == MEDUSA:
-            paths = self.medusa_paths()
-            return [0] + [max(len(path) for path in paths[:size])
-                          for size in range(1, len(paths) + 1)]
-        return [lookahead_depth(size, self.ngram()) for size in range(self.num_tokens() + 1)]
+            return medusa_depth_per_size(self.medusa_paths())
+        return lookahead_depth_per_size(self.lookahead_window, self.ngram(),
+                                        self.lookahead_guesses)
+
+    def num_tokens(self) -> int:
+        """The most tokens a step verifies per sequence: the policy's largest size."""
+        return len(self.depth_per_size()) - 1
 
     def drafter(self, loaded: LoadedModel, seed: int = 0):
         if self.method == LOOKAHEAD:
@@ -347,6 +346,10 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
     speed_reference (a profile's speed reference, or the profile's path) its step durations are
     normalised to the profile's machine speed."""
+    if speculative_model in (MEDUSA, LOOKAHEAD):
+        raise ValueError(f"backend=engine runs no {speculative_model} yet: simulate it "
+                         f"(backend=sim), or run it with LLM(speculative_model="
+                         f"{speculative_model!r})")
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = load_draft(speculative_model, loaded, device, seed)

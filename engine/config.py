@@ -52,7 +52,8 @@ class EngineConfig:
     speculation: Any = "fixed"
     # Medusa: a folder of trained heads (scripts/train_medusa.py); None: seeded random heads,
     # k of them. The tree: a list of paths of head ranks ([[0], [0, 0], [1]]) or top-k per head
-    # ([3, 2, 1]); None: the speculation config's `tree`, else engine.medusa.DEFAULT_TOP_K.
+    # ([3, 2, 1]); None: the speculation config's `tree`, else the default
+    # (policies/speculation/trees.py).
     medusa_heads: str | None = None
     speculation_tree: Any = None
     # Lookahead decoding: window W, n-gram size N (None: k + 1), guesses G verified per step.

@@ -25,18 +25,13 @@ import random
 from engine.drafters import DraftProposal, SpeculatingSeq
 from engine.token_tree import TokenTree
 from kernels import TREE_WINDOW
+from policies.speculation.trees import lookahead_tokens
 from policies.types import Sequence, SequenceStatus, StepPlan
 from policies.validators import positive_int
 
 GREEDY_ONLY = ("lookahead decoding is greedy only (its Jacobi guesses are verified by argmax "
                "matching): use temperature=0, or another speculative_model for sampling")
 MAX_POOL_PER_KEY = 16   # n-grams kept per first token, the latest first
-
-
-def lookahead_depth(size: int, ngram: int) -> int:
-    """The most tokens a lookahead step of `size` verified tokens can accept: a whole guess
-    (N - 1) once one fits."""
-    return ngram - 1 if size >= ngram - 1 else 0
 
 
 class LookaheadState:
@@ -61,7 +56,7 @@ class LookaheadDrafter:
         positive_int("lookahead_guesses", guesses)
         if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 2:
             raise ValueError(f"lookahead_ngram must be an integer >= 2, got {ngram!r}")
-        if (window + guesses) * (ngram - 1) >= TREE_WINDOW:
+        if lookahead_tokens(window, ngram, guesses) >= TREE_WINDOW:
             raise ValueError(f"lookahead runs (window + guesses) x (ngram - 1) = "
                              f"({window} + {guesses}) x {ngram - 1} tokens per sequence; at most "
                              f"{TREE_WINDOW - 1} fit a tree mask")
@@ -72,7 +67,7 @@ class LookaheadDrafter:
     @property
     def num_tokens(self) -> int:
         """The most tokens one step verifies for a sequence."""
-        return (self.window + self.guesses) * (self.ngram - 1)
+        return lookahead_tokens(self.window, self.ngram, self.guesses)
 
     def step(self, plan: StepPlan, speculating: list[SpeculatingSeq]) -> DraftProposal:
         for seq_id in [seq_id for seq_id, (seq, _) in self._states.items()

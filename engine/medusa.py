@@ -15,20 +15,16 @@ samples a request forks at its prompt's last token were drawn from that same row
 from __future__ import annotations
 
 import json
-from itertools import product
 from pathlib import Path
 
 import torch
 
 from engine.drafters import DraftProposal, SpeculatingSeq
 from engine.token_tree import DEFAULT_TYPICAL_DELTA, DEFAULT_TYPICAL_EPSILON, TokenTree
-from kernels import TREE_WINDOW
 from policies.types import Request, Sequence, StepPlan
 
 HEADS_CONFIG = "medusa_config.json"
 HEADS_WEIGHTS = "medusa_heads.safetensors"
-# Ranks per head of the default tree (top-k per head), cut to the heads and depth there are.
-DEFAULT_TOP_K = (3, 2, 2, 1, 1, 1, 1, 1)
 
 
 class MedusaHeads(torch.nn.Module):
@@ -84,36 +80,6 @@ class MedusaHeads(torch.nn.Module):
         heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"])
         heads.load_state_dict(load_file(folder / HEADS_WEIGHTS))
         return heads.to(device, dtype)
-
-
-def tree_paths(tree, num_heads: int, max_depth: int) -> list[tuple[int, ...]]:
-    """The tree shape as paths of ranks, at most max_depth (and num_heads) deep, each after its
-    prefix. `tree`: a list of paths (kept in their order), a list of top-k per head (every
-    combination, the lowest rank sum first), or None (DEFAULT_TOP_K)."""
-    depth = min(num_heads, max_depth)
-    if tree is None:
-        tree = list(DEFAULT_TOP_K[:depth])
-    tree = [list(entry) if isinstance(entry, (list, tuple)) else entry for entry in tree]
-    if tree and all(isinstance(entry, int) and not isinstance(entry, bool) for entry in tree):
-        if any(k < 1 for k in tree):
-            raise ValueError(f"speculation tree as top-k per head needs k >= 1, got {tree}")
-        paths = [path for length in range(1, min(len(tree), depth) + 1)
-                 for path in product(*[range(k) for k in tree[:length]])]
-        paths.sort(key=lambda path: (sum(path), len(path)))
-    elif tree and all(isinstance(entry, list) and entry for entry in tree):
-        paths = [tuple(int(rank) for rank in entry) for entry in tree if len(entry) <= depth]
-        known: set[tuple[int, ...]] = set()
-        for path in paths:
-            if path in known or min(path) < 0 or (len(path) > 1 and path[:-1] not in known):
-                raise ValueError(f"speculation tree path {list(path)} repeats, has a negative "
-                                 f"rank, or comes before its prefix {list(path[:-1])}")
-            known.add(path)
-    else:
-        raise ValueError(f"speculation tree must be a list of paths of ranks ([[0], [0, 0], "
-                         f"[1]]) or of top-k per head ([3, 2, 1]), got {tree!r}")
-    if not paths:
-        raise ValueError(f"speculation tree {tree!r} has no node within depth {depth}")
-    return paths[:TREE_WINDOW - 1]
 
 
 class MedusaDrafter:

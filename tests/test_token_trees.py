@@ -24,9 +24,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.drafters import DraftProposal, NgramDrafter
 from engine.lookahead import LookaheadDrafter
-from engine.medusa import tree_paths
 from engine.token_tree import TokenTree, compaction_moves, greedy_accepts
 from kernels import tree_mask_entry
+from policies.speculation.trees import tree_paths
 
 from factories import token_ids
 from test_speculative_engine import (GREEDY, SCENARIOS, TARGET, check_blocks_after_each_step,
@@ -228,3 +228,47 @@ def test_bad_tree_settings_are_named():
             lookahead_window=8)
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
         LLM(TARGET, speculative_model="medusa")
+
+
+# ---- the simulator ----------------------------------------------------------------------------
+
+def test_tree_depth_per_size():
+    from policies.speculation.trees import lookahead_depth_per_size, medusa_depth_per_size
+
+    paths = tree_paths([2, 2], num_heads=2, max_depth=2)   # (0,) (0,0) (1,) (0,1) (1,0) (1,1)
+    assert medusa_depth_per_size(paths) == [0, 1, 2, 2, 2, 2, 2]
+    assert lookahead_depth_per_size(window=2, ngram=3, guesses=1) == [0, 0, 2, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("drafter, k, size, depth", [("medusa", 4, 3 + 6 + 12 + 12, 4),
+                                                      ("lookahead", 3, (4 + 4) * 3, 3)])
+def test_simulated_tree_speculation(drafter, k, size, depth):
+    """speculation.draft_model=medusa / lookahead: the policy's size is the tokens a step
+    verifies, acceptances are drawn over the depth it reaches (all of it at rate 1), the
+    roofline charges Medusa's heads; every request completes."""
+    from factories import make_cfg
+    from policies.types import StepPlan
+    from sim.core.build import build_replica_executor, speculation_setup
+    from sim.core.experiment import run_experiment
+    from sim.core.specs import HardwareSpec, ModelSpec
+
+    overrides = ["speculation=fixed", f"speculation.draft_model={drafter}",
+                 f"speculation.num_speculative_tokens={k}", "speculation.acceptance_rate=1.0",
+                 "workload.num_requests=40"]
+    cfg = make_cfg(*overrides)
+    setup = speculation_setup(cfg)
+    assert setup.max_num_speculative_tokens == size and max(setup.depth_per_size) == depth
+    executor = build_replica_executor(cfg, ModelSpec.from_config(cfg.model),
+                                      HardwareSpec.from_config(cfg.hardware), None, setup)
+    plan = StepPlan(num_decode_seqs=2, decode_context_tokens=200)
+    plan.spec_lens = {0: size, 1: 1}
+    result = executor.execute(plan)
+    assert result.num_accepted == {0: depth, 1: setup.depth_per_size[1]}
+    drafting = executor.cost_model.draft_time(plan)
+    assert (drafting > executor.cost_model.ngram_overhead_s_per_seq * 2) == (drafter == "medusa")
+    result = run_experiment(cfg, plots=False)
+    assert result.summary["completed"] == 40
+    assert result.summary["mean_tokens_per_decode_step"] > 2
+    adaptive = speculation_setup(make_cfg("speculation=adaptive", overrides[1],
+                                          f"speculation.max_num_speculative_tokens={k}"))
+    assert adaptive.policy_cfg.depth_per_size == adaptive.depth_per_size
