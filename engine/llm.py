@@ -161,7 +161,8 @@ class LLM:
             output.error = f"sampling params must be a SamplingParams, got {type(params).__name__}"
             return output, None
         output.error = params.error()
-        if output.error is None and self.config.speculative_model == LOOKAHEAD and not params.greedy:
+        if (output.error is None and self.config.speculative_model == LOOKAHEAD
+                and not params.greedy):
             output.error = GREEDY_ONLY
         if output.error is not None:
             return output, None

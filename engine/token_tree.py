@@ -22,6 +22,10 @@ import torch
 
 from kernels import TREE_WINDOW, tree_mask_entry
 
+# Medusa's typical acceptance: its posterior_threshold (epsilon) and alpha (delta = sqrt(epsilon)).
+DEFAULT_TYPICAL_EPSILON = 0.09
+DEFAULT_TYPICAL_DELTA = math.sqrt(DEFAULT_TYPICAL_EPSILON)
+
 
 @dataclass
 class TokenTree:
@@ -133,7 +137,3 @@ def compaction_moves(block_table: list[int], block_size: int, root_position: int
 
     return [(slot(root_position + 1 + node), slot(root_position + 1 + j))
             for j, node in enumerate(path) if node != j]
-
-
-DEFAULT_TYPICAL_EPSILON = 0.09                      # Medusa's posterior_threshold
-DEFAULT_TYPICAL_DELTA = math.sqrt(DEFAULT_TYPICAL_EPSILON)
