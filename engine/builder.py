@@ -57,6 +57,10 @@ class TreeSpeculation:
     lookahead_ngram: int | None = None
     lookahead_guesses: int = 4
 
+    def __post_init__(self):
+        if isinstance(self.tree, ListConfig):   # from a config (speculation.tree)
+            self.tree = OmegaConf.to_container(self.tree)
+
     def num_medusa_heads(self) -> int:
         if self.medusa_heads is None:
             return self.max_depth   # seeded random heads, one per depth
@@ -110,8 +114,6 @@ def tree_speculation(config: EngineConfig) -> TreeSpeculation | None:
     tree = config.speculation_tree
     if tree is None and names_a_policy(config.speculation):
         tree = policy_config(config.speculation, "speculation").get("tree")
-    if isinstance(tree, ListConfig):
-        tree = OmegaConf.to_container(tree)
     k = config.num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with "
@@ -339,20 +341,22 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: SpeedReference | str | None = None):
+                          speed_reference: SpeedReference | str | None = None,
+                          tree: TreeSpeculation | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size), for a simulator replica run on the engine (backend=engine, whose config names
     this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
-    it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
+    it verifies plans of up to max_num_speculative_tokens drafts per sequence, or with a token
+    tree method (`tree`, for speculative_model "medusa" or "lookahead") that many tokens. With a
     speed_reference (a profile's speed reference, or the profile's path) its step durations are
     normalised to the profile's machine speed."""
-    if speculative_model in (MEDUSA, LOOKAHEAD):
-        raise ValueError(f"backend=engine runs no {speculative_model} yet: simulate it "
-                         f"(backend=sim), or run it with LLM(speculative_model="
-                         f"{speculative_model!r})")
+    if (speculative_model in (MEDUSA, LOOKAHEAD)) != (tree is not None) or (
+            tree is not None and tree.method != speculative_model):
+        raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
+                         f"and lookahead need their TreeSpeculation, other drafters none")
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
-    draft = load_draft(speculative_model, loaded, device, seed)
+    draft = tree or load_draft(speculative_model, loaded, device, seed)
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,

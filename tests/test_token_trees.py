@@ -272,3 +272,34 @@ def test_simulated_tree_speculation(drafter, k, size, depth):
     adaptive = speculation_setup(make_cfg("speculation=adaptive", overrides[1],
                                           f"speculation.max_num_speculative_tokens={k}"))
     assert adaptive.policy_cfg.depth_per_size == adaptive.depth_per_size
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "lookahead"])
+def test_tree_drafters_run_under_the_simulator_clock(drafter, prompts, expected):
+    """backend=engine: a simulator replica whose scheduler verifies token trees drives the
+    engine executor that build_replica_executor builds from the speculation group; replayed
+    requests (greedy) get the target's tokens."""
+    from factories import make_cfg, replay_on_sim_clock
+    from policies.batching import ContinuousBatchingScheduler
+    from policies.memory import PagedBlockManager
+    from policies.preemption import RecomputePreemption
+    from sim.core.build import build_policy, build_replica_executor, speculation_setup
+    from sim.core.specs import HardwareSpec, ModelSpec
+
+    cfg = make_cfg("backend=engine", "model=tiny-pair", "hardware=cpu", "speculation=fixed",
+                   f"speculation.draft_model={drafter}", "speculation.num_speculative_tokens=3",
+                   "++speculation.tree=[2,2,1]")
+    setup = speculation_setup(cfg)
+    kv_cache = PagedBlockManager(num_blocks=96, block_size=8)
+    executor = build_replica_executor(cfg, ModelSpec.from_config(cfg.model),
+                                      HardwareSpec.from_config(cfg.hardware), kv_cache, setup)
+    scheduler = ContinuousBatchingScheduler(
+        kv_cache, RecomputePreemption(), max_num_seqs=8, max_model_len=2048,
+        speculation=build_policy(setup.policy_cfg, "speculation"))
+    assert scheduler.speculation.max_num_speculative_tokens == (
+        2 + 4 + 4 if drafter == "medusa" else (4 + 4) * 3)
+    requests, _ = replay_on_sim_clock(scheduler, executor, prompts, len(expected[0]))
+    assert [request.sequences[0].output_token_ids for request in requests] == expected
+    assert len(executor.acceptance_stats.position_trials) == 3
+    assert sum(executor.acceptance_stats.position_accepts) > 0
+    assert kv_cache.num_free_blocks() == kv_cache.num_blocks

@@ -28,7 +28,8 @@ CONF_DIR = Path(conf.__file__).parent
 MODEL_CONFIG_DIR = CONF_DIR / "model"
 # Keys of the speculation group that describe the run, not the policy: popped before it is built.
 SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile", "tree",
-                        "lookahead_window", "lookahead_ngram", "lookahead_guesses")
+                        "medusa_heads", "lookahead_window", "lookahead_ngram",
+                        "lookahead_guesses")
 # Drafters that propose token trees: the policy's size is the tokens a step verifies.
 TREE_DRAFTERS = ("medusa", "lookahead")
 
@@ -272,6 +273,17 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         drafting = {} if speculation is None else {
             "speculative_model": speculation.draft_model,
             "max_num_speculative_tokens": speculation.max_num_speculative_tokens}
+        if speculation is not None and speculation.draft_model in TREE_DRAFTERS:
+            group = cfg.speculation
+            drafting["tree"] = {
+                "_target_": "engine.builder.TreeSpeculation",
+                "method": speculation.draft_model,
+                "max_depth": max(speculation.depth_per_size),
+                "medusa_heads": group.get("medusa_heads"),
+                "tree": group.get("tree"),
+                "lookahead_window": group.get("lookahead_window", 4),
+                "lookahead_ngram": group.get("lookahead_ngram"),
+                "lookahead_guesses": group.get("lookahead_guesses", 4)}
         return build_policy(executor_cfg, "backend.executor", model=model.name,
                             kv_cache=kv_cache, **drafting)
     if cfg.backend.name != "sim":
