@@ -276,6 +276,25 @@ KERNEL_WORKLOADS = {
 }
 
 
+TREE_WORKLOAD = "short queries (verification)"
+
+
+def random_tree_mask(query_lens, seed):
+    """tree_mask entries for a batch whose every query is a root and a random tree of candidate
+    tokens (engine/token_tree.py's layout)."""
+    import random
+
+    import torch
+
+    from engine.token_tree import TokenTree
+    rng = random.Random(seed)
+    entries = []
+    for query_len in query_lens:
+        parents = [rng.randrange(-1, node) for node in range(query_len - 1)]
+        entries += TokenTree.from_parents([0] * len(parents), parents).mask_entries()
+    return torch.tensor(entries, dtype=torch.int64)
+
+
 def step_kernels(report: StepReport, smoke: bool) -> None:
     import torch
 
@@ -304,8 +323,16 @@ def step_kernels(report: StepReport, smoke: bool) -> None:
                 for num_splits in triton_ops.SPLIT_K_CHOICES:
                     outputs[f"split-K {num_splits}"] = \
                         triton_ops.paged_decode_attention_split_k(*batch, num_splits=num_splits)
+            if workload == TREE_WORKLOAD:
+                # The same queries as token trees: each node sees the context and its ancestors.
+                tree_mask = random_tree_mask(sizes[size][0], seed)
+                expected_tree = naive.paged_attention(*to_cpu(batch), tree_mask=tree_mask)
+                outputs["dispatcher, token trees"] = triton_ops.paged_attention(
+                    *batch, tree_mask.to(device), max_query_len=max_query_len,
+                    max_seq_len=int(batch[3].max()))
             for kernel, out in outputs.items():
-                error = relative_error(out, expected)
+                reference = expected_tree if kernel.endswith("token trees") else expected
+                error = relative_error(out, reference)
                 report.check(f"{config}: {workload}, {kernel}", f"{error:.1e}",
                              error <= tolerance, rel_error=error, tolerance=tolerance)
         check_cache_ops(report, config, triton_ops, naive, shape)

@@ -1,15 +1,18 @@
 """Speculative decoding on the engine: output tokens/s with and without speculation, per k and
-batch size, with each drafter, and the acceptance rate of every draft position. Writes the
+batch size, with each drafter (a draft model, n-gram lookup, Medusa heads, lookahead decoding),
+and the acceptance rate of every draft position (tree depth for Medusa and lookahead). Writes the
 acceptance statistics files the simulator's acceptance model reads
 (`speculation.acceptance_profile=...`).
 
 The pair is models/tiny-pair (scripts/train_tiny_pair.py: a 3-layer byte-level target and a
-1-layer draft distilled from it, trained on the Python standard library's sources); prompts are
+1-layer draft distilled from it, trained on the Python standard library's sources; Medusa heads
+from scripts/train_medusa.py in models/tiny-pair/medusa); prompts are
 windows of the files it never trained on. Greedy by default, so every speculative run must give
 the target's own tokens (checked: a mismatch is printed).
 
     python bench/speculative.py                              # ~8 minutes here, one thread
     python bench/speculative.py --batch-sizes 1 4 --ks 1 2 4 --max-tokens 64
+    python bench/speculative.py --drafters medusa lookahead --ks 2 4
 """
 from __future__ import annotations
 
@@ -30,7 +33,20 @@ from policies.speculation import AcceptanceCounts  # noqa: E402
 from train_tiny_pair import held_out_prompts  # noqa: E402
 
 PAIR = REPO / "models" / "tiny-pair"
-DRAFTERS = {"draft": str(PAIR / "draft"), "ngram": "ngram"}
+DRAFTERS = {"draft": dict(speculative_model=str(PAIR / "draft")),
+            "ngram": dict(speculative_model="ngram"),
+            "medusa": dict(speculative_model="medusa", medusa_heads=str(PAIR / "medusa")),
+            "lookahead": dict(speculative_model="lookahead")}
+DRAFTER_NAMES = {"draft": "models/tiny-pair/draft", "medusa": "models/tiny-pair/medusa"}
+LOOKAHEAD_BRANCHES = 4   # window W and guesses G, fewer where (W + G) x k passes the tree mask
+
+
+def speculative_llm(target: str, drafter: str, k: int) -> LLM:
+    settings = dict(DRAFTERS[drafter])
+    if drafter == "lookahead":
+        branches = min(LOOKAHEAD_BRANCHES, 62 // (2 * k))
+        settings.update(lookahead_window=branches, lookahead_guesses=branches)
+    return LLM(target, num_speculative_tokens=k, **settings)
 
 
 def warm_up(llm: LLM, prompts) -> None:
@@ -69,6 +85,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    parser.add_argument("--no-profiles", action="store_true",
+                        help="print the table only; write no acceptance statistics files")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -99,7 +117,7 @@ def main() -> None:
         warm_up(baseline, batch)
         for drafter in args.drafters:
             for k in args.ks:
-                llm = LLM(target, speculative_model=DRAFTERS[drafter], num_speculative_tokens=k)
+                llm = speculative_llm(target, drafter, k)
                 warm_up(llm, batch)
                 # Runs with and without speculation alternate, and the fastest of each counts:
                 # a burst of load from elsewhere on the machine hits both alike.
@@ -120,9 +138,11 @@ def main() -> None:
                 print(f"{batch_size:>5} {drafter:>7} {k:>2} {base_rate:>8.0f} {rate:>8.0f} "
                       f"{rate / base_rate:>7.2f} {tokens_per_step:>8.2f}  {rates_text}{mismatch}",
                       flush=True)
+    if args.no_profiles:
+        return
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for drafter, drafter_counts in counts.items():
-        llm = LLM(target, speculative_model=DRAFTERS[drafter], num_speculative_tokens=max_k)
+        llm = speculative_llm(target, drafter, max_k)
         sequences = sequence_counts(llm, held_out_prompts(args.sequences, args.prompt_len),
                                     params)
         sampled = f"-t{args.temperature:g}" if args.temperature else ""
@@ -133,7 +153,7 @@ def main() -> None:
                   f"{args.max_tokens} output tokens each; sequences: {args.sequences} windows "
                   f"run alone")
         statistics = drafter_counts.to_statistics(
-            drafter="models/tiny-pair/draft" if drafter == "draft" else "ngram",
+            drafter=DRAFTER_NAMES.get(drafter, drafter),
             target="models/tiny-pair/target", source=source)
         statistics["sequences"] = sequences   # each of the prompts run alone, at k = max k
         path.write_text(json.dumps(statistics, indent=1) + "\n")

@@ -32,6 +32,7 @@ class AttentionMetadata:
     max_query_len: int              # the step's longest query and context, host ints: kernels
     max_seq_len: int                # that take them read nothing back from the device
     attention_plan: object = None   # ops.plan_attention(...) of this step, shared by the layers
+    tree_mask: torch.Tensor | None = None  # [num_tokens] int64 with token trees (kernels/)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -56,13 +57,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = query.shape[-1] ** -0.5
     args = (query, kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, scaling)
-    if attn_metadata.attention_plan is not None:
+    if attn_metadata.attention_plan is not None:   # the tree mask is part of the plan
         out = ops.paged_attention(*args, plan=attn_metadata.attention_plan)
-    elif ops.takes_host_lengths:
-        out = ops.paged_attention(*args, max_query_len=attn_metadata.max_query_len,
-                                  max_seq_len=attn_metadata.max_seq_len)
     else:
-        out = ops.paged_attention(*args)
+        kwargs = {} if attn_metadata.tree_mask is None else {"tree_mask": attn_metadata.tree_mask}
+        if ops.takes_host_lengths:
+            kwargs.update(max_query_len=attn_metadata.max_query_len,
+                        max_seq_len=attn_metadata.max_seq_len)
+        out = ops.paged_attention(*args, **kwargs)
     return out.unsqueeze(0), None
 
 

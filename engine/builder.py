@@ -5,12 +5,15 @@ speculative decoding also the drafter (a draft model or n-gram lookup) and the s
 policy; and the output-length predictor generate asks."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
@@ -18,10 +21,14 @@ from engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, DecodeGraphs, capture_s
 from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
+from engine.lookahead import LookaheadDrafter
+from engine.medusa import HEADS_CONFIG, MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from kernels import get_kernel_ops
+from policies.speculation.trees import (lookahead_depth_per_size, medusa_depth_per_size,
+                                        tree_paths)
 from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
@@ -31,8 +38,90 @@ from sim.core.build import (build_policy, build_predictor, kv_cache_policy_confi
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 NGRAM = "ngram"
+MEDUSA = "medusa"
+LOOKAHEAD = "lookahead"
 # The KV manager the engine builds its pools' block tables with (conf/kv_cache).
 KV_CACHE_CONFIG = "paged"
+
+
+@dataclass
+class TreeSpeculation:
+    """How a token-tree method drafts (engine/medusa.py, engine/lookahead.py): Medusa's heads
+    and tree, or lookahead's window, n-gram size and guesses; max_depth is k, the most tokens a
+    step accepts beyond its own."""
+
+    method: str                     # MEDUSA or LOOKAHEAD
+    max_depth: int
+    medusa_heads: str | None = None
+    tree: Any = None
+    lookahead_window: int = 4
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.tree, ListConfig):   # from a config (speculation.tree)
+            self.tree = OmegaConf.to_container(self.tree)
+
+    def num_medusa_heads(self) -> int:
+        if self.medusa_heads is None:
+            return self.max_depth   # seeded random heads, one per depth
+        config = Path(self.medusa_heads) / HEADS_CONFIG
+        if not config.is_file():
+            raise ValueError(f"medusa_heads={self.medusa_heads!r} has no {HEADS_CONFIG} "
+                             f"(scripts/train_medusa.py writes Medusa heads folders)")
+        return json.loads(config.read_text())["num_heads"]
+
+    def medusa_paths(self) -> list[tuple[int, ...]]:
+        return tree_paths(self.tree, self.num_medusa_heads(), self.max_depth)
+
+    def ngram(self) -> int:
+        return self.lookahead_ngram if self.lookahead_ngram is not None else self.max_depth + 1
+
+    def depth_per_size(self) -> list[int]:
+        """For each size 0..num_tokens() a step may verify, the most tokens it can accept."""
+        if self.method == MEDUSA:
+            return medusa_depth_per_size(self.medusa_paths())
+        return lookahead_depth_per_size(self.lookahead_window, self.ngram(),
+                                        self.lookahead_guesses)
+
+    def num_tokens(self) -> int:
+        """The most tokens a step verifies per sequence: the policy's largest size."""
+        return len(self.depth_per_size()) - 1
+
+    def drafter(self, loaded: LoadedModel, seed: int = 0):
+        if self.method == LOOKAHEAD:
+            return LookaheadDrafter(self.lookahead_window, self.ngram(), self.lookahead_guesses,
+                                    seed)
+        lm_head = loaded.model.lm_head
+        if self.medusa_heads is None:
+            heads = MedusaHeads.seeded(lm_head, self.max_depth, seed)
+        else:
+            heads = MedusaHeads.load(self.medusa_heads, lm_head.weight.device,
+                                     lm_head.weight.dtype)
+            if (heads.hidden_size, heads.vocab_size) != tuple(lm_head.weight.shape[::-1]):
+                raise ValueError(f"medusa_heads={self.medusa_heads!r} were trained for hidden "
+                                 f"size {heads.hidden_size} and {heads.vocab_size} tokens; the "
+                                 f"target has {lm_head.weight.shape[1]} and "
+                                 f"{lm_head.weight.shape[0]}")
+        return MedusaDrafter(heads, self.medusa_paths())
+
+
+def tree_speculation(config: EngineConfig) -> TreeSpeculation | None:
+    """The config's token-tree method, or None for a chain drafter (or none)."""
+    if config.speculative_model not in (MEDUSA, LOOKAHEAD):
+        if config.medusa_heads is not None:
+            raise ValueError("medusa_heads needs speculative_model='medusa'")
+        return None
+    tree = config.speculation_tree
+    if tree is None and names_a_policy(config.speculation):
+        tree = policy_config(config.speculation, "speculation").get("tree")
+    k = config.num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be a positive integer with "
+                         f"speculative_model={config.speculative_model!r}, got {k!r}")
+    return TreeSpeculation(config.speculative_model, k, config.medusa_heads, tree,
+                           config.lookahead_window, config.lookahead_ngram,
+                           config.lookahead_guesses)
 
 
 @dataclass
@@ -81,7 +170,8 @@ def build_engine(config: EngineConfig) -> Engine:
     if max_model_len > spec.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds {spec.name}'s "
                          f"{spec.max_model_len} positions")
-    draft = load_draft(config.speculative_model, loaded, device, config.seed, max_model_len)
+    draft = tree_speculation(config) or load_draft(config.speculative_model, loaded, device,
+                                                   config.seed, max_model_len)
     scheduler = config.scheduler
     if names_a_policy(scheduler):
         scheduler = build_scheduler(config, loaded, device, max_model_len, draft)
@@ -128,10 +218,11 @@ def load_draft(speculative_model: str | None, target: LoadedModel, device: torch
     return draft
 
 
-def build_speculation(config: EngineConfig):
+def build_speculation(config: EngineConfig, tree: TreeSpeculation | None = None):
     """The speculation policy of the config: None without a speculative_model; else the named
-    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens, or the
-    config's own policy object."""
+    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens (with a
+    token-tree method: verifying up to its most tokens per step), or the config's own policy
+    object."""
     k = config.num_speculative_tokens
     if config.speculative_model is None:
         if k:
@@ -145,14 +236,20 @@ def build_speculation(config: EngineConfig):
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with a "
                          f"speculative_model, got {k!r}")
+    if tree is not None:
+        k = tree.num_tokens()
     # k is the policy's own draft length: fixed's num_speculative_tokens, adaptive's most.
     k_keys = [key for key in ("num_speculative_tokens", "max_num_speculative_tokens")
               if key in policy_cfg]
-    return build_policy(policy_cfg, "speculation", **{key: k for key in k_keys[:1]})
+    overrides = {key: k for key in k_keys[:1]}
+    if tree is not None and "max_num_speculative_tokens" in policy_cfg:   # adaptive
+        overrides["depth_per_size"] = tree.depth_per_size()
+    return build_policy(policy_cfg, "speculation", **overrides)
 
 
 def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                    max_model_len: int, draft: LoadedModel | str | None = None):
+                    max_model_len: int,
+                    draft: LoadedModel | TreeSpeculation | str | None = None):
     """The config's scheduler, its preemption policy and KV manager, built from their conf/
     groups as the simulator builds them, the engine's settings over the groups' defaults."""
     scheduler_cfg = policy_config(config.scheduler, "scheduler")
@@ -189,7 +286,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
                             num_host_blocks=host_blocks,
                             enable_prefix_caching=config.enable_prefix_caching,
                             num_offload_blocks=offload_blocks)
-    speculation = build_speculation(config)
+    speculation = build_speculation(
+        config, draft if isinstance(draft, TreeSpeculation) else None)
     drafting = {} if speculation is None else {"speculation": speculation}
     return build_policy(scheduler_cfg, "scheduler", kv_cache=kv_cache, preemption=preemption,
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
@@ -199,7 +297,7 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
 def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
                          block_size: int, device: torch.device, seed: int = 0,
                          kernel_backend: str | None = None,
-                         draft: LoadedModel | str | None = None,
+                         draft: LoadedModel | TreeSpeculation | str | None = None,
                          max_num_speculative_tokens: int = 0,
                          num_offload_blocks: int = 0,
                          cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE
@@ -234,6 +332,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
     drafter = None
     if draft == NGRAM:
         drafter = NgramDrafter()
+    elif isinstance(draft, TreeSpeculation):
+        drafter = draft.drafter(loaded, seed)
     elif draft_model is not None:
         use_paged_attention(draft_model.model)
         drafter = DraftModelDrafter(
@@ -242,7 +342,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
         raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens} needs a "
                          f"draft (a speculative_model)")
     return EngineExecutor(runner, pool, sampler, loaded.eos_token_id, device, drafter,
-                          max_num_speculative_tokens)
+                          max_num_speculative_tokens,
+                          draft.max_depth if isinstance(draft, TreeSpeculation) else None)
 
 
 def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_tokens: int) -> None:
@@ -276,17 +377,23 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
                           speed_reference: SpeedReference | str | None = None,
-                          enforce_eager: bool = False):
+                          enforce_eager: bool = False,
+                          tree: TreeSpeculation | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the
-    engine (backend=engine, whose config names this function); with a speculative_model ("ngram", a conf/model name or a checkpoint folder)
-    it verifies plans of up to max_num_speculative_tokens drafts per sequence. With a
-    speed_reference (a profile's speed reference, or the profile's path) its step durations are
-    normalised to the profile's machine speed. On CUDA decode steps run as CUDA graphs unless
-    enforce_eager."""
+    engine (backend=engine, whose config names this function); with a speculative_model
+    ("ngram", a conf/model name or a checkpoint folder) it verifies plans of up to
+    max_num_speculative_tokens drafts per sequence, or with a token tree method (`tree`, for
+    speculative_model "medusa" or "lookahead") that many tokens. With a speed_reference (a
+    profile's speed reference, or the profile's path) its step durations are normalised to the
+    profile's machine speed. On CUDA decode steps run as CUDA graphs unless enforce_eager."""
+    if (speculative_model in (MEDUSA, LOOKAHEAD)) != (tree is not None) or (
+            tree is not None and tree.method != speculative_model):
+        raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
+                         f"and lookahead need their TreeSpeculation, other drafters none")
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
-    draft = load_draft(speculative_model, loaded, device, seed)
+    draft = tree or load_draft(speculative_model, loaded, device, seed)
     executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,

@@ -49,13 +49,27 @@ class EngineConfig:
     # On CUDA, decode steps of up to max_num_seqs sequences replay CUDA graphs captured at
     # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's enforce_eager).
     enforce_eager: bool = False
-    # Speculative decoding: "ngram" (prompt lookup), a conf/model name or a local HF checkpoint
+    # Speculative decoding: "ngram" (prompt lookup), "medusa" (heads on the target), "lookahead"
+    # (Jacobi lookahead decoding, greedy only), a conf/model name or a local HF checkpoint
     # folder (a draft model with the target's vocabulary); None: off.
     speculative_model: str | None = None
-    # k: the speculation config's num_speculative_tokens (fixed) or max_num_speculative_tokens
-    # (adaptive: the most).
+    # k: the most tokens a step may accept beyond the one it always gains. For a chain of
+    # drafts it is the speculation config's num_speculative_tokens (fixed) or
+    # max_num_speculative_tokens (adaptive: the most); a Medusa tree is at most k deep,
+    # lookahead's n-grams k + 1 long (unless lookahead_ngram is given). For trees and lookahead
+    # the policy's size is the tokens a step verifies (tree nodes; (W + G) x (N - 1)).
     num_speculative_tokens: int = 0
     speculation: Any = "fixed"
+    # Medusa: a folder of trained heads (scripts/train_medusa.py); None: seeded random heads,
+    # k of them. The tree: a list of paths of head ranks ([[0], [0, 0], [1]]) or top-k per head
+    # ([3, 2, 1]); None: the speculation config's `tree`, else the default
+    # (policies/speculation/trees.py).
+    medusa_heads: str | None = None
+    speculation_tree: Any = None
+    # Lookahead decoding: window W, n-gram size N (None: k + 1), guesses G verified per step.
+    lookahead_window: int = 4
+    lookahead_ngram: int | None = None
+    lookahead_guesses: int = 4
     # Output-length predictor, asked once per request in generate (predicted_output_len): a
     # conf/predictor name (none | oracle | noisy | bucket), a dotted class path, a mapping or an
     # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.

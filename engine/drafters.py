@@ -24,6 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from engine.model_runner import ModelRunner, new_token_ids
 from engine.sampler import Sampler, probabilities
 from engine.sampling_params import SamplingParams
+from engine.token_tree import TokenTree
 from policies.types import Sequence, StepPlan
 
 
@@ -43,6 +44,9 @@ class DraftProposal:
     # [seqs, max k, vocab]: the q each sampled (non-greedy) row's drafts were drawn from; None
     # for deterministic proposals (q one-hot at the draft).
     probs: torch.Tensor | None = None
+    # Tree drafters (Medusa, lookahead): per speculating sequence a TokenTree of at most k
+    # tokens, verified in place of `tokens`.
+    trees: list[TokenTree] | None = None
 
 
 class NgramDrafter:

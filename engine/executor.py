@@ -8,6 +8,12 @@ Speculative decoding: a decode in `plan.spec_lens` gets up to k drafts from the 
 them after its last token in the same forward (k + 1 query tokens, logits kept for each), and
 gains the accepted drafts plus one token (engine/rejection_sampler.py). Per draft position the
 executor counts how often it was examined and accepted (`acceptance_stats`).
+
+Token trees (Medusa, lookahead decoding; engine/token_tree.py): a drafter may propose a tree
+per sequence instead of a chain; its nodes run under their tree mask, the longest accepted path
+is kept (greedy: argmax matching; sampling: the drafter's typical acceptance), its K/V is moved
+to the slots right after the sequence's last token and the scheduler trims the rest as it does
+for rejected drafts. The acceptance counts are then per depth.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample, verify_greedy
 from engine.sampler import Sampler, probabilities
 from engine.sampling_params import SamplingParams
+from engine.token_tree import TokenTree, compaction_moves, greedy_accepts, typical_accepts
 from policies.speculation import AcceptanceCounts
 from policies.types import Request, Sequence, StepPlan, StepResult
 
@@ -33,15 +40,17 @@ class EngineExecutor:
     def __init__(self, runner: ModelRunner, pool: KVCachePool, sampler: Sampler,
                  eos_token_id: int | None, device: torch.device,
                  drafter: NgramDrafter | DraftModelDrafter | None = None,
-                 max_num_speculative_tokens: int = 0):
+                 max_num_speculative_tokens: int = 0, max_tree_depth: int | None = None):
         self.runner = runner
         self.pool = pool
         self.sampler = sampler
         self.eos_token_id = eos_token_id
         self.device = device
         self.drafter = drafter
-        # Per draft position 1..max k: times examined and accepted, over every step run.
-        self.acceptance_stats = AcceptanceCounts(max_num_speculative_tokens)
+        self.max_num_speculative_tokens = max_num_speculative_tokens
+        # Per draft position 1..max k (per depth 1..max_tree_depth with a tree drafter): times
+        # examined and accepted, over every step run.
+        self.acceptance_stats = AcceptanceCounts(max_tree_depth or max_num_speculative_tokens)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
         self._generators: dict[int, tuple[Request, list[torch.Generator | None]]] = {}
 
@@ -62,15 +71,25 @@ class EngineExecutor:
             proposal = self.drafter.step(plan, speculating) if self.drafter else None
             drafts = None
             if speculating:
-                drafts = {s.seq.seq_id: tokens for s, tokens in zip(speculating, proposal.tokens)}
+                drafts = {s.seq.seq_id: tokens
+                          for s, tokens in zip(speculating, proposal.trees or proposal.tokens)}
             inputs = self.runner.prepare(plan, drafts)
-            logits = self.runner.forward(inputs)
+            reads_hidden = getattr(self.drafter, "reads_hidden_states", False)
+            if reads_hidden:
+                logits, hidden = self.runner.forward_with_hidden(inputs)
+            else:
+                logits = self.runner.forward(inputs)
+            last_rows = None   # with speculation: seq_id -> the row that gave its last token
             if speculating:
-                num_accepted = self._sample_speculative(inputs.sampling_seqs, logits, drafts,
-                                                        speculating, proposal, sampled, stopped,
-                                                        forked)
+                num_accepted, last_rows = self._sample_speculative(
+                    inputs.sampling_seqs, logits, drafts, speculating, proposal,
+                    plan.block_tables, sampled, stopped, forked)
             else:
                 self._sample(inputs.sampling_seqs, logits, sampled, stopped, forked)
+            if reads_hidden:
+                rows = last_rows or {seq.seq_id: row
+                                     for row, seq in enumerate(inputs.sampling_seqs)}
+                self.drafter.observe_hidden(inputs.sampling_seqs, hidden, rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(duration=time.perf_counter() - start, sampled_token_ids=sampled,
@@ -90,9 +109,9 @@ class EngineExecutor:
             k = spec_lens.get(seq.seq_id)
             if k is None:
                 continue
-            if not 1 <= k <= len(self.acceptance_stats.position_trials):
+            if not 1 <= k <= self.max_num_speculative_tokens:
                 raise ValueError(f"plan.spec_lens[{seq.seq_id}] = {k}: this engine verifies "
-                                 f"1..{len(self.acceptance_stats.position_trials)} drafts "
+                                 f"1..{self.max_num_speculative_tokens} drafts "
                                  f"(max_num_speculative_tokens)")
             request = seq.request
             params = request.sampling_params or REPLAY_PARAMS
@@ -101,10 +120,12 @@ class EngineExecutor:
         return speculating
 
     def _sample_speculative(self, seqs: list[Sequence], logits: torch.Tensor,
-                            drafts: dict[int, list[int]], speculating: list[SpeculatingSeq],
-                            proposal: DraftProposal, sampled, stopped, forked) -> dict[int, int]:
+                            drafts: dict[int, list[int] | TokenTree],
+                            speculating: list[SpeculatingSeq], proposal: DraftProposal,
+                            block_tables: dict[int, list[int]], sampled, stopped, forked
+                            ) -> tuple[dict[int, int], dict[int, int]]:
         """Sample the ordinary sequences' rows, verify the speculating ones'. Returns
-        seq_id -> drafts accepted."""
+        seq_id -> drafts accepted, and seq_id -> the logits row its last token came from."""
         plain_seqs, plain_rows, first_rows = [], [], []
         row = 0
         for seq in seqs:
@@ -119,7 +140,63 @@ class EngineExecutor:
         if plain_seqs:
             self._sample(plain_seqs, logits[torch.tensor(plain_rows, device=logits.device)],
                          sampled, stopped, forked)
-        return self._verify(speculating, proposal, logits, first_rows, sampled, stopped)
+        last_rows = {seq.seq_id: row for seq, row in zip(plain_seqs, plain_rows)}
+        if proposal.trees is not None:
+            paths, next_tokens = self._verify_trees(speculating, proposal.trees, logits,
+                                                    first_rows, block_tables)
+            for spec, path, first_row in zip(speculating, paths, first_rows):
+                last_rows[spec.seq.seq_id] = first_row + (1 + path[-1] if path else 0)
+            tokens = [[tree.tokens[node] for node in path]
+                      for tree, path in zip(proposal.trees, paths)]
+            self.acceptance_stats.record([tree.depth for tree in proposal.trees],
+                                         [len(path) for path in paths],
+                                         [spec.seq.starts_run for spec in speculating])
+            return self._emit(speculating, tokens, next_tokens, sampled, stopped), last_rows
+        accepted = self._verify(speculating, proposal, logits, first_rows, sampled, stopped)
+        for spec, first_row in zip(speculating, first_rows):
+            last_rows[spec.seq.seq_id] = first_row + accepted[spec.seq.seq_id]
+        return accepted, last_rows
+
+    def _verify_trees(self, speculating: list[SpeculatingSeq], trees: list[TokenTree],
+                      logits: torch.Tensor, first_rows: list[int],
+                      block_tables: dict[int, list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Each sequence's accepted path through its tree (node indices) and the token after
+        it, whose K/V then moves to the slots after the root. Greedy: candidates pass while
+        they equal the target's argmax; sampling: the drafter's typical acceptance, the next
+        token drawn from the target at the path's end."""
+        paths, next_tokens, moves, argmax_rows = [], [], [], []
+        for spec, tree, first_row in zip(speculating, trees, first_rows):
+            rows = logits[first_row:first_row + 1 + len(tree)]
+            if spec.params.greedy:
+                argmax = rows.argmax(dim=-1).tolist()
+                argmax_rows.append(argmax)
+                path = tree.accepted_path(greedy_accepts(tree, argmax))
+                next_tokens.append(argmax[1 + path[-1] if path else 0])
+            else:
+                probs = probabilities(rows, [spec.params] * len(rows))
+                path = tree.accepted_path(typical_accepts(
+                    tree, probs, self.drafter.typical_epsilon, self.drafter.typical_delta))
+                end = probs[1 + path[-1] if path else 0]
+                next_tokens.append(int(self.sampler.draw(end[None], [spec.generator])[0]))
+            paths.append(path)
+            seq = spec.seq
+            moves += compaction_moves(block_tables[seq.seq_id], self.runner.block_size,
+                                      seq.num_tokens - 1, path)
+        if moves:
+            self._move_slots(moves)
+        if hasattr(self.drafter, "observe_verification"):   # lookahead's Jacobi update
+            self.drafter.observe_verification(speculating, trees, argmax_rows)
+        return paths, next_tokens
+
+    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """K/V of each (source, destination) slot pair, every target layer; all sources are
+        read before any destination is written."""
+        device = self.runner.kv_caches[0].device
+        sources = torch.tensor([src for src, _ in moves], dtype=torch.int64, device=device)
+        destinations = torch.tensor([dst for _, dst in moves], dtype=torch.int64, device=device)
+        for cache in self.runner.kv_caches:
+            keys, values = (cache[i].flatten(0, 1)[sources] for i in (0, 1))
+            self.runner.ops.write_kv_cache(keys, values, cache, destinations)
 
     def _verify(self, speculating: list[SpeculatingSeq], proposal: DraftProposal,
                 logits: torch.Tensor, first_rows: list[int], sampled, stopped) -> dict[int, int]:
@@ -165,10 +242,17 @@ class EngineExecutor:
         # simulator's acceptance model, fitted on these counts, draws over all k.
         self.acceptance_stats.record([spec.num_drafts for spec in speculating], accepted_counts,
                                      [spec.seq.starts_run for spec in speculating])
+        return self._emit(speculating, [tokens[:accepted] for tokens, accepted
+                                        in zip(proposal.tokens, accepted_counts)],
+                          next_tokens.tolist(), sampled, stopped)
+
+    def _emit(self, speculating: list[SpeculatingSeq], accepted_tokens: list[list[int]],
+              next_tokens: list[int], sampled, stopped) -> dict[int, int]:
+        """Each speculating sequence's new tokens: its accepted drafts and the next token, cut
+        after an EOS. Returns seq_id -> drafts accepted."""
         eos = self.eos_token_id
         accepted_by_seq = {}
-        for spec, tokens, accepted, next_token in zip(speculating, proposal.tokens,
-                                                      accepted_counts, next_tokens.tolist()):
+        for spec, tokens, next_token in zip(speculating, accepted_tokens, next_tokens):
             seq = spec.seq
             outputs = seq.output_token_ids
             stops_at_eos = not spec.params.ignore_eos
@@ -178,8 +262,8 @@ class EngineExecutor:
                 stopped.add(seq.seq_id)
                 accepted_by_seq[seq.seq_id] = 0
                 continue
-            accepted_by_seq[seq.seq_id] = accepted
-            new_tokens = tokens[:accepted] + [next_token]
+            accepted_by_seq[seq.seq_id] = len(tokens)
+            new_tokens = tokens + [next_token]
             if stops_at_eos and eos in new_tokens:
                 new_tokens = new_tokens[:new_tokens.index(eos) + 1]
                 stopped.add(seq.seq_id)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, fields
 
 from tqdm import tqdm
 
-from engine.builder import build_engine
+from engine.builder import LOOKAHEAD, build_engine
 from engine.config import EngineConfig
+from engine.lookahead import GREEDY_ONLY
 from engine.sampling_params import SamplingParams
 from policies.types import Request, Sequence
 from sim.core.metrics import MetricsCollector, StepRecorder
@@ -168,6 +169,9 @@ class LLM:
             output.error = f"sampling params must be a SamplingParams, got {type(params).__name__}"
             return output, None
         output.error = params.error()
+        if (output.error is None and self.config.speculative_model == LOOKAHEAD
+                and not params.greedy):
+            output.error = GREEDY_ONLY
         if output.error is not None:
             return output, None
         if isinstance(prompt, str):

@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from engine.token_tree import TokenTree
 from kernels import KernelOps
 from policies.types import Sequence, StepPlan
 
@@ -62,9 +63,11 @@ class ModelRunner:
         self.block_size = block_size
         self.decode_graphs = decode_graphs
 
-    def prepare(self, plan: StepPlan, drafts: dict[int, list[int]] | None = None) -> StepInputs:
-        """The plan's tokens. A sequence with `drafts[seq_id]` also runs its draft tokens after
-        its last token (verification) and keeps logits for all of them: 1 + len(drafts) rows."""
+    def prepare(self, plan: StepPlan,
+                drafts: dict[int, list[int] | TokenTree] | None = None) -> StepInputs:
+        """The plan's tokens. A sequence with `drafts[seq_id]` also runs its draft tokens (a
+        chain, or a TokenTree's nodes under its mask) after its last token (verification) and
+        keeps logits for all of them: 1 + len(drafts) rows."""
         num_seqs = len(plan.seqs)
         token_ids: list[int] = []
         starts = np.empty(num_seqs, dtype=np.int64)
@@ -73,6 +76,7 @@ class ModelRunner:
         seq_tables = []
         sampling_seqs = []
         logits_rows: list[int] = []
+        trees: list[tuple[int, TokenTree]] = []   # (flattened row of the root, tree)
         num_tokens = 0
         for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -83,6 +87,9 @@ class ModelRunner:
             if start + num_new == seq.num_tokens:
                 sampling_seqs.append(seq)
                 seq_drafts = drafts.get(seq.seq_id) if drafts else None
+                if isinstance(seq_drafts, TokenTree):
+                    trees.append((num_tokens - 1, seq_drafts))
+                    seq_drafts = seq_drafts.tokens
                 if seq_drafts:
                     token_ids += seq_drafts
                     query_lens[index] += len(seq_drafts)
@@ -90,14 +97,26 @@ class ModelRunner:
                     num_tokens += len(seq_drafts)
                 else:
                     logits_rows.append(num_tokens - 1)
-        return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs)
+        tree_mask = position_shift = None
+        if trees:
+            # A node runs in the slot after the one before it, at its own depth's position.
+            tree_mask = np.full(num_tokens, -1, dtype=np.int64)
+            position_shift = np.zeros(num_tokens, dtype=np.int64)
+            for root_row, tree in trees:
+                rows = slice(root_row, root_row + 1 + len(tree))
+                tree_mask[rows] = tree.mask_entries()
+                position_shift[rows] = np.arange(1 + len(tree)) - np.asarray([0] + tree.depths)
+        return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs,
+                          tree_mask, position_shift)
 
     def build(self, token_ids: list[int], starts: np.ndarray, query_lens: np.ndarray,
               seq_tables: list[list[int]], logits_rows: list[int],
-              sampling_seqs: list[Sequence]) -> StepInputs:
+              sampling_seqs: list[Sequence], tree_mask: np.ndarray | None = None,
+              position_shift: np.ndarray | None = None) -> StepInputs:
         """Inputs for sequences b running query_lens[b] tokens from position starts[b] (their
         ids concatenated in `token_ids`), K/V at the slots of seq_tables[b], keeping the logits
-        of the flattened rows `logits_rows`."""
+        of the flattened rows `logits_rows`. With token trees: each token's tree_mask entry, and
+        how many positions before its slot's position the model sees it (position_shift)."""
         block_size = self.block_size
         num_seqs = len(seq_tables)
         num_tokens = len(token_ids)
@@ -138,11 +157,15 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             ops=self.ops,
             max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()))
+            max_seq_len=int(seq_lens.max()),
+            tree_mask=None if tree_mask is None else to(tree_mask, torch.int64))
+        if position_shift is not None:
+            positions = positions - position_shift
         if self.ops.plan_attention is not None:
+            tree_args = {} if tree_mask is None else {"tree_mask": metadata.tree_mask}
             metadata.attention_plan = self.ops.plan_attention(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                self.kv_caches[0])
+                self.kv_caches[0], **tree_args)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
             positions=to(positions, torch.int64),
@@ -162,3 +185,13 @@ class ModelRunner:
                             attn_metadata=inputs.metadata, use_cache=False,
                             logits_to_keep=inputs.logits_indices)
         return output.logits[0].float()
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits and the final (normed) hidden states of the same rows, which
+        Medusa's heads read."""
+        hidden = self.model.model(input_ids=inputs.input_ids[None],
+                                  position_ids=inputs.positions[None],
+                                  attn_metadata=inputs.metadata,
+                                  use_cache=False).last_hidden_state[0, inputs.logits_indices]
+        return self.model.lm_head(hidden).float(), hidden

@@ -1,5 +1,12 @@
 """Paged-KV kernels: Triton on CUDA (kernels/triton_ops.py), torch on CPU (kernels/torch_paged.py),
-plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/torch_paged.py."""
+plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/torch_paged.py.
+
+Tree attention (speculative token trees, lookahead decoding): paged_attention takes an optional
+`tree_mask` [num_tokens] int64. Bit d of token t's entry says whether t sees the cache position d
+before its own (bit 0: itself); positions TREE_WINDOW or more before it are always seen, and none
+after it. An ordinary token's entry is -1 (all bits: causal). A sequence's speculative tokens
+therefore span at most TREE_WINDOW positions, in an order where every token comes after all it
+sees; each sees the context and what the mask lets through (a tree node: its ancestors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +14,21 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
+
+
+TREE_WINDOW = 64   # positions an int64 tree-mask entry covers, its own included
+
+
+def tree_mask_entry(hidden_distances) -> int:
+    """The tree_mask entry (a signed int64 value) of a token that sees every position up to its
+    own except those `hidden_distances` (each 1 .. TREE_WINDOW - 1) positions before it."""
+    entry = (1 << TREE_WINDOW) - 1
+    for distance in hidden_distances:
+        if not 1 <= distance < TREE_WINDOW:
+            raise ValueError(f"a tree mask hides positions 1..{TREE_WINDOW - 1} before a token, "
+                             f"got {distance}")
+        entry &= ~(1 << distance)
+    return entry - (1 << TREE_WINDOW) if entry >= 1 << (TREE_WINDOW - 1) else entry
 
 
 @dataclass(frozen=True)

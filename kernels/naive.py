@@ -11,10 +11,14 @@ Layout (shared by all implementations):
 - Sequences' new tokens are flattened sequence-major; query_start_loc[b]:query_start_loc[b + 1]
   are sequence b's. seq_lens[b] counts its tokens in the cache after this step's writes, so its
   new token j sits at position seq_lens[b] - q_len_b + j and attends to positions 0..that one.
+- tree_mask (optional) [num_tokens] int64: which of the 63 positions before a token it sees
+  (kernels/__init__.py, TREE_WINDOW).
 """
 from __future__ import annotations
 
 import torch
+
+from kernels import TREE_WINDOW
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -45,8 +49,10 @@ def gather_context(kv_cache: torch.Tensor, block_table_row: torch.Tensor, contex
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached context; softmax in fp32."""
+                    scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached context (and, with a
+    tree_mask, only over the positions its entry lets it see); softmax in fp32."""
+    masks = tree_mask.tolist() if tree_mask is not None else None
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     heads_per_kv_head = num_heads // num_kv_heads
@@ -60,11 +66,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         for j in range(query_len):
             token = first_token + j
             position = seq_len - query_len + j  # causal: sees positions 0..position
+            seen = [p for p in range(position + 1)
+                    if masks is None or position - p >= TREE_WINDOW
+                    or (masks[token] >> (position - p)) & 1]
             for head in range(num_heads):
                 kv_head = head // heads_per_kv_head
                 q = query[token, head].float()
-                k = keys[: position + 1, kv_head]
-                v = values[: position + 1, kv_head]
+                k = keys[seen, kv_head]
+                v = values[seen, kv_head]
                 weights = torch.softmax((k @ q) * scale, dim=0)
                 out[token, head] = (weights @ v).to(query.dtype)
     return out

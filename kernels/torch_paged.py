@@ -15,6 +15,8 @@ Layout, shared with kernels/naive.py and kernels/triton_ops.py:
 - query: [num_tokens, num_heads, head_dim], sequence-major; query_start_loc[b]:query_start_loc[b+1]
   are sequence b's tokens. seq_lens[b] counts sequence b's cached tokens after this step's writes,
   so its new token j is at position seq_lens[b] - q_len_b + j and sees positions 0..that one.
+- tree_mask (optional) [num_tokens] int64: which of the 63 positions before a token it sees
+  (kernels/__init__.py, TREE_WINDOW); folded into each tile's mask when the step is planned.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import TREE_WINDOW
 from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
 
 
@@ -67,14 +70,15 @@ class AttentionTile:
     block_ids: torch.Tensor     # [n * num_blocks] their first num_blocks blocks, flattened
     tokens: torch.Tensor        # [tokens] rows of query / out, sequence-major
     padded_rows: torch.Tensor | None  # [tokens] rows in the padded [n * max_query_len] batch
-    visible: torch.Tensor       # [n, 1, max_query_len, context] causal mask by position
+    visible: torch.Tensor       # [n, 1, max_query_len, context] causal (and tree) mask
     num_seqs: int
     max_query_len: int
     context: int                # num_blocks * block_size
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, kv_cache: torch.Tensor) -> list[AttentionTile]:
+                   query_start_loc: torch.Tensor, kv_cache: torch.Tensor,
+                   tree_mask: torch.Tensor | None = None) -> list[AttentionTile]:
     """The tiles of one step. Every layer attends the same sequences, so the engine plans once
     per step and passes the plan to each layer's paged_attention."""
     device = query_start_loc.device
@@ -107,8 +111,19 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         # Token j of sequence b sits at position seq_lens[b] - query_len_b + j.
         first_position = seq_lens[seq_ids].long() - query_lens_t
         query_positions = first_position[:, None] + torch.arange(max_query_len, device=device)
-        visible = (torch.arange(context, device=device)[None, None, :]
-                   <= query_positions[:, :, None])[:, None]
+        distance = query_positions[:, :, None] - torch.arange(context, device=device)
+        visible = distance >= 0
+        if tree_mask is not None:
+            entries = tree_mask[tokens].long()
+            if padded_rows is not None:
+                padded = torch.full((len(members) * max_query_len,), -1, dtype=torch.int64,
+                                    device=device)
+                padded[padded_rows] = entries
+                entries = padded
+            seen = (entries.view(len(members), max_query_len, 1)
+                    >> distance.clamp(0, TREE_WINDOW - 1)) & 1
+            visible &= (distance >= TREE_WINDOW) | (seen == 1)
+        visible = visible[:, None]
         tiles.append(AttentionTile(seq_ids, block_ids, tokens, padded_rows, visible,
                                    len(members), max_query_len, context))
     return tiles
@@ -116,12 +131,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    tree_mask: torch.Tensor | None = None,
                     plan: list[AttentionTile] | None = None) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached context. Returns
-    [num_tokens, num_heads, head_dim] in the query's dtype. `plan`: this step's
-    plan_attention(), when the caller made it once for all layers."""
+    """Causal attention of each new token over its sequence's cached context (restricted by
+    tree_mask, if given). Returns [num_tokens, num_heads, head_dim] in the query's dtype.
+    `plan`: this step's plan_attention(), when the caller made it once for all layers (the tree
+    mask is then already in it)."""
     if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, kv_cache)
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, kv_cache, tree_mask)
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]

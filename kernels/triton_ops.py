@@ -9,8 +9,9 @@
   along the context; each split writes its partial max / sum / weighted values and a reduce
   kernel combines them.
 - paged_prefill_attention: any number of new tokens per sequence (prefill, chunked prefill,
-  prefix-cache hits). Tiles of queries against tiles of context through the block table, causal
-  by absolute position, with tl.dot.
+  prefix-cache hits, speculative token trees). Tiles of queries against tiles of context through
+  the block table, causal by absolute position, with tl.dot; with a tree_mask (kernels/__init__.py)
+  each query row also drops the positions its entry hides.
 - write_kv_cache, copy_blocks: data movement; swap_blocks is a torch index copy (it crosses
   devices, which a kernel cannot).
 - paged_attention: the dispatcher the engine calls; warm_up: compiles every variant a run
@@ -41,6 +42,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kernels import TREE_WINDOW  # noqa: E402
 
 # Ground truth for "which mode are the kernels in": how triton.language's own jit functions
 # were built, whatever the environment says now.
@@ -235,10 +238,13 @@ def _paged_prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_ta
                           seq_lens_ptr, query_start_loc_ptr, scale_log2,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                           stride_block, stride_offset, stride_head, heads_per_kv_head, head_dim,
-                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          tree_mask_ptr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          DOT_IN_FP32: tl.constexpr):
-    """Queries [q_block * BLOCK_M, +BLOCK_M) of one sequence and head, against its context."""
+                          DOT_IN_FP32: tl.constexpr, TREE: tl.constexpr,
+                          TREE_WINDOW: tl.constexpr):
+    """Queries [q_block * BLOCK_M, +BLOCK_M) of one sequence and head, against its context;
+    with TREE, row r sees position p only if p is TREE_WINDOW or more before it or bit
+    (its position - p) of its tree_mask entry is set."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -257,6 +263,8 @@ def _paged_prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_ta
     q_offsets = ((first_token + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
                  + offs_d[None, :])
     q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if TREE:
+        row_entries = tl.load(tree_mask_ptr + first_token + rows, mask=row_mask, other=-1)
 
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
     offs_n = tl.arange(0, BLOCK_N)
@@ -275,7 +283,12 @@ def _paged_prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_ta
         kv_offsets = rows_kv[:, None] + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = _matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = (positions[None, :] <= q_positions[:, None]) & in_range[None, :]
+        distance = q_positions[:, None] - positions[None, :]
+        visible = (distance >= 0) & in_range[None, :]
+        if TREE:
+            shift = tl.minimum(tl.maximum(distance, 0), TREE_WINDOW - 1).to(tl.int64)
+            seen = (row_entries[:, None] >> shift) & 1
+            visible = visible & ((distance >= TREE_WINDOW) | (seen != 0))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -452,12 +465,16 @@ def paged_decode_attention_split_k(query, kv_cache, block_tables, seq_lens, quer
 
 
 def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                            *, max_query_len: int | None = None, block_m: int | None = None,
-                            block_n: int | None = None):
-    """paged_attention for any number of new tokens per sequence. max_query_len, when the
-    caller knows it, saves reading query_start_loc back from the device to size the grid;
-    block_m / block_n (query rows, context tokens per tile) override the defaults."""
+                            tree_mask=None, *, max_query_len: int | None = None,
+                            block_m: int | None = None, block_n: int | None = None):
+    """paged_attention for any number of new tokens per sequence, restricted by tree_mask
+    ([tokens] int64, kernels/__init__.py) if given. max_query_len, when the caller knows it,
+    saves reading query_start_loc back from the device to size the grid; block_m / block_n
+    (query rows, context tokens per tile) override the defaults."""
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
+    if tree_mask is not None:
+        assert tree_mask.shape == (query.shape[0],) and tree_mask.dtype == torch.int64, \
+            "tree_mask is one int64 entry per query token"
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -483,8 +500,10 @@ def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start
         out, query, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc,
         scale * LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *_cache_strides(kv_cache), num_heads // num_kv_heads, head_dim,
+        tree_mask if tree_mask is not None else query_start_loc,  # not read without TREE
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PAD=head_dim_pad,
-        DOT_IN_FP32=dot_in_fp32, num_warps=NUM_WARPS)
+        DOT_IN_FP32=dot_in_fp32, TREE=tree_mask is not None, TREE_WINDOW=TREE_WINDOW,
+        num_warps=NUM_WARPS)
     return out
 
 
@@ -504,16 +523,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
     return max((n for n in SPLIT_K_CHOICES if n <= wanted), default=1)
 
 
-def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                    max_query_len: int | None = None, max_seq_len: int | None = None):
-    """The engine's entry point: decode (split-K for long contexts) or prefill. max_query_len
-    and max_seq_len are the step's longest query and context, which the engine's runner knows
-    on the host: given, nothing is read back from the device (without them the prefill grid
-    reads query_start_loc back and the split choice takes the block tables' width)."""
+def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                    tree_mask=None, *, max_query_len: int | None = None,
+                    max_seq_len: int | None = None):
+    """The engine's entry point: decode (split-K for long contexts) or prefill. A tree_mask
+    goes to the prefill kernel; a step of one token per sequence has no tree (a lone token's
+    entry is -1), so the decode kernels take none. max_query_len and max_seq_len are the step's
+    longest query and context, which the engine's runner knows on the host: given, nothing is
+    read back from the device (without them the prefill grid reads query_start_loc back and the
+    split choice takes the block tables' width)."""
     num_seqs = seq_lens.shape[0]
     if query.shape[0] != num_seqs:
         return paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                       scale, max_query_len=max_query_len)
+                                       scale, tree_mask, max_query_len=max_query_len)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * kv_cache.shape[2]
     num_splits = choose_num_splits(num_seqs, kv_cache.shape[3], max_seq_len, query.device)
@@ -528,9 +550,9 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     """Compile, before a run, every kernel variant the engine launches for this model shape:
     the decode kernel, the split-K kernel and its reduce (one variant serves every count in
     SPLIT_K_CHOICES), the prefill kernel at each query-tile height it picks (by the step's
-    longest query: 16, 32, 64 rows), the cache write and the block copy. Run-time values that
-    vary from step to step (the block tables' width, the split count) are not specialised on,
-    so no step compiles."""
+    longest query: 16, 32, 64 rows) with and without a tree mask, the cache write and the block
+    copy. Run-time values that vary from step to step (the block tables' width, the split
+    count) are not specialised on, so no step compiles."""
     _require_triton()
     gen = torch.Generator(device=device).manual_seed(0)
     longest = 64
@@ -556,6 +578,9 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             paged_decode_attention_split_k(*args, num_splits=SPLIT_K_CHOICES[0])
         else:
             paged_prefill_attention(*args, max_query_len=query_len)
+            # Token-tree verification's variant (a mask entry of -1: plain causal).
+            paged_prefill_attention(*args, torch.full((num_tokens,), -1, dtype=torch.int64,
+                                                      device=device), max_query_len=query_len)
     copy_blocks(kv_cache, torch.tensor([[1, 2]], device=device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)

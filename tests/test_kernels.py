@@ -555,3 +555,137 @@ def test_llama2_7b_shapes_bf16(workload):
     for name, out in outputs.items():
         error = (out.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, f"{name}: relative error {error:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree attention: a sequence's last token and a tree of speculative tokens after it, each node
+# seeing the context and its own ancestors only (kernels/__init__.py's tree_mask).
+
+# Per sequence: (cached tokens, parents of the tree's nodes; -1 is the root, the last token).
+# None: an ordinary query of that many tokens (all entries -1).
+TREE_SEQS = [
+    (13, [-1, -1, 0, 0, 1, 2, 5, -1, 7]),          # bushy, depth 4
+    (30, [-1, 0, 1, 2, 3, 4]),                     # a chain: plain speculative decoding
+    (2, [-1]),
+    (6, None),                                     # a prefill chunk of 6 tokens in the same step
+    (21, [-1, 0, -1, 2, 0, 4, 5, 6, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]),  # 20 nodes
+]
+
+
+def tree_ancestors(parents):
+    """Per node, the set of nodes it sees: itself and its ancestors."""
+    seen = []
+    for node, parent in enumerate(parents):
+        seen.append({node} | (seen[parent] if parent >= 0 else set()))
+    return seen
+
+
+def make_tree_batch(block_size, heads_per_kv_head, dtype, seed, poison=float("nan")):
+    """TREE_SEQS as a paged batch: each tree sequence runs its root and nodes (1 + len(parents)
+    query tokens after its cached ones); returns the batch, the tree_mask and a dense [token,
+    position] visibility built from the ancestor sets directly."""
+    from kernels import tree_mask_entry
+
+    query_lens = [6 if parents is None else 1 + len(parents) for _, parents in TREE_SEQS]
+    cached_lens = [cached for cached, _ in TREE_SEQS]
+    batch = make_batch(query_lens, cached_lens, block_size=block_size,
+                       heads_per_kv_head=heads_per_kv_head, dtype=dtype, seed=seed,
+                       poison=poison)
+    entries, visible_rows = [], []
+    for (cached, parents), query_len in zip(TREE_SEQS, query_lens):
+        seq_len = cached + query_len
+        for j in range(query_len):
+            position = cached + j
+            row = torch.arange(seq_len) <= position
+            if parents is None or j == 0:
+                entries.append(-1)
+            else:
+                node = j - 1
+                seen = tree_ancestors(parents)[node]
+                hidden = [node - other for other in range(node) if other not in seen]
+                entries.append(tree_mask_entry(hidden))
+                row[cached + 1:] = False
+                row[[cached + 1 + other for other in seen]] = True
+            visible_rows.append(row)
+    tree_mask = torch.tensor(entries, dtype=torch.int64, device=batch.query.device)
+    return batch, tree_mask, visible_rows
+
+
+def dense_tree_attention(batch, visible_rows):
+    """fp32 attention of each token over exactly the positions its row marks, K/V gathered by
+    whole blocks: independent of the oracle's bit arithmetic."""
+    kv_cache = batch.kv_cache
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    heads_per_kv_head = batch.query.shape[1] // num_kv_heads
+    out = torch.empty_like(batch.query)
+    starts = batch.query_start_loc.tolist()
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[seq, : -(-seq_len // block_size)].long()
+        k, v = (kv_cache[i, blocks].flatten(0, 1)[:seq_len].float().cpu() for i in (0, 1))
+        k, v = (t.repeat_interleave(heads_per_kv_head, dim=1).transpose(0, 1) for t in (k, v))
+        for token in range(starts[seq], starts[seq + 1]):
+            q = batch.query[token].float().cpu()[:, None]                     # [heads, 1, dim]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible_rows[token][None], scale=batch.scale)
+            out[token] = attended[:, 0].to(out.dtype)
+    return out
+
+
+def test_tree_mask_entry():
+    from kernels import tree_mask_entry
+
+    assert tree_mask_entry([]) == -1
+    assert tree_mask_entry([1]) == -3
+    assert tree_mask_entry([63]) == 2 ** 63 - 1   # bit 63 cleared: the largest int64
+    with pytest.raises(ValueError, match="hides positions 1..63"):
+        tree_mask_entry([64])
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_naive_tree_attention_matches_dense(block_size):
+    batch, tree_mask, visible_rows = make_tree_batch(block_size, 2, torch.float32, seed=11,
+                                                     poison=1e3)
+    batch = Batch(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in batch.args()))
+    expected = dense_tree_attention(batch, visible_rows)
+    assert_close(naive.paged_attention(*batch.args(), tree_mask=tree_mask.cpu()), expected,
+                 torch.float32)
+    # The mask matters: without it the tree's nodes see their siblings.
+    assert not torch.allclose(naive.paged_attention(*batch.args()), expected)
+
+
+def triton_tree(*args, tree_mask):
+    return triton_ops.paged_prefill_attention(*args, tree_mask, block_m=16, block_n=16)
+
+
+def reference_tree(*args, tree_mask):
+    return reference_module().paged_attention(*args, tree_mask=tree_mask)
+
+
+def planned_reference_tree(*args, tree_mask):
+    """The engine's way: the mask folded into the step's plan once, shared by the layers."""
+    torch_paged = reference_module()
+    plan = torch_paged.plan_attention(*args[2:5], args[1], tree_mask)
+    return torch_paged.paged_attention(*args, plan=plan)
+
+
+@pytest.mark.parametrize("attention", [
+    pytest.param(triton_tree, id="triton_prefill", marks=needs_triton),
+    pytest.param(lambda *args, tree_mask: triton_ops.paged_attention(*args, tree_mask),
+                 id="triton_dispatch", marks=needs_triton),
+    pytest.param(reference_tree, id="reference"),
+    pytest.param(planned_reference_tree, id="reference_planned")])
+@pytest.mark.parametrize("block_size, heads_per_kv_head, dtype",
+                         [(1, 2, torch.float32), (4, 1, torch.float16), (16, 2, torch.float32),
+                          (3, 2, torch.float16)])
+def test_tree_attention(attention, block_size, heads_per_kv_head, dtype):
+    """Trees whose nodes span block boundaries (block sizes 1, 3, 4, 16 against contexts of 2 to
+    30 tokens and trees of up to 20 nodes), beside a plain prefill chunk in the same call."""
+    is_reference = attention in (reference_tree, planned_reference_tree)
+    batch, tree_mask, _ = make_tree_batch(block_size, heads_per_kv_head, dtype,
+                                          seed=block_size * 10 + heads_per_kv_head,
+                                          poison=1e3 if is_reference else float("nan"))
+    out = attention(*batch.args(), tree_mask=tree_mask)
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    expected = naive.paged_attention(*(t.cpu() if isinstance(t, torch.Tensor) else t
+                                       for t in batch.args()), tree_mask=tree_mask.cpu())
+    assert_close(out.cpu(), expected, dtype)

@@ -701,8 +701,8 @@ def test_draft_cost_is_sequential_draft_model_steps_or_an_ngram_lookup():
     ngram = RooflineCostModel(model, hardware, draft_model="ngram", ngram_overhead_s_per_seq=1e-4)
     plan = spec_plan(16, 300, 3)
     assert ngram.step_time(plan) - no_draft_cost.step_time(plan) == pytest.approx(16 * 1e-4)
-    with pytest.raises(ValueError, match="draft_model must be 'ngram', a model spec or null, "
-                                         "got 'gpt-5'"):
+    with pytest.raises(ValueError, match="draft_model must be 'ngram', 'medusa', 'lookahead', "
+                                         "a model spec or null, got 'gpt-5'"):
         RooflineCostModel(model, hardware, draft_model="gpt-5")
 
 
@@ -770,8 +770,8 @@ def test_a_users_speculation_policy_plugs_in():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["speculation.draft_model=gpt-5"], "speculation.draft_model must be ngram or a conf/model "
-                                        "name .* got 'gpt-5'"),
+    (["speculation.draft_model=gpt-5"], "speculation.draft_model must be ngram, medusa, "
+                                        "lookahead or a conf/model name .* got 'gpt-5'"),
     (["speculation.acceptance_rate=1.5"], r"speculation.acceptance_rate must be a probability in "
                                           r"\[0, 1\], got 1.5"),
     (["speculation.acceptance_rate=null"], "speculation.acceptance_rate .* or "

@@ -150,6 +150,10 @@ class AdaptiveSpeculation:
     for n-gram). So k falls as the batch grows (to 0 where the KV reads are cheap, to a small k
     where they dominate and speculation amortises them) and rises with acceptance.
 
+    With a token-tree drafter (Medusa, lookahead) k is the tokens a step verifies, not how deep
+    it reaches: `depth_per_size[k]` gives the most tokens k of them can accept, and E(k) sums
+    the running per-depth estimates that far.
+
     The estimates are exponentially decayed counts (by `decay` per step, a window of about
     1 / (1 - decay) steps) with a prior of `prior_weight` trials at `initial_acceptance_rate`; a
     position never examined takes the estimate of the one before it. With no observations (k = 0
@@ -159,9 +163,16 @@ class AdaptiveSpeculation:
     def __init__(self, max_num_speculative_tokens: int, compute_bound_tokens: float = 128,
                  per_sequence_cost_ratio: float = 0.02, draft_cost_ratio: float = 0.05,
                  initial_acceptance_rate: float = 0.7, prior_weight: float = 10.0,
-                 decay: float = 0.99):
+                 decay: float = 0.99, depth_per_size: list[int] | None = None):
         positive_int("speculation.max_num_speculative_tokens", max_num_speculative_tokens)
         self.max_num_speculative_tokens = max_num_speculative_tokens
+        if depth_per_size is not None and (
+                len(depth_per_size) != max_num_speculative_tokens + 1
+                or any(not 0 <= depth <= size for size, depth in enumerate(depth_per_size))):
+            raise ValueError(f"speculation.depth_per_size must give, for each size 0.."
+                             f"{max_num_speculative_tokens}, a depth of at most that size; got "
+                             f"{depth_per_size!r}")
+        self.depth_per_size = depth_per_size
         inf = float("inf")
         self.compute_bound_tokens = float(number_in(
             "speculation.compute_bound_tokens", compute_bound_tokens, 0, inf, low_open=True))
@@ -174,7 +185,8 @@ class AdaptiveSpeculation:
         self.prior_weight = float(number_in("speculation.prior_weight", prior_weight, 0, inf,
                                             low_open=True))
         self.decay = float(number_in("speculation.decay", decay, 0, 1, low_open=True))
-        self._counts = AcceptanceCounts(max_num_speculative_tokens)
+        self._counts = AcceptanceCounts(max(depth_per_size) if depth_per_size
+                                        else max_num_speculative_tokens)
 
     def acceptance_estimates(self) -> list[float]:
         """The running conditional acceptance estimate of each draft position."""
@@ -198,11 +210,14 @@ class AdaptiveSpeculation:
         acceptance = self.acceptance_estimates()
         best_k, best_value = 0, 1.0 / self.step_cost(0, num_decodes)
         for k in range(1, self.max_num_speculative_tokens + 1):
-            value = expected_tokens_per_step(acceptance, k) / self.step_cost(k, num_decodes)
+            depth = k if self.depth_per_size is None else self.depth_per_size[k]
+            value = expected_tokens_per_step(acceptance, depth) / self.step_cost(k, num_decodes)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k
 
     def observe(self, proposed: list[int], accepted: list[int]) -> None:
         self._counts.scale(self.decay)
+        if self.depth_per_size is not None:   # sizes verified -> depths reachable
+            proposed = [self.depth_per_size[size] for size in proposed]
         self._counts.record(proposed, accepted)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 import conf
 from policies.prediction import check_predictor
 from policies.speculation import max_speculative_tokens
+from policies.speculation.trees import (MAX_TREE_TOKENS, lookahead_depth_per_size,
+                                        lookahead_tokens, medusa_depth_per_size, tree_paths)
 from policies.validators import (non_negative_int, non_negative_number, positive_int,
                                  positive_number)
 from sim.core.acceptance import AcceptanceModel
@@ -26,7 +28,11 @@ from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
 CONF_DIR = Path(conf.__file__).parent
 MODEL_CONFIG_DIR = CONF_DIR / "model"
 # Keys of the speculation group that describe the run, not the policy: popped before it is built.
-SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile")
+SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile", "tree",
+                        "medusa_heads", "lookahead_window", "lookahead_ngram",
+                        "lookahead_guesses")
+# Drafters that propose token trees: the policy's size is the tokens a step verifies.
+TREE_DRAFTERS = ("medusa", "lookahead")
 # Keys of the kv_cache group that the run turns into the manager's arguments (offload_gb into
 # num_offload_blocks) or that the cost models read (offload_bandwidth_gbps).
 KV_CACHE_RUN_KEYS = ("offload_gb", "offload_bandwidth_gbps")
@@ -193,6 +199,8 @@ class SpeculationSetup:
     # The draft model whose K/V shares the KV pool's blocks: None for ngram (no K/V), or for a
     # checkpoint folder the engine loads (its shape is not in conf/model).
     draft_kv: ModelSpec | None = None
+    # Token trees (medusa, lookahead): per size the policy may choose, the depth it reaches.
+    depth_per_size: list[int] | None = None
 
     def acceptance_model(self, seed) -> AcceptanceModel:
         """The acceptance statistics with a generator of their own (one per replica)."""
@@ -200,13 +208,15 @@ class SpeculationSetup:
 
 
 def draft_model_spec(name: str) -> ModelSpec | str:
-    """What the roofline costs the drafts with: "ngram" or the draft model's spec."""
-    if name == "ngram":
+    """What the roofline costs the drafts with: "ngram", "medusa", "lookahead" or the draft
+    model's spec."""
+    if name in ("ngram",) + TREE_DRAFTERS:
         return name
     config_file = MODEL_CONFIG_DIR / f"{name}.yaml"
     if not config_file.is_file():
-        raise ValueError(f"speculation.draft_model must be ngram or a conf/model name "
-                         f"({', '.join(config_names('model'))}) for the simulator; got {name!r}")
+        raise ValueError(f"speculation.draft_model must be ngram, medusa, lookahead or a "
+                         f"conf/model name ({', '.join(config_names('model'))}) for the "
+                         f"simulator; got {name!r}")
     return ModelSpec.from_config(OmegaConf.load(config_file))
 
 
@@ -240,15 +250,53 @@ def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
     if not isinstance(draft_model, str) or not draft_model:
         raise ValueError(f"speculation.draft_model must be ngram or a model name, got "
                          f"{draft_model!r}")
+    depth_per_size = None
+    if draft_model in TREE_DRAFTERS:
+        # k bounds the tokens a step accepts; the policy chooses how many it verifies.
+        depth_per_size = tree_depth_per_size(group, draft_model, max_k)
+        policy_cfg = tree_policy_config(policy_cfg, depth_per_size)
+        max_k = len(depth_per_size) - 1
     if cfg.backend.get("executor") is not None:  # a real backend drafts, verifies and counts
         draft_kv = None
         if (MODEL_CONFIG_DIR / f"{draft_model}.yaml").is_file():
             draft_kv = draft_model_spec(draft_model)
-        return SpeculationSetup(policy_cfg, max_k, draft_model, None, None, draft_kv)
+        return SpeculationSetup(policy_cfg, max_k, draft_model, None, None, draft_kv,
+                                depth_per_size)
     draft_spec = draft_model_spec(draft_model)
     return SpeculationSetup(policy_cfg, max_k, draft_model, draft_spec,
                             acceptance_statistics(group),
-                            draft_spec if isinstance(draft_spec, ModelSpec) else None)
+                            draft_spec if isinstance(draft_spec, ModelSpec) else None,
+                            depth_per_size)
+
+
+def tree_depth_per_size(group: DictConfig, draft_model: str, k: int) -> list[int]:
+    """For a token-tree drafter, the depth each size reaches: Medusa's `tree` (k heads, at most
+    k deep) or lookahead's window, n-gram (k + 1 by default) and guesses."""
+    if draft_model == "medusa":
+        tree = group.get("tree")
+        tree = OmegaConf.to_container(tree) if isinstance(tree, ListConfig) else tree
+        return medusa_depth_per_size(tree_paths(tree, num_heads=k, max_depth=k))
+    ngram = group.get("lookahead_ngram")
+    ngram = k + 1 if ngram is None else ngram
+    window, guesses = group.get("lookahead_window", 4), group.get("lookahead_guesses", 4)
+    if lookahead_tokens(window, ngram, guesses) > MAX_TREE_TOKENS:
+        raise ValueError(f"lookahead runs (lookahead_window + lookahead_guesses) x "
+                         f"(lookahead_ngram - 1) = ({window} + {guesses}) x {ngram - 1} tokens "
+                         f"per sequence; at most {MAX_TREE_TOKENS} fit a tree mask")
+    return lookahead_depth_per_size(window, ngram, guesses)
+
+
+def tree_policy_config(policy_cfg: DictConfig, depth_per_size: list[int]) -> DictConfig:
+    """The policy config of a token-tree run: its size is the tokens a step verifies (fixed:
+    the whole tree; adaptive: at most that, choosing by the depth each size reaches)."""
+    size = len(depth_per_size) - 1
+    policy_cfg = policy_cfg.copy()
+    if "num_speculative_tokens" in policy_cfg:
+        policy_cfg.num_speculative_tokens = size
+    elif "max_num_speculative_tokens" in policy_cfg:
+        policy_cfg.max_num_speculative_tokens = size
+        policy_cfg.depth_per_size = depth_per_size
+    return policy_cfg
 
 
 def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache,
@@ -260,12 +308,25 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         drafting = {} if speculation is None else {
             "speculative_model": speculation.draft_model,
             "max_num_speculative_tokens": speculation.max_num_speculative_tokens}
+        if speculation is not None and speculation.draft_model in TREE_DRAFTERS:
+            group = cfg.speculation
+            drafting["tree"] = {
+                "_target_": "engine.builder.TreeSpeculation",
+                "method": speculation.draft_model,
+                "max_depth": max(speculation.depth_per_size),
+                "medusa_heads": group.get("medusa_heads"),
+                "tree": group.get("tree"),
+                "lookahead_window": group.get("lookahead_window", 4),
+                "lookahead_ngram": group.get("lookahead_ngram"),
+                "lookahead_guesses": group.get("lookahead_guesses", 4)}
         return build_policy(executor_cfg, "backend.executor", model=model.name,
                             kv_cache=kv_cache, **drafting)
     if cfg.backend.name != "sim":
         raise ValueError(f"backend must be sim or name its executor (backend.executor); got "
                          f"backend.name={cfg.backend.name!r}")
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
+    if speculation is not None and speculation.draft_model == "medusa":
+        drafting["medusa_num_heads"] = max(speculation.depth_per_size)
     cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
                               tensor_parallel_size=cfg.cluster.tensor_parallel_size,
                               **drafting)
@@ -273,7 +334,8 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         return SimExecutor(cost_model)
     # Each replica draws its own acceptances, reproducibly.
     sim_seed = cfg.get("sim_seed", cfg.seed)
-    return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]))
+    return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]),
+                       speculation.depth_per_size)
 
 
 def speed_summary(executors: list) -> dict:

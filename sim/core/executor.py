@@ -16,9 +16,13 @@ class SimExecutor:
     step by step from its aggregates alone (`repeated_step_times`), and the step loop may run
     those steps as one event."""
 
-    def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None):
+    def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None,
+                 depth_per_size: list[int] | None = None):
         self.cost_model = cost_model
         self.acceptance_model = acceptance_model
+        # Token trees (Medusa, lookahead): a plan's spec_lens are the tokens a step verifies,
+        # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth.
+        self.depth_per_size = depth_per_size
         self.repeats_steps = getattr(cost_model, "reads_only_aggregates", False)
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
@@ -44,5 +48,7 @@ class SimExecutor:
         if self.acceptance_model is None:
             raise ValueError("the plan speculates but the simulator has no acceptance model "
                              "(set speculation.acceptance_rate or speculation.acceptance_profile)")
-        accepted = self.acceptance_model.draw(plan.spec_lens)
+        depths = plan.spec_lens if self.depth_per_size is None else {
+            seq_id: self.depth_per_size[size] for seq_id, size in plan.spec_lens.items()}
+        accepted = self.acceptance_model.draw(depths)
         return StepResult(duration=duration, num_accepted=dict(zip(plan.spec_lens, accepted)))

@@ -59,6 +59,7 @@ class RooflineCostModel:
                  draft_model: ModelSpec | Mapping | str | None = None,
                  draft_step_overhead_s: float = 3e-4,
                  ngram_overhead_s_per_seq: float = 20e-6,
+                 medusa_num_heads: int = 4,
                  offload_bandwidth_gbps: float | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
@@ -80,7 +81,11 @@ class RooflineCostModel:
         self.allreduce_latency_s = _non_negative("allreduce_latency_s", allreduce_latency_s)
         # Speculative decoding's drafter: "ngram" (a lookup in the sequence's own tokens, CPU
         # work per sequence), a small model (its own roofline on one GPU, its launches cheaper
-        # than a full step's), or None (no drafting cost: the plans do not speculate).
+        # than a full step's), "medusa" (medusa_num_heads heads on the last hidden state: a
+        # hidden x hidden block and an LM-head-sized projection each, one launch), "lookahead"
+        # (its window runs inside the verification forward: the tree's tokens are the plan's
+        # draft tokens, costed there; the pool lookup is per sequence, as n-gram's), or None (no
+        # drafting cost: the plans do not speculate).
         self.draft_step_overhead_s = _non_negative("draft_step_overhead_s", draft_step_overhead_s)
         self.ngram_overhead_s_per_seq = _non_negative("ngram_overhead_s_per_seq",
                                                       ngram_overhead_s_per_seq)
@@ -93,9 +98,11 @@ class RooflineCostModel:
                 transfer_efficiency=transfer_efficiency, step_overhead_s=draft_step_overhead_s,
                 per_sequence_overhead_s=0.0)
             self.draft_model = self._draft_cost_model.model
-        elif draft_model not in (None, "ngram"):
-            raise ValueError(f"RooflineCostModel.draft_model must be 'ngram', a model spec or "
-                             f"null, got {draft_model!r}")
+        elif draft_model not in (None, "ngram", "medusa", "lookahead"):
+            raise ValueError(f"RooflineCostModel.draft_model must be 'ngram', 'medusa', "
+                             f"'lookahead', a model spec or null, got {draft_model!r}")
+        self.medusa_num_heads = validators.positive_int("RooflineCostModel.medusa_num_heads",
+                                                        medusa_num_heads)
 
         m, hw = self.model, self.hardware
         flop_rate = hw.peak_flops * self.compute_efficiency
@@ -120,6 +127,9 @@ class RooflineCostModel:
         else:
             self._allreduce_s_per_token = 0.0
             self._allreduce_fixed_s = 0.0
+        heads_params = self.medusa_num_heads * (m.hidden_size ** 2 + m.lm_head_parameters)
+        self._medusa_s_per_seq = 2 * heads_params / flop_rate
+        self._medusa_weights_s = heads_params * m.dtype_bytes / byte_rate
         # Swaps cross PCIe once; a copy-on-write copy reads and writes a block in device memory.
         self._swap_s_per_block = self.kv_bytes_per_block / (hw.host_to_device_bandwidth * self.transfer_efficiency)
         self._copy_s_per_block = 2 * self.kv_bytes_per_block / byte_rate
@@ -212,8 +222,11 @@ class RooflineCostModel:
         or max_draft_len sequential decode steps of the draft model over them (at the step's mean
         decode context). The draft model's catch-up on accepted tokens is not counted."""
         num_speculating = len(plan.spec_lens)
-        if self.draft_model == "ngram":
+        if self.draft_model in ("ngram", "lookahead"):
             return num_speculating * self.ngram_overhead_s_per_seq
+        if self.draft_model == "medusa":
+            return (self.draft_step_overhead_s
+                    + max(num_speculating * self._medusa_s_per_seq, self._medusa_weights_s))
         if self._draft_cost_model is None:
             return 0.0
         mean_context = plan.decode_context_tokens / max(plan.num_decode_seqs, 1)

@@ -1,0 +1,64 @@
+"""Token-tree shapes shared by the engine and the simulator (pure Python): Medusa's tree as paths
+of head ranks, and for Medusa and lookahead decoding how deep a step of a given size reaches.
+
+A token-tree method's size per step is the tokens it verifies (tree nodes; lookahead's window
+and guesses), the speculation policy's k; `depth_per_size` says, for each size, the most tokens
+such a step can accept beyond its own, which bounds what the engine measures and what the
+simulator draws.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+MAX_TREE_TOKENS = 63   # kernels' TREE_WINDOW - 1: the tree mask covers 64 positions
+# Ranks per head of the default Medusa tree (top-k per head), cut to the heads and depth there are.
+DEFAULT_TOP_K = (3, 2, 2, 1, 1, 1, 1, 1)
+
+
+def tree_paths(tree, num_heads: int, max_depth: int) -> list[tuple[int, ...]]:
+    """The Medusa tree as paths of ranks, at most max_depth (and num_heads) deep, each after its
+    prefix, at most MAX_TREE_TOKENS. `tree`: a list of paths (kept in their order), a list of
+    top-k per head (every combination, the lowest rank sum first), or None (DEFAULT_TOP_K)."""
+    depth = min(num_heads, max_depth)
+    if tree is None:
+        tree = list(DEFAULT_TOP_K[:depth])
+    tree = [list(entry) if isinstance(entry, (list, tuple)) else entry for entry in tree]
+    if tree and all(isinstance(entry, int) and not isinstance(entry, bool) for entry in tree):
+        if any(k < 1 for k in tree):
+            raise ValueError(f"speculation tree as top-k per head needs k >= 1, got {tree}")
+        paths = [path for length in range(1, min(len(tree), depth) + 1)
+                 for path in product(*[range(k) for k in tree[:length]])]
+        paths.sort(key=lambda path: (sum(path), len(path)))
+    elif tree and all(isinstance(entry, list) and entry for entry in tree):
+        paths = [tuple(int(rank) for rank in entry) for entry in tree if len(entry) <= depth]
+        known: set[tuple[int, ...]] = set()
+        for path in paths:
+            if path in known or min(path) < 0 or (len(path) > 1 and path[:-1] not in known):
+                raise ValueError(f"speculation tree path {list(path)} repeats, has a negative "
+                                 f"rank, or comes before its prefix {list(path[:-1])}")
+            known.add(path)
+    else:
+        raise ValueError(f"speculation tree must be a list of paths of ranks ([[0], [0, 0], "
+                         f"[1]]) or of top-k per head ([3, 2, 1]), got {tree!r}")
+    if not paths:
+        raise ValueError(f"speculation tree {tree!r} has no node within depth {depth}")
+    return paths[:MAX_TREE_TOKENS]
+
+
+def medusa_depth_per_size(paths: list[tuple[int, ...]]) -> list[int]:
+    """For each size 0..len(paths): the depth of the tree of its first that many paths."""
+    depths = [0]
+    for path in paths:
+        depths.append(max(depths[-1], len(path)))
+    return depths
+
+
+def lookahead_tokens(window: int, ngram: int, guesses: int) -> int:
+    """The most tokens a lookahead step verifies per sequence: (W + G) x (N - 1)."""
+    return (window + guesses) * (ngram - 1)
+
+
+def lookahead_depth_per_size(window: int, ngram: int, guesses: int) -> list[int]:
+    """For each size 0..(W + G)(N - 1): N - 1 once one guess fits, else 0."""
+    return [ngram - 1 if size >= ngram - 1 else 0
+            for size in range(lookahead_tokens(window, ngram, guesses) + 1)]
