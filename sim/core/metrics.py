@@ -13,6 +13,7 @@ the run's limits for that request wherever SLOs are counted.
 """
 from __future__ import annotations
 
+import bisect
 import csv
 import itertools
 import json
@@ -305,6 +306,9 @@ class MetricsCollector:
     def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
         """Merge one scheduler's ITL histogram {seconds: number of tokens}."""
         merged = self.itl_counts
+        if not merged:
+            merged.update(itl_counts)   # the first (or only) replica's: in one C call
+            return
         for itl, count in itl_counts.items():
             merged[itl] = merged.get(itl, 0) + count
 
@@ -323,6 +327,13 @@ class MetricsCollector:
         if not self.step_rows:
             return np.empty((0, len(STEP_COLUMNS)), dtype=np.float64)
         return np.asarray(self.step_rows, dtype=np.float64)
+
+    def step_column(self, name: str) -> np.ndarray:
+        """One of STEP_COLUMNS over the steps, as a float array (the values of step_array's
+        column, without building the whole array)."""
+        index = _COL[name]
+        return np.fromiter(map(operator.itemgetter(index), self.step_rows), dtype=np.float64,
+                           count=len(self.step_rows))
 
     def summary(self, requests: list[Request], wall_time_s: float,
                 slos_ms: dict[str, float] | None = None) -> dict:
@@ -366,19 +377,19 @@ class MetricsCollector:
         if has_slos:
             result.update(self._goodput(completed, slos_ms or {}, duration_s))
 
-        steps = self.step_array()
-        allocated = steps[:, _COL["kv_slots_allocated"]]
-        stored = steps[:, _COL["kv_tokens_stored"]]
+        column = self.step_column
+        allocated = column("kv_slots_allocated")
+        stored = column("kv_tokens_stored")
         has_slots = allocated > 0
         waste = 1.0 - stored[has_slots] / allocated[has_slots]
-        blocks_swapped = (steps[:, _COL["num_blocks_swapped_out"]].sum()
-                          + steps[:, _COL["num_blocks_swapped_in"]].sum())
-        num_drafts = int(steps[:, _COL["num_draft_tokens"]].sum())
-        num_accepted = int(steps[:, _COL["num_accepted_tokens"]].sum())
-        num_decodes = int(steps[:, _COL["num_decode_seqs"]].sum())
+        blocks_swapped = (column("num_blocks_swapped_out").sum()
+                          + column("num_blocks_swapped_in").sum())
+        num_drafts = int(column("num_draft_tokens").sum())
+        num_accepted = int(column("num_accepted_tokens").sum())
+        num_decodes = int(column("num_decode_seqs").sum())
         result.update({
             "num_preemptions": sum(request.num_preemptions for request in requests),
-            "peak_kv_blocks": int(steps[:, _COL["kv_blocks_used"]].max()) if len(steps) else 0,
+            "peak_kv_blocks": int(column("kv_blocks_used").max()) if self.step_rows else 0,
             # fsum: the same whatever order the replicas' steps were recorded in.
             "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
             "swap_bytes": int(blocks_swapped) * self.kv_bytes_per_block,
@@ -461,33 +472,36 @@ class StepRecorder:
     def record_repeated_steps(self, start_time: float, plan: StepPlan, result: StepResult,
                               scheduler: Scheduler) -> None:
         """The rows of a decode batch run `result.num_steps` times in a row, each as its own
-        step's row would be: only the start, the duration and the stored tokens (one more per
-        decode each step) move."""
+        step's row would be: only the start, the duration and the memory columns (one more
+        token stored per decode each step, and the blocks they grow into) move, so the first
+        row is recorded as any step's and the others are copies of it with those changed."""
         kv_cache = scheduler.kv_cache
-        waiting, running, swapped = scheduler.queue_lengths()
-        blocks_used, slots_allocated = kv_cache.num_used_blocks(), kv_cache.num_slots_allocated()
-        tokens_stored = kv_cache.num_tokens_stored()
-        block_size = kv_cache.block_size
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, result.num_steps)
-        record_step, replica_id = self.metrics.record_step, self.replica_id
-        for step, duration in enumerate(result.step_durations):
+        durations = result.step_durations
+        self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
+        rows = self.metrics.step_rows
+        row = list(rows[-1])
+        start_column, duration_column = _COL["start_time"], _COL["duration"]
+        blocks_column = _COL["kv_blocks_used"]
+        slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
+        block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations))
+        for step in range(1, len(durations)):
+            start_time += durations[step - 1]
+            row[start_column], row[duration_column] = start_time, durations[step]
+            row[tokens_column] += num_decodes
             if new_blocks[step]:
-                blocks_used += new_blocks[step]
-                slots_allocated += new_blocks[step] * block_size
-            record_step(replica_id, start_time, plan, duration, kv_blocks_used=blocks_used,
-                        kv_slots_allocated=slots_allocated, kv_tokens_stored=tokens_stored,
-                        num_waiting=waiting, num_running=running, num_swapped=swapped)
-            start_time += duration
-            tokens_stored += plan.num_decode_seqs
+                row[blocks_column] += new_blocks[step]
+                row[slots_column] += new_blocks[step] * block_size
+            rows.append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
-        """Requests that joined the waiting queue during repeated steps (at `arrival_times`):
-        each step row from `first_row` on that started after one counts it waiting, as the
-        row of a separate step would."""
+        """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
+        time order): each step row from `first_row` on that started after one counts it waiting,
+        as the row of a separate step would."""
         rows, column = self.metrics.step_rows, _COL["num_waiting"]
         for index in range(first_row, first_row + num_rows):
             row = rows[index]
-            num_arrived = sum(1 for time in arrival_times if time < row[1])
+            num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
             if num_arrived:
                 rows[index] = row[:column] + (row[column] + num_arrived,) + row[column + 1:]
 
