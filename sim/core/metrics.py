@@ -13,6 +13,7 @@ the run's limits for that request wherever SLOs are counted.
 """
 from __future__ import annotations
 
+import array
 import bisect
 import csv
 import itertools
@@ -448,12 +449,46 @@ class StepRecorder:
     """What one replica's steps leave in a run's metrics, recorded by the step loop
     (sim/core/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
     inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
-    for a 100k-request run, and most tokens of a step share one value)."""
+    for a 100k-request run, and most tokens of a step share one value).
+
+    The latencies are logged as they arise, (seconds, tokens) pairs side by side in two arrays,
+    and counted into the histogram when it is read (`itl_counts`) or the log grows long: a dict
+    update for every step of a run of repeated steps cost more than the rest of its row."""
+
+    MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
 
     def __init__(self, metrics: MetricsCollector, replica_id: int = 0):
         self.metrics = metrics
         self.replica_id = replica_id
-        self.itl_counts: defaultdict[float, int] = defaultdict(int)
+        self._itl_counts: dict[float, int] = {}
+        self._logged_itls = array.array("d")
+        self._logged_tokens = array.array("q")
+
+    @property
+    def itl_counts(self) -> dict[float, int]:
+        """{seconds: tokens} of every inter-token latency recorded so far, the latencies in the
+        order they first arose."""
+        if self._logged_itls:
+            self._count_logged_itls()
+        return self._itl_counts
+
+    def _count_logged_itls(self) -> None:
+        """Add the logged pairs to the histogram as one dict update per pair, in order, would."""
+        latencies = np.frombuffer(self._logged_itls, dtype=np.float64)
+        tokens = np.frombuffer(self._logged_tokens, dtype=np.int64)
+        values, first_index, inverse = np.unique(latencies, return_index=True,
+                                                 return_inverse=True)
+        totals = np.zeros(values.size, dtype=np.int64)
+        np.add.at(totals, inverse, tokens)
+        order = np.argsort(first_index)   # the order a dict would have inserted them in
+        new_counts = zip(values[order].tolist(), totals[order].tolist())
+        if self._itl_counts:
+            counts = self._itl_counts
+            for latency, total in new_counts:
+                counts[latency] = counts.get(latency, 0) + total
+        else:
+            self._itl_counts = dict(new_counts)
+        self._logged_itls, self._logged_tokens = array.array("d"), array.array("q")
 
     def record_step(self, start_time: float, plan: StepPlan, result: StepResult,
                     scheduler: Scheduler) -> None:
@@ -509,23 +544,23 @@ class StepRecorder:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
         sequence's since its last token; in each later one, the step itself for every sequence."""
         self._add_one_token_each(times_before, step_end_times[0])
-        itl_counts = self.itl_counts
-        end = step_end_times[0]
-        num_seqs = len(times_before)
-        for next_end in step_end_times[1:]:
-            itl_counts[next_end - end] += num_seqs
-            end = next_end
+        self._logged_itls.extend(map(operator.sub, step_end_times[1:], step_end_times[:-1]))
+        self._logged_tokens.extend(itertools.repeat(len(times_before), len(step_end_times) - 1))
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
 
     def _add_one_token_each(self, times_before: list[float], end: float) -> None:
         """One token for each of the (non-empty) sequences that last sampled at `times_before`,
         `end - that time` later. Those that last sampled in one step sit side by side in the batch:
         one run per earlier step (hashing each sequence's time would cost more than its step)."""
-        itl_counts = self.itl_counts
+        log_itl, log_tokens = self._logged_itls.append, self._logged_tokens.append
         if times_before.count(times_before[0]) == len(times_before):
-            itl_counts[end - times_before[0]] += len(times_before)
+            log_itl(end - times_before[0])
+            log_tokens(len(times_before))
             return
         for last_time, same_time in itertools.groupby(times_before):
-            itl_counts[end - last_time] += len(list(same_time))
+            log_itl(end - last_time)
+            log_tokens(len(list(same_time)))
 
     def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
                     times_before: list[float], now: float) -> None:
@@ -533,15 +568,17 @@ class StepRecorder:
         after its first gained them `now - its last token's time` later (the tokens of one step
         share one time). `outputs_before` and `times_before` are the sequences'
         `num_output_tokens` and `last_token_time` before the step's update."""
-        itl_counts = self.itl_counts
         gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
         num_seqs = len(gained)
         if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:
             self._add_one_token_each(times_before, now)   # most steps: one token each
-            return
-        for before, num_gained, last_time in zip(outputs_before, gained, times_before):
-            if before and num_gained:
-                itl_counts[now - last_time] += num_gained
+        else:
+            for before, num_gained, last_time in zip(outputs_before, gained, times_before):
+                if before and num_gained:
+                    self._logged_itls.append(now - last_time)
+                    self._logged_tokens.append(num_gained)
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
