@@ -14,8 +14,8 @@ from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
 from sim.core.metrics import (
-    REQUEST_COLUMNS, STEP_COLUMNS, MetricsCollector, format_summary_table, print_summary,
-    weighted_percentiles,
+    REQUEST_COLUMNS, STEP_COLUMNS, MetricsCollector, StepRecorder, format_summary_table,
+    print_summary, weighted_percentiles,
 )
 from sim.tools.plots import downsample_indices, write_plots
 
@@ -177,6 +177,28 @@ def test_add_itl_counts_merges():
     collector.add_itl_counts({0.1: 2})
     collector.add_itl_counts({0.1: 3, 0.2: 1})
     assert collector.itl_counts == {0.1: 5, 0.2: 1}
+
+
+@pytest.mark.parametrize("max_logged", [1, 5, StepRecorder.MAX_LOGGED_ITLS])
+def test_logged_itls_count_as_dict_updates_would(max_logged, monkeypatch):
+    """The recorder logs latencies and counts them later (in pieces when the log grows long):
+    the histogram, and the order of its keys (the order numpy sums them in), are those of one
+    dict update per latency as it arose."""
+    monkeypatch.setattr(StepRecorder, "MAX_LOGGED_ITLS", max_logged)
+    rng = np.random.default_rng(max_logged)
+    recorder, expected = StepRecorder(MetricsCollector()), {}
+    times = rng.choice([0.25, 0.5, 0.75], size=12).round(2).tolist()   # many repeated latencies
+    for step in range(40):
+        # A run of repeated steps: the first step's latencies, then every later step's.
+        ends = sorted(rng.choice([1.0, 1.25, 1.5, 2.0, 2.5], size=rng.integers(1, 5)).tolist())
+        recorder.record_repeated_itls(times, ends)
+        for last_time in times:
+            expected[ends[0] - last_time] = expected.get(ends[0] - last_time, 0) + 1
+        for end, next_end in zip(ends, ends[1:]):
+            expected[next_end - end] = expected.get(next_end - end, 0) + len(times)
+        if step == 20:
+            assert recorder.itl_counts == expected   # read midway: counting goes on after
+    assert list(recorder.itl_counts.items()) == list(expected.items())
 
 
 def read_csv(path):

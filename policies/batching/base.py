@@ -249,19 +249,18 @@ class BaseScheduler:
 
         Returns the budget left and whether anything was preempted."""
         preempted_any = False
-        # The hot loop of the simulator, once per sequence per step: decodes are collected,
-        # given their slots in one KV-manager call, and accounted in one plan call.
-        decodes: list[Sequence] = []
-        partial_prefills: list[Sequence] = []
+        # The hot loop of the simulator, once per sequence per step: decodes are collected (in a
+        # comprehension), given their slots in one KV-manager call, and accounted in one plan
+        # call. Usually every running sequence decodes: num_running_seqs bounds their number.
         running_status = SequenceStatus.RUNNING
-        for request in self.running:
-            for seq in request.sequences:
-                if seq.status is not running_status:
-                    continue  # finished
-                if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
-                    partial_prefills.append(seq)
-                else:
-                    decodes.append(seq)
+        decodes = [seq for request in self.running for seq in request.sequences
+                   if seq.status is running_status   # not finished
+                   and seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens]
+        partial_prefills = ([] if len(decodes) == self.num_running_seqs else
+                            [seq for request in self.running for seq in request.sequences
+                             if seq.status is running_status
+                             and (seq.num_tokens - seq.num_computed_tokens != 1
+                                  or not seq.num_output_tokens)])
         del decodes[max(token_budget, 0):]
         if self._speculates:
             num_scheduled, preempted_any = self._schedule_speculative_decodes(plan, decodes,
@@ -541,21 +540,23 @@ class BaseScheduler:
         seqs = plan.seqs
         # The last step computed position num_tokens + num_steps - 2: slots up to there, taken
         # in one pass of the KV manager.
+        num_more_tokens = num_steps - 1
         for seq in seqs:
-            seq.num_tokens += num_steps - 1
+            seq.num_tokens += num_more_tokens
         if self.kv_cache.append_slots(seqs) < len(seqs):
             raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
                                "planned")
-        finished_requests: list[Request] = []
+        finishing: list[Sequence] = []
         for seq in seqs:
             num_computed = seq.num_tokens
             seq.num_computed_tokens = num_computed
             seq.num_tokens = num_computed + 1
-            seq.num_output_tokens += num_steps
+            num_output_tokens = seq.num_output_tokens + num_steps
+            seq.num_output_tokens = num_output_tokens
             seq.last_token_time = now
-            if seq.num_output_tokens >= seq.request.output_len and self._finish_sequence(seq, now):
-                finished_requests.append(seq.request)
-        return finished_requests
+            if num_output_tokens >= seq.request.output_len:
+                finishing.append(seq)
+        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
         """After every step of a speculating run: tell the speculation policy what each

@@ -22,6 +22,7 @@ tier without any transfer.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from itertools import groupby, repeat, starmap
 from typing import Sequence as Seq
 
 from policies.types import Sequence
@@ -65,6 +66,9 @@ class PagedBlockManager:
         # dropped whenever the last block may become shared, and never set with prefix caching.
         self._num_exclusive_slots: dict[int, int] = {}
         self._ref_counts = [0] * num_blocks
+        # Whether a block ever had a second reference (fork, prefix hit, shared swap in): until
+        # then every table is its own, and freeing one needs no look at its ref counts.
+        self._any_block_shared = False
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self._num_tokens_stored = 0
@@ -146,11 +150,17 @@ class PagedBlockManager:
         take at each of that step and the next `num_steps - 1` (a token further each)."""
         tables, allocated, block_size = self.block_tables, self._num_allocated_tokens, self.block_size
         per_step = [0] * num_steps
-        # Slots left in each last block (written this step, so its own): step j needs j more.
-        for slots_left in [len(tables[seq.seq_id]) * block_size - allocated[seq.seq_id]
-                           for seq in seqs]:
-            for step in range(slots_left + 1, num_steps, block_size):
-                per_step[step] += 1
+        # Slots left in each last block (written this step, so its own): step j needs j more, so
+        # a sequence with s left takes a block at steps s + 1, s + 1 + block_size, ... Grouped by
+        # s first: a batch has at most block_size distinct values.
+        slots_left = sorted([len(tables[seq.seq_id]) * block_size - allocated[seq.seq_id]
+                             for seq in seqs])
+        for num_left, same_left in groupby(slots_left):
+            if num_left + 1 >= num_steps:
+                break   # and so do the larger ones after it
+            num_seqs = len(list(same_left))
+            for step in range(num_left + 1, num_steps, block_size):
+                per_step[step] += num_seqs
         return per_step
 
     def num_blocks_for_repeated_steps(self) -> int:
@@ -185,7 +195,12 @@ class PagedBlockManager:
                             self._num_tokens_stored += num_stored_added
                             return index
                         table = self.block_tables[seq_id]
-                        table.extend(self._take_uncached_blocks(num_new_blocks))
+                        if num_new_blocks == 1:   # a decode past its last block: inlined
+                            block = self._free_block_ids.popleft()
+                            self._ref_counts[block] = 1
+                            table.append(block)
+                        else:
+                            table.extend(self._take_uncached_blocks(num_new_blocks))
                         num_exclusive_slots[seq_id] = len(table) * block_size
                     num_stored_added += num_new_tokens
                     num_allocated_tokens[seq_id] = num_tokens
@@ -268,8 +283,8 @@ class PagedBlockManager:
     def _take_uncached_blocks(self, num_blocks: int) -> list[int]:
         """`num_blocks` blocks off the uncached free list (which holds them), ref count 1 each,
         in the order _take_free_block would hand them out."""
-        popleft, ref_counts = self._free_block_ids.popleft, self._ref_counts
-        blocks = [popleft() for _ in range(num_blocks)]
+        ref_counts = self._ref_counts
+        blocks = list(starmap(self._free_block_ids.popleft, repeat((), num_blocks)))
         for block in blocks:
             ref_counts[block] = 1
         return blocks
@@ -299,7 +314,7 @@ class PagedBlockManager:
         cached_blocks = self._block_to_hash
         track_freed = bool(self._pending_copies)
         if (table and not cached_blocks and not track_freed
-                and max(map(ref_counts.__getitem__, table)) == 1):
+                and (not self._any_block_shared or max(map(ref_counts.__getitem__, table)) == 1)):
             # Nothing cached, no copy pending, shared with none: every block is freed, the
             # tail first, and they hold the table's tokens.
             for block in table:
@@ -351,6 +366,7 @@ class PagedBlockManager:
         num_tokens = self._num_allocated_tokens[parent.seq_id]
         if self.share_on_fork:
             self._num_exclusive_slots.pop(parent.seq_id, None)  # its last block is shared now
+            self._any_block_shared = True
             for block in parent_table:
                 self._ref_counts[block] += 1
             child_table = list(parent_table)
@@ -409,6 +425,8 @@ class PagedBlockManager:
                 if self._ref_counts[block] == 0:  # revived from the evictable pool
                     del self._evictable_block_ids[block]
                     self._num_tokens_stored += block_size
+                else:
+                    self._any_block_shared = True
                 self._ref_counts[block] += 1
             elif (block_hash in self._offloaded
                   and self.num_free_blocks() > self.watermark_blocks):
@@ -594,6 +612,7 @@ class PagedBlockManager:
                     self._num_tokens_stored += min(block_size, num_tokens - index * block_size)
                 else:
                     self._ref_counts[block] += 1
+                    self._any_block_shared = True
                 table.append(block)
             self._release_host_blocks(host_table)
             self.block_tables[seq.seq_id] = table

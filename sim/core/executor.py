@@ -28,11 +28,14 @@ class SimExecutor:
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
         """The durations of `num_steps` steps of the decode batch `plan`, one at a time (each
         draws its own noise, as separate steps would): in step j every decode reads j more
-        tokens of context. Stop iterating early to draw no more."""
+        tokens of context. Stop iterating early (and close it) to draw no more."""
         repeated_step_times = getattr(self.cost_model, "repeated_step_times", None)
         if repeated_step_times is not None:   # the cost model's own, faster, same numbers
-            yield from repeated_step_times(plan, num_steps)
-            return
+            return repeated_step_times(plan, num_steps)
+        return self._step_times_one_by_one(plan, num_steps)
+
+    def _step_times_one_by_one(self, plan: StepPlan, num_steps: int):
+        """repeated_step_times from `step_time`, the plan's decode context moved each step."""
         context = plan.decode_context_tokens
         try:
             for step in range(num_steps):

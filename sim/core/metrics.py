@@ -13,6 +13,8 @@ the run's limits for that request wherever SLOs are counted.
 """
 from __future__ import annotations
 
+import array
+import bisect
 import csv
 import itertools
 import json
@@ -313,6 +315,9 @@ class MetricsCollector:
     def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
         """Merge one scheduler's ITL histogram {seconds: number of tokens}."""
         merged = self.itl_counts
+        if not merged:
+            merged.update(itl_counts)   # the first (or only) replica's: in one C call
+            return
         for itl, count in itl_counts.items():
             merged[itl] = merged.get(itl, 0) + count
 
@@ -331,6 +336,13 @@ class MetricsCollector:
         if not self.step_rows:
             return np.empty((0, len(STEP_COLUMNS)), dtype=np.float64)
         return np.asarray(self.step_rows, dtype=np.float64)
+
+    def step_column(self, name: str) -> np.ndarray:
+        """One of STEP_COLUMNS over the steps, as a float array (the values of step_array's
+        column, without building the whole array)."""
+        index = _COL[name]
+        return np.fromiter(map(operator.itemgetter(index), self.step_rows), dtype=np.float64,
+                           count=len(self.step_rows))
 
     def summary(self, requests: list[Request], wall_time_s: float,
                 slos_ms: dict[str, float] | None = None) -> dict:
@@ -374,19 +386,19 @@ class MetricsCollector:
         if has_slos:
             result.update(self._goodput(completed, slos_ms or {}, duration_s))
 
-        steps = self.step_array()
-        allocated = steps[:, _COL["kv_slots_allocated"]]
-        stored = steps[:, _COL["kv_tokens_stored"]]
+        column = self.step_column
+        allocated = column("kv_slots_allocated")
+        stored = column("kv_tokens_stored")
         has_slots = allocated > 0
         waste = 1.0 - stored[has_slots] / allocated[has_slots]
-        blocks_swapped = (steps[:, _COL["num_blocks_swapped_out"]].sum()
-                          + steps[:, _COL["num_blocks_swapped_in"]].sum())
-        num_drafts = int(steps[:, _COL["num_draft_tokens"]].sum())
-        num_accepted = int(steps[:, _COL["num_accepted_tokens"]].sum())
-        num_decodes = int(steps[:, _COL["num_decode_seqs"]].sum())
+        blocks_swapped = (column("num_blocks_swapped_out").sum()
+                          + column("num_blocks_swapped_in").sum())
+        num_drafts = int(column("num_draft_tokens").sum())
+        num_accepted = int(column("num_accepted_tokens").sum())
+        num_decodes = int(column("num_decode_seqs").sum())
         result.update({
             "num_preemptions": sum(request.num_preemptions for request in requests),
-            "peak_kv_blocks": int(steps[:, _COL["kv_blocks_used"]].max()) if len(steps) else 0,
+            "peak_kv_blocks": int(column("kv_blocks_used").max()) if self.step_rows else 0,
             # fsum: the same whatever order the replicas' steps were recorded in.
             "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
             "swap_bytes": int(blocks_swapped) * self.kv_bytes_per_block,
@@ -457,12 +469,46 @@ class StepRecorder:
     """What one replica's steps leave in a run's metrics, recorded by the step loop
     (sim/core/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
     inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
-    for a 100k-request run, and most tokens of a step share one value)."""
+    for a 100k-request run, and most tokens of a step share one value).
+
+    The latencies are logged as they arise, (seconds, tokens) pairs side by side in two arrays,
+    and counted into the histogram when it is read (`itl_counts`) or the log grows long: a dict
+    update for every step of a run of repeated steps cost more than the rest of its row."""
+
+    MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
 
     def __init__(self, metrics: MetricsCollector, replica_id: int = 0):
         self.metrics = metrics
         self.replica_id = replica_id
-        self.itl_counts: defaultdict[float, int] = defaultdict(int)
+        self._itl_counts: dict[float, int] = {}
+        self._logged_itls = array.array("d")
+        self._logged_tokens = array.array("q")
+
+    @property
+    def itl_counts(self) -> dict[float, int]:
+        """{seconds: tokens} of every inter-token latency recorded so far, the latencies in the
+        order they first arose."""
+        if self._logged_itls:
+            self._count_logged_itls()
+        return self._itl_counts
+
+    def _count_logged_itls(self) -> None:
+        """Add the logged pairs to the histogram as one dict update per pair, in order, would."""
+        latencies = np.frombuffer(self._logged_itls, dtype=np.float64)
+        tokens = np.frombuffer(self._logged_tokens, dtype=np.int64)
+        values, first_index, inverse = np.unique(latencies, return_index=True,
+                                                 return_inverse=True)
+        totals = np.zeros(values.size, dtype=np.int64)
+        np.add.at(totals, inverse, tokens)
+        order = np.argsort(first_index)   # the order a dict would have inserted them in
+        new_counts = zip(values[order].tolist(), totals[order].tolist())
+        if self._itl_counts:
+            counts = self._itl_counts
+            for latency, total in new_counts:
+                counts[latency] = counts.get(latency, 0) + total
+        else:
+            self._itl_counts = dict(new_counts)
+        self._logged_itls, self._logged_tokens = array.array("d"), array.array("q")
 
     def record_step(self, start_time: float, plan: StepPlan, result: StepResult,
                     scheduler: Scheduler) -> None:
@@ -481,33 +527,36 @@ class StepRecorder:
     def record_repeated_steps(self, start_time: float, plan: StepPlan, result: StepResult,
                               scheduler: Scheduler) -> None:
         """The rows of a decode batch run `result.num_steps` times in a row, each as its own
-        step's row would be: only the start, the duration and the stored tokens (one more per
-        decode each step) move."""
+        step's row would be: only the start, the duration and the memory columns (one more
+        token stored per decode each step, and the blocks they grow into) move, so the first
+        row is recorded as any step's and the others are copies of it with those changed."""
         kv_cache = scheduler.kv_cache
-        waiting, running, swapped = scheduler.queue_lengths()
-        blocks_used, slots_allocated = kv_cache.num_used_blocks(), kv_cache.num_slots_allocated()
-        tokens_stored = kv_cache.num_tokens_stored()
-        block_size = kv_cache.block_size
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, result.num_steps)
-        record_step, replica_id = self.metrics.record_step, self.replica_id
-        for step, duration in enumerate(result.step_durations):
+        durations = result.step_durations
+        self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
+        rows = self.metrics.step_rows
+        row = list(rows[-1])
+        start_column, duration_column = _COL["start_time"], _COL["duration"]
+        blocks_column = _COL["kv_blocks_used"]
+        slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
+        block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations))
+        for step in range(1, len(durations)):
+            start_time += durations[step - 1]
+            row[start_column], row[duration_column] = start_time, durations[step]
+            row[tokens_column] += num_decodes
             if new_blocks[step]:
-                blocks_used += new_blocks[step]
-                slots_allocated += new_blocks[step] * block_size
-            record_step(replica_id, start_time, plan, duration, kv_blocks_used=blocks_used,
-                        kv_slots_allocated=slots_allocated, kv_tokens_stored=tokens_stored,
-                        num_waiting=waiting, num_running=running, num_swapped=swapped)
-            start_time += duration
-            tokens_stored += plan.num_decode_seqs
+                row[blocks_column] += new_blocks[step]
+                row[slots_column] += new_blocks[step] * block_size
+            rows.append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
-        """Requests that joined the waiting queue during repeated steps (at `arrival_times`):
-        each step row from `first_row` on that started after one counts it waiting, as the
-        row of a separate step would."""
+        """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
+        time order): each step row from `first_row` on that started after one counts it waiting,
+        as the row of a separate step would."""
         rows, column = self.metrics.step_rows, _COL["num_waiting"]
         for index in range(first_row, first_row + num_rows):
             row = rows[index]
-            num_arrived = sum(1 for time in arrival_times if time < row[1])
+            num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
             if num_arrived:
                 rows[index] = row[:column] + (row[column] + num_arrived,) + row[column + 1:]
 
@@ -515,23 +564,23 @@ class StepRecorder:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
         sequence's since its last token; in each later one, the step itself for every sequence."""
         self._add_one_token_each(times_before, step_end_times[0])
-        itl_counts = self.itl_counts
-        end = step_end_times[0]
-        num_seqs = len(times_before)
-        for next_end in step_end_times[1:]:
-            itl_counts[next_end - end] += num_seqs
-            end = next_end
+        self._logged_itls.extend(map(operator.sub, step_end_times[1:], step_end_times[:-1]))
+        self._logged_tokens.extend(itertools.repeat(len(times_before), len(step_end_times) - 1))
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
 
     def _add_one_token_each(self, times_before: list[float], end: float) -> None:
         """One token for each of the (non-empty) sequences that last sampled at `times_before`,
         `end - that time` later. Those that last sampled in one step sit side by side in the batch:
         one run per earlier step (hashing each sequence's time would cost more than its step)."""
-        itl_counts = self.itl_counts
+        log_itl, log_tokens = self._logged_itls.append, self._logged_tokens.append
         if times_before.count(times_before[0]) == len(times_before):
-            itl_counts[end - times_before[0]] += len(times_before)
+            log_itl(end - times_before[0])
+            log_tokens(len(times_before))
             return
         for last_time, same_time in itertools.groupby(times_before):
-            itl_counts[end - last_time] += len(list(same_time))
+            log_itl(end - last_time)
+            log_tokens(len(list(same_time)))
 
     def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
                     times_before: list[float], now: float) -> None:
@@ -539,15 +588,17 @@ class StepRecorder:
         after its first gained them `now - its last token's time` later (the tokens of one step
         share one time). `outputs_before` and `times_before` are the sequences'
         `num_output_tokens` and `last_token_time` before the step's update."""
-        itl_counts = self.itl_counts
         gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
         num_seqs = len(gained)
         if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:
             self._add_one_token_each(times_before, now)   # most steps: one token each
-            return
-        for before, num_gained, last_time in zip(outputs_before, gained, times_before):
-            if before and num_gained:
-                itl_counts[now - last_time] += num_gained
+        else:
+            for before, num_gained, last_time in zip(outputs_before, gained, times_before):
+                if before and num_gained:
+                    self._logged_itls.append(now - last_time)
+                    self._logged_tokens.append(num_gained)
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
