@@ -425,8 +425,8 @@ class MetricsCollector:
                 (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
             result["prefix_cache_host_hit_rate"] = (
                 host_cached / prompt_tokens if prompt_tokens else 0.0)
-        blocks_offloaded = int(steps[:, _COL["num_blocks_offloaded"]].sum())
-        blocks_loaded = int(steps[:, _COL["num_blocks_loaded"]].sum())
+        blocks_offloaded = int(column("num_blocks_offloaded").sum())
+        blocks_loaded = int(column("num_blocks_loaded").sum())
         if blocks_offloaded or blocks_loaded:
             # The prefix cache's host tier: K/V bytes stored there and loaded back.
             result["offload_bytes"] = blocks_offloaded * self.kv_bytes_per_block
