@@ -119,6 +119,17 @@ class PagedBlockManager:
         num_blocks_needed = num_seqs * -(-num_tokens // self.block_size)
         return num_blocks_needed <= self.num_blocks - self.watermark_blocks
 
+    def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
+        """Whether new sequences (holding no blocks) might get slots for these lengths, with
+        the watermark, now; False is exact: allocate_slots(..., watermark=True) would fail for
+        one of them. A prefix hit never needs more free blocks than it saves, so with prefix
+        caching (where the lengths are those before any hit) the answer is True."""
+        if self.enable_prefix_caching:
+            return True
+        block_size = self.block_size
+        num_blocks_needed = sum([-(-length // block_size) for length in num_tokens])
+        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
+
     # ---- growth ----
 
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
@@ -535,6 +546,8 @@ class PagedBlockManager:
         """The stores (device block, host slot) and loads (host slot, device block) decided
         since the last call, for the step's plan; the loads' host slots are free again. A slot
         stored twice (its first entry dropped meanwhile) keeps only its last store."""
+        if not self._pending_offloads and not self._pending_loads:
+            return [], []
         stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())
         self._pending_offloads = []
         loads = [(slot, block) for block, slot in self._pending_loads.items()]
