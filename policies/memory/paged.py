@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from itertools import groupby, repeat, starmap
+from operator import attrgetter, sub
 from typing import Sequence as Seq
 
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
+
+_seq_id = attrgetter("seq_id")
 
 
 class PagedBlockManager:
@@ -164,8 +167,12 @@ class PagedBlockManager:
         # Slots left in each last block (written this step, so its own): step j needs j more, so
         # a sequence with s left takes a block at steps s + 1, s + 1 + block_size, ... Grouped by
         # s first: a batch has at most block_size distinct values.
-        slots_left = sorted([len(tables[seq.seq_id]) * block_size - allocated[seq.seq_id]
-                             for seq in seqs])
+        seq_ids = list(map(_seq_id, seqs))
+        try:   # kept without prefix caching: the same capacity, read without the tables
+            capacities = list(map(self._num_exclusive_slots.__getitem__, seq_ids))
+        except KeyError:
+            capacities = [len(tables[seq_id]) * block_size for seq_id in seq_ids]
+        slots_left = sorted(map(sub, capacities, map(allocated.__getitem__, seq_ids)))
         for num_left, same_left in groupby(slots_left):
             if num_left + 1 >= num_steps:
                 break   # and so do the larger ones after it
@@ -190,8 +197,7 @@ class PagedBlockManager:
         num_exclusive_slots = self._num_exclusive_slots
         block_size = self.block_size
         num_stored_added = 0
-        for index in range(start, len(seqs)):
-            seq = seqs[index]
+        for index, seq in enumerate(seqs[start:] if start else seqs, start):
             seq_id = seq.seq_id
             num_tokens = seq.num_tokens
             num_slots = num_exclusive_slots.get(seq_id)
