@@ -24,6 +24,12 @@ the last call, which BaseScheduler puts in the plan (`blocks_to_offload`, `block
 `num_loaded_prefix_tokens(seq)` says how many of the tokens allocate_prefix gave the sequence
 came from the tier (`Request.num_host_cached_tokens`).
 
+Optional, for a cheap refusal of admissions that cannot fit (PagedBlockManager has it):
+`may_allocate_new(num_tokens) -> bool` says whether new sequences holding no blocks might get
+slots for these lengths (their prefill chunks, counted as if nothing were cached) with the
+watermark; False must be exact (allocate_slots with watermark=True would fail for one of them),
+and BaseScheduler then skips the attempt; without it, it tries the allocation and undoes it.
+
 Optional, for prefill/decode disaggregation (a scheduler of a prefill or decode pool; BaseScheduler
 has them): on a prefill replica the scheduler stops a request whose `Request.handoff` is set after
 its first token, keeping its blocks, and hands it over through `take_handoffs()`; the cluster frees

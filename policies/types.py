@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 
 class SequenceStatus(enum.Enum):
@@ -219,8 +220,8 @@ class StepPlan:
         self.seqs.extend(seqs)
         self.num_new_tokens.extend([1] * len(seqs))
         self.num_decode_seqs += len(seqs)
-        self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
-        self.draft_catch_up_tokens += sum([seq.draft_lag for seq in seqs])
+        self.decode_context_tokens += sum(map(_num_tokens, seqs))
+        self.draft_catch_up_tokens += sum(map(_draft_lag, seqs))
 
     def add_drafts(self, spec_lens: dict[int, int]) -> None:
         """Let decodes already in the plan speculate: seq_id -> k >= 1 draft tokens each."""
@@ -249,6 +250,7 @@ class StepPlan:
             self.sum_squared_prefill_chunks += num_new_tokens * num_new_tokens
 
 
+_num_tokens, _draft_lag = attrgetter("num_tokens"), attrgetter("draft_lag")
 _STEP_FEATURES = ("num_prefill_tokens", "num_prefill_seqs", "prefill_attention_work",
                   "prefill_context_tokens", "sum_squared_prefill_chunks", "num_decode_seqs",
                   "decode_context_tokens", "num_draft_tokens", "max_draft_len",

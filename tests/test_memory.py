@@ -126,6 +126,26 @@ def test_paged_watermark_keeps_blocks_free_for_admissions_only():
     assert manager.can_ever_fit(90) and not manager.can_ever_fit(91)
 
 
+@settings(max_examples=60, deadline=None)
+@given(num_used=st.integers(0, 40), lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+       watermark=st.sampled_from([0.0, 0.05, 0.2]))
+def test_paged_may_allocate_new_says_false_exactly_when_the_admission_fails(num_used, lengths,
+                                                                             watermark):
+    manager = PagedBlockManager(40, 4, watermark=watermark)
+    if num_used:
+        assert manager.allocate_slots(make_seq(99, num_used * 4), num_used * 4)
+    answer = manager.may_allocate_new(lengths)
+    seqs = [make_seq(index, length) for index, length in enumerate(lengths)]
+    allocated = all(manager.allocate_slots(seq, length, watermark=True)
+                    for seq, length in zip(seqs, lengths))
+    assert answer == allocated
+
+
+def test_paged_may_allocate_new_with_prefix_caching_always_tries():
+    manager = PagedBlockManager(4, 4, watermark=0, enable_prefix_caching=True)
+    assert manager.may_allocate_new([100])
+
+
 def test_paged_can_ever_fit():
     manager = PagedBlockManager(10, 16, watermark=0)
     assert manager.can_ever_fit(160) and not manager.can_ever_fit(161)

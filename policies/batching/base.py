@@ -67,6 +67,8 @@ class BaseScheduler:
         # its stores and loads go into each plan, its loaded tokens into the request.
         self._take_pending_offload = getattr(kv_cache, "take_pending_offload", None)
         self._num_loaded_prefix_tokens = getattr(kv_cache, "num_loaded_prefix_tokens", None)
+        # A KV manager that can tell an admission's allocation fails before it is tried.
+        self._may_allocate_new = getattr(kv_cache, "may_allocate_new", None)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -179,6 +181,9 @@ class BaseScheduler:
             seqs = request.unfinished_sequences()
             if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
                 break
+            if (self._may_allocate_new is not None and not self._may_allocate_new(
+                    self._uncached_chunks(seqs, token_budget, chunked))):
+                break   # the allocation below would fail: skip taking and freeing its blocks
             num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
             chunks = []
             budget_left = token_budget
@@ -208,6 +213,18 @@ class BaseScheduler:
                     request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
             token_budget = budget_left
         return token_budget
+
+    def _uncached_chunks(self, seqs: list[Sequence], token_budget: int,
+                         chunked: bool) -> list[int]:
+        """The nonzero prefill chunks `_admit_waiting` would give `seqs` if nothing were cached
+        (what `may_allocate_new` is asked about)."""
+        chunks = []
+        for seq in seqs:
+            chunk = self._chunk(seq.num_tokens, token_budget, chunked)
+            if chunk > 0:
+                chunks.append(chunk)
+                token_budget -= chunk
+        return chunks
 
     @staticmethod
     def _chunk(need: int, token_budget: int, chunked: bool) -> int:

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from itertools import groupby, repeat, starmap
+from operator import attrgetter, sub
 from typing import Sequence as Seq
 
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
+
+_seq_id = attrgetter("seq_id")
 
 
 class PagedBlockManager:
@@ -65,10 +68,12 @@ class PagedBlockManager:
         # needs no block and no copy (append_slots' fast path). Absent means "ask _grow"; it is
         # dropped whenever the last block may become shared, and never set with prefix caching.
         self._num_exclusive_slots: dict[int, int] = {}
-        self._ref_counts = [0] * num_blocks
-        # Whether a block ever had a second reference (fork, prefix hit, shared swap in): until
-        # then every table is its own, and freeing one needs no look at its ref counts.
+        # Whether a block ever had a second reference (fork, prefix hit, shared swap in). Until
+        # then every table is its own, so a block's ref count is implied (1 in a table, 0 free)
+        # and `_ref_counts` stays all zero: taking and freeing blocks writes no counts. The
+        # first share counts them from the tables (_count_refs) and keeps them from then on.
         self._any_block_shared = False
+        self._ref_counts = [0] * num_blocks
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self._num_tokens_stored = 0
@@ -119,6 +124,17 @@ class PagedBlockManager:
         num_blocks_needed = num_seqs * -(-num_tokens // self.block_size)
         return num_blocks_needed <= self.num_blocks - self.watermark_blocks
 
+    def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
+        """Whether new sequences (holding no blocks) might get slots for these lengths, with
+        the watermark, now; False is exact: allocate_slots(..., watermark=True) would fail for
+        one of them. A prefix hit never needs more free blocks than it saves, so with prefix
+        caching (where the lengths are those before any hit) the answer is True."""
+        if self.enable_prefix_caching:
+            return True
+        block_size = self.block_size
+        num_blocks_needed = sum([-(-length // block_size) for length in num_tokens])
+        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
+
     # ---- growth ----
 
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
@@ -134,7 +150,7 @@ class PagedBlockManager:
         # Hot path (a decode step inside the last block): the table already covers num_tokens, so
         # the write starts inside its last block; only a shared last block needs more work (CoW).
         if (table is not None and num_tokens <= len(table) * self.block_size
-                and self._ref_counts[table[-1]] == 1):
+                and (not self._any_block_shared or self._ref_counts[table[-1]] == 1)):
             self._num_allocated_tokens[seq_id] = num_tokens
             self._num_tokens_stored += num_tokens - num_allocated
             if self.enable_prefix_caching:
@@ -153,8 +169,12 @@ class PagedBlockManager:
         # Slots left in each last block (written this step, so its own): step j needs j more, so
         # a sequence with s left takes a block at steps s + 1, s + 1 + block_size, ... Grouped by
         # s first: a batch has at most block_size distinct values.
-        slots_left = sorted([len(tables[seq.seq_id]) * block_size - allocated[seq.seq_id]
-                             for seq in seqs])
+        seq_ids = list(map(_seq_id, seqs))
+        try:   # kept without prefix caching: the same capacity, read without the tables
+            capacities = list(map(self._num_exclusive_slots.__getitem__, seq_ids))
+        except KeyError:
+            capacities = [len(tables[seq_id]) * block_size for seq_id in seq_ids]
+        slots_left = sorted(map(sub, capacities, map(allocated.__getitem__, seq_ids)))
         for num_left, same_left in groupby(slots_left):
             if num_left + 1 >= num_steps:
                 break   # and so do the larger ones after it
@@ -179,8 +199,7 @@ class PagedBlockManager:
         num_exclusive_slots = self._num_exclusive_slots
         block_size = self.block_size
         num_stored_added = 0
-        for index in range(start, len(seqs)):
-            seq = seqs[index]
+        for index, seq in enumerate(seqs[start:] if start else seqs, start):
             seq_id = seq.seq_id
             num_tokens = seq.num_tokens
             num_slots = num_exclusive_slots.get(seq_id)
@@ -197,7 +216,8 @@ class PagedBlockManager:
                         table = self.block_tables[seq_id]
                         if num_new_blocks == 1:   # a decode past its last block: inlined
                             block = self._free_block_ids.popleft()
-                            self._ref_counts[block] = 1
+                            if self._any_block_shared:
+                                self._ref_counts[block] = 1
                             table.append(block)
                         else:
                             table.extend(self._take_uncached_blocks(num_new_blocks))
@@ -251,7 +271,8 @@ class PagedBlockManager:
         num_new_blocks = -(-num_tokens // block_size) - (len(table) if table else 0)
         num_in_last_block = num_allocated % block_size
         # Copy-on-write: the first write into a block that others still read gets a private copy.
-        copy_last_block = num_in_last_block != 0 and self._ref_counts[table[-1]] > 1
+        copy_last_block = (num_in_last_block != 0 and self._any_block_shared
+                           and self._ref_counts[table[-1]] > 1)
         num_blocks_needed = num_new_blocks + copy_last_block
         reserve = self.watermark_blocks if watermark else 0
         if self.num_free_blocks() - num_blocks_needed < reserve:
@@ -276,17 +297,18 @@ class PagedBlockManager:
         self._num_tokens_stored += num_tokens - num_allocated
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, table, num_tokens)
-        elif self._ref_counts[table[-1]] == 1:
+        elif not self._any_block_shared or self._ref_counts[table[-1]] == 1:
             self._num_exclusive_slots[seq.seq_id] = len(table) * block_size
         return True
 
     def _take_uncached_blocks(self, num_blocks: int) -> list[int]:
         """`num_blocks` blocks off the uncached free list (which holds them), ref count 1 each,
         in the order _take_free_block would hand them out."""
-        ref_counts = self._ref_counts
         blocks = list(starmap(self._free_block_ids.popleft, repeat((), num_blocks)))
-        for block in blocks:
-            ref_counts[block] = 1
+        if self._any_block_shared:
+            ref_counts = self._ref_counts
+            for block in blocks:
+                ref_counts[block] = 1
         return blocks
 
     def _take_free_block(self) -> int:
@@ -300,8 +322,18 @@ class PagedBlockManager:
             del self._hash_to_block[block_hash]
             if self.num_offload_blocks:
                 self._offload(block, block_hash)
-        self._ref_counts[block] = 1
+        if self._any_block_shared:
+            self._ref_counts[block] = 1
         return block
+
+    def _count_refs(self, *unlisted_tables: list[int]) -> None:
+        """Before the first share: count every block's references, from the tables and from
+        `unlisted_tables` (being built, not in block_tables yet); kept from now on."""
+        ref_counts = self._ref_counts
+        for table in (*self.block_tables.values(), *unlisted_tables):
+            for block in table:
+                ref_counts[block] += 1
+        self._any_block_shared = True
 
     def _release_blocks(self, table: list[int], num_tokens: int,
                         num_computed_tokens: int) -> None:
@@ -313,12 +345,14 @@ class PagedBlockManager:
         ref_counts = self._ref_counts
         cached_blocks = self._block_to_hash
         track_freed = bool(self._pending_copies)
+        counted = self._any_block_shared
         if (table and not cached_blocks and not track_freed
-                and (not self._any_block_shared or max(map(ref_counts.__getitem__, table)) == 1)):
+                and (not counted or max(map(ref_counts.__getitem__, table)) == 1)):
             # Nothing cached, no copy pending, shared with none: every block is freed, the
             # tail first, and they hold the table's tokens.
-            for block in table:
-                ref_counts[block] = 0
+            if counted:
+                for block in table:
+                    ref_counts[block] = 0
             self._num_tokens_stored -= num_tokens
             self._free_block_ids.extend(reversed(table))
             return
@@ -329,8 +363,11 @@ class PagedBlockManager:
         # a cached block is only useful while every block before it is still cached.
         for index in range(last_index, -1, -1):
             block = table[index]
-            ref_count = ref_counts[block] - 1
-            ref_counts[block] = ref_count
+            if counted:
+                ref_count = ref_counts[block] - 1
+                ref_counts[block] = ref_count
+            else:
+                ref_count = 0
             if ref_count == 0:
                 # Every block but the last is full.
                 num_stored_freed += (block_size if index < last_index
@@ -366,7 +403,8 @@ class PagedBlockManager:
         num_tokens = self._num_allocated_tokens[parent.seq_id]
         if self.share_on_fork:
             self._num_exclusive_slots.pop(parent.seq_id, None)  # its last block is shared now
-            self._any_block_shared = True
+            if not self._any_block_shared:
+                self._count_refs()
             for block in parent_table:
                 self._ref_counts[block] += 1
             child_table = list(parent_table)
@@ -422,12 +460,15 @@ class PagedBlockManager:
         for block_hash in self._prefix_hashes(token_ids, max_cached_blocks):
             block = self._hash_to_block.get(block_hash)
             if block is not None:
-                if self._ref_counts[block] == 0:  # revived from the evictable pool
+                if block in self._evictable_block_ids:  # revived: no reference yet
                     del self._evictable_block_ids[block]
                     self._num_tokens_stored += block_size
+                    if self._any_block_shared:
+                        self._ref_counts[block] = 1
                 else:
-                    self._any_block_shared = True
-                self._ref_counts[block] += 1
+                    if not self._any_block_shared:
+                        self._count_refs(hit_blocks)
+                    self._ref_counts[block] += 1
             elif (block_hash in self._offloaded
                   and self.num_free_blocks() > self.watermark_blocks):
                 block = self._load(block_hash)
@@ -535,6 +576,8 @@ class PagedBlockManager:
         """The stores (device block, host slot) and loads (host slot, device block) decided
         since the last call, for the step's plan; the loads' host slots are free again. A slot
         stored twice (its first entry dropped meanwhile) keeps only its last store."""
+        if not self._pending_offloads and not self._pending_loads:
+            return [], []
         stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())
         self._pending_offloads = []
         loads = [(slot, block) for block, slot in self._pending_loads.items()]
@@ -611,8 +654,9 @@ class PagedBlockManager:
                     block = host_to_device[host_block] = self._take_free_block()
                     self._num_tokens_stored += min(block_size, num_tokens - index * block_size)
                 else:
+                    if not self._any_block_shared:
+                        self._count_refs(table)
                     self._ref_counts[block] += 1
-                    self._any_block_shared = True
                 table.append(block)
             self._release_host_blocks(host_table)
             self.block_tables[seq.seq_id] = table
@@ -646,20 +690,27 @@ class PagedBlockManager:
                     f"block {block} is shared by sequences that fill it differently")
         assert set(self._num_allocated_tokens) == set(self.block_tables), (
             "allocated lengths and tables name different sequences")
+        if self._any_block_shared:
+            ref_counts = self._ref_counts
+        else:   # not counted yet: none shared, and nothing written
+            assert not any(self._ref_counts), "ref counts written before any block was shared"
+            assert all(count == 1 for count in refs.values()), (
+                "a block is shared but ref counts are not kept")
+            ref_counts = [refs[block] for block in range(self.num_blocks)]
         for seq_id, num_slots in self._num_exclusive_slots.items():
             table = self.block_tables.get(seq_id)
             assert table is not None and num_slots == len(table) * block_size, (
                 f"seq {seq_id}: stale fast-path capacity {num_slots}")
-            assert self._ref_counts[table[-1]] == 1, (
+            assert ref_counts[table[-1]] == 1, (
                 f"seq {seq_id}: fast path open on a shared last block")
-        for block, ref_count in enumerate(self._ref_counts):
+        for block, ref_count in enumerate(ref_counts):
             assert ref_count >= 0, f"block {block} has ref count {ref_count}"
             assert ref_count == refs[block], (
                 f"block {block} has ref count {ref_count} but {refs[block]} tables hold it")
 
         free_blocks = list(self._free_block_ids) + list(self._evictable_block_ids)
         assert len(set(free_blocks)) == len(free_blocks), "a block is free twice"
-        assert all(self._ref_counts[block] == 0 for block in free_blocks), "a free block is in use"
+        assert all(ref_counts[block] == 0 for block in free_blocks), "a free block is in use"
         assert self.num_free_blocks() + len(refs) == self.num_blocks, (
             f"free {self.num_free_blocks()} + used {len(refs)} != {self.num_blocks} blocks")
         assert all(block in self._block_to_hash for block in self._evictable_block_ids), (
@@ -673,7 +724,7 @@ class PagedBlockManager:
         assert stored == self._num_tokens_stored, (
             f"tokens stored is {self._num_tokens_stored}, recount gives {stored}")
         assert stored <= self.num_slots_allocated(), "more tokens stored than slots allocated"
-        assert all(self._ref_counts[dst] > 0 for _, dst in self._pending_copies), (
+        assert all(ref_counts[dst] > 0 for _, dst in self._pending_copies), (
             "a pending copy targets a free block")
 
         host_refs = Counter()
@@ -704,7 +755,7 @@ class PagedBlockManager:
         assert not set(self._offloaded) & set(self._hash_to_block), (
             "a hash is cached in both tiers")
         for block in self._pending_loads:
-            assert block in self._block_to_hash and self._ref_counts[block] > 0, (
+            assert block in self._block_to_hash and ref_counts[block] > 0, (
                 f"pending load into block {block}, which is not a cached block in use")
         assert all(0 <= slot < self.num_offload_blocks for _, slot in self._pending_offloads), (
             "a store targets a slot outside the host tier")
