@@ -57,11 +57,14 @@ NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
-              speculative_ks: Iterable[int] = ()) -> list[GridPoint]:
+              speculative_ks: Iterable[int] = (), draft_model_lags: bool = True
+              ) -> list[GridPoint]:
     """The designed grid. The first block size gets the full grid; the others a subset (decode,
     prefill and mixed shapes, where the block size changes the attention's gathers). With
     `speculative_ks` (an executor with a drafter), decode batches that verify k drafts each, for
-    every k given, alone and next to a prefill chunk."""
+    every k given, alone and next to a prefill chunk, and (`draft_model_lags`: a draft model,
+    n-gram profiled alike) with sequences whose drafter lags one token. A token-tree drafter's
+    never lags (its trees are never accepted whole): its k are tree sizes."""
     specs: list[dict] = []
 
     def add(kind, full_only=False, **kw):
@@ -125,14 +128,16 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
             for ctx in ((64,) if quick else (64, 320)):
                 add("spec_decode", decodes=(ctx,) * batch, spec_len=k)
         if quick:
-            add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
+            if draft_model_lags:
+                add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
         else:
             add("spec_decode", decodes=spread(24, 16, 400), spec_len=k)
             for batch in (4, 16):
                 add("spec_mixed", decodes=(128,) * batch, prefills=((128, 0),), spec_len=k)
             # After a step that accepted all its drafts a draft model lags the target by one
             # token, which its next pass runs again (most sequences, where acceptance is high).
-            for batch, num_lagging in ((1, 1), (4, 2), (4, 4), (16, 8), (16, 16)):
+            lagging = ((1, 1), (4, 2), (4, 4), (16, 8), (16, 16)) if draft_model_lags else ()
+            for batch, num_lagging in lagging:
                 add("spec_decode", decodes=(128,) * batch, spec_len=k, num_lagging=num_lagging)
 
     grid: list[GridPoint] = []
@@ -576,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
                                    max(drafter_ks, default=0), tree)
         setups[profile_name(args.model, drafter)] = (factory, make_grid(
-            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks))
+            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
+            draft_model_lags=tree is None))
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize

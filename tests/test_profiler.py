@@ -410,6 +410,8 @@ def test_token_tree_drafters_are_profiled_on_whole_trees(tmp_path):
         assert content["metadata"]["speculative_model"] == name
         assert content["metadata"]["spec_lens"] == sizes
         assert content["fit"]["by_kind"]["spec_decode"]["num_points"] > 0
+        samples = read_samples(tmp_path / "cpu" / f"tiny-llama+{name}.samples.csv")
+        assert not any(sample["draft_catch_up_tokens"] for sample in samples)   # never lags
 
     device = torch.device("cpu")
     factory = executor_factory(load_model("tiny-llama", device), device,
