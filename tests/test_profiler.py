@@ -421,8 +421,11 @@ def test_token_tree_drafters_are_profiled_on_whole_trees(tmp_path):
     features = dict(zip(STEP_FEATURES, step_features(plan)))
     assert features["num_draft_tokens"] == 27 and features["speculating"] == 1
     executor = factory(point.block_size, point.num_blocks_needed(), 0)
-    executor.execute(plan)              # no hidden state yet: no trees
-    assert executor.acceptance_stats.position_trials[0] == 0
-    result = executor.execute(plan)     # the heads read the first step's hidden states
-    assert executor.acceptance_stats.position_trials[0] == 3
+    speculating = executor._speculating(plan)
+    assert not any(len(tree) for tree in executor.drafter.step(plan, speculating).trees)
+    executor.execute(plan)              # no hidden state yet: empty trees
+    # The heads read the first step's hidden states: whole 9-node trees.
+    assert [len(tree) for tree in executor.drafter.step(plan, speculating).trees] == [9] * 3
+    result = executor.execute(plan)
+    assert executor.acceptance_stats.position_trials[0] == 6   # an empty tree: depth 1 rejected
     assert set(result.num_accepted) == set(plan.spec_lens)

@@ -328,3 +328,13 @@ def test_simulated_tree_steps_start_fresh_runs():
 
     assert mean_accepted([0, 1, 1, 2, 2, 2], 5) == pytest.approx(0.6 + 0.6 * 0.95, abs=0.02)
     assert mean_accepted(None, 2) > 0.6 + 0.6 * 0.95 + 0.2   # a chain's run carries over
+
+
+def test_every_tree_step_counts_in_the_acceptance_statistics(prompts):
+    """A lookahead step whose pool has no n-gram for the last token verifies the window alone
+    and accepts nothing; it still counts as a depth-1 trial, as the simulator draws it."""
+    llm = LLM(TARGET, speculative_model="lookahead", num_speculative_tokens=4)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    stats = llm.executor.acceptance_stats
+    # All but the prefill and the last step (one token left to make: no drafts).
+    assert stats.position_trials[0] == llm.last_stats.num_steps - 2
