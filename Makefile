@@ -15,7 +15,8 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test bench profile validate-grid profile-speculation validate-speculation
+.PHONY: install run test bench profile validate-grid profile-speculation validate-speculation \
+	profile-token-trees validate-token-trees
 install: $(VENV)/.installed
 
 run: install
@@ -53,3 +54,14 @@ profile-speculation: install
 
 validate-speculation: install
 	$(BIN)/python bench/validate_speculation.py --out validation/speculation
+
+# The same for the token-tree drafters (Medusa's trained heads, lookahead decoding), profiled
+# together with their own no-drafter executor under profiles/token-trees/: trees of depth 1..4.
+profile-token-trees: install
+	$(BIN)/twinserve-profile --model tiny-pair --block-sizes 16 --out-dir profiles/token-trees \
+	    --speculative-models none medusa lookahead --speculative-ks 1 2 3 4 \
+	    --medusa-heads models/tiny-pair/medusa
+
+validate-token-trees: install
+	$(BIN)/python bench/validate_speculation.py --drafter medusa --out validation/medusa
+	$(BIN)/python bench/validate_speculation.py --drafter lookahead --out validation/lookahead

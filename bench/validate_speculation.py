@@ -3,7 +3,9 @@ speculation) and each batch size, the same workload runs on the engine (the tiny
 and verifying for real) and in the simulator (the same policies; step costs from the profile of
 the executor that runs it, acceptances drawn from statistics measured on OTHER prompts), through
 `twinserve-validate`'s `validate`. Compared: the draft acceptance rate and the speedup (output
-tokens/s with k drafts over output tokens/s without), each within --gate-pct (10 %).
+tokens/s with k drafts over output tokens/s without), each within --gate-pct (10 %). For the
+token-tree drafters (--drafter medusa or lookahead; k is the tree's depth, its size the tokens a
+step verifies) the acceptance length, tokens per decode step, stands for the acceptance rate.
 
 The workload: --num-requests windows of held-out Python source (models/tiny-pair never trained on
 them; bench/speculative.py's acceptance statistics came from windows half a spacing away), all
@@ -17,9 +19,11 @@ varies by several % from draw to draw where the engine's, on fixed texts, does n
 
     python bench/validate_speculation.py                      # draft model, k = 1..8, ~20 minutes
     python bench/validate_speculation.py --drafter ngram --batch-sizes 1
+    python bench/validate_speculation.py --drafter medusa     # k = 2, 4 (9- and 33-node trees)
 
-Needs the profiles of both executors (`make profile-speculation` writes them):
-profiles/cpu/tiny-pair.json (no drafter) and profiles/cpu/tiny-pair+<drafter>.json.
+Needs the profiles of both executors (`make profile-speculation` writes them; for medusa and
+lookahead `make profile-token-trees`, under profiles/token-trees/): <profiles>/tiny-pair.json
+(no drafter) and <profiles>/tiny-pair+<drafter>.json.
 Writes <out>/speculation.json, .md, .png and one validation folder per job.
 """
 from __future__ import annotations
@@ -42,9 +46,13 @@ import numpy as np  # noqa: E402
 
 from sim.calibration.validate.compare import DEFAULT_GATES, error_pct  # noqa: E402
 from sim.calibration.validate.run import validate  # noqa: E402
+from sim.core.build import TREE_DRAFTERS  # noqa: E402  (k: the tree's depth)
 
-DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram"}
-ACCEPTANCE_FILES = {"tiny-pair-draft": "tiny-pair-draft.json", "ngram": "tiny-pair-ngram.json"}
+DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram", "medusa": "medusa",
+            "lookahead": "lookahead"}
+ACCEPTANCE_FILES = {"tiny-pair-draft": "tiny-pair-draft.json", "ngram": "tiny-pair-ngram.json",
+                    "medusa": "tiny-pair-medusa.json", "lookahead": "tiny-pair-lookahead.json"}
+MEDUSA_HEADS = REPO / "models" / "tiny-pair" / "medusa"
 NO_GATES = dict.fromkeys(DEFAULT_GATES)  # every gate off: this script compares its own metrics
 COMPARED = ("output_throughput", "spec_acceptance_rate", "mean_tokens_per_decode_step",
             "mean_tpot_ms")
@@ -71,6 +79,8 @@ def job_overrides(trace: Path, batch_size: int, k: int, drafter: str, profiles: 
                  f"scheduler.max_num_seqs={batch_size}", "kv_cache.block_size=16"]
     if k == 0:
         return [*overrides, f"cost_model.profile={profiles / 'tiny-pair.json'}"]
+    if drafter == "medusa":
+        overrides.append(f"speculation.medusa_heads={MEDUSA_HEADS}")
     return [*overrides, "speculation=fixed", f"speculation.num_speculative_tokens={k}",
             f"speculation.draft_model={DRAFTERS[drafter]}",
             f"speculation.acceptance_profile={acceptance}",
@@ -108,6 +118,7 @@ def speculation_rows(results: dict[tuple[int, int], dict]) -> list[dict]:
             "engine_acceptance": acceptance["engine"], "sim_acceptance": acceptance["sim"],
             "acceptance_error_pct": acceptance["error_pct"],
             "engine_tokens_per_step": tokens["engine"], "sim_tokens_per_step": tokens["sim"],
+            "tokens_per_step_error_pct": tokens["error_pct"],
             "engine_speedup": engine_speedup, "sim_speedup": sim_speedup,
             "speedup_error_pct": error_pct(engine_speedup, sim_speedup),
             "throughput_error_pct": metrics["output_throughput"]["error_pct"],
@@ -118,29 +129,37 @@ def speculation_rows(results: dict[tuple[int, int], dict]) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict], gate_pct: float) -> dict:
+def summarize(rows: list[dict], gate_pct: float, trees: bool = False) -> dict:
+    """The largest errors and the gate: on the acceptance rate and the speedup, or with
+    `trees` (a token-tree drafter) on the acceptance length (tokens per step) and the
+    speedup."""
     def worst(key):
         errors = [abs(row[key]) for row in rows if row[key] is not None]
         return max(errors) if len(errors) == len(rows) else None
     acceptance, speedup = worst("acceptance_error_pct"), worst("speedup_error_pct")
-    passed = all(e is not None and e <= gate_pct for e in (acceptance, speedup))
+    tokens = worst("tokens_per_step_error_pct")
+    passed = all(e is not None and e <= gate_pct
+                 for e in ((tokens if trees else acceptance), speedup))
     return {"num_jobs": len(rows), "max_abs_acceptance_error_pct": acceptance,
+            "max_abs_tokens_per_step_error_pct": tokens,
             "max_abs_speedup_error_pct": speedup,
             "max_abs_throughput_error_pct": worst("throughput_error_pct"),
+            "gated_on": "tokens_per_step" if trees else "acceptance_rate",
             "gate_pct": gate_pct, "passed": passed}
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> str:
     lines = [f"# Speculative decoding: simulator vs engine\n", f"`{command}`\n",
              "| batch | k | acceptance engine | sim | error % | tokens/step engine | sim | "
-             "speedup engine | sim | error % | throughput error % | engine spread % |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "error % | speedup engine | sim | error % | throughput error % | "
+             "engine spread % |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(
             f"| {row['batch_size']} | {row['k']} | {row['engine_acceptance']:.3f} | "
             f"{row['sim_acceptance']:.3f} | {_pct(row['acceptance_error_pct'])} | "
             f"{row['engine_tokens_per_step']:.2f} | {row['sim_tokens_per_step']:.2f} | "
-            f"{row['engine_speedup']:.2f} | {row['sim_speedup']:.2f} | "
+            f"{_pct(row['tokens_per_step_error_pct'])} | {row['engine_speedup']:.2f} | {row['sim_speedup']:.2f} | "
             f"{_pct(row['speedup_error_pct'])} | {_pct(row['throughput_error_pct'])} | "
             f"{row['engine_spread_pct']:.1f} |")
     if summary.get("engine_clock") == "profile speed":
@@ -149,6 +168,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
                      f"(sim/calibration/cpu_noise/speed.py); "
                      f"the machine ran {low:.2f}-{high:.2f}x the profile's step times.")
     lines.append(f"\nLargest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} "
+                 f"%, tokens/step {_pct(summary['max_abs_tokens_per_step_error_pct'])} "
                  f"%, speedup {_pct(summary['max_abs_speedup_error_pct'])} % (gate "
                  f"{summary['gate_pct']:g} %): {'passed' if summary['passed'] else 'FAILED'}.\n")
     return "\n".join(lines)
@@ -189,12 +209,15 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def table(rows: list[dict], summary: dict) -> Table:
     out = Table(title=f"speculative decoding: simulator vs engine (gate ±{summary['gate_pct']:g} %)")
-    for name in ("batch", "k", "accept eng", "accept sim", "err %", "speedup eng",
-                 "speedup sim", "err %", "eng spread %"):
+    for name in ("batch", "k", "accept eng", "accept sim", "err %", "tok/step eng",
+                 "tok/step sim", "err %", "speedup eng", "speedup sim", "err %",
+                 "eng spread %"):
         out.add_column(name, justify="right")
     for row in rows:
         out.add_row(str(row["batch_size"]), str(row["k"]), f"{row['engine_acceptance']:.3f}",
                     f"{row['sim_acceptance']:.3f}", _pct(row["acceptance_error_pct"]),
+                    f"{row['engine_tokens_per_step']:.2f}", f"{row['sim_tokens_per_step']:.2f}",
+                    _pct(row["tokens_per_step_error_pct"]),
                     f"{row['engine_speedup']:.2f}", f"{row['sim_speedup']:.2f}",
                     _pct(row["speedup_error_pct"]), f"{row['engine_spread_pct']:.1f}")
     return out
@@ -203,13 +226,16 @@ def table(rows: list[dict], summary: dict) -> Table:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", default="tiny-pair-draft", choices=DRAFTERS)
-    parser.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--ks", type=int, nargs="+", default=None,
+                        help="draft lengths (medusa, lookahead: tree depths); default 1..8, "
+                             "for the token trees 2 and 4")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--profiles", type=Path, default=REPO / "profiles" / "cpu",
-                        help="folder with tiny-pair.json and tiny-pair+<drafter>.json")
+    parser.add_argument("--profiles", type=Path, default=None,
+                        help="folder with tiny-pair.json and tiny-pair+<drafter>.json (default "
+                             "profiles/cpu, for medusa and lookahead profiles/token-trees/cpu)")
     parser.add_argument("--acceptance", type=Path, default=None,
                         help="acceptance statistics (default profiles/speculation/"
                              "tiny-pair-<drafter>.json, from bench/speculative.py)")
@@ -222,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate-pct", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=REPO / "validation" / "speculation")
     args = parser.parse_args(argv)
+    trees = args.drafter in TREE_DRAFTERS
+    if args.ks is None:
+        args.ks = [2, 4] if trees else list(range(1, 9))
+    if args.profiles is None:
+        args.profiles = REPO / "profiles" / ("token-trees" if trees else "") / "cpu"
     if min(args.ks) < 1 or min(args.batch_sizes) < 1 or min(args.num_requests, args.repeats,
                                                              args.sim_runs) < 1:
         parser.error("--ks, --batch-sizes, --num-requests, --repeats and --sim-runs take "
@@ -232,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
               acceptance]
     missing = [str(path) for path in needed if not path.is_file()]
     if missing:
-        parser.error(f"missing {', '.join(missing)} (make profile-speculation writes the profiles, "
+        parser.error(f"missing {', '.join(missing)} (make profile-speculation, or for medusa "
+                     f"and lookahead make profile-token-trees, writes the profiles, "
                      f"python bench/speculative.py the acceptance statistics)")
 
     console = Console()
@@ -253,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                     dict(NO_GATES), console=Console(quiet=True), sim_runs=args.sim_runs))
                 bar.update(1)
     rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
-    summary = summarize(rows, args.gate_pct)
+    summary = summarize(rows, args.gate_pct, trees)
     # How much slower than at profiling the machine ran during the engine runs (their steps are
     # timed at the profile's speed when the profiles carry a speed reference).
     factors = [run["engine_conditions"].get("speed_factor_median", 1.0)
@@ -270,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.out / "speculation.png")
     console.print(table(rows, summary))
     console.print(f"largest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} %, "
+                  f"tokens/step {_pct(summary['max_abs_tokens_per_step_error_pct'])} %, "
                   f"speedup {_pct(summary['max_abs_speedup_error_pct'])} %; results in {args.out}")
     return 0 if summary["passed"] else 1
 

@@ -148,7 +148,10 @@ class EngineExecutor:
                 last_rows[spec.seq.seq_id] = first_row + (1 + path[-1] if path else 0)
             tokens = [[tree.tokens[node] for node in path]
                       for tree, path in zip(proposal.trees, paths)]
-            self.acceptance_stats.record([tree.depth for tree in proposal.trees],
+            # A tree with no candidate (lookahead's pool holds no n-gram for the last token;
+            # Medusa before its heads saw the sequence) counts as depth 1 rejected: the
+            # simulator draws every speculating step at the depth its size reaches.
+            self.acceptance_stats.record([max(tree.depth, 1) for tree in proposal.trees],
                                          [len(path) for path in paths],
                                          [spec.seq.starts_run for spec in speculating])
             return self._emit(speculating, tokens, next_tokens, sampled, stopped), last_rows

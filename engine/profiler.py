@@ -45,6 +45,7 @@ from sim.calibration.cpu_noise.speed import DEFAULT_INTERVAL_S, SpeedProbe, norm
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.step_shapes import GridPoint, build_plan, spread, spread_chunks
+from sim.core.build import TREE_DRAFTERS   # drafters whose points verify whole token trees
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,11 +57,14 @@ NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
-              speculative_ks: Iterable[int] = ()) -> list[GridPoint]:
+              speculative_ks: Iterable[int] = (), draft_model_lags: bool = True
+              ) -> list[GridPoint]:
     """The designed grid. The first block size gets the full grid; the others a subset (decode,
     prefill and mixed shapes, where the block size changes the attention's gathers). With
     `speculative_ks` (an executor with a drafter), decode batches that verify k drafts each, for
-    every k given, alone and next to a prefill chunk."""
+    every k given, alone and next to a prefill chunk, and (`draft_model_lags`: a draft model,
+    n-gram profiled alike) with sequences whose drafter lags one token. A token-tree drafter's
+    never lags (its trees are never accepted whole): its k are tree sizes."""
     specs: list[dict] = []
 
     def add(kind, full_only=False, **kw):
@@ -124,14 +128,16 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
             for ctx in ((64,) if quick else (64, 320)):
                 add("spec_decode", decodes=(ctx,) * batch, spec_len=k)
         if quick:
-            add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
+            if draft_model_lags:
+                add("spec_decode", decodes=(64,) * 2, spec_len=k, num_lagging=1)
         else:
             add("spec_decode", decodes=spread(24, 16, 400), spec_len=k)
             for batch in (4, 16):
                 add("spec_mixed", decodes=(128,) * batch, prefills=((128, 0),), spec_len=k)
             # After a step that accepted all its drafts a draft model lags the target by one
             # token, which its next pass runs again (most sequences, where acceptance is high).
-            for batch, num_lagging in ((1, 1), (4, 2), (4, 4), (16, 8), (16, 16)):
+            lagging = ((1, 1), (4, 2), (4, 4), (16, 8), (16, 16)) if draft_model_lags else ()
+            for batch, num_lagging in lagging:
                 add("spec_decode", decodes=(128,) * batch, spec_len=k, num_lagging=num_lagging)
 
     grid: list[GridPoint] = []
@@ -449,12 +455,14 @@ def git_commit() -> str | None:
 
 
 def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None = None,
-                     speculative_model: str | None = None, max_num_speculative_tokens: int = 0):
+                     speculative_model: str | None = None, max_num_speculative_tokens: int = 0,
+                     tree=None):
     """A factory building engine executors of an already loaded model (several factories, with
-    and without drafters, share its weights)."""
+    and without drafters, share its weights); with `tree` (a TreeSpeculation), executors that
+    draft token trees of up to max_num_speculative_tokens tokens."""
     from engine.builder import build_model_executor, load_draft
 
-    draft = load_draft(speculative_model, loaded, device, seed)
+    draft = tree if tree is not None else load_draft(speculative_model, loaded, device, seed)
 
     def factory(block_size: int, num_blocks: int, num_host_blocks: int):
         return build_model_executor(loaded, num_blocks, num_host_blocks, block_size, device, seed,
@@ -462,6 +470,33 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
                               max_num_speculative_tokens=max_num_speculative_tokens)
 
     return factory
+
+
+def tree_setup(method: str, ks: list[int], medusa_heads: str | None = None):
+    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpeculation and
+    the tree sizes (tokens verified per sequence) its speculating grid points run, for the draft
+    depths `ks`: Medusa's whole default tree at each depth (its heads bound the depth);
+    lookahead (W = G = 4) at the deepest k whose tokens fit a tree mask, N = k + 1, in units of
+    N - 1 tokens: 1, 2 and W window columns (always filled), and W + G (the guesses as many as
+    its n-gram pool holds, the window the rest)."""
+    from engine.builder import LOOKAHEAD, MEDUSA, TreeSpeculation
+    from policies.speculation.trees import MAX_TREE_TOKENS, lookahead_tokens
+
+    if method == MEDUSA:
+        tree = TreeSpeculation(MEDUSA, max(ks), medusa_heads)
+        sizes = {TreeSpeculation(MEDUSA, k, medusa_heads).num_tokens() for k in ks}
+        return tree, sorted(sizes)
+    if method != LOOKAHEAD:
+        raise ValueError(f"tree_setup: method must be {MEDUSA!r} or {LOOKAHEAD!r}, got "
+                         f"{method!r}")
+    tree = TreeSpeculation(LOOKAHEAD, 1)
+    window, guesses = tree.lookahead_window, tree.lookahead_guesses
+    fitting = [k for k in ks if lookahead_tokens(window, k + 1, guesses) <= MAX_TREE_TOKENS]
+    if not fitting:
+        raise ValueError(f"lookahead: no depth of {ks} fits a tree mask ({MAX_TREE_TOKENS} "
+                         f"tokens at most, (W + G) x k = {window + guesses} x k)")
+    tree = TreeSpeculation(LOOKAHEAD, max(fitting))
+    return tree, [units * max(fitting) for units in (1, 2, window, window + guesses)]
 
 
 def profile_name(model: str, speculative_model: str | None) -> str:
@@ -495,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
                              "decodes verifying k drafts; writes <model>.json and "
                              "<model>+<drafter>.json")
     parser.add_argument("--speculative-ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
-                        help="draft lengths of the speculating points")
+                        help="draft lengths of the speculating points (medusa, lookahead: "
+                             "draft depths, whose trees' sizes the points verify)")
+    parser.add_argument("--medusa-heads", default=None,
+                        help="Medusa heads folder (scripts/train_medusa.py; default: seeded "
+                             "heads, as many as the deepest k, which cost the same)")
     parser.add_argument("--speed-probe-interval", type=float, default=DEFAULT_INTERVAL_S,
                         help="seconds between speed probes, which normalise every sample to "
                              "the run's median machine speed and give the profile the speed "
@@ -533,13 +572,17 @@ def main(argv: list[str] | None = None) -> int:
     drafters = [None if name == NO_DRAFTER else name
                 for name in dict.fromkeys(args.speculative_models)]
     loaded = load_model(args.model, device, args.dtype, args.seed)
-    setups = {}
+    setups, spec_lens = {}, {}
     for drafter in drafters:
-        drafter_ks = ks if drafter else []
+        tree, drafter_ks = None, ks if drafter else []
+        if drafter in TREE_DRAFTERS:
+            tree, drafter_ks = tree_setup(drafter, ks, args.medusa_heads)
+        spec_lens[drafter] = drafter_ks
         factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
-                                   max(drafter_ks, default=0))
+                                   max(drafter_ks, default=0), tree)
         setups[profile_name(args.model, drafter)] = (factory, make_grid(
-            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks))
+            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
+            draft_model_lags=tree is None))
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
@@ -564,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
             "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
             "speculative_model": drafter, "speculative_ks": ks if drafter else [],
+            "spec_lens": spec_lens[drafter],
             "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
             "platform": platform.platform(), "python": platform.python_version(),
         }

@@ -386,3 +386,46 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
         result = executor.execute(plan)
         assert executor.acceptance_stats.position_trials[0] == len(point.decodes)
         assert set(result.num_accepted) == set(plan.spec_lens)
+
+
+def test_token_tree_drafters_are_profiled_on_whole_trees(tmp_path):
+    """Medusa and lookahead executors: their speculating points verify whole trees (spec_len =
+    the tree's tokens: Medusa's default tree at each depth, lookahead in units of N - 1), and the
+    engine runs them as trees (Medusa's heads once they saw a step's hidden state)."""
+    from engine.model_loader import load_model
+    from engine.profiler import executor_factory, tree_setup
+
+    medusa, medusa_sizes = tree_setup("medusa", [1, 2, 4])
+    assert medusa_sizes == [3, 9, 33] and medusa.max_depth == 4
+    lookahead, lookahead_sizes = tree_setup("lookahead", [1, 2, 4, 8])   # 8 x 8 tokens: too many
+    assert lookahead.max_depth == 4 and lookahead_sizes == [4, 8, 16, 32]
+    with pytest.raises(ValueError, match="method must be"):
+        tree_setup("ngram", [2])
+    assert main(["--quick", "--repeats", "1", "--device", "cpu", "--out-dir", str(tmp_path),
+                 "--no-progress", "--block-sizes", "16", "--speculative-models", "none",
+                 "medusa", "lookahead", "--speculative-ks", "2", "--speed-probe-interval",
+                 "0"]) == 0
+    for name, sizes in (("medusa", [9]), ("lookahead", [2, 4, 8, 16])):
+        content = json.loads((tmp_path / "cpu" / f"tiny-llama+{name}.json").read_text())
+        assert content["metadata"]["speculative_model"] == name
+        assert content["metadata"]["spec_lens"] == sizes
+        assert content["fit"]["by_kind"]["spec_decode"]["num_points"] > 0
+        samples = read_samples(tmp_path / "cpu" / f"tiny-llama+{name}.samples.csv")
+        assert not any(sample["draft_catch_up_tokens"] for sample in samples)   # never lags
+
+    device = torch.device("cpu")
+    factory = executor_factory(load_model("tiny-llama", device), device,
+                               max_num_speculative_tokens=9, tree=tree_setup("medusa", [2])[0])
+    point = GridPoint(0, "spec_decode", 16, decodes=(64,) * 3, spec_len=9)
+    plan = build_plan(point)
+    features = dict(zip(STEP_FEATURES, step_features(plan)))
+    assert features["num_draft_tokens"] == 27 and features["speculating"] == 1
+    executor = factory(point.block_size, point.num_blocks_needed(), 0)
+    speculating = executor._speculating(plan)
+    assert not any(len(tree) for tree in executor.drafter.step(plan, speculating).trees)
+    executor.execute(plan)              # no hidden state yet: empty trees
+    # The heads read the first step's hidden states: whole 9-node trees.
+    assert [len(tree) for tree in executor.drafter.step(plan, speculating).trees] == [9] * 3
+    result = executor.execute(plan)
+    assert executor.acceptance_stats.position_trials[0] == 6   # an empty tree: depth 1 rejected
+    assert set(result.num_accepted) == set(plan.spec_lens)

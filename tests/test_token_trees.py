@@ -303,3 +303,38 @@ def test_tree_drafters_run_under_the_simulator_clock(drafter, prompts, expected)
     assert len(executor.acceptance_stats.position_trials) == 3
     assert sum(executor.acceptance_stats.position_accepts) > 0
     assert kv_cache.num_free_blocks() == kv_cache.num_blocks
+
+
+def test_simulated_tree_steps_start_fresh_runs():
+    """Every tree step proposes a new tree (the engine counts each as fresh), so a run of
+    acceptable positions longer than the tree's depth does not carry into the next step: the
+    mean accepted is p1 + p1 p2 at depth 2, where a chain drafter's runs carry over."""
+    from sim.core.acceptance import AcceptanceModel
+    from sim.core.executor import SimExecutor
+    from policies.types import StepPlan
+
+    rates = [0.6, 0.95, 0.95, 0.95]
+
+    class FixedCost:
+        def step_time(self, plan):
+            return 1e-3
+
+    def mean_accepted(depth_per_size, size):
+        executor = SimExecutor(FixedCost(), AcceptanceModel(rates, seed=1, run_probabilities=rates),
+                               depth_per_size)
+        plan = StepPlan()
+        plan.spec_lens = {0: size}
+        return sum(executor.execute(plan).num_accepted[0] for _ in range(20000)) / 20000
+
+    assert mean_accepted([0, 1, 1, 2, 2, 2], 5) == pytest.approx(0.6 + 0.6 * 0.95, abs=0.02)
+    assert mean_accepted(None, 2) > 0.6 + 0.6 * 0.95 + 0.2   # a chain's run carries over
+
+
+def test_every_tree_step_counts_in_the_acceptance_statistics(prompts):
+    """A lookahead step whose pool has no n-gram for the last token verifies the window alone
+    and accepts nothing; it still counts as a depth-1 trial, as the simulator draws it."""
+    llm = LLM(TARGET, speculative_model="lookahead", num_speculative_tokens=4)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    stats = llm.executor.acceptance_stats
+    # All but the prefill and the last step (one token left to make: no drafts).
+    assert stats.position_trials[0] == llm.last_stats.num_steps - 2

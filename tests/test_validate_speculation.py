@@ -105,3 +105,32 @@ def test_missing_profiles_are_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         validate_speculation.main(["--profiles", str(tmp_path), "--out", str(tmp_path / "o")])
     assert "tiny-pair.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "lookahead"])
+def test_token_tree_drafters_validate_acceptance_length_and_speedup(tmp_path, drafter):
+    """Medusa and lookahead through the same path, on the shipped token-tree profiles: k is the
+    tree's depth, and the gate reads the acceptance length (tokens per step) and the speedup."""
+    out = tmp_path / drafter
+    status = validate_speculation.main(["--drafter", drafter, "--ks", "2", "--batch-sizes", "2",
+                                        "--num-requests", "2", "--output-len", "8",
+                                        "--prompt-len", "32", "--repeats", "2", "--sim-runs",
+                                        "2", "--out", str(out)])
+    result = json.loads((out / "speculation.json").read_text())
+    assert result["drafter"] == drafter
+    assert result["acceptance_statistics"].endswith(f"tiny-pair-{drafter}.json")
+    [row] = result["rows"]
+    assert (row["batch_size"], row["k"]) == (2, 2)
+    for side in ("engine", "sim"):
+        assert row[f"{side}_tokens_per_step"] >= 1 and row[f"{side}_speedup"] > 0
+    assert row["tokens_per_step_error_pct"] == pytest.approx(
+        (row["sim_tokens_per_step"] - row["engine_tokens_per_step"])
+        / row["engine_tokens_per_step"] * 100)
+    assert row["engine_spread_pct"] >= 0
+    summary = result["summary"]
+    assert summary["gated_on"] == "tokens_per_step"
+    within = all(abs(row[key]) <= 10 for key in ("tokens_per_step_error_pct",
+                                                  "speedup_error_pct"))
+    assert summary["passed"] == within and status == (0 if within else 1)
+    engine = json.loads((out / "b2-k2/run0/engine/summary.json").read_text())
+    assert engine["num_draft_tokens"] > 0

@@ -113,9 +113,10 @@ class ProfiledCostModel:
     """Predicts `step_time(plan)` in seconds from a profile fitted on the engine.
 
     `model`, `hardware` and `tensor_parallel_size` are what the runner passes every cost model
-    (and `draft_model` a speculating run); the profile already describes one model on one device
-    (its draft features the drafter it was measured with), so the step's prediction does not use
-    them. Only the prefix cache's host tier, which no profile measures, is charged from them:
+    (and `draft_model` a speculating run, `medusa_num_heads` a Medusa run); the profile already
+    describes one model on one device (its draft features the drafter it was measured with:
+    Medusa's heads or lookahead's window run in its speculating steps), so the step's
+    prediction does not use them. Only the prefix cache's host tier, which no profile measures, is charged from them:
     its stores and loads take block bytes / `offload_bandwidth_gbps` (null: the hardware's host
     link), on top of the prediction.
     `block_size` (the run's KV block size) places the sequences in the attention tiles the
@@ -126,7 +127,7 @@ class ProfiledCostModel:
     def __init__(self, profile: str | Path | dict, seed: int = 0, sample_residuals: bool = True,
                  model=None, hardware=None, tensor_parallel_size: int = 1,
                  block_size: int | None = None, draft_model=None,
-                 offload_bandwidth_gbps: float | None = None):
+                 medusa_num_heads: int | None = None, offload_bandwidth_gbps: float | None = None):
         if isinstance(profile, dict):
             data, where, self.profile_path = check_profile(profile), "profile", "a profile"
         else:

@@ -145,13 +145,16 @@ class AcceptanceModel:
         p_1 ... p_j (runs, when the model has them, differ from this)."""
         return float(np.cumprod(self.probabilities(k)).sum())
 
-    def draw(self, spec_lens: dict[int, int]) -> list[int]:
+    def draw(self, spec_lens: dict[int, int], fresh_each_step: bool = False) -> list[int]:
         """Accepted drafts (0..k) for each sequence proposing k = spec_lens[seq_id], in the
-        mapping's order."""
+        mapping's order. With `fresh_each_step` (token trees: every step proposes a new tree
+        from the heads or the n-gram pool, so no run of acceptable positions carries into the
+        next step; the engine counts every tree step as fresh) each step starts a new run."""
         if not spec_lens:
             return []
         if self._run_probabilities is not None:
-            return [self._draw_in_run(seq_id, k) for seq_id, k in spec_lens.items()]
+            return [self._draw_in_run(seq_id, k, fresh_each_step)
+                    for seq_id, k in spec_lens.items()]
         lengths = np.fromiter(spec_lens.values(), dtype=np.int64, count=len(spec_lens))
         max_len = int(lengths.max())
         probabilities = self.probabilities(max_len)
@@ -164,12 +167,13 @@ class AcceptanceModel:
         accepted &= np.arange(max_len) < lengths[:, None]
         return np.cumprod(accepted, axis=1).sum(axis=1).tolist()
 
-    def _draw_in_run(self, seq_id: int, k: int) -> int:
+    def _draw_in_run(self, seq_id: int, k: int, fresh: bool = False) -> int:
         left = self._left_in_run.pop(seq_id, None)
-        if left is None:
+        if left is None or fresh:
             left = self._run_length(self._shift(seq_id) if self.sequence_shifts else 0.0)
         if left > k:    # all k accepted; the bonus token takes the run's next position
-            self._left_in_run[seq_id] = left - k - 1
+            if not fresh:
+                self._left_in_run[seq_id] = left - k - 1
             return k
         return left     # the rejected position ends the run (and the step, or is the bonus's)
 

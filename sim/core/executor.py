@@ -53,5 +53,6 @@ class SimExecutor:
                              "(set speculation.acceptance_rate or speculation.acceptance_profile)")
         depths = plan.spec_lens if self.depth_per_size is None else {
             seq_id: self.depth_per_size[size] for seq_id, size in plan.spec_lens.items()}
-        accepted = self.acceptance_model.draw(depths)
+        accepted = self.acceptance_model.draw(
+            depths, fresh_each_step=self.depth_per_size is not None)
         return StepResult(duration=duration, num_accepted=dict(zip(plan.spec_lens, accepted)))
