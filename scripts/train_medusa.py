@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from engine.medusa import MedusaHeads  # noqa: E402
-from train_tiny_pair import (DEFAULT_OUT, batches, held_out_text,  # noqa: E402
-                             training_text)
+from train_tiny_pair import (DEFAULT_OUT, add_training_arguments, batches,  # noqa: E402
+                             held_out_text, training_text)
 
 TARGET = DEFAULT_OUT / "target"
 
@@ -68,11 +68,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "medusa")
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
+    add_training_arguments(parser)
     args = parser.parse_args()
     from transformers import LlamaForCausalLM
 

@@ -126,16 +126,21 @@ def evaluate(target, draft, data: torch.Tensor, args) -> dict:
         expected_sampled_acceptance=round(torch.minimum(p, q).sum(-1).mean().item(), 4))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--target-steps", type=int, default=1200)
-    parser.add_argument("--draft-steps", type=int, default=800)
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every training script here shares: batches, learning rate, seed, threads."""
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--target-steps", type=int, default=1200)
+    parser.add_argument("--draft-steps", type=int, default=800)
+    add_training_arguments(parser)
     args = parser.parse_args()
     from transformers import LlamaForCausalLM
 
