@@ -182,16 +182,24 @@ def build_engine(config: EngineConfig) -> Engine:
     max_k = speculation.max_num_speculative_tokens if speculation is not None else 0
     if max_k and draft is None:
         raise ValueError("the scheduler speculates but no speculative_model was given")
-    kv_cache = scheduler.kv_cache
-    executor = build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
-                                    kv_cache.block_size, device, config.seed,
-                                    config.kernel_backend, draft=draft,
-                                    max_num_speculative_tokens=max_k,
-                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
-                                    cuda_graph_max_batch=0 if config.enforce_eager
-                                    else getattr(scheduler, "max_num_seqs",
-                                                 DEFAULT_MAX_CAPTURE_SIZE))
+    executor = build_scheduler_executor(config, loaded, scheduler, device, draft, max_k)
     return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
+
+
+def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, scheduler,
+                             device: torch.device, draft=None,
+                             max_num_speculative_tokens: int = 0) -> EngineExecutor:
+    """The executor whose pools (device, swap, host tier) match `scheduler`'s KV manager, with
+    CUDA graphs up to its max_num_seqs unless config.enforce_eager."""
+    kv_cache = scheduler.kv_cache
+    return build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
+                                kv_cache.block_size, device, config.seed,
+                                config.kernel_backend, draft=draft,
+                                max_num_speculative_tokens=max_num_speculative_tokens,
+                                num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
+                                cuda_graph_max_batch=0 if config.enforce_eager
+                                else getattr(scheduler, "max_num_seqs",
+                                             DEFAULT_MAX_CAPTURE_SIZE))
 
 
 def load_draft(speculative_model: str | None, target: LoadedModel, device: torch.device,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.builder import build_model_executor, build_scheduler, names_a_policy
+from engine.builder import build_scheduler, build_scheduler_executor, names_a_policy
 from engine.kv_cache import KVCachePool
 from engine.llm import LLM, RequestOutput
 from policies.types import Request, Sequence
@@ -79,11 +79,9 @@ class DisaggregatedLLM(LLM):
             decode_config = replace(self.config, num_gpu_blocks=decode_num_gpu_blocks)
         self.decode_scheduler = build_scheduler(decode_config, self.loaded, self.device,
                                                 self.max_model_len)
-        kv_cache = self.decode_scheduler.kv_cache
         # The same model object (its weights once in memory), a pool of its own.
-        self.decode_executor = build_model_executor(
-            self.loaded, kv_cache.num_blocks, kv_cache.num_host_blocks, kv_cache.block_size,
-            self.device, self.config.seed, self.config.kernel_backend)
+        self.decode_executor = build_scheduler_executor(decode_config, self.loaded,
+                                                        self.decode_scheduler, self.device)
         self.last_transfers: list[KVTransfer] = []
 
     def _make_request(self, prompt, params, priority: int = 0):
