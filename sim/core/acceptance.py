@@ -140,16 +140,16 @@ class AcceptanceModel:
         `source` says which, and how many nodes fall back to the per-depth rates."""
         paths = [tuple(path) for path in paths]
         if not self.node_rates:
-            return AcceptanceModel(self.position_probabilities, self._seed, f"{self.source}; "
-                                   f"per depth (the statistics have no per-node counts)",
-                                   self.run_probabilities, self.sequence_shifts)
+            return AcceptanceModel(self.position_probabilities, self._seed, _noted(
+                self.source, "per depth (the statistics have no per-node counts)"),
+                self.run_probabilities, self.sequence_shifts)
         unmeasured = sum(path not in self.node_rates for path in paths)
         note = (f"per node, {unmeasured} of {len(paths)} tree nodes never examined in the "
                 f"statistics (per depth from there)" if unmeasured else
                 f"per node ({len(paths)} tree nodes)")
-        return AcceptanceModel(self.position_probabilities, self._seed, f"{self.source}; {note}",
-                               self.run_probabilities, self.sequence_shifts, self.node_rates,
-                               paths)
+        return AcceptanceModel(self.position_probabilities, self._seed,
+                               _noted(self.source, note), self.run_probabilities,
+                               self.sequence_shifts, self.node_rates, paths)
 
     @classmethod
     def iid(cls, acceptance_rate: float, seed=0) -> "AcceptanceModel":
@@ -295,6 +295,10 @@ class AcceptanceModel:
         if tail >= 1.0:
             return ENDLESS_RUN
         return rates.size + int(self._rng.geometric(1.0 - tail)) - 1
+
+
+def _noted(source: str, note: str) -> str:
+    return f"{source}; {note}" if source else note
 
 
 def _shifted(rates: np.ndarray, shift) -> np.ndarray:
