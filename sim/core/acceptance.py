@@ -43,16 +43,19 @@ on the accepted path and no earlier sibling on it, and the times it was accepted
 (`draw_tree`): from the root, each examined child is accepted with its node's rate, the first
 accepted one taking the walk a level down; the accepted length is the depth reached. A node the
 statistics never examined (or a tree the statistics do not have) hands the rest of the walk to
-the per-depth rates, and `source` says so. With sequence shifts, each node's rate is that of a
-text with shift 0, fitted to the texts' node counts and shifts as the fresh rates are (without
-per-sequence node counts, the pooled rate). Lookahead's tree changes every step: it stays per
-depth.
+the per-depth rates, and `source` says so. With sequence shifts and per-sequence node counts,
+each text also has a shift of the nodes' log-odds, fitted to the texts' node counts as the
+fresh rates' shifts are (`fit_sequence_shifts`, the node rates those of a text with shift 0),
+and a simulated sequence takes both shifts of the text it draws; without per-sequence node
+counts the nodes' rates are the pooled ones and take the fresh rates' shifts. Lookahead's tree
+changes every step: it stays per depth.
 
 Counts are drawn, not averaged: from a seeded generator, i.i.d. in one numpy call per step, or
 one run length per run.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -92,7 +95,8 @@ class AcceptanceModel:
                  run_probabilities: list[float] | None = None,
                  sequence_shifts: list[float] | None = None,
                  node_rates: dict[tuple[int, ...], float] | None = None,
-                 tree: list[tuple[int, ...]] | None = None):
+                 tree: list[tuple[int, ...]] | None = None,
+                 node_shifts: list[float] | None = None):
         if not position_probabilities:
             raise ValueError("an acceptance model needs at least one position probability")
         self.position_probabilities = [
@@ -115,9 +119,16 @@ class AcceptanceModel:
         # Runs: seq_id -> acceptable positions left before the next rejected one (absent: the
         # sequence starts a new run at its next step).
         self._left_in_run: dict[int, int] = {}
-        # seq_id -> the sequence's log-odds shift (one of sequence_shifts), drawn when it first
-        # speculates.
-        self._shifts: dict[int, float] = {}
+        # Per measured text (sequence_shifts' texts), its shift of the tree nodes' log-odds.
+        self.node_shifts = [float(validators.finite_number(
+            f"the acceptance model's node_shifts[{index}]", shift))
+            for index, shift in enumerate(node_shifts or ())]
+        if self.node_shifts and len(self.node_shifts) != len(self.sequence_shifts):
+            raise ValueError(f"{len(self.node_shifts)} node shifts for "
+                             f"{len(self.sequence_shifts)} texts (sequence_shifts)")
+        # seq_id -> the measured text (an index into sequence_shifts) the sequence reads like,
+        # drawn when it first speculates.
+        self._texts: dict[int, int] = {}
         self.node_rates = {tuple(path): float(validators.probability(
             f"acceptance probability of tree node {list(path)}", rate))
             for path, rate in (node_rates or {}).items()}
@@ -132,7 +143,7 @@ class AcceptanceModel:
         """The same model with a generator (and run state) of its own."""
         return AcceptanceModel(self.position_probabilities, seed, self.source,
                                self.run_probabilities, self.sequence_shifts, self.node_rates,
-                               self.tree)
+                               self.tree, self.node_shifts)
 
     def for_tree(self, paths: list[tuple[int, ...]]) -> "AcceptanceModel":
         """This model drawing a fixed tree's steps node by node (`draw_tree`; a step verifies the
@@ -149,7 +160,7 @@ class AcceptanceModel:
                 f"per node ({len(paths)} tree nodes)")
         return AcceptanceModel(self.position_probabilities, self._seed,
                                _noted(self.source, note), self.run_probabilities,
-                               self.sequence_shifts, self.node_rates, paths)
+                               self.sequence_shifts, self.node_rates, paths, self.node_shifts)
 
     @classmethod
     def iid(cls, acceptance_rate: float, seed=0) -> "AcceptanceModel":
@@ -159,30 +170,14 @@ class AcceptanceModel:
 
     @classmethod
     def from_file(cls, path: str | Path, seed=0) -> "AcceptanceModel":
-        """Read an acceptance statistics file (the module docstring's format)."""
-        where = f"speculation.acceptance_profile={path}"
-        data = read_json_object(path, where)
-        missing = [key for key in STATISTICS_KEYS if key not in data]
-        if missing:
-            raise ValueError(f"{where}: missing key(s) {missing}")
-        num_positions = data["num_speculative_tokens"]
-        validators.positive_int(f"{where}: num_speculative_tokens", num_positions)
-        probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
-        if not probabilities:
-            raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
-        run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
-                             if all(key in data for key in FRESH_KEYS) else None)
-        shifts = None
-        if data.get("sequences") is not None and run_probabilities is not None:
-            sequences = _sequence_counts(data["sequences"], num_positions, where)
-            shifts, run_probabilities, _ = fit_sequence_shifts(sequences)
-        node_rates = None
-        if "tree_paths" in data:
-            node_rates = _node_rates(data, shifts, where)
-        source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
-        return cls(probabilities, seed, source=source or str(path),
-                   run_probabilities=run_probabilities, sequence_shifts=shifts,
-                   node_rates=node_rates)
+        """Read an acceptance statistics file (the module docstring's format). The fits are
+        kept per file (its path, size and time of change): a simulator run loads it anew."""
+        try:
+            stat = Path(path).stat()
+            identity = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            identity = (str(path), None, None)   # read_json_object names what is wrong
+        return cls(seed=seed, **_statistics_fields(str(path), identity))
 
     def probabilities(self, num_positions: int) -> np.ndarray:
         """p_1..p_num_positions, the last measured one repeated past the measured positions."""
@@ -229,11 +224,13 @@ class AcceptanceModel:
     def _walk_tree(self, seq_id: int, size: int) -> int:
         if not 1 <= size <= len(self.tree):
             raise ValueError(f"a step verifies 1..{len(self.tree)} nodes of this tree, got {size}")
-        shift = self._shift(seq_id) if self.sequence_shifts else 0.0
-        rates = self._shifted_tree_rates.get(shift)
+        text = self._text(seq_id) if self.sequence_shifts else None
+        shift = 0.0 if text is None else self.sequence_shifts[text]
+        node_shift = self.node_shifts[text] if text is not None and self.node_shifts else shift
+        rates = self._shifted_tree_rates.get(node_shift)
         if rates is None:
-            rates = self._shifted_tree_rates[shift] = (
-                _shifted(self._tree_rates, shift) if shift else self._tree_rates)
+            rates = self._shifted_tree_rates[node_shift] = (
+                _shifted(self._tree_rates, node_shift) if node_shift else self._tree_rates)
         node, depth = -1, 0
         while True:
             for child in self._children[node + 1]:
@@ -276,11 +273,13 @@ class AcceptanceModel:
         return left     # the rejected position ends the run (and the step, or is the bonus's)
 
     def _shift(self, seq_id: int) -> float:
-        shift = self._shifts.get(seq_id)
-        if shift is None:
-            pick = int(self._rng.integers(len(self.sequence_shifts)))
-            shift = self._shifts[seq_id] = self.sequence_shifts[pick]
-        return shift
+        return self.sequence_shifts[self._text(seq_id)]
+
+    def _text(self, seq_id: int) -> int:
+        text = self._texts.get(seq_id)
+        if text is None:
+            text = self._texts[seq_id] = int(self._rng.integers(len(self.sequence_shifts)))
+        return text
 
     def _run_length(self, shift: float = 0.0) -> int:
         """Acceptable positions before the next rejected one, from the fresh rates (their
@@ -295,6 +294,35 @@ class AcceptanceModel:
         if tail >= 1.0:
             return ENDLESS_RUN
         return rates.size + int(self._rng.geometric(1.0 - tail)) - 1
+
+
+@functools.lru_cache(maxsize=32)
+def _statistics_fields(path: str, identity: tuple) -> dict:
+    """AcceptanceModel's arguments from the statistics file at `path` (`identity` keys the
+    cache)."""
+    where = f"speculation.acceptance_profile={path}"
+    data = read_json_object(path, where)
+    missing = [key for key in STATISTICS_KEYS if key not in data]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}")
+    num_positions = data["num_speculative_tokens"]
+    validators.positive_int(f"{where}: num_speculative_tokens", num_positions)
+    probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
+    if not probabilities:
+        raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
+    run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
+                         if all(key in data for key in FRESH_KEYS) else None)
+    shifts = None
+    if data.get("sequences") is not None and run_probabilities is not None:
+        sequences = _sequence_counts(data["sequences"], num_positions, where)
+        shifts, run_probabilities, _ = fit_sequence_shifts(sequences)
+    node_rates = node_shifts = None
+    if "tree_paths" in data:
+        node_rates, node_shifts = _node_rates(data, bool(shifts), where)
+    source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
+    return dict(position_probabilities=probabilities, source=source or str(path),
+                run_probabilities=run_probabilities, sequence_shifts=shifts,
+                node_rates=node_rates, node_shifts=node_shifts)
 
 
 def _noted(source: str, note: str) -> str:
@@ -410,11 +438,12 @@ def _sequence_counts(sequences, num_positions: int, where: str):
     return counts
 
 
-def _node_rates(data: dict, shifts: list[float] | None,
-                where: str) -> dict[tuple[int, ...], float]:
-    """Each examined tree node's rate, by path: accepts / trials, or with sequence shifts and
-    per-sequence node counts the rate of a text with shift 0 that makes the texts' counts most
-    likely given their shifts (the M step of fit_sequence_shifts, the shifts known)."""
+def _node_rates(data: dict, per_text: bool, where: str
+                ) -> tuple[dict[tuple[int, ...], float], list[float] | None]:
+    """Each examined tree node's rate, by path, and with `per_text` (the model has sequence
+    shifts) and per-sequence node counts, each text's shift of the nodes' log-odds: the same
+    fit as the fresh rates' (fit_sequence_shifts) over the nodes, the rates those of a text with
+    shift 0. Otherwise accepts / trials, and no shifts of their own."""
     paths = data["tree_paths"]
     if (not isinstance(paths, list) or not paths or any(
             not isinstance(path, list) or not path or any(
@@ -434,21 +463,24 @@ def _node_rates(data: dict, shifts: list[float] | None,
                        for key in NODE_KEYS)
     if (accepts > trials).any():
         raise ValueError(f"{where}: node_accepts exceed node_trials at a node")
-    rates = np.divide(accepts, trials, out=np.zeros_like(trials), where=trials > 0)
-    examined = trials > 0
+    rates = {path: float(a / t) for path, t, a in zip(paths, trials, accepts) if t > 0}
     sequences = data.get("sequences") or []
-    if shifts and all(isinstance(entry, dict) and all(key in entry for key in NODE_KEYS)
-                      for entry in sequences):
-        sequence_trials, sequence_accepts = (np.array(
-            [_counts(entry, key, len(paths), f"{where}: sequences[{index}]")
-             for index, entry in enumerate(sequences)], dtype=np.float64) for key in NODE_KEYS)
-        if (sequence_accepts > sequence_trials).any():
-            raise ValueError(f"{where}: a sequence's node_accepts exceed its node_trials")
-        fitted = _sigmoid(_solve_log_odds(_log_odds(rates), np.asarray(shifts),
-                                          np.eye(len(shifts)), sequence_trials, sequence_accepts))
-        rates = np.where(sequence_trials.sum(axis=0) > 0, fitted, rates)
-        examined |= sequence_trials.sum(axis=0) > 0
-    return {path: float(rate) for path, rate, seen in zip(paths, rates, examined) if seen}
+    if not (per_text and all(isinstance(entry, dict) and all(key in entry for key in NODE_KEYS)
+                             for entry in sequences)):
+        return rates, None
+    sequence_trials, sequence_accepts = (np.array(
+        [_counts(entry, key, len(paths), f"{where}: sequences[{index}]")
+         for index, entry in enumerate(sequences)], dtype=np.float64) for key in NODE_KEYS)
+    if (sequence_accepts > sequence_trials).any():
+        raise ValueError(f"{where}: a sequence's node_accepts exceed its node_trials")
+    examined = np.flatnonzero(sequence_trials.sum(axis=0))
+    if not examined.size:
+        return rates, None
+    shifts, fitted, _ = fit_sequence_shifts(
+        [(node_trials[examined], node_accepts[examined], 0.0, 0.0)
+         for node_trials, node_accepts in zip(sequence_trials, sequence_accepts)])
+    rates.update({paths[node]: rate for node, rate in zip(examined, fitted)})
+    return rates, shifts
 
 
 def _counts(data: dict, key: str, length: int, where: str) -> list:
