@@ -53,21 +53,18 @@ def warm_up(llm: LLM, prompts) -> None:
     """One untimed short request; its drafts are not counted in the acceptance statistics."""
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
-    stats = llm.executor.acceptance_stats
-    llm.executor.acceptance_stats = AcceptanceCounts(len(stats.position_trials))
+    llm.executor.acceptance_stats = llm.executor.acceptance_stats.cleared()
 
 
 def sequence_counts(llm: LLM, prompts, params: SamplingParams) -> list[dict]:
-    """Each prompt run alone: its counts per draft position, fresh and over every step (how
-    acceptance varies from one text to another, which the simulator's acceptance model fits a
-    spread to)."""
+    """Each prompt run alone: its counts per draft position, fresh and over every step, and per
+    tree node for a fixed tree (how acceptance varies from one text to another, which the
+    simulator's acceptance model fits a spread to)."""
     counts = []
-    max_k = len(llm.executor.acceptance_stats.position_trials)
     for prompt in prompts:
-        llm.executor.acceptance_stats = AcceptanceCounts(max_k)
+        llm.executor.acceptance_stats = llm.executor.acceptance_stats.cleared()
         llm.generate([prompt], params, use_tqdm=False)
-        stats = llm.executor.acceptance_stats
-        counts.append({name: list(getattr(stats, name)) for name in AcceptanceCounts.COUNTS})
+        counts.append(llm.executor.acceptance_stats.counts())
     return counts
 
 
@@ -102,7 +99,7 @@ def main() -> None:
                             ignore_eos=True, seed=0 if args.temperature else None)
     prompts = held_out_prompts(max(args.batch_sizes), args.prompt_len)
     max_k = max(args.ks)
-    counts = {drafter: AcceptanceCounts(max_k) for drafter in args.drafters}
+    counts: dict[str, AcceptanceCounts] = {}   # drafter -> counts of its k = max k runs
     target = str(PAIR / "target")
     print(f"target {target}; prompts {args.prompt_len} bytes of held-out text, "
           f"{args.max_tokens} output tokens, temperature {args.temperature}, "
@@ -130,7 +127,7 @@ def main() -> None:
                 stats = llm.executor.acceptance_stats
                 rates = stats.acceptance_rates()
                 if k == max_k:   # every position examined: the statistics file's run
-                    counts[drafter].add(stats)
+                    counts.setdefault(drafter, stats.cleared()).add(stats)
                 mismatch = "" if (args.temperature or outputs == reference) else \
                     "  OUTPUT DIFFERS FROM THE TARGET'S"
                 rates_text = " ".join("-" if r is None else f"{r:.2f}" for r in rates)

@@ -20,6 +20,11 @@ varies by several % from draw to draw where the engine's, on fixed texts, does n
     python bench/validate_speculation.py                      # draft model, k = 1..8, ~20 minutes
     python bench/validate_speculation.py --drafter ngram --batch-sizes 1
     python bench/validate_speculation.py --drafter medusa     # k = 2, 4 (9- and 33-node trees)
+    python bench/validate_speculation.py --drafter medusa --ks 4 --tree '[[0],[0,0],[0,0,0]]'
+
+Medusa's acceptance is drawn per tree node where the statistics measured the tree's nodes
+(sim/core/acceptance.py); --per-depth drops the statistics' node counts to compare with the
+per-depth draws.
 
 Needs the profiles of both executors (`make profile-speculation` writes them; for medusa and
 lookahead `make profile-token-trees`, under profiles/token-trees/): <profiles>/tiny-pair.json
@@ -72,8 +77,34 @@ def write_trace(path: Path, num_requests: int, prompt_len: int, output_len: int)
     return path
 
 
+def parse_tree(text: str) -> list[list[int]]:
+    """--tree: a JSON list of paths of head ranks ([[0], [0, 0], [1]])."""
+    try:
+        tree = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--tree must be JSON, got {text!r}: {error}") from None
+    if (not isinstance(tree, list) or not tree or any(
+            not isinstance(path, list) or not path or any(
+                isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 for rank in path)
+            for path in tree)):
+        raise argparse.ArgumentTypeError(f"--tree must be a list of paths of non-negative head "
+                                         f"ranks ([[0], [0, 0], [1]]), got {text!r}")
+    return tree
+
+
+def per_depth_statistics(acceptance: Path, out: Path) -> Path:
+    """A copy of the acceptance statistics without their per-node counts (and the tree)."""
+    data = json.loads(acceptance.read_text())
+    for entry in [data, *(data.get("sequences") or [])]:
+        for key in ("tree_paths", "node_trials", "node_accepts"):
+            entry.pop(key, None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data) + "\n")
+    return out
+
+
 def job_overrides(trace: Path, batch_size: int, k: int, drafter: str, profiles: Path,
-                  acceptance: Path) -> list[str]:
+                  acceptance: Path, tree: list[list[int]] | None = None) -> list[str]:
     overrides = ["model=tiny-pair", "hardware=cpu", "workload=trace",
                  f"workload.trace_path={trace}", "workload.with_token_ids=true",
                  f"scheduler.max_num_seqs={batch_size}", "kv_cache.block_size=16"]
@@ -81,6 +112,8 @@ def job_overrides(trace: Path, batch_size: int, k: int, drafter: str, profiles: 
         return [*overrides, f"cost_model.profile={profiles / 'tiny-pair.json'}"]
     if drafter == "medusa":
         overrides.append(f"speculation.medusa_heads={MEDUSA_HEADS}")
+        if tree is not None:
+            overrides.append(f"speculation.tree={json.dumps(tree).replace(' ', '')}")
     return [*overrides, "speculation=fixed", f"speculation.num_speculative_tokens={k}",
             f"speculation.draft_model={DRAFTERS[drafter]}",
             f"speculation.acceptance_profile={acceptance}",
@@ -245,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulator runs per engine run (each its own acceptance and "
                              "residual draws: one run draws 16 of the measured texts' rates); "
                              "the simulator's value is their mean")
+    parser.add_argument("--tree", type=parse_tree, default=None,
+                        help="medusa: the tree as a JSON list of paths of head ranks "
+                             "('[[0],[0,0],[1]]'; default: top 3, 2, 2, 1 per head)")
+    parser.add_argument("--per-depth", action="store_true",
+                        help="medusa: the simulator draws per depth (the statistics' per-node "
+                             "counts dropped)")
     parser.add_argument("--gate-pct", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=REPO / "validation" / "speculation")
     args = parser.parse_args(argv)
@@ -267,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"and lookahead make profile-token-trees, writes the profiles, "
                      f"python bench/speculative.py the acceptance statistics)")
 
+    if args.drafter != "medusa" and (args.tree is not None or args.per_depth):
+        parser.error("--tree and --per-depth are for --drafter medusa")
+    if args.per_depth:
+        acceptance = per_depth_statistics(acceptance, args.out / "acceptance-per-depth.json")
     console = Console()
     trace = write_trace(args.out / "trace.csv", args.num_requests, args.prompt_len,
                         args.output_len)
@@ -278,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix_str(f"round {repeat + 1}, batch {batch_size}, k {k}")
                 # Each round's simulator runs draw from seeds of their own.
                 overrides = [*job_overrides(trace, batch_size, k, args.drafter, args.profiles,
-                                            acceptance), f"seed={repeat}",
+                                            acceptance, args.tree), f"seed={repeat}",
                              f"sim_seed={repeat * args.sim_runs}"]
                 runs[(batch_size, k)].append(validate(
                     overrides, args.out / f"b{batch_size}-k{k}" / f"run{repeat}",
@@ -296,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculation.json").write_text(json.dumps(
-        {"summary": summary, "rows": rows, "drafter": args.drafter,
-         "acceptance_statistics": str(acceptance), "command": command}, indent=2) + "\n")
+        {"summary": summary, "rows": rows, "drafter": args.drafter, "tree": args.tree,
+         "per_depth": args.per_depth, "acceptance_statistics": str(acceptance), "command": command}, indent=2) + "\n")
     (args.out / "speculation.md").write_text(markdown(rows, summary, command))
     plot(rows, args.out / "speculation.png")
     console.print(table(rows, summary))

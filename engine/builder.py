@@ -351,7 +351,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          f"draft (a speculative_model)")
     return EngineExecutor(runner, pool, sampler, loaded.eos_token_id, device, drafter,
                           max_num_speculative_tokens,
-                          draft.max_depth if isinstance(draft, TreeSpeculation) else None)
+                          draft.max_depth if isinstance(draft, TreeSpeculation) else None,
+                          drafter.paths if isinstance(drafter, MedusaDrafter) else None)
 
 
 def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_tokens: int) -> None:

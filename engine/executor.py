@@ -13,7 +13,8 @@ Token trees (Medusa, lookahead decoding; engine/token_tree.py): a drafter may pr
 per sequence instead of a chain; its nodes run under their tree mask, the longest accepted path
 is kept (greedy: argmax matching; sampling: the drafter's typical acceptance), its K/V is moved
 to the slots right after the sequence's last token and the scheduler trims the rest as it does
-for rejected drafts. The acceptance counts are then per depth.
+for rejected drafts. The acceptance counts are then per depth, and for a fixed tree (Medusa's
+paths, `tree_paths`) also per tree node.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class EngineExecutor:
     def __init__(self, runner: ModelRunner, pool: KVCachePool, sampler: Sampler,
                  eos_token_id: int | None, device: torch.device,
                  drafter: NgramDrafter | DraftModelDrafter | None = None,
-                 max_num_speculative_tokens: int = 0, max_tree_depth: int | None = None):
+                 max_num_speculative_tokens: int = 0, max_tree_depth: int | None = None,
+                 tree_paths: list[tuple[int, ...]] | None = None):
         self.runner = runner
         self.pool = pool
         self.sampler = sampler
@@ -49,8 +51,9 @@ class EngineExecutor:
         self.drafter = drafter
         self.max_num_speculative_tokens = max_num_speculative_tokens
         # Per draft position 1..max k (per depth 1..max_tree_depth with a tree drafter): times
-        # examined and accepted, over every step run.
-        self.acceptance_stats = AcceptanceCounts(max_tree_depth or max_num_speculative_tokens)
+        # examined and accepted, over every step run; with a fixed tree, per node too.
+        self.acceptance_stats = AcceptanceCounts(max_tree_depth or max_num_speculative_tokens,
+                                                 tree_paths)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
         self._generators: dict[int, tuple[Request, list[torch.Generator | None]]] = {}
 
@@ -154,6 +157,8 @@ class EngineExecutor:
             self.acceptance_stats.record([max(tree.depth, 1) for tree in proposal.trees],
                                          [len(path) for path in paths],
                                          [spec.seq.starts_run for spec in speculating])
+            if self.acceptance_stats.tree_paths is not None:
+                self.acceptance_stats.record_tree([len(tree) for tree in proposal.trees], paths)
             return self._emit(speculating, tokens, next_tokens, sampled, stopped), last_rows
         accepted = self._verify(speculating, proposal, logits, first_rows, sampled, stopped)
         for spec, first_row in zip(speculating, first_rows):

@@ -21,6 +21,7 @@ import torch
 
 from engine.drafters import DraftProposal, SpeculatingSeq
 from engine.token_tree import DEFAULT_TYPICAL_DELTA, DEFAULT_TYPICAL_EPSILON, TokenTree
+from policies.speculation.trees import path_parents
 from policies.types import Request, Sequence, StepPlan
 
 HEADS_CONFIG = "medusa_config.json"
@@ -92,7 +93,7 @@ class MedusaDrafter:
                  typical_delta: float = DEFAULT_TYPICAL_DELTA):
         self.heads = heads
         self.paths = paths
-        self.parents = [paths.index(path[:-1]) if len(path) > 1 else -1 for path in paths]
+        self.parents = path_parents(paths)
         self.typical_epsilon, self.typical_delta = typical_epsilon, typical_delta
         # (request id, sample index) -> (request, hidden state of its last token's row)
         self._hidden: dict[tuple[int, int], tuple[Request, torch.Tensor]] = {}

@@ -13,6 +13,7 @@ after the step reports every speculating sequence's (proposed, accepted) to `obs
 """
 from __future__ import annotations
 
+from policies.speculation.trees import node_children, path_parents
 from policies.validators import non_negative_int, number_in, positive_int
 
 
@@ -44,16 +45,38 @@ class AcceptanceCounts:
     steps, Sequence.starts_run) describe the runs of accepted drafts: where a step starts in a
     run is known only there, and rejections cluster (a hard stretch of text rejects several steps
     in a row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
-    file's content (the format `sim.core.acceptance.AcceptanceModel.from_file` reads)."""
+    file's content (the format `sim.core.acceptance.AcceptanceModel.from_file` reads).
+
+    With `tree_paths` (a fixed token tree: Medusa's paths of head ranks, a step verifying the
+    first that many) it also counts per tree node (`record_tree`): a node is examined when it is
+    in the step's tree, its parent is on the accepted path (the root always is) and no earlier
+    sibling is, and accepted when it is on the path, so the simulator can walk the same tree."""
 
     COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
               "fresh_position_accepts")
+    NODE_COUNTS = ("node_trials", "node_accepts")
 
-    def __init__(self, max_num_speculative_tokens: int):
+    def __init__(self, max_num_speculative_tokens: int,
+                 tree_paths: list[tuple[int, ...]] | None = None):
         self.position_trials = [0] * max_num_speculative_tokens
         self.position_accepts = [0] * max_num_speculative_tokens
         self.fresh_position_trials = [0] * max_num_speculative_tokens
         self.fresh_position_accepts = [0] * max_num_speculative_tokens
+        self.tree_paths = None if tree_paths is None else [tuple(path) for path in tree_paths]
+        num_nodes = len(self.tree_paths or ())
+        self.node_trials = [0] * num_nodes
+        self.node_accepts = [0] * num_nodes
+        self._children = None if tree_paths is None else node_children(
+            path_parents(self.tree_paths))
+
+    def cleared(self) -> "AcceptanceCounts":
+        """Counts of the same shape (positions, tree), all zero."""
+        return AcceptanceCounts(len(self.position_trials), self.tree_paths)
+
+    def counts(self) -> dict[str, list]:
+        """Every count list by name (the node counts only with a tree)."""
+        names = self.COUNTS + (self.NODE_COUNTS if self.tree_paths is not None else ())
+        return {name: list(getattr(self, name)) for name in names}
 
     def record(self, proposed: list[int], accepted: list[int],
                fresh: list[bool] | None = None) -> None:
@@ -73,18 +96,51 @@ class AcceptanceCounts:
                 for position in range(num_accepted):
                     accepts[position] += 1
 
+    def record_tree(self, num_nodes: list[int], accepted_paths: list[list[int]]) -> None:
+        """One step's trees, per sequence: its first num_nodes of tree_paths and the accepted
+        path (node indices from the root's child down). A tree with no node counts as its
+        first node examined and rejected, as `record` counts it a rejected depth 1."""
+        if self._children is None:
+            raise ValueError("per-node counts need the tree (AcceptanceCounts(..., tree_paths))")
+        for size, path in zip(num_nodes, accepted_paths, strict=True):
+            if not 0 <= size <= len(self.tree_paths):
+                raise ValueError(f"a tree of {size} nodes; this tree has {len(self.tree_paths)}")
+            if size == 0:
+                if path:
+                    raise ValueError(f"an empty tree cannot accept the path {path}")
+                self.node_trials[0] += 1
+                continue
+            on_path = iter(path)
+            accepted = next(on_path, None)
+            parent = -1
+            while True:
+                children = [child for child in self._children[parent + 1] if child < size]
+                for child in children:
+                    self.node_trials[child] += 1
+                    if child == accepted:
+                        break
+                else:
+                    break
+                self.node_accepts[accepted] += 1
+                parent, accepted = accepted, next(on_path, None)
+            if accepted is not None or parent != (path[-1] if path else -1):
+                raise ValueError(f"accepted path {path} is not a path from the root of the "
+                                 f"first {size} nodes of the tree")
+
     def scale(self, factor: float) -> None:
         """Multiply every count by `factor` (exponential forgetting)."""
-        for name in self.COUNTS:
-            setattr(self, name, [count * factor for count in getattr(self, name)])
+        for name, counts in self.counts().items():
+            setattr(self, name, [count * factor for count in counts])
 
     def add(self, other: "AcceptanceCounts") -> None:
-        """Add another run's counts (over as many positions) to these."""
+        """Add another run's counts (over as many positions, and the same tree) to these."""
         if len(other.position_trials) != len(self.position_trials):
             raise ValueError(f"cannot add counts over {len(other.position_trials)} positions to "
                              f"counts over {len(self.position_trials)}")
-        for name in self.COUNTS:
-            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        if other.tree_paths != self.tree_paths:
+            raise ValueError("cannot add counts over one token tree to counts over another")
+        for name, counts in self.counts().items():
+            setattr(self, name, [a + b for a, b in zip(counts, getattr(other, name))])
 
     def acceptance_rates(self) -> list[float | None]:
         """Conditional acceptance per position; None where a position was never examined."""
@@ -92,12 +148,10 @@ class AcceptanceCounts:
                 for trials, accepts in zip(self.position_trials, self.position_accepts)]
 
     def to_statistics(self, drafter: str, target: str, source: str) -> dict:
-        return {"num_speculative_tokens": len(self.position_trials),
-                "position_trials": list(self.position_trials),
-                "position_accepts": list(self.position_accepts),
-                "fresh_position_trials": list(self.fresh_position_trials),
-                "fresh_position_accepts": list(self.fresh_position_accepts),
-                "drafter": drafter, "target": target, "source": source}
+        statistics = {"num_speculative_tokens": len(self.position_trials), **self.counts()}
+        if self.tree_paths is not None:
+            statistics["tree_paths"] = [list(path) for path in self.tree_paths]
+        return {**statistics, "drafter": drafter, "target": target, "source": source}
 
 
 class NoSpeculation:

@@ -45,6 +45,26 @@ def tree_paths(tree, num_heads: int, max_depth: int) -> list[tuple[int, ...]]:
     return paths[:MAX_TREE_TOKENS]
 
 
+def path_parents(paths: list[tuple[int, ...]]) -> list[int]:
+    """Per path (a tree node), the index of its prefix's path: its parent (-1: the root)."""
+    index = {tuple(path): node for node, path in enumerate(paths)}
+    parents = []
+    for node, path in enumerate(paths):
+        parent = index.get(tuple(path[:-1]), -1) if len(path) > 1 else -1
+        if len(path) > 1 and not 0 <= parent < node:
+            raise ValueError(f"tree path {list(path)} comes before its prefix or has none")
+        parents.append(parent)
+    return parents
+
+
+def node_children(parents: list[int]) -> list[list[int]]:
+    """Per node + 1 (entry 0: the root), its children in tree order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
+
+
 def medusa_depth_per_size(paths: list[tuple[int, ...]]) -> list[int]:
     """For each size 0..len(paths): the depth of the tree of its first that many paths."""
     depths = [0]

@@ -35,21 +35,39 @@ Drawing the texts' own shifts, not a normal one, keeps their skew: a few very ea
 drafts never rejected) and no hard tail the texts did not show (a normal spread fitted to them,
 0.8, gave the simulator stragglers the engine never had: batch-16 throughput −27 %).
 
+A fixed token tree (Medusa's paths of head ranks; a step verifies the first that many) is also
+measured per node when the file has `tree_paths` (the tree, a list of paths), `node_trials` and
+`node_accepts` (per node: the times it was examined, i.e. it was in the step's tree, its parent
+on the accepted path and no earlier sibling on it, and the times it was accepted); each entry of
+`sequences` may have the two node counts too. `for_tree(paths)` then walks the run's tree
+(`draw_tree`): from the root, each examined child is accepted with its node's rate, the first
+accepted one taking the walk a level down; the accepted length is the depth reached. A node the
+statistics never examined (or a tree the statistics do not have) hands the rest of the walk to
+the per-depth rates, and `source` says so. With sequence shifts and per-sequence node counts,
+each text also has a shift of the nodes' log-odds, fitted to the texts' node counts as the
+fresh rates' shifts are (`fit_sequence_shifts`, the node rates those of a text with shift 0),
+and a simulated sequence takes both shifts of the text it draws; without per-sequence node
+counts the nodes' rates are the pooled ones and take the fresh rates' shifts. Lookahead's tree
+changes every step: it stays per depth.
+
 Counts are drawn, not averaged: from a seeded generator, i.i.d. in one numpy call per step, or
 one run length per run.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import numpy as np
 
 from policies import validators
+from policies.speculation.trees import node_children, path_parents
 from sim.core.json_files import read_json_object
 
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
 FRESH_KEYS = ("fresh_position_trials", "fresh_position_accepts")
+NODE_KEYS = ("node_trials", "node_accepts")
 # The spreads fit_sequence_shifts chooses from (SD of a sequence's log-odds shift), and the
 # Gauss-Hermite nodes that integrate each sequence's likelihood over its unknown shift.
 SPREAD_GRID = np.linspace(0.0, 3.0, 61)
@@ -69,11 +87,16 @@ ENDLESS_RUN = 1 << 40
 
 class AcceptanceModel:
     """Draws accepted-draft counts from per-position conditional acceptance probabilities, or,
-    with `run_probabilities` (the fresh per-position rates), from runs of acceptable drafts."""
+    with `run_probabilities` (the fresh per-position rates), from runs of acceptable drafts; with
+    `node_rates` (a fixed tree's measured nodes, by path) and `tree` (the run's tree, set by
+    `for_tree`), by walking the tree node by node."""
 
     def __init__(self, position_probabilities: list[float], seed=0, source: str = "",
                  run_probabilities: list[float] | None = None,
-                 sequence_shifts: list[float] | None = None):
+                 sequence_shifts: list[float] | None = None,
+                 node_rates: dict[tuple[int, ...], float] | None = None,
+                 tree: list[tuple[int, ...]] | None = None,
+                 node_shifts: list[float] | None = None):
         if not position_probabilities:
             raise ValueError("an acceptance model needs at least one position probability")
         self.position_probabilities = [
@@ -84,6 +107,7 @@ class AcceptanceModel:
                 f"fresh acceptance probability of draft position {i + 1}", p))
             for i, p in enumerate(run_probabilities)]
         self.source = source
+        self._seed = seed
         self._rng = np.random.default_rng(seed)
         self._probabilities = np.asarray(self.position_probabilities)
         self._run_probabilities = (None if self.run_probabilities is None
@@ -95,14 +119,48 @@ class AcceptanceModel:
         # Runs: seq_id -> acceptable positions left before the next rejected one (absent: the
         # sequence starts a new run at its next step).
         self._left_in_run: dict[int, int] = {}
-        # seq_id -> the sequence's log-odds shift (one of sequence_shifts), drawn when it first
-        # speculates.
-        self._shifts: dict[int, float] = {}
+        # Per measured text (sequence_shifts' texts), its shift of the tree nodes' log-odds.
+        self.node_shifts = [float(validators.finite_number(
+            f"the acceptance model's node_shifts[{index}]", shift))
+            for index, shift in enumerate(node_shifts or ())]
+        if self.node_shifts and len(self.node_shifts) != len(self.sequence_shifts):
+            raise ValueError(f"{len(self.node_shifts)} node shifts for "
+                             f"{len(self.sequence_shifts)} texts (sequence_shifts)")
+        # seq_id -> the measured text (an index into sequence_shifts) the sequence reads like,
+        # drawn when it first speculates.
+        self._texts: dict[int, int] = {}
+        self.node_rates = {tuple(path): float(validators.probability(
+            f"acceptance probability of tree node {list(path)}", rate))
+            for path, rate in (node_rates or {}).items()}
+        self.tree = None if tree is None else [tuple(path) for path in tree]
+        if self.tree is not None:
+            self._children = node_children(path_parents(self.tree))
+            # Per node, its measured rate (NaN: never examined, the per-depth rates take over).
+            self._tree_rates = np.array([self.node_rates.get(path, np.nan) for path in self.tree])
+            self._shifted_tree_rates: dict[float, np.ndarray] = {}
 
     def reseeded(self, seed) -> "AcceptanceModel":
         """The same model with a generator (and run state) of its own."""
         return AcceptanceModel(self.position_probabilities, seed, self.source,
-                               self.run_probabilities, self.sequence_shifts)
+                               self.run_probabilities, self.sequence_shifts, self.node_rates,
+                               self.tree, self.node_shifts)
+
+    def for_tree(self, paths: list[tuple[int, ...]]) -> "AcceptanceModel":
+        """This model drawing a fixed tree's steps node by node (`draw_tree`; a step verifies the
+        first that many of `paths`), or, without per-node statistics, unchanged (per depth);
+        `source` says which, and how many nodes fall back to the per-depth rates."""
+        paths = [tuple(path) for path in paths]
+        if not self.node_rates:
+            return AcceptanceModel(self.position_probabilities, self._seed, _noted(
+                self.source, "per depth (the statistics have no per-node counts)"),
+                self.run_probabilities, self.sequence_shifts)
+        unmeasured = sum(path not in self.node_rates for path in paths)
+        note = (f"per node, {unmeasured} of {len(paths)} tree nodes never examined in the "
+                f"statistics (per depth from there)" if unmeasured else
+                f"per node ({len(paths)} tree nodes)")
+        return AcceptanceModel(self.position_probabilities, self._seed,
+                               _noted(self.source, note), self.run_probabilities,
+                               self.sequence_shifts, self.node_rates, paths, self.node_shifts)
 
     @classmethod
     def iid(cls, acceptance_rate: float, seed=0) -> "AcceptanceModel":
@@ -112,26 +170,14 @@ class AcceptanceModel:
 
     @classmethod
     def from_file(cls, path: str | Path, seed=0) -> "AcceptanceModel":
-        """Read an acceptance statistics file (the module docstring's format)."""
-        where = f"speculation.acceptance_profile={path}"
-        data = read_json_object(path, where)
-        missing = [key for key in STATISTICS_KEYS if key not in data]
-        if missing:
-            raise ValueError(f"{where}: missing key(s) {missing}")
-        num_positions = data["num_speculative_tokens"]
-        validators.positive_int(f"{where}: num_speculative_tokens", num_positions)
-        probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
-        if not probabilities:
-            raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
-        run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
-                             if all(key in data for key in FRESH_KEYS) else None)
-        shifts = None
-        if data.get("sequences") is not None and run_probabilities is not None:
-            sequences = _sequence_counts(data["sequences"], num_positions, where)
-            shifts, run_probabilities, _ = fit_sequence_shifts(sequences)
-        source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
-        return cls(probabilities, seed, source=source or str(path),
-                   run_probabilities=run_probabilities, sequence_shifts=shifts)
+        """Read an acceptance statistics file (the module docstring's format). The fits are
+        kept per file (its path, size and time of change): a simulator run loads it anew."""
+        try:
+            stat = Path(path).stat()
+            identity = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            identity = (str(path), None, None)   # read_json_object names what is wrong
+        return cls(seed=seed, **_statistics_fields(str(path), identity))
 
     def probabilities(self, num_positions: int) -> np.ndarray:
         """p_1..p_num_positions, the last measured one repeated past the measured positions."""
@@ -167,6 +213,55 @@ class AcceptanceModel:
         accepted &= np.arange(max_len) < lengths[:, None]
         return np.cumprod(accepted, axis=1).sum(axis=1).tolist()
 
+    def draw_tree(self, sizes: dict[int, int]) -> list[int]:
+        """Accepted tokens for each sequence verifying the first sizes[seq_id] nodes of the tree
+        (`for_tree`), in the mapping's order: the depth a walk from the root reaches, each
+        examined child accepted with its node's rate (the sequence's shift applied)."""
+        if self.tree is None:
+            raise ValueError("draw_tree needs a tree with per-node rates (for_tree)")
+        return [self._walk_tree(seq_id, size) for seq_id, size in sizes.items()]
+
+    def _walk_tree(self, seq_id: int, size: int) -> int:
+        if not 1 <= size <= len(self.tree):
+            raise ValueError(f"a step verifies 1..{len(self.tree)} nodes of this tree, got {size}")
+        text = self._text(seq_id) if self.sequence_shifts else None
+        shift = 0.0 if text is None else self.sequence_shifts[text]
+        node_shift = self.node_shifts[text] if text is not None and self.node_shifts else shift
+        rates = self._shifted_tree_rates.get(node_shift)
+        if rates is None:
+            rates = self._shifted_tree_rates[node_shift] = (
+                _shifted(self._tree_rates, node_shift) if node_shift else self._tree_rates)
+        node, depth = -1, 0
+        while True:
+            for child in self._children[node + 1]:
+                if child >= size:
+                    continue
+                if np.isnan(rates[child]):   # never examined: per depth below `node`
+                    return depth + self._depth_run(depth, self._reach(node, size), shift)
+                if self._rng.random() < rates[child]:
+                    node, depth = child, depth + 1
+                    break
+            else:
+                return depth
+
+    def _reach(self, node: int, size: int) -> int:
+        """The depth of the deepest of the first `size` nodes at or below `node` (-1: root)."""
+        if node < 0:
+            return max(len(path) for path in self.tree[:size])
+        prefix = self.tree[node]
+        return max(len(path) for path in self.tree[:size] if path[:len(prefix)] == prefix)
+
+    def _depth_run(self, depth: int, reach: int, shift: float) -> int:
+        """Accepted positions after `depth`, up to `reach`, from the per-depth rates (the fresh
+        ones when the model has runs: every tree step starts one)."""
+        measured = (self._run_probabilities if self._run_probabilities is not None
+                    else self._probabilities)
+        rates = measured[np.minimum(np.arange(depth, reach), measured.size - 1)]
+        if shift:
+            rates = _shifted(rates, shift)
+        rejected = np.flatnonzero(self._rng.random(rates.size) >= rates)
+        return int(rejected[0]) if rejected.size else rates.size
+
     def _draw_in_run(self, seq_id: int, k: int, fresh: bool = False) -> int:
         left = self._left_in_run.pop(seq_id, None)
         if left is None or fresh:
@@ -178,11 +273,13 @@ class AcceptanceModel:
         return left     # the rejected position ends the run (and the step, or is the bonus's)
 
     def _shift(self, seq_id: int) -> float:
-        shift = self._shifts.get(seq_id)
-        if shift is None:
-            pick = int(self._rng.integers(len(self.sequence_shifts)))
-            shift = self._shifts[seq_id] = self.sequence_shifts[pick]
-        return shift
+        return self.sequence_shifts[self._text(seq_id)]
+
+    def _text(self, seq_id: int) -> int:
+        text = self._texts.get(seq_id)
+        if text is None:
+            text = self._texts[seq_id] = int(self._rng.integers(len(self.sequence_shifts)))
+        return text
 
     def _run_length(self, shift: float = 0.0) -> int:
         """Acceptable positions before the next rejected one, from the fresh rates (their
@@ -197,6 +294,39 @@ class AcceptanceModel:
         if tail >= 1.0:
             return ENDLESS_RUN
         return rates.size + int(self._rng.geometric(1.0 - tail)) - 1
+
+
+@functools.lru_cache(maxsize=32)
+def _statistics_fields(path: str, identity: tuple) -> dict:
+    """AcceptanceModel's arguments from the statistics file at `path` (`identity` keys the
+    cache)."""
+    where = f"speculation.acceptance_profile={path}"
+    data = read_json_object(path, where)
+    missing = [key for key in STATISTICS_KEYS if key not in data]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}")
+    num_positions = data["num_speculative_tokens"]
+    validators.positive_int(f"{where}: num_speculative_tokens", num_positions)
+    probabilities = _conditional_rates(data, STATISTICS_KEYS[1:], num_positions, where)
+    if not probabilities:
+        raise ValueError(f"{where}: position 1 was never examined (position_trials[1] = 0)")
+    run_probabilities = (_conditional_rates(data, FRESH_KEYS, num_positions, where)
+                         if all(key in data for key in FRESH_KEYS) else None)
+    shifts = None
+    if data.get("sequences") is not None and run_probabilities is not None:
+        sequences = _sequence_counts(data["sequences"], num_positions, where)
+        shifts, run_probabilities, _ = fit_sequence_shifts(sequences)
+    node_rates = node_shifts = None
+    if "tree_paths" in data:
+        node_rates, node_shifts = _node_rates(data, bool(shifts), where)
+    source = " / ".join(str(data[key]) for key in ("drafter", "target", "source") if key in data)
+    return dict(position_probabilities=probabilities, source=source or str(path),
+                run_probabilities=run_probabilities, sequence_shifts=shifts,
+                node_rates=node_rates, node_shifts=node_shifts)
+
+
+def _noted(source: str, note: str) -> str:
+    return f"{source}; {note}" if source else note
 
 
 def _shifted(rates: np.ndarray, shift) -> np.ndarray:
@@ -308,16 +438,66 @@ def _sequence_counts(sequences, num_positions: int, where: str):
     return counts
 
 
+def _node_rates(data: dict, per_text: bool, where: str
+                ) -> tuple[dict[tuple[int, ...], float], list[float] | None]:
+    """Each examined tree node's rate, by path, and with `per_text` (the model has sequence
+    shifts) and per-sequence node counts, each text's shift of the nodes' log-odds: the same
+    fit as the fresh rates' (fit_sequence_shifts) over the nodes, the rates those of a text with
+    shift 0. Otherwise accepts / trials, and no shifts of their own."""
+    paths = data["tree_paths"]
+    if (not isinstance(paths, list) or not paths or any(
+            not isinstance(path, list) or not path or any(
+                isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 for rank in path)
+            for path in paths)):
+        raise ValueError(f"{where}: tree_paths must be a list of paths of non-negative ranks "
+                         f"([[0], [0, 0], [1]]), got {paths!r}")
+    paths = [tuple(path) for path in paths]
+    try:
+        path_parents(paths)
+    except ValueError as error:
+        raise ValueError(f"{where}: tree_paths: {error}") from None
+    missing = [key for key in NODE_KEYS if key not in data]
+    if missing:
+        raise ValueError(f"{where}: tree_paths needs {list(NODE_KEYS)}; missing {missing}")
+    trials, accepts = (np.asarray(_counts(data, key, len(paths), where), dtype=np.float64)
+                       for key in NODE_KEYS)
+    if (accepts > trials).any():
+        raise ValueError(f"{where}: node_accepts exceed node_trials at a node")
+    rates = {path: float(a / t) for path, t, a in zip(paths, trials, accepts) if t > 0}
+    sequences = data.get("sequences") or []
+    if not (per_text and all(isinstance(entry, dict) and all(key in entry for key in NODE_KEYS)
+                             for entry in sequences)):
+        return rates, None
+    sequence_trials, sequence_accepts = (np.array(
+        [_counts(entry, key, len(paths), f"{where}: sequences[{index}]")
+         for index, entry in enumerate(sequences)], dtype=np.float64) for key in NODE_KEYS)
+    if (sequence_accepts > sequence_trials).any():
+        raise ValueError(f"{where}: a sequence's node_accepts exceed its node_trials")
+    examined = np.flatnonzero(sequence_trials.sum(axis=0))
+    if not examined.size:
+        return rates, None
+    shifts, fitted, _ = fit_sequence_shifts(
+        [(node_trials[examined], node_accepts[examined], 0.0, 0.0)
+         for node_trials, node_accepts in zip(sequence_trials, sequence_accepts)])
+    rates.update({paths[node]: rate for node, rate in zip(examined, fitted)})
+    return rates, shifts
+
+
+def _counts(data: dict, key: str, length: int, where: str) -> list:
+    """data[key], checked to be `length` non-negative counts."""
+    counts = data[key]
+    if (not isinstance(counts, list) or len(counts) != length
+            or any(isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0
+                   for c in counts)):
+        raise ValueError(f"{where}: {key} must be a list of {length} non-negative "
+                         f"counts, got {counts!r}")
+    return counts
+
+
 def _conditional_rates(data: dict, keys: tuple[str, str], num_positions: int,
                        where: str) -> list[float]:
     """accepts / trials per position, up to the first position never examined."""
-    trials, accepts = (data[key] for key in keys)
-    for name, counts in zip(keys, (trials, accepts)):
-        if (not isinstance(counts, list) or len(counts) != num_positions
-                or any(isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0
-                       for c in counts)):
-            raise ValueError(f"{where}: {name} must be a list of {num_positions} non-negative "
-                             f"counts, got {counts!r}")
+    trials, accepts = (_counts(data, key, num_positions, where) for key in keys)
     rates = []
     for position, (num_trials, num_accepts) in enumerate(zip(trials, accepts), start=1):
         if num_trials == 0:

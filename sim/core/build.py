@@ -251,6 +251,7 @@ def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
         raise ValueError(f"speculation.draft_model must be ngram or a model name, got "
                          f"{draft_model!r}")
     depth_per_size = None
+    max_depth = max_k   # a token tree's k: the most tokens a step accepts
     if draft_model in TREE_DRAFTERS:
         # k bounds the tokens a step accepts; the policy chooses how many it verifies.
         depth_per_size = tree_depth_per_size(group, draft_model, max_k)
@@ -263,8 +264,10 @@ def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
         return SpeculationSetup(policy_cfg, max_k, draft_model, None, None, draft_kv,
                                 depth_per_size)
     draft_spec = draft_model_spec(draft_model)
-    return SpeculationSetup(policy_cfg, max_k, draft_model, draft_spec,
-                            acceptance_statistics(group),
+    acceptance = acceptance_statistics(group)
+    if draft_model == "medusa":   # a fixed tree: per node where the statistics measured it
+        acceptance = acceptance.for_tree(medusa_tree_paths(group, max_depth))
+    return SpeculationSetup(policy_cfg, max_k, draft_model, draft_spec, acceptance,
                             draft_spec if isinstance(draft_spec, ModelSpec) else None,
                             depth_per_size)
 
@@ -273,9 +276,7 @@ def tree_depth_per_size(group: DictConfig, draft_model: str, k: int) -> list[int
     """For a token-tree drafter, the depth each size reaches: Medusa's `tree` (k heads, at most
     k deep) or lookahead's window, n-gram (k + 1 by default) and guesses."""
     if draft_model == "medusa":
-        tree = group.get("tree")
-        tree = OmegaConf.to_container(tree) if isinstance(tree, ListConfig) else tree
-        return medusa_depth_per_size(tree_paths(tree, num_heads=k, max_depth=k))
+        return medusa_depth_per_size(medusa_tree_paths(group, k))
     ngram = group.get("lookahead_ngram")
     ngram = k + 1 if ngram is None else ngram
     window, guesses = group.get("lookahead_window", 4), group.get("lookahead_guesses", 4)
@@ -284,6 +285,13 @@ def tree_depth_per_size(group: DictConfig, draft_model: str, k: int) -> list[int
                          f"(lookahead_ngram - 1) = ({window} + {guesses}) x {ngram - 1} tokens "
                          f"per sequence; at most {MAX_TREE_TOKENS} fit a tree mask")
     return lookahead_depth_per_size(window, ngram, guesses)
+
+
+def medusa_tree_paths(group: DictConfig, k: int) -> list[tuple[int, ...]]:
+    """The Medusa tree of a speculation group (`tree`; k heads, at most k deep) as paths."""
+    tree = group.get("tree")
+    tree = OmegaConf.to_container(tree) if isinstance(tree, ListConfig) else tree
+    return tree_paths(tree, num_heads=k, max_depth=k)
 
 
 def tree_policy_config(policy_cfg: DictConfig, depth_per_size: list[int]) -> DictConfig:

@@ -21,7 +21,8 @@ class SimExecutor:
         self.cost_model = cost_model
         self.acceptance_model = acceptance_model
         # Token trees (Medusa, lookahead): a plan's spec_lens are the tokens a step verifies,
-        # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth.
+        # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth
+        # (per node instead where the acceptance model has the fixed tree: Medusa's).
         self.depth_per_size = depth_per_size
         self.repeats_steps = getattr(cost_model, "reads_only_aggregates", False)
 
@@ -51,8 +52,11 @@ class SimExecutor:
         if self.acceptance_model is None:
             raise ValueError("the plan speculates but the simulator has no acceptance model "
                              "(set speculation.acceptance_rate or speculation.acceptance_profile)")
-        depths = plan.spec_lens if self.depth_per_size is None else {
-            seq_id: self.depth_per_size[size] for seq_id, size in plan.spec_lens.items()}
-        accepted = self.acceptance_model.draw(
-            depths, fresh_each_step=self.depth_per_size is not None)
+        if self.acceptance_model.tree is not None:   # a fixed tree measured per node
+            accepted = self.acceptance_model.draw_tree(plan.spec_lens)
+        else:
+            depths = plan.spec_lens if self.depth_per_size is None else {
+                seq_id: self.depth_per_size[size] for seq_id, size in plan.spec_lens.items()}
+            accepted = self.acceptance_model.draw(
+                depths, fresh_each_step=self.depth_per_size is not None)
         return StepResult(duration=duration, num_accepted=dict(zip(plan.spec_lens, accepted)))
