@@ -248,7 +248,8 @@ class BaseScheduler:
 
     @staticmethod
     def _num_live_samples(request: Request) -> int:
-        return request.n - sum(1 for s in request.sequences if s.status is SequenceStatus.FINISHED)
+        return request.n - [seq.status for seq in request.sequences].count(
+            SequenceStatus.FINISHED)
 
     def _take_waiting(self, request: Request) -> None:
         if self.waiting[0] is request:
@@ -293,7 +294,7 @@ class BaseScheduler:
                 # its samples may be among those already given slots.
                 num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
                 decodes[:] = [seq for seq in decodes if seq.request is not victim]
-            plan.add_decodes(decodes)
+            plan.add_decodes(decodes, drafted=False)   # without speculation no lag arises
             num_scheduled = len(decodes)
         token_budget -= num_scheduled
         for seq in partial_prefills:
@@ -558,8 +559,9 @@ class BaseScheduler:
         # The last step computed position num_tokens + num_steps - 2: slots up to there, taken
         # in one pass of the KV manager.
         num_more_tokens = num_steps - 1
-        for seq in seqs:
-            seq.num_tokens += num_more_tokens
+        if num_more_tokens:
+            for seq in seqs:
+                seq.num_tokens += num_more_tokens
         if self.kv_cache.append_slots(seqs) < len(seqs):
             raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
                                "planned")

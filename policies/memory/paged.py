@@ -22,14 +22,30 @@ tier without any transfer.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from itertools import groupby, repeat, starmap
-from operator import attrgetter, sub
+from itertools import repeat, starmap
 from typing import Sequence as Seq
 
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
-_seq_id = attrgetter("seq_id")
+
+def new_blocks_per_step(num_tokens: list[int], block_size: int, num_steps: int) -> list[int]:
+    """The blocks that decodes at these lengths, each holding exactly the blocks its tokens
+    fill, take at each of this step and the next `num_steps - 1` steps (a token further each):
+    one with s slots left in its last block takes a block at steps s + 1, s + 1 + block_size, ..."""
+    per_step = [0] * num_steps
+    # Counted by slots left: a batch has at most block_size distinct values, and counting a
+    # value in bytes is one C pass (a list of ints would be a comparison per sequence).
+    if block_size <= 256:
+        slots_left = bytes([-length % block_size for length in num_tokens])
+    else:
+        slots_left = [-length % block_size for length in num_tokens]
+    for num_left in range(min(block_size, num_steps - 1)):
+        num_seqs = slots_left.count(num_left)
+        if num_seqs:
+            for step in range(num_left + 1, num_steps, block_size):
+                per_step[step] += num_seqs
+    return per_step
 
 
 class PagedBlockManager:
@@ -164,24 +180,7 @@ class PagedBlockManager:
     def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
         """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
         take at each of that step and the next `num_steps - 1` (a token further each)."""
-        tables, allocated, block_size = self.block_tables, self._num_allocated_tokens, self.block_size
-        per_step = [0] * num_steps
-        # Slots left in each last block (written this step, so its own): step j needs j more, so
-        # a sequence with s left takes a block at steps s + 1, s + 1 + block_size, ... Grouped by
-        # s first: a batch has at most block_size distinct values.
-        seq_ids = list(map(_seq_id, seqs))
-        try:   # kept without prefix caching: the same capacity, read without the tables
-            capacities = list(map(self._num_exclusive_slots.__getitem__, seq_ids))
-        except KeyError:
-            capacities = [len(tables[seq_id]) * block_size for seq_id in seq_ids]
-        slots_left = sorted(map(sub, capacities, map(allocated.__getitem__, seq_ids)))
-        for num_left, same_left in groupby(slots_left):
-            if num_left + 1 >= num_steps:
-                break   # and so do the larger ones after it
-            num_seqs = len(list(same_left))
-            for step in range(num_left + 1, num_steps, block_size):
-                per_step[step] += num_seqs
-        return per_step
+        return new_blocks_per_step([seq.num_tokens for seq in seqs], self.block_size, num_steps)
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
@@ -192,44 +191,51 @@ class PagedBlockManager:
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
         decoding (one new token each, or several after repeated steps); stops at the first that
-        fails and returns its index
-        (len(seqs) when all succeeded). The simulator's hottest call: one pass per step over the
-        batch instead of one method call per sequence."""
+        fails and returns its index (len(seqs) when all succeeded). The simulator's hottest
+        call: one pass per step over the batch instead of one method call per sequence."""
         num_allocated_tokens = self._num_allocated_tokens
         num_exclusive_slots = self._num_exclusive_slots
+        exclusive_slots = num_exclusive_slots.get
+        free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
+        index = start
         for index, seq in enumerate(seqs[start:] if start else seqs, start):
             seq_id = seq.seq_id
             num_tokens = seq.num_tokens
-            num_slots = num_exclusive_slots.get(seq_id)
-            if num_slots is not None:   # its last block is its own (kept without prefix caching)
+            # Slots its table holds while its last block is its own (kept without prefix
+            # caching); -1: ask allocate_slots.
+            num_slots = exclusive_slots(seq_id, -1)
+            if num_tokens <= num_slots:   # inside that block only the counts move
                 num_new_tokens = num_tokens - num_allocated_tokens[seq_id]
                 if num_new_tokens >= 0:
-                    # Inside that block only the counts move; past it, whole blocks come off the
-                    # free list (a running sequence's growth keeps no watermark).
-                    if num_tokens > num_slots:
-                        num_new_blocks = -(-(num_tokens - num_slots) // block_size)
-                        if num_new_blocks > len(self._free_block_ids):
-                            self._num_tokens_stored += num_stored_added
-                            return index
-                        table = self.block_tables[seq_id]
-                        if num_new_blocks == 1:   # a decode past its last block: inlined
-                            block = self._free_block_ids.popleft()
-                            if self._any_block_shared:
-                                self._ref_counts[block] = 1
-                            table.append(block)
-                        else:
-                            table.extend(self._take_uncached_blocks(num_new_blocks))
-                        num_exclusive_slots[seq_id] = len(table) * block_size
                     num_stored_added += num_new_tokens
                     num_allocated_tokens[seq_id] = num_tokens
                     continue
+            elif num_slots >= 0:
+                # Past it, whole blocks come off the free list (a running sequence's growth
+                # keeps no watermark).
+                num_new_blocks = -(-(num_tokens - num_slots) // block_size)
+                if num_new_blocks > len(free_block_ids):
+                    break
+                table = self.block_tables[seq_id]
+                if num_new_blocks == 1:   # a decode past its last block: inlined
+                    block = free_block_ids.popleft()
+                    if self._any_block_shared:
+                        self._ref_counts[block] = 1
+                    table.append(block)
+                else:
+                    table.extend(self._take_uncached_blocks(num_new_blocks))
+                num_exclusive_slots[seq_id] = len(table) * block_size
+                num_stored_added += num_tokens - num_allocated_tokens[seq_id]
+                num_allocated_tokens[seq_id] = num_tokens
+                continue
             if not self.allocate_slots(seq, num_tokens):
-                self._num_tokens_stored += num_stored_added
-                return index
+                break
+        else:
+            index = len(seqs)
         self._num_tokens_stored += num_stored_added
-        return len(seqs)
+        return index
 
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the seq's table to cover at most positions [0, num_tokens), freeing the whole
