@@ -29,17 +29,13 @@ from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-def new_blocks_per_step(num_tokens: list[int], block_size: int, num_steps: int) -> list[int]:
-    """The blocks that decodes at these lengths, each holding exactly the blocks its tokens
-    fill, take at each of this step and the next `num_steps - 1` steps (a token further each):
-    one with s slots left in its last block takes a block at steps s + 1, s + 1 + block_size, ..."""
+def new_blocks_per_step(slots_left: bytes | list[int], block_size: int,
+                        num_steps: int) -> list[int]:
+    """The blocks that decodes with these slots left in their last blocks take at each of this
+    step and the next `num_steps - 1` steps (a token further each): one with s left takes a
+    block at steps s + 1, s + 1 + block_size, ... Counted by slots left, which take at most
+    block_size values: as bytes (block_size <= 256), each count is one C pass over the batch."""
     per_step = [0] * num_steps
-    # Counted by slots left: a batch has at most block_size distinct values, and counting a
-    # value in bytes is one C pass (a list of ints would be a comparison per sequence).
-    if block_size <= 256:
-        slots_left = bytes([-length % block_size for length in num_tokens])
-    else:
-        slots_left = [-length % block_size for length in num_tokens]
     for num_left in range(min(block_size, num_steps - 1)):
         num_seqs = slots_left.count(num_left)
         if num_seqs:
@@ -180,7 +176,11 @@ class PagedBlockManager:
     def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
         """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
         take at each of that step and the next `num_steps - 1` (a token further each)."""
-        return new_blocks_per_step([seq.num_tokens for seq in seqs], self.block_size, num_steps)
+        block_size = self.block_size
+        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left.
+        slots_left = [-seq.num_tokens % block_size for seq in seqs]
+        return new_blocks_per_step(bytes(slots_left) if block_size <= 256 else slots_left,
+                                   block_size, num_steps)
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
