@@ -160,6 +160,29 @@ def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():
     manager.check_invariants()
 
 
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_append_slots_stops_at_the_first_failure_and_grows_to_computed_tokens(kind):
+    manager = (PagedBlockManager(6, 4) if kind == "paged"
+               else ContiguousAllocator(6, 4, max_model_len=8))
+    seqs = [make_seq(index, 4) for index in range(3)]
+    for seq in seqs[:2]:
+        assert manager.allocate_slots(seq, 4)
+    # A sequence whose computed tokens passed its slots (as after repeated steps) grows to
+    # them with computed=True; num_tokens, one further, is left for the next step.
+    for seq in seqs[:2]:
+        seq.num_computed_tokens, seq.num_tokens = 6, 7
+    assert manager.append_slots(seqs[:2], computed=True) == 2
+    assert [manager._num_allocated_tokens[seq.seq_id] for seq in seqs[:2]] == [6, 6]
+    assert manager.append_slots(seqs[:2], 1) == 2
+    assert manager._num_allocated_tokens[seqs[1].seq_id] == 7
+    if kind == "paged":   # 4 of 6 blocks used: the third sequence's 3 blocks do not fit
+        seqs[2].num_tokens = 12
+        assert manager.allocate_slots(seqs[2], 1)
+        assert manager.append_slots(seqs, 2) == 2
+        assert manager.append_slots(seqs) == 2
+    manager.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(num_used=st.integers(0, 40), lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4),
        watermark=st.sampled_from([0.0, 0.05, 0.2]))

@@ -556,25 +556,22 @@ class BaseScheduler:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
         seqs = plan.seqs
-        # The last step computed position num_tokens + num_steps - 2: slots up to there, taken
-        # in one pass of the KV manager.
+        # The last step computed position num_tokens + num_steps - 2.
         num_more_tokens = num_steps - 1
-        if num_more_tokens:
-            for seq in seqs:
-                seq.num_tokens += num_more_tokens
-        if self.kv_cache.append_slots(seqs) < len(seqs):
-            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
-                               "planned")
-        finishing: list[Sequence] = []
         for seq in seqs:
-            num_computed = seq.num_tokens
+            num_computed = seq.num_tokens + num_more_tokens
             seq.num_computed_tokens = num_computed
             seq.num_tokens = num_computed + 1
-            num_output_tokens = seq.num_output_tokens + num_steps
-            seq.num_output_tokens = num_output_tokens
+            seq.num_output_tokens += num_steps
             seq.last_token_time = now
-            if num_output_tokens >= seq.request.output_len:
-                finishing.append(seq)
+        # Slots up to there, taken in one pass of the KV manager (after one step, the slots
+        # taken when it was planned suffice).
+        if num_more_tokens and self.kv_cache.append_slots(seqs, computed=True) < len(seqs):
+            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
+                               "planned")
+        if num_steps < plan.max_repeats:
+            return []   # cut short: max_repeats is at most the steps to the first finish
+        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
         return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:

@@ -188,21 +188,22 @@ class PagedBlockManager:
         cache evicts blocks in the order they were freed)."""
         return 0 if self.enable_prefix_caching else len(self._free_block_ids)
 
-    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
+                     computed: bool = False) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
-        decoding (one new token each, or several after repeated steps); stops at the first that
-        fails and returns its index (len(seqs) when all succeeded). The simulator's hottest
-        call: one pass per step over the batch instead of one method call per sequence."""
+        decoding (one new token each, or several after repeated steps), or with `computed`
+        `allocate_slots(seq, seq.num_computed_tokens)`; stops at the first that fails and
+        returns its index (len(seqs) when all succeeded). The simulator's hottest call: one
+        pass per step over the batch instead of one method call per sequence."""
         num_allocated_tokens = self._num_allocated_tokens
         num_exclusive_slots = self._num_exclusive_slots
         exclusive_slots = num_exclusive_slots.get
         free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
-        index = start
-        for index, seq in enumerate(seqs[start:] if start else seqs, start):
+        for seq in seqs[start:] if start else seqs:
             seq_id = seq.seq_id
-            num_tokens = seq.num_tokens
+            num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
             # Slots its table holds while its last block is its own (kept without prefix
             # caching); -1: ask allocate_slots.
             num_slots = exclusive_slots(seq_id, -1)
@@ -233,9 +234,10 @@ class PagedBlockManager:
             if not self.allocate_slots(seq, num_tokens):
                 break
         else:
-            index = len(seqs)
+            self._num_tokens_stored += num_stored_added
+            return len(seqs)
         self._num_tokens_stored += num_stored_added
-        return index
+        return seqs.index(seq, start)   # (the failing one; counted here, not every pass)
 
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the seq's table to cover at most positions [0, num_tokens), freeing the whole

@@ -61,11 +61,6 @@ GROUP_LATENCY_KEYS: tuple[str, ...] = tuple(
 SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT = 1, 2
 
 _COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
-# The columns a repeated step's row changes, side by side: where its time and its memory start.
-_TIME_COLUMN, _MEMORY_COLUMN = _COL["start_time"], _COL["kv_blocks_used"]
-assert STEP_COLUMNS[_TIME_COLUMN:_TIME_COLUMN + 2] == ("start_time", "duration")
-assert STEP_COLUMNS[_MEMORY_COLUMN:_MEMORY_COLUMN + 3] == (
-    "kv_blocks_used", "kv_slots_allocated", "kv_tokens_stored")
 
 
 # ---- per-request latencies ----------------------------------------------------------------------
@@ -543,29 +538,21 @@ class StepRecorder:
         kv_cache = scheduler.kv_cache
         durations = result.step_durations
         self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
-        num_steps = len(durations)
-        if num_steps == 1:
-            return
         rows = self.metrics.step_rows
-        first = rows[-1]
-        blocks_used, slots_allocated, tokens_stored = first[_MEMORY_COLUMN:_MEMORY_COLUMN + 3]
+        row = list(rows[-1])
+        start_column, duration_column = _COL["start_time"], _COL["duration"]
+        blocks_column = _COL["kv_blocks_used"]
+        slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, num_steps)
-        # Step j starts where step j - 1 ended (the durations added one by one, as the clock
-        # adds them), holds the blocks taken up to it and stores j tokens more per decode.
-        starts = itertools.accumulate(durations[:-1], initial=start_time)
-        next(starts)
-        used = itertools.accumulate(new_blocks[1:], initial=blocks_used)
-        next(used)
-        stored = range(tokens_stored + num_decodes, tokens_stored + num_steps * num_decodes,
-                       num_decodes)
-        head, middle = first[:_TIME_COLUMN], first[_TIME_COLUMN + 2:_MEMORY_COLUMN]
-        tail = first[_MEMORY_COLUMN + 3:]
-        rows.extend([(*head, start, duration, *middle,
-                      blocks, slots_allocated + (blocks - blocks_used) * block_size, tokens,
-                      *tail)
-                     for start, duration, blocks, tokens in zip(starts, durations[1:], used,
-                                                                 stored)])
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations))
+        for step in range(1, len(durations)):
+            start_time += durations[step - 1]
+            row[start_column], row[duration_column] = start_time, durations[step]
+            row[tokens_column] += num_decodes
+            if new_blocks[step]:
+                row[blocks_column] += new_blocks[step]
+                row[slots_column] += new_blocks[step] * block_size
+            rows.append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in

@@ -180,8 +180,9 @@ class RooflineCostModel:
         s_per_pair, kv_s_per_token = self._attention_s_per_pair, self._kv_s_per_token
         context = plan.decode_context_tokens
         for _ in range(num_steps):
-            yield (before_attention + max(context * s_per_pair,
-                                          (context + num_decodes) * kv_s_per_token)
+            compute_s, memory_s = context * s_per_pair, (context + num_decodes) * kv_s_per_token
+            # max(compute_s, memory_s), as max picks (the first unless the second is larger).
+            yield (before_attention + (memory_s if memory_s > compute_s else compute_s)
                    + after_attention)
             context += num_decodes
 
