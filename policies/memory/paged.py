@@ -22,6 +22,7 @@ tier without any transfer.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from itertools import repeat, starmap
 from typing import Sequence as Seq
 
@@ -42,6 +43,18 @@ def new_blocks_per_step(slots_left: bytes | list[int], block_size: int,
             for step in range(num_left + 1, num_steps, block_size):
                 per_step[step] += num_seqs
     return per_step
+
+
+@dataclass(slots=True)
+class SeqSlots:
+    """A sequence's slots in its device table: `num_allocated`, the slots it covers, and
+    `num_exclusive`, the slots the table holds while its last block is its own, so growing
+    within them needs no block and no copy (append_slots' fast path); -1 means "ask _grow": it
+    is reset whenever the last block may become shared, and never set with prefix caching. One
+    object per sequence: the hot loops read and write both through a single lookup."""
+
+    num_allocated: int
+    num_exclusive: int = -1
 
 
 class PagedBlockManager:
@@ -75,11 +88,7 @@ class PagedBlockManager:
         # Device pool. A free block is either uncached (`_free_block_ids`) or holds a cached prefix
         # block nobody uses (`_evictable_block_ids`, least recently freed first).
         self.block_tables: dict[int, list[int]] = {}
-        self._num_allocated_tokens: dict[int, int] = {}   # seq_id -> slots covered by its table
-        # seq_id -> slots its table holds while its last block is its own: growing within them
-        # needs no block and no copy (append_slots' fast path). Absent means "ask _grow"; it is
-        # dropped whenever the last block may become shared, and never set with prefix caching.
-        self._num_exclusive_slots: dict[int, int] = {}
+        self._slots: dict[int, SeqSlots] = {}   # seq_id -> its slots, for each table
         # Whether a block ever had a second reference (fork, prefix hit, shared swap in). Until
         # then every table is its own, so a block's ref count is implied (1 in a table, 0 free)
         # and `_ref_counts` stays all zero: taking and freeing blocks writes no counts. The
@@ -152,7 +161,8 @@ class PagedBlockManager:
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
         """Make the seq's table cover positions [0, num_tokens). On False nothing changed."""
         seq_id = seq.seq_id
-        num_allocated = self._num_allocated_tokens.get(seq_id, 0)
+        slots = self._slots.get(seq_id)
+        num_allocated = 0 if slots is None else slots.num_allocated
         if num_tokens <= num_allocated:
             if num_tokens < num_allocated:
                 raise ValueError(f"allocate_slots: seq {seq_id} already has {num_allocated} slots, "
@@ -163,13 +173,13 @@ class PagedBlockManager:
         # the write starts inside its last block; only a shared last block needs more work (CoW).
         if (table is not None and num_tokens <= len(table) * self.block_size
                 and (not self._any_block_shared or self._ref_counts[table[-1]] == 1)):
-            self._num_allocated_tokens[seq_id] = num_tokens
+            slots.num_allocated = num_tokens   # (a table has its slots)
             self._num_tokens_stored += num_tokens - num_allocated
             if self.enable_prefix_caching:
                 if num_tokens == len(table) * self.block_size:
                     self._cache_full_blocks(seq, table, num_tokens)
             else:
-                self._num_exclusive_slots[seq_id] = len(table) * self.block_size
+                slots.num_exclusive = len(table) * self.block_size
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
@@ -195,42 +205,39 @@ class PagedBlockManager:
         `allocate_slots(seq, seq.num_computed_tokens)`; stops at the first that fails and
         returns its index (len(seqs) when all succeeded). The simulator's hottest call: one
         pass per step over the batch instead of one method call per sequence."""
-        num_allocated_tokens = self._num_allocated_tokens
-        num_exclusive_slots = self._num_exclusive_slots
-        exclusive_slots = num_exclusive_slots.get
+        seq_slots = self._slots
         free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
         for seq in seqs[start:] if start else seqs:
-            seq_id = seq.seq_id
             num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
-            # Slots its table holds while its last block is its own (kept without prefix
-            # caching); -1: ask allocate_slots.
-            num_slots = exclusive_slots(seq_id, -1)
-            if num_tokens <= num_slots:   # inside that block only the counts move
-                num_new_tokens = num_tokens - num_allocated_tokens[seq_id]
-                if num_new_tokens >= 0:
-                    num_stored_added += num_new_tokens
-                    num_allocated_tokens[seq_id] = num_tokens
+            slots = seq_slots.get(seq.seq_id)
+            if slots is not None:
+                num_exclusive = slots.num_exclusive
+                if num_tokens <= num_exclusive:   # inside its own last block: counts move
+                    num_new_tokens = num_tokens - slots.num_allocated
+                    if num_new_tokens >= 0:
+                        num_stored_added += num_new_tokens
+                        slots.num_allocated = num_tokens
+                        continue
+                elif num_exclusive >= 0:
+                    # Past it, whole blocks come off the free list (a running sequence's growth
+                    # keeps no watermark).
+                    num_new_blocks = -(-(num_tokens - num_exclusive) // block_size)
+                    if num_new_blocks > len(free_block_ids):
+                        break
+                    table = self.block_tables[seq.seq_id]
+                    if num_new_blocks == 1:   # a decode past its last block: inlined
+                        block = free_block_ids.popleft()
+                        if self._any_block_shared:
+                            self._ref_counts[block] = 1
+                        table.append(block)
+                    else:
+                        table.extend(self._take_uncached_blocks(num_new_blocks))
+                    slots.num_exclusive = len(table) * block_size
+                    num_stored_added += num_tokens - slots.num_allocated
+                    slots.num_allocated = num_tokens
                     continue
-            elif num_slots >= 0:
-                # Past it, whole blocks come off the free list (a running sequence's growth
-                # keeps no watermark).
-                num_new_blocks = -(-(num_tokens - num_slots) // block_size)
-                if num_new_blocks > len(free_block_ids):
-                    break
-                table = self.block_tables[seq_id]
-                if num_new_blocks == 1:   # a decode past its last block: inlined
-                    block = free_block_ids.popleft()
-                    if self._any_block_shared:
-                        self._ref_counts[block] = 1
-                    table.append(block)
-                else:
-                    table.extend(self._take_uncached_blocks(num_new_blocks))
-                num_exclusive_slots[seq_id] = len(table) * block_size
-                num_stored_added += num_tokens - num_allocated_tokens[seq_id]
-                num_allocated_tokens[seq_id] = num_tokens
-                continue
             if not self.allocate_slots(seq, num_tokens):
                 break
         else:
@@ -244,9 +251,10 @@ class PagedBlockManager:
         blocks past it: the slots of rejected draft tokens go back after a speculative step. A
         table already that short is left alone (all drafts accepted)."""
         seq_id = seq.seq_id
-        num_allocated = self._num_allocated_tokens.get(seq_id)
-        if num_allocated is None:
+        slots = self._slots.get(seq_id)
+        if slots is None:
             raise ValueError(f"trim_slots: seq {seq_id} holds no device blocks")
+        num_allocated = slots.num_allocated
         positive_int("trim_slots: num_tokens", num_tokens)
         if num_tokens >= num_allocated:
             return
@@ -260,9 +268,9 @@ class PagedBlockManager:
         last_block_start = (num_kept_blocks - 1) * block_size
         self._num_tokens_stored -= (min(block_size, num_allocated - last_block_start)
                                     - (num_tokens - last_block_start))
-        self._num_allocated_tokens[seq_id] = num_tokens
-        if seq_id in self._num_exclusive_slots:
-            self._num_exclusive_slots[seq_id] = num_kept_blocks * block_size
+        slots.num_allocated = num_tokens
+        if slots.num_exclusive >= 0:
+            slots.num_exclusive = num_kept_blocks * block_size
         hashes = self._seq_block_hashes.get(seq_id)
         if hashes:
             del hashes[num_tokens // block_size:]
@@ -301,12 +309,16 @@ class PagedBlockManager:
         else:
             for _ in range(num_new_blocks):
                 table.append(self._take_free_block())
-        self._num_allocated_tokens[seq.seq_id] = num_tokens
+        slots = self._slots.get(seq.seq_id)
+        if slots is None:
+            slots = self._slots[seq.seq_id] = SeqSlots(num_tokens)
+        else:
+            slots.num_allocated = num_tokens
         self._num_tokens_stored += num_tokens - num_allocated
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, table, num_tokens)
         elif not self._any_block_shared or self._ref_counts[table[-1]] == 1:
-            self._num_exclusive_slots[seq.seq_id] = len(table) * block_size
+            slots.num_exclusive = len(table) * block_size
         return True
 
     def _take_uncached_blocks(self, num_blocks: int) -> list[int]:
@@ -408,9 +420,10 @@ class PagedBlockManager:
             raise ValueError(f"fork: parent seq {parent.seq_id} holds no device blocks")
         if child.seq_id in self.block_tables or child.seq_id in self._host_block_tables:
             raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
-        num_tokens = self._num_allocated_tokens[parent.seq_id]
+        parent_slots = self._slots[parent.seq_id]
+        num_tokens = parent_slots.num_allocated
         if self.share_on_fork:
-            self._num_exclusive_slots.pop(parent.seq_id, None)  # its last block is shared now
+            parent_slots.num_exclusive = -1   # its last block is shared now
             if not self._any_block_shared:
                 self._count_refs()
             for block in parent_table:
@@ -423,7 +436,7 @@ class PagedBlockManager:
             self._pending_copies.extend(zip(parent_table, child_table))
             self._num_tokens_stored += num_tokens
         self.block_tables[child.seq_id] = child_table
-        self._num_allocated_tokens[child.seq_id] = num_tokens
+        self._slots[child.seq_id] = SeqSlots(num_tokens)
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
         return True
@@ -431,9 +444,8 @@ class PagedBlockManager:
     def free(self, seq: Sequence) -> None:
         seq_id = seq.seq_id
         table = self.block_tables.pop(seq_id, None)
-        self._num_exclusive_slots.pop(seq_id, None)
         if table is not None:
-            self._release_blocks(table, self._num_allocated_tokens.pop(seq_id),
+            self._release_blocks(table, self._slots.pop(seq_id).num_allocated,
                                  seq.num_computed_tokens)
         host_table = self._host_block_tables.pop(seq_id, None)
         if host_table is not None:
@@ -489,7 +501,7 @@ class PagedBlockManager:
             return 0
         num_cached_tokens = len(hit_blocks) * block_size
         self.block_tables[seq.seq_id] = hit_blocks
-        self._num_allocated_tokens[seq.seq_id] = num_cached_tokens
+        self._slots[seq.seq_id] = SeqSlots(num_cached_tokens)
         self._seq_block_hashes[seq.seq_id] = hashes
         if num_loaded:
             self._seq_loaded_tokens[seq.seq_id] = num_loaded * block_size
@@ -629,13 +641,12 @@ class PagedBlockManager:
                  for device, host in device_to_host.items()]
         for seq in seqs:
             table = self.block_tables.pop(seq.seq_id, None)
-            self._num_exclusive_slots.pop(seq.seq_id, None)
             if table is None:
                 continue
             host_table = [device_to_host[block] for block in table]
             for host_block in host_table:
                 self._host_ref_counts[host_block] += 1
-            num_tokens = self._num_allocated_tokens.pop(seq.seq_id)
+            num_tokens = self._slots.pop(seq.seq_id).num_allocated
             self._host_block_tables[seq.seq_id] = host_table
             self._swapped_num_tokens[seq.seq_id] = num_tokens
             self._release_blocks(table, num_tokens, seq.num_computed_tokens)
@@ -668,7 +679,7 @@ class PagedBlockManager:
                 table.append(block)
             self._release_host_blocks(host_table)
             self.block_tables[seq.seq_id] = table
-            self._num_allocated_tokens[seq.seq_id] = num_tokens
+            self._slots[seq.seq_id] = SeqSlots(num_tokens)
         return list(host_to_device.items())
 
     def _release_host_blocks(self, host_table: list[int]) -> None:
@@ -685,8 +696,9 @@ class PagedBlockManager:
         refs = Counter()
         fills: dict[int, int] = {}
         for seq_id, table in self.block_tables.items():
-            num_tokens = self._num_allocated_tokens.get(seq_id)
-            assert num_tokens is not None, f"seq {seq_id} has a table but no allocated length"
+            slots = self._slots.get(seq_id)
+            assert slots is not None, f"seq {seq_id} has a table but no allocated length"
+            num_tokens = slots.num_allocated
             assert len(table) == -(-num_tokens // block_size), (
                 f"seq {seq_id}: {len(table)} blocks for {num_tokens} slots")
             assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
@@ -696,7 +708,7 @@ class PagedBlockManager:
                 fill = min(block_size, num_tokens - index * block_size)
                 assert fills.setdefault(block, fill) == fill, (
                     f"block {block} is shared by sequences that fill it differently")
-        assert set(self._num_allocated_tokens) == set(self.block_tables), (
+        assert set(self._slots) == set(self.block_tables), (
             "allocated lengths and tables name different sequences")
         if self._any_block_shared:
             ref_counts = self._ref_counts
@@ -705,7 +717,10 @@ class PagedBlockManager:
             assert all(count == 1 for count in refs.values()), (
                 "a block is shared but ref counts are not kept")
             ref_counts = [refs[block] for block in range(self.num_blocks)]
-        for seq_id, num_slots in self._num_exclusive_slots.items():
+        for seq_id, slots in self._slots.items():
+            num_slots = slots.num_exclusive
+            if num_slots == -1:
+                continue
             table = self.block_tables.get(seq_id)
             assert table is not None and num_slots == len(table) * block_size, (
                 f"seq {seq_id}: stale fast-path capacity {num_slots}")
