@@ -125,11 +125,13 @@ class PagedBlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids) + len(self._evictable_block_ids)
 
+    # (num_free_blocks inlined: a step's row asks for both every step.)
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks()
+        return self.num_blocks - len(self._free_block_ids) - len(self._evictable_block_ids)
 
     def num_slots_allocated(self) -> int:
-        return self.num_used_blocks() * self.block_size
+        return ((self.num_blocks - len(self._free_block_ids) - len(self._evictable_block_ids))
+                * self.block_size)
 
     def num_tokens_stored(self) -> int:
         return self._num_tokens_stored
