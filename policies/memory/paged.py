@@ -188,6 +188,8 @@ class PagedBlockManager:
     def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
         """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
         take at each of that step and the next `num_steps - 1` (a token further each)."""
+        if num_steps <= 1:
+            return [0] * num_steps   # the step just planned holds its slots already
         block_size = self.block_size
         # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left.
         slots_left = [-seq.num_tokens % block_size for seq in seqs]
