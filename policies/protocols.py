@@ -72,9 +72,11 @@ class KVCacheManager(Protocol):
         tier), changing nothing; 0 without a prefix cache. What a prefix-aware router reads."""
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
         """Make the sequence's table cover positions [0, num_tokens); False changes nothing."""
-    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
-        """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order; returns the index of
-        the first that failed (len(seqs) when none did)."""
+    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
+                     computed: bool = False) -> int:
+        """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order (with `computed`,
+        seq.num_computed_tokens: what repeated steps computed); returns the index of the first
+        that failed (len(seqs) when none did)."""
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the sequence's table to at most [0, num_tokens) (rejected drafts' slots)."""
     def fork(self, parent: Sequence, child: Sequence) -> bool:

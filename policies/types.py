@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 
 class SequenceStatus(enum.Enum):
@@ -214,14 +213,16 @@ class StepPlan:
             self.add(seq, num_new)
         self.add_drafts(kept_spec_lens)
 
-    def add_decodes(self, seqs: list[Sequence]) -> None:
+    def add_decodes(self, seqs: list[Sequence], *, drafted: bool = True) -> None:
         """Schedule one token for each of `seqs`, every one at its last token with outputs
-        already (a decode). One call per step instead of one per sequence."""
+        already (a decode). One call per step instead of one per sequence. `drafted=False`
+        says none of them has a draft lag (no speculation ran), so it is not summed."""
         self.seqs.extend(seqs)
         self.num_new_tokens.extend([1] * len(seqs))
         self.num_decode_seqs += len(seqs)
-        self.decode_context_tokens += sum(map(_num_tokens, seqs))
-        self.draft_catch_up_tokens += sum(map(_draft_lag, seqs))
+        self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
+        if drafted:
+            self.draft_catch_up_tokens += sum([seq.draft_lag for seq in seqs])
 
     def add_drafts(self, spec_lens: dict[int, int]) -> None:
         """Let decodes already in the plan speculate: seq_id -> k >= 1 draft tokens each."""
@@ -250,7 +251,6 @@ class StepPlan:
             self.sum_squared_prefill_chunks += num_new_tokens * num_new_tokens
 
 
-_num_tokens, _draft_lag = attrgetter("num_tokens"), attrgetter("draft_lag")
 _STEP_FEATURES = ("num_prefill_tokens", "num_prefill_seqs", "prefill_attention_work",
                   "prefill_context_tokens", "sum_squared_prefill_chunks", "num_decode_seqs",
                   "decode_context_tokens", "num_draft_tokens", "max_draft_len",

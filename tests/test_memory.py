@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from policies.memory import ContiguousAllocator, PagedBlockManager
+from policies.memory.paged import new_blocks_per_step
 from policies.protocols import KVCacheManager
 from policies.types import Request, Sequence
 
@@ -124,6 +125,62 @@ def test_paged_watermark_keeps_blocks_free_for_admissions_only():
     assert not manager.allocate_slots(make_seq(1, 1), 1, watermark=True)
     assert manager.allocate_slots(make_seq(2, 1), 1)            # growth may dip below it
     assert manager.can_ever_fit(90) and not manager.can_ever_fit(91)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 2000), max_size=40),
+       block_size=st.sampled_from([1, 2, 7, 16, 255, 256, 257, 1024]),
+       num_steps=st.integers(0, 600))
+def test_new_blocks_per_step_counts_each_decode_block_by_block(lengths, block_size, num_steps):
+    def num_blocks(num_tokens):
+        return -(-num_tokens // block_size)
+    # One sequence at a time, one step at a time: at step j it holds length + j tokens.
+    expected = [sum(num_blocks(length + step) - num_blocks(length + step - 1)
+                    for length in lengths) if step else 0 for step in range(num_steps)]
+    slots_left = [-length % block_size for length in lengths]
+    assert new_blocks_per_step(slots_left, block_size, num_steps) == expected
+    if block_size <= 256:
+        assert new_blocks_per_step(bytes(slots_left), block_size, num_steps) == expected
+
+
+def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():
+    manager = PagedBlockManager(400, 8)
+    seqs = [make_seq(index, length) for index, length in enumerate([1, 7, 8, 9, 15, 16, 40])]
+    for seq in seqs:
+        assert manager.allocate_slots(seq, seq.num_tokens)
+    predicted = manager.new_blocks_per_step(seqs, 30)
+    taken = [0]
+    for _ in range(29):
+        used = manager.num_used_blocks()
+        for seq in seqs:
+            seq.num_tokens += 1
+        assert manager.append_slots(seqs) == len(seqs)
+        taken.append(manager.num_used_blocks() - used)
+    assert predicted == taken
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_append_slots_stops_at_the_first_failure_and_grows_to_computed_tokens(kind):
+    manager = (PagedBlockManager(6, 4) if kind == "paged"
+               else ContiguousAllocator(6, 4, max_model_len=8))
+    seqs = [make_seq(index, 4) for index in range(3)]
+    for seq in seqs[:2]:
+        assert manager.allocate_slots(seq, 4)
+    # A sequence whose computed tokens passed its slots (as after repeated steps) grows to
+    # them with computed=True; num_tokens, one further, is left for the next step.
+    for seq in seqs[:2]:
+        seq.num_computed_tokens, seq.num_tokens = 6, 7
+    assert manager.append_slots(seqs[:2], computed=True) == 2
+    assert manager.num_tokens_stored() == 6 + 6
+    assert manager.append_slots(seqs[:2], 1) == 2
+    assert manager.num_tokens_stored() == 6 + 7
+    if kind == "paged":   # 4 of 6 blocks used: the third sequence's 3 blocks do not fit
+        seqs[2].num_tokens = 12
+        assert manager.allocate_slots(seqs[2], 1)
+        assert manager.append_slots(seqs, 2) == 2
+        assert manager.append_slots(seqs) == 2
+    manager.check_invariants()
 
 
 @settings(max_examples=60, deadline=None)

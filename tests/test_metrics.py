@@ -149,6 +149,15 @@ def test_record_step_row(run):
     assert row["num_batched_tokens"] == 23 and row["num_preempted_recompute"] == 1
 
 
+def test_step_column_total_is_the_column_sum_as_an_integer(run):
+    collector, _ = run
+    totals = collector.step_totals()
+    for name in STEP_COLUMNS[3:]:   # the counts, past the replica id, start and duration
+        total = collector.step_column_total(name)
+        assert type(total) is int and total == totals[name], name
+    assert collector.step_column_total("num_blocks_swapped_in") == 5
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.floats(0.0, 10.0, allow_nan=False), st.integers(0, 50),
                        min_size=1, max_size=30).filter(lambda h: sum(h.values()) > 0),

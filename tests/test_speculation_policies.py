@@ -238,13 +238,13 @@ def test_a_decode_speculates_and_keeps_its_accepted_drafts():
     plan = scheduler.schedule(0.01)
     assert plan.spec_lens == {seq.seq_id: 3}
     assert (plan.num_draft_tokens, plan.max_draft_len, plan.num_batched_tokens) == (3, 3, 4)
-    assert kv_cache._num_allocated_tokens[seq.seq_id] == 14   # last token + 3 drafts
+    assert kv_cache._slots[seq.seq_id].num_allocated == 14   # last token + 3 drafts
     recorder = StepRecorder(MetricsCollector())
     outputs_before, times_before = [seq.num_output_tokens], [seq.last_token_time]
     scheduler.update(plan, StepResult(0.02, num_accepted={seq.seq_id: 2}), 0.03)
     recorder.record_itls(plan.seqs, outputs_before, times_before, 0.03)
     assert (seq.num_tokens, seq.num_computed_tokens, seq.num_output_tokens) == (14, 13, 4)
-    assert kv_cache._num_allocated_tokens[seq.seq_id] == 14
+    assert kv_cache._slots[seq.seq_id].num_allocated == 14
     # The three tokens of one step share one inter-token time.
     [(itl, count)] = recorder.itl_counts.items()
     assert itl == pytest.approx(0.02) and count == 3
@@ -252,7 +252,7 @@ def test_a_decode_speculates_and_keeps_its_accepted_drafts():
     plan = scheduler.schedule(0.03)
     scheduler.update(plan, StepResult(0.02, num_accepted={seq.seq_id: 0}), 0.05)
     assert (seq.num_tokens, seq.num_computed_tokens) == (15, 14)
-    assert kv_cache._num_allocated_tokens[seq.seq_id] == 15   # the 2 rejected drafts went back
+    assert kv_cache._slots[seq.seq_id].num_allocated == 15   # the 2 rejected drafts went back
     kv_cache.check_invariants()
 
 

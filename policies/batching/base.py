@@ -248,7 +248,8 @@ class BaseScheduler:
 
     @staticmethod
     def _num_live_samples(request: Request) -> int:
-        return request.n - sum(1 for s in request.sequences if s.status is SequenceStatus.FINISHED)
+        return request.n - [seq.status for seq in request.sequences].count(
+            SequenceStatus.FINISHED)
 
     def _take_waiting(self, request: Request) -> None:
         if self.waiting[0] is request:
@@ -293,7 +294,7 @@ class BaseScheduler:
                 # its samples may be among those already given slots.
                 num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
                 decodes[:] = [seq for seq in decodes if seq.request is not victim]
-            plan.add_decodes(decodes)
+            plan.add_decodes(decodes, drafted=False)   # without speculation no lag arises
             num_scheduled = len(decodes)
         token_budget -= num_scheduled
         for seq in partial_prefills:
@@ -555,24 +556,22 @@ class BaseScheduler:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
         seqs = plan.seqs
-        # The last step computed position num_tokens + num_steps - 2: slots up to there, taken
-        # in one pass of the KV manager.
+        # The last step computed position num_tokens + num_steps - 2.
         num_more_tokens = num_steps - 1
         for seq in seqs:
-            seq.num_tokens += num_more_tokens
-        if self.kv_cache.append_slots(seqs) < len(seqs):
-            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
-                               "planned")
-        finishing: list[Sequence] = []
-        for seq in seqs:
-            num_computed = seq.num_tokens
+            num_computed = seq.num_tokens + num_more_tokens
             seq.num_computed_tokens = num_computed
             seq.num_tokens = num_computed + 1
-            num_output_tokens = seq.num_output_tokens + num_steps
-            seq.num_output_tokens = num_output_tokens
+            seq.num_output_tokens += num_steps
             seq.last_token_time = now
-            if num_output_tokens >= seq.request.output_len:
-                finishing.append(seq)
+        # Slots up to there, taken in one pass of the KV manager (after one step, the slots
+        # taken when it was planned suffice).
+        if num_more_tokens and self.kv_cache.append_slots(seqs, computed=True) < len(seqs):
+            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
+                               "planned")
+        if num_steps < plan.max_repeats:
+            return []   # cut short: max_repeats is at most the steps to the first finish
+        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
         return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:

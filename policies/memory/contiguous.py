@@ -143,11 +143,15 @@ class ContiguousAllocator:
         """0: a sequence grows only within its reservation."""
         return 0
 
-    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
-        """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
-        the first that fails and returns its index (len(seqs) when all succeeded)."""
+    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
+                     computed: bool = False) -> int:
+        """`allocate_slots(seq, seq.num_tokens)` (with `computed`, seq.num_computed_tokens) for
+        each of `seqs[start:]` in order; stops at the first that fails and returns its index
+        (len(seqs) when all succeeded)."""
         for index in range(start, len(seqs)):
-            if not self.allocate_slots(seqs[index], seqs[index].num_tokens):
+            seq = seqs[index]
+            if not self.allocate_slots(seq, seq.num_computed_tokens if computed
+                                       else seq.num_tokens):
                 return index
         return len(seqs)
 

@@ -22,14 +22,39 @@ tier without any transfer.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from itertools import groupby, repeat, starmap
-from operator import attrgetter, sub
+from dataclasses import dataclass
+from itertools import repeat, starmap
 from typing import Sequence as Seq
 
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
-_seq_id = attrgetter("seq_id")
+
+def new_blocks_per_step(slots_left: bytes | list[int], block_size: int,
+                        num_steps: int) -> list[int]:
+    """The blocks that decodes with these slots left in their last blocks take at each of this
+    step and the next `num_steps - 1` steps (a token further each): one with s left takes a
+    block at steps s + 1, s + 1 + block_size, ... Counted by slots left, which take at most
+    block_size values: as bytes (block_size <= 256), each count is one C pass over the batch."""
+    per_step = [0] * num_steps
+    for num_left in range(min(block_size, num_steps - 1)):
+        num_seqs = slots_left.count(num_left)
+        if num_seqs:
+            for step in range(num_left + 1, num_steps, block_size):
+                per_step[step] += num_seqs
+    return per_step
+
+
+@dataclass(slots=True)
+class SeqSlots:
+    """A sequence's slots in its device table: `num_allocated`, the slots it covers, and
+    `num_exclusive`, the slots the table holds while its last block is its own, so growing
+    within them needs no block and no copy (append_slots' fast path); -1 means "ask _grow": it
+    is reset whenever the last block may become shared, and never set with prefix caching. One
+    object per sequence: the hot loops read and write both through a single lookup."""
+
+    num_allocated: int
+    num_exclusive: int = -1
 
 
 class PagedBlockManager:
@@ -63,11 +88,7 @@ class PagedBlockManager:
         # Device pool. A free block is either uncached (`_free_block_ids`) or holds a cached prefix
         # block nobody uses (`_evictable_block_ids`, least recently freed first).
         self.block_tables: dict[int, list[int]] = {}
-        self._num_allocated_tokens: dict[int, int] = {}   # seq_id -> slots covered by its table
-        # seq_id -> slots its table holds while its last block is its own: growing within them
-        # needs no block and no copy (append_slots' fast path). Absent means "ask _grow"; it is
-        # dropped whenever the last block may become shared, and never set with prefix caching.
-        self._num_exclusive_slots: dict[int, int] = {}
+        self._slots: dict[int, SeqSlots] = {}   # seq_id -> its slots, for each table
         # Whether a block ever had a second reference (fork, prefix hit, shared swap in). Until
         # then every table is its own, so a block's ref count is implied (1 in a table, 0 free)
         # and `_ref_counts` stays all zero: taking and freeing blocks writes no counts. The
@@ -104,11 +125,13 @@ class PagedBlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids) + len(self._evictable_block_ids)
 
+    # (num_free_blocks inlined: a step's row asks for both every step.)
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks()
+        return self.num_blocks - len(self._free_block_ids) - len(self._evictable_block_ids)
 
     def num_slots_allocated(self) -> int:
-        return self.num_used_blocks() * self.block_size
+        return ((self.num_blocks - len(self._free_block_ids) - len(self._evictable_block_ids))
+                * self.block_size)
 
     def num_tokens_stored(self) -> int:
         return self._num_tokens_stored
@@ -140,7 +163,8 @@ class PagedBlockManager:
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
         """Make the seq's table cover positions [0, num_tokens). On False nothing changed."""
         seq_id = seq.seq_id
-        num_allocated = self._num_allocated_tokens.get(seq_id, 0)
+        slots = self._slots.get(seq_id)
+        num_allocated = 0 if slots is None else slots.num_allocated
         if num_tokens <= num_allocated:
             if num_tokens < num_allocated:
                 raise ValueError(f"allocate_slots: seq {seq_id} already has {num_allocated} slots, "
@@ -151,37 +175,26 @@ class PagedBlockManager:
         # the write starts inside its last block; only a shared last block needs more work (CoW).
         if (table is not None and num_tokens <= len(table) * self.block_size
                 and (not self._any_block_shared or self._ref_counts[table[-1]] == 1)):
-            self._num_allocated_tokens[seq_id] = num_tokens
+            slots.num_allocated = num_tokens   # (a table has its slots)
             self._num_tokens_stored += num_tokens - num_allocated
             if self.enable_prefix_caching:
                 if num_tokens == len(table) * self.block_size:
                     self._cache_full_blocks(seq, table, num_tokens)
             else:
-                self._num_exclusive_slots[seq_id] = len(table) * self.block_size
+                slots.num_exclusive = len(table) * self.block_size
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
     def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
         """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
         take at each of that step and the next `num_steps - 1` (a token further each)."""
-        tables, allocated, block_size = self.block_tables, self._num_allocated_tokens, self.block_size
-        per_step = [0] * num_steps
-        # Slots left in each last block (written this step, so its own): step j needs j more, so
-        # a sequence with s left takes a block at steps s + 1, s + 1 + block_size, ... Grouped by
-        # s first: a batch has at most block_size distinct values.
-        seq_ids = list(map(_seq_id, seqs))
-        try:   # kept without prefix caching: the same capacity, read without the tables
-            capacities = list(map(self._num_exclusive_slots.__getitem__, seq_ids))
-        except KeyError:
-            capacities = [len(tables[seq_id]) * block_size for seq_id in seq_ids]
-        slots_left = sorted(map(sub, capacities, map(allocated.__getitem__, seq_ids)))
-        for num_left, same_left in groupby(slots_left):
-            if num_left + 1 >= num_steps:
-                break   # and so do the larger ones after it
-            num_seqs = len(list(same_left))
-            for step in range(num_left + 1, num_steps, block_size):
-                per_step[step] += num_seqs
-        return per_step
+        if num_steps <= 1:
+            return [0] * num_steps   # the step just planned holds its slots already
+        block_size = self.block_size
+        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left.
+        slots_left = [-seq.num_tokens % block_size for seq in seqs]
+        return new_blocks_per_step(bytes(slots_left) if block_size <= 256 else slots_left,
+                                   block_size, num_steps)
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
@@ -189,56 +202,63 @@ class PagedBlockManager:
         cache evicts blocks in the order they were freed)."""
         return 0 if self.enable_prefix_caching else len(self._free_block_ids)
 
-    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
+                     computed: bool = False) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
-        decoding (one new token each, or several after repeated steps); stops at the first that
-        fails and returns its index
-        (len(seqs) when all succeeded). The simulator's hottest call: one pass per step over the
-        batch instead of one method call per sequence."""
-        num_allocated_tokens = self._num_allocated_tokens
-        num_exclusive_slots = self._num_exclusive_slots
+        decoding (one new token each, or several after repeated steps), or with `computed`
+        `allocate_slots(seq, seq.num_computed_tokens)`; stops at the first that fails and
+        returns its index (len(seqs) when all succeeded). The simulator's hottest call: one
+        pass per step over the batch instead of one method call per sequence."""
+        seq_slots = self._slots
+        free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
-        for index, seq in enumerate(seqs[start:] if start else seqs, start):
-            seq_id = seq.seq_id
-            num_tokens = seq.num_tokens
-            num_slots = num_exclusive_slots.get(seq_id)
-            if num_slots is not None:   # its last block is its own (kept without prefix caching)
-                num_new_tokens = num_tokens - num_allocated_tokens[seq_id]
-                if num_new_tokens >= 0:
-                    # Inside that block only the counts move; past it, whole blocks come off the
-                    # free list (a running sequence's growth keeps no watermark).
-                    if num_tokens > num_slots:
-                        num_new_blocks = -(-(num_tokens - num_slots) // block_size)
-                        if num_new_blocks > len(self._free_block_ids):
-                            self._num_tokens_stored += num_stored_added
-                            return index
-                        table = self.block_tables[seq_id]
-                        if num_new_blocks == 1:   # a decode past its last block: inlined
-                            block = self._free_block_ids.popleft()
-                            if self._any_block_shared:
-                                self._ref_counts[block] = 1
-                            table.append(block)
-                        else:
-                            table.extend(self._take_uncached_blocks(num_new_blocks))
-                        num_exclusive_slots[seq_id] = len(table) * block_size
-                    num_stored_added += num_new_tokens
-                    num_allocated_tokens[seq_id] = num_tokens
+        for seq in seqs[start:] if start else seqs:
+            num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
+            slots = seq_slots.get(seq.seq_id)
+            if slots is not None:
+                num_exclusive = slots.num_exclusive
+                if num_tokens <= num_exclusive:   # inside its own last block: counts move
+                    num_new_tokens = num_tokens - slots.num_allocated
+                    if num_new_tokens >= 0:
+                        num_stored_added += num_new_tokens
+                        slots.num_allocated = num_tokens
+                        continue
+                elif num_exclusive >= 0:
+                    # Past it, whole blocks come off the free list (a running sequence's growth
+                    # keeps no watermark).
+                    num_new_blocks = -(-(num_tokens - num_exclusive) // block_size)
+                    if num_new_blocks > len(free_block_ids):
+                        break
+                    table = self.block_tables[seq.seq_id]
+                    if num_new_blocks == 1:   # a decode past its last block: inlined
+                        block = free_block_ids.popleft()
+                        if self._any_block_shared:
+                            self._ref_counts[block] = 1
+                        table.append(block)
+                    else:
+                        table.extend(self._take_uncached_blocks(num_new_blocks))
+                    slots.num_exclusive = len(table) * block_size
+                    num_stored_added += num_tokens - slots.num_allocated
+                    slots.num_allocated = num_tokens
                     continue
             if not self.allocate_slots(seq, num_tokens):
-                self._num_tokens_stored += num_stored_added
-                return index
+                break
+        else:
+            self._num_tokens_stored += num_stored_added
+            return len(seqs)
         self._num_tokens_stored += num_stored_added
-        return len(seqs)
+        return seqs.index(seq, start)   # (the failing one; counted here, not every pass)
 
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the seq's table to cover at most positions [0, num_tokens), freeing the whole
         blocks past it: the slots of rejected draft tokens go back after a speculative step. A
         table already that short is left alone (all drafts accepted)."""
         seq_id = seq.seq_id
-        num_allocated = self._num_allocated_tokens.get(seq_id)
-        if num_allocated is None:
+        slots = self._slots.get(seq_id)
+        if slots is None:
             raise ValueError(f"trim_slots: seq {seq_id} holds no device blocks")
+        num_allocated = slots.num_allocated
         positive_int("trim_slots: num_tokens", num_tokens)
         if num_tokens >= num_allocated:
             return
@@ -252,9 +272,9 @@ class PagedBlockManager:
         last_block_start = (num_kept_blocks - 1) * block_size
         self._num_tokens_stored -= (min(block_size, num_allocated - last_block_start)
                                     - (num_tokens - last_block_start))
-        self._num_allocated_tokens[seq_id] = num_tokens
-        if seq_id in self._num_exclusive_slots:
-            self._num_exclusive_slots[seq_id] = num_kept_blocks * block_size
+        slots.num_allocated = num_tokens
+        if slots.num_exclusive >= 0:
+            slots.num_exclusive = num_kept_blocks * block_size
         hashes = self._seq_block_hashes.get(seq_id)
         if hashes:
             del hashes[num_tokens // block_size:]
@@ -293,12 +313,16 @@ class PagedBlockManager:
         else:
             for _ in range(num_new_blocks):
                 table.append(self._take_free_block())
-        self._num_allocated_tokens[seq.seq_id] = num_tokens
+        slots = self._slots.get(seq.seq_id)
+        if slots is None:
+            slots = self._slots[seq.seq_id] = SeqSlots(num_tokens)
+        else:
+            slots.num_allocated = num_tokens
         self._num_tokens_stored += num_tokens - num_allocated
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, table, num_tokens)
         elif not self._any_block_shared or self._ref_counts[table[-1]] == 1:
-            self._num_exclusive_slots[seq.seq_id] = len(table) * block_size
+            slots.num_exclusive = len(table) * block_size
         return True
 
     def _take_uncached_blocks(self, num_blocks: int) -> list[int]:
@@ -400,9 +424,10 @@ class PagedBlockManager:
             raise ValueError(f"fork: parent seq {parent.seq_id} holds no device blocks")
         if child.seq_id in self.block_tables or child.seq_id in self._host_block_tables:
             raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
-        num_tokens = self._num_allocated_tokens[parent.seq_id]
+        parent_slots = self._slots[parent.seq_id]
+        num_tokens = parent_slots.num_allocated
         if self.share_on_fork:
-            self._num_exclusive_slots.pop(parent.seq_id, None)  # its last block is shared now
+            parent_slots.num_exclusive = -1   # its last block is shared now
             if not self._any_block_shared:
                 self._count_refs()
             for block in parent_table:
@@ -415,7 +440,7 @@ class PagedBlockManager:
             self._pending_copies.extend(zip(parent_table, child_table))
             self._num_tokens_stored += num_tokens
         self.block_tables[child.seq_id] = child_table
-        self._num_allocated_tokens[child.seq_id] = num_tokens
+        self._slots[child.seq_id] = SeqSlots(num_tokens)
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
         return True
@@ -423,9 +448,8 @@ class PagedBlockManager:
     def free(self, seq: Sequence) -> None:
         seq_id = seq.seq_id
         table = self.block_tables.pop(seq_id, None)
-        self._num_exclusive_slots.pop(seq_id, None)
         if table is not None:
-            self._release_blocks(table, self._num_allocated_tokens.pop(seq_id),
+            self._release_blocks(table, self._slots.pop(seq_id).num_allocated,
                                  seq.num_computed_tokens)
         host_table = self._host_block_tables.pop(seq_id, None)
         if host_table is not None:
@@ -481,7 +505,7 @@ class PagedBlockManager:
             return 0
         num_cached_tokens = len(hit_blocks) * block_size
         self.block_tables[seq.seq_id] = hit_blocks
-        self._num_allocated_tokens[seq.seq_id] = num_cached_tokens
+        self._slots[seq.seq_id] = SeqSlots(num_cached_tokens)
         self._seq_block_hashes[seq.seq_id] = hashes
         if num_loaded:
             self._seq_loaded_tokens[seq.seq_id] = num_loaded * block_size
@@ -621,13 +645,12 @@ class PagedBlockManager:
                  for device, host in device_to_host.items()]
         for seq in seqs:
             table = self.block_tables.pop(seq.seq_id, None)
-            self._num_exclusive_slots.pop(seq.seq_id, None)
             if table is None:
                 continue
             host_table = [device_to_host[block] for block in table]
             for host_block in host_table:
                 self._host_ref_counts[host_block] += 1
-            num_tokens = self._num_allocated_tokens.pop(seq.seq_id)
+            num_tokens = self._slots.pop(seq.seq_id).num_allocated
             self._host_block_tables[seq.seq_id] = host_table
             self._swapped_num_tokens[seq.seq_id] = num_tokens
             self._release_blocks(table, num_tokens, seq.num_computed_tokens)
@@ -660,7 +683,7 @@ class PagedBlockManager:
                 table.append(block)
             self._release_host_blocks(host_table)
             self.block_tables[seq.seq_id] = table
-            self._num_allocated_tokens[seq.seq_id] = num_tokens
+            self._slots[seq.seq_id] = SeqSlots(num_tokens)
         return list(host_to_device.items())
 
     def _release_host_blocks(self, host_table: list[int]) -> None:
@@ -677,8 +700,9 @@ class PagedBlockManager:
         refs = Counter()
         fills: dict[int, int] = {}
         for seq_id, table in self.block_tables.items():
-            num_tokens = self._num_allocated_tokens.get(seq_id)
-            assert num_tokens is not None, f"seq {seq_id} has a table but no allocated length"
+            slots = self._slots.get(seq_id)
+            assert slots is not None, f"seq {seq_id} has a table but no allocated length"
+            num_tokens = slots.num_allocated
             assert len(table) == -(-num_tokens // block_size), (
                 f"seq {seq_id}: {len(table)} blocks for {num_tokens} slots")
             assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
@@ -688,7 +712,7 @@ class PagedBlockManager:
                 fill = min(block_size, num_tokens - index * block_size)
                 assert fills.setdefault(block, fill) == fill, (
                     f"block {block} is shared by sequences that fill it differently")
-        assert set(self._num_allocated_tokens) == set(self.block_tables), (
+        assert set(self._slots) == set(self.block_tables), (
             "allocated lengths and tables name different sequences")
         if self._any_block_shared:
             ref_counts = self._ref_counts
@@ -697,7 +721,10 @@ class PagedBlockManager:
             assert all(count == 1 for count in refs.values()), (
                 "a block is shared but ref counts are not kept")
             ref_counts = [refs[block] for block in range(self.num_blocks)]
-        for seq_id, num_slots in self._num_exclusive_slots.items():
+        for seq_id, slots in self._slots.items():
+            num_slots = slots.num_exclusive
+            if num_slots == -1:
+                continue
             table = self.block_tables.get(seq_id)
             assert table is not None and num_slots == len(table) * block_size, (
                 f"seq {seq_id}: stale fast-path capacity {num_slots}")

@@ -344,6 +344,11 @@ class MetricsCollector:
         return np.fromiter(map(operator.itemgetter(index), self.step_rows), dtype=np.float64,
                            count=len(self.step_rows))
 
+    def step_column_total(self, name: str) -> int:
+        """The sum of one of STEP_COLUMNS' counts over the steps (an integer: no float array
+        is built for it)."""
+        return int(sum(map(operator.itemgetter(_COL[name]), self.step_rows)))
+
     def summary(self, requests: list[Request], wall_time_s: float,
                 slos_ms: dict[str, float] | None = None) -> dict:
         """The run's headline numbers; see the module docstring for the empty-run convention.
@@ -386,19 +391,19 @@ class MetricsCollector:
         if has_slos:
             result.update(self._goodput(completed, slos_ms or {}, duration_s))
 
-        column = self.step_column
+        column, total = self.step_column, self.step_column_total
         allocated = column("kv_slots_allocated")
         stored = column("kv_tokens_stored")
         has_slots = allocated > 0
         waste = 1.0 - stored[has_slots] / allocated[has_slots]
-        blocks_swapped = (column("num_blocks_swapped_out").sum()
-                          + column("num_blocks_swapped_in").sum())
-        num_drafts = int(column("num_draft_tokens").sum())
-        num_accepted = int(column("num_accepted_tokens").sum())
-        num_decodes = int(column("num_decode_seqs").sum())
+        blocks_swapped = total("num_blocks_swapped_out") + total("num_blocks_swapped_in")
+        num_drafts = total("num_draft_tokens")
+        num_accepted = total("num_accepted_tokens")
+        num_decodes = total("num_decode_seqs")
         result.update({
             "num_preemptions": sum(request.num_preemptions for request in requests),
-            "peak_kv_blocks": int(column("kv_blocks_used").max()) if self.step_rows else 0,
+            "peak_kv_blocks": (int(max(map(operator.itemgetter(_COL["kv_blocks_used"]),
+                                           self.step_rows))) if self.step_rows else 0),
             # fsum: the same whatever order the replicas' steps were recorded in.
             "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
             "swap_bytes": int(blocks_swapped) * self.kv_bytes_per_block,
@@ -425,8 +430,8 @@ class MetricsCollector:
                 (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
             result["prefix_cache_host_hit_rate"] = (
                 host_cached / prompt_tokens if prompt_tokens else 0.0)
-        blocks_offloaded = int(column("num_blocks_offloaded").sum())
-        blocks_loaded = int(column("num_blocks_loaded").sum())
+        blocks_offloaded = total("num_blocks_offloaded")
+        blocks_loaded = total("num_blocks_loaded")
         if blocks_offloaded or blocks_loaded:
             # The prefix cache's host tier: K/V bytes stored there and loaded back.
             result["offload_bytes"] = blocks_offloaded * self.kv_bytes_per_block

@@ -175,9 +175,14 @@ class RooflineCostModel:
         before_attention = self._add_batched_work(
             self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy)), plan, num_tokens)
         after_attention = self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
+        # _decode_attention_s without drafts, inlined: pairs = context, KV read = context +
+        # one write per decode.
+        s_per_pair, kv_s_per_token = self._attention_s_per_pair, self._kv_s_per_token
         context = plan.decode_context_tokens
-        for step in range(num_steps):
-            yield (before_attention + self._decode_attention_s(context, num_decodes, 0)
+        for _ in range(num_steps):
+            compute_s, memory_s = context * s_per_pair, (context + num_decodes) * kv_s_per_token
+            # max(compute_s, memory_s), as max picks (the first unless the second is larger).
+            yield (before_attention + (memory_s if memory_s > compute_s else compute_s)
                    + after_attention)
             context += num_decodes
 

@@ -20,14 +20,11 @@ step boundary. Rows, latencies and the clock come out as if each step had run on
 from __future__ import annotations
 
 import math
-from operator import attrgetter
 
 from policies.prediction import KeepPrediction, refine
 from policies.protocols import Executor, Scheduler
 from policies.types import Request, StepPlan, StepResult
 from sim.core.metrics import StepRecorder
-
-_last_token_time = attrgetter("last_token_time")
 
 
 class StepLoop:
@@ -102,7 +99,7 @@ class StepLoop:
         plan = self.plan
         seqs = plan.seqs
         # What update changes, read before and after it: the loop measures, the scheduler counts.
-        times_before = list(map(_last_token_time, seqs))
+        times_before = [seq.last_token_time for seq in seqs]
         if self.step_end_times is None:
             outputs_before = [seq.num_output_tokens for seq in seqs]
             finished = self.scheduler.update(plan, self.result, now)
