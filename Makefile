@@ -15,8 +15,8 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test bench profile validate-grid profile-speculation validate-speculation \
-	profile-token-trees validate-token-trees
+.PHONY: install run test bench profile validate-grid validate-light-load profile-speculation \
+	validate-speculation profile-token-trees validate-token-trees
 install: $(VENV)/.installed
 
 run: install
@@ -43,6 +43,21 @@ validate-grid: install
 	    '++workload.output_len={dist: uniform, low: 8, high: 64}' kv_cache.num_blocks=128 \
 	    scheduler=static,continuous,chunked_prefill kv_cache.block_size=16,32 \
 	    preemption=recompute,swap workload.rate=2,8,inf
+
+# Light load outside the grid (issue 20's TTFT bias): three workloads of tens of requests at a few
+# per second, short prompts, each engine job run 3 times beside its spread (about 4 minutes).
+LIGHT_LOAD = $(BIN)/twinserve-validate --engine-repeats 3 --profile $(PROFILE) model=tiny-llama \
+	hardware=cpu workload.with_token_ids=true
+validate-light-load: install
+	-$(LIGHT_LOAD) --out validation/light-load/40-at-4 workload.num_requests=40 workload.rate=4 \
+	    '++workload.prompt_len={dist: uniform, low: 16, high: 200}' \
+	    '++workload.output_len={dist: uniform, low: 8, high: 64}'
+	-$(LIGHT_LOAD) --out validation/light-load/60-at-3 workload.num_requests=60 workload.rate=3 \
+	    '++workload.prompt_len={dist: uniform, low: 32, high: 256}' \
+	    '++workload.output_len={dist: uniform, low: 16, high: 96}'
+	-$(LIGHT_LOAD) --out validation/light-load/40-at-6 workload.num_requests=40 workload.rate=6 \
+	    '++workload.prompt_len={dist: uniform, low: 8, high: 128}' \
+	    '++workload.output_len={dist: uniform, low: 8, high: 48}'
 
 # Speculative decoding on the trained tiny pair: profile the executor without a drafter and with
 # each drafter (together, in the same interleaved rounds: a speedup divides one by the other),

@@ -29,7 +29,8 @@ from engine.sampler import Sampler
 from kernels import get_kernel_ops
 from policies.speculation.trees import (lookahead_depth_per_size, medusa_depth_per_size,
                                         tree_paths)
-from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, PROBE_POINT, PROBE_POOL_BLOCKS,
+from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
+                                             PREFILL_PROBE_POINTS, PROBE_POINT, PROBE_POOL_BLOCKS,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
 from sim.calibration.step_shapes import GridPoint, build_plan
@@ -374,12 +375,13 @@ def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_toke
 
 def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
                       kernel_backend: str | None = None,
-                      interval_s: float = DEFAULT_INTERVAL_S) -> SpeedProbe:
-    """A speed probe (sim/calibration/cpu_noise/speed.py) of the loaded model, on an executor
-    of its own."""
-    executor = build_model_executor(loaded, PROBE_POOL_BLOCKS, 0, PROBE_POINT.block_size,
+                      interval_s: float = DEFAULT_INTERVAL_S,
+                      point: GridPoint = PROBE_POINT) -> SpeedProbe:
+    """A speed probe (sim/calibration/cpu_noise/speed.py) of the loaded model timing `point`,
+    on an executor of its own."""
+    executor = build_model_executor(loaded, PROBE_POOL_BLOCKS, 0, point.block_size,
                                     device, seed, kernel_backend)
-    return SpeedProbe(executor, interval_s, seed)
+    return SpeedProbe(executor, interval_s, seed, point)
 
 
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
@@ -415,5 +417,9 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
         return executor
     if isinstance(speed_reference, str):
         speed_reference = load_reference(speed_reference)
+    prefill_probes = tuple(build_speed_probe(loaded, device, seed, kernel_backend,
+                                             DEFAULT_PREFILL_INTERVAL_S, point)
+                           for point in PREFILL_PROBE_POINTS[:len(speed_reference.prefill_durations_s)])
     return SpeedNormalizedExecutor(executor, build_speed_probe(loaded, device, seed,
-                                                               kernel_backend), speed_reference)
+                                                               kernel_backend), speed_reference,
+                                   prefill_probes)

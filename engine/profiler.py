@@ -41,7 +41,9 @@ import numpy as np
 from kernels.tiling import TILE_BYTES
 from policies import validators
 from sim.calibration.cpu_noise.local_correction import fit_local_correction
-from sim.calibration.cpu_noise.speed import DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples
+from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
+                                             PREFILL_PROBE_POINTS, SpeedProbe, normalize_samples,
+                                             take_due_readings)
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.step_shapes import GridPoint, build_plan, spread, spread_chunks
@@ -181,7 +183,8 @@ ExecutorFactory = Callable[[int, int, int], object]  # (block_size, num_blocks, 
 def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: int = 5,
             warmup: int = 1, seed: int = 0, progress: bool = True,
             kv_bytes_per_token: int | None = None,
-            speed_probe: SpeedProbe | None = None) -> Profile:
+            speed_probe: SpeedProbe | None = None,
+            prefill_probes: tuple[SpeedProbe, ...] = ()) -> Profile:
     """Run every grid point `warmup` untimed + `repeats` timed times on executors built by
     `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
     for its largest point), keeping every sample's measured `duration`. With
@@ -189,18 +192,22 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
     attention-tile features too. With a `speed_probe`, every sample is normalised to the
     machine's median speed over the run (sim/calibration/cpu_noise/speed.py)."""
     return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
-                            kv_bytes_per_token, speed_probe)[""]
+                            kv_bytes_per_token, speed_probe, prefill_probes)[""]
 
 
 def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                      repeats: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True,
                      kv_bytes_per_token: int | None = None,
-                     speed_probe: SpeedProbe | None = None) -> dict[str, Profile]:
+                     speed_probe: SpeedProbe | None = None,
+                     prefill_probes: tuple[SpeedProbe, ...] = ()) -> dict[str, Profile]:
     """`profile` for several executors (name -> (factory, grid)) at once, every point of every
     one in the same interleaved rounds: profiles that a comparison divides by each other (a
     speedup with a drafter over one without) then see the same machine, drifts included (and
-    one speed probe, so one speed reference)."""
+    one speed probe, so one speed reference). `prefill_probes` (with a speed_probe) time their
+    prompts before prompt steps (sim/calibration/cpu_noise/speed.py)."""
     validators.positive_int("repeats", repeats)
+    if prefill_probes and speed_probe is None:
+        raise ValueError("prefill probes need the (decode) speed probe beside them")
     start = time.perf_counter()
     results = {name: Profile(points=list(grid), repeats=repeats)
                for name, (_, grid) in setups.items()}
@@ -229,6 +236,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
     bar = _progress_bar(len(runs) * repeats, progress)
     # (sample, index of the probe reading before it, its run: one point of one executor)
     probed: list[tuple[dict, int, int]] = []
+    prefill_readings: list[tuple[int, ...]] = []   # each prefill probe's before each sample
     try:
         for _ in range(warmup):
             for _, _, executor, plan, _ in runs:
@@ -240,9 +248,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         for repeat in range(repeats):
             for index in rng.permutation(len(runs)):
                 name, point, executor, plan, features = runs[index]
-                after_probe = speed_probe is not None and speed_probe.due()
-                if after_probe:
-                    speed_probe.measure()
+                after_probe = speed_probe is not None and take_due_readings(
+                    plan, speed_probe, prefill_probes)
                 duration = float(executor.execute(plan).duration)
                 sample = {"point_id": point.point_id, "kind": point.kind,
                           "block_size": point.block_size, "repeat": repeat, **features,
@@ -252,6 +259,7 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 results[name].samples.append(sample)
                 if speed_probe is not None:
                     probed.append((sample, len(speed_probe.readings) - 1, index))
+                    prefill_readings.append(tuple(len(p.readings) - 1 for p in prefill_probes))
                 if bar is not None:
                     bar.update(1)
             if bar is not None:
@@ -260,7 +268,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         if bar is not None:
             bar.close()
     wall_time_s = time.perf_counter() - start
-    speed_reference = None if speed_probe is None else normalize_samples(probed, speed_probe)
+    speed_reference = None if speed_probe is None else normalize_samples(
+        probed, speed_probe, prefill_probes, prefill_readings)
     for result in results.values():
         result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
         result.wall_time_s = wall_time_s
@@ -586,11 +595,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
-    speed_probe = None if args.speed_probe_interval == 0 else build_speed_probe(
-        loaded, device, args.seed, args.kernel_backend, args.speed_probe_interval)
+    speed_probe, prefill_probes = None, ()
+    if args.speed_probe_interval > 0:
+        speed_probe = build_speed_probe(loaded, device, args.seed, args.kernel_backend,
+                                        args.speed_probe_interval)
+        prefill_probes = tuple(build_speed_probe(loaded, device, args.seed, args.kernel_backend,
+                                                 DEFAULT_PREFILL_INTERVAL_S, point)
+                               for point in PREFILL_PROBE_POINTS)
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
-                                kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe)
+                                kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,
+                                prefill_probes=prefill_probes)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
         metadata = {

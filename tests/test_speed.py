@@ -1,7 +1,8 @@
 """The speed probe (sim/calibration/cpu_noise/speed.py): its factor, the executor that normalises an engine run's
 step durations with it, the profiler's normalised samples (a drifting stand-in machine is
-recovered as if it had not drifted, also where prefills follow the drift less than decodes), and
-clear errors for a profile without a usable reference."""
+recovered as if it had not drifted, also where prefills follow the drift less than decodes, or
+follow the prefill probe's own drift), and clear errors for a profile without a usable
+reference."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,12 @@ import pytest
 
 from engine.profiler import build_plan, fit_profile, make_grid, profile
 from policies.types import StepResult
-from sim.calibration.cpu_noise.speed import (EXPONENT_KNOTS, PROBE_POINT, SpeedNormalizedExecutor,
-                                             SpeedProbe, SpeedReference, check_reference,
-                                             fit_exponents, load_reference, normalize_samples,
-                                             probe_point_spec, smoothed_factors)
+from sim.calibration.cpu_noise.speed import (EXPONENT_KNOTS, PREFILL_PROBE_POINTS, PROBE_KNOTS,
+                                             PROBE_POINT,
+                                             SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
+                                             check_reference, fit_exponents, load_reference,
+                                             normalize_samples, probe_point_spec,
+                                             smoothed_factors, take_due_readings)
 
 from factories import (KV_BYTES_PER_TOKEN, decode_plan, features_of, held_out_points, predict,
                        true_cost)
@@ -292,3 +295,162 @@ def test_a_run_that_cannot_show_the_decodes_following_the_probe_keeps_the_plain_
     probed = [({"num_prefill_tokens": 0, "duration_s": 0.01 / f}, reading, 0)
               for reading, f in enumerate((1.0, 1.2, 0.9, 1.1))]
     assert normalize_samples(probed, probe)["exponents"] == [1.0] * len(EXPONENT_KNOTS)
+
+
+PREFILL_PROBE_REFERENCES = (0.006, 0.022)   # the stand-in prefill probes' durations at speed 1
+
+
+class TwoSpeedMachine(Machine):
+    """A machine on which a step's per-token work drifts on its own: a step with prompt tokens
+    slows by `prefill_slowdown` ** (its share of per-token work, growing with its prompt)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prefill_slowdown = 1.0
+
+    def slowdown_of(self, plan) -> float:
+        tokens = plan.num_prefill_tokens
+        if tokens == 0:
+            return self.slowdown
+        share = min(math.log2(1 + tokens) / math.log2(257), 1.0)
+        return self.slowdown ** (1 - share) * self.prefill_slowdown ** share
+
+
+class TwoProbeExecutor:
+    """Times any probe's plan at its reference duration x the machine's slowdown for it."""
+
+    def __init__(self, machine: TwoSpeedMachine):
+        self.machine = machine
+
+    def execute(self, plan):
+        reference = dict(zip((32, 256), PREFILL_PROBE_REFERENCES)).get(plan.num_prefill_tokens,
+                                                                        PROBE_REFERENCE)
+        return StepResult(duration=reference * self.machine.slowdown_of(plan))
+
+
+def probes_on(machine: TwoSpeedMachine) -> tuple[SpeedProbe, tuple[SpeedProbe, ...]]:
+    return (EveryStepProbe(TwoProbeExecutor(machine), interval_s=1e-12),
+            tuple(EveryStepProbe(TwoProbeExecutor(machine), interval_s=1e-12, point=point)
+                  for point in PREFILL_PROBE_POINTS))
+
+
+def prompt_plan(tokens: int):
+    return build_plan(PROBE_POINT.__class__(0, "prefill", 16, prefills=((tokens, 0),)))
+
+
+def test_prefill_probes_read_only_before_steps_with_prompt_tokens():
+    probe, prefill_probes = probes_on(TwoSpeedMachine())
+    assert take_due_readings(decode_plan(4, 128), probe, prefill_probes)
+    assert [len(p.readings) for p in (probe, *prefill_probes)] == [1, 0, 0]
+    assert take_due_readings(prompt_plan(100), probe, prefill_probes)
+    assert [len(p.readings) for p in (probe, *prefill_probes)] == [2, 1, 1]
+    assert [p.readings[0] for p in prefill_probes] == pytest.approx(PREFILL_PROBE_REFERENCES)
+    # Not due: no reading, even before a prompt step.
+    machine = TwoSpeedMachine()
+    quiet = SpeedProbe(TwoProbeExecutor(machine), interval_s=3600)
+    quiet_prefill = tuple(SpeedProbe(TwoProbeExecutor(machine), interval_s=3600, point=point)
+                          for point in PREFILL_PROBE_POINTS)
+    assert take_due_readings(prompt_plan(100), quiet, quiet_prefill)
+    assert not take_due_readings(prompt_plan(100), quiet, quiet_prefill)
+
+
+def test_normalised_executor_interpolates_the_probes_by_the_steps_prompt_tokens():
+    machine = TwoSpeedMachine()
+    reference = SpeedReference(PROBE_REFERENCE, prefill_durations_s=PREFILL_PROBE_REFERENCES)
+    probe, prefill_probes = probes_on(machine)
+    executor = SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe, reference,
+                                       prefill_probes)
+    machine.slowdown, machine.prefill_slowdown = 0.8, 1.1
+    # The step's own duration drifts with the decode speed; the probes read 0.8 (decodes),
+    # 0.8 ** (1 - s) * 1.1 ** s (32 tokens, s = log2(33) / log2(257)) and 1.1 (256 tokens).
+    assert executor.execute(decode_plan(4, 128)).duration == pytest.approx(0.05)
+    short = math.log2(33) / math.log2(257)
+    for tokens in (1, 15, 32, 100, 256, 1000):
+        # Any prompt step follows the prefill probes alone: flat below 32 and above 256 tokens.
+        position = math.log2(1 + tokens)
+        log_factor = np.interp(position, PROBE_KNOTS,
+                               [(1 - short) * math.log(0.8) + short * math.log(1.1),
+                                math.log(1.1)])
+        assert executor.execute(prompt_plan(tokens)).duration == pytest.approx(
+            0.05 * 0.8 / math.exp(log_factor))
+    summary = executor.speed_summary()
+    assert summary["prefill_speed_factor_medians"] == pytest.approx(
+        [0.8 ** (1 - short) * 1.1 ** short, 1.1])
+    assert summary["prefill_speed_probes"] == 12 and summary["speed_probes"] == 7
+    with pytest.raises(ValueError, match="needs as many prefill probes"):
+        SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe, reference)
+    with pytest.raises(ValueError, match="needs as many prefill probes"):
+        SpeedNormalizedExecutor(ConstantStep(machine, 0.05), probe,
+                                SpeedReference(PROBE_REFERENCE), prefill_probes)
+
+
+class TwoSpeedStandIn:
+    """The profiler's known linear cost on a machine whose decodes and per-token work drift
+    apart: decodes faster in the middle of the run, per-token work slower at its end."""
+
+    def __init__(self, machine, block_size, calls):
+        self.machine = machine
+        self.block_size = block_size
+        self.calls = calls
+
+    def execute(self, plan):
+        self.calls[0] += 1
+        phase = self.calls[0] % 300
+        self.machine.slowdown = 0.7 if 100 <= phase < 200 else 1.0
+        self.machine.prefill_slowdown = 1.3 if phase >= 200 else 1.0
+        return StepResult(duration=true_cost(features_of(plan, self.block_size))
+                          * self.machine.slowdown_of(plan))
+
+
+def test_profiler_with_prefill_probes_recovers_costs_where_prompts_drift_on_their_own():
+    machine, calls = TwoSpeedMachine(), [0]
+
+    def factory(block_size, num_blocks, num_host_blocks):
+        return TwoSpeedStandIn(machine, block_size, calls)
+
+    probe, prefill_probes = probes_on(machine)
+    prof = profile(factory, make_grid((16,)), repeats=3, progress=False, seed=1,
+                   kv_bytes_per_token=KV_BYTES_PER_TOKEN, speed_probe=probe,
+                   prefill_probes=prefill_probes)
+    content = fit_profile(prof.samples)
+    for point in held_out_points():
+        if point.block_size == 16:
+            features = features_of(build_plan(point), 16)
+            assert predict(content, features) == pytest.approx(true_cost(features), rel=0.02)
+    reference = prof.speed_reference
+    assert reference["prefill_points"] == [probe_point_spec(p) for p in PREFILL_PROBE_POINTS]
+    assert reference["prefill_durations_s"] == pytest.approx(PREFILL_PROBE_REFERENCES)
+    assert reference["prefill_factor_p95"][1] == pytest.approx(1.3)
+    loaded = check_reference(json.loads(json.dumps(reference)), "it")
+    assert loaded.prefill_durations_s == pytest.approx(PREFILL_PROBE_REFERENCES)
+    assert loaded.exponents == (1.0,) * len(EXPONENT_KNOTS)   # the prefill probes replace them
+
+    # With the decode probe alone the same machine misfits some prompt step by more than 5 %.
+    calls[0] = 0
+    decode_only = fit_profile(profile(factory, make_grid((16,)), repeats=3, progress=False,
+                                      seed=1, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                                      speed_probe=probes_on(machine)[0]).samples)
+    errors = [abs(predict(decode_only, features_of(build_plan(p), 16))
+                  / true_cost(features_of(build_plan(p), 16)) - 1) for p in held_out_points()
+              if p.block_size == 16]
+    assert max(errors) > 0.05
+    with pytest.raises(ValueError, match="need the .decode. speed probe"):
+        profile(factory, make_grid((16,)), repeats=1, progress=False,
+                kv_bytes_per_token=KV_BYTES_PER_TOKEN, prefill_probes=prefill_probes)
+
+
+@pytest.mark.parametrize("prefill, match", [
+    ({"prefill_points": [probe_point_spec()] * 2, "prefill_durations_s": [0.01, 0.02]},
+     "other shapes"),
+    ({"prefill_points": [probe_point_spec(p) for p in PREFILL_PROBE_POINTS][:1],
+      "prefill_durations_s": [0.01]}, "other shapes"),
+    ({"prefill_points": [probe_point_spec(p) for p in PREFILL_PROBE_POINTS],
+      "prefill_durations_s": [0.01, 0]}, "prefill_durations_s must be"),
+    ({"prefill_points": [probe_point_spec(p) for p in PREFILL_PROBE_POINTS],
+      "prefill_durations_s": [True, 0.02]}, "prefill_durations_s must be"),
+    ({"prefill_points": [probe_point_spec(p) for p in PREFILL_PROBE_POINTS],
+      "prefill_durations_s": 0.01}, "prefill_durations_s must be"),
+])
+def test_unusable_prefill_reference_is_a_clear_error(prefill, match):
+    with pytest.raises(ValueError, match=match):
+        check_reference({"point": probe_point_spec(), "duration_s": 1.0, **prefill}, "p.json")

@@ -353,8 +353,16 @@ def speed_summary(executors: list) -> dict:
                  if hasattr(executor, "speed_summary")]
     if not summaries:
         return {}
-    return {"speed_factor_median": statistics.median(s["speed_factor_median"] for s in summaries),
-            "speed_factor_p05": min(s["speed_factor_p05"] for s in summaries),
-            "speed_factor_p95": max(s["speed_factor_p95"] for s in summaries),
-            "speed_probes": sum(s["speed_probes"] for s in summaries),
-            "speed_probe_s": sum(s["speed_probe_s"] for s in summaries)}
+    summary = {"speed_factor_median": statistics.median(s["speed_factor_median"]
+                                                        for s in summaries),
+               "speed_factor_p05": min(s["speed_factor_p05"] for s in summaries),
+               "speed_factor_p95": max(s["speed_factor_p95"] for s in summaries),
+               "speed_probes": sum(s["speed_probes"] for s in summaries),
+               "speed_probe_s": sum(s["speed_probe_s"] for s in summaries)}
+    prefill = [s for s in summaries if "prefill_speed_factor_medians" in s]
+    if prefill:   # the profile's reference has prefill probes (and prompts ran)
+        summary["prefill_speed_factor_medians"] = [
+            statistics.median(medians) for medians in zip(*(s["prefill_speed_factor_medians"]
+                                                             for s in prefill))]
+        summary["prefill_speed_probes"] = sum(s["prefill_speed_probes"] for s in prefill)
+    return summary

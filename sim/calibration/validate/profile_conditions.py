@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from sim.calibration.cpu_noise.speed import PREFILL_PROBE_POINTS
 
 
 def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: bool,
@@ -47,7 +48,13 @@ def engine_clock_line(conditions: dict) -> str:
     """How the engine's steps were timed, in words, for the markdown report."""
     if conditions.get("clock") != "profile speed":
         return "engine steps timed as measured (wall clock)"
-    return (f"engine steps normalised to the profile's machine speed: the machine ran "
+    line = (f"engine steps normalised to the profile's machine speed: the machine ran "
             f"{conditions['speed_factor_median']:.3f}× the profile's step times (median of "
             f"{conditions['speed_probes']} probes; 5-95 %: {conditions['speed_factor_p05']:.3f}-"
             f"{conditions['speed_factor_p95']:.3f}×)")
+    if "prefill_speed_factor_medians" in conditions:
+        medians = " / ".join(f"{m:.3f}" for m in conditions["prefill_speed_factor_medians"])
+        line += (f"; lone prompts of {' / '.join(str(p.prefills[0][0]) for p in PREFILL_PROBE_POINTS)} "
+                 f"tokens {medians}× (medians of {conditions['prefill_speed_probes']} prefill "
+                 f"probes)")
+    return line

@@ -103,7 +103,8 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     engine_wall_s = sum(summary["wall_time_s"] - summary.get("speed_probe_s", 0.0)
                         for summary in engine_summaries) / engine_repeats
     # The first repeat's machine speed.
-    speed = {key: value for key, value in engine.summary.items() if key.startswith("speed_")}
+    speed = {key: value for key, value in engine.summary.items()
+             if key.startswith(("speed_", "prefill_speed_"))}
     result = {
         "metrics": metrics,
         "speedup": speedup(engine_wall_s, sim_summary["wall_time_s"]),
