@@ -491,15 +491,61 @@ class BaseScheduler:
         # decodes grow into until then.
         seqs = plan.seqs
         num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in seqs])
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        if len(seqs) * -(-(num_steps - 1) // kv_cache.block_size) <= free_blocks:
+        return max(self._num_steps_the_pool_holds(
+            seqs, 0, num_steps, kv_cache.num_blocks_for_repeated_steps()), 1)
+
+    def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
+                                  free_blocks: int) -> int:
+        """How many of the `num_steps` repeated steps from step `first_step` of a run (where the
+        decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into
+        from `free_blocks` (0 to num_steps)."""
+        kv_cache = self.kv_cache
+        end = first_step + num_steps
+        if len(seqs) * -(-(end - 1) // kv_cache.block_size) <= free_blocks:
             return num_steps   # even a block every block_size steps for each fits
         taken = 0
-        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps)):
+        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, end)):
             taken += num_blocks
             if taken > free_blocks:
-                return max(step, 1)
+                return max(step - first_step, 0)
         return num_steps
+
+    def continue_repeats(self, plan: StepPlan,
+                         now: float) -> tuple[StepPlan, list[Request]] | None:
+        """After the decode batch `plan` ran its max_repeats steps in a row, the last ending at
+        `now` (the simulator, where nothing from outside reaches the replica before then): if
+        some of its sequences reached their output length there, and the next steps would plan
+        the same batch without them (nothing waits or is swapped out, no KV is arriving, the
+        pool holds the rest's growth), finish them as `update` would at `now` and return the
+        plan of the rest's next steps and the requests that finished; else None, nothing
+        changed. The rest keep their counters where the run began: the new plan's
+        `num_steps_before` counts the steps they have run since (and `update` adds them)."""
+        if (self.waiting or self.swapped or self.receiving
+                or type(self).update is not BaseScheduler.update
+                or getattr(self.kv_cache, "enable_prefix_caching", False)):
+            return None   # (a prefix cache's blocks are freed and reused in order)
+        num_steps = plan.num_steps_before + plan.max_repeats   # since the counters stand
+        steps_left = [seq.request.output_len - seq.num_output_tokens - num_steps
+                      for seq in plan.seqs]
+        if 0 not in steps_left or steps_left.count(0) == len(steps_left):
+            return None   # the pool ended the steps, or the whole batch finished
+        finishing = [seq for seq, left in zip(plan.seqs, steps_left) if not left]
+        rest = [seq for seq, left in zip(plan.seqs, steps_left) if left]
+        kv_cache = self.kv_cache
+        # The finishing ones take their growth before they free it all (not counted here).
+        free_blocks = (kv_cache.num_blocks_for_repeated_steps()
+                       - sum(kv_cache.new_blocks_per_step(finishing, num_steps)))
+        max_repeats = self._num_steps_the_pool_holds(
+            rest, num_steps, min([left for left in steps_left if left]), free_blocks)
+        if not max_repeats:
+            return None
+        self._advance_decodes(finishing, num_steps, now)
+        finished = [seq.request for seq in finishing if self._finish_sequence(seq, now)]
+        next_plan = StepPlan(block_tables=kv_cache.block_tables, max_repeats=max_repeats,
+                             num_steps_before=num_steps)
+        next_plan.add_decodes(rest, drafted=False)
+        next_plan.decode_context_tokens += num_steps * len(rest)   # where they stand now
+        return next_plan, finished
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's
@@ -550,12 +596,22 @@ class BaseScheduler:
         return finished_requests
 
     def _update_repeated(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
-        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats):
-        each decode gained a token a step; the blocks it grew into are taken now."""
+        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats),
+        after the plan's `num_steps_before` (continue_repeats): each decode gained a token a
+        step; the blocks it grew into are taken now."""
         if num_steps > plan.max_repeats:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
         seqs = plan.seqs
+        self._advance_decodes(seqs, plan.num_steps_before + num_steps, now)
+        if num_steps < plan.max_repeats:
+            return []   # cut short: max_repeats is at most the steps to the first finish
+        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
+        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
+
+    def _advance_decodes(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
+        """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last
+        ending at `now`; the blocks it grew into are taken now."""
         # The last step computed position num_tokens + num_steps - 2.
         num_more_tokens = num_steps - 1
         for seq in seqs:
@@ -569,10 +625,6 @@ class BaseScheduler:
         if num_more_tokens and self.kv_cache.append_slots(seqs, computed=True) < len(seqs):
             raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
                                "planned")
-        if num_steps < plan.max_repeats:
-            return []   # cut short: max_repeats is at most the steps to the first finish
-        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
-        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
         """After every step of a speculating run: tell the speculation policy what each

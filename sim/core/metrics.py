@@ -529,14 +529,15 @@ class StepRecorder:
             num_waiting=waiting, num_running=running, num_swapped=swapped,
             num_accepted_tokens=sum(result.num_accepted.values()) if result.num_accepted else 0)
 
-    def record_repeated_steps(self, start_time: float, plan: StepPlan, result: StepResult,
+    def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
                               scheduler: Scheduler) -> None:
-        """The rows of a decode batch run `result.num_steps` times in a row, each as its own
-        step's row would be: only the start, the duration and the memory columns (one more
-        token stored per decode each step, and the blocks they grow into) move, so the first
-        row is recorded as any step's and the others are copies of it with those changed."""
+        """The rows of a decode batch run len(durations) times in a row, each as its own step's
+        row would be: only the start, the duration and the memory columns (one more token
+        stored per decode each step, and the blocks they grow into) move, so the first row is
+        recorded as any step's and the others are copies of it with those changed. A plan
+        whose sequences ran `num_steps_before` steps already (a run's later segment) holds the
+        slots of where they stood before those: its first row adds what they grew into since."""
         kv_cache = scheduler.kv_cache
-        durations = result.step_durations
         self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
         rows = self.metrics.step_rows
         row = list(rows[-1])
@@ -544,14 +545,22 @@ class StepRecorder:
         blocks_column = _COL["kv_blocks_used"]
         slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations))
+        first_step = plan.num_steps_before
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, first_step + len(durations))
+        if first_step:
+            grown = sum(new_blocks[:first_step + 1])
+            row[tokens_column] += num_decodes * first_step
+            row[blocks_column] += grown
+            row[slots_column] += grown * block_size
+            rows[-1] = tuple(row)
         for step in range(1, len(durations)):
             start_time += durations[step - 1]
             row[start_column], row[duration_column] = start_time, durations[step]
             row[tokens_column] += num_decodes
-            if new_blocks[step]:
-                row[blocks_column] += new_blocks[step]
-                row[slots_column] += new_blocks[step] * block_size
+            num_new_blocks = new_blocks[first_step + step]
+            if num_new_blocks:
+                row[blocks_column] += num_new_blocks
+                row[slots_column] += num_new_blocks * block_size
             rows.append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
