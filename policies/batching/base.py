@@ -24,6 +24,7 @@ A subclass whose `schedule` decides by anything else (the clock, a per-step poli
 from __future__ import annotations
 
 from collections import deque
+from itertools import compress
 
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
@@ -497,55 +498,68 @@ class BaseScheduler:
     def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
                                   free_blocks: int) -> int:
         """How many of the `num_steps` repeated steps from step `first_step` of a run (where the
-        decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into
-        from `free_blocks` (0 to num_steps)."""
+        decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into,
+        by then and at each, from `free_blocks` (0 to num_steps)."""
         kv_cache = self.kv_cache
-        end = first_step + num_steps
-        if len(seqs) * -(-(end - 1) // kv_cache.block_size) <= free_blocks:
+        if len(seqs) * -(-(first_step + num_steps - 1) // kv_cache.block_size) <= free_blocks:
             return num_steps   # even a block every block_size steps for each fits
         taken = 0
-        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, end)):
+        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps,
+                                                                       first_step)):
             taken += num_blocks
             if taken > free_blocks:
-                return max(step - first_step, 0)
+                return step
         return num_steps
 
-    def continue_repeats(self, plan: StepPlan,
-                         now: float) -> tuple[StepPlan, list[Request]] | None:
+    def continue_repeats(self, plan: StepPlan, now: float) -> list[Request] | None:
         """After the decode batch `plan` ran its max_repeats steps in a row, the last ending at
         `now` (the simulator, where nothing from outside reaches the replica before then): if
         some of its sequences reached their output length there, and the next steps would plan
         the same batch without them (nothing waits or is swapped out, no KV is arriving, the
-        pool holds the rest's growth), finish them as `update` would at `now` and return the
-        plan of the rest's next steps and the requests that finished; else None, nothing
-        changed. The rest keep their counters where the run began: the new plan's
-        `num_steps_before` counts the steps they have run since (and `update` adds them)."""
+        pool holds the rest's growth), finish them as `update` would at `now`, make `plan` the
+        rest's next steps and return the requests that finished; else None, nothing changed.
+        The rest keep their counters where the run began: `plan.num_steps_before` counts the
+        steps they have run since (and `update` adds them)."""
         if (self.waiting or self.swapped or self.receiving
                 or type(self).update is not BaseScheduler.update
                 or getattr(self.kv_cache, "enable_prefix_caching", False)):
             return None   # (a prefix cache's blocks are freed and reused in order)
+        seqs = plan.seqs
         num_steps = plan.num_steps_before + plan.max_repeats   # since the counters stand
         steps_left = [seq.request.output_len - seq.num_output_tokens - num_steps
-                      for seq in plan.seqs]
-        if 0 not in steps_left or steps_left.count(0) == len(steps_left):
+                      for seq in seqs]
+        num_finishing = steps_left.count(0)
+        if not num_finishing or num_finishing == len(seqs):
             return None   # the pool ended the steps, or the whole batch finished
-        finishing = [seq for seq, left in zip(plan.seqs, steps_left) if not left]
-        rest = [seq for seq, left in zip(plan.seqs, steps_left) if left]
+        finishing = [seq for seq, left in zip(seqs, steps_left) if not left]
+        rest = list(compress(seqs, steps_left))
         kv_cache = self.kv_cache
-        # The finishing ones take their growth before they free it all (not counted here).
-        free_blocks = (kv_cache.num_blocks_for_repeated_steps()
-                       - sum(kv_cache.new_blocks_per_step(finishing, num_steps)))
-        max_repeats = self._num_steps_the_pool_holds(
-            rest, num_steps, min([left for left in steps_left if left]), free_blocks)
+        # The finishing ones take their growth before they free it all: not counted as free
+        # (at most a block every block_size steps each; exactly where that is too many).
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
+        num_more_steps = min(compress(steps_left, steps_left))
+        most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
+        max_repeats = self._num_steps_the_pool_holds(rest, num_steps, num_more_steps,
+                                                     free_blocks - most_taken)
+        if max_repeats < num_more_steps and most_taken:
+            max_repeats = self._num_steps_the_pool_holds(
+                rest, num_steps, num_more_steps,
+                free_blocks - sum(kv_cache.new_blocks_per_step(finishing, num_steps)))
         if not max_repeats:
             return None
+        # The same batch less the finished, a decode each, as _schedule_running plans it: each
+        # decode's context num_steps tokens on from where its counters stand.
+        context = (plan.decode_context_tokens + plan.max_repeats * len(seqs)
+                   - sum([seq.num_tokens for seq in finishing]) - num_finishing * num_steps)
         self._advance_decodes(finishing, num_steps, now)
         finished = [seq.request for seq in finishing if self._finish_sequence(seq, now)]
-        next_plan = StepPlan(block_tables=kv_cache.block_tables, max_repeats=max_repeats,
-                             num_steps_before=num_steps)
-        next_plan.add_decodes(rest, drafted=False)
-        next_plan.decode_context_tokens += num_steps * len(rest)   # where they stand now
-        return next_plan, finished
+        plan.seqs = rest
+        plan.num_new_tokens = [1] * len(rest)
+        plan.num_decode_seqs = len(rest)
+        plan.decode_context_tokens = context
+        plan.max_repeats = max_repeats
+        plan.num_steps_before = num_steps
+        return finished
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's

@@ -546,21 +546,19 @@ class StepRecorder:
         slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
         first_step = plan.num_steps_before
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, first_step + len(durations))
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations), first_step)
         if first_step:
-            grown = sum(new_blocks[:first_step + 1])
             row[tokens_column] += num_decodes * first_step
-            row[blocks_column] += grown
-            row[slots_column] += grown * block_size
+            row[blocks_column] += new_blocks[0]
+            row[slots_column] += new_blocks[0] * block_size
             rows[-1] = tuple(row)
         for step in range(1, len(durations)):
             start_time += durations[step - 1]
             row[start_column], row[duration_column] = start_time, durations[step]
             row[tokens_column] += num_decodes
-            num_new_blocks = new_blocks[first_step + step]
-            if num_new_blocks:
-                row[blocks_column] += num_new_blocks
-                row[slots_column] += num_new_blocks * block_size
+            if new_blocks[step]:
+                row[blocks_column] += new_blocks[step]
+                row[slots_column] += new_blocks[step] * block_size
             rows.append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:

@@ -86,10 +86,9 @@ class StepLoop:
         """Run the plan's repeated steps until max_repeats or one ends at or past `horizon`,
         recording their rows and latencies; the end times add up as the simulated clock would
         add each step's duration. Where they end, before `finishes_before`, at sequences'
-        last tokens, the scheduler may finish those and plan the rest's next steps
+        last tokens, the scheduler may finish those and make the plan the rest's next steps
         (`continue_repeats`): the run goes on with that batch, a segment of its own, and so
-        on. Returns the whole run's result; the last segment's plan and result are kept for
-        `complete`."""
+        on. Returns the whole run's result; the last segment's is kept for `complete`."""
         scheduler, recorder = self.scheduler, self.recorder
         continue_repeats = getattr(scheduler, "continue_repeats", None)
         durations: list[float] = []
@@ -112,10 +111,9 @@ class StepLoop:
             if (end >= finishes_before or len(segment_durations) < plan.max_repeats
                     or continue_repeats is None):
                 break
-            continued = continue_repeats(plan, end)
-            if continued is None:
+            finished = continue_repeats(plan, end)   # (plan becomes the rest's next steps)
+            if finished is None:
                 break
-            plan, finished = continued
             self.finished_in_run += finished
             times_before = [end] * len(plan.seqs)
         self.step_end_times = end_times
