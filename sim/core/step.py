@@ -15,12 +15,10 @@ Repeated decode steps (simulator only): when the scheduler says the same decode 
 planned several steps in a row (`StepPlan.max_repeats`) and the executor can cost them from the
 plan alone, `begin(now, horizon)` runs them as one: step by step until the batch changes or a
 step ends at or after `horizon`, the next arrival, which the scheduler must see at the following
-step boundary. Rows, latencies and the clock come out as if each step had run on its own.
-
-Chained steps (simulator only, `past_finishes`: nothing outside the replica reacts to its steps
-before the horizon): a step, or run of repeated steps, that ends before the horizon is completed
-there at once and the next one begun, so one event spans them all; within a run, where the batch
-changes because sequences finish, the scheduler may let the rest run on (`continue_repeats`).
+step boundary. Where the batch changes because sequences finish before the horizon, the
+scheduler may let the rest run on in the same run (`continue_repeats`, with `past_finishes`):
+nothing outside the replica can see it before then. Rows, latencies and the clock come out as if
+each step had run on its own.
 """
 from __future__ import annotations
 
@@ -36,7 +34,7 @@ class StepLoop:
     """One replica's steps, one at a time."""
 
     __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
-                 "refining_predictor", "finished_early")
+                 "refining_predictor", "finished_in_run")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
                  predictor=None):
@@ -48,50 +46,19 @@ class StepLoop:
         self.refining_predictor = predictor if refines(predictor) else None
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
-        # Where the steps in flight end, when begin ran more than one step (repeated, chained).
-        self.step_end_times: list[float] | None = None
-        # Requests that finished in the steps in flight before the last one (chained, segments).
-        self.finished_early: list[Request] = []
+        self.step_end_times: list[float] | None = None   # of repeated steps, in flight
+        self.finished_in_run: list[Request] = []   # finished in the repeated steps in flight
 
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
               may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
         """Plan the next step at `now`, execute it and record its row. With a `horizon` (the
         time of the next event outside the replica), a repeatable decode batch runs until a step
         ends at or past it; with `queued_arrivals` false (what arrives skips the waiting queue:
-        KV transfers to a decode replica) even when the queue's head is blocked. With
-        `past_finishes` (nothing outside the replica reacts to its steps before the horizon),
-        steps chain: each that ends before the horizon is completed there and the next begun,
-        and repeated steps run on past finishes; the result then spans them all
-        (`step_durations`, `step_end_times`), and `complete` completes the last. Raises
-        RuntimeError when the scheduler plans nothing while it has requests: no later step could
-        differ; unless `may_idle` (a KV transfer will change the pool), which returns None."""
-        result = self._begin_step(now, horizon, queued_arrivals, may_idle, past_finishes)
-        if (result is None or not past_finishes or horizon is None
-                or self.refining_predictor is not None):   # (a predictor all replicas share)
-            return result
-        end_times = self.step_end_times or [now + result.duration]
-        if end_times[-1] >= horizon:
-            return result
-        durations = list(result.step_durations or (result.duration,))
-        scheduler = self.scheduler
-        while end_times[-1] < horizon:
-            end = end_times[-1]
-            self.finished_early += self._complete_step(end)
-            if not scheduler.has_unfinished():
-                break   # (it idles from there: nothing in flight)
-            result = self._begin_step(end, horizon, queued_arrivals, False, past_finishes)
-            if result.step_durations:
-                durations += result.step_durations
-                end_times += self.step_end_times
-            else:
-                durations.append(result.duration)
-                end_times.append(end + result.duration)
-        self.step_end_times = end_times
-        return StepResult(duration=end_times[-1] - now, step_durations=durations)
-
-    def _begin_step(self, now: float, horizon: float | None, queued_arrivals: bool,
-                    may_idle: bool, past_finishes: bool) -> StepResult | None:
-        """begin, one step or run of repeated steps."""
+        KV transfers to a decode replica) even when the queue's head is blocked; with
+        `past_finishes` (nothing outside the replica reacts to its steps until the horizon) on
+        past the steps where sequences finish. Raises RuntimeError when the scheduler plans
+        nothing while it has requests: no later step could differ; unless `may_idle` (a KV
+        transfer will change the pool), which returns None."""
         scheduler = self.scheduler
         plan = scheduler.schedule(now)
         if plan.is_empty:
@@ -112,7 +79,6 @@ class StepLoop:
         result = self.executor.execute(plan)
         self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
-        self.step_end_times = None
         return result
 
     def _run_repeated(self, plan: StepPlan, now: float, horizon: float,
@@ -148,7 +114,7 @@ class StepLoop:
             finished = continue_repeats(plan, end)   # (plan becomes the rest's next steps)
             if finished is None:
                 break
-            self.finished_early += finished
+            self.finished_in_run += finished
             times_before = [end] * len(plan.seqs)
         self.step_end_times = end_times
         self.plan = plan
@@ -157,28 +123,22 @@ class StepLoop:
 
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the
-        inter-token latencies it produced. Returns the requests that finished (in the steps
-        begin chained before it too)."""
-        finished = self._complete_step(now) if self.plan is not None else []
-        if self.finished_early:
-            finished = self.finished_early + finished
-            self.finished_early = []
-        self.step_end_times = None
-        return finished
-
-    def _complete_step(self, now: float) -> list[Request]:
-        """complete, the last step or run of repeated steps begun."""
-        plan, result = self.plan, self.result
+        inter-token latencies it produced. Returns the requests that finished."""
+        plan = self.plan
         seqs = plan.seqs
-        if result.step_durations is None:
+        if self.step_end_times is None:
             # What update changes, read before and after it: the loop measures, the scheduler
             # counts.
             times_before = [seq.last_token_time for seq in seqs]
             outputs_before = [seq.num_output_tokens for seq in seqs]
-            finished = self.scheduler.update(plan, result, now)
+            finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_itls(seqs, outputs_before, times_before, now)
         else:   # (repeated steps recorded their latencies as they ran)
-            finished = self.scheduler.update(plan, result, now)
+            finished = self.scheduler.update(plan, self.result, now)
+            if self.finished_in_run:
+                finished = self.finished_in_run + finished
+                self.finished_in_run = []
+            self.step_end_times = None
         if self.refining_predictor is not None:
             self._refine_predictions(seqs)
         self.plan = self.result = None
