@@ -566,7 +566,7 @@ class BaseScheduler:
         accepted drafts and one more), samples forked, sequences and requests finished (their
         blocks freed). Returns the requests that finished."""
         if result.step_durations:
-            return self._update_repeated(plan, result.num_steps, now)
+            return self._update_repeated(plan, len(result.step_durations), now)
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids
@@ -681,7 +681,8 @@ class BaseScheduler:
         self.kv_cache.free(seq)
         self.num_running_seqs -= 1
         request = seq.request
-        if all(s.status is SequenceStatus.FINISHED for s in request.sequences):
+        samples = request.sequences
+        if len(samples) == 1 or all(s.status is SequenceStatus.FINISHED for s in samples):
             request.finish_time = now
             self.running.remove(request)
             self._on_request_finished(request)
