@@ -17,9 +17,10 @@ or passes its own PreemptionPolicy.
 
 Repeated decode steps: when nothing waits or is swapped out and every running sequence decodes,
 the next steps would plan the same batch until a sequence finishes or the pool runs short, so
-`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event.
-A subclass whose `schedule` decides by anything else (the clock, a per-step policy) passes
-`coalesce=False`.
+`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event;
+at a finish, while still nothing waits, `continue_repeats` lets the rest of the batch run on in
+the same event. A subclass whose `schedule` decides by anything else (the clock, a per-step
+policy) passes `coalesce=False`.
 """
 from __future__ import annotations
 
