@@ -519,15 +519,20 @@ class StepRecorder:
                     scheduler: Scheduler) -> None:
         """The step's row: its plan, and memory and queues as they stand during the step
         (before its finished requests leave)."""
+        self._record_row(start_time, plan, result.duration, scheduler,
+                         sum(result.num_accepted.values()) if result.num_accepted else 0)
+
+    def _record_row(self, start_time: float, plan: StepPlan, duration: float,
+                    scheduler: Scheduler, num_accepted_tokens: int = 0) -> None:
         kv_cache = scheduler.kv_cache
         waiting, running, swapped = scheduler.queue_lengths()
         self.metrics.record_step(
-            self.replica_id, start_time, plan, result.duration,
+            self.replica_id, start_time, plan, duration,
             kv_blocks_used=kv_cache.num_used_blocks(),
             kv_slots_allocated=kv_cache.num_slots_allocated(),
             kv_tokens_stored=kv_cache.num_tokens_stored(),
             num_waiting=waiting, num_running=running, num_swapped=swapped,
-            num_accepted_tokens=sum(result.num_accepted.values()) if result.num_accepted else 0)
+            num_accepted_tokens=num_accepted_tokens)
 
     def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
                               scheduler: Scheduler) -> None:
@@ -538,7 +543,7 @@ class StepRecorder:
         whose sequences ran `num_steps_before` steps already (a run's later segment) holds the
         slots of where they stood before those: its first row adds what they grew into since."""
         kv_cache = scheduler.kv_cache
-        self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
+        self._record_row(start_time, plan, durations[0], scheduler)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         start_column, duration_column = _COL["start_time"], _COL["duration"]

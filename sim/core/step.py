@@ -105,9 +105,9 @@ class StepLoop:
                 if end >= horizon:
                     step_times.close()   # draw no more noise than the steps that ran
                     break
-            segment_durations = durations[first:]
+            segment_durations = durations[first:] if first else durations
             recorder.record_repeated_steps(segment_start, plan, segment_durations, scheduler)
-            recorder.record_repeated_itls(times_before, end_times[first:])
+            recorder.record_repeated_itls(times_before, end_times[first:] if first else end_times)
             if (end >= finishes_before or len(segment_durations) < plan.max_repeats
                     or continue_repeats is None):
                 break
