@@ -12,8 +12,9 @@ The step loop, as both backends run it:
 
 Optional, for the simulator's repeated decode steps (a plug-in without them runs every step as
 its own event): a scheduler sets `StepPlan.max_repeats` and its `update` then accepts a result
-with `step_durations` (that many steps of the plan, applied at once); a KV manager answers
-`new_blocks_per_step(seqs, num_steps)` and `num_blocks_for_repeated_steps()` (as
+with `step_durations` (that many steps of the plan, applied at once), and may let a run go on
+past its finishes (`continue_repeats(plan, now)`, as BaseScheduler does); a KV manager answers
+`new_blocks_per_step(seqs, num_steps, first_step=0)` and `num_blocks_for_repeated_steps()` (as
 PagedBlockManager does); an executor has `repeats_steps` and
 `repeated_step_times(plan, num_steps)` (as SimExecutor does).
 

@@ -182,6 +182,9 @@ class StepPlan:
     # True when requests arriving meanwhile would only wait (the queue's head is blocked): the
     # repeated steps need not stop at the next arrival.
     repeats_past_arrivals: bool = False
+    # A run's later segment (`Scheduler.continue_repeats`, after some of its sequences finished):
+    # the steps its sequences ran since their counters were last updated.
+    num_steps_before: int = 0
 
     @property
     def num_seqs(self) -> int:

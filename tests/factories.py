@@ -352,8 +352,8 @@ def run_both_ways(overrides, monkeypatch):
     repeated_runs = []
     run_repeated = StepLoop._run_repeated
 
-    def counting(self, plan, now, horizon):
-        result = run_repeated(self, plan, now, horizon)
+    def counting(self, plan, now, *horizons):
+        result = run_repeated(self, plan, now, *horizons)
         repeated_runs.append(result.num_steps)
         return result
 

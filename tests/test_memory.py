@@ -130,17 +130,24 @@ def test_paged_watermark_keeps_blocks_free_for_admissions_only():
 @settings(max_examples=200, deadline=None)
 @given(lengths=st.lists(st.integers(1, 2000), max_size=40),
        block_size=st.sampled_from([1, 2, 7, 16, 255, 256, 257, 1024]),
-       num_steps=st.integers(0, 600))
-def test_new_blocks_per_step_counts_each_decode_block_by_block(lengths, block_size, num_steps):
+       num_steps=st.integers(0, 600), first_step=st.integers(0, 300))
+def test_new_blocks_per_step_counts_each_decode_block_by_block(lengths, block_size, num_steps,
+                                                               first_step):
     def num_blocks(num_tokens):
         return -(-num_tokens // block_size)
     # One sequence at a time, one step at a time: at step j it holds length + j tokens.
-    expected = [sum(num_blocks(length + step) - num_blocks(length + step - 1)
-                    for length in lengths) if step else 0 for step in range(num_steps)]
+    per_step = [sum(num_blocks(length + step) - num_blocks(length + step - 1)
+                    for length in lengths) if step else 0
+                for step in range(first_step + num_steps)]
+    # From first_step on, the first entry with every block taken by then.
+    expected = per_step[first_step:]
+    if expected:
+        expected[0] = sum(per_step[:first_step + 1])
     slots_left = [-length % block_size for length in lengths]
-    assert new_blocks_per_step(slots_left, block_size, num_steps) == expected
+    assert new_blocks_per_step(slots_left, block_size, num_steps, first_step) == expected
     if block_size <= 256:
-        assert new_blocks_per_step(bytes(slots_left), block_size, num_steps) == expected
+        assert new_blocks_per_step(bytes(slots_left), block_size, num_steps,
+                                   first_step) == expected
 
 
 def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():

@@ -18,20 +18,28 @@ from sim.core.replica import SimEnvironment
 REPO = Path(__file__).resolve().parents[1]
 
 
+def drawn_workload(rng: random.Random, seed: int, num_requests: tuple[int, int],
+                   rates: list[float], output_means: list[int]) -> tuple[list[str], int]:
+    """What every random experiment here draws (size, load, lengths, block size, replicas,
+    preemption), and its block size."""
+    block_size = rng.choice([1, 8, 16])
+    return [
+        f"seed={seed}", f"workload.num_requests={rng.randint(*num_requests)}",
+        f"workload.rate={rng.choice(rates)}",
+        f"++workload.prompt_len={{dist: uniform, low: 8, high: {rng.choice([64, 600])}}}",
+        f"++workload.output_len={{dist: lognormal, mean: {rng.choice(output_means)}, "
+        f"sigma: 1.0}}",
+        f"kv_cache.block_size={block_size}",
+        f"cluster.num_replicas={rng.choice([1, 1, 2])}",
+        f"preemption={rng.choice(['recompute', 'swap'])}",
+    ], block_size
+
+
 def random_workload(seed: int) -> list[str]:
     """A random small experiment: load, lengths, block size, pool, preemption, sampling,
     prefix caching and replicas all drawn."""
     rng = random.Random(seed)
-    block_size = rng.choice([1, 8, 16])
-    overrides = [
-        f"seed={seed}", f"workload.num_requests={rng.randint(40, 160)}",
-        f"workload.rate={rng.choice([0.5, 2, 8, 30])}",
-        f"++workload.prompt_len={{dist: uniform, low: 8, high: {rng.choice([64, 600])}}}",
-        f"++workload.output_len={{dist: lognormal, mean: {rng.choice([20, 150])}, sigma: 1.0}}",
-        f"kv_cache.block_size={block_size}",
-        f"cluster.num_replicas={rng.choice([1, 1, 2])}",
-        f"preemption={rng.choice(['recompute', 'swap'])}",
-    ]
+    overrides, block_size = drawn_workload(rng, seed, (40, 160), [0.5, 2, 8, 30], [20, 150])
     if rng.random() < 0.5:
         overrides.append(f"kv_cache.num_blocks={rng.choice([300, 1200])}")
     if rng.random() < 0.3:
@@ -43,21 +51,73 @@ def random_workload(seed: int) -> list[str]:
     return overrides
 
 
-@pytest.mark.parametrize("scheduler", config_names("scheduler"))
-@pytest.mark.parametrize("seed", range(4))
-def test_repeated_steps_give_the_step_by_step_run(scheduler, seed, monkeypatch):
-    overrides = [f"scheduler={scheduler}", *random_workload(seed * 7 + len(scheduler))]
+def light_workload(seed: int) -> list[str]:
+    """A random small experiment light enough that the queue often empties: repeated steps then
+    run on past finishes. KV manager, pool, block size, preemption, sampling and replicas drawn."""
+    rng = random.Random(seed)
+    overrides, block_size = drawn_workload(rng, seed, (40, 120), [0.5, 1, 3], [30, 150])
+    if rng.random() < 0.3:
+        overrides.append("kv_cache=contiguous")
+    elif rng.random() < 0.5:   # tight: the rest's growth past a finish must fit what is free
+        overrides.append(f"kv_cache.num_blocks={rng.choice([60, 200]) * 16 // block_size}")
+    if rng.random() < 0.3:
+        overrides.append("++workload.n=3")   # samples sharing blocks finish one by one
+    return overrides
+
+
+def scheduler_overrides(scheduler: str) -> list[str]:
+    """The scheduler, and what it needs to be exercised: a small chunk budget, a predictor,
+    priorities."""
+    overrides = [f"scheduler={scheduler}"]
     if scheduler == "chunked_prefill":
         overrides.append("scheduler.max_num_batched_tokens=256")
     if scheduler == "sjf":
         overrides.append("predictor=noisy")
-    if scheduler == "priority":
+    if scheduler in ("priority", "mlfq"):
         overrides.append("++workload.classes=[{share: 0.3, priority: 0}, "
                          "{share: 0.7, priority: 1}]")
+    return overrides
+
+
+@pytest.mark.parametrize("scheduler", config_names("scheduler"))
+@pytest.mark.parametrize("seed", range(4))
+def test_repeated_steps_give_the_step_by_step_run(scheduler, seed, monkeypatch):
+    overrides = [*scheduler_overrides(scheduler), *random_workload(seed * 7 + len(scheduler))]
     coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
     assert_same_run(coalesced, step_by_step)
     # Not vacuous: decode batches did run as one event, several steps at a time.
     assert repeated_runs and max(repeated_runs) > 1, overrides
+
+
+@pytest.mark.parametrize("scheduler", config_names("scheduler"))
+@pytest.mark.parametrize("seed", range(3))
+def test_runs_go_on_past_finishes_as_step_by_step(scheduler, seed, monkeypatch):
+    """Where sequences finish inside a run of repeated steps and nothing could change the plan
+    (nothing waits, no arrival is due), the run goes on with the batch less them: they finish,
+    free their blocks and leave at the step they would have step by step, and every row,
+    latency and request time after comes out the same."""
+    from policies.batching.base import BaseScheduler
+
+    overrides = [*scheduler_overrides(scheduler), *light_workload(seed * 11 + len(scheduler))]
+    if scheduler == "vtc":
+        overrides.append("++workload.classes=[{share: 0.5, tenant: a}, {share: 0.5, tenant: b}]")
+    segments = []
+    continue_repeats = BaseScheduler.continue_repeats
+
+    def counting(self, plan, now):
+        finished = continue_repeats(self, plan, now)
+        if finished is not None:
+            segments.append(plan.num_steps_before)
+        return finished
+
+    monkeypatch.setattr(BaseScheduler, "continue_repeats", counting)
+    coalesced, step_by_step, _ = run_both_ways(overrides, monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    scheduler_type = type(coalesced.replicas[0].scheduler)
+    if scheduler_type.update is BaseScheduler.update:   # (VTC and EDF end runs at finishes)
+        assert segments, overrides   # not vacuous: runs did go on past finishes
+    else:
+        assert not segments
 
 
 def test_the_contiguous_baseline_repeats_within_its_reservation(monkeypatch):

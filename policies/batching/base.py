@@ -17,13 +17,15 @@ or passes its own PreemptionPolicy.
 
 Repeated decode steps: when nothing waits or is swapped out and every running sequence decodes,
 the next steps would plan the same batch until a sequence finishes or the pool runs short, so
-`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event.
-A subclass whose `schedule` decides by anything else (the clock, a per-step policy) passes
-`coalesce=False`.
+`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event;
+at a finish, while still nothing waits, `continue_repeats` lets the rest of the batch run on in
+the same event. A subclass whose `schedule` decides by anything else (the clock, a per-step
+policy) passes `coalesce=False`.
 """
 from __future__ import annotations
 
 from collections import deque
+from itertools import compress
 
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
@@ -491,22 +493,81 @@ class BaseScheduler:
         # decodes grow into until then.
         seqs = plan.seqs
         num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in seqs])
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        if len(seqs) * -(-(num_steps - 1) // kv_cache.block_size) <= free_blocks:
+        return max(self._num_steps_the_pool_holds(
+            seqs, 0, num_steps, kv_cache.num_blocks_for_repeated_steps()), 1)
+
+    def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
+                                  free_blocks: int) -> int:
+        """How many of the `num_steps` repeated steps from step `first_step` of a run (where the
+        decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into,
+        by then and at each, from `free_blocks` (0 to num_steps)."""
+        kv_cache = self.kv_cache
+        if len(seqs) * -(-(first_step + num_steps - 1) // kv_cache.block_size) <= free_blocks:
             return num_steps   # even a block every block_size steps for each fits
         taken = 0
-        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps)):
+        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps,
+                                                                       first_step)):
             taken += num_blocks
             if taken > free_blocks:
-                return max(step, 1)
+                return step
         return num_steps
+
+    def continue_repeats(self, plan: StepPlan, now: float) -> list[Request] | None:
+        """After the decode batch `plan` ran its max_repeats steps in a row, the last ending at
+        `now` (the simulator, where nothing from outside reaches the replica before then): if
+        some of its sequences reached their output length there, and the next steps would plan
+        the same batch without them (nothing waits or is swapped out, no KV is arriving, the
+        pool holds the rest's growth), finish them as `update` would at `now`, make `plan` the
+        rest's next steps and return the requests that finished; else None, nothing changed.
+        The rest keep their counters where the run began: `plan.num_steps_before` counts the
+        steps they have run since (and `update` adds them)."""
+        if (self.waiting or self.swapped or self.receiving
+                or type(self).update is not BaseScheduler.update
+                or getattr(self.kv_cache, "enable_prefix_caching", False)):
+            return None   # (a prefix cache's blocks are freed and reused in order)
+        seqs = plan.seqs
+        num_steps = plan.num_steps_before + plan.max_repeats   # since the counters stand
+        steps_left = [seq.request.output_len - seq.num_output_tokens - num_steps
+                      for seq in seqs]
+        num_finishing = steps_left.count(0)
+        if not num_finishing or num_finishing == len(seqs):
+            return None   # the pool ended the steps, or the whole batch finished
+        finishing = [seq for seq, left in zip(seqs, steps_left) if not left]
+        rest = list(compress(seqs, steps_left))
+        kv_cache = self.kv_cache
+        # The finishing ones take their growth before they free it all: not counted as free
+        # (at most a block every block_size steps each; exactly where that is too many).
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
+        num_more_steps = min(compress(steps_left, steps_left))
+        most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
+        max_repeats = self._num_steps_the_pool_holds(rest, num_steps, num_more_steps,
+                                                     free_blocks - most_taken)
+        if max_repeats < num_more_steps and most_taken:
+            max_repeats = self._num_steps_the_pool_holds(
+                rest, num_steps, num_more_steps,
+                free_blocks - sum(kv_cache.new_blocks_per_step(finishing, num_steps)))
+        if not max_repeats:
+            return None
+        # The same batch less the finished, a decode each, as _schedule_running plans it: each
+        # decode's context num_steps tokens on from where its counters stand.
+        context = (plan.decode_context_tokens + plan.max_repeats * len(seqs)
+                   - sum([seq.num_tokens for seq in finishing]) - num_finishing * num_steps)
+        self._advance_decodes(finishing, num_steps, now)
+        finished = [seq.request for seq in finishing if self._finish_sequence(seq, now)]
+        plan.seqs = rest
+        plan.num_new_tokens = [1] * len(rest)
+        plan.num_decode_seqs = len(rest)
+        plan.decode_context_tokens = context
+        plan.max_repeats = max_repeats
+        plan.num_steps_before = num_steps
+        return finished
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's
         accepted drafts and one more), samples forked, sequences and requests finished (their
         blocks freed). Returns the requests that finished."""
         if result.step_durations:
-            return self._update_repeated(plan, result.num_steps, now)
+            return self._update_repeated(plan, len(result.step_durations), now)
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids
@@ -550,12 +611,22 @@ class BaseScheduler:
         return finished_requests
 
     def _update_repeated(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
-        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats):
-        each decode gained a token a step; the blocks it grew into are taken now."""
+        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats),
+        after the plan's `num_steps_before` (continue_repeats): each decode gained a token a
+        step; the blocks it grew into are taken now."""
         if num_steps > plan.max_repeats:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
         seqs = plan.seqs
+        self._advance_decodes(seqs, plan.num_steps_before + num_steps, now)
+        if num_steps < plan.max_repeats:
+            return []   # cut short: max_repeats is at most the steps to the first finish
+        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
+        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
+
+    def _advance_decodes(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
+        """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last
+        ending at `now`; the blocks it grew into are taken now."""
         # The last step computed position num_tokens + num_steps - 2.
         num_more_tokens = num_steps - 1
         for seq in seqs:
@@ -569,10 +640,6 @@ class BaseScheduler:
         if num_more_tokens and self.kv_cache.append_slots(seqs, computed=True) < len(seqs):
             raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
                                "planned")
-        if num_steps < plan.max_repeats:
-            return []   # cut short: max_repeats is at most the steps to the first finish
-        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
-        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
         """After every step of a speculating run: tell the speculation policy what each
@@ -615,7 +682,8 @@ class BaseScheduler:
         self.kv_cache.free(seq)
         self.num_running_seqs -= 1
         request = seq.request
-        if all(s.status is SequenceStatus.FINISHED for s in request.sequences):
+        samples = request.sequences
+        if len(samples) == 1 or all(s.status is SequenceStatus.FINISHED for s in samples):
             request.finish_time = now
             self.running.remove(request)
             self._on_request_finished(request)

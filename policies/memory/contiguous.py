@@ -135,7 +135,8 @@ class ContiguousAllocator:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens
 
-    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int,
+                            first_step: int = 0) -> list[int]:
         """None at any step: a sequence grows only within its reservation."""
         return [0] * num_steps
 

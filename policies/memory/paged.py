@@ -30,18 +30,25 @@ from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-def new_blocks_per_step(slots_left: bytes | list[int], block_size: int,
-                        num_steps: int) -> list[int]:
+def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_steps: int,
+                        first_step: int = 0) -> list[int]:
     """The blocks that decodes with these slots left in their last blocks take at each of this
     step and the next `num_steps - 1` steps (a token further each): one with s left takes a
     block at steps s + 1, s + 1 + block_size, ... Counted by slots left, which take at most
-    block_size values: as bytes (block_size <= 256), each count is one C pass over the batch."""
+    block_size values: as bytes (block_size <= 256), each count is one C pass over the batch.
+    From a later `first_step`: at steps first_step to first_step + num_steps - 1, the first
+    entry counting every block taken by then (at steps 1 to first_step)."""
     per_step = [0] * num_steps
-    for num_left in range(min(block_size, num_steps - 1)):
+    end = first_step + num_steps if num_steps else 0
+    for num_left in range(min(block_size, end - 1)):
         num_seqs = slots_left.count(num_left)
         if num_seqs:
-            for step in range(num_left + 1, num_steps, block_size):
-                per_step[step] += num_seqs
+            step = num_left + 1   # its first block's step
+            if step <= first_step:
+                per_step[0] += num_seqs * ((first_step - step) // block_size + 1)
+                step += ((first_step - step) // block_size + 1) * block_size
+            for step in range(step, end, block_size):
+                per_step[step - first_step] += num_seqs
     return per_step
 
 
@@ -185,16 +192,19 @@ class PagedBlockManager:
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
-    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int) -> list[int]:
+    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int,
+                            first_step: int = 0) -> list[int]:
         """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
-        take at each of that step and the next `num_steps - 1` (a token further each)."""
-        if num_steps <= 1:
+        take at each of that step and the next `num_steps - 1` (a token further each); from a
+        later `first_step`, at that step and on, the first entry counting every block taken by
+        then."""
+        if first_step + num_steps <= 1:
             return [0] * num_steps   # the step just planned holds its slots already
         block_size = self.block_size
         # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left.
         slots_left = [-seq.num_tokens % block_size for seq in seqs]
         return new_blocks_per_step(bytes(slots_left) if block_size <= 256 else slots_left,
-                                   block_size, num_steps)
+                                   block_size, num_steps, first_step)
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by

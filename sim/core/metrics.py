@@ -519,32 +519,44 @@ class StepRecorder:
                     scheduler: Scheduler) -> None:
         """The step's row: its plan, and memory and queues as they stand during the step
         (before its finished requests leave)."""
+        self._record_row(start_time, plan, result.duration, scheduler,
+                         sum(result.num_accepted.values()) if result.num_accepted else 0)
+
+    def _record_row(self, start_time: float, plan: StepPlan, duration: float,
+                    scheduler: Scheduler, num_accepted_tokens: int = 0) -> None:
         kv_cache = scheduler.kv_cache
         waiting, running, swapped = scheduler.queue_lengths()
         self.metrics.record_step(
-            self.replica_id, start_time, plan, result.duration,
+            self.replica_id, start_time, plan, duration,
             kv_blocks_used=kv_cache.num_used_blocks(),
             kv_slots_allocated=kv_cache.num_slots_allocated(),
             kv_tokens_stored=kv_cache.num_tokens_stored(),
             num_waiting=waiting, num_running=running, num_swapped=swapped,
-            num_accepted_tokens=sum(result.num_accepted.values()) if result.num_accepted else 0)
+            num_accepted_tokens=num_accepted_tokens)
 
-    def record_repeated_steps(self, start_time: float, plan: StepPlan, result: StepResult,
+    def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
                               scheduler: Scheduler) -> None:
-        """The rows of a decode batch run `result.num_steps` times in a row, each as its own
-        step's row would be: only the start, the duration and the memory columns (one more
-        token stored per decode each step, and the blocks they grow into) move, so the first
-        row is recorded as any step's and the others are copies of it with those changed."""
+        """The rows of a decode batch run len(durations) times in a row, each as its own step's
+        row would be: only the start, the duration and the memory columns (one more token
+        stored per decode each step, and the blocks they grow into) move, so the first row is
+        recorded as any step's and the others are copies of it with those changed. A plan
+        whose sequences ran `num_steps_before` steps already (a run's later segment) holds the
+        slots of where they stood before those: its first row adds what they grew into since."""
         kv_cache = scheduler.kv_cache
-        durations = result.step_durations
-        self.record_step(start_time, plan, StepResult(duration=durations[0]), scheduler)
+        self._record_row(start_time, plan, durations[0], scheduler)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         start_column, duration_column = _COL["start_time"], _COL["duration"]
         blocks_column = _COL["kv_blocks_used"]
         slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations))
+        first_step = plan.num_steps_before
+        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations), first_step)
+        if first_step:
+            row[tokens_column] += num_decodes * first_step
+            row[blocks_column] += new_blocks[0]
+            row[slots_column] += new_blocks[0] * block_size
+            rows[-1] = tuple(row)
         for step in range(1, len(durations)):
             start_time += durations[step - 1]
             row[start_column], row[duration_column] = start_time, durations[step]

@@ -117,9 +117,11 @@ class Replica:
             # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
             # out of a prefill replica, whose blocks it frees.
             transfers = self.role == "decode" or self.num_pending_transfers > 0
+            # Past finishes unless a cluster reacts to each step (`on_step_done`).
             result = steps.begin(env.now, next_arrival.time if next_arrival else None,
                                  queued_arrivals=not transfers,
-                                 may_idle=self.num_pending_transfers > 0)
+                                 may_idle=self.num_pending_transfers > 0,
+                                 past_finishes=self.on_step_done is None)
             if result is None:   # nothing can run until a KV transfer frees or brings blocks
                 self._idle = env.event()
                 yield self._idle

@@ -15,7 +15,10 @@ Repeated decode steps (simulator only): when the scheduler says the same decode 
 planned several steps in a row (`StepPlan.max_repeats`) and the executor can cost them from the
 plan alone, `begin(now, horizon)` runs them as one: step by step until the batch changes or a
 step ends at or after `horizon`, the next arrival, which the scheduler must see at the following
-step boundary. Rows, latencies and the clock come out as if each step had run on its own.
+step boundary. Where the batch changes because sequences finish before the horizon, the
+scheduler may let the rest run on in the same run (`continue_repeats`, with `past_finishes`):
+nothing outside the replica can see it before then. Rows, latencies and the clock come out as if
+each step had run on its own.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class StepLoop:
     """One replica's steps, one at a time."""
 
     __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
-                 "refining_predictor")
+                 "refining_predictor", "finished_in_run")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
                  predictor=None):
@@ -44,15 +47,18 @@ class StepLoop:
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
         self.step_end_times: list[float] | None = None   # of repeated steps, in flight
+        self.finished_in_run: list[Request] = []   # finished in the repeated steps in flight
 
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
-              may_idle: bool = False) -> StepResult | None:
+              may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
         """Plan the next step at `now`, execute it and record its row. With a `horizon` (the
         time of the next event outside the replica), a repeatable decode batch runs until a step
         ends at or past it; with `queued_arrivals` false (what arrives skips the waiting queue:
-        KV transfers to a decode replica) even when the queue's head is blocked. Raises
-        RuntimeError when the scheduler plans nothing while it has requests: no later step could
-        differ; unless `may_idle` (a KV transfer will change the pool), which returns None."""
+        KV transfers to a decode replica) even when the queue's head is blocked; with
+        `past_finishes` (nothing outside the replica reacts to its steps until the horizon) on
+        past the steps where sequences finish. Raises RuntimeError when the scheduler plans
+        nothing while it has requests: no later step could differ; unless `may_idle` (a KV
+        transfer will change the pool), which returns None."""
         scheduler = self.scheduler
         plan = scheduler.schedule(now)
         if plan.is_empty:
@@ -68,29 +74,51 @@ class StepLoop:
         if (horizon is not None and plan.max_repeats > 1 and self.refining_predictor is None
                 and getattr(self.executor, "repeats_steps", False)):
             past_arrivals = plan.repeats_past_arrivals and queued_arrivals
-            result = self._run_repeated(plan, now, math.inf if past_arrivals else horizon)
-            self.recorder.record_repeated_steps(now, plan, result, scheduler)
-        else:
-            result = self.executor.execute(plan)
-            self.recorder.record_step(now, plan, result, scheduler)
+            return self._run_repeated(plan, now, math.inf if past_arrivals else horizon,
+                                      horizon if past_finishes else now)
+        result = self.executor.execute(plan)
+        self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
         return result
 
-    def _run_repeated(self, plan: StepPlan, now: float, horizon: float) -> StepResult:
-        """Cost the plan's repeated steps until max_repeats or one ends at or past `horizon`;
-        the end times add up as the simulated clock would add each step's duration."""
+    def _run_repeated(self, plan: StepPlan, now: float, horizon: float,
+                      finishes_before: float) -> StepResult:
+        """Run the plan's repeated steps until max_repeats or one ends at or past `horizon`,
+        recording their rows and latencies; the end times add up as the simulated clock would
+        add each step's duration. Where they end, before `finishes_before`, at sequences'
+        last tokens, the scheduler may finish those and make the plan the rest's next steps
+        (`continue_repeats`): the run goes on with that batch, a segment of its own, and so
+        on. Returns the whole run's result; the last segment's is kept for `complete`."""
+        scheduler, recorder = self.scheduler, self.recorder
+        continue_repeats = getattr(scheduler, "continue_repeats", None)
         durations: list[float] = []
         end_times: list[float] = []
         end = now
-        step_times = self.executor.repeated_step_times(plan, plan.max_repeats)
-        for duration in step_times:
-            durations.append(duration)
-            end += duration
-            end_times.append(end)
-            if end >= horizon:
-                step_times.close()   # draw no more noise than the steps that ran
+        times_before = [seq.last_token_time for seq in plan.seqs]
+        while True:
+            segment_start, first = end, len(durations)
+            step_times = self.executor.repeated_step_times(plan, plan.max_repeats)
+            for duration in step_times:
+                durations.append(duration)
+                end += duration
+                end_times.append(end)
+                if end >= horizon:
+                    step_times.close()   # draw no more noise than the steps that ran
+                    break
+            segment_durations = durations[first:] if first else durations
+            recorder.record_repeated_steps(segment_start, plan, segment_durations, scheduler)
+            recorder.record_repeated_itls(times_before, end_times[first:] if first else end_times)
+            if (end >= finishes_before or len(segment_durations) < plan.max_repeats
+                    or continue_repeats is None):
                 break
+            finished = continue_repeats(plan, end)   # (plan becomes the rest's next steps)
+            if finished is None:
+                break
+            self.finished_in_run += finished
+            times_before = [end] * len(plan.seqs)
         self.step_end_times = end_times
+        self.plan = plan
+        self.result = StepResult(duration=end - segment_start, step_durations=segment_durations)
         return StepResult(duration=end - now, step_durations=durations)
 
     def complete(self, now: float) -> list[Request]:
@@ -98,15 +126,18 @@ class StepLoop:
         inter-token latencies it produced. Returns the requests that finished."""
         plan = self.plan
         seqs = plan.seqs
-        # What update changes, read before and after it: the loop measures, the scheduler counts.
-        times_before = [seq.last_token_time for seq in seqs]
         if self.step_end_times is None:
+            # What update changes, read before and after it: the loop measures, the scheduler
+            # counts.
+            times_before = [seq.last_token_time for seq in seqs]
             outputs_before = [seq.num_output_tokens for seq in seqs]
             finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_itls(seqs, outputs_before, times_before, now)
-        else:
+        else:   # (repeated steps recorded their latencies as they ran)
             finished = self.scheduler.update(plan, self.result, now)
-            self.recorder.record_repeated_itls(times_before, self.step_end_times)
+            if self.finished_in_run:
+                finished = self.finished_in_run + finished
+                self.finished_in_run = []
             self.step_end_times = None
         if self.refining_predictor is not None:
             self._refine_predictions(seqs)
