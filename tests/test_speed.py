@@ -384,14 +384,9 @@ def test_normalised_executor_interpolates_the_probes_by_the_steps_prompt_tokens(
                                 SpeedReference(PROBE_REFERENCE), prefill_probes)
 
 
-class TwoSpeedStandIn:
+class TwoSpeedStandIn(DriftingStandIn):
     """The profiler's known linear cost on a machine whose decodes and per-token work drift
     apart: decodes faster in the middle of the run, per-token work slower at its end."""
-
-    def __init__(self, machine, block_size, calls):
-        self.machine = machine
-        self.block_size = block_size
-        self.calls = calls
 
     def execute(self, plan):
         self.calls[0] += 1
