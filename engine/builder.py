@@ -384,6 +384,14 @@ def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
     return SpeedProbe(executor, interval_s, seed, point)
 
 
+def build_prefill_probes(loaded: LoadedModel, device: torch.device, seed: int = 0,
+                         kernel_backend: str | None = None) -> tuple[SpeedProbe, ...]:
+    """The prefill probes (one per PREFILL_PROBE_POINTS shape) of the loaded model."""
+    return tuple(build_speed_probe(loaded, device, seed, kernel_backend,
+                                   DEFAULT_PREFILL_INTERVAL_S, point)
+                 for point in PREFILL_PROBE_POINTS)
+
+
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
@@ -417,9 +425,8 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
         return executor
     if isinstance(speed_reference, str):
         speed_reference = load_reference(speed_reference)
-    prefill_probes = tuple(build_speed_probe(loaded, device, seed, kernel_backend,
-                                             DEFAULT_PREFILL_INTERVAL_S, point)
-                           for point in PREFILL_PROBE_POINTS[:len(speed_reference.prefill_durations_s)])
+    prefill_probes = (build_prefill_probes(loaded, device, seed, kernel_backend)
+                      if speed_reference.prefill_durations_s else ())
     return SpeedNormalizedExecutor(executor, build_speed_probe(loaded, device, seed,
                                                                kernel_backend), speed_reference,
                                    prefill_probes)

@@ -41,8 +41,7 @@ import numpy as np
 from kernels.tiling import TILE_BYTES
 from policies import validators
 from sim.calibration.cpu_noise.local_correction import fit_local_correction
-from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
-                                             PREFILL_PROBE_POINTS, SpeedProbe, normalize_samples,
+from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, SpeedProbe, normalize_samples,
                                              take_due_readings)
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.calibration.step_features import STEP_FEATURES, step_features
@@ -568,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from engine.builder import build_speed_probe, resolve_device
+    from engine.builder import build_prefill_probes, build_speed_probe, resolve_device
     from engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -599,9 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed_probe_interval > 0:
         speed_probe = build_speed_probe(loaded, device, args.seed, args.kernel_backend,
                                         args.speed_probe_interval)
-        prefill_probes = tuple(build_speed_probe(loaded, device, args.seed, args.kernel_backend,
-                                                 DEFAULT_PREFILL_INTERVAL_S, point)
-                               for point in PREFILL_PROBE_POINTS)
+        prefill_probes = build_prefill_probes(loaded, device, args.seed, args.kernel_backend)
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
                                 kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,

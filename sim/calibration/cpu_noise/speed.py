@@ -335,10 +335,11 @@ class SpeedNormalizedExecutor:
         take_due_readings(plan, self.probe, self.prefill_probes)
         result = self.executor.execute(plan)
         factor = self.probe.readings[-1] / self.reference.duration_s
-        # A probe without a reading yet has only seen decode-only steps, which it does not touch.
-        prefill_factors = tuple(prefill_probe.readings[-1] / duration if prefill_probe.readings
-                                else 1.0 for prefill_probe, duration
-                                in zip(self.prefill_probes, self.reference.prefill_durations_s))
+        prefill_factors = ()
+        if plan.num_prefill_tokens > 0:   # (a prompt step: every prefill probe has a reading)
+            prefill_factors = tuple(
+                prefill_probe.readings[-1] / duration for prefill_probe, duration
+                in zip(self.prefill_probes, self.reference.prefill_durations_s))
         result.duration = result.duration / self.reference.slowdown(
             factor, plan.num_prefill_tokens, prefill_factors)
         return result

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+
 from sim.calibration.cpu_noise.speed import PREFILL_PROBE_POINTS
 
 
@@ -54,7 +55,7 @@ def engine_clock_line(conditions: dict) -> str:
             f"{conditions['speed_factor_p95']:.3f}×)")
     if "prefill_speed_factor_medians" in conditions:
         medians = " / ".join(f"{m:.3f}" for m in conditions["prefill_speed_factor_medians"])
-        line += (f"; lone prompts of {' / '.join(str(p.prefills[0][0]) for p in PREFILL_PROBE_POINTS)} "
-                 f"tokens {medians}× (medians of {conditions['prefill_speed_probes']} prefill "
-                 f"probes)")
+        lengths = " / ".join(str(point.prefills[0][0]) for point in PREFILL_PROBE_POINTS)
+        line += (f"; lone prompts of {lengths} tokens {medians}× (medians of "
+                 f"{conditions['prefill_speed_probes']} prefill probes)")
     return line
