@@ -22,9 +22,10 @@ from sim.core.experiment import run_experiment
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.validate.cli import main, parse_args
 from sim.calibration.validate.compare import (DEFAULT_GATES, GATED_BY, METRICS, UNSET,
-                                              check_gates, compare_summaries, error_pct,
-                                              mean_summary, resolve_gates)
-from sim.calibration.validate.grid import GRID_METRICS, grid_markdown, grid_rows, grid_summary
+                                              add_engine_noise, check_gates, compare_summaries,
+                                              error_pct, mean_summary, resolve_gates)
+from sim.calibration.validate.grid import (GRID_METRICS, grid_markdown, grid_rows, grid_summary,
+                                          tabulate)
 from sim.calibration.validate.report import read_latencies_ms
 from sim.calibration.validate.sweep import expand_sweep, swept_values
 
@@ -236,6 +237,8 @@ def test_grid_summary_takes_the_largest_error_over_the_jobs():
     assert summary["max_abs_error_pct"]["mean_ttft_ms"] == pytest.approx(5.0)
     assert summary["mean_abs_error_pct"]["mean_ttft_ms"] == pytest.approx(7.0 / 3)
     assert summary["max_abs_error_pct"]["num_preemptions"] == pytest.approx(100.0)
+    # The mean signed error: a bias over the jobs, where errors of both signs cancel.
+    assert summary["mean_error_pct"]["mean_ttft_ms"] == pytest.approx(-1.0)
     assert summary["num_passed"] == 1 and summary["num_jobs"] == 3
     assert summary["speedup"] == pytest.approx(50.0)
     swept = [{"workload.rate": r} for r in ("2", "8", "inf")]
@@ -244,10 +247,58 @@ def test_grid_summary_takes_the_largest_error_over_the_jobs():
     assert rows[1]["mean_tpot_ms_error_pct"] == pytest.approx(-5.0)
     text = grid_markdown(rows, summary, ["workload.rate"], "twinserve-validate ...")
     lines = [line for line in text.splitlines() if line.startswith("|")]
-    assert len(lines) == 2 + 3 + 1  # header, rule, one row per job, the max row
+    assert len(lines) == 2 + 3 + 2  # header, rule, one row per job, the mean and max rows
     assert "-5.00" in lines[3] and lines[-1].startswith("| max")
+    assert lines[-2].startswith("| mean") and "-1.00" in lines[-2]
+    assert len(lines[-2].split("|")) == len(lines[0].split("|"))
     assert len(lines[0].split("|")) == len(lines[-1].split("|")) == 2 + 1 + len(GRID_METRICS) + 4
 
+
+
+def test_tabulate_makes_one_table_of_validations_run_before(tmp_path):
+    """--tabulate: repeats of a few workloads, each validated before, in one grid table with the
+    mean signed error over them; a directory without a validation.json is a clear error."""
+    directories = []
+    for index, scale in enumerate((1.02, 1.005, 1.04)):
+        # Against engines that ran 10 ms, 10.4 ms and 9.6 ms in three rounds.
+        engine = synthetic_summary((1.0, 1.04, 0.96)[index])
+        metrics = add_engine_noise(compare_summaries(engine, synthetic_summary(scale)),
+                                   [engine, engine], DEFAULT_GATES)
+        directory = tmp_path / f"run{index}" / "workload"
+        directory.mkdir(parents=True)
+        (directory / "validation.json").write_text(json.dumps(
+            {"metrics": metrics, "passed": scale < 1.03, "speedup": 20.0,
+             "engine_wall_time_s": 4.0, "sim_wall_time_s": 0.2, "gates": DEFAULT_GATES,
+             "overrides": ["workload.rate=4"], "profile": "p.json",
+             "failures": [] if scale < 1.03 else ["mean_ttft_ms"]}))
+        directories.append(directory)
+    out = tmp_path / "table"
+    assert main(["--tabulate", "--out", str(out), *map(str, directories)]) == 0
+    grid = json.loads((out / "grid.json").read_text())
+    assert [row["validation"] for row in grid["jobs"]] == [str(d) for d in directories]
+    errors = [(scale / engine - 1) * 100 for scale, engine in ((1.02, 1.0), (1.005, 1.04),
+                                                                (1.04, 0.96))]
+    assert grid["summary"]["mean_error_pct"]["mean_ttft_ms"] == pytest.approx(np.mean(errors))
+    assert grid["summary"]["max_abs_error_pct"]["mean_ttft_ms"] == pytest.approx(
+        max(map(abs, errors)))
+    # One workload in three rounds: the engine's spread over all six of its runs, and each
+    # round's verdict against it: +2.0 % within the gate, -3.4 % within the ±4 % spread, +8.3 %
+    # outside both.
+    (repeats,) = grid["repeats"]
+    metric = repeats["metrics"]["mean_ttft_ms"]
+    assert repeats["jobs"] == [0, 1, 2] and metric["num_engine_runs"] == 6
+    assert metric["errors_pct"] == pytest.approx(errors)
+    assert metric["engine_spread_pct"] == pytest.approx(4.0)
+    assert metric["verdicts"] == ["within gate", "within engine noise", "outside both"]
+    assert list(grid["failures"]) == ["2"]
+    markdown = (out / "grid.md").read_text()
+    assert "| mean |" in markdown and "run1/workload" in markdown
+    assert "| 0, 1, 2 |" in markdown and "±4.00, 2/3)" in markdown
+    with open(out / "grid.csv") as file:
+        assert len(list(csv.DictReader(file))) == 3
+    assert main(["--tabulate", "--out", str(tmp_path / "bad"), str(tmp_path / "missing")]) == 2
+    with pytest.raises(ValueError, match="needs the directories"):
+        tabulate([], tmp_path / "none", "twinserve-validate --tabulate")
 
 # ---- the profiled cost model -------------------------------------------------------------------
 

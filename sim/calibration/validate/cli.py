@@ -28,7 +28,11 @@ for the first simulator run only) and
 A validation grid is a Hydra sweep: give any override several values (`scheduler=continuous,
 chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combination is validated
 in <out>/<job>/, with one table for the grid, `grid.csv` and `grid.md` (each job's swept values,
-signed errors and speedup; then the largest |error| of each metric over the grid).
+signed errors and speedup; then the mean signed error and the largest |error| of each metric
+over the grid). `--tabulate` makes that table of validations run before, each argument then a
+directory holding a validation.json (repeats of a few workloads, say):
+
+    twinserve-validate --tabulate --out validation/light-load validation/light-load/run*/*
 
 Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
 an error within the engine's noise but outside its gate fails too, and its line says so),
@@ -42,7 +46,7 @@ import sys
 from pathlib import Path
 
 from sim.calibration.validate.compare import UNSET
-from sim.calibration.validate.grid import validate_grid
+from sim.calibration.validate.grid import tabulate, validate_grid
 from sim.calibration.validate.compare import ValidationInputError
 from sim.calibration.validate.run import (DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS,
                                           check_engine_repeats, validate)
@@ -64,9 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="twinserve-validate",
         description="Run one workload on the engine and on the profiled simulator and compare "
                     "their metrics. Other arguments are Hydra overrides, as for twinserve.")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny-llama")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides, e.g. model=tiny-llama (with --tabulate: "
+                             "validation directories)")
     parser.add_argument("--out", type=Path, default=Path("validation"),
                         help="output folder (default: ./validation)")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="run nothing: the arguments are directories of validations run "
+                             "before (each with a validation.json); write one table of them, "
+                             "grid.md, grid.csv and grid.json, to --out")
     parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
     parser.add_argument("--wall-clock", action="store_true",
                         help="time the engine's steps as measured, not normalised to the "
@@ -99,6 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tabulate:
+        command = shlex.join(["twinserve-validate", *(argv if argv is not None else sys.argv[1:])])
+        try:
+            tabulate([Path(d) for d in args.overrides], args.out, command)
+        except ValueError as error:
+            print(f"twinserve-validate: error: {error}", file=sys.stderr)
+            return 2
+        print(f"results in {args.out}")
+        return 0
     overrides = list(args.overrides)
     if args.profile:
         overrides.append(f"cost_model.profile={args.profile}")
