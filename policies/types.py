@@ -185,6 +185,12 @@ class StepPlan:
     # A run's later segment (`Scheduler.continue_repeats`, after some of its sequences finished):
     # the steps its sequences ran since their counters were last updated.
     num_steps_before: int = 0
+    # What a run's segments share, so that none needs a pass over the batch for it: each
+    # sequence's steps to its last output from where its counters stand (BaseScheduler's), and
+    # the batch's blocks to come (a KV manager's `decode_growth(seqs)`, made by the first
+    # segment's rows); whoever changes a run's batch (`continue_repeats`) updates them.
+    steps_to_last_output: list[int] | None = None
+    decode_growth: object | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -492,9 +492,11 @@ class BaseScheduler:
         # A decode finishes at the step of its last output; the pool must hold the blocks the
         # decodes grow into until then.
         seqs = plan.seqs
-        num_steps = min([seq.request.output_len - seq.num_output_tokens for seq in seqs])
+        # (kept for continue_repeats: constant while the run's counters stand)
+        steps_to_last = plan.steps_to_last_output = [
+            seq.request.output_len - seq.num_output_tokens for seq in seqs]
         return max(self._num_steps_the_pool_holds(
-            seqs, 0, num_steps, kv_cache.num_blocks_for_repeated_steps()), 1)
+            seqs, 0, min(steps_to_last), kv_cache.num_blocks_for_repeated_steps()), 1)
 
     def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
                                   free_blocks: int) -> int:
@@ -527,18 +529,22 @@ class BaseScheduler:
             return None   # (a prefix cache's blocks are freed and reused in order)
         seqs = plan.seqs
         num_steps = plan.num_steps_before + plan.max_repeats   # since the counters stand
-        steps_left = [seq.request.output_len - seq.num_output_tokens - num_steps
-                      for seq in seqs]
-        num_finishing = steps_left.count(0)
+        steps_to_last = plan.steps_to_last_output
+        if steps_to_last is None:   # (a plan _num_repeatable_steps did not see)
+            steps_to_last = [seq.request.output_len - seq.num_output_tokens for seq in seqs]
+        # Passes in C over the batch: which finish at `num_steps` and which run on.
+        num_finishing = steps_to_last.count(num_steps)
         if not num_finishing or num_finishing == len(seqs):
             return None   # the pool ended the steps, or the whole batch finished
-        finishing = [seq for seq, left in zip(seqs, steps_left) if not left]
-        rest = list(compress(seqs, steps_left))
+        runs_on = list(map(num_steps.__ne__, steps_to_last))
+        finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
+        rest = list(compress(seqs, runs_on))
+        rest_to_last = list(compress(steps_to_last, runs_on))
         kv_cache = self.kv_cache
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
         free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        num_more_steps = min(compress(steps_left, steps_left))
+        num_more_steps = min(rest_to_last) - num_steps
         most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
         max_repeats = self._num_steps_the_pool_holds(rest, num_steps, num_more_steps,
                                                      free_blocks - most_taken)
@@ -552,9 +558,12 @@ class BaseScheduler:
         # decode's context num_steps tokens on from where its counters stand.
         context = (plan.decode_context_tokens + plan.max_repeats * len(seqs)
                    - sum([seq.num_tokens for seq in finishing]) - num_finishing * num_steps)
+        if plan.decode_growth is not None:   # (they leave it before their counters move)
+            plan.decode_growth.remove(kv_cache.slots_left(finishing))
         self._advance_decodes(finishing, num_steps, now)
         finished = [seq.request for seq in finishing if self._finish_sequence(seq, now)]
         plan.seqs = rest
+        plan.steps_to_last_output = rest_to_last
         plan.num_new_tokens = [1] * len(rest)
         plan.num_decode_seqs = len(rest)
         plan.decode_context_tokens = context

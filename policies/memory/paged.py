@@ -52,6 +52,51 @@ def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_step
     return per_step
 
 
+class DecodeGrowth:
+    """The blocks a batch of decodes takes as it runs repeated steps, a token further each: at
+    step t >= 1 of the run (step 0, the one planned, holds its slots), `cycle[(t - 1) %
+    block_size]` of them take one, those with that many slots left in their last blocks. Kept
+    for a whole run: decodes that finish leave it (`remove`) without a pass over the rest."""
+
+    __slots__ = ("block_size", "cycle")
+
+    def __init__(self, slots_left: bytes | list[int], block_size: int):
+        self.block_size = block_size
+        if isinstance(slots_left, bytes):
+            self.cycle = [slots_left.count(num_left) for num_left in range(block_size)]
+        else:
+            self.cycle = [0] * block_size
+            for num_left in slots_left:
+                self.cycle[num_left] += 1
+
+    def remove(self, slots_left: list[int]) -> None:
+        """Decodes with these slots left leave the batch."""
+        cycle = self.cycle
+        for num_left in slots_left:
+            cycle[num_left] -= 1
+
+    def new_blocks_per_step(self, num_steps: int, first_step: int = 0) -> list[int]:
+        """`new_blocks_per_step` of the batch: its blocks at steps first_step to first_step +
+        num_steps - 1, the first entry counting every block taken by then."""
+        if not num_steps:
+            return []
+        cycle, block_size = self.cycle, self.block_size
+        if first_step:
+            num_cycles, num_past = divmod(first_step, block_size)
+            first = (sum(cycle) * num_cycles if num_cycles else 0) + sum(cycle[:num_past])
+        else:
+            first = 0
+        if num_steps == 1:
+            return [first]
+        start = first_step % block_size   # cycle index of step first_step + 1
+        if start + num_steps - 1 <= block_size:
+            return [first, *cycle[start:start + num_steps - 1]]
+        per_step = [first]
+        for step in range(first_step + 1, first_step + num_steps):
+            per_step.append(cycle[(step - 1) % block_size])
+        return per_step
+
+
 @dataclass(slots=True)
 class SeqSlots:
     """A sequence's slots in its device table: `num_allocated`, the slots it covers, and
@@ -200,11 +245,24 @@ class PagedBlockManager:
         then."""
         if first_step + num_steps <= 1:
             return [0] * num_steps   # the step just planned holds its slots already
+        return new_blocks_per_step(self._slots_left(seqs), self.block_size, num_steps,
+                                   first_step)
+
+    def decode_growth(self, seqs: list[Sequence]) -> DecodeGrowth:
+        """The decoding `seqs`' growth over a run of repeated steps (their counters where the
+        step just planned stands), to ask and update across its segments."""
+        return DecodeGrowth(self._slots_left(seqs), self.block_size)
+
+    def slots_left(self, seqs: list[Sequence]) -> list[int]:
+        """The slots left in the decoding `seqs`' last blocks (what DecodeGrowth.remove takes)."""
         block_size = self.block_size
-        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left.
-        slots_left = [-seq.num_tokens % block_size for seq in seqs]
-        return new_blocks_per_step(bytes(slots_left) if block_size <= 256 else slots_left,
-                                   block_size, num_steps, first_step)
+        return [-seq.num_tokens % block_size for seq in seqs]
+
+    def _slots_left(self, seqs: list[Sequence]) -> bytes | list[int]:
+        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left. As
+        # bytes where they fit, so that each count is one C pass.
+        slots_left = self.slots_left(seqs)
+        return bytes(slots_left) if self.block_size <= 256 else slots_left
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by

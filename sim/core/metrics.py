@@ -551,7 +551,12 @@ class StepRecorder:
         slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
         first_step = plan.num_steps_before
-        new_blocks = kv_cache.new_blocks_per_step(plan.seqs, len(durations), first_step)
+        # The batch's growth, made once per run (a later segment's scheduler keeps it).
+        growth = plan.decode_growth
+        if growth is None and hasattr(kv_cache, "decode_growth"):
+            growth = plan.decode_growth = kv_cache.decode_growth(plan.seqs)
+        new_blocks = (kv_cache.new_blocks_per_step(plan.seqs, len(durations), first_step)
+                      if growth is None else growth.new_blocks_per_step(len(durations), first_step))
         if first_step:
             row[tokens_column] += num_decodes * first_step
             row[blocks_column] += new_blocks[0]
