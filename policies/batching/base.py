@@ -627,10 +627,15 @@ class BaseScheduler:
             raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
                              f"{plan.max_repeats}")
         seqs = plan.seqs
-        self._advance_decodes(seqs, plan.num_steps_before + num_steps, now)
+        num_steps_since = plan.num_steps_before + num_steps   # since the counters stood
+        self._advance_decodes(seqs, num_steps_since, now)
         if num_steps < plan.max_repeats:
             return []   # cut short: max_repeats is at most the steps to the first finish
-        finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
+        steps_to_last = plan.steps_to_last_output
+        if steps_to_last is None:
+            finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
+        else:   # (in C: those whose last output was the last step's)
+            finishing = list(compress(seqs, map(num_steps_since.__ge__, steps_to_last)))
         return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
 
     def _advance_decodes(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
