@@ -93,15 +93,16 @@ class StepLoop:
         continue_repeats = getattr(scheduler, "continue_repeats", None)
         durations: list[float] = []
         end_times: list[float] = []
+        add_duration, add_end_time = durations.append, end_times.append   # (once a step)
         end = now
         times_before = [seq.last_token_time for seq in plan.seqs]
         while True:
             segment_start, first = end, len(durations)
             step_times = self.executor.repeated_step_times(plan, plan.max_repeats)
             for duration in step_times:
-                durations.append(duration)
+                add_duration(duration)
                 end += duration
-                end_times.append(end)
+                add_end_time(end)
                 if end >= horizon:
                     step_times.close()   # draw no more noise than the steps that ran
                     break
