@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from policies.memory import ContiguousAllocator, PagedBlockManager
-from policies.memory.paged import new_blocks_per_step
+from policies.memory.paged import DecodeGrowth, new_blocks_per_step
 from policies.protocols import KVCacheManager
 from policies.types import Request, Sequence
 
@@ -148,6 +148,20 @@ def test_new_blocks_per_step_counts_each_decode_block_by_block(lengths, block_si
     if block_size <= 256:
         assert new_blocks_per_step(bytes(slots_left), block_size, num_steps,
                                    first_step) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 2000), max_size=40),
+       num_leaving=st.integers(0, 40),
+       block_size=st.sampled_from([1, 2, 7, 16, 255, 256, 257, 1024]),
+       num_steps=st.integers(0, 600), first_step=st.integers(0, 300))
+def test_decode_growth_answers_as_new_blocks_per_step_after_decodes_leave(
+        lengths, num_leaving, block_size, num_steps, first_step):
+    slots_left = [-length % block_size for length in lengths]
+    growth = DecodeGrowth(bytes(slots_left) if block_size <= 256 else slots_left, block_size)
+    growth.remove(slots_left[:num_leaving])
+    assert (growth.new_blocks_per_step(num_steps, first_step)
+            == new_blocks_per_step(slots_left[num_leaving:], block_size, num_steps, first_step))
 
 
 def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():
