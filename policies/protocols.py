@@ -15,7 +15,8 @@ its own event): a scheduler sets `StepPlan.max_repeats` and its `update` then ac
 with `step_durations` (that many steps of the plan, applied at once), and may let a run go on
 past its finishes (`continue_repeats(plan, now)`, as BaseScheduler does); a KV manager answers
 `new_blocks_per_step(seqs, num_steps, first_step=0)` and `num_blocks_for_repeated_steps()` (as
-PagedBlockManager does); an executor has `repeats_steps` and
+PagedBlockManager does), and may answer `decode_growth(seqs)` and `slots_left(seqs)` (a run's
+growth kept across its segments, StepPlan.decode_growth); an executor has `repeats_steps` and
 `repeated_step_times(plan, num_steps)` (as SimExecutor does).
 
 Optional, for a KV manager with a host tier for its prefix cache (PagedBlockManager with
