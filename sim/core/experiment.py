@@ -106,7 +106,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     bar.close()
-    metrics.order_steps_by_start()
+    if len(replicas) > 1:   # (one replica records its steps in order already)
+        metrics.order_steps_by_start()
 
     for replica in replicas:
         metrics.add_itl_counts(replica.recorder.itl_counts)
