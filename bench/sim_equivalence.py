@@ -16,6 +16,8 @@ digest differs from the reference, or if a run's two ways differ from each other
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import hashlib
 import json
 import random
@@ -132,9 +134,11 @@ def fixed_configs() -> dict[str, list[str]]:
     return configs
 
 
+@functools.cache
 def profile_without_tile_features() -> Path:
     """The tiny-llama CPU profile without its attention-tile features (which read each
-    sequence's length, so its steps never repeat), written to the temp folder."""
+    sequence's length, so its steps never repeat), written to a temp file of this run's own
+    (two runs at once, or from checkouts with other profiles, must not share one)."""
     from sim.calibration.cpu_noise.tile_features import TILE_FEATURES
 
     profile = json.loads((CONF_DIR.parent / "profiles/cpu/tiny-llama.json").read_text())
@@ -143,9 +147,12 @@ def profile_without_tile_features() -> Path:
         profile["model"]["coefficients_s"].pop(name, None)
         profile.get("feature_ranges", {}).pop(name, None)
     profile["correction"] = None   # fitted over the tile features too
-    path = Path(tempfile.gettempdir()) / "sim_equivalence_tiny_llama_no_tiles.json"
-    path.write_text(json.dumps(profile))
-    return path
+    file = tempfile.NamedTemporaryFile("w", prefix="sim_equivalence_tiny_llama_no_tiles_",
+                                       suffix=".json", delete=False)
+    with file:
+        json.dump(profile, file)
+    atexit.register(Path(file.name).unlink, missing_ok=True)
+    return Path(file.name)
 
 
 def all_configs(num_random: int) -> dict[str, list[str]]:
@@ -189,7 +196,11 @@ def main():
     for name, overrides in configs.items():
         both = {"coalesced": digest(run(overrides)),
                 "step_by_step": digest(run([*overrides, "++scheduler.coalesce=false"]))}
-        digests[name] = {"overrides": overrides, **both}
+        # (the temp file's name differs from run to run; the reference records what it holds)
+        recorded = [override.replace(str(profile_without_tile_features()),
+                                     "<tiny-llama profile without tile features>")
+                    for override in overrides]
+        digests[name] = {"overrides": recorded, **both}
         if both["coalesced"] != both["step_by_step"]:
             failures.append(f"{name}: coalesced and step by step differ {overrides}")
     args.out.write_text(json.dumps(digests, indent=1) + "\n")

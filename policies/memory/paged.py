@@ -34,29 +34,19 @@ def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_step
                         first_step: int = 0) -> list[int]:
     """The blocks that decodes with these slots left in their last blocks take at each of this
     step and the next `num_steps - 1` steps (a token further each): one with s left takes a
-    block at steps s + 1, s + 1 + block_size, ... Counted by slots left, which take at most
-    block_size values: as bytes (block_size <= 256), each count is one C pass over the batch.
-    From a later `first_step`: at steps first_step to first_step + num_steps - 1, the first
-    entry counting every block taken by then (at steps 1 to first_step)."""
-    per_step = [0] * num_steps
-    end = first_step + num_steps if num_steps else 0
-    for num_left in range(min(block_size, end - 1)):
-        num_seqs = slots_left.count(num_left)
-        if num_seqs:
-            step = num_left + 1   # its first block's step
-            if step <= first_step:
-                per_step[0] += num_seqs * ((first_step - step) // block_size + 1)
-                step += ((first_step - step) // block_size + 1) * block_size
-            for step in range(step, end, block_size):
-                per_step[step - first_step] += num_seqs
-    return per_step
+    block at steps s + 1, s + 1 + block_size, ... From a later `first_step`: at steps first_step
+    to first_step + num_steps - 1, the first entry counting every block taken by then (at steps
+    1 to first_step)."""
+    return DecodeGrowth(slots_left, block_size).new_blocks_per_step(num_steps, first_step)
 
 
 class DecodeGrowth:
     """The blocks a batch of decodes takes as it runs repeated steps, a token further each: at
     step t >= 1 of the run (step 0, the one planned, holds its slots), `cycle[(t - 1) %
-    block_size]` of them take one, those with that many slots left in their last blocks. Kept
-    for a whole run: decodes that finish leave it (`remove`) without a pass over the rest."""
+    block_size]` of them take one, those with that many slots left in their last blocks. Counted
+    by slots left, which take at most block_size values: as bytes (block_size <= 256), each
+    count is one C pass over the batch. Kept for a whole run: decodes that finish leave it
+    (`remove`) without a pass over the rest."""
 
     __slots__ = ("block_size", "cycle")
 
