@@ -95,9 +95,7 @@ def latency_arrays_s(requests: list[Request]) -> dict[str, np.ndarray]:
     arrival = np.fromiter(map(operator.attrgetter("arrival_time"), completed), np.float64, count)
     finish = np.fromiter(map(operator.attrgetter("finish_time"), completed), np.float64, count)
     first_token = np.asarray(first_token_times, dtype=np.float64)
-    # num_output_tokens_per_sample, without a call per request where it has one sample.
-    tokens = np.fromiter([request.sequences[0].num_output_tokens if len(request.sequences) == 1
-                          else request.num_output_tokens_per_sample for request in completed],
+    tokens = np.fromiter(map(operator.attrgetter("num_output_tokens_per_sample"), completed),
                          np.int64, count)
     has_tpot = tokens > 1
     return {"ttft": first_token - arrival,
@@ -388,8 +386,7 @@ class MetricsCollector:
         else:
             duration_s = 0.0
         total_input = sum(map(attribute("prompt_len"), completed))
-        total_output = sum([seq.num_output_tokens for request in completed
-                            for seq in request.sequences])
+        total_output = sum(map(attribute("num_output_tokens"), completed))
 
         result: dict = {
             "completed": len(completed),

@@ -1,9 +1,10 @@
 """A validation grid: every job of a sweep (sweep.py) validated in <out>/<job>/, then one table for
 the grid: grid.csv, grid.md and grid.json (each job's swept values, signed errors and speedup;
 then the mean signed error and the largest |error| of each metric over the grid). `tabulate`
-makes the same table of validations already run (repeats of a few workloads, say). With engine repeats > 1 each error comes
-with the engine's spread and the verdict (compare.py): `<metric>_engine_spread_pct` and
-`<metric>_verdict` in grid.csv and grid.json, `error (±spread, verdict)` cells in grid.md."""
+makes the same table of validations already run (repeats of a few workloads, say). With engine
+repeats > 1 each error comes with the engine's spread and the verdict (compare.py):
+`<metric>_engine_spread_pct` and `<metric>_verdict` in grid.csv and grid.json, `error (±spread,
+verdict)` cells in grid.md."""
 from __future__ import annotations
 
 import csv
