@@ -55,7 +55,8 @@ def test_every_hardware_config_loads(path):
 def test_shipped_configs_cover_the_paper_models_and_gpus():
     assert {p.stem for p in MODEL_FILES} >= {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b",
                                               "opt-13b", "codellama-34b", "tiny-llama"}
-    assert {p.stem for p in HARDWARE_FILES} >= {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu"}
+    assert {p.stem for p in HARDWARE_FILES} >= {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu",
+                                                 "rtx-4090", "rtx-pro-6000", "a800-80gb", "h800-80gb"}
 
 
 def test_parameter_counts_match_transformers():
@@ -63,6 +64,10 @@ def test_parameter_counts_match_transformers():
     assert model_spec("llama-2-7b").num_parameters == 6_738_415_616
     assert model_spec("llama-3-8b").num_parameters == 8_030_261_248
     assert model_spec("llama-2-70b").num_parameters == 68_976_648_192
+    assert model_spec("llama-3.1-8b").num_parameters == 8_030_261_248
+    assert model_spec("llama-3-70b").num_parameters == 70_553_706_496
+    # Qwen3's per-head q/k norms (2 x 128 weights a layer) are not modelled.
+    assert model_spec("qwen3-32b").num_parameters == 32_762_123_264 - 64 * 2 * 128
     assert model_spec("opt-13b").num_parameters == pytest.approx(12.85e9, rel=0.01)
 
 
