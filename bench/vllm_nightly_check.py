@@ -1,0 +1,138 @@
+"""The simulator against vLLM's nightly benchmark rows on an A100 (aggregate checks).
+
+Each row of data/real-runs/vllm-nightly/ is 500 ShareGPT prompts sent to vLLM 0.5.x serving
+Llama-3-8B on one A100-80GB or Llama-3-70B on four, as a Poisson process at 2-16 req/s or all at
+once, with its mean TTFT and TPOT. The prompts themselves were not recorded, so each row is
+replayed with `--draws` length mixes of ShareGPT's shape (lognormal, the sigmas of
+conf/workload/sharegpt_like.yaml), every draw rescaled to the row's own total input and output
+tokens, under vLLM 0.5's defaults of the time (no chunked prefill, prefills first, 256
+sequences, a token budget of the model's context). The spread over draws is printed beside
+every error: it is how much the unknown prompt sample alone moves the prediction.
+
+    python bench/vllm_nightly_check.py [--engine vllm_055] [--draws 3] [--gate 15] [overrides...]
+
+Extra arguments are simulator overrides (e.g. `cost_model=roofline`). Exits 1 when a mean TTFT
+or TPOT of a row the real system sustained is outside the gate.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+
+from sim.core.experiment import run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "real-runs" / "vllm-nightly"
+MODELS = {"llama8B": "llama-3-8b", "llama70B": "llama-3-70b"}
+NUM_PROMPTS = 500
+# conf/workload/sharegpt_like.yaml's shape: log-space sigmas and the benchmark's length caps.
+PROMPT_SIGMA, OUTPUT_SIGMA = 1.1, 0.8
+MAX_PROMPT, MAX_TOTAL = 1024, 2048
+TEST_NAME = re.compile(r"(?P<engine>vllm_\w+?)_(?P<model>llama\d+B)_tp(?P<tp>\d+)_sharegpt_qps_"
+                       r"(?P<rate>[\d.]+|inf)$")
+
+
+def nightly_rows(engine: str | None = None) -> list[dict]:
+    """The Llama rows of every shipped nightly file, with the test name parsed."""
+    rows = []
+    for path in sorted(DATA.glob("*.json")):
+        for row in json.loads(path.read_text()):
+            match = TEST_NAME.match(row["Test name"])
+            if match is None or (engine and match["engine"] != engine):
+                continue
+            rows.append({**row, "engine": match["engine"], "model": MODELS[match["model"]],
+                         "tp": int(match["tp"]), "rate": float(match["rate"])})
+    return rows
+
+
+def scaled_lengths(rng: np.random.Generator, total: int, sigma: float, cap: np.ndarray | int,
+                   count: int) -> np.ndarray:
+    """`count` lognormal lengths of log-sigma `sigma`, capped, rescaled so they add up to
+    `total` (within rounding)."""
+    lengths = np.exp(rng.normal(0.0, sigma, count))
+    for _ in range(20):   # rescaling moves some lengths over the cap: repeat until it settles
+        lengths = np.clip(lengths * total / lengths.sum(), 4, cap)
+    return np.maximum(np.rint(lengths), 4).astype(int)
+
+
+def write_draw(path: Path, row: dict, seed: int) -> None:
+    """One replayable trace for `row`: Poisson arrivals at its rate, lengths of its totals."""
+    rng = np.random.default_rng([seed, int(row["rate"]) if math.isfinite(row["rate"]) else 0])
+    prompts = scaled_lengths(rng, row["Total input tokens"], PROMPT_SIGMA, MAX_PROMPT,
+                             NUM_PROMPTS)
+    outputs = scaled_lengths(rng, row["Total output tokens"], OUTPUT_SIGMA,
+                             MAX_TOTAL - prompts, NUM_PROMPTS)
+    if math.isinf(row["rate"]):
+        arrivals = np.zeros(NUM_PROMPTS)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / row["rate"], NUM_PROMPTS))
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["arrival_time", "prompt_len", "output_len"])
+        writer.writerows(zip(arrivals.round(6).tolist(), prompts.tolist(), outputs.tolist()))
+
+
+def simulate(row: dict, trace: Path, overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=[
+            "progress=false", f"model={row['model']}", "hardware=a100-80gb",
+            f"cluster.tensor_parallel_size={row['tp']}", "workload=trace",
+            f"workload.trace_path={trace}", "scheduler=continuous",
+            "scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=8192",
+            "preemption=recompute", *overrides])
+    return run_experiment(cfg, plots=False).summary
+
+
+def error_pct(real: float, sim: float) -> float:
+    return 100.0 * (sim - real) / real
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", default="vllm_055", help="rows of this engine version")
+    parser.add_argument("--draws", type=int, default=3, help="length mixes per row")
+    parser.add_argument("--gate", type=float, default=15.0, help="|error| %% of mean TTFT/TPOT")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    rows = nightly_rows(args.engine)
+    if not rows:
+        parser.error(f"--engine {args.engine}: no such rows in {DATA}")
+    print(f"| row | real TTFT ms | sim TTFT ms (draws' spread) | error | real TPOT ms | "
+          f"sim TPOT ms (spread) | error |\n|---|---|---|---|---|---|---|")
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            ttfts, tpots = [], []
+            for draw in range(args.draws):
+                trace = Path(tmp) / f"draw{draw}.csv"
+                write_draw(trace, row, draw)
+                summary = simulate(row, trace, args.overrides)
+                ttfts.append(summary["mean_ttft_ms"])
+                tpots.append(summary["mean_tpot_ms"])
+            cells = []
+            for name, real, sims in (("TTFT", row["Mean TTFT (ms)"], ttfts),
+                                     ("TPOT", row["Mean TPOT (ms)"], tpots)):
+                sim = statistics.mean(sims)
+                spread = 100 * (max(sims) - min(sims)) / 2 / sim
+                error = error_pct(real, sim)
+                cells += [f"{real:.1f}", f"{sim:.1f} (±{spread:.1f} %)", f"{error:+.1f} %"]
+                if math.isfinite(row["rate"]) and abs(error) > args.gate:
+                    failures.append(f"{row['Test name']} {name} {error:+.1f} %")
+            print(f"| {row['Test name']} | " + " | ".join(cells) + " |", flush=True)
+    if failures:
+        print(f"outside ±{args.gate:g} %: " + "; ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
