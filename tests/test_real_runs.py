@@ -311,3 +311,15 @@ def test_cli_writes_the_report_and_bad_input_exits_2(tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     assert main(["--real", str(path), "--out", str(out), "model=llama-2-7b"]) == 2
     assert "the run does not record the hardware" in capsys.readouterr().err
+
+
+def test_command_line_wins_in_the_composed_config(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(vllm_result(
+        start_times=[0.0, 1.0, 2.0], e2els=[0.5, 0.6, 0.7], errors=["", "", ""],
+        engine_settings={"model": "meta-llama/Llama-3.1-8B", "hardware": "NVIDIA H100 80GB HBM3",
+                         "num_gpu_blocks": 2588, "max_num_seqs": 64})))
+    config = compose_replay_config(read_run(path), ["kv_cache.num_blocks=100"])
+    assert config.kv_cache.num_blocks == 100                  # the command line's
+    assert config.scheduler.max_num_seqs == 64                # the file's
+    assert config.model.name == "llama-3.1-8b" and config.hardware.name == "h100-80gb"
