@@ -54,9 +54,11 @@ def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
 
 
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
-                   progress: bool = False, plots: bool = True) -> RunResult:
+                   progress: bool = False, plots: bool = True,
+                   requests: list[Request] | None = None) -> RunResult:
     """Run the experiment `cfg` describes; write its files into `out_dir` if given (the PNG
-    plots too, unless plots=False)."""
+    plots too, unless plots=False). `requests` (fresh, unserved) replace cfg.workload's: a
+    measured run replayed from memory (sim/calibration/realrun/)."""
     wall_start = time.perf_counter()
     model = ModelSpec.from_config(cfg.model)
     check_run_settings(cfg)
@@ -76,7 +78,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     speculation = speculation_setup(cfg)
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
-    requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+    if requests is None:
+        requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
     check_tenant_weights(cfg.scheduler, requests)
 
     env = SimEnvironment()

@@ -34,6 +34,12 @@ directory holding a validation.json (repeats of a few workloads, say):
 
     twinserve-validate --tabulate --out validation/light-load validation/light-load/run*/*
 
+`--real RUN...` replays serving runs someone measured (vLLM's bench serve detailed JSON,
+twinserve-bench's, LLMServingSim's vllm_requests.jsonl or its folder, a CSV) through the simulator
+and reports each load stage real against simulated, with no gates (sim/calibration/realrun/):
+
+    twinserve-validate --real data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B --out out/
+
 Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
 an error within the engine's noise but outside its gate fails too, and its line says so),
 2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
@@ -77,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run nothing: the arguments are directories of validations run "
                              "before (each with a validation.json); write one table of them, "
                              "grid.md, grid.csv and grid.json, to --out")
+    parser.add_argument("--real", nargs="+", action="extend", metavar="RUN",
+                        help="replay these measured runs (files, or folders holding "
+                             "vllm_requests.jsonl) through the simulator and compare per load "
+                             "stage; the runs' engine settings, then the overrides, configure it")
     parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
     parser.add_argument("--wall-clock", action="store_true",
                         help="time the engine's steps as measured, not normalised to the "
@@ -107,8 +117,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def main_real(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """--real: the runs replayed through the simulator (arguments with '=' are overrides)."""
+    from sim.calibration.realrun.cli import is_override, validate_real
+
+    arguments = [*args.real, *args.overrides]
+    runs = [argument for argument in arguments if not is_override(argument)]
+    overrides = [argument for argument in arguments if is_override(argument)]
+    if args.profile:
+        overrides.append(f"cost_model.profile={args.profile}")
+    command = shlex.join(["twinserve-validate", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        validate_real(runs, args.out, overrides, command=command)
+    except ValueError as error:  # RealRunError, a bad override or config value
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"results in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.real:
+        return main_real(args, argv)
     if args.tabulate:
         command = shlex.join(["twinserve-validate", *(argv if argv is not None else sys.argv[1:])])
         try:
