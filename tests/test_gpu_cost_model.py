@@ -136,7 +136,7 @@ def test_step_reads_only_aggregates():
 
 @pytest.mark.parametrize("num_decodes", [3, 200, 700])  # padded graph, graph, eager
 def test_repeated_step_times_equal_step_time_step_by_step(num_decodes):
-    model = gpu_model("llama-2-7b", "a100-80gb", eager_launch_overhead_s_per_layer=1e-3)
+    model = gpu_model("llama-2-7b", "a100-80gb", eager_launch_overhead_s_per_layer=2e-3)
     plan = decode_plan(num_decodes, 300)
     repeated = list(model.repeated_step_times(plan, 5))
     one_by_one = [model.step_time(decode_plan(num_decodes, 300 + step)) for step in range(5)]
@@ -163,6 +163,10 @@ def test_describe_names_the_sources_of_a_transfer():
     assert thirteen.describe()["linear"].startswith("predicted from a100/")
     assert thirteen.linear_transfer_kind == "shape"
     assert thirteen.expected_error_pct == thirteen.expected_errors["linear"]["shape"]
+    # The A800 is the A100's chip: its 70B comes from the A100's 70B table, not its own 7B one.
+    a800 = gpu_model("llama-2-70b", "a800-80gb")
+    assert a800.describe()["linear"].startswith("predicted from a100/Llama-2-70b-hf tp1 (a100-80gb) same chip")
+    assert a800.forward_kernels_s(64) == gpu_model("llama-2-70b", "a100-80gb").forward_kernels_s(64)
 
 
 def test_bad_config_names_the_key():
