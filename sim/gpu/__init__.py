@@ -1,0 +1,1 @@
+"""GPU cost model fitted to public GPU measurements (data/gpu/)."""

@@ -1,0 +1,221 @@
+"""GPUCostModel: a step's duration as a sum of terms, each fitted to the GPU measurement that
+determines it (data/gpu/), with the engine's own costs as a few named, fittable terms.
+
+    step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
+         + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
+         + GPU forward pass, which is the larger of
+             the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
+                          batch's tokens (padded to a CUDA-graph capture size when it has one)
+                        + embedding + final norm + LM head over the sampling rows
+                        + layers x (prefill attention + decode attention)
+             and, without a CUDA graph (batches over cuda_graph_max_tokens), the launches:
+                          layers x eager_launch_overhead_s_per_layer (the CPU launches ahead of
+                          the GPU, so the slower of the two sets the pace)
+
+Everything per token count is precomputed at construction (plain lists indexed by tokens, linear
+beyond), so a step costs O(1) from the plan's aggregates. `describe()` says where each term comes
+from; `expected_error_pct` is the leave-one-out error of the kind of transfer the linear layers
+(the largest term) needed (data/gpu/transfer_errors.json).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from policies import validators
+from policies.types import StepPlan
+from sim.core.roofline import RooflineCostModel
+from sim.core.specs import HardwareSpec, ModelSpec
+from sim.gpu.attention import attention_cost
+from sim.gpu.collectives import allreduce_cost
+from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
+                            predict_lm_head_ms, predict_step_ops_ms)
+from sim.gpu.tables import LayerShape, attention_tables
+from sim.gpu.transfer_errors import expected_errors
+
+# Token counts precomputed as lists; beyond, linear at the slope of the upper half.
+DENSE_TOKENS = 8192
+
+
+def cuda_graph_capture_sizes(max_tokens: int) -> list[int]:
+    """vLLM V1's capture sizes up to `max_tokens`: 1, 2, 4, then every multiple of 8."""
+    return [size for size in (1, 2, 4) if size <= max_tokens] + list(range(8, max_tokens + 1, 8))
+
+
+def _padded_index(max_tokens: int) -> list[int]:
+    """n -> the capture size a batch of n tokens replays (n itself past the largest)."""
+    sizes = cuda_graph_capture_sizes(max_tokens)
+    index, size_iter = [0], iter(sizes)
+    size = next(size_iter, None)
+    for n in range(1, (sizes[-1] if sizes else 0) + 1):
+        while size < n:
+            size = next(size_iter)
+        index.append(size)
+    return index
+
+
+def _dense(values_from_one: np.ndarray) -> tuple[list[float], float]:
+    """[0, v(1), ..., v(N)] as a list, and the slope to extend it past N."""
+    n = len(values_from_one)
+    slope = float(values_from_one[-1] - values_from_one[n // 2 - 1]) / (n - n // 2)
+    return [0.0] + values_from_one.tolist(), slope
+
+
+class GPUCostModel(RooflineCostModel):
+    """Predicts `step_time(plan)` in seconds for `model` on `tensor_parallel_size` GPUs of
+    `hardware` from measured operator, attention and NCCL tables (see the module docstring).
+
+    Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
+    per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
+    attention_backend describe the engine. The remaining keyword arguments are
+    RooflineCostModel's, used for swaps, copies, host-tier moves and drafting only.
+    """
+
+    def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
+                 tensor_parallel_size: int = 1,
+                 block_size: int = 16,
+                 step_overhead_s: float = 1e-3,
+                 per_sequence_overhead_s: float = 1e-5,
+                 eager_launch_overhead_s_per_layer: float = 6e-5,
+                 cuda_graph_max_tokens: int = 512,
+                 attention_backend: str = "FLASH_ATTENTION",
+                 **roofline_kwargs):
+        owner = "GPUCostModel"
+        validators.non_negative_number(f"{owner}.step_overhead_s", step_overhead_s)
+        validators.non_negative_number(f"{owner}.per_sequence_overhead_s", per_sequence_overhead_s)
+        self.eager_launch_overhead_s_per_layer = float(validators.non_negative_number(
+            f"{owner}.eager_launch_overhead_s_per_layer", eager_launch_overhead_s_per_layer))
+        self.cuda_graph_max_tokens = int(validators.number_in(
+            f"{owner}.cuda_graph_max_tokens", validators.non_negative_int(
+                f"{owner}.cuda_graph_max_tokens", cuda_graph_max_tokens), 0, DENSE_TOKENS))
+        backends = sorted({t.backend for t in attention_tables()})
+        if attention_backend not in backends:
+            raise ValueError(f"{owner}.attention_backend must be one of {backends}, "
+                             f"got {attention_backend!r}")
+        self.attention_backend = attention_backend
+        super().__init__(model, hardware, tensor_parallel_size, block_size=block_size,
+                         step_overhead_s=step_overhead_s,
+                         per_sequence_overhead_s=per_sequence_overhead_s, **roofline_kwargs)
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        shape = LayerShape.of_model(m)
+        layers = m.num_layers
+
+        self.op_table = nearest_op_table(hw, shape, tp, key=f"hardware={hw.name}")
+        self.linear_transfer_kind, linear_source = describe_transfer(self.op_table, hw, shape, tp)
+        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
+        forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+        forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+        allreduce_source = "none (tensor_parallel_size 1)"
+        if tp > 1:
+            allreduce = allreduce_cost(hw, tp)
+            allreduce_source = allreduce.source
+            forward_ms += 2 * layers * 1e3 * allreduce.seconds(tokens * m.hidden_size * m.dtype_bytes)
+        self._forward_s, self._forward_slope_s = _dense(forward_ms * 1e-3)
+        # A batch a CUDA graph covers runs at its capture size.
+        for n, padded in enumerate(_padded_index(self.cuda_graph_max_tokens)):
+            self._forward_s[n] = self._forward_s[padded]
+        lm_head_ms = predict_lm_head_ms(self.op_table, tokens, hw, m.hidden_size, m.vocab_size,
+                                        tp, m.dtype_bytes)
+        self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
+        self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
+
+        attention = attention_cost(hw, shape, tp, m.dtype_bytes, attention_backend)
+        self._decode_fixed_s = layers * (attention.decode_fixed_s)
+        self._decode_s_per_token = layers * attention.decode_s_per_context_token
+        self._decode_s_per_seq = layers * attention.decode_s_per_seq
+        self._prefill_fixed_s = layers * attention.prefill_fixed_s
+        self._prefill_s_per_context_pair = layers * attention.prefill_s_per_context_pair
+        self._prefill_s_per_causal_pair = layers * attention.prefill_s_per_causal_pair
+
+        self.expected_errors = expected_errors()
+        self.expected_error_pct = self.expected_errors["linear"][self.linear_transfer_kind]
+        self._sources = {
+            "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
+                                      "embedding and final norm per step)",
+            "lm_head": f"predicted from {self.op_table.name} gate+up GEMM by the LM head's roofline ratio",
+            "attention": attention.source,
+            "allreduce": allreduce_source,
+            "engine": (f"config: step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
+                       f"{per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
+                       f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
+                       f"{self.cuda_graph_max_tokens}"),
+            "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
+        }
+
+    def describe(self) -> dict[str, str]:
+        """Per term, what it was taken from."""
+        return dict(self._sources)
+
+    # --- per step ------------------------------------------------------------------------------
+
+    def forward_kernels_s(self, num_tokens: int) -> float:
+        """Seconds of the forward pass's non-attention kernels (all-reduces included) at
+        `num_tokens` batched tokens, padded as a CUDA graph would."""
+        if num_tokens <= DENSE_TOKENS:
+            return self._forward_s[num_tokens]
+        return self._forward_s[DENSE_TOKENS] + (num_tokens - DENSE_TOKENS) * self._forward_slope_s
+
+    def lm_head_kernels_s(self, num_rows: int) -> float:
+        """Seconds of the LM head over `num_rows` sampling rows."""
+        if num_rows <= DENSE_TOKENS:
+            return self._lm_head_s[num_rows]
+        return self._lm_head_s[DENSE_TOKENS] + (num_rows - DENSE_TOKENS) * self._lm_head_slope_s
+
+    def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:
+        """The decodes' context is read once however many queries (drafts) each has; drafts add
+        their own K/V."""
+        return (self._decode_fixed_s + (context_tokens + num_drafts) * self._decode_s_per_token
+                + num_decodes * self._decode_s_per_seq)
+
+    def _prefill_attention_s(self, plan: StepPlan) -> float:
+        # prefill_attention_work = sum c (k + c); the chunk-by-cached rectangle is sum c k, the
+        # chunk's own causal triangle sum c^2 / 2 pairs.
+        context_pairs = plan.prefill_attention_work - plan.sum_squared_prefill_chunks
+        return (self._prefill_fixed_s + context_pairs * self._prefill_s_per_context_pair
+                + plan.sum_squared_prefill_chunks / 2 * self._prefill_s_per_causal_pair)
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
+        those plus the fixed overhead."""
+        num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
+        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        num_copied = len(plan.blocks_to_copy)
+        if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
+                or plan.blocks_to_load):
+            return 0.0
+        time = self._overhead_s(plan, num_swapped, num_copied)
+        if not num_tokens:
+            return time
+        num_sampling = plan.num_decode_seqs + plan.num_prefill_seqs + plan.num_draft_tokens
+        gpu = self.forward_kernels_s(num_tokens) + self.lm_head_kernels_s(num_sampling)
+        if plan.num_prefill_tokens:
+            gpu += self._prefill_attention_s(plan)
+        if plan.num_decode_seqs:
+            gpu += self._decode_attention_s(plan.decode_context_tokens, plan.num_decode_seqs,
+                                            plan.num_draft_tokens)
+        if num_tokens > self.cuda_graph_max_tokens and self._eager_launch_s > gpu:
+            gpu = self._eager_launch_s
+        time += gpu
+        if plan.spec_lens:
+            time += self.draft_time(plan)
+        return time
+
+    def repeated_step_times(self, plan: StepPlan, num_steps: int):
+        """step_time of the decode batch `plan` and of the same batch in each of the next
+        `num_steps - 1` steps, every decode's context a token longer each step: the same sums
+        step_time makes, with the parts that do not move computed once."""
+        if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
+            raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
+        num_decodes = plan.num_decode_seqs
+        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        overhead = self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy))
+        kernels = self.forward_kernels_s(num_decodes) + self.lm_head_kernels_s(num_decodes)
+        eager_floor = self._eager_launch_s if num_decodes > self.cuda_graph_max_tokens else 0.0
+        context = plan.decode_context_tokens
+        for _ in range(num_steps):
+            gpu = kernels + self._decode_attention_s(context, num_decodes, 0)
+            if eager_floor > gpu:
+                gpu = eager_floor
+            yield overhead + gpu
+            context += num_decodes

@@ -1,0 +1,189 @@
+"""The GPU cost model (sim/gpu/): measured table points reproduced, the transfer rule, attention
+against hand arithmetic, all-reduces, O(1) steps and the repeated-steps shortcut. No wall-clock."""
+import csv
+import dataclasses
+from pathlib import Path
+
+import hydra.utils
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from policies.types import Request, Sequence, StepPlan
+from sim.gpu.attention import fit_table
+from sim.gpu.collectives import allreduce_cost
+from sim.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
+from sim.gpu.linear import predict_layer_ms, predict_op_ms
+from sim.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
+
+from factories import decode_plan, hardware_spec, model_spec
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def gpu_model(model: str, hardware, tp: int = 1, **kwargs) -> GPUCostModel:
+    hw = hardware_spec(hardware) if isinstance(hardware, str) else hardware
+    return GPUCostModel(model_spec(model), hw, tp, **kwargs)
+
+
+def csv_row(path: str, num_tokens: int, tp: int) -> dict:
+    with open(DATA_DIR / path, newline="") as file:
+        return next(r for r in csv.DictReader(file)
+                    if int(r["num_tokens"]) == num_tokens and int(r["num_tensor_parallel_workers"]) == tp)
+
+
+def prefill_plan(chunk: int, cached: int) -> StepPlan:
+    return StepPlan(num_prefill_tokens=chunk, num_prefill_seqs=1,
+                    prefill_attention_work=chunk * (cached + chunk),
+                    prefill_context_tokens=cached + chunk, sum_squared_prefill_chunks=chunk ** 2)
+
+
+def ms(row: dict, op: str) -> float:
+    return float(row[f"time_stats.{op}.median"])
+
+
+def test_exact_table_point_is_the_csv_sum_of_ops_times_layers():
+    model = gpu_model("llama-3-8b", "a100-80gb")
+    row = csv_row("vidur/a100/Meta-Llama-3-8B/mlp.csv", 256, 1)  # measured once, a capture size
+    by_hand = 32 * sum(ms(row, op) for op in LAYER_OPS) + ms(row, "emb") + ms(row, "input_layernorm")
+    assert model.forward_kernels_s(256) == pytest.approx(by_hand * 1e-3, rel=1e-12)
+    assert model.linear_transfer_kind == "measured"
+    assert model.expected_error_pct == model.expected_errors["linear"]["measured"] < 5
+
+
+def test_llama_3_1_8b_reads_the_llama_3_8b_table():
+    assert gpu_model("llama-3.1-8b", "a100-80gb").describe()["linear"].startswith(
+        "measured: a100/Meta-Llama-3-8B tp1")
+
+
+def test_monotone_in_tokens_and_context():
+    model = gpu_model("llama-2-7b", "h100-80gb")
+    times = [model.step_time(decode_plan(n, 500)) for n in (1, 64, 256, 512, 1024, 4096, 8192, 20000)]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    contexts = [model.step_time(decode_plan(32, c)) for c in (100, 1000, 4000)]
+    assert contexts[0] < contexts[1] < contexts[2]
+    prefills = [model.step_time(prefill_plan(512, cached)) for cached in (0, 1024, 4096)]
+    assert prefills[0] < prefills[1] < prefills[2]
+
+
+def test_transfer_to_the_reference_itself_reproduces_it():
+    table = next(t for t in op_tables() if t.name == "h100/Llama-2-70b-hf tp4")
+    tokens = np.array(table.tokens, dtype=float)
+    for op in LAYER_OPS:
+        predicted = predict_op_ms(table, op, tokens, table.hardware, table.shape, 4, 2)
+        assert predicted.tolist() == list(table.op_ms[op])
+
+
+def test_transfer_scales_by_bandwidth_when_memory_bound():
+    table = next(t for t in op_tables() if t.name == "a100/Llama-2-7b-hf tp1")
+    faster = dataclasses.replace(table.hardware, name="faster-hbm",
+                                 memory_bandwidth_gbps=1.5 * table.hardware.memory_bandwidth_gbps)
+    one_token = np.array([1.0])
+    measured = predict_layer_ms(table, one_token, table.hardware, table.shape, 1, 2)[0]
+    predicted = predict_layer_ms(table, one_token, faster, table.shape, 1, 2)[0]
+    assert predicted == pytest.approx(measured / 1.5, rel=1e-9)
+    # Compute-bound (4,096 tokens): the FLOP rate is unchanged, so the GEMMs barely move.
+    big = np.array([4096.0])
+    assert (predict_op_ms(table, "mlp_up_proj", big, faster, table.shape, 1, 2)[0]
+            == pytest.approx(predict_op_ms(table, "mlp_up_proj", big, table.hardware, table.shape, 1, 2)[0]))
+
+
+def test_attention_against_hand_numbers_and_the_measurements():
+    # Llama-2-70B TP2 on the A100: the attention table's own GPU, shape and backend.
+    model = gpu_model("llama-2-70b", "a100-80gb", 2, step_overhead_s=0, per_sequence_overhead_s=0)
+    fit = fit_table(next(t for t in attention_tables() if t.name == "a100/Llama-2-70b-hf tp2"))
+    kv_bytes_per_token, flops_per_pair = 2 * 4 * 128 * 2, 4 * 32 * 128  # 4 KV, 32 q heads a GPU
+    decode = decode_plan(64, 1024)
+    decode_attention = (model.step_time(decode) - model.forward_kernels_s(64)
+                        - model.lm_head_kernels_s(64))
+    by_hand = 80 * (fit.decode_fixed_s + 64 * 1024 * kv_bytes_per_token * fit.decode_s_per_byte
+                    + 64 * fit.decode_s_per_seq)
+    assert decode_attention == pytest.approx(by_hand, rel=1e-9)
+    prefill = prefill_plan(1024, 2048)
+    prefill_attention = (model.step_time(prefill) - model.forward_kernels_s(1024)
+                         - model.lm_head_kernels_s(1))
+    by_hand = 80 * (fit.prefill_fixed_s + flops_per_pair * (
+        1024 * 2048 * fit.prefill_s_per_context_flop + 1024 ** 2 / 2 * fit.prefill_s_per_causal_flop))
+    assert prefill_attention == pytest.approx(by_hand, rel=1e-9)
+    # Against the table's rows (ms per layer): decode b64 kv1024 0.122, prefill 1024 after 2048 0.421.
+    assert decode_attention / 80 * 1e3 == pytest.approx(0.122, rel=0.2)
+    assert prefill_attention / 80 * 1e3 == pytest.approx(0.421, rel=0.2)
+
+
+def test_allreduce_only_with_tensor_parallelism():
+    tp2 = gpu_model("llama-2-70b", "a100-80gb", 2)
+    row = csv_row("vidur/a100/Llama-2-70b-hf/mlp.csv", 256, 2)
+    kernels = (80 * sum(ms(row, op) for op in LAYER_OPS) + ms(row, "emb") + ms(row, "input_layernorm")) * 1e-3
+    allreduce = 2 * 80 * allreduce_cost(tp2.hardware, 2).seconds(np.array([256.0 * 8192 * 2]))[0]
+    assert allreduce > 0
+    assert tp2.forward_kernels_s(256) == pytest.approx(kernels + allreduce, rel=1e-9)
+    assert "measured: a100_dgx all_reduce on 2 GPUs" == tp2.describe()["allreduce"]
+    assert gpu_model("llama-2-70b", "a100-80gb", 1).describe()["allreduce"].startswith("none")
+
+
+def test_step_reads_only_aggregates():
+    model = gpu_model("llama-3-8b", "a100-80gb")
+    plan = StepPlan()
+    seqs = []
+    for i in range(40):
+        seq = Sequence(i, Request(i, 0.0, 499, 16), num_output_tokens=1)
+        seq.num_computed_tokens = 499
+        seqs.append(seq)
+    plan.add_decodes(seqs)
+    assert plan.num_decode_seqs == 40 and plan.seqs
+    assert model.step_time(plan) == model.step_time(decode_plan(40, 500))
+
+
+@pytest.mark.parametrize("num_decodes", [3, 200, 700])  # padded graph, graph, eager
+def test_repeated_step_times_equal_step_time_step_by_step(num_decodes):
+    model = gpu_model("llama-2-7b", "a100-80gb", eager_launch_overhead_s_per_layer=2e-3)
+    plan = decode_plan(num_decodes, 20)
+    repeated = list(model.repeated_step_times(plan, 5))
+    one_by_one = [model.step_time(decode_plan(num_decodes, 20 + step)) for step in range(5)]
+    assert repeated == one_by_one
+
+
+def test_cuda_graph_pads_and_eager_pays_launches():
+    assert cuda_graph_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    model = gpu_model("llama-2-7b", "a100-80gb", eager_launch_overhead_s_per_layer=2e-3)
+    assert model.forward_kernels_s(17) == model.forward_kernels_s(24)
+    assert model.forward_kernels_s(513) != model.forward_kernels_s(520)
+    # Eager above 512 tokens: 32 layers x 2 ms of launches outpace these kernels (~40 ms);
+    # 512 tokens replay a graph and pay kernels only.
+    assert model.step_time(decode_plan(513, 10)) == pytest.approx(
+        model.step_overhead_s + model.per_sequence_overhead_s * 513 + 64e-3)
+    assert model.step_time(decode_plan(512, 10)) < 0.05
+
+
+def test_describe_names_the_sources_of_a_transfer():
+    h200 = gpu_model("llama-2-7b", "h200").describe()
+    assert h200["linear"].startswith("predicted from h100/Llama-2-7b-hf tp1 (h100-80gb) by bandwidth")
+    assert "to h200 by bandwidth and FLOP ratios" in h200["attention"]
+    thirteen = gpu_model("llama-2-13b", "a100-80gb")
+    assert thirteen.describe()["linear"].startswith("predicted from a100/")
+    assert thirteen.linear_transfer_kind == "shape"
+    assert thirteen.expected_error_pct == thirteen.expected_errors["linear"]["shape"]
+    # The A800 is the A100's chip: its 70B comes from the A100's 70B table, not its own 7B one.
+    a800 = gpu_model("llama-2-70b", "a800-80gb")
+    assert a800.describe()["linear"].startswith("predicted from a100/Llama-2-70b-hf tp1 (a100-80gb) same chip")
+    assert a800.forward_kernels_s(64) == gpu_model("llama-2-70b", "a100-80gb").forward_kernels_s(64)
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="GPUCostModel.step_overhead_s"):
+        gpu_model("llama-2-7b", "a100-80gb", step_overhead_s=-1)
+    with pytest.raises(ValueError, match="GPUCostModel.attention_backend"):
+        gpu_model("llama-2-7b", "a100-80gb", attention_backend="TRITON")
+    with pytest.raises(ValueError, match="GPUCostModel.cuda_graph_max_tokens"):
+        gpu_model("llama-2-7b", "a100-80gb", cuda_graph_max_tokens=100_000)
+    with pytest.raises(ValueError, match="hardware=cpu: no GPU operator table covers cpu"):
+        gpu_model("tiny-llama", "cpu")
+
+
+def test_config_file_builds_it():
+    config = OmegaConf.load(CONF / "cost_model" / "gpu.yaml")
+    model = hydra.utils.instantiate(config, model=OmegaConf.load(CONF / "model" / "llama-2-7b.yaml"),
+                                    hardware=OmegaConf.load(CONF / "hardware" / "h100-80gb.yaml"),
+                                    tensor_parallel_size=2)
+    assert isinstance(model, GPUCostModel) and model.block_size == 16
+    assert model.describe()["linear"].startswith("measured: h100/Llama-2-7b-hf tp2")
