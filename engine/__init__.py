@@ -18,9 +18,10 @@ from engine.builder import (build_engine, build_engine_executor, build_model_exe
 from engine.config import EngineConfig
 from engine.disaggregated import DisaggregatedLLM
 from engine.executor import EngineExecutor
-from engine.llm import LLM, CompletionOutput, GenerateStats, RequestOutput
+from engine.llm import LLM, CompletionOutput, GenerateStats, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "DisaggregatedLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GenerateStats",
+__all__ = ["LLM", "DisaggregatedLLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "GenerateStats", "StepOutput",
            "EngineConfig", "EngineExecutor", "build_engine", "build_engine_executor",
            "build_model_executor", "kv_cache_limit_gb"]

@@ -5,6 +5,10 @@ engine's executor until every request is done, and reports its totals from the s
 A request that cannot run (bad parameters, an empty prompt, a token outside the vocabulary, a
 prompt longer than the model allows, or one the scheduler rejects while it waits, such as
 scheduler=edf's hopeless requests) gets an output carrying its `error`; the others complete.
+
+A server drives the same loop step by step (engine/serving_loop.py): `add_request` queues one
+prompt, `step` runs one step and returns what it gave each request (`StepOutput`), and
+`has_unfinished_requests` says whether to step again.
 """
 from __future__ import annotations
 
@@ -39,6 +43,25 @@ class RequestOutput:
     error: str | None = None        # why the request did not run; outputs is then empty
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+
+
+@dataclass
+class StepOutput:
+    """What one `LLM.step` did for one request added with `add_request`."""
+
+    request_id: int
+    new_token_ids: list[list[int]]   # per sample, the tokens this step appended
+    # The whole output once the request is done (or was rejected while it waited: its error).
+    finished: RequestOutput | None = None
+
+
+@dataclass
+class _LiveRequest:
+    """A request added with `add_request`, and how many tokens of each sample step reported."""
+
+    request: Request
+    output: RequestOutput
+    num_reported: list[int]
 
 
 @dataclass
@@ -114,6 +137,10 @@ class LLM:
         self.device = engine.device
         self.last_stats = GenerateStats()
         self._next_request_id = 0
+        # add_request's requests and the step loop that runs them (None while there are none).
+        self._live: dict[int, _LiveRequest] = {}
+        self._live_steps: StepLoop | None = None
+        self._live_stopped: set[Sequence] = set()
         self._clock_start = time.perf_counter()
 
     def _now(self) -> float:
@@ -148,16 +175,71 @@ class LLM:
         outputs: list[RequestOutput] = []
         requests: dict[int, tuple[Request, RequestOutput]] = {}
         for prompt, params, importance in zip(prompts, params_list, priority):
-            output, request = self._make_request(prompt, params, importance)
+            output, request = self._queue(prompt, params, importance)
             outputs.append(output)
             if request is not None:
-                self.scheduler.add_request(request, self._now())
-                if request.rejected_reason is not None:
-                    output.error = request.rejected_reason
-                else:
-                    requests[request.request_id] = (request, output)
+                requests[request.request_id] = (request, output)
         self._run(requests, use_tqdm)
         return outputs
+
+    # ---- step by step, for a server ------------------------------------------------------------
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> RequestOutput:
+        """Queue one prompt (token ids, or a string with a tokenizer) for `step`. Returns its
+        output: `error` says why it will not run; otherwise `request_id` names it in the
+        StepOutputs of later steps, the last of which carries the finished output."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        output, request = self._queue(prompt, params, priority)
+        if request is not None:
+            self._live[request.request_id] = _LiveRequest(request, output, [0] * request.n)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request from `add_request` has not been reported finished by `step`."""
+        return bool(self._live)
+
+    def step(self) -> list[StepOutput]:
+        """Run one step of the step loop over add_request's requests. Returns a StepOutput per
+        request that gained tokens or ended in it. Raises RuntimeError as StepLoop.begin does
+        when the scheduler cannot plan a step."""
+        if self._live_steps is None:
+            # One loop per busy period: its step rows are dropped when the engine goes idle.
+            self._live_steps = StepLoop(self.scheduler, self.executor,
+                                        StepRecorder(MetricsCollector()), self.predictor)
+        if self.scheduler.has_unfinished():
+            self._step(self._live_steps, self._live_stopped)
+        step_outputs = []
+        for request_id, live in list(self._live.items()):
+            request = live.request
+            new_token_ids = []
+            for index, seq in enumerate(request.sequences):
+                if index == len(live.num_reported):
+                    live.num_reported.append(0)
+                new_token_ids.append(seq.output_token_ids[live.num_reported[index]:])
+                live.num_reported[index] = len(seq.output_token_ids)
+            done = request.is_finished   # (a rejection while it waited too)
+            if done:
+                self._fill_output(request, live.output, self._live_stopped)
+                del self._live[request_id]
+            if done or any(new_token_ids):
+                step_outputs.append(StepOutput(request_id, new_token_ids,
+                                               live.output if done else None))
+        if not self._live:
+            self._live_steps = None
+            self._live_stopped = set()
+        return step_outputs
+
+    def _queue(self, prompt, params, priority: int) -> tuple[RequestOutput, Request | None]:
+        """Make the prompt's request and hand it to the scheduler; the request is None when it
+        will not run (the output's error says why)."""
+        output, request = self._make_request(prompt, params, priority)
+        if request is not None:
+            self.scheduler.add_request(request, self._now())
+            if request.rejected_reason is not None:
+                output.error = request.rejected_reason
+                request = None
+        return output, request
 
     def _make_request(self, prompt, params,
                       priority: int = 0) -> tuple[RequestOutput, Request | None]:
@@ -238,18 +320,23 @@ class LLM:
                       elapsed_s: float) -> None:
         stats = GenerateStats.from_steps(metrics, [request for request, _ in requests.values()],
                                          elapsed_s=elapsed_s)
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
         for request, output in requests.values():
-            if request.rejected_reason is not None:
-                # Rejected while it waited (a scheduler's admission control): no outputs.
-                output.error = request.rejected_reason
-                continue
-            output.num_preemptions = request.num_preemptions
-            output.num_cached_tokens = request.num_cached_tokens
-            for index, seq in enumerate(request.sequences):
-                token_ids = list(seq.output_token_ids)
-                output.outputs.append(CompletionOutput(
-                    index=index, token_ids=token_ids,
-                    text=decode(token_ids) if decode else None,
-                    finish_reason="stop" if seq in stopped else "length"))
+            self._fill_output(request, output, stopped)
         self.last_stats = stats
+
+    def _fill_output(self, request: Request, output: RequestOutput,
+                     stopped: set[Sequence]) -> None:
+        """A finished request's samples into its output, or the error that stopped it."""
+        if request.rejected_reason is not None:
+            # Rejected while it waited (a scheduler's admission control): no outputs.
+            output.error = request.rejected_reason
+            return
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        output.num_preemptions = request.num_preemptions
+        output.num_cached_tokens = request.num_cached_tokens
+        for index, seq in enumerate(request.sequences):
+            token_ids = list(seq.output_token_ids)
+            output.outputs.append(CompletionOutput(
+                index=index, token_ids=token_ids,
+                text=decode(token_ids) if decode else None,
+                finish_reason="stop" if seq in stopped else "length"))

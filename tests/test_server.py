@@ -1,0 +1,240 @@
+"""twinserve-serve and twinserve-bench: the engine's step-by-step API against generate, the
+OpenAI-compatible server (started here on 127.0.0.1, tiny-llama with small pools) against the
+engine's own outputs, its bad-request answers, and the benchmark client's run file."""
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+
+from engine import LLM, SamplingParams
+from engine.server import create_app
+from sim.tools.bench_client import bench, workload_requests
+from sim.tools.bench_run_file import RequestRecord, build_run_file
+
+ENGINE_ARGS = dict(num_gpu_blocks=128, max_num_seqs=8, seed=0)
+PROMPT = [5, 17, 99, 3, 250, 41, 7]
+STARTUP_TIMEOUT_S = 30.0
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# A small workload: short prompts and outputs, a few requests a second.
+WORKLOAD = ["workload.num_requests=8", "workload.rate=4", "workload.prompt_len.mean=48",
+            "workload.prompt_len.max=128", "workload.output_len.mean=12",
+            "workload.output_len.max=32"]
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    torch.set_num_threads(1)
+    return LLM("tiny-llama", **ENGINE_ARGS)
+
+
+def reference_tokens(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    [output] = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY),
+                            use_tqdm=False)
+    return output.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """The server in a thread of this process, on a free port of 127.0.0.1; stopped after."""
+    torch.set_num_threads(1)
+    app = create_app(LLM("tiny-llama", **ENGINE_ARGS))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the server did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(STARTUP_TIMEOUT_S)
+    sock.close()
+
+
+@pytest.fixture()
+def client(server_url):
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        yield client
+
+
+def test_step_by_step_equals_generate(reference_llm):
+    llm = LLM("tiny-llama", **ENGINE_ARGS)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    prompts = [PROMPT, [1, 2, 3]]
+    outputs = [llm.add_request(prompt, params) for prompt in prompts]
+    assert llm.add_request([], params).error == "the prompt is empty"
+    streamed = {output.request_id: [] for output in outputs}
+    finished = {}
+    for _ in range(100):   # (bounded: 6 tokens take a few steps)
+        if not llm.has_unfinished_requests():
+            break
+        for step_output in llm.step():
+            streamed[step_output.request_id] += step_output.new_token_ids[0]
+            if step_output.finished is not None:
+                finished[step_output.request_id] = step_output.finished.outputs[0].token_ids
+    expected = [reference_tokens(reference_llm, prompt, 6) for prompt in prompts]
+    assert [streamed[output.request_id] for output in outputs] == expected
+    assert [finished[output.request_id] for output in outputs] == expected
+
+
+def test_health_models_and_settings(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    [model] = client.get("/v1/models").json()["data"]
+    assert model["id"] == "tiny-llama"
+    settings = client.get("/v1/engine_settings").json()
+    assert model["engine_settings"] == settings
+    assert settings["num_gpu_blocks"] == 128 and settings["max_num_seqs"] == 8
+    assert settings["model"] == "tiny-llama" and settings["hardware"] == "cpu"
+
+
+def test_completion_equals_generate(client, reference_llm):
+    response = client.post("/v1/completions", json={
+        "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 9, **GREEDY})
+    assert response.status_code == 200
+    body = response.json()
+    [choice] = body["choices"]
+    assert choice["token_ids"] == reference_tokens(reference_llm, PROMPT, 9)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 9,
+                             "total_tokens": len(PROMPT) + 9}
+
+
+def test_streamed_completion_equals_generate(client, reference_llm):
+    payload = {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 8, "temperature": 0.0,
+               "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=payload) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    token_chunks, finish, usage = chunks[:-2], chunks[-2], chunks[-1]
+    # One chunk a step, one token each; min_tokens = max_tokens ignores EOS.
+    assert [len(chunk["choices"][0]["token_ids"]) for chunk in token_chunks] == [1] * 8
+    streamed = [token for chunk in token_chunks for token in chunk["choices"][0]["token_ids"]]
+    assert streamed == reference_tokens(reference_llm, PROMPT, 8)
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    assert len({chunk["id"] for chunk in chunks}) == 1
+
+
+@pytest.mark.parametrize("body, status, phrase", [
+    ({"prompt": "hello"}, 400, "no tokenizer: give the prompt as token ids"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+    ({"prompt": [1, 512]}, 400, "token 512 at position 1 is not a token id"),
+    ({"prompt": [True, 2]}, 400, "prompt: must be a string or a list of token ids"),
+    ({"prompt": [[1], [2]]}, 400, "one prompt per request, got a batch of 2"),
+    ({"prompt": PROMPT, "max_tokens": 8, "min_tokens": 3}, 400, "min_tokens=3"),
+    ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs: not supported"),
+    ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"max_tokens": 4}, 400, "prompt: Field required"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+])
+def test_bad_requests_are_named(client, body, status, phrase):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status
+    assert phrase in response.json()["error"]["message"]
+
+
+def bench_args(server_url, tmp_path, *overrides, model=None, settings=()):
+    return argparse.Namespace(endpoint=server_url, out=str(tmp_path / "run.json"), model=model,
+                              engine_setting=list(settings), request_timeout=60.0, timeout=120.0,
+                              overrides=list(overrides))
+
+
+def test_bench_client_run_file(server_url, tmp_path):
+    bench(bench_args(server_url, tmp_path, *WORKLOAD, settings=["hardware=cpu-test"]))
+    run = json.loads((tmp_path / "run.json").read_text())
+    _, _, requests = workload_requests(WORKLOAD, "tiny-llama")
+    assert run["num_prompts"] == run["completed"] == 8 and run["failed"] == 0
+    assert run["errors"] == [""] * 8
+    assert run["input_lens"] == [request.prompt_len for request in requests]
+    assert run["output_lens"] == run["expected_output_lens"] == [
+        request.output_len for request in requests]
+    assert run["total_output_tokens"] == sum(request.output_len for request in requests)
+    # Sent in order, never before the request's arrival time.
+    starts = run["start_times"]
+    assert starts == sorted(starts)
+    assert all(start >= request.arrival_time for start, request in zip(starts, requests))
+    for ttft, e2el, itls, output_len in zip(run["ttfts"], run["e2els"], run["itls"],
+                                            run["output_lens"]):
+        assert 0 < ttft <= e2el
+        assert len(itls) == output_len - 1 and all(itl >= 0 for itl in itls)
+        assert ttft + sum(itls) == pytest.approx(e2el)
+    assert run["mean_ttft_ms"] == pytest.approx(1000 * np.mean(run["ttfts"]))
+    assert run["p99_e2el_ms"] == pytest.approx(1000 * np.percentile(run["e2els"], 99))
+    assert max(s + e for s, e in zip(starts, run["e2els"])) <= run["duration"]
+    settings = run["engine_settings"]
+    assert settings["num_gpu_blocks"] == 128 and settings["hardware"] == "cpu-test"
+    assert run["request_rate"] == 4.0 and run["model_id"] == "tiny-llama"
+
+
+def test_bench_client_records_refused_requests(server_url, tmp_path):
+    run = bench(bench_args(server_url, tmp_path, "workload.num_requests=3", "workload.rate=inf",
+                           "workload.prompt_len.max=64", "workload.output_len.max=8",
+                           model="not-served"))
+    assert run["completed"] == 0 and run["failed"] == 3
+    assert all(error.startswith("HTTP 404: model: 'not-served'") for error in run["errors"])
+    assert run["ttfts"] == [0.0] * 3 and run["output_lens"] == [0] * 3
+    assert run["request_rate"] == "inf"
+
+
+def test_run_file_aggregates_completed_requests_only():
+    done = RequestRecord(prompt_len=10, expected_output_len=3, start_time=1.0,
+                         token_times=[1.5, 1.7, 2.0], num_tokens=3)
+    failed = RequestRecord(prompt_len=20, expected_output_len=3, start_time=1.2,
+                           error="HTTP 503: busy")
+    run = build_run_file([done, failed], duration_s=4.0, info={"model_id": "m"})
+    assert run["completed"] == 1 and run["total_input_tokens"] == 10
+    assert run["ttfts"] == [0.5, 0.0] and run["e2els"] == [1.0, 0.0]
+    assert run["itls"] == [pytest.approx([0.2, 0.3]), []]
+    assert run["mean_tpot_ms"] == pytest.approx(250.0)   # (1.0 - 0.5) / (3 - 1)
+    assert run["request_throughput"] == 0.25 and run["model_id"] == "m"
+
+
+def sse_client(*chunks) -> httpx.AsyncClient:
+    """A client whose every POST streams `chunks` as server-sent events, then [DONE]."""
+    body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    return httpx.AsyncClient(transport=transport)
+
+
+@pytest.mark.parametrize("chunks, output_len, num_itls", [
+    # token_ids counted exactly, a chunk of two tokens one ITL (as vLLM counts chunks)
+    ([{"choices": [{"index": 0, "text": "", "token_ids": [4]}]},
+      {"choices": [{"index": 0, "text": "", "token_ids": [8, 9]}]},
+      {"choices": [], "usage": {"completion_tokens": 99}}], 3, 1),
+    # no token_ids (vLLM without return_token_ids): the server's usage
+    ([{"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "bc"}]},
+      {"choices": [], "usage": {"completion_tokens": 3}}], 3, 1),
+])
+def test_stream_parsing_counts_tokens(chunks, output_len, num_itls):
+    from sim.tools.bench_client import stream_completion
+
+    async def run():
+        async with sse_client(*chunks) as client:
+            await stream_completion(client, "http://server/v1/completions", {}, record, 0.0)
+
+    record = RequestRecord(prompt_len=1, expected_output_len=3, start_time=0.0)
+    asyncio.run(run())
+    assert record.error == ""
+    assert record.output_len == output_len and len(record.itls) == num_itls
+
+
+def test_min_tokens_equal_to_max_tokens_ignores_eos():
+    from engine.openai_protocol import CompletionRequest, engine_request
+
+    _, params = engine_request(CompletionRequest(prompt=[1], max_tokens=8, min_tokens=8))
+    assert params.ignore_eos and params.max_tokens == 8
+    _, params = engine_request(CompletionRequest(prompt=[1], max_tokens=8))
+    assert not params.ignore_eos
