@@ -5,6 +5,7 @@ policies with the same functions, from the same conf/ groups."""
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,15 +336,54 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
     if speculation is not None and speculation.draft_model == "medusa":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
-    cost_model = build_policy(cfg.cost_model, "cost_model", model=model, hardware=hardware,
-                              tensor_parallel_size=cfg.cluster.tensor_parallel_size,
-                              **drafting)
+    cost_model = build_cost_model(cfg, model, hardware, **drafting)
     if speculation is None:
         return SimExecutor(cost_model)
     # Each replica draws its own acceptances, reproducibly.
     sim_seed = cfg.get("sim_seed", cfg.seed)
     return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]),
                        speculation.depth_per_size)
+
+
+def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
+    """The run's cost model (`cost_model`); a GPU cost model whose tables cannot cover the
+    hardware (a CPU) falls back to the roofline, and says so in one line (once a process)."""
+    from sim.gpu.linear import NoGPUTable
+
+    arguments = dict(model=model, hardware=hardware,
+                     tensor_parallel_size=cfg.cluster.tensor_parallel_size, **drafting)
+    try:
+        return build_policy(cfg.cost_model, "cost_model", **arguments)
+    except NoGPUTable:
+        fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
+        for key in ("block_size", "offload_bandwidth_gbps"):   # the run's, as the group had them
+            if key in cfg.cost_model:
+                fallback[key] = cfg.cost_model[key]
+        if (model.name, hardware.name) not in _FELL_BACK:
+            _FELL_BACK.add((model.name, hardware.name))
+            print(f"twinserve: no GPU measurement covers hardware={hardware.name} "
+                  f"(cost_model={_group_name(cfg.cost_model)}); using cost_model=roofline, an "
+                  f"uncalibrated spec-sheet estimate", file=sys.stderr)
+        return build_policy(fallback, "cost_model", **arguments)
+
+
+# (model, hardware) pairs whose fallback to the roofline has been said.
+_FELL_BACK: set[tuple[str, str]] = set()
+
+
+def _group_name(group: DictConfig) -> str:
+    target = str(group.get("_target_", "?"))
+    return {"sim.gpu.cost_model.GPUCostModel": "gpu"}.get(target, target)
+
+
+def cost_model_summary(executors: list) -> dict:
+    """The expected error of the run's step times where its cost model states one (the
+    leave-one-out error of the kind of prediction it made: data/gpu/transfer_errors.json)."""
+    for executor in executors:
+        expected = getattr(getattr(executor, "cost_model", None), "expected_error_pct", None)
+        if expected is not None:
+            return {"cost_model_expected_error_pct": float(expected)}
+    return {}
 
 
 def speed_summary(executors: list) -> dict:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from policies.types import Request
 from sim.core.build import (build_kv_cache, build_policy, build_predictor, build_replica_executor,
-                             check_run_settings, max_num_batched_tokens,
+                             check_run_settings, cost_model_summary, max_num_batched_tokens,
                              policy_config, slos_ms, speculation_setup, speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
@@ -123,6 +123,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))
+    summary.update(cost_model_summary([replica.executor for replica in replicas]))
     if cfg.cluster.get("pools") is not None:
         metrics.replica_labels = {replica.replica_id: f"{replica.pool} {replica.replica_id}"
                                   for replica in replicas}

@@ -20,6 +20,7 @@ GIB = 1024 ** 3
 GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
 
 MLP_KINDS = ("gated", "plain")
+BOARDS = ("datacenter", "workstation")
 DTYPE_BYTES = (1, 2, 4)  # fp8/int8, fp16/bf16, fp32
 
 
@@ -179,6 +180,10 @@ class HardwareSpec:
     interconnect_gbps: float      # one direction of the GPU-GPU link (NVLink), GB/s: TP all-reduce
     reserved_memory_gb: float = 0.0  # GiB the runtime holds outside the model (CUDA context,
                                      # cuBLAS/NCCL workspaces); vLLM counts it against utilisation
+    # "datacenter" (HBM, fixed clocks: A100, H100, ...) or "workstation" (GDDR, boost clocks:
+    # RTX cards): the GPU cost model's tables are all datacenter boards, and a workstation board
+    # reaches a different share of its spec-sheet rates (a fitted term of that model).
+    board: str = "datacenter"
 
     def __post_init__(self):
         owner = f"HardwareSpec({self.name!r})"
@@ -188,6 +193,8 @@ class HardwareSpec:
         # What the runtime holds must leave some memory: [0, memory_gb).
         number_in(f"{owner}.reserved_memory_gb", self.reserved_memory_gb, 0, self.memory_gb,
                   high_open=True)
+        if self.board not in BOARDS:
+            raise ValueError(f"{owner}.board must be one of {BOARDS}, got {self.board!r}")
 
     @classmethod
     def from_config(cls, config: Mapping | DictConfig) -> HardwareSpec:

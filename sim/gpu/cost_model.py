@@ -19,7 +19,10 @@ from; `expected_error_pct` is the leave-one-out error of the kind of transfer th
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -34,8 +37,25 @@ from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_m
 from sim.gpu.tables import LayerShape, attention_tables
 from sim.gpu.transfer_errors import expected_errors
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
+
+
+def read_terms_file(path: str, key: str) -> dict[str, float]:
+    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}}), the path
+    relative to the working directory or the repo root."""
+    candidates = [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path,
+                                                                 REPO_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            try:
+                terms = json.loads(candidate.read_text())["terms"]
+                return {name: float(value) for name, value in terms.items()}
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{key}={path}: not a twinserve-calibrate profile "
+                                 f"(a JSON object with numeric 'terms'): {error}") from None
+    raise ValueError(f"{key}={path}: no such file")
 
 
 def cuda_graph_capture_sizes(max_tokens: int) -> list[int]:
@@ -80,8 +100,27 @@ class GPUCostModel(RooflineCostModel):
                  eager_launch_overhead_s_per_layer: float = 6e-5,
                  cuda_graph_max_tokens: int = 512,
                  attention_backend: str = "FLASH_ATTENTION",
+                 workstation_bandwidth_efficiency: float = 1.0,
+                 workstation_compute_efficiency: float = 1.0,
+                 terms_file: str | None = None,
                  **roofline_kwargs):
         owner = "GPUCostModel"
+        if terms_file is not None:   # a twinserve-calibrate fit: its terms replace these values
+            fitted = read_terms_file(terms_file, f"{owner}.terms_file")
+            step_overhead_s = fitted.get("step_overhead_s", step_overhead_s)
+            per_sequence_overhead_s = fitted.get("per_sequence_overhead_s",
+                                                 per_sequence_overhead_s)
+            eager_launch_overhead_s_per_layer = fitted.get(
+                "eager_launch_overhead_s_per_layer", eager_launch_overhead_s_per_layer)
+            workstation_bandwidth_efficiency = fitted.get("workstation_bandwidth_efficiency",
+                                                          workstation_bandwidth_efficiency)
+            workstation_compute_efficiency = fitted.get("workstation_compute_efficiency",
+                                                        workstation_compute_efficiency)
+        self.terms_file = terms_file
+        self.workstation_bandwidth_efficiency = float(validators.positive_number(
+            f"{owner}.workstation_bandwidth_efficiency", workstation_bandwidth_efficiency))
+        self.workstation_compute_efficiency = float(validators.positive_number(
+            f"{owner}.workstation_compute_efficiency", workstation_compute_efficiency))
         validators.non_negative_number(f"{owner}.step_overhead_s", step_overhead_s)
         validators.non_negative_number(f"{owner}.per_sequence_overhead_s", per_sequence_overhead_s)
         self.eager_launch_overhead_s_per_layer = float(validators.non_negative_number(
@@ -97,12 +136,17 @@ class GPUCostModel(RooflineCostModel):
         super().__init__(model, hardware, tensor_parallel_size, block_size=block_size,
                          step_overhead_s=step_overhead_s,
                          per_sequence_overhead_s=per_sequence_overhead_s, **roofline_kwargs)
-        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        m, tp = self.model, self.tensor_parallel_size
         shape = LayerShape.of_model(m)
         layers = m.num_layers
 
-        self.op_table = nearest_op_table(hw, shape, tp, key=f"hardware={hw.name}")
-        self.linear_transfer_kind, linear_source = describe_transfer(self.op_table, hw, shape, tp)
+        self.op_table = nearest_op_table(self.hardware, shape, tp,
+                                         key=f"hardware={self.hardware.name}")
+        self.linear_transfer_kind, linear_source = describe_transfer(self.op_table, self.hardware,
+                                                                     shape, tp)
+        # The rates the kernels are predicted at: a workstation board's spec-sheet rates scaled
+        # by the share it reaches relative to the measured datacenter boards.
+        hw = self.achieved_rates(self.hardware)
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
         forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
         forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
@@ -136,12 +180,29 @@ class GPUCostModel(RooflineCostModel):
             "lm_head": f"predicted from {self.op_table.name} gate+up GEMM by the LM head's roofline ratio",
             "attention": attention.source,
             "allreduce": allreduce_source,
-            "engine": (f"config: step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
+            "engine": (f"{'fitted: ' + str(terms_file) if terms_file else 'config'}: "
+                       f"step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
                        f"{per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
                        f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
-                       f"{self.cuda_graph_max_tokens}"),
+                       f"{self.cuda_graph_max_tokens}"
+                       + ("" if self.hardware.board != "workstation" else
+                          f", workstation_bandwidth_efficiency="
+                          f"{self.workstation_bandwidth_efficiency:g}, "
+                          f"workstation_compute_efficiency="
+                          f"{self.workstation_compute_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
+
+    def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
+        """`hardware` with the rates its kernels are predicted at (its own for a datacenter
+        board, like every measured one; scaled by the workstation efficiencies otherwise)."""
+        if hardware.board != "workstation":
+            return hardware
+        return dataclasses.replace(
+            hardware,
+            memory_bandwidth_gbps=hardware.memory_bandwidth_gbps
+            * self.workstation_bandwidth_efficiency,
+            peak_tflops=hardware.peak_tflops * self.workstation_compute_efficiency)
 
     def describe(self) -> dict[str, str]:
         """Per term, what it was taken from."""

@@ -22,6 +22,11 @@ from sim.gpu.transfer import (elementwise_bytes_per_token, gemm_dims, gemm_roofl
 TABLE_DTYPE_BYTES = 2  # every operator table was measured in fp16
 
 
+class NoGPUTable(ValueError):
+    """No operator table is within reach of the hardware's rates (a CPU, say): the run falls
+    back to the roofline (sim/core/build.py)."""
+
+
 def nearest_op_table(hardware: HardwareSpec, shape: LayerShape, tensor_parallel_size: int,
                      tables: tuple[OpTable, ...] | None = None, key: str = "hardware") -> OpTable:
     """The table closest to the target by GPU rates plus per-GPU GEMM widths. ValueError naming
@@ -30,7 +35,7 @@ def nearest_op_table(hardware: HardwareSpec, shape: LayerShape, tensor_parallel_
     covered = [t for t in tables if rates_covered(hardware, t.hardware)]
     if not covered:
         gpus = sorted({t.hardware.name for t in tables})
-        raise ValueError(f"{key}: no GPU operator table covers {hardware.name} "
+        raise NoGPUTable(f"{key}: no GPU operator table covers {hardware.name} "
                          f"(peak_tflops={hardware.peak_tflops:g}, memory_bandwidth_gbps="
                          f"{hardware.memory_bandwidth_gbps:g}); measured GPUs: {', '.join(gpus)}. "
                          f"Use cost_model=roofline for it")

@@ -32,8 +32,14 @@ DEFAULT_TERMS = ("step_overhead_s", "per_sequence_overhead_s")
 DEFAULT_METRICS = ("mean_tpot_ms", "median_tpot_ms")
 REPORTED = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
             "median_e2el_ms", "request_throughput")
-# Overheads of a serving engine's step: from a microsecond per sequence to a tenth of a second.
-BOUNDS = (1e-7, 0.1)
+# Overheads of a serving engine's step: from a tenth of a microsecond to a tenth of a second;
+# efficiencies (shares of a rate, relative to the measured boards): a quarter to four times.
+OVERHEAD_BOUNDS = (1e-7, 0.1)
+EFFICIENCY_BOUNDS = (0.25, 4.0)
+
+
+def term_bounds(term: str) -> tuple[float, float]:
+    return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else OVERHEAD_BOUNDS
 
 
 class Calibration:
@@ -52,9 +58,13 @@ class Calibration:
         self.num_replays = 0
 
     def initial(self) -> dict[str, float]:
-        """The terms' values in the first run's config, raised into the search's bounds."""
-        return {term: min(max(float(self.configs[0].cost_model[term]), BOUNDS[0] * 10),
-                          BOUNDS[1] / 10) for term in self.terms}
+        """The terms' values in the first run's config, moved inside the search's bounds."""
+        initial = {}
+        for term in self.terms:
+            low, high = term_bounds(term)
+            initial[term] = min(max(float(self.configs[0].cost_model[term]), low * 1.1),
+                                high / 1.1)
+        return initial
 
     def replays(self, terms: dict[str, float]) -> list[dict]:
         results = []
@@ -83,7 +93,7 @@ def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS,
     """(fitted terms, loss, number of replays) over `runs`."""
     calibration = Calibration(runs, overrides, tuple(terms), tuple(metrics))
     fitted, loss = fit_terms(calibration.loss, calibration.initial(),
-                             {term: BOUNDS for term in terms})
+                             {term: term_bounds(term) for term in terms})
     return fitted, loss, calibration.num_replays
 
 
