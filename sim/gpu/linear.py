@@ -85,15 +85,28 @@ def op_roofline_s(op: str, tokens: np.ndarray, shape: LayerShape, tensor_paralle
     return tokens * per_token / hardware.memory_bandwidth
 
 
+# Kernels whose single-token time is their launch-to-completion floor: they move a few KB.
+FLOOR_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "add")
+
+
+def kernel_floor_ms(table: OpTable) -> float:
+    """The table's per-kernel latency floor (ms): the median single-token time of its small
+    elementwise kernels, which read and write a few KB. No spec-sheet rate sets it, so the
+    transfer keeps it as measured and scales only what lies above it."""
+    return float(np.median([table.op_ms[op][0] for op in FLOOR_OPS if op in table.op_ms]))
+
+
 def predict_op_ms(table: OpTable, op: str, tokens: np.ndarray, hardware: HardwareSpec,
                   shape: LayerShape, tensor_parallel_size: int, dtype_bytes: int) -> np.ndarray:
-    """The table's `op` at `tokens` (ms, tokens >= 1), times roofline(target) / roofline(table):
-    exactly 1 for the table's own GPU chip, shape and dtype."""
+    """The table's `op` at `tokens` (ms, tokens >= 1): its kernel floor as measured, plus the
+    time above the floor times roofline(target) / roofline(table) — exactly the measurement for
+    the table's own GPU chip, shape and dtype."""
     measured = interpolate(tokens, table.tokens, table.op_ms[op])
     target = op_roofline_s(op, tokens, shape, tensor_parallel_size, dtype_bytes, hardware)
     reference = op_roofline_s(op, tokens, table.shape, table.tensor_parallel_size,
                               TABLE_DTYPE_BYTES, table.hardware)
-    return measured * (target / reference)
+    floor = np.minimum(kernel_floor_ms(table), measured)
+    return measured + (measured - floor) * (target / reference - 1.0)
 
 
 def predict_layer_ms(table: OpTable, tokens: np.ndarray, hardware: HardwareSpec,

@@ -18,6 +18,9 @@ from sim.calibration.realrun.settings import CONF_DIR, settings_overrides
 from sim.calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
 from sim.calibration.realrun.stages import find_stages
 
+# Seeds the replayed prompts' random token ids (with prefix caching), with each request's index.
+PROMPT_IDS_SEED = 2029
+
 
 @dataclass
 class ReplayOutcome:
@@ -53,13 +56,25 @@ def compose_replay_config(run: RealRun, overrides: list[str] = ()):
     return copy.deepcopy(_compose(tuple(all_overrides)))
 
 
-def run_requests(run: RealRun) -> list:
-    """The run's requests as fresh simulator requests, ids in arrival order."""
+def run_requests(run: RealRun, distinct_prompts_of_vocab: int | None = None) -> list:
+    """The run's requests as fresh simulator requests, ids in arrival order. With
+    `distinct_prompts_of_vocab`, each prompt gets random token ids of that vocabulary (seeded
+    per request): no two share a prefix, since the run's prompts are unknown, but a request
+    preempted for recompute finds its own blocks in the prefix cache again, as the real engine's
+    prefix cache lets it (vLLM V1 keeps a freed block's contents until the block is reused)."""
+    import numpy as np
+
     from policies.types import Request
 
-    return [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o)
-            for i, (t, p, o) in enumerate(zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
-                                               run.output_len.tolist()))]
+    requests = [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o)
+                for i, (t, p, o) in enumerate(zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
+                                                   run.output_len.tolist()))]
+    if distinct_prompts_of_vocab:
+        for request in requests:
+            rng = np.random.default_rng([PROMPT_IDS_SEED, request.request_id])
+            request.prompt_token_ids = rng.integers(
+                0, distinct_prompts_of_vocab, request.prompt_len).tolist()
+    return requests
 
 
 def simulate(run: RealRun, config):
@@ -68,8 +83,10 @@ def simulate(run: RealRun, config):
 
     from sim.core.experiment import run_experiment
 
+    caching = bool(config.kv_cache.get("enable_prefix_caching", False))
+    vocab = int(config.model.vocab_size) if caching else None
     try:
-        return run_experiment(config, requests=run_requests(run))
+        return run_experiment(config, requests=run_requests(run, vocab))
     except OmegaConfBaseException as error:
         raise RealRunError(f"{run.source}: bad config value: {error}") from None
 

@@ -12,8 +12,8 @@
     enable_prefix_caching    -> kv_cache.enable_prefix_caching
     gpu_memory_utilization   -> gpu_memory_utilization
 
-A vLLM >= 0.10 run (the V1 engine only) that does not record chunked prefill had it: it is V1's
-default. Model and hardware are required: a run that records neither, with no override, is an
+A vLLM >= 0.10 run (the V1 engine only) that does not record chunked prefill or prefix caching
+had them: they are V1's defaults. Model and hardware are required: a run that records neither, with no override, is an
 error naming them; any other setting left out keeps the simulator's conf/ default, and the
 report says which."""
 from __future__ import annotations
@@ -41,6 +41,8 @@ FIELD_KEYS = {
 }
 # The V1 engine (the only one from vLLM 0.10) schedules chunked prefill by default.
 V1_ONLY_VERSION = (0, 10)
+# Other V1 defaults a run may leave unrecorded.
+V1_DEFAULTS = {"enable_prefix_caching": True}
 # Suffixes of fine-tuned variants that keep the base model's shape.
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-hf", "-it")
 
@@ -161,8 +163,16 @@ def settings_overrides(settings: dict, user_overrides: list[str],
         scheduler = "chunked_prefill" if chunked else "continuous"
         add("enable_chunked_prefill", "scheduler", chunked, f"scheduler={scheduler}",
             chunked_source if chunked_source != "file" else f"file: {chunked}")
+    v1_default = ("vllm_version" in settings
+                  and _version(settings["vllm_version"]) >= V1_ONLY_VERSION)
     for setting, key in FIELD_KEYS.items():
         value = settings.get(setting)
+        if value is None and setting in V1_DEFAULTS and v1_default:
+            value = V1_DEFAULTS[setting]
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            add(setting, key, value, f"{key}={text}",
+                f"vLLM {settings['vllm_version']} (V1) default")
+            continue
         if value is None:
             continue
         text = str(value).lower() if isinstance(value, bool) else str(value)
