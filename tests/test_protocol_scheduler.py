@@ -16,22 +16,22 @@ from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
-# ---- the scheduler a README reader writes: the README's own block ------------------------------
+# ---- the scheduler a reader writes: docs/architecture.md's own block ------------------------------
 
 
-def readme_fcfs_scheduler() -> type:
-    """The `fcfs_scheduler.py` block of the README, run as a module: the README's code is what
-    these tests run."""
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("# fcfs_scheduler.py")
-    source = readme[start:readme.index("```", start)]
+def documented_fcfs_scheduler() -> type:
+    """The `fcfs_scheduler.py` block of docs/architecture.md, run as a module: the documented
+    code is what these tests run."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    start = doc.index("# fcfs_scheduler.py")
+    source = doc[start:doc.index("```", start)]
     assert len(source[source.index("class FCFSScheduler"):].splitlines()) < 80   # a class a reader writes in one sitting
     namespace = {"__name__": "fcfs_scheduler"}
-    exec(compile(source, "README.md (fcfs_scheduler.py)", "exec"), namespace)
+    exec(compile(source, "docs/architecture.md (fcfs_scheduler.py)", "exec"), namespace)
     return namespace["FCFSScheduler"]
 
 
-FCFSScheduler = readme_fcfs_scheduler()
+FCFSScheduler = documented_fcfs_scheduler()
 
 
 # ---- the contract -------------------------------------------------------------------------------

@@ -93,9 +93,11 @@ def simulate(run: RealRun, config):
 
 def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> ReplayOutcome:
     """replay() with both sides' per-request latencies (for the CDF figure)."""
-    all_overrides, provenance = replay_overrides(run, overrides)
     if config is None:
+        all_overrides, provenance = replay_overrides(run, overrides)
         config = copy.deepcopy(_compose(tuple(all_overrides)))
+    else:   # (the caller composed it: compose_replay_config, with the settings mapped there)
+        all_overrides, provenance = list(overrides), {}
     start = time.perf_counter()
     result = simulate(run, config)
     wall_s = time.perf_counter() - start

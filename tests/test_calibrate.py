@@ -1,0 +1,110 @@
+"""twinserve-calibrate: fitting cost-model terms to real runs by replay, on runs the simulator
+made itself with known terms (so the right answer is known)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.calibration.realrun.calibrate import fit, main, term_bounds
+from sim.calibration.realrun.readers import read_run
+from sim.calibration.realrun.replay import compose_replay_config, run_requests, simulate
+
+# A small Llama-2-7B on one A100 with the GPU cost model: replays take a few ms.
+SETTINGS = ["model=llama-2-7b", "hardware=a100-80gb", "cost_model=gpu", "scheduler=chunked_prefill"]
+TRUE_TERMS = {"step_overhead_s": 3.0e-3, "per_sequence_overhead_s": 4.0e-5}
+
+
+def measured_run(tmp_path: Path, terms: dict[str, float], name: str, rate: float = 6.0,
+                 seed: int = 1) -> Path:
+    """A CSV run: a Poisson workload simulated with `terms` set, as if measured."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, 80))
+    rows = [{"arrival_s": repr(float(t)), "prompt_len": int(p), "output_len": int(o),
+             "ttft_s": 0.0, "e2e_s": 0.0}
+            for t, p, o in zip(arrivals, rng.integers(50, 600, 80), rng.integers(8, 120, 80))]
+    path = tmp_path / f"{name}.csv"
+    write_rows(path, rows)
+    workload = read_run(path)
+    overrides = [*SETTINGS, *(f"cost_model.{k}={v!r}" for k, v in terms.items())]
+    simulated = simulate(workload, compose_replay_config(workload, overrides))
+    for row, request in zip(rows, simulated.requests):
+        row["ttft_s"] = repr(request.first_token_time - request.arrival_time)
+        row["e2e_s"] = repr(request.finish_time - request.arrival_time)
+    write_rows(path, rows)
+    return path
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_fit_recovers_the_terms_a_run_was_made_with(tmp_path):
+    run = read_run(measured_run(tmp_path, TRUE_TERMS, "made"))
+    per_sequence = f"cost_model.per_sequence_overhead_s={TRUE_TERMS['per_sequence_overhead_s']}"
+    fitted, loss, num_replays = fit([run], [*SETTINGS, per_sequence], terms=("step_overhead_s",))
+    # Started three orders of magnitude away (the config's value).
+    assert fitted["step_overhead_s"] == pytest.approx(TRUE_TERMS["step_overhead_s"], rel=0.03)
+    assert loss < 1e-4 and 10 < num_replays < 100
+    # Both terms free: one run's TPOT does not tell them apart, but whatever the pair, the run
+    # is reproduced.
+    both, loss, _ = fit([run], SETTINGS, terms=tuple(TRUE_TERMS))
+    assert loss < 1e-3 and both["step_overhead_s"] == pytest.approx(3e-3, rel=0.2)
+
+
+def test_cli_reports_held_out_runs_and_writes_the_profile(tmp_path, capsys):
+    fit_on = measured_run(tmp_path, TRUE_TERMS, "fit", rate=5.0, seed=2)
+    held_out = measured_run(tmp_path, TRUE_TERMS, "held", rate=9.0, seed=3)
+    out = tmp_path / "profile.json"
+    assert main(["--real", str(fit_on), "--held-out", str(held_out), "--terms",
+                 "step_overhead_s", "--out", str(out), *SETTINGS,
+                 f"cost_model.per_sequence_overhead_s={TRUE_TERMS['per_sequence_overhead_s']}"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["terms"]["step_overhead_s"] == pytest.approx(3.0e-3, rel=0.05)
+    (held_stage,) = profile["held_out"]["held"]
+    # Made with the same terms: the held-out run is predicted as it was made.
+    assert abs(held_stage["error_pct"]["mean_tpot_ms"]) < 2.0
+    assert "held out" in capsys.readouterr().out
+
+
+def test_a_term_the_cost_model_lacks_is_named(tmp_path, capsys):
+    run = measured_run(tmp_path, TRUE_TERMS, "made")
+    assert main(["--real", str(run), "--terms", "no_such_term", *SETTINGS]) == 2
+    assert "no_such_term" in capsys.readouterr().out
+
+
+def test_bounds_by_kind_of_term():
+    assert term_bounds("workstation_bandwidth_efficiency") == (0.25, 4.0)
+    low, high = term_bounds("step_overhead_s")
+    assert low < 1e-6 and high == 0.1
+
+
+def test_replayed_prompts_are_distinct_and_reproducible(tmp_path):
+    run = read_run(measured_run(tmp_path, TRUE_TERMS, "made"))
+    first, again = run_requests(run, 32000), run_requests(run, 32000)
+    assert [r.prompt_token_ids for r in first] == [r.prompt_token_ids for r in again]
+    assert all(len(r.prompt_token_ids) == r.prompt_len for r in first)
+    assert len({tuple(r.prompt_token_ids[:8]) for r in first}) == len(first)
+    assert all(r.prompt_token_ids is None for r in run_requests(run))
+
+
+def test_prefix_caching_lets_a_preempted_request_reuse_its_prompt(tmp_path):
+    """A replay of a run with prefix caching on: a request preempted for recompute finds its own
+    prompt blocks again, so the replay computes fewer prompt tokens than without the cache."""
+    run = read_run(measured_run(tmp_path, TRUE_TERMS, "made", rate=30.0))
+    tight = [*SETTINGS, "kv_cache.num_blocks=400"]
+    computed = {}
+    for caching in (False, True):
+        config = compose_replay_config(run, [*tight, f"kv_cache.enable_prefix_caching={caching}"])
+        result = simulate(run, config)
+        assert result.summary["num_preemptions"] > 0
+        computed[caching] = result.summary["total_input_tokens"], sum(
+            row[5] for row in result.metrics.step_rows)   # num_prefill_tokens
+    assert computed[True][0] == computed[False][0]
+    assert computed[True][1] < computed[False][1]
