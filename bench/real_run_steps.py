@@ -1,0 +1,161 @@
+"""The GPU cost model's decode steps against the decode steps of real vLLM runs.
+
+A second of vLLM's own log (`vllm_timeseries.csv` of data/real-runs/llmservingsim/) in which no
+prompt token was computed is decode steps only: each running request gained one token a step,
+so the step took running / generated-tokens-per-second. The batch and its context in the middle
+of that second come from the per-request first- and last-token times (tokens spread evenly
+between them). The cost model predicts the same decode step from these aggregates; the ratio
+model / real, second by second, measures the decode kernels and the per-step terms alone,
+without scheduling, preemption or prefill in the way. Seconds with prompt tokens are reported
+too, as predicted busy time (steps x predicted step, the prompt tokens spread over the steps;
+about 1 s when the GPU was busy all the second), a coarser check of prefill.
+
+    python bench/real_run_steps.py [RUN_FOLDER ...] [--model M --hardware H --tp N] [overrides]
+
+Overrides are cost_model keys (`step_overhead_s=0`, `workstation_bandwidth_efficiency=1.0`).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from policies.types import StepPlan
+from sim.calibration.realrun.settings import match_hardware, match_model
+from sim.core.build import CONF_DIR
+from sim.gpu.cost_model import GPUCostModel
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "data" / "real-runs" / "llmservingsim"
+DEFAULT_RUNS = [RUNS / "RTX4090" / "Llama-3.1-8B", RUNS / "RTXPRO6000" / "Llama-3.1-8B",
+                RUNS / "RTXPRO6000" / "Qwen3-32B"]
+# A decode chunk's prefill context: mid-prompt of the runs' mean 857-token prompts.
+PREFILL_CONTEXT = 400
+
+
+def batch_at(requests: list[dict], offset: float, when: float) -> tuple[int, float]:
+    """(decoding requests, their total context in tokens) at unix time `when`."""
+    num, context = 0, 0.0
+    for r in requests:
+        first, last = r["first_token_ts"] + offset, r["last_token_ts"] + offset
+        if first <= when < last:
+            num += 1
+            context += r["input_toks"] + (r["output_toks"] - 1) * (when - first) / (last - first)
+    return num, context
+
+
+def cost_model_of(folder: Path, overrides: dict) -> GPUCostModel:
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    config = json.loads((folder / "config.json").read_text())["nodes"][0]["instances"][0]
+    model = match_model(meta["model"])
+    hardware = match_hardware(config["hardware"])
+    tp = int(meta["engine_kwargs"].get("tensor_parallel_size") or 1)
+    gpu = OmegaConf.load(CONF_DIR / "cost_model" / "gpu.yaml")
+    terms = {k: gpu[k] for k in ("step_overhead_s", "per_sequence_overhead_s",
+                                 "workstation_bandwidth_efficiency",
+                                 "workstation_compute_efficiency")}
+    return GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
+                        OmegaConf.load(CONF_DIR / "hardware" / f"{hardware}.yaml"), tp,
+                        **{**terms, **overrides})
+
+
+def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
+    """One row per logged second with decoding requests: measured and predicted."""
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    start = datetime.datetime.fromisoformat(meta["started_at"].replace("Z", "+00:00")).timestamp()
+    requests = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
+    offset = float(np.median([r["arrival_time"] - r["queued_ts"] for r in requests]))
+    rows = []
+    with open(folder / "vllm_timeseries.csv", newline="") as file:
+        for tick in csv.DictReader(file):
+            prompt, generated = float(tick["prompt_throughput"]), float(tick["gen_throughput"])
+            num, context = batch_at(requests, offset, start + float(tick["t"]) - 0.5)
+            if num == 0 or generated < 2 * num:   # too few steps in the second to read one
+                continue
+            steps = generated / num
+            chunk = int(prompt / steps)
+            plan = StepPlan(num_decode_seqs=num, decode_context_tokens=int(context),
+                            num_prefill_tokens=chunk, num_prefill_seqs=1 if chunk else 0,
+                            prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
+                            prefill_context_tokens=chunk + PREFILL_CONTEXT if chunk else 0,
+                            sum_squared_prefill_chunks=chunk * chunk)
+            predicted = cost_model.step_time(plan)
+            rows.append({"t": float(tick["t"]), "decodes": num, "context": int(context),
+                         "prompt_tokens": prompt, "real_step_ms": 1e3 / steps,
+                         "model_step_ms": 1e3 * predicted, "busy_s": steps * predicted})
+    return rows
+
+
+def fitted_bandwidth_efficiency(folder: Path, overrides: dict) -> float:
+    """The workstation_bandwidth_efficiency at which the run's decode-only seconds come out
+    right at the median (bisection in log space: the decode step falls as the share rises)."""
+    low, high = 0.5, 2.0
+    for _ in range(30):
+        middle = (low * high) ** 0.5
+        model = cost_model_of(folder, {**overrides, "workstation_bandwidth_efficiency": middle})
+        ratios = [r["model_step_ms"] / r["real_step_ms"] for r in seconds(folder, model)
+                  if not r["prompt_tokens"]]
+        low, high = (middle, high) if statistics.median(ratios) > 1 else (low, middle)
+    return (low * high) ** 0.5
+
+
+def parse_value(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("arguments", nargs="*", help="run folders, then cost_model key=value")
+    parser.add_argument("--fit-bandwidth", action="store_true",
+                        help="also print each workstation run's fitted bandwidth efficiency and "
+                             "its decode steps predicted with the others' mean")
+    args = parser.parse_args(argv)
+    arguments = args.arguments
+    runs = [Path(a) for a in arguments if "=" not in a] or DEFAULT_RUNS
+    overrides = {key: parse_value(value) for key, value in
+                 (a.split("=", 1) for a in arguments if "=" in a)}
+    print("| run | decode-only seconds | model / real decode step, median (p10-p90) | "
+          "seconds with prompts | predicted busy s, median (p10-p90) |\n|---|---|---|---|---|")
+    for folder in (run if run.is_absolute() else Path.cwd() / run for run in runs):
+        rows = seconds(folder, cost_model_of(folder, overrides))
+        decode = [r["model_step_ms"] / r["real_step_ms"] for r in rows if not r["prompt_tokens"]]
+        busy = [r["busy_s"] for r in rows if r["prompt_tokens"]]
+        cells = []
+        for values in (decode, busy):
+            if values:
+                p10, p90 = np.percentile(values, [10, 90])
+                cells += [str(len(values)), f"{statistics.median(values):.3f} "
+                                            f"({p10:.2f}-{p90:.2f})"]
+            else:
+                cells += ["0", "-"]
+        name = f"{folder.parent.name}/{folder.name}"
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.fit_bandwidth:
+        folders = [run if run.is_absolute() else Path.cwd() / run for run in runs]
+        workstations = [f for f in folders
+                        if cost_model_of(f, overrides).hardware.board == "workstation"]
+        fitted = {f: fitted_bandwidth_efficiency(f, overrides) for f in workstations}
+        for folder, value in fitted.items():
+            others = [v for f, v in fitted.items() if f is not folder]
+            line = f"{folder.parent.name}/{folder.name}: workstation_bandwidth_efficiency {value:.3f}"
+            if others:
+                held = cost_model_of(folder, {**overrides,
+                                              "workstation_bandwidth_efficiency": np.mean(others)})
+                ratios = [r["model_step_ms"] / r["real_step_ms"]
+                          for r in seconds(folder, held) if not r["prompt_tokens"]]
+                line += (f"; with the others' {np.mean(others):.3f} its decode steps come out "
+                         f"{100 * (statistics.median(ratios) - 1):+.1f} % (median)")
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
