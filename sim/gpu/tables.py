@@ -161,21 +161,31 @@ def op_tables() -> tuple[OpTable, ...]:
 
 @functools.lru_cache(maxsize=None)
 def attention_tables() -> tuple[AttentionTable, ...]:
-    """Every attention table, one per (file, tensor-parallel size)."""
+    """Every attention table, one per (file, tensor-parallel size). (Read with a plain csv
+    reader by column index: these files have tens of thousands of wide rows.)"""
     tables = []
     for path, gpu in ATTENTION_TABLE_FILES:
-        rows = _read_rows(path)
-        kernels = [c for c in rows[0] if c.startswith("time_stats.") and c.endswith(".median")]
+        with open(DATA_DIR / path, newline="") as file:
+            reader = csv.reader(file)
+            header = next(reader)
+            rows = list(reader)
+        column = {name: index for index, name in enumerate(header)}
+        kernels = [index for name, index in column.items()
+                   if name.startswith("time_stats.") and name.endswith(".median")]
+        tp_at, prefill_at, batch_at, chunk_at, kv_at = (column[name] for name in (
+            "num_tensor_parallel_workers", "is_prefill", "batch_size", "prefill_chunk_size",
+            "kv_cache_size"))
         by_tp: dict[int, list[AttentionRow]] = {}
         for row in rows:
-            ms = sum(float(row[c]) for c in kernels if row[c] != "")
-            by_tp.setdefault(int(row["num_tensor_parallel_workers"]), []).append(AttentionRow(
-                row["is_prefill"] == "True", int(row["batch_size"]), int(row["prefill_chunk_size"]),
-                int(row["kv_cache_size"]), ms))
-        backend = rows[0]["attention_backend"].rsplit(".", 1)[-1]
+            ms = sum(float(row[i]) for i in kernels if row[i] != "")
+            by_tp.setdefault(int(row[tp_at]), []).append(AttentionRow(
+                row[prefill_at] == "True", int(row[batch_at]), int(row[chunk_at]),
+                int(row[kv_at]), ms))
+        first = dict(zip(header, rows[0]))
+        backend = first["attention_backend"].rsplit(".", 1)[-1]
         for tp, table_rows in sorted(by_tp.items()):
             tables.append(AttentionTable(_table_name(path, tp), hardware_spec(gpu),
-                                         _shape_of_row(rows[0]), tp, backend, tuple(table_rows)))
+                                         _shape_of_row(first), tp, backend, tuple(table_rows)))
     return tuple(tables)
 
 
