@@ -1,5 +1,7 @@
 """twinserve-calibrate: fitting cost-model terms to real runs by replay, on runs the simulator
-made itself with known terms (so the right answer is known)."""
+made itself with known terms (so the right answer is known): the GPU cost model's overheads,
+the roofline's overhead and efficiency together, the search's ranges and passes, and the
+replay's prompts under prefix caching."""
 from __future__ import annotations
 
 import csv
@@ -9,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.calibration.realrun.calibrate import fit, main, term_bounds
+from sim.calibration.realrun.calibrate import (BOUNDS, EFFICIENCY_BOUNDS, fit, main,
+                                               start_value, term_bounds)
 from sim.calibration.realrun.readers import read_run
 from sim.calibration.realrun.replay import compose_replay_config, run_requests, simulate
+from sim.calibration.realrun.run import make_run
 
 # A small Llama-2-7B on one A100 with the GPU cost model: replays take a few ms.
 SETTINGS = ["model=llama-2-7b", "hardware=a100-80gb", "cost_model=gpu", "scheduler=chunked_prefill"]
@@ -79,12 +83,6 @@ def test_a_term_the_cost_model_lacks_is_named(tmp_path, capsys):
     assert "no_such_term" in capsys.readouterr().out
 
 
-def test_bounds_by_kind_of_term():
-    assert term_bounds("workstation_bandwidth_efficiency") == (0.25, 4.0)
-    low, high = term_bounds("step_overhead_s")
-    assert low < 1e-6 and high == 0.1
-
-
 def test_replayed_prompts_are_distinct_and_reproducible(tmp_path):
     run = read_run(measured_run(tmp_path, TRUE_TERMS, "made"))
     first, again = run_requests(run, 32000), run_requests(run, 32000)
@@ -108,3 +106,73 @@ def test_prefix_caching_lets_a_preempted_request_reuse_its_prompt(tmp_path):
             row[5] for row in result.metrics.step_rows)   # num_prefill_tokens
     assert computed[True][0] == computed[False][0]
     assert computed[True][1] < computed[False][1]
+
+
+# tiny-llama on the CPU spec's roofline: O(100) requests replay in well under a second.
+ROOFLINE_OVERRIDES = ["model=tiny-llama", "hardware=cpu", "cost_model=roofline",
+             "scheduler=chunked_prefill", "kv_cache.num_blocks=2048"]
+# What bench/vllm_cpu_loop.py fits: a step overhead (from TPOT) and a compute efficiency (from
+# TTFT) above the 0.1 that bounds the overheads' search.
+ROOFLINE_TERMS = {"step_overhead_s": 3e-3, "compute_efficiency": 0.3}
+
+
+def measured_two_load_run(terms: dict[str, float]):
+    """A run 'measured' on the simulator with `terms`: two Poisson loads of tiny-llama-sized
+    requests; its file records the model as a name no conf/model hf_repo matches."""
+    rng = np.random.default_rng(0)
+    light = np.cumsum(rng.exponential(1 / 2.0, 40))
+    arrivals = np.concatenate([light, light[-1] + 1.0 + np.cumsum(rng.exponential(1 / 16.0, 80))])
+    prompts, outputs = rng.integers(16, 400, arrivals.size), rng.integers(8, 120, arrivals.size)
+
+    def run_with(ttft, e2e):
+        return make_run(name="measured", source="test", where="test", arrival_s=arrivals,
+                        prompt_len=prompts, output_len=outputs, ttft_s=ttft, e2e_s=e2e,
+                        engine_settings={"model": "tiny-llama", "hardware": "cpu"})
+
+    workload = run_with(np.zeros(arrivals.size), np.zeros(arrivals.size))
+    config = compose_replay_config(workload, ROOFLINE_OVERRIDES)
+    for term, value in terms.items():
+        config.cost_model[term] = value
+    requests = sorted(simulate(workload, config).requests, key=lambda r: r.request_id)
+    return run_with(np.array([r.first_token_time - r.arrival_time for r in requests]),
+                    np.array([r.finish_time - r.arrival_time for r in requests]))
+
+
+FIT_METRICS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "median_ttft_ms")
+
+
+@pytest.fixture(scope="module")
+def roofline_run():
+    return measured_two_load_run(ROOFLINE_TERMS)
+
+
+def test_fit_recovers_an_overhead_and_an_efficiency_together(roofline_run):
+    fitted, loss, _ = fit([roofline_run], ROOFLINE_OVERRIDES, tuple(ROOFLINE_TERMS), FIT_METRICS)
+    assert loss < 1e-4
+    for term, value in ROOFLINE_TERMS.items():
+        assert fitted[term] == pytest.approx(value, rel=0.05), term
+
+
+def test_two_passes_stop_short_in_the_terms_trade_off(roofline_run):
+    """Overhead and efficiency trade off in TTFT: coordinate passes walk the valley slowly, so
+    the default searches until a pass improves nothing."""
+    _, loss, replays = fit([roofline_run], ROOFLINE_OVERRIDES, tuple(ROOFLINE_TERMS), FIT_METRICS, passes=2)
+    _, converged_loss, converged_replays = fit([roofline_run], ROOFLINE_OVERRIDES, tuple(ROOFLINE_TERMS), FIT_METRICS)
+    assert loss > 10 * converged_loss and replays < converged_replays
+
+
+def test_bad_passes_is_named(capsys):
+    assert main(["--real", "nothing.json", "--passes", "0", *ROOFLINE_OVERRIDES]) == 2
+    assert "--passes must be >= 1, got 0" in capsys.readouterr().out
+
+
+def test_efficiencies_are_searched_as_shares_and_overheads_as_seconds():
+    assert term_bounds("compute_efficiency") == term_bounds("memory_efficiency") == (
+        EFFICIENCY_BOUNDS) == (1e-3, 1.0)
+    assert term_bounds("step_overhead_s") == BOUNDS
+    assert start_value("compute_efficiency", 0.55) == 0.55
+    assert start_value("compute_efficiency", 3.0) == 1.0
+    assert start_value("step_overhead_s", 0.0) == pytest.approx(1e-6)
+    assert start_value("step_overhead_s", 0.5) == pytest.approx(0.01)
+    # A workstation board's share is relative to the measured boards': it may exceed 1.
+    assert term_bounds("workstation_bandwidth_efficiency") == (0.25, 4.0)

@@ -146,10 +146,10 @@ def test_bad_requests_are_named(client, body, status, phrase):
     assert phrase in response.json()["error"]["message"]
 
 
-def bench_args(server_url, tmp_path, *overrides, model=None, settings=()):
+def bench_args(server_url, tmp_path, *overrides, model=None, settings=(), warmup=0):
     return argparse.Namespace(endpoint=server_url, out=str(tmp_path / "run.json"), model=model,
                               engine_setting=list(settings), request_timeout=60.0, timeout=120.0,
-                              overrides=list(overrides))
+                              warmup=warmup, overrides=list(overrides))
 
 
 def test_bench_client_run_file(server_url, tmp_path):
@@ -238,3 +238,68 @@ def test_min_tokens_equal_to_max_tokens_ignores_eos():
     assert params.ignore_eos and params.max_tokens == 8
     _, params = engine_request(CompletionRequest(prompt=[1], max_tokens=8))
     assert not params.ignore_eos
+
+
+def test_bench_client_warms_up_unrecorded(server_url, tmp_path, monkeypatch):
+    from sim.tools import bench_client
+
+    warmed = []
+    real_warm_up = bench_client.warm_up
+
+    async def recording_warm_up(client, url, model, requests, request_timeout_s):
+        warmed.extend(requests)
+        await real_warm_up(client, url, model, requests, request_timeout_s)
+
+    monkeypatch.setattr(bench_client, "warm_up", recording_warm_up)
+    run = bench(bench_args(server_url, tmp_path, *WORKLOAD, warmup=2))
+    _, _, requests = workload_requests(WORKLOAD, "tiny-llama")
+    assert [r.prompt_token_ids for r in warmed] == [r.prompt_token_ids for r in requests[:2]]
+    assert run["warmup_requests"] == 2
+    assert run["num_prompts"] == run["completed"] == 8   # the warm-up is not in the run
+
+
+def test_bench_client_refuses_negative_warmup(tmp_path):
+    with pytest.raises(ValueError, match="--warmup must be >= 0, got -1"):
+        bench(bench_args("http://127.0.0.1:9", tmp_path, warmup=-1))
+
+
+def test_warm_up_sends_every_request_at_once():
+    from policies.types import Request
+    from sim.tools.bench_client import warm_up
+
+    posted = []
+
+    def handler(request):
+        posted.append(json.loads(request.content))
+        body = ('data: {"choices": [{"index": 0, "text": "", "token_ids": [5]}]}\n\n'
+                "data: [DONE]\n\n")
+        return httpx.Response(200, text=body)
+
+    requests = [Request(request_id=i, arrival_time=10.0 * (i + 1), prompt_len=2, output_len=1,
+                        prompt_token_ids=[3 + i, 4]) for i in range(3)]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            # Arrival times of 10-30 s are ignored: a bound of 5 s would fail a paced send.
+            await asyncio.wait_for(warm_up(client, "http://server/v1/completions", "m",
+                                           requests, 60.0), timeout=5.0)
+
+    asyncio.run(run())
+    assert sorted(body["prompt"] for body in posted) == [[3, 4], [4, 4], [5, 4]]
+
+
+def test_failed_warm_up_is_named():
+    from policies.types import Request
+    from sim.tools.bench_client import warm_up
+
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(503, json={"error": {"message": "busy"}}))
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport) as client:
+            await warm_up(client, "http://server/v1/completions", "m",
+                          [Request(request_id=0, arrival_time=0.0, prompt_len=1, output_len=1,
+                                   prompt_token_ids=[3])], 60.0)
+
+    with pytest.raises(ValueError, match="--warmup: warm-up request 0 failed: HTTP 503: busy"):
+        asyncio.run(run())

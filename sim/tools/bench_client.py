@@ -7,7 +7,9 @@ as the app composes it), with prompt token ids drawn (workload.with_token_ids), 
 server serves when it is a conf/model name (its vocabulary bounds the ids). Each request is sent
 at its arrival time after the run's start, streamed, with max_tokens = min_tokens = its output
 length and ignore_eos, so the output has the workload's length. The client records when it sent
-each request and when each chunk of tokens arrived.
+each request and when each chunk of tokens arrived. `--warmup N` first sends the workload's first
+N requests together and waits for them, unrecorded (a server's first requests pay for its lazy
+start-up: compiled graphs, allocator, caches).
 
     twinserve-bench --endpoint http://127.0.0.1:8000 workload.num_requests=50 workload.rate=4
 """
@@ -18,6 +20,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -170,14 +173,33 @@ async def send_at_arrival(client: httpx.AsyncClient, url: str, model: str, reque
     return record
 
 
+async def warm_up(client: httpx.AsyncClient, url: str, model: str, requests: list[Request],
+                  request_timeout_s: float) -> None:
+    """Send `requests` all at once and wait for them; raises ValueError naming the first that
+    failed (a server that cannot answer the warm-up would spoil the run)."""
+    now = time.perf_counter()
+    records = await asyncio.gather(*(
+        send_at_arrival(client, url, model, replace(request, arrival_time=0.0), now,
+                        now + request_timeout_s, request_timeout_s)
+        for request in requests))
+    for index, record in enumerate(records):
+        if not record.success:
+            raise ValueError(f"--warmup: warm-up request {index} failed: "
+                             f"{record.error or 'no tokens came back'}")
+
+
 async def run_benchmark(url: str, model: str, requests: list[Request], *,
                         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                        timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[RequestRecord], float]:
-    """Send every request at its arrival time; returns their records, in request order, and the
-    run's duration (s, from its start until the last response ended)."""
+                        timeout_s: float = DEFAULT_TIMEOUT_S,
+                        warmup: list[Request] = ()) -> tuple[list[RequestRecord], float]:
+    """Send `warmup` at once and wait for it (unrecorded), then every request at its arrival
+    time; returns their records, in request order, and the run's duration (s, from its start
+    until the last response ended)."""
     # No cap on connections: a capped pool would queue requests in the client, not the server.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout_s)) as client:
+        if warmup:
+            await warm_up(client, url, model, list(warmup), request_timeout_s)
         run_start = time.perf_counter()
         deadline = run_start + timeout_s
         records = await asyncio.gather(*(
@@ -204,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds one request may take (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds the whole run may take (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=0, metavar="N",
+                        help="first send the workload's first N requests at once, unrecorded "
+                             "(default: %(default)s)")
     parser.add_argument("overrides", nargs="*",
                         help="twinserve config overrides (workload.num_requests=50 ...)")
     return parser.parse_args(argv)
@@ -214,6 +239,9 @@ def bench(args: argparse.Namespace) -> dict:
     for name in ("request_timeout", "timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    warmup = getattr(args, "warmup", 0)
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
     base_url, url = split_endpoint(args.endpoint)
     extra_settings = parse_engine_settings(args.engine_setting)
     served_model, engine_settings = server_info(base_url)
@@ -222,13 +250,14 @@ def bench(args: argparse.Namespace) -> dict:
     cfg, workload, requests = workload_requests(args.overrides, engine_settings.get("model", served_model))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     records, duration_s = asyncio.run(run_benchmark(
-        url, model, requests, request_timeout_s=args.request_timeout, timeout_s=args.timeout))
+        url, model, requests, request_timeout_s=args.request_timeout, timeout_s=args.timeout,
+        warmup=requests[:warmup]))
     info = {"date": date, "backend": "openai", "endpoint_type": "openai", "base_url": base_url,
             "endpoint": url[len(base_url):], "model_id": model, "tokenizer_id": None,
             "request_rate": rate_for_json(workload.get("rate")),
             "burstiness": workload.get("burstiness"), "max_concurrency": None,
             "engine_settings": engine_settings, "workload": workload, "seed": cfg.seed,
-            "overrides": list(args.overrides)}
+            "overrides": list(args.overrides), "warmup_requests": min(warmup, len(requests))}
     result = build_run_file(records, duration_s, info=info)
     out = Path(args.out or f"twinserve-bench-{Path(model).name}-{date}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

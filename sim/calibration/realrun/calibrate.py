@@ -2,12 +2,15 @@
 serving runs, keep the fit in a profile file, and report the error on runs it did not use.
 
 The terms are the cost model's own config keys (`cost_model.<term>`: per-step and per-sequence
-overheads, for instance), so the same fit works for any cost model that has them. Each candidate
+overheads in seconds, for instance, or a roofline's `*_efficiency` shares of its peak rates,
+searched in (0.001, 1]), so the same fit works for any cost model that has them. Each candidate
 replays every fitting run through the simulator (replay.py); the loss is the mean over runs and
 load stages of the squared log ratio simulated/real of the fitted metrics. By default those are
 the mean and median TPOT: a decode step's duration is what the overheads set, and TPOT measures
 it directly, while TTFT and E2E of a loaded run follow from it through the queue, so they are
-checks, not targets. The search is term_fit.fit_terms (a few dozen replays).
+checks, not targets. The search is term_fit.fit_terms: coordinate passes until one improves
+nothing (--passes at most; terms that trade off, as a step overhead and a compute efficiency do
+in TTFT, take three or four), a few dozen replays each.
 
 Held-out runs (`--held-out`) are replayed with the fitted terms and reported beside the fit;
 `--leave-one-out` fits on all runs but one, for each run in turn, and reports each run as
@@ -32,14 +35,31 @@ DEFAULT_TERMS = ("step_overhead_s", "per_sequence_overhead_s")
 DEFAULT_METRICS = ("mean_tpot_ms", "median_tpot_ms")
 REPORTED = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
             "median_e2el_ms", "request_throughput")
-# Overheads of a serving engine's step: from a tenth of a microsecond to a tenth of a second;
-# efficiencies (shares of a rate, relative to the measured boards): a quarter to four times.
-OVERHEAD_BOUNDS = (1e-7, 0.1)
-EFFICIENCY_BOUNDS = (0.25, 4.0)
+DEFAULT_PASSES = 6
+# Overheads of a serving engine's step: from a tenth of a microsecond to a tenth of a second.
+BOUNDS = (1e-7, 0.1)
+# An achieved share of a spec-sheet rate (compute_efficiency, memory_efficiency, ...).
+EFFICIENCY_BOUNDS = (1e-3, 1.0)
+# A workstation board's share relative to the measured datacenter boards' (GPUCostModel): it may
+# exceed them.
+RELATIVE_EFFICIENCY_BOUNDS = (0.25, 4.0)
 
 
 def term_bounds(term: str) -> tuple[float, float]:
-    return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else OVERHEAD_BOUNDS
+    """The search's (low, high) for a cost-model term: a share for *_efficiency (a relative one
+    for workstation_*), else seconds."""
+    if term.startswith("workstation_") and term.endswith("_efficiency"):
+        return RELATIVE_EFFICIENCY_BOUNDS
+    return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else BOUNDS
+
+
+def start_value(term: str, value: float) -> float:
+    """`value` moved into the term's search range; an overhead a decade inside its bounds (a
+    term at 0 starts at a microsecond-scale guess, not at the search's edge)."""
+    low, high = term_bounds(term)
+    if (low, high) == BOUNDS:
+        low, high = low * 10, high / 10
+    return min(max(float(value), low), high)
 
 
 class Calibration:
@@ -48,6 +68,7 @@ class Calibration:
     def __init__(self, runs: list[RealRun], overrides: list[str], terms: tuple[str, ...],
                  metrics: tuple[str, ...]):
         self.runs, self.terms, self.metrics = runs, terms, metrics
+        self.overrides = list(overrides)
         self.configs = [compose_replay_config(run, overrides) for run in runs]
         for config in self.configs:
             missing = [term for term in terms if term not in config.cost_model]
@@ -58,20 +79,17 @@ class Calibration:
         self.num_replays = 0
 
     def initial(self) -> dict[str, float]:
-        """The terms' values in the first run's config, moved inside the search's bounds."""
-        initial = {}
-        for term in self.terms:
-            low, high = term_bounds(term)
-            initial[term] = min(max(float(self.configs[0].cost_model[term]), low * 1.1),
-                                high / 1.1)
-        return initial
+        """The terms' values in the first run's config, moved into the search's bounds."""
+        return {term: start_value(term, self.configs[0].cost_model[term]) for term in self.terms}
 
     def replays(self, terms: dict[str, float]) -> list[dict]:
         results = []
         for run, config in zip(self.runs, self.configs):
             for term, value in terms.items():
                 config.cost_model[term] = float(value)
-            results.append(replay(run, config=config))
+            # (The overrides too: the replay reports the settings' provenance from them, and a
+            # file's model or hardware that only the command line resolves would fail without.)
+            results.append(replay(run, self.overrides, config=config))
             self.num_replays += 1
         return results
 
@@ -88,12 +106,12 @@ class Calibration:
         return sum(squares) / len(squares)
 
 
-def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS,
-        metrics=DEFAULT_METRICS) -> tuple[dict[str, float], float, int]:
+def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS, metrics=DEFAULT_METRICS,
+        passes: int = DEFAULT_PASSES) -> tuple[dict[str, float], float, int]:
     """(fitted terms, loss, number of replays) over `runs`."""
     calibration = Calibration(runs, overrides, tuple(terms), tuple(metrics))
     fitted, loss = fit_terms(calibration.loss, calibration.initial(),
-                             {term: term_bounds(term) for term in terms})
+                             {term: term_bounds(term) for term in terms}, passes=passes)
     return fitted, loss, calibration.num_replays
 
 
@@ -127,9 +145,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--leave-one-out", action="store_true",
                         help="also fit on all --real runs but one, for each, and report it")
     parser.add_argument("--terms", default=",".join(DEFAULT_TERMS),
-                        help="comma-separated cost_model keys to fit")
+                        help="comma-separated cost_model keys to fit (seconds; *_efficiency "
+                             "keys are shares in (0.001, 1])")
     parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
                         help="comma-separated stage metrics the loss compares")
+    parser.add_argument("--passes", type=int, default=DEFAULT_PASSES,
+                        help="most coordinate passes of the search; it stops at one that "
+                             "improves nothing (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the profile file to write (JSON: terms, runs, errors)")
     parser.add_argument("overrides", nargs="*", help="simulator overrides (key=value)")
@@ -142,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     terms = tuple(t for t in args.terms.split(",") if t)
     metrics = tuple(m for m in args.metrics.split(",") if m)
     try:
+        if args.passes < 1:
+            raise ValueError(f"--passes must be >= 1, got {args.passes}")
         runs = [read_run(path) for path in args.real]
         held_out = [read_run(path) for path in args.held_out]
-        fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics)
+        fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics, args.passes)
         console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
                       f"rms log error {math.sqrt(loss):.3f}): "
                       + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
@@ -160,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.leave_one_out and len(runs) > 1:
             for index, run in enumerate(runs):
                 others = runs[:index] + runs[index + 1:]
-                others_fit, _, _ = fit(others, args.overrides, terms, metrics)
+                others_fit, _, _ = fit(others, args.overrides, terms, metrics, args.passes)
                 report["leave_one_out"][run.name] = {
                     "terms": others_fit,
                     "stages": errors_with(run, args.overrides, others_fit)}
