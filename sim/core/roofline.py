@@ -142,17 +142,21 @@ class RooflineCostModel:
         """KV bytes of one block on one GPU."""
         return self.block_size * self.model.kv_bytes_per_token_per_gpu(self.tensor_parallel_size)
 
-    def step_time(self, plan: StepPlan) -> float:
-        """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
-        those plus the fixed overhead."""
+    def _step_start(self, plan: StepPlan) -> tuple[int, float]:
+        """(the step's batched tokens, its overheads and memory operations in seconds): 0 and 0
+        for an empty plan; step_time adds the forward pass when there are tokens."""
         num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
         num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         num_copied = len(plan.blocks_to_copy)
         if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
                 or plan.blocks_to_load):
-            return 0.0
+            return 0, 0.0
+        return num_tokens, self._overhead_s(plan, num_swapped, num_copied)
 
-        time = self._overhead_s(plan, num_swapped, num_copied)
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
+        those plus the fixed overhead."""
+        num_tokens, time = self._step_start(plan)
         if not num_tokens:
             return time
         time = self._add_batched_work(time, plan, num_tokens)

@@ -239,13 +239,7 @@ class GPUCostModel(RooflineCostModel):
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
         those plus the fixed overhead."""
-        num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
-        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
-        num_copied = len(plan.blocks_to_copy)
-        if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
-                or plan.blocks_to_load):
-            return 0.0
-        time = self._overhead_s(plan, num_swapped, num_copied)
+        num_tokens, time = self._step_start(plan)
         if not num_tokens:
             return time
         num_sampling = plan.num_decode_seqs + plan.num_prefill_seqs + plan.num_draft_tokens
