@@ -172,6 +172,8 @@ def test_names_match_conf():
     assert match_hardware("RTXPRO6000") == "rtx-pro-6000"
     assert match_hardware("NVIDIA A100 PCIe") is None                    # 40 or 80 GB?
     assert match_hardware("NVIDIA A100 PCIe", 80 * 10**9) == "a100-80gb"
+    # twinserve-serve records conf names: they match themselves.
+    assert match_model("tiny-llama") == "tiny-llama" and match_hardware("cpu") == "cpu"
 
 
 def test_settings_become_overrides_and_the_command_line_wins():

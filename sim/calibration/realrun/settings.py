@@ -61,9 +61,11 @@ def _strip_variant(name: str) -> str:
 
 
 def match_model(hf_name: str) -> str | None:
-    """The conf/model whose hf_repo is `hf_name` (case-insensitive), else whose repo's last
+    """`hf_name` itself when it is a conf/model name; the conf/model whose hf_repo is `hf_name` (case-insensitive), else whose repo's last
     part is the name's last part (a local path), also with -Instruct/-Chat/-hf/-it removed."""
     wanted = str(hf_name).strip().rstrip("/").lower()
+    if wanted in {name for name, _ in _conf_group("model")}:   # a conf name (twinserve-serve's)
+        return wanted
     models = [(name, str(conf.get("hf_repo", "")).lower()) for name, conf in _conf_group("model")
               if conf.get("hf_repo")]
     for name, repo in models:
@@ -83,10 +85,12 @@ def _words(text: str) -> list[str]:
 
 
 def match_hardware(device_name: str, memory_bytes: float | None = None) -> str | None:
-    """The conf/hardware whose name's words all appear in `device_name` (memory words like
+    """`device_name` itself when it is a conf/hardware name; the conf/hardware whose name's words all appear in `device_name` (memory words like
     80gb must agree when the device name has one), or whose name without separators is in it
     ("RTX4090"); several (an A100 without its memory size): the nearest in memory_gb to
     `memory_bytes`, when given."""
+    if str(device_name).strip().lower() in {name for name, _ in _conf_group("hardware")}:
+        return str(device_name).strip().lower()   # a conf name (twinserve-serve's, "cpu" too)
     words = _words(device_name)
     squashed = "".join(words)
     device_memory = {word for word in words if re.fullmatch(r"\d+gb", word)}
