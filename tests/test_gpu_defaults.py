@@ -86,3 +86,12 @@ def test_board_is_checked_by_name():
         dataclasses.replace(hardware_spec("a100-80gb"), board="laptop")
     assert hardware_spec("rtx-4090").board == "workstation"
     assert hardware_spec("h100-80gb").board == "datacenter"
+
+
+def test_shipped_files_are_found_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = GPUCostModel(model_spec("llama-3.1-8b"), hardware_spec("rtx-4090"),
+                         terms_file="profiles/gpu/vllm-0.19.json")
+    shipped = json.loads((build.CONF_DIR.parent / "profiles" / "gpu" / "vllm-0.19.json")
+                         .read_text())["terms"]
+    assert model.step_overhead_s == shipped["step_overhead_s"]

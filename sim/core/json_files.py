@@ -1,14 +1,21 @@
-"""Reading the JSON files a run is given (profiles, acceptance statistics): one clear error that
-names the setting for a missing file, bad JSON or something other than an object."""
+"""Reading the JSON files a run is given (profiles, acceptance statistics, fitted cost-model
+terms): one clear error that names the setting for a missing file, bad JSON or something other
+than an object. A relative path is tried against the working directory, then the repo root, so
+the shipped files (profiles/...) are found from any working directory."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def read_json_object(path: str | Path, where: str, error: type[ValueError] = ValueError) -> dict:
     """The JSON object in `path`; `error(f"{where}: ...")` when it cannot be had."""
-    path = Path(path)
+    path = Path(path).expanduser()
+    if not path.is_absolute() and not path.is_file() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path
     if not path.is_file():
         raise error(f"{where}: no such file")
     try:

@@ -20,14 +20,13 @@ from; `expected_error_pct` is the leave-one-out error of the kind of transfer th
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
 from policies import validators
 from policies.types import StepPlan
+from sim.core.json_files import read_json_object
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
@@ -37,25 +36,19 @@ from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_m
 from sim.gpu.tables import LayerShape, attention_tables
 from sim.gpu.transfer_errors import expected_errors
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
 
 
 def read_terms_file(path: str, key: str) -> dict[str, float]:
-    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}}), the path
-    relative to the working directory or the repo root."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [Path.cwd() / path,
-                                                                 REPO_ROOT / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            try:
-                terms = json.loads(candidate.read_text())["terms"]
-                return {name: float(value) for name, value in terms.items()}
-            except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{key}={path}: not a twinserve-calibrate profile "
-                                 f"(a JSON object with numeric 'terms'): {error}") from None
-    raise ValueError(f"{key}={path}: no such file")
+    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}})."""
+    where = f"{key}={path}"
+    terms = read_json_object(path, where).get("terms")
+    if not isinstance(terms, dict) or not all(
+            isinstance(value, (int, float)) for value in terms.values()):
+        raise ValueError(f"{where}: not a twinserve-calibrate profile (a JSON object with "
+                         f"numeric 'terms')")
+    return {name: float(value) for name, value in terms.items()}
 
 
 def cuda_graph_capture_sizes(max_tokens: int) -> list[int]:
