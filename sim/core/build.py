@@ -377,12 +377,14 @@ def _group_name(group: DictConfig) -> str:
 
 
 def cost_model_summary(executors: list) -> dict:
-    """The expected error of the run's step times where its cost model states one (the
-    leave-one-out error of the kind of prediction it made: data/gpu/transfer_errors.json)."""
+    """The expected error of the run's kernel times where its cost model states one: the
+    leave-one-out error of the kind of transfer it made (data/gpu/transfer_errors.json). It is
+    the kernels' error alone; how whole runs compare with real ones is in
+    docs/validation-results.md ("Real GPUs")."""
     for executor in executors:
         expected = getattr(getattr(executor, "cost_model", None), "expected_error_pct", None)
         if expected is not None:
-            return {"cost_model_expected_error_pct": float(expected)}
+            return {"kernel_time_expected_error_pct": float(expected)}
     return {}
 
 

@@ -689,9 +689,9 @@ def format_summary_table(summary: dict) -> Table:
     if "jain_fairness" in summary:
         totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
     totals.add_row("steps", f"{summary['num_steps']:,}")
-    if "cost_model_expected_error_pct" in summary:   # (sim/gpu/transfer_errors.py)
-        totals.add_row("step time expected error",
-                       f"±{summary['cost_model_expected_error_pct']:.1f} %")
+    if "kernel_time_expected_error_pct" in summary:   # (sim/gpu/transfer_errors.py)
+        totals.add_row("kernel time expected error",
+                       f"±{summary['kernel_time_expected_error_pct']:.1f} %")
     totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
 
     latencies = Table(box=None, pad_edge=False)
