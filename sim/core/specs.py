@@ -299,7 +299,10 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
             f"{hardware.reserved_memory_gb:g} GiB reserved leaves {budget / GIB:.1f} GiB per GPU, "
             f"weights need {weights / GIB:.1f} GiB and activations {activations / GIB:.1f} GiB, "
             f"leaving no room for one {block_bytes / 2**20:.1f} MiB KV block. "
-            f"Raise tensor_parallel_size or gpu_memory_utilization, or use a larger device.")
+            f"Raise tensor_parallel_size or gpu_memory_utilization, use a larger device, or "
+            f"shrink the activations: they grow with the step's token budget "
+            f"({max_num_batched_tokens:,} tokens; scheduler=chunked_prefill or a smaller "
+            f"model.max_model_len lowers it).")
     if draft is not None:
         block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp, draft)
         num_blocks = int((free_for_kv - draft.weight_bytes) // block_bytes)
