@@ -9,7 +9,12 @@ tokens, under vLLM 0.5's defaults of the time (no chunked prefill, prefills firs
 sequences, a token budget of the model's context). The spread over draws is printed beside
 every error: it is how much the unknown prompt sample alone moves the prediction.
 
-    python bench/vllm_nightly_check.py [--engine vllm_055] [--draws 3] [--gate 15] [overrides...]
+    python bench/vllm_nightly_check.py [--engine vllm_055] [--draws 3] [--gate 15]
+        [--fit-row vllm_055_llama8B_tp1_sharegpt_qps_2] [overrides...]
+
+With --fit-row, the engine's per-step overhead (vLLM 0.5's V0 engine does not hide its CPU work
+behind the GPU as V1 does) is first fitted to that one row's mean TPOT, and the other rows check
+it.
 
 Extra arguments are simulator overrides (e.g. `cost_model=roofline`). Exits 1 when a mean TTFT
 or TPOT of a row the real system sustained is outside the gate.
@@ -29,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 
+from sim.calibration.term_fit import fit_terms
 from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,16 +103,51 @@ def error_pct(real: float, sim: float) -> float:
     return 100.0 * (sim - real) / real
 
 
+def mean_tpots(row: dict, draws: int, overrides: list[str], tmp: Path) -> list[float]:
+    tpots = []
+    for draw in range(draws):
+        trace = tmp / f"fit{draw}.csv"
+        write_draw(trace, row, draw)
+        tpots.append(simulate(row, trace, overrides)["mean_tpot_ms"])
+    return tpots
+
+
+def fit_step_overhead(row: dict, draws: int, overrides: list[str]) -> float:
+    """The cost model's step_overhead_s at which `row`'s mean TPOT comes out right: the one
+    measurement of an engine version's per-step work that these rows give."""
+    with tempfile.TemporaryDirectory() as tmp:
+        def loss(terms: dict[str, float]) -> float:
+            sims = mean_tpots(row, draws, [*overrides, f"cost_model.step_overhead_s="
+                                                       f"{terms['step_overhead_s']!r}"], Path(tmp))
+            return math.log(statistics.mean(sims) / row["Mean TPOT (ms)"]) ** 2
+
+        fitted, _ = fit_terms(loss, {"step_overhead_s": 1e-3}, {"step_overhead_s": (1e-6, 0.05)},
+                              passes=1, tolerance=0.01)
+    return fitted["step_overhead_s"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="vllm_055", help="rows of this engine version")
     parser.add_argument("--draws", type=int, default=3, help="length mixes per row")
     parser.add_argument("--gate", type=float, default=15.0, help="|error| %% of mean TTFT/TPOT")
+    parser.add_argument("--fit-row", default=None, metavar="TEST_NAME",
+                        help="first fit step_overhead_s to this row's mean TPOT (the engine "
+                             "version's per-step work) and check every other row with it")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     rows = nightly_rows(args.engine)
     if not rows:
         parser.error(f"--engine {args.engine}: no such rows in {DATA}")
+    if args.fit_row is not None:
+        fit_row = next((row for row in rows if row["Test name"] == args.fit_row), None)
+        if fit_row is None:
+            parser.error(f"--fit-row {args.fit_row}: no such row of --engine {args.engine}")
+        step_overhead_s = fit_step_overhead(fit_row, args.draws, args.overrides)
+        print(f"step_overhead_s fitted to {args.fit_row}'s mean TPOT: "
+              f"{1e3 * step_overhead_s:.2f} ms; the other rows are the check")
+        args.overrides = [*args.overrides, f"cost_model.step_overhead_s={step_overhead_s!r}"]
+        rows = [row for row in rows if row is not fit_row]
     print(f"| row | real TTFT ms | sim TTFT ms (draws' spread) | error | real TPOT ms | "
           f"sim TPOT ms (spread) | error |\n|---|---|---|---|---|---|---|")
     failures = []
