@@ -153,6 +153,14 @@ class RooflineCostModel:
             return 0, 0.0
         return num_tokens, self._overhead_s(plan, num_swapped, num_copied)
 
+    def _repeated_start(self, plan: StepPlan) -> tuple[int, float]:
+        """(the decodes of the batch `plan`, its overheads and memory operations): what
+        repeated_step_times computes once; a ValueError unless the plan is decodes only."""
+        if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
+            raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
+        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        return plan.num_decode_seqs, self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy))
+
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs
         those plus the fixed overhead."""
@@ -172,12 +180,9 @@ class RooflineCostModel:
         """step_time of the decode batch `plan` and of the same batch in each of the next
         `num_steps - 1` steps, every decode's context a token longer each step: the same sums
         step_time makes, with the parts that do not move computed once."""
-        if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
-            raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
-        num_decodes = num_tokens = plan.num_decode_seqs
-        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
-        before_attention = self._add_batched_work(
-            self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy)), plan, num_tokens)
+        num_decodes, overhead = self._repeated_start(plan)
+        num_tokens = num_decodes
+        before_attention = self._add_batched_work(overhead, plan, num_tokens)
         after_attention = self._allreduce_fixed_s + num_tokens * self._allreduce_s_per_token
         # _decode_attention_s without drafts, inlined: pairs = context, KV read = context +
         # one write per decode.

@@ -253,11 +253,7 @@ class GPUCostModel(RooflineCostModel):
         """step_time of the decode batch `plan` and of the same batch in each of the next
         `num_steps - 1` steps, every decode's context a token longer each step: the same sums
         step_time makes, with the parts that do not move computed once."""
-        if plan.num_prefill_tokens or plan.spec_lens or not plan.num_decode_seqs:
-            raise ValueError("repeated_step_times takes a plan of decodes only, without drafts")
-        num_decodes = plan.num_decode_seqs
-        num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
-        overhead = self._overhead_s(plan, num_swapped, len(plan.blocks_to_copy))
+        num_decodes, overhead = self._repeated_start(plan)
         kernels = self.forward_kernels_s(num_decodes) + self.lm_head_kernels_s(num_decodes)
         eager_floor = self._eager_launch_s if num_decodes > self.cuda_graph_max_tokens else 0.0
         context = plan.decode_context_tokens
