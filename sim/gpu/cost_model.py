@@ -187,15 +187,17 @@ class GPUCostModel(RooflineCostModel):
         }
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
-        """`hardware` with the rates its kernels are predicted at (its own for a datacenter
-        board, like every measured one; scaled by the workstation efficiencies otherwise)."""
+        """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
+        own measured compute_efficiency, and a workstation board's rates by the workstation
+        efficiencies (the measured tables are all datacenter boards)."""
+        peak_tflops = hardware.peak_tflops * hardware.compute_efficiency
         if hardware.board != "workstation":
-            return hardware
+            return dataclasses.replace(hardware, peak_tflops=peak_tflops)
         return dataclasses.replace(
             hardware,
             memory_bandwidth_gbps=hardware.memory_bandwidth_gbps
             * self.workstation_bandwidth_efficiency,
-            peak_tflops=hardware.peak_tflops * self.workstation_compute_efficiency)
+            peak_tflops=peak_tflops * self.workstation_compute_efficiency)
 
     def describe(self) -> dict[str, str]:
         """Per term, what it was taken from."""
