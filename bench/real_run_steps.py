@@ -5,13 +5,16 @@ prompt token was computed is decode steps only: each running request gained one 
 so the step took running / generated-tokens-per-second. The batch is the log's own `running`
 count (the mean of the second's two ticks: a preempted request waiting for its recompute is not
 in it); its context per request in the middle of that second comes from the per-request first-
-and last-token times (tokens spread evenly between them). The cost model predicts the same decode step from these aggregates; the ratio
-model / real, second by second, measures the decode kernels and the per-step terms alone,
-without scheduling, preemption or prefill in the way. Seconds with prompt tokens are reported
-too, as predicted busy time (steps x predicted step, the prompt tokens spread over the steps;
-about 1 s when the GPU was busy all the second), a coarser check of prefill.
+and last-token times (tokens spread evenly between them). The cost model predicts the same
+decode step from these aggregates; the ratio model / real, second by second, measures the decode
+kernels and the per-step terms alone, without scheduling, preemption or prefill in the way.
+Seconds with prompt tokens are reported too, as predicted busy time (steps x predicted step, the
+prompt tokens spread over the steps; about 1 s when the GPU was busy all the second), a coarser
+check of prefill. The run's saturated opening (prompts queued, every step a full token budget)
+measures the board's prefill rate: `--fit-compute` gives the hardware compute_efficiency that
+reproduces it.
 
-    python bench/real_run_steps.py [RUN_FOLDER ...] [--model M --hardware H --tp N] [overrides]
+    python bench/real_run_steps.py [RUN_FOLDER ...] [--fit-bandwidth] [--fit-compute] [overrides]
 
 Overrides are cost_model keys (`step_overhead_s=0`, `workstation_bandwidth_efficiency=1.0`).
 """
