@@ -149,3 +149,13 @@ def test_the_fitted_compute_efficiency_reproduces_the_opening(tmp_path):
     faster = real_run_steps.fitted_compute_efficiency(
         backlog_run(tmp_path / "fast", spacing=0.15), {})
     assert faster > 1.2 * fitted
+
+
+def test_describe_names_a_boards_compute_efficiency():
+    board = hardware_spec("rtx-4090")
+    assert "compute_efficiency 1.86" in GPUCostModel(
+        model_spec("llama-3.1-8b"), dataclasses.replace(board, compute_efficiency=1.86),
+        **TERMS).describe()["linear"]
+    assert "compute_efficiency" not in GPUCostModel(
+        model_spec("llama-3.1-8b"), dataclasses.replace(board, compute_efficiency=1.0),
+        **TERMS).describe()["linear"]

@@ -169,7 +169,9 @@ class GPUCostModel(RooflineCostModel):
         self.expected_error_pct = self.expected_errors["linear"][self.linear_transfer_kind]
         self._sources = {
             "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
-                                      "embedding and final norm per step)",
+                                      "embedding and final norm per step)"
+                      + ("" if self.hardware.compute_efficiency == 1.0 else
+                         f"; the board's compute_efficiency {self.hardware.compute_efficiency:g}"),
             "lm_head": f"predicted from {self.op_table.name} gate+up GEMM by the LM head's roofline ratio",
             "attention": attention.source,
             "allreduce": allreduce_source,
