@@ -12,9 +12,11 @@ every error: it is how much the unknown prompt sample alone moves the prediction
     python bench/vllm_nightly_check.py [--engine vllm_055] [--draws 3] [--gate 15]
         [--fit-row vllm_055_llama8B_tp1_sharegpt_qps_2] [overrides...]
 
-With --fit-row, the engine's per-step overhead (vLLM 0.5's V0 engine does not hide its CPU work
-behind the GPU as V1 does) is first fitted to that one row's mean TPOT, and the other rows check
-it.
+With --fit-row, two terms are first fitted to that one row, each to the measurement that
+determines it, and the other rows check them: the engine's per-step overhead
+(cost_model.step_overhead_s: vLLM 0.5's V0 engine does not hide its CPU work behind the GPU as V1
+does) to its mean TPOT, then the HTTP server's per-request latency (cluster.frontend_latency_s:
+the API layer, tokenising, the RPC to the engine, the first chunk's way back) to its mean TTFT.
 
 Extra arguments are simulator overrides (e.g. `cost_model=roofline`). Exits 1 when a mean TTFT
 or TPOT of a row the real system sustained is outside the gate.
@@ -103,13 +105,14 @@ def error_pct(real: float, sim: float) -> float:
     return 100.0 * (sim - real) / real
 
 
-def mean_tpots(row: dict, draws: int, overrides: list[str], tmp: Path) -> list[float]:
-    tpots = []
+def mean_metric(row: dict, metric: str, draws: int, overrides: list[str], tmp: Path) -> float:
+    """`metric` of the summary of `row` replayed, averaged over `draws` length mixes."""
+    values = []
     for draw in range(draws):
         trace = tmp / f"fit{draw}.csv"
         write_draw(trace, row, draw)
-        tpots.append(simulate(row, trace, overrides)["mean_tpot_ms"])
-    return tpots
+        values.append(simulate(row, trace, overrides)[metric])
+    return statistics.mean(values)
 
 
 def fit_step_overhead(row: dict, draws: int, overrides: list[str]) -> float:
@@ -117,13 +120,23 @@ def fit_step_overhead(row: dict, draws: int, overrides: list[str]) -> float:
     measurement of an engine version's per-step work that these rows give."""
     with tempfile.TemporaryDirectory() as tmp:
         def loss(terms: dict[str, float]) -> float:
-            sims = mean_tpots(row, draws, [*overrides, f"cost_model.step_overhead_s="
-                                                       f"{terms['step_overhead_s']!r}"], Path(tmp))
-            return math.log(statistics.mean(sims) / row["Mean TPOT (ms)"]) ** 2
+            sim = mean_metric(row, "mean_tpot_ms", draws, [
+                *overrides, f"cost_model.step_overhead_s={terms['step_overhead_s']!r}"], Path(tmp))
+            return math.log(sim / row["Mean TPOT (ms)"]) ** 2
 
         fitted, _ = fit_terms(loss, {"step_overhead_s": 1e-3}, {"step_overhead_s": (1e-6, 0.05)},
                               passes=1, tolerance=0.01)
     return fitted["step_overhead_s"]
+
+
+def fit_frontend_latency(row: dict, draws: int, overrides: list[str]) -> float:
+    """The cluster.frontend_latency_s at which `row`'s mean TTFT comes out right: the real mean
+    TTFT less the simulated one without it (the latency shifts every request's TTFT by itself
+    and moves nothing else, so no search is needed); 0 when the simulation is already slower."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sim = mean_metric(row, "mean_ttft_ms", draws,
+                          [*overrides, "cluster.frontend_latency_s=0.0"], Path(tmp))
+    return max(0.0, (row["Mean TTFT (ms)"] - sim) / 1e3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate", type=float, default=15.0, help="|error| %% of mean TTFT/TPOT")
     parser.add_argument("--fit-row", default=None, metavar="TEST_NAME",
                         help="first fit step_overhead_s to this row's mean TPOT (the engine "
-                             "version's per-step work) and check every other row with it")
+                             "version's per-step work), then frontend_latency_s to its mean "
+                             "TTFT (the HTTP server's per-request latency), and check every "
+                             "other row with them")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     rows = nightly_rows(args.engine)
@@ -144,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         if fit_row is None:
             parser.error(f"--fit-row {args.fit_row}: no such row of --engine {args.engine}")
         step_overhead_s = fit_step_overhead(fit_row, args.draws, args.overrides)
-        print(f"step_overhead_s fitted to {args.fit_row}'s mean TPOT: "
-              f"{1e3 * step_overhead_s:.2f} ms; the other rows are the check")
         args.overrides = [*args.overrides, f"cost_model.step_overhead_s={step_overhead_s!r}"]
+        frontend_latency_s = fit_frontend_latency(fit_row, args.draws, args.overrides)
+        args.overrides = [*args.overrides, f"cluster.frontend_latency_s={frontend_latency_s!r}"]
+        print(f"fitted to {args.fit_row}: step_overhead_s {1e3 * step_overhead_s:.2f} ms "
+              f"(its mean TPOT), frontend_latency_s {1e3 * frontend_latency_s:.1f} ms (its mean "
+              f"TTFT); the other rows are the check")
         rows = [row for row in rows if row is not fit_row]
     print(f"| row | real TTFT ms | sim TTFT ms (draws' spread) | error | real TPOT ms | "
           f"sim TPOT ms (spread) | error |\n|---|---|---|---|---|---|---|")
