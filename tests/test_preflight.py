@@ -98,3 +98,14 @@ def test_cuda_on_a_machine_without_it_names_backend_device(monkeypatch):
                                          r"null, got 'gpu'"):
         requested_device("gpu")
     assert requested_device(None) == torch.device("cpu")
+
+
+def test_weights_that_do_not_fit_the_machine_stop_the_run(monkeypatch):
+    """Fast enough a step (a small token budget) but more weights than the memory holds."""
+    import engine.preflight
+
+    monkeypatch.setattr(engine.preflight, "machine_memory_bytes", lambda device: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"12\.6 GiB of 2-byte weights in 8 GiB of RAM \(they do "
+                                         r"not fit\)"):
+        check_engine_run(conf_entry("model", "llama-2-7b"), conf_entry("hardware", "cpu"),
+                         device="cpu", max_num_batched_tokens=128)
