@@ -142,6 +142,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
+        if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
+            from sim.tools.trace_export import write_trace
+            write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
+                        metrics.replica_labels)
     return RunResult(summary, requests, metrics, num_blocks, replicas)
 
 
