@@ -52,10 +52,11 @@ class GreedyReference:
 
 def compare_greedy(report: StepReport, label: str, llm, prompts, reference: GreedyReference,
                    device, max_tokens: int = ENGINE_MAX_TOKENS, kernels: str = "triton",
-                   **stats_checks) -> None:
+                   require_graphs: bool = True, **stats_checks) -> None:
     """The engine's greedy outputs against the reference's: token-identical, or tie-aware when
-    the reference has a tie dtype. The engine must have run the `kernels` backend, and on CUDA
-    replayed CUDA graphs for its decode steps unless it was built enforce_eager; every
+    the reference has a tie dtype. The engine must have run the `kernels` backend and, with
+    require_graphs (a speculating engine's steps verify drafts, which no graph captures), on
+    CUDA replayed CUDA graphs for its decode steps unless it was built enforce_eager; every
     stats_checks name must be > 0 after."""
     from engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -80,7 +81,8 @@ def compare_greedy(report: StepReport, label: str, llm, prompts, reference: Gree
                             "gap": p.gap} for i, p in enumerate(comparison.prompts)
                            if p.parted_at is not None]}
     value = f"{value}, kernels: {backend}, {steps}"
-    if device.type == "cuda" and not llm.config.enforce_eager and replays == 0:
+    if require_graphs and device.type == "cuda" and not llm.config.enforce_eager and \
+            replays == 0:
         ok, value = False, f"{value}; but no decode step replayed a CUDA graph"
     if backend != kernels:
         ok, value = False, f"ran the {backend} kernels, not {kernels}"
