@@ -399,7 +399,8 @@ def test_warm_up_runs_the_longest_prefill_the_pool_holds_and_a_decode_batch():
 # ---------------------------------------------------------------------------------------------
 # The engine end to end on the Triton kernels (Triton's interpreter without a GPU): the path a
 # GPU runs, tokens identical to HF's (and so to the torch path's, which the tests above hold
-# to the same outputs).
+# to the same outputs). Where this process imported triton before the interpreter could be
+# chosen, each test re-runs alone in a fresh one (tests/triton_interpreter.py).
 
 
 @pytest.mark.parametrize("name, kwargs", [
