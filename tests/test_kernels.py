@@ -377,8 +377,11 @@ def test_no_silent_fallback_when_triton_cannot_load(monkeypatch):
     """On CUDA the Triton kernels or a clear error, naming the torch path as a choice."""
     import sys as _sys
 
+    import kernels
     from kernels import get_kernel_ops
     monkeypatch.setitem(_sys.modules, "kernels.triton_ops", None)  # import fails
+    # ... even where this process imported it already (the package holds it as an attribute).
+    monkeypatch.delattr(kernels, "triton_ops", raising=False)
     with pytest.raises(RuntimeError, match="kernel_backend='torch'"):
         get_kernel_ops("cuda")
     assert get_kernel_ops("cuda", "torch").name == "torch"
