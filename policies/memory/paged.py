@@ -26,77 +26,24 @@ from dataclasses import dataclass
 from itertools import repeat, starmap
 from typing import Sequence as Seq
 
+from policies.decode_run import DecodeGrowth
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
-
-def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_steps: int,
-                        first_step: int = 0) -> list[int]:
-    """The blocks that decodes with these slots left in their last blocks take at each of this
-    step and the next `num_steps - 1` steps (a token further each): one with s left takes a
-    block at steps s + 1, s + 1 + block_size, ... From a later `first_step`: at steps first_step
-    to first_step + num_steps - 1, the first entry counting every block taken by then (at steps
-    1 to first_step)."""
-    return DecodeGrowth(slots_left, block_size).new_blocks_per_step(num_steps, first_step)
-
-
-class DecodeGrowth:
-    """The blocks a batch of decodes takes as it runs repeated steps, a token further each: at
-    step t >= 1 of the run (step 0, the one planned, holds its slots), `cycle[(t - 1) %
-    block_size]` of them take one, those with that many slots left in their last blocks. Counted
-    by slots left, which take at most block_size values: as bytes (block_size <= 256), each
-    count is one C pass over the batch. Kept for a whole run: decodes that finish leave it
-    (`remove`) without a pass over the rest."""
-
-    __slots__ = ("block_size", "cycle")
-
-    def __init__(self, slots_left: bytes | list[int], block_size: int):
-        self.block_size = block_size
-        if isinstance(slots_left, bytes):
-            self.cycle = [slots_left.count(num_left) for num_left in range(block_size)]
-        else:
-            self.cycle = [0] * block_size
-            for num_left in slots_left:
-                self.cycle[num_left] += 1
-
-    def remove(self, slots_left: list[int]) -> None:
-        """Decodes with these slots left leave the batch."""
-        cycle = self.cycle
-        for num_left in slots_left:
-            cycle[num_left] -= 1
-
-    def new_blocks_per_step(self, num_steps: int, first_step: int = 0) -> list[int]:
-        """`new_blocks_per_step` of the batch: its blocks at steps first_step to first_step +
-        num_steps - 1, the first entry counting every block taken by then."""
-        if not num_steps:
-            return []
-        cycle, block_size = self.cycle, self.block_size
-        if first_step:
-            num_cycles, num_past = divmod(first_step, block_size)
-            first = (sum(cycle) * num_cycles if num_cycles else 0) + sum(cycle[:num_past])
-        else:
-            first = 0
-        if num_steps == 1:
-            return [first]
-        start = first_step % block_size   # cycle index of step first_step + 1
-        if start + num_steps - 1 <= block_size:
-            return [first, *cycle[start:start + num_steps - 1]]
-        per_step = [first]
-        for step in range(first_step + 1, first_step + num_steps):
-            per_step.append(cycle[(step - 1) % block_size])
-        return per_step
+NOT_EXCLUSIVE = -1   # SeqSlots.num_exclusive of a table whose last block may be shared
 
 
 @dataclass(slots=True)
 class SeqSlots:
     """A sequence's slots in its device table: `num_allocated`, the slots it covers, and
     `num_exclusive`, the slots the table holds while its last block is its own, so growing
-    within them needs no block and no copy (append_slots' fast path); -1 means "ask _grow": it
-    is reset whenever the last block may become shared, and never set with prefix caching. One
-    object per sequence: the hot loops read and write both through a single lookup."""
+    within them needs no block and no copy (append_slots' fast path), else NOT_EXCLUSIVE (growth
+    goes through `_grow`): reset whenever the last block may become shared, never set with
+    prefix caching. One object per sequence: the hot loops read and write both through a single
+    lookup."""
 
     num_allocated: int
-    num_exclusive: int = -1
+    num_exclusive: int = NOT_EXCLUSIVE
 
 
 class PagedBlockManager:
@@ -227,32 +174,16 @@ class PagedBlockManager:
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
-    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int,
-                            first_step: int = 0) -> list[int]:
-        """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
-        take at each of that step and the next `num_steps - 1` (a token further each); from a
-        later `first_step`, at that step and on, the first entry counting every block taken by
-        then."""
-        if first_step + num_steps <= 1:
-            return [0] * num_steps   # the step just planned holds its slots already
-        return new_blocks_per_step(self._slots_left(seqs), self.block_size, num_steps,
-                                   first_step)
+    # ---- repeated decode steps (policies/decode_run.py: RepeatingKVCache) ----
 
     def decode_growth(self, seqs: list[Sequence]) -> DecodeGrowth:
         """The decoding `seqs`' growth over a run of repeated steps (their counters where the
-        step just planned stands), to ask and update across its segments."""
-        return DecodeGrowth(self._slots_left(seqs), self.block_size)
+        step just planned stands): each holds exactly the blocks its tokens fill."""
+        return DecodeGrowth.of(seqs, self.block_size)
 
-    def slots_left(self, seqs: list[Sequence]) -> list[int]:
-        """The slots left in the decoding `seqs`' last blocks (what DecodeGrowth.remove takes)."""
-        block_size = self.block_size
-        return [-seq.num_tokens % block_size for seq in seqs]
-
-    def _slots_left(self, seqs: list[Sequence]) -> bytes | list[int]:
-        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left. As
-        # bytes where they fit, so that each count is one C pass.
-        slots_left = self.slots_left(seqs)
-        return bytes(slots_left) if self.block_size <= 256 else slots_left
+    def frees_in_any_order(self) -> bool:
+        """False with prefix caching: its cache evicts blocks in the order they were freed."""
+        return not self.enable_prefix_caching
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
@@ -485,7 +416,7 @@ class PagedBlockManager:
         parent_slots = self._slots[parent.seq_id]
         num_tokens = parent_slots.num_allocated
         if self.share_on_fork:
-            parent_slots.num_exclusive = -1   # its last block is shared now
+            parent_slots.num_exclusive = NOT_EXCLUSIVE   # its last block is shared now
             if not self._any_block_shared:
                 self._count_refs()
             for block in parent_table:
@@ -781,7 +712,7 @@ class PagedBlockManager:
             ref_counts = [refs[block] for block in range(self.num_blocks)]
         for seq_id, slots in self._slots.items():
             num_slots = slots.num_exclusive
-            if num_slots == -1:
+            if num_slots == NOT_EXCLUSIVE:
                 continue
             table = self.block_tables.get(seq_id)
             assert table is not None and num_slots == len(table) * block_size, (
