@@ -13,7 +13,6 @@ from policies.decode_run import (DecodeRun, RepeatedStepCostModel, RepeatingExec
                                  RepeatingKVCache)
 from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
-from policies.protocols import Scheduler
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
 from sim.core.metrics import MetricsCollector, StepRecorder

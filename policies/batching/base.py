@@ -10,7 +10,8 @@ the KV manager counts blocks; the executor runs the plan. Subclasses decide the 
 
 With a SpeculationPolicy (`speculation=`), `_schedule_running` lets decodes propose k draft tokens
 (`StepPlan.spec_lens`, slots reserved for them, 1 + k tokens of the budget each) and `update` keeps
-the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted.
+the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted
+(speculative.py). Prefill/decode disaggregation's hand-offs and transfers are in handoff.py.
 
 A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
 or passes its own PreemptionPolicy.
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from typing import ClassVar
 
+from policies.batching.handoff import KVHandoff
+from policies.batching.speculative import SpeculativeDecodes
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache, has_capability
 from policies.decode_run import DecodeRun, RepeatingKVCache
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
@@ -34,7 +37,7 @@ from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResu
 from policies.validators import boolean, positive_int
 
 
-class BaseScheduler:
+class BaseScheduler(KVHandoff, SpeculativeDecodes):
     # The promises repeated decode steps rest on. `admits_in_arrival_order`: next_waiting takes
     # the queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
     # while requests wait). `plain_update`: `update` does per step only what a DecodeRun
@@ -129,56 +132,6 @@ class BaseScheduler:
             return (f"{request.n} x {total_len} tokens can never fit in the KV cache of "
                     f"{self.kv_cache.num_blocks} blocks")
         return None
-
-    # ---- prefill/decode disaggregation (sim/core/cluster.py) -----------------------------------
-
-    def take_handoffs(self) -> list[Request]:
-        """The requests stopped after their first token (`Request.handoff`) since the last call;
-        their blocks stay allocated until the cluster frees them after the KV transfer."""
-        handed_off, self.handed_off = self.handed_off, []
-        return handed_off
-
-    def admit_transfer(self, request: Request, now: float) -> bool:
-        """Give a request prefilled elsewhere a sequence of this replica's and the blocks for the
-        KV it computed there (within max_num_seqs and the watermark), so the KV can arrive.
-        False: no room now, nothing changed; a request that can never run here gets its
-        `rejected_reason` too. It decodes from the step after `finish_transfer`."""
-        reason = self._rejection_reason(request)
-        if reason is not None:
-            request.rejected_reason = reason
-            return False
-        if request.n != 1:
-            request.rejected_reason = f"a KV transfer moves one sequence; n={request.n}"
-            return False
-        if self.num_running_seqs + 1 > self.max_num_seqs:
-            return False
-        source = request.sequences[0]
-        # A sequence id of this scheduler's: the block tables are keyed by it.
-        seq = self._new_sequence(request, source.num_output_tokens,
-                                 None if source.output_token_ids is None
-                                 else list(source.output_token_ids))
-        seq.num_computed_tokens = source.num_computed_tokens
-        seq.last_token_time = source.last_token_time
-        if not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens, watermark=True):
-            return False
-        request.sequences = [seq]
-        self.receiving.append(request)
-        self.num_running_seqs += 1
-        return True
-
-    def finish_transfer(self, request: Request, now: float) -> None:
-        """The KV of a request admitted by admit_transfer has arrived: it decodes from now on."""
-        self.receiving.remove(request)
-        request.sequences[0].status = SequenceStatus.RUNNING
-        self.running.append(request)
-
-    def _hand_off(self, seq: Sequence) -> None:
-        """Stop a request after its first token, its blocks kept for the KV transfer."""
-        request = seq.request
-        self.running.remove(request)
-        self.num_running_seqs -= 1
-        seq.status = SequenceStatus.WAITING
-        self.handed_off.append(request)
 
     def _new_sequence(self, request: Request, num_output_tokens: int = 0,
                       output_token_ids: list[int] | None = None) -> Sequence:
@@ -337,63 +290,6 @@ class BaseScheduler:
                 plan.add(seq, chunk)
                 token_budget -= chunk
         return token_budget, preempted_any
-
-    def _draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
-        """k for each decode: the policy's k for this batch, lowered (down to 0) so that every
-        decode still gets its own token within the budget, and so that no draft passes the
-        request's output length or max_model_len."""
-        if not decodes:
-            return []
-        k = self.speculation.num_speculative_tokens(len(decodes))
-        max_k = self.speculation.max_num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max_k:
-            raise ValueError(f"{type(self.speculation).__name__}.num_speculative_tokens returned "
-                             f"{k!r}; it must be an integer in [0, {max_k}]")
-        k = min(k, (token_budget - len(decodes)) // len(decodes))
-        max_model_len = self.max_model_len
-        return [max(0, min(k, seq.request.output_len - seq.num_output_tokens - 1,
-                           max_model_len - seq.num_tokens)) for seq in decodes]
-
-    def _schedule_speculative_decodes(self, plan: StepPlan, decodes: list[Sequence],
-                                      token_budget: int) -> tuple[int, bool]:
-        """`_schedule_running`'s decodes when speculating: give each decode slots for its last
-        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
-        decode whose drafts do not fit decodes without them, and one that does not fit even so
-        first takes back the drafts granted so far: drafts never preempt anyone. Returns the tokens scheduled (decodes and drafts) and
-        whether anything was preempted."""
-        preempted_any = False
-        draft_lens = self._draft_lens(decodes, token_budget)
-        spec_lens: dict[int, int] = {}
-        kv_cache = self.kv_cache
-        index = 0
-        while index < len(decodes):
-            seq = decodes[index]
-            k = draft_lens[index]
-            if k and kv_cache.allocate_slots(seq, seq.num_tokens + k):
-                spec_lens[seq.seq_id] = k
-            elif not kv_cache.allocate_slots(seq, seq.num_tokens):
-                if spec_lens:
-                    # Memory is short: this step's drafts give their slots back before anyone
-                    # is preempted (a victim must not leave with draft slots), then retry.
-                    for other in decodes[:index]:
-                        if other.seq_id in spec_lens:
-                            kv_cache.trim_slots(other, other.num_tokens)
-                    spec_lens.clear()
-                    draft_lens = [0] * len(decodes)
-                    continue
-                preempted_any = True
-                victim = self._preempt_for(seq.request, plan, decodes[:index])
-                index -= sum(1 for other in decodes[:index] if other.request is victim)
-                kept = [i for i, other in enumerate(decodes) if other.request is not victim]
-                decodes[:] = [decodes[i] for i in kept]
-                draft_lens = [draft_lens[i] for i in kept]
-                for victim_seq in victim.sequences:
-                    spec_lens.pop(victim_seq.seq_id, None)
-                continue
-            index += 1
-        plan.add_decodes(decodes)
-        plan.add_drafts(spec_lens)
-        return len(decodes) + sum(spec_lens.values()), preempted_any
 
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
         """Preempt one victim to make room for `request`: the policy's pick among the running
@@ -564,28 +460,6 @@ class BaseScheduler:
         if self._speculates:
             self._observe_drafts(plan, result)
         return finished_requests
-
-    def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
-        """After every step of a speculating run: tell the speculation policy what each
-        speculating decode proposed and how many of its drafts were accepted, and leave on
-        every sequence of the step what its drafts' outcome means for its next step
-        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
-        the simulator's runs of acceptable drafts)."""
-        spec_lens = plan.spec_lens
-        accepted_by_seq = {}
-        if spec_lens:
-            if result.num_accepted is not None:
-                accepted_by_seq = {seq_id: result.num_accepted[seq_id] for seq_id in spec_lens}
-            else:  # an engine that reports tokens only: all but the last one were drafts
-                accepted_by_seq = {seq_id: min(len(result.sampled_token_ids[seq_id]) - 1, k)
-                                   for seq_id, k in spec_lens.items()}
-        for seq in plan.seqs:
-            k = spec_lens.get(seq.seq_id, 0)
-            accepted = accepted_by_seq.get(seq.seq_id, 0)
-            seq.draft_lag = 1 if k and accepted == k else 0
-            if k:
-                seq.starts_run = accepted < k
-        self.speculation.observe(list(spec_lens.values()), list(accepted_by_seq.values()))
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
                          finished_requests: list[Request]) -> None:
