@@ -61,8 +61,8 @@ class KVCacheManager(Protocol):
     def append_slots(self, seqs: list[Sequence], start: int = 0, *,
                      computed: bool = False) -> int:
         """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order (with `computed`,
-        seq.num_computed_tokens); returns the index of the first
-        that failed (len(seqs) when none did)."""
+        seq.num_computed_tokens); returns the index of the first that failed (len(seqs) when
+        none did)."""
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the sequence's table to at most [0, num_tokens) (rejected drafts' slots)."""
     def fork(self, parent: Sequence, child: Sequence) -> bool:
