@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
+from policies.validators import finite_number, non_negative_number
 from sim.core.build import (build_kv_cache, build_policy, build_predictor, build_replica_executor,
                              check_run_settings, cost_model_summary, max_num_batched_tokens,
                              policy_config, slos_ms, speculation_setup, speed_summary)
@@ -51,6 +52,13 @@ def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
         if tenant not in tenants:
             raise ValueError(f"scheduler.tenant_weights.{tenant}: no request of the run has "
                              f"tenant {tenant!r}; the run's tenants: {', '.join(tenants)}")
+
+
+def frontend_latency(cfg: DictConfig) -> float:
+    """cluster.frontend_latency_s, checked (0 when the config has none)."""
+    key = "cluster.frontend_latency_s"
+    return float(non_negative_number(key, finite_number(
+        key, cfg.cluster.get("frontend_latency_s", 0.0))))
 
 
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
@@ -96,7 +104,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
                                        next_arrival, on_requests_done=bar.update)
         router = cluster.router
-    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
+    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
+                         frontend_latency(cfg)))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise); and
     # collect the young objects less often: most that a step keeps (its row) are never garbage.
@@ -133,6 +142,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
+        if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
+            from sim.tools.trace_export import write_trace
+            write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
+                        metrics.replica_labels)
     return RunResult(summary, requests, metrics, num_blocks, replicas)
 
 
