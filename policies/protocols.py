@@ -10,27 +10,11 @@ The step loop, as both backends run it:
     result = executor.execute(plan)            # simulated or real; result.duration passes
     finished = scheduler.update(plan, result, now)
 
-Optional, for the simulator's repeated decode steps (a plug-in without them runs every step as
-its own event): a scheduler sets `StepPlan.max_repeats` and its `update` then accepts a result
-with `step_durations` (that many steps of the plan, applied at once), and may let a run go on
-past its finishes (`continue_repeats(plan, now)`, as BaseScheduler does); a KV manager answers
-`new_blocks_per_step(seqs, num_steps, first_step=0)` and `num_blocks_for_repeated_steps()` (as
-PagedBlockManager does), and may answer `decode_growth(seqs)` and `slots_left(seqs)` (a run's
-growth kept across its segments, StepPlan.decode_growth); an executor has `repeats_steps` and
-`repeated_step_times(plan, num_steps)` (as SimExecutor does).
-
-Optional, for a KV manager with a host tier for its prefix cache (PagedBlockManager with
-`num_offload_blocks` > 0): `num_offload_blocks` sizes the engine's tier pool;
-`take_pending_offload()` returns the (device, tier) stores and (tier, device) loads decided since
-the last call, which BaseScheduler puts in the plan (`blocks_to_offload`, `blocks_to_load`);
-`num_loaded_prefix_tokens(seq)` says how many of the tokens allocate_prefix gave the sequence
-came from the tier (`Request.num_host_cached_tokens`).
-
-Optional, for a cheap refusal of admissions that cannot fit (PagedBlockManager has it):
-`may_allocate_new(num_tokens) -> bool` says whether new sequences holding no blocks might get
-slots for these lengths (their prefill chunks, counted as if nothing were cached) with the
-watermark; False must be exact (allocate_slots with watermark=True would fail for one of them),
-and BaseScheduler then skips the attempt; without it, it tries the allocation and undoes it.
+Optional capabilities are typed protocols, each had whole or not at all and checked once where
+the object is built (`policies.capabilities.has_capability`): a KV manager with a host tier for
+its prefix cache (`OffloadingKVCache`) or a cheap refusal of admissions that cannot fit
+(`AdmissionCheckingKVCache`), both in policies/capabilities.py; and a few the simulator alone
+uses, in the modules that use them.
 
 Optional, for prefill/decode disaggregation (a scheduler of a prefill or decode pool; BaseScheduler
 has them): on a prefill replica the scheduler stops a request whose `Request.handoff` is set after
@@ -77,8 +61,8 @@ class KVCacheManager(Protocol):
     def append_slots(self, seqs: list[Sequence], start: int = 0, *,
                      computed: bool = False) -> int:
         """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order (with `computed`,
-        seq.num_computed_tokens: what repeated steps computed); returns the index of the first
-        that failed (len(seqs) when none did)."""
+        seq.num_computed_tokens); returns the index of the first that failed (len(seqs) when
+        none did)."""
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the sequence's table to at most [0, num_tokens) (rejected drafts' slots)."""
     def fork(self, parent: Sequence, child: Sequence) -> bool:

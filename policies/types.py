@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from policies.decode_run import DecodeRun
 
 
 class SequenceStatus(enum.Enum):
@@ -144,11 +148,6 @@ class StepPlan:
     Speculative decoding: a decode in `spec_lens` (seq_id -> k >= 1) also proposes k draft tokens
     and verifies them in the same forward pass; its slots cover positions [0, num_tokens + k).
     Empty when speculation is off.
-
-    Repeated decode steps: `max_repeats` > 1 says the scheduler would plan this same decode batch
-    that many steps in a row (each decode one token further on), if nothing arrived meanwhile;
-    the simulator may then run them as one event (`StepResult.step_durations`). The engine runs
-    every step for real and ignores it.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -178,19 +177,9 @@ class StepPlan:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> k draft tokens of a speculating decode.
     spec_lens: dict[int, int] = field(default_factory=dict)
-    max_repeats: int = 1
-    # True when requests arriving meanwhile would only wait (the queue's head is blocked): the
-    # repeated steps need not stop at the next arrival.
-    repeats_past_arrivals: bool = False
-    # A run's later segment (`Scheduler.continue_repeats`, after some of its sequences finished):
-    # the steps its sequences ran since their counters were last updated.
-    num_steps_before: int = 0
-    # What a run's segments share, so that none needs a pass over the batch for it: each
-    # sequence's steps to its last output from where its counters stand (BaseScheduler's), and
-    # the batch's blocks to come (a KV manager's `decode_growth(seqs)`, made by the first
-    # segment's rows); whoever changes a run's batch (`continue_repeats`) updates them.
-    steps_to_last_output: list[int] | None = None
-    decode_growth: object | None = None
+    # The simulator's repeated decode steps: the run of this same batch the scheduler planned
+    # (policies/decode_run.py), or None (every step its own event).
+    decode_run: DecodeRun | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -285,7 +274,7 @@ class StepResult:
     forked_token_ids: dict[int, list[int]] | None = None
     # For every seq in the plan's spec_lens: how many of its k drafts were accepted (0..k).
     num_accepted: dict[int, int] | None = None
-    # A decode batch run several times in a row (up to plan.max_repeats; the simulator only):
+    # A decode batch run several times in a row (plan.decode_run; the simulator only):
     # each step's duration, in order. `duration` is then their span on the simulated clock.
     step_durations: list[float] | None = None
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from policies.memory import ContiguousAllocator, PagedBlockManager
-from policies.memory.paged import DecodeGrowth, new_blocks_per_step
+from policies.decode_run import DecodeGrowth, new_blocks_per_step
 from policies.protocols import KVCacheManager
 from policies.types import Request, Sequence
 
@@ -169,7 +169,7 @@ def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():
     seqs = [make_seq(index, length) for index, length in enumerate([1, 7, 8, 9, 15, 16, 40])]
     for seq in seqs:
         assert manager.allocate_slots(seq, seq.num_tokens)
-    predicted = manager.new_blocks_per_step(seqs, 30)
+    predicted = manager.decode_growth(seqs).new_blocks_per_step(30)
     taken = [0]
     for _ in range(29):
         used = manager.num_used_blocks()

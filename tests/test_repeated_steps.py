@@ -96,29 +96,31 @@ def test_runs_go_on_past_finishes_as_step_by_step(scheduler, seed, monkeypatch):
     (nothing waits, no arrival is due), the run goes on with the batch less them: they finish,
     free their blocks and leave at the step they would have step by step, and every row,
     latency and request time after comes out the same."""
-    from policies.batching.base import BaseScheduler
+    from policies.decode_run import DecodeRun
 
     if scheduler == "vtc" and seed == 0:
-        pytest.xfail("known divergence: with the GPU cost model's step times this VTC run, "
-                     "coalesced, swaps out another victim when the pool fills (row 988 of "
-                     "replica 0) than step by step; left for the repeated-steps issue")
+        # Diverged at 3f905f9 (a100 default); no longer reproduces, the hazard stays: a tenant
+        # that becomes active is lifted to the active counters' minimum, read mid-run before
+        # the run's update charged its steps (identical with that lift turned off).
+        pytest.xfail("known divergence: VTC.add_request reads counters a coalesced run has not "
+                     "charged yet; left for the repeated-steps issue")
     overrides = [*scheduler_overrides(scheduler), *light_workload(seed * 11 + len(scheduler))]
     if scheduler == "vtc":
         overrides.append("++workload.classes=[{share: 0.5, tenant: a}, {share: 0.5, tenant: b}]")
     segments = []
-    continue_repeats = BaseScheduler.continue_repeats
+    continue_past_finishes = DecodeRun.continue_past_finishes
 
     def counting(self, plan, now):
-        finished = continue_repeats(self, plan, now)
+        finished = continue_past_finishes(self, plan, now)
         if finished is not None:
-            segments.append(plan.num_steps_before)
+            segments.append(self.num_steps_before)
         return finished
 
-    monkeypatch.setattr(BaseScheduler, "continue_repeats", counting)
+    monkeypatch.setattr(DecodeRun, "continue_past_finishes", counting)
     coalesced, step_by_step, _ = run_both_ways(overrides, monkeypatch)
     assert_same_run(coalesced, step_by_step)
     scheduler_type = type(coalesced.replicas[0].scheduler)
-    if scheduler_type.update is BaseScheduler.update:   # (VTC and EDF end runs at finishes)
+    if scheduler_type.plain_update:   # (VTC and EDF end runs at finishes)
         assert segments, overrides   # not vacuous: runs did go on past finishes
     else:
         assert not segments

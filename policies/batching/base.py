@@ -10,30 +10,50 @@ the KV manager counts blocks; the executor runs the plan. Subclasses decide the 
 
 With a SpeculationPolicy (`speculation=`), `_schedule_running` lets decodes propose k draft tokens
 (`StepPlan.spec_lens`, slots reserved for them, 1 + k tokens of the budget each) and `update` keeps
-the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted.
+the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted
+(speculative.py). Prefill/decode disaggregation's hand-offs and transfers are in handoff.py.
 
 A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
 or passes its own PreemptionPolicy.
 
-Repeated decode steps: when nothing waits or is swapped out and every running sequence decodes,
-the next steps would plan the same batch until a sequence finishes or the pool runs short, so
-`_finish_plan` says how many (`StepPlan.max_repeats`) and the simulator runs them as one event;
-at a finish, while still nothing waits, `continue_repeats` lets the rest of the batch run on in
-the same event. A subclass whose `schedule` decides by anything else (the clock, a per-step
-policy) passes `coalesce=False`.
+Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
+batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.
+That rests on two promises of the class, `admits_in_arrival_order` and `plain_update`; a
+subclass that overrides the hook a promise is about without restating it withdraws it, and one
+whose `schedule` decides by anything else (the clock, a per-step policy) passes `coalesce=False`.
 """
 from __future__ import annotations
 
 from collections import deque
-from itertools import compress
+from typing import ClassVar
 
+from policies.batching.handoff import KVHandoff
+from policies.batching.speculative import SpeculativeDecodes
+from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache, has_capability
+from policies.decode_run import DecodeRun, RepeatingKVCache
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
 from policies.validators import boolean, positive_int
 
 
-class BaseScheduler:
+class BaseScheduler(KVHandoff, SpeculativeDecodes):
+    # The promises repeated decode steps rest on. `admits_in_arrival_order`: next_waiting takes
+    # the queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
+    # while requests wait). `plain_update`: `update` does per step only what a DecodeRun
+    # applies (a run goes on past the steps where some of its decodes finish).
+    admits_in_arrival_order: ClassVar[bool] = True
+    plain_update: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # An override that does not restate the promise about it withdraws that promise.
+        own = vars(cls)
+        if "next_waiting" in own and "admits_in_arrival_order" not in own:
+            cls.admits_in_arrival_order = False
+        if "update" in own and "plain_update" not in own:
+            cls.plain_update = False
+
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None,
@@ -51,7 +71,8 @@ class BaseScheduler:
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
         # Speculation decides per step (and learns from each), so its steps never repeat.
-        self.coalesce = boolean("scheduler.coalesce", coalesce) and not self._speculates
+        self.coalesce = (boolean("scheduler.coalesce", coalesce) and not self._speculates
+                         and has_capability(kv_cache, RepeatingKVCache, "kv_cache"))
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -65,12 +86,15 @@ class BaseScheduler:
         self.num_running_seqs = 0
         self._next_seq_id = 0
         self._now = 0.0  # the time of the step being planned
-        # A KV manager with a host tier for its prefix cache (protocols.py, optional members):
-        # its stores and loads go into each plan, its loaded tokens into the request.
-        self._take_pending_offload = getattr(kv_cache, "take_pending_offload", None)
-        self._num_loaded_prefix_tokens = getattr(kv_cache, "num_loaded_prefix_tokens", None)
+        # A KV manager with a host tier for its prefix cache: its stores and loads go into each
+        # plan, its loaded tokens into the request.
+        offloads = has_capability(kv_cache, OffloadingKVCache, "kv_cache")
+        self._take_pending_offload = kv_cache.take_pending_offload if offloads else None
+        self._num_loaded_prefix_tokens = kv_cache.num_loaded_prefix_tokens if offloads else None
         # A KV manager that can tell an admission's allocation fails before it is tried.
-        self._may_allocate_new = getattr(kv_cache, "may_allocate_new", None)
+        self._may_allocate_new = (
+            kv_cache.may_allocate_new
+            if has_capability(kv_cache, AdmissionCheckingKVCache, "kv_cache") else None)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -108,56 +132,6 @@ class BaseScheduler:
             return (f"{request.n} x {total_len} tokens can never fit in the KV cache of "
                     f"{self.kv_cache.num_blocks} blocks")
         return None
-
-    # ---- prefill/decode disaggregation (sim/core/cluster.py) -----------------------------------
-
-    def take_handoffs(self) -> list[Request]:
-        """The requests stopped after their first token (`Request.handoff`) since the last call;
-        their blocks stay allocated until the cluster frees them after the KV transfer."""
-        handed_off, self.handed_off = self.handed_off, []
-        return handed_off
-
-    def admit_transfer(self, request: Request, now: float) -> bool:
-        """Give a request prefilled elsewhere a sequence of this replica's and the blocks for the
-        KV it computed there (within max_num_seqs and the watermark), so the KV can arrive.
-        False: no room now, nothing changed; a request that can never run here gets its
-        `rejected_reason` too. It decodes from the step after `finish_transfer`."""
-        reason = self._rejection_reason(request)
-        if reason is not None:
-            request.rejected_reason = reason
-            return False
-        if request.n != 1:
-            request.rejected_reason = f"a KV transfer moves one sequence; n={request.n}"
-            return False
-        if self.num_running_seqs + 1 > self.max_num_seqs:
-            return False
-        source = request.sequences[0]
-        # A sequence id of this scheduler's: the block tables are keyed by it.
-        seq = self._new_sequence(request, source.num_output_tokens,
-                                 None if source.output_token_ids is None
-                                 else list(source.output_token_ids))
-        seq.num_computed_tokens = source.num_computed_tokens
-        seq.last_token_time = source.last_token_time
-        if not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens, watermark=True):
-            return False
-        request.sequences = [seq]
-        self.receiving.append(request)
-        self.num_running_seqs += 1
-        return True
-
-    def finish_transfer(self, request: Request, now: float) -> None:
-        """The KV of a request admitted by admit_transfer has arrived: it decodes from now on."""
-        self.receiving.remove(request)
-        request.sequences[0].status = SequenceStatus.RUNNING
-        self.running.append(request)
-
-    def _hand_off(self, seq: Sequence) -> None:
-        """Stop a request after its first token, its blocks kept for the KV transfer."""
-        request = seq.request
-        self.running.remove(request)
-        self.num_running_seqs -= 1
-        seq.status = SequenceStatus.WAITING
-        self.handed_off.append(request)
 
     def _new_sequence(self, request: Request, num_output_tokens: int = 0,
                       output_token_ids: list[int] | None = None) -> Sequence:
@@ -317,63 +291,6 @@ class BaseScheduler:
                 token_budget -= chunk
         return token_budget, preempted_any
 
-    def _draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
-        """k for each decode: the policy's k for this batch, lowered (down to 0) so that every
-        decode still gets its own token within the budget, and so that no draft passes the
-        request's output length or max_model_len."""
-        if not decodes:
-            return []
-        k = self.speculation.num_speculative_tokens(len(decodes))
-        max_k = self.speculation.max_num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max_k:
-            raise ValueError(f"{type(self.speculation).__name__}.num_speculative_tokens returned "
-                             f"{k!r}; it must be an integer in [0, {max_k}]")
-        k = min(k, (token_budget - len(decodes)) // len(decodes))
-        max_model_len = self.max_model_len
-        return [max(0, min(k, seq.request.output_len - seq.num_output_tokens - 1,
-                           max_model_len - seq.num_tokens)) for seq in decodes]
-
-    def _schedule_speculative_decodes(self, plan: StepPlan, decodes: list[Sequence],
-                                      token_budget: int) -> tuple[int, bool]:
-        """`_schedule_running`'s decodes when speculating: give each decode slots for its last
-        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
-        decode whose drafts do not fit decodes without them, and one that does not fit even so
-        first takes back the drafts granted so far: drafts never preempt anyone. Returns the tokens scheduled (decodes and drafts) and
-        whether anything was preempted."""
-        preempted_any = False
-        draft_lens = self._draft_lens(decodes, token_budget)
-        spec_lens: dict[int, int] = {}
-        kv_cache = self.kv_cache
-        index = 0
-        while index < len(decodes):
-            seq = decodes[index]
-            k = draft_lens[index]
-            if k and kv_cache.allocate_slots(seq, seq.num_tokens + k):
-                spec_lens[seq.seq_id] = k
-            elif not kv_cache.allocate_slots(seq, seq.num_tokens):
-                if spec_lens:
-                    # Memory is short: this step's drafts give their slots back before anyone
-                    # is preempted (a victim must not leave with draft slots), then retry.
-                    for other in decodes[:index]:
-                        if other.seq_id in spec_lens:
-                            kv_cache.trim_slots(other, other.num_tokens)
-                    spec_lens.clear()
-                    draft_lens = [0] * len(decodes)
-                    continue
-                preempted_any = True
-                victim = self._preempt_for(seq.request, plan, decodes[:index])
-                index -= sum(1 for other in decodes[:index] if other.request is victim)
-                kept = [i for i, other in enumerate(decodes) if other.request is not victim]
-                decodes[:] = [decodes[i] for i in kept]
-                draft_lens = [draft_lens[i] for i in kept]
-                for victim_seq in victim.sequences:
-                    spec_lens.pop(victim_seq.seq_id, None)
-                continue
-            index += 1
-        plan.add_decodes(decodes)
-        plan.add_drafts(spec_lens)
-        return len(decodes) + sum(spec_lens.values()), preempted_any
-
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
         """Preempt one victim to make room for `request`: the policy's pick among the running
         requests with nothing scheduled yet this step, or `request` itself. `pending` are
@@ -464,119 +381,44 @@ class BaseScheduler:
             stores, loads = self._take_pending_offload()
             plan.blocks_to_offload.extend(stores)
             plan.blocks_to_load.extend(loads)
-        if self.coalesce and plan.num_decode_seqs:
-            plan.max_repeats = self._num_repeatable_steps(plan)
+        if self.coalesce and plan.num_decode_seqs and self._plans_the_batch_again(plan):
             # A blocked FCFS head keeps every later arrival waiting behind it.
-            plan.repeats_past_arrivals = bool(self.waiting)
+            plan.decode_run = DecodeRun.plan(self, plan, past_arrivals=bool(self.waiting))
         return plan
 
-    def _num_repeatable_steps(self, plan: StepPlan) -> int:
-        """How many steps in a row `schedule` would plan this same decode batch, each decode a
-        token further on, if no request arrived: every running sequence decodes, nothing is
-        swapped out, nothing was preempted, copied or swapped, and until the last of them no
-        sequence finishes or the pool runs short. Waiting requests stay waiting: the head of the
-        queue was not admitted now, and what kept it out (max_num_seqs, the token budget, the
-        pool's free blocks, the batch) gets no better before a decode finishes; a scheduler that
-        reorders the queue (`next_waiting`) may pick another head later, so it waits for none.
-        Requests whose KV is arriving (`receiving`) hold their seats and blocks already; the
-        replica's horizon ends the run where they land."""
-        if (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
-                or plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.preempted_recompute
-                or plan.blocks_to_offload or plan.blocks_to_load
-                or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
-                or (self.waiting and type(self).next_waiting is not BaseScheduler.next_waiting)):
-            return 1
-        kv_cache = self.kv_cache
-        if not hasattr(kv_cache, "num_blocks_for_repeated_steps"):
-            return 1
-        # A decode finishes at the step of its last output; the pool must hold the blocks the
-        # decodes grow into until then.
-        seqs = plan.seqs
-        # (kept for continue_repeats: constant while the run's counters stand)
-        steps_to_last = plan.steps_to_last_output = [
-            seq.request.output_len - seq.num_output_tokens for seq in seqs]
-        return max(self._num_steps_the_pool_holds(
-            seqs, 0, min(steps_to_last), kv_cache.num_blocks_for_repeated_steps()), 1)
+    # ---- repeated decode steps (policies/decode_run.py) ------------------------------------------
 
-    def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
-                                  free_blocks: int) -> int:
-        """How many of the `num_steps` repeated steps from step `first_step` of a run (where the
-        decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into,
-        by then and at each, from `free_blocks` (0 to num_steps)."""
-        kv_cache = self.kv_cache
-        if len(seqs) * -(-(first_step + num_steps - 1) // kv_cache.block_size) <= free_blocks:
-            return num_steps   # even a block every block_size steps for each fits
-        taken = 0
-        for step, num_blocks in enumerate(kv_cache.new_blocks_per_step(seqs, num_steps,
-                                                                       first_step)):
-            taken += num_blocks
-            if taken > free_blocks:
-                return step
-        return num_steps
+    def _plans_the_batch_again(self, plan: StepPlan) -> bool:
+        """Whether, if no request arrived, `schedule` would plan this same decode batch next
+        step, each decode a token further on, unless a decode finishes or the pool runs short:
+        every running sequence decodes, nothing is swapped out, nothing was preempted, copied or
+        swapped. Waiting requests stay waiting: the head of the queue was not admitted now, and
+        what kept it out (max_num_seqs, the token budget, the pool's free blocks, the batch)
+        gets no better before a decode finishes; a scheduler that reorders the queue may pick
+        another head later, so it waits for none. Requests whose KV is arriving (`receiving`)
+        hold their seats and blocks already; the replica's horizon ends the run where they
+        land."""
+        return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+                    or plan.blocks_to_swap_out or plan.blocks_to_swap_in
+                    or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
+                    or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
+                    or (self.waiting and not self.admits_in_arrival_order))
 
-    def continue_repeats(self, plan: StepPlan, now: float) -> list[Request] | None:
-        """After the decode batch `plan` ran its max_repeats steps in a row, the last ending at
-        `now` (the simulator, where nothing from outside reaches the replica before then): if
-        some of its sequences reached their output length there, and the next steps would plan
-        the same batch without them (nothing waits or is swapped out, no KV is arriving, the
-        pool holds the rest's growth), finish them as `update` would at `now`, make `plan` the
-        rest's next steps and return the requests that finished; else None, nothing changed.
-        The rest keep their counters where the run began: `plan.num_steps_before` counts the
-        steps they have run since (and `update` adds them)."""
-        if (self.waiting or self.swapped or self.receiving
-                or type(self).update is not BaseScheduler.update
-                or getattr(self.kv_cache, "enable_prefix_caching", False)):
-            return None   # (a prefix cache's blocks are freed and reused in order)
-        seqs = plan.seqs
-        num_steps = plan.num_steps_before + plan.max_repeats   # since the counters stand
-        steps_to_last = plan.steps_to_last_output
-        if steps_to_last is None:   # (a plan _num_repeatable_steps did not see)
-            steps_to_last = [seq.request.output_len - seq.num_output_tokens for seq in seqs]
-        # Passes in C over the batch: which finish at `num_steps` and which run on.
-        num_finishing = steps_to_last.count(num_steps)
-        if not num_finishing or num_finishing == len(seqs):
-            return None   # the pool ended the steps, or the whole batch finished
-        runs_on = list(map(num_steps.__ne__, steps_to_last))
-        finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
-        rest = list(compress(seqs, runs_on))
-        rest_to_last = list(compress(steps_to_last, runs_on))
-        kv_cache = self.kv_cache
-        # The finishing ones take their growth before they free it all: not counted as free
-        # (at most a block every block_size steps each; exactly where that is too many).
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        num_more_steps = min(rest_to_last) - num_steps
-        most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
-        max_repeats = self._num_steps_the_pool_holds(rest, num_steps, num_more_steps,
-                                                     free_blocks - most_taken)
-        if max_repeats < num_more_steps and most_taken:
-            max_repeats = self._num_steps_the_pool_holds(
-                rest, num_steps, num_more_steps,
-                free_blocks - sum(kv_cache.new_blocks_per_step(finishing, num_steps)))
-        if not max_repeats:
-            return None
-        # The same batch less the finished, a decode each, as _schedule_running plans it: each
-        # decode's context num_steps tokens on from where its counters stand.
-        context = (plan.decode_context_tokens + plan.max_repeats * len(seqs)
-                   - sum([seq.num_tokens for seq in finishing]) - num_finishing * num_steps)
-        if plan.decode_growth is not None:   # (they leave it before their counters move)
-            plan.decode_growth.remove(kv_cache.slots_left(finishing))
-        self._advance_decodes(finishing, num_steps, now)
-        finished = [seq.request for seq in finishing if self._finish_sequence(seq, now)]
-        plan.seqs = rest
-        plan.steps_to_last_output = rest_to_last
-        plan.num_new_tokens = [1] * len(rest)
-        plan.num_decode_seqs = len(rest)
-        plan.decode_context_tokens = context
-        plan.max_repeats = max_repeats
-        plan.num_steps_before = num_steps
-        return finished
+    def runs_past_finishes(self) -> bool:
+        """Whether a run's decodes that finish may leave at their step and the rest run on:
+        nothing waits, is swapped out or arriving, and `update` keeps the promise."""
+        return (self.plain_update
+                and not (self.waiting or self.swapped or self.receiving))
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's
         accepted drafts and one more), samples forked, sequences and requests finished (their
         blocks freed). Returns the requests that finished."""
         if result.step_durations:
-            return self._update_repeated(plan, len(result.step_durations), now)
+            if plan.decode_run is None:
+                raise ValueError(f"the executor ran a plan {len(result.step_durations)} times; "
+                                 f"its scheduler planned no DecodeRun")
+            return plan.decode_run.apply(plan, len(result.step_durations), now)
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids
@@ -613,69 +455,11 @@ class BaseScheduler:
                 if request.handoff and not done:
                     self._hand_off(seq)
                     continue
-            if done and self._finish_sequence(seq, now):
+            if done and self.finish_sequence(seq, now):
                 finished_requests.append(request)
         if self._speculates:
             self._observe_drafts(plan, result)
         return finished_requests
-
-    def _update_repeated(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
-        """`update` for a decode batch run `num_steps` times in a row (at most plan.max_repeats),
-        after the plan's `num_steps_before` (continue_repeats): each decode gained a token a
-        step; the blocks it grew into are taken now."""
-        if num_steps > plan.max_repeats:
-            raise ValueError(f"the executor ran a plan {num_steps} times; its scheduler allowed "
-                             f"{plan.max_repeats}")
-        seqs = plan.seqs
-        num_steps_since = plan.num_steps_before + num_steps   # since the counters stood
-        self._advance_decodes(seqs, num_steps_since, now)
-        if num_steps < plan.max_repeats:
-            return []   # cut short: max_repeats is at most the steps to the first finish
-        steps_to_last = plan.steps_to_last_output
-        if steps_to_last is None:
-            finishing = [seq for seq in seqs if seq.num_output_tokens >= seq.request.output_len]
-        else:   # (in C: those whose last output was the last step's)
-            finishing = list(compress(seqs, map(num_steps_since.__ge__, steps_to_last)))
-        return [seq.request for seq in finishing if self._finish_sequence(seq, now)]
-
-    def _advance_decodes(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
-        """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last
-        ending at `now`; the blocks it grew into are taken now."""
-        # The last step computed position num_tokens + num_steps - 2.
-        num_more_tokens = num_steps - 1
-        for seq in seqs:
-            num_computed = seq.num_tokens + num_more_tokens
-            seq.num_computed_tokens = num_computed
-            seq.num_tokens = num_computed + 1
-            seq.num_output_tokens += num_steps
-            seq.last_token_time = now
-        # Slots up to there, taken in one pass of the KV manager (after one step, the slots
-        # taken when it was planned suffice).
-        if num_more_tokens and self.kv_cache.append_slots(seqs, computed=True) < len(seqs):
-            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
-                               "planned")
-
-    def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
-        """After every step of a speculating run: tell the speculation policy what each
-        speculating decode proposed and how many of its drafts were accepted, and leave on
-        every sequence of the step what its drafts' outcome means for its next step
-        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
-        the simulator's runs of acceptable drafts)."""
-        spec_lens = plan.spec_lens
-        accepted_by_seq = {}
-        if spec_lens:
-            if result.num_accepted is not None:
-                accepted_by_seq = {seq_id: result.num_accepted[seq_id] for seq_id in spec_lens}
-            else:  # an engine that reports tokens only: all but the last one were drafts
-                accepted_by_seq = {seq_id: min(len(result.sampled_token_ids[seq_id]) - 1, k)
-                                   for seq_id, k in spec_lens.items()}
-        for seq in plan.seqs:
-            k = spec_lens.get(seq.seq_id, 0)
-            accepted = accepted_by_seq.get(seq.seq_id, 0)
-            seq.draft_lag = 1 if k and accepted == k else 0
-            if k:
-                seq.starts_run = accepted < k
-        self.speculation.observe(list(spec_lens.values()), list(accepted_by_seq.values()))
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
                          finished_requests: list[Request]) -> None:
@@ -687,10 +471,10 @@ class BaseScheduler:
         if len(request.sequences) < request.n:
             for child in self._fork(seq, result, now):
                 if child.num_output_tokens >= request.output_len:
-                    if self._finish_sequence(child, now):
+                    if self.finish_sequence(child, now):
                         finished_requests.append(request)
 
-    def _finish_sequence(self, seq: Sequence, now: float) -> bool:
+    def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished and free its blocks; True if its request is now done."""
         seq.status = SequenceStatus.FINISHED
         self.kv_cache.free(seq)

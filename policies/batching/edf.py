@@ -24,6 +24,10 @@ REJECTED_REASON = "slo: TTFT deadline passed before admission"
 
 
 class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
+    # (policies/decode_run.py) it reorders the queue, and its update rejects at each step
+    admits_in_arrival_order = False
+    plain_update = False
+
     def __init__(self, *args, slo_ttft_ms: float | None = None, reject_hopeless: bool = False,
                  **kwargs):
         super().__init__(*args, **kwargs)

@@ -12,6 +12,9 @@ from policies.validators import boolean
 
 
 class PriorityScheduler(ContinuousBatchingScheduler):
+    # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
+    admits_in_arrival_order = False
+
     def __init__(self, *args, preempt_to_admit: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         # False: the order of admission only; running requests leave only when memory runs out.

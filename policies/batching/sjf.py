@@ -11,6 +11,9 @@ from policies.validators import positive_number
 
 
 class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
+    # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
+    admits_in_arrival_order = False
+
     def __init__(self, *args, max_wait_s: float = 30.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_wait_s = positive_number("scheduler.max_wait_s", max_wait_s)

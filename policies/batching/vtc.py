@@ -29,6 +29,10 @@ OUTPUT_WEIGHT = 2   # service per output token
 
 
 class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
+    # (policies/decode_run.py) its order moves with service, and its update charges each step
+    admits_in_arrival_order = False
+    plain_update = False
+
     def __init__(self, *args, tenant_weights: Mapping | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if tenant_weights is None:

@@ -15,6 +15,7 @@ import bisect
 from collections import deque
 from typing import Sequence as Seq
 
+from policies.decode_run import NoDecodeGrowth
 from policies.types import Sequence
 from policies.validators import fraction, non_negative_int, positive_int
 
@@ -135,10 +136,14 @@ class ContiguousAllocator:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens
 
-    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int,
-                            first_step: int = 0) -> list[int]:
+    # ---- repeated decode steps (policies/decode_run.py: RepeatingKVCache) ----
+
+    def decode_growth(self, seqs: list[Sequence]) -> NoDecodeGrowth:
         """None at any step: a sequence grows only within its reservation."""
-        return [0] * num_steps
+        return NoDecodeGrowth()
+
+    def frees_in_any_order(self) -> bool:
+        return True
 
     def num_blocks_for_repeated_steps(self) -> int:
         """0: a sequence grows only within its reservation."""

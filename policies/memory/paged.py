@@ -10,96 +10,23 @@ Device block ids 0..num_blocks-1 index the engine's KV tensors; host block ids
 here: they are returned as (source, destination) pairs and carried out by the executor before the
 step's forward pass, in the order swap out, offload, load, swap in, copy.
 
-The prefix cache's host tier (`num_offload_blocks` > 0, from kv_cache.offload_gb): a cached block
-evicted from the device is stored in a host slot (a third id space, 0..num_offload_blocks-1)
-instead of forgotten, least recently stored dropped first when the tier is full; a prefix hit
-there takes a device block and loads it back in the step that admits the sequence. A hash lives
-in one tier at a time. The step's stores and loads are taken with `take_pending_offload`; a host
-slot read by a load is reused only after that call, so no store of the same step overwrites it,
-and a block whose load is still pending when it is freed (a failed admission) goes back to the
-tier without any transfer.
+The prefix cache and its host tier are in prefix_cache.py, swap to host in swap.py.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
 from itertools import repeat, starmap
 from typing import Sequence as Seq
 
+from policies.decode_run import DecodeGrowth
+from policies.memory.prefix_cache import PrefixCache
+from policies.memory.slots import NOT_EXCLUSIVE, SeqSlots
+from policies.memory.swap import HostSwap
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_steps: int,
-                        first_step: int = 0) -> list[int]:
-    """The blocks that decodes with these slots left in their last blocks take at each of this
-    step and the next `num_steps - 1` steps (a token further each): one with s left takes a
-    block at steps s + 1, s + 1 + block_size, ... From a later `first_step`: at steps first_step
-    to first_step + num_steps - 1, the first entry counting every block taken by then (at steps
-    1 to first_step)."""
-    return DecodeGrowth(slots_left, block_size).new_blocks_per_step(num_steps, first_step)
-
-
-class DecodeGrowth:
-    """The blocks a batch of decodes takes as it runs repeated steps, a token further each: at
-    step t >= 1 of the run (step 0, the one planned, holds its slots), `cycle[(t - 1) %
-    block_size]` of them take one, those with that many slots left in their last blocks. Counted
-    by slots left, which take at most block_size values: as bytes (block_size <= 256), each
-    count is one C pass over the batch. Kept for a whole run: decodes that finish leave it
-    (`remove`) without a pass over the rest."""
-
-    __slots__ = ("block_size", "cycle")
-
-    def __init__(self, slots_left: bytes | list[int], block_size: int):
-        self.block_size = block_size
-        if isinstance(slots_left, bytes):
-            self.cycle = [slots_left.count(num_left) for num_left in range(block_size)]
-        else:
-            self.cycle = [0] * block_size
-            for num_left in slots_left:
-                self.cycle[num_left] += 1
-
-    def remove(self, slots_left: list[int]) -> None:
-        """Decodes with these slots left leave the batch."""
-        cycle = self.cycle
-        for num_left in slots_left:
-            cycle[num_left] -= 1
-
-    def new_blocks_per_step(self, num_steps: int, first_step: int = 0) -> list[int]:
-        """`new_blocks_per_step` of the batch: its blocks at steps first_step to first_step +
-        num_steps - 1, the first entry counting every block taken by then."""
-        if not num_steps:
-            return []
-        cycle, block_size = self.cycle, self.block_size
-        if first_step:
-            num_cycles, num_past = divmod(first_step, block_size)
-            first = (sum(cycle) * num_cycles if num_cycles else 0) + sum(cycle[:num_past])
-        else:
-            first = 0
-        if num_steps == 1:
-            return [first]
-        start = first_step % block_size   # cycle index of step first_step + 1
-        if start + num_steps - 1 <= block_size:
-            return [first, *cycle[start:start + num_steps - 1]]
-        per_step = [first]
-        for step in range(first_step + 1, first_step + num_steps):
-            per_step.append(cycle[(step - 1) % block_size])
-        return per_step
-
-
-@dataclass(slots=True)
-class SeqSlots:
-    """A sequence's slots in its device table: `num_allocated`, the slots it covers, and
-    `num_exclusive`, the slots the table holds while its last block is its own, so growing
-    within them needs no block and no copy (append_slots' fast path); -1 means "ask _grow": it
-    is reset whenever the last block may become shared, and never set with prefix caching. One
-    object per sequence: the hot loops read and write both through a single lookup."""
-
-    num_allocated: int
-    num_exclusive: int = -1
-
-
-class PagedBlockManager:
+class PagedBlockManager(PrefixCache, HostSwap):
     """Satisfies `policies.protocols.KVCacheManager`."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -142,25 +69,8 @@ class PagedBlockManager:
         self._num_tokens_stored = 0
         self._pending_copies: list[tuple[int, int]] = []
 
-        # Prefix cache: chained hash of a full block's tokens <-> the block that holds them.
-        self._hash_to_block: dict[int, int] = {}
-        self._block_to_hash: dict[int, int] = {}
-        self._seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
-
-        # Host pool: tables of swapped-out sequences, their lengths, and the host refs.
-        self._host_block_tables: dict[int, list[int]] = {}
-        self._swapped_num_tokens: dict[int, int] = {}
-        self._host_ref_counts = [0] * num_host_blocks
-        self._host_free_block_ids: deque[int] = deque(range(num_host_blocks))
-
-        # Host tier of the prefix cache: hash -> host slot, least recently stored first; the
-        # free slots; this step's stores (device block, slot) and loads (device block -> slot,
-        # the slot held until take_pending_offload); seq_id -> prefix tokens it got by loads.
-        self._offloaded: OrderedDict[int, int] = OrderedDict()
-        self._offload_free_ids: deque[int] = deque(range(num_offload_blocks))
-        self._pending_offloads: list[tuple[int, int]] = []
-        self._pending_loads: dict[int, int] = {}
-        self._seq_loaded_tokens: dict[int, int] = {}
+        self._init_prefix_cache(num_offload_blocks)
+        self._init_host_pool(num_host_blocks)
 
     # ---- counts (all O(1): waste is reported every step) ----
 
@@ -177,9 +87,6 @@ class PagedBlockManager:
 
     def num_tokens_stored(self) -> int:
         return self._num_tokens_stored
-
-    def num_free_host_blocks(self) -> int:
-        return len(self._host_free_block_ids)
 
     def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
         """Whether `num_seqs` sequences this long (the samples of one request, counted without
@@ -227,32 +134,16 @@ class PagedBlockManager:
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
-    def new_blocks_per_step(self, seqs: list[Sequence], num_steps: int,
-                            first_step: int = 0) -> list[int]:
-        """The blocks that the decoding `seqs`, which hold the slots of the step just planned,
-        take at each of that step and the next `num_steps - 1` (a token further each); from a
-        later `first_step`, at that step and on, the first entry counting every block taken by
-        then."""
-        if first_step + num_steps <= 1:
-            return [0] * num_steps   # the step just planned holds its slots already
-        return new_blocks_per_step(self._slots_left(seqs), self.block_size, num_steps,
-                                   first_step)
+    # ---- repeated decode steps (policies/decode_run.py: RepeatingKVCache) ----
 
     def decode_growth(self, seqs: list[Sequence]) -> DecodeGrowth:
         """The decoding `seqs`' growth over a run of repeated steps (their counters where the
-        step just planned stands), to ask and update across its segments."""
-        return DecodeGrowth(self._slots_left(seqs), self.block_size)
+        step just planned stands): each holds exactly the blocks its tokens fill."""
+        return DecodeGrowth.of(seqs, self.block_size)
 
-    def slots_left(self, seqs: list[Sequence]) -> list[int]:
-        """The slots left in the decoding `seqs`' last blocks (what DecodeGrowth.remove takes)."""
-        block_size = self.block_size
-        return [-seq.num_tokens % block_size for seq in seqs]
-
-    def _slots_left(self, seqs: list[Sequence]) -> bytes | list[int]:
-        # Each holds exactly the blocks its tokens fill: -num_tokens % block_size are left. As
-        # bytes where they fit, so that each count is one C pass.
-        slots_left = self.slots_left(seqs)
-        return bytes(slots_left) if self.block_size <= 256 else slots_left
+    def frees_in_any_order(self) -> bool:
+        """False with prefix caching: its cache evicts blocks in the order they were freed."""
+        return not self.enable_prefix_caching
 
     def num_blocks_for_repeated_steps(self) -> int:
         """Blocks that decodes may take during repeated steps, in another order than step by
@@ -485,7 +376,7 @@ class PagedBlockManager:
         parent_slots = self._slots[parent.seq_id]
         num_tokens = parent_slots.num_allocated
         if self.share_on_fork:
-            parent_slots.num_exclusive = -1   # its last block is shared now
+            parent_slots.num_exclusive = NOT_EXCLUSIVE   # its last block is shared now
             if not self._any_block_shared:
                 self._count_refs()
             for block in parent_table:
@@ -520,236 +411,6 @@ class PagedBlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    # ---- prefix cache ----
-
-    def allocate_prefix(self, seq: Sequence) -> int:
-        """Point a newly admitted seq at the cached blocks of its longest cached prefix and return
-        how many tokens they hold. At least one token is left to compute, so the step that
-        admits the seq still produces its logits. A block in the host tier is loaded back into
-        a device block (a pending load) while the pool has blocks above the watermark."""
-        if not self.enable_prefix_caching:
-            return 0
-        if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
-            raise ValueError(f"allocate_prefix: seq {seq.seq_id} already holds blocks")
-        token_ids = seq.token_ids()
-        if token_ids is None:
-            return 0
-        block_size = self.block_size
-        max_cached_blocks = min((seq.num_tokens - 1) // block_size, len(token_ids) // block_size)
-        hashes: list[int] = []
-        hit_blocks: list[int] = []
-        num_loaded = 0
-        for block_hash in self._prefix_hashes(token_ids, max_cached_blocks):
-            block = self._hash_to_block.get(block_hash)
-            if block is not None:
-                if block in self._evictable_block_ids:  # revived: no reference yet
-                    del self._evictable_block_ids[block]
-                    self._num_tokens_stored += block_size
-                    if self._any_block_shared:
-                        self._ref_counts[block] = 1
-                else:
-                    if not self._any_block_shared:
-                        self._count_refs(hit_blocks)
-                    self._ref_counts[block] += 1
-            elif (block_hash in self._offloaded
-                  and self.num_free_blocks() > self.watermark_blocks):
-                block = self._load(block_hash)
-                num_loaded += 1
-            else:
-                break
-            hashes.append(block_hash)
-            hit_blocks.append(block)
-        if not hit_blocks:
-            return 0
-        num_cached_tokens = len(hit_blocks) * block_size
-        self.block_tables[seq.seq_id] = hit_blocks
-        self._slots[seq.seq_id] = SeqSlots(num_cached_tokens)
-        self._seq_block_hashes[seq.seq_id] = hashes
-        if num_loaded:
-            self._seq_loaded_tokens[seq.seq_id] = num_loaded * block_size
-        return num_cached_tokens
-
-    def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
-        """Tokens at the start of `token_ids` whose full blocks the prefix cache holds, in
-        either tier, as far as allocate_prefix would serve them (one token left to compute);
-        changes nothing. What a prefix-aware router compares across replicas."""
-        if not self.enable_prefix_caching or not token_ids:
-            return 0
-        num_blocks = 0
-        for block_hash in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
-            if block_hash not in self._hash_to_block and block_hash not in self._offloaded:
-                break
-            num_blocks += 1
-        return num_blocks * self.block_size
-
-    def num_loaded_prefix_tokens(self, seq: Sequence) -> int:
-        """Of the tokens allocate_prefix gave `seq`, those loaded back from the host tier."""
-        return self._seq_loaded_tokens.get(seq.seq_id, 0)
-
-    def _prefix_hashes(self, token_ids: Seq[int], num_blocks: int, previous_hash=None,
-                       first_block: int = 0):
-        """The chained hashes of blocks first_block..num_blocks-1 of `token_ids`, each of the
-        block's tokens and the hash before it (`previous_hash` for the first)."""
-        block_size = self.block_size
-        for index in range(first_block, num_blocks):
-            start = index * block_size
-            previous_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
-            yield previous_hash
-
-    def _cache_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
-        """Register the seq's full blocks not hashed yet, as far as its token ids are known."""
-        hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
-        num_full_blocks = num_tokens // self.block_size
-        if len(hashes) >= num_full_blocks or seq.request.prompt_token_ids is None:
-            return
-        token_ids = seq.token_ids()
-        num_full_blocks = min(num_full_blocks, len(token_ids) // self.block_size)
-        first_block = len(hashes)
-        for index, block_hash in enumerate(
-                self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
-                                    first_block), first_block):
-            hashes.append(block_hash)
-            block = table[index]
-            # The first block to hold a prefix stays its cache entry; a duplicate computed
-            # alongside it is an ordinary block.
-            if block_hash not in self._hash_to_block and block not in self._block_to_hash:
-                self._hash_to_block[block_hash] = block
-                self._block_to_hash[block] = block_hash
-                if self._offloaded:
-                    # Computed again on the device: its host copy goes (one tier per hash).
-                    slot = self._offloaded.pop(block_hash, None)
-                    if slot is not None:
-                        self._offload_free_ids.append(slot)
-
-    # ---- host tier of the prefix cache ----
-
-    def _offload(self, block: int, block_hash: int) -> None:
-        """Store an evicted cached block in the host tier (dropping its least recently stored
-        entry when full). Its K/V is intact until the step's forward pass: stores run first."""
-        if self._offload_free_ids:
-            slot = self._offload_free_ids.popleft()
-        elif self._offloaded:
-            _, slot = self._offloaded.popitem(last=False)
-        else:
-            return  # every slot is being read by a load this step: the block is forgotten
-        self._offloaded[block_hash] = slot
-        self._pending_offloads.append((block, slot))
-
-    def _load(self, block_hash: int) -> int:
-        """A device block for a prefix hit in the host tier, registered as the hash's cache
-        entry, its load pending; the host slot stays held until take_pending_offload."""
-        slot = self._offloaded.pop(block_hash)
-        block = self._take_free_block()
-        self._hash_to_block[block_hash] = block
-        self._block_to_hash[block] = block_hash
-        self._pending_loads[block] = slot
-        self._num_tokens_stored += self.block_size
-        return block
-
-    def _return_to_tier(self, block: int) -> None:
-        """A block freed before its pending load ran: the load is dropped and the hash goes
-        back to the host slot, which still holds its K/V; the block is an uncached free one."""
-        slot = self._pending_loads.pop(block)
-        block_hash = self._block_to_hash.pop(block)
-        del self._hash_to_block[block_hash]
-        self._offloaded[block_hash] = slot
-
-    def take_pending_offload(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The stores (device block, host slot) and loads (host slot, device block) decided
-        since the last call, for the step's plan; the loads' host slots are free again. A slot
-        stored twice (its first entry dropped meanwhile) keeps only its last store."""
-        if not self._pending_offloads and not self._pending_loads:
-            return [], []
-        stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())
-        self._pending_offloads = []
-        loads = [(slot, block) for block, slot in self._pending_loads.items()]
-        self._pending_loads.clear()
-        self._offload_free_ids.extend(slot for slot, _ in loads)
-        return stores, loads
-
-    def num_offloaded_blocks(self) -> int:
-        """Blocks the host tier holds."""
-        return len(self._offloaded)
-
-    # ---- swap ----
-
-    @staticmethod
-    def _distinct_blocks(tables: dict[int, list[int]], seqs: Seq[Sequence]) -> dict[int, None]:
-        """The blocks of these seqs in `tables`, each once, in first-seen order."""
-        blocks: dict[int, None] = {}
-        for seq in seqs:
-            for block in tables.get(seq.seq_id, ()):
-                blocks[block] = None
-        return blocks
-
-    def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
-        return len(self._distinct_blocks(self.block_tables, seqs)) <= len(self._host_free_block_ids)
-
-    def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
-        """Move the seqs' blocks to host memory, each shared block once, so sharing survives."""
-        if not self.can_swap_out(seqs):
-            raise RuntimeError("swap_out: not enough free host blocks (check can_swap_out first)")
-        blocks = self._distinct_blocks(self.block_tables, seqs)
-        if self._pending_loads and any(block in self._pending_loads for block in blocks):
-            # Swap-outs run before loads: the block would be copied before its K/V arrives.
-            raise RuntimeError("swap_out: a block of these seqs is still being loaded from the "
-                               "host tier; a sequence cannot be swapped out in the step that "
-                               "admitted it")
-        device_to_host = {block: self._host_free_block_ids.popleft() for block in blocks}
-        # Swaps run before this step's copies: a block still waiting for its copy-on-write copy
-        # holds the right tokens only in the copy's source, so that is what goes to host.
-        copy_sources = {dst: src for src, dst in self._pending_copies}
-        swaps = [(copy_sources.get(device, device), host)
-                 for device, host in device_to_host.items()]
-        for seq in seqs:
-            table = self.block_tables.pop(seq.seq_id, None)
-            if table is None:
-                continue
-            host_table = [device_to_host[block] for block in table]
-            for host_block in host_table:
-                self._host_ref_counts[host_block] += 1
-            num_tokens = self._slots.pop(seq.seq_id).num_allocated
-            self._host_block_tables[seq.seq_id] = host_table
-            self._swapped_num_tokens[seq.seq_id] = num_tokens
-            self._release_blocks(table, num_tokens, seq.num_computed_tokens)
-        return swaps
-
-    def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
-        num_blocks_needed = len(self._distinct_blocks(self._host_block_tables, seqs))
-        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
-
-    def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
-        if not self.can_swap_in(seqs):
-            raise RuntimeError("swap_in: not enough free device blocks (check can_swap_in first)")
-        block_size = self.block_size
-        host_to_device: dict[int, int] = {}
-        for seq in seqs:
-            host_table = self._host_block_tables.pop(seq.seq_id, None)
-            if host_table is None:
-                continue
-            num_tokens = self._swapped_num_tokens.pop(seq.seq_id)
-            table = []
-            for index, host_block in enumerate(host_table):
-                block = host_to_device.get(host_block)
-                if block is None:
-                    block = host_to_device[host_block] = self._take_free_block()
-                    self._num_tokens_stored += min(block_size, num_tokens - index * block_size)
-                else:
-                    if not self._any_block_shared:
-                        self._count_refs(table)
-                    self._ref_counts[block] += 1
-                table.append(block)
-            self._release_host_blocks(host_table)
-            self.block_tables[seq.seq_id] = table
-            self._slots[seq.seq_id] = SeqSlots(num_tokens)
-        return list(host_to_device.items())
-
-    def _release_host_blocks(self, host_table: list[int]) -> None:
-        for host_block in host_table:
-            self._host_ref_counts[host_block] -= 1
-            if self._host_ref_counts[host_block] == 0:
-                self._host_free_block_ids.append(host_block)
-
     # ---- tests ----
 
     def check_invariants(self) -> None:
@@ -781,7 +442,7 @@ class PagedBlockManager:
             ref_counts = [refs[block] for block in range(self.num_blocks)]
         for seq_id, slots in self._slots.items():
             num_slots = slots.num_exclusive
-            if num_slots == -1:
+            if num_slots == NOT_EXCLUSIVE:
                 continue
             table = self.block_tables.get(seq_id)
             assert table is not None and num_slots == len(table) * block_size, (
@@ -811,38 +472,5 @@ class PagedBlockManager:
         assert stored <= self.num_slots_allocated(), "more tokens stored than slots allocated"
         assert all(ref_counts[dst] > 0 for _, dst in self._pending_copies), (
             "a pending copy targets a free block")
-
-        host_refs = Counter()
-        for seq_id, host_table in self._host_block_tables.items():
-            assert seq_id in self._swapped_num_tokens, f"swapped seq {seq_id} has no length"
-            assert len(host_table) == -(-self._swapped_num_tokens[seq_id] // block_size), (
-                f"swapped seq {seq_id}: {len(host_table)} host blocks for its length")
-            host_refs.update(host_table)
-        assert set(self._swapped_num_tokens) == set(self._host_block_tables), (
-            "swapped lengths and host tables name different sequences")
-        for host_block, ref_count in enumerate(self._host_ref_counts):
-            assert ref_count == host_refs[host_block], (
-                f"host block {host_block} has ref count {ref_count} but {host_refs[host_block]} "
-                f"host tables hold it")
-        host_free = list(self._host_free_block_ids)
-        assert len(set(host_free)) == len(host_free), "a host block is free twice"
-        assert all(self._host_ref_counts[block] == 0 for block in host_free), (
-            "a free host block is in use")
-        assert len(host_free) + len(host_refs) == self.num_host_blocks, (
-            f"host free {len(host_free)} + used {len(host_refs)} != {self.num_host_blocks}")
-
-        # The prefix cache's host tier: every slot holds one entry, is free, or is held by a
-        # pending load; a hash is in one tier; a pending load fills a cached block in use.
-        tier_slots = (list(self._offloaded.values()) + list(self._offload_free_ids)
-                      + list(self._pending_loads.values()))
-        assert sorted(tier_slots) == list(range(self.num_offload_blocks)), (
-            f"host tier slots are lost or held twice: {sorted(tier_slots)}")
-        assert not set(self._offloaded) & set(self._hash_to_block), (
-            "a hash is cached in both tiers")
-        for block in self._pending_loads:
-            assert block in self._block_to_hash and ref_counts[block] > 0, (
-                f"pending load into block {block}, which is not a cached block in use")
-        assert all(0 <= slot < self.num_offload_blocks for _, slot in self._pending_offloads), (
-            "a store targets a slot outside the host tier")
-        assert set(self._seq_loaded_tokens) <= set(self.block_tables) | set(
-            self._host_block_tables), "loaded-token counts of sequences that hold nothing"
+        self._check_host_pool()
+        self._check_tier(ref_counts)

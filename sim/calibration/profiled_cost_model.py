@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from policies.decode_run import step_times_one_by_one
 from policies.types import StepPlan
 from sim.calibration.cpu_noise.local_correction import LocalCorrection
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, profile_tiling, tile_features
@@ -240,6 +241,11 @@ class ProfiledCostModel:
             time *= 1.0 + self._residual()
         time = max(time, 0.0)
         return time + offload_s if offload_s else time
+
+    def repeated_step_times(self, plan: StepPlan, num_steps: int):
+        """step_time of a run of repeated decode steps, step by step (each draws its residual);
+        used only when `reads_only_aggregates`."""
+        return step_times_one_by_one(self, plan, num_steps)
 
     def _offload_s(self, plan: StepPlan) -> float:
         """The plan's stores to and loads from the prefix cache's host tier."""

@@ -3,6 +3,8 @@
 accepted drafts of a speculating one)."""
 from __future__ import annotations
 
+from policies.capabilities import has_capability
+from policies.decode_run import RepeatedStepCostModel
 from policies.types import StepPlan, StepResult
 from sim.core.acceptance import AcceptanceModel
 
@@ -11,10 +13,9 @@ class SimExecutor:
     """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`; with an
     acceptance model it also draws how many drafts each speculating sequence keeps.
 
-    A cost model whose `step_time` reads only the plan's aggregate features says so
-    (`reads_only_aggregates = True`): then a decode batch repeated over several steps is costed
-    step by step from its aggregates alone (`repeated_step_times`), and the step loop may run
-    those steps as one event."""
+    A cost model that costs a run of repeated decode steps from the plan's aggregates
+    (`policies.decode_run.RepeatedStepCostModel`) lets the step loop run those steps as one
+    event (`repeated_step_times`); any other runs every step on its own."""
 
     def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None,
                  depth_per_size: list[int] | None = None):
@@ -24,26 +25,14 @@ class SimExecutor:
         # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth
         # (per node instead where the acceptance model has the fixed tree: Medusa's).
         self.depth_per_size = depth_per_size
-        self.repeats_steps = getattr(cost_model, "reads_only_aggregates", False)
+        self.repeats_steps = (has_capability(cost_model, RepeatedStepCostModel, "cost_model")
+                              and cost_model.reads_only_aggregates)
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
         """The durations of `num_steps` steps of the decode batch `plan`, one at a time (each
         draws its own noise, as separate steps would): in step j every decode reads j more
         tokens of context. Stop iterating early (and close it) to draw no more."""
-        repeated_step_times = getattr(self.cost_model, "repeated_step_times", None)
-        if repeated_step_times is not None:   # the cost model's own, faster, same numbers
-            return repeated_step_times(plan, num_steps)
-        return self._step_times_one_by_one(plan, num_steps)
-
-    def _step_times_one_by_one(self, plan: StepPlan, num_steps: int):
-        """repeated_step_times from `step_time`, the plan's decode context moved each step."""
-        context = plan.decode_context_tokens
-        try:
-            for step in range(num_steps):
-                plan.decode_context_tokens = context + step * plan.num_decode_seqs
-                yield self.cost_model.step_time(plan)
-        finally:
-            plan.decode_context_tokens = context
+        return self.cost_model.repeated_step_times(plan, num_steps)
 
     def execute(self, plan: StepPlan) -> StepResult:
         duration = self.cost_model.step_time(plan)

@@ -560,24 +560,20 @@ class StepRecorder:
         """The rows of a decode batch run len(durations) times in a row, each as its own step's
         row would be: only the start, the duration and the memory columns (one more token
         stored per decode each step, and the blocks they grow into) move, so the first row is
-        recorded as any step's and the others are copies of it with those changed. A plan
-        whose sequences ran `num_steps_before` steps already (a run's later segment) holds the
-        slots of where they stood before those: its first row adds what they grew into since."""
-        kv_cache = scheduler.kv_cache
+        recorded as any step's and the others are copies of it with those changed; the blocks
+        come from the plan's DecodeRun. A run's later segment, whose sequences ran
+        `num_steps_before` steps already, holds the slots of where they stood before those: its
+        first row adds what they grew into since."""
         self._record_row(start_time, plan, durations[0], scheduler)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         start_column, duration_column = _COL["start_time"], _COL["duration"]
         blocks_column = _COL["kv_blocks_used"]
         slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
-        block_size, num_decodes = kv_cache.block_size, plan.num_decode_seqs
-        first_step = plan.num_steps_before
-        # The batch's growth, made once per run (a later segment's scheduler keeps it).
-        growth = plan.decode_growth
-        if growth is None and hasattr(kv_cache, "decode_growth"):
-            growth = plan.decode_growth = kv_cache.decode_growth(plan.seqs)
-        new_blocks = (kv_cache.new_blocks_per_step(plan.seqs, len(durations), first_step)
-                      if growth is None else growth.new_blocks_per_step(len(durations), first_step))
+        block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
+        run = plan.decode_run
+        first_step = run.num_steps_before
+        new_blocks = run.new_blocks_per_step(plan, len(durations))
         if first_step:
             row[tokens_column] += num_decodes * first_step
             row[blocks_column] += new_blocks[0]

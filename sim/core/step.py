@@ -11,19 +11,20 @@ The simulator yields `env.timeout(result.duration)` in between (for repeated ste
 `step_end_times[-1]`); the engine's step already took its time, and it completes the step at its
 wall clock.
 
-Repeated decode steps (simulator only): when the scheduler says the same decode batch would be
-planned several steps in a row (`StepPlan.max_repeats`) and the executor can cost them from the
-plan alone, `begin(now, horizon)` runs them as one: step by step until the batch changes or a
-step ends at or after `horizon`, the next arrival, which the scheduler must see at the following
-step boundary. Where the batch changes because sequences finish before the horizon, the
-scheduler may let the rest run on in the same run (`continue_repeats`, with `past_finishes`):
-nothing outside the replica can see it before then. Rows, latencies and the clock come out as if
-each step had run on its own.
+Repeated decode steps (simulator only, policies/decode_run.py): when the plan carries a DecodeRun
+and the executor can cost its steps from the plan alone, `begin(now, horizon)` runs them as one:
+step by step until the batch changes or a step ends at or after `horizon`, the next arrival,
+which the scheduler must see at the following step boundary. Where the batch changes because
+sequences finish before the horizon, the run may go on with the rest (`past_finishes`): nothing
+outside the replica can see it before then. Rows, latencies and the clock come out as if each
+step had run on its own.
 """
 from __future__ import annotations
 
 import math
 
+from policies.capabilities import has_capability
+from policies.decode_run import RepeatingExecutor
 from policies.prediction import KeepPrediction, refine
 from policies.protocols import Executor, Scheduler
 from policies.types import Request, StepPlan, StepResult
@@ -34,7 +35,7 @@ class StepLoop:
     """One replica's steps, one at a time."""
 
     __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
-                 "refining_predictor", "finished_in_run")
+                 "refining_predictor", "finished_in_run", "repeats_steps")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
                  predictor=None):
@@ -44,6 +45,9 @@ class StepLoop:
         # A length predictor whose `update` refines its guesses: asked after every step about
         # the requests that made progress.
         self.refining_predictor = predictor if refines(predictor) else None
+        # Runs of repeated steps, where the executor costs them (and no predictor refines).
+        self.repeats_steps = (has_capability(executor, RepeatingExecutor, "executor")
+                              and executor.repeats_steps and self.refining_predictor is None)
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
         self.step_end_times: list[float] | None = None   # of repeated steps, in flight
@@ -70,10 +74,9 @@ class StepLoop:
                 f"{waiting} waiting, {running} running and {swapped} swapped requests and "
                 f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
                 f"progress (a request larger than the pool, or max_num_seqs too small?)")
-        # A refining predictor is asked after every step: its guesses may move a later one.
-        if (horizon is not None and plan.max_repeats > 1 and self.refining_predictor is None
-                and getattr(self.executor, "repeats_steps", False)):
-            past_arrivals = plan.repeats_past_arrivals and queued_arrivals
+        # (A refining predictor is asked after every step: its guesses may move a later one.)
+        if horizon is not None and plan.decode_run is not None and self.repeats_steps:
+            past_arrivals = plan.decode_run.past_arrivals and queued_arrivals
             return self._run_repeated(plan, now, math.inf if past_arrivals else horizon,
                                       horizon if past_finishes else now)
         result = self.executor.execute(plan)
@@ -86,11 +89,12 @@ class StepLoop:
         """Run the plan's repeated steps until max_repeats or one ends at or past `horizon`,
         recording their rows and latencies; the end times add up as the simulated clock would
         add each step's duration. Where they end, before `finishes_before`, at sequences'
-        last tokens, the scheduler may finish those and make the plan the rest's next steps
-        (`continue_repeats`): the run goes on with that batch, a segment of its own, and so
-        on. Returns the whole run's result; the last segment's is kept for `complete`."""
+        last tokens, the run may finish those and make the plan the rest's next steps
+        (`DecodeRun.continue_past_finishes`): the run goes on with that batch, a segment of its
+        own, and so on. Returns the whole run's result; the last segment's is kept for
+        `complete`."""
         scheduler, recorder = self.scheduler, self.recorder
-        continue_repeats = getattr(scheduler, "continue_repeats", None)
+        run = plan.decode_run
         durations: list[float] = []
         end_times: list[float] = []
         add_duration, add_end_time = durations.append, end_times.append   # (once a step)
@@ -98,7 +102,7 @@ class StepLoop:
         times_before = [seq.last_token_time for seq in plan.seqs]
         while True:
             segment_start, first = end, len(durations)
-            step_times = self.executor.repeated_step_times(plan, plan.max_repeats)
+            step_times = self.executor.repeated_step_times(plan, run.max_repeats)
             for duration in step_times:
                 add_duration(duration)
                 end += duration
@@ -109,10 +113,9 @@ class StepLoop:
             segment_durations = durations[first:] if first else durations
             recorder.record_repeated_steps(segment_start, plan, segment_durations, scheduler)
             recorder.record_repeated_itls(times_before, end_times[first:] if first else end_times)
-            if (end >= finishes_before or len(segment_durations) < plan.max_repeats
-                    or continue_repeats is None):
+            if end >= finishes_before or len(segment_durations) < run.max_repeats:
                 break
-            finished = continue_repeats(plan, end)   # (plan becomes the rest's next steps)
+            finished = run.continue_past_finishes(plan, end)   # (plan: the rest's next steps)
             if finished is None:
                 break
             self.finished_in_run += finished

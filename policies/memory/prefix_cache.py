@@ -1,0 +1,205 @@
+"""The paged KV manager's prefix cache: full blocks are registered by the chained hash of their
+tokens, so a request whose prompt starts alike points at the same blocks (allocate_prefix).
+
+The prefix cache's host tier (`num_offload_blocks` > 0, from kv_cache.offload_gb): a cached block
+evicted from the device is stored in a host slot (a third id space, 0..num_offload_blocks-1)
+instead of forgotten, least recently stored dropped first when the tier is full; a prefix hit
+there takes a device block and loads it back in the step that admits the sequence. A hash lives
+in one tier at a time. The step's stores and loads are taken with `take_pending_offload`; a host
+slot read by a load is reused only after that call, so no store of the same step overwrites it,
+and a block whose load is still pending when it is freed (a failed admission) goes back to the
+tier without any transfer.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Sequence as Seq
+
+from policies.memory.slots import SeqSlots
+from policies.types import Sequence
+
+
+class PrefixCache:
+    """PagedBlockManager's prefix cache and its host tier, on the pool's blocks and tables."""
+
+    def _init_prefix_cache(self, num_offload_blocks: int) -> None:
+        # Prefix cache: chained hash of a full block's tokens <-> the block that holds them.
+        self._hash_to_block: dict[int, int] = {}
+        self._block_to_hash: dict[int, int] = {}
+        self._seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
+
+        # Host tier of the prefix cache: hash -> host slot, least recently stored first; the
+        # free slots; this step's stores (device block, slot) and loads (device block -> slot,
+        # the slot held until take_pending_offload); seq_id -> prefix tokens it got by loads.
+        self._offloaded: OrderedDict[int, int] = OrderedDict()
+        self._offload_free_ids: deque[int] = deque(range(num_offload_blocks))
+        self._pending_offloads: list[tuple[int, int]] = []
+        self._pending_loads: dict[int, int] = {}
+        self._seq_loaded_tokens: dict[int, int] = {}
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Point a newly admitted seq at the cached blocks of its longest cached prefix and return
+        how many tokens they hold. At least one token is left to compute, so the step that
+        admits the seq still produces its logits. A block in the host tier is loaded back into
+        a device block (a pending load) while the pool has blocks above the watermark."""
+        if not self.enable_prefix_caching:
+            return 0
+        if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
+            raise ValueError(f"allocate_prefix: seq {seq.seq_id} already holds blocks")
+        token_ids = seq.token_ids()
+        if token_ids is None:
+            return 0
+        block_size = self.block_size
+        max_cached_blocks = min((seq.num_tokens - 1) // block_size, len(token_ids) // block_size)
+        hashes: list[int] = []
+        hit_blocks: list[int] = []
+        num_loaded = 0
+        for block_hash in self._prefix_hashes(token_ids, max_cached_blocks):
+            block = self._hash_to_block.get(block_hash)
+            if block is not None:
+                if block in self._evictable_block_ids:  # revived: no reference yet
+                    del self._evictable_block_ids[block]
+                    self._num_tokens_stored += block_size
+                    if self._any_block_shared:
+                        self._ref_counts[block] = 1
+                else:
+                    if not self._any_block_shared:
+                        self._count_refs(hit_blocks)
+                    self._ref_counts[block] += 1
+            elif (block_hash in self._offloaded
+                  and self.num_free_blocks() > self.watermark_blocks):
+                block = self._load(block_hash)
+                num_loaded += 1
+            else:
+                break
+            hashes.append(block_hash)
+            hit_blocks.append(block)
+        if not hit_blocks:
+            return 0
+        num_cached_tokens = len(hit_blocks) * block_size
+        self.block_tables[seq.seq_id] = hit_blocks
+        self._slots[seq.seq_id] = SeqSlots(num_cached_tokens)
+        self._seq_block_hashes[seq.seq_id] = hashes
+        if num_loaded:
+            self._seq_loaded_tokens[seq.seq_id] = num_loaded * block_size
+        return num_cached_tokens
+
+    def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        """Tokens at the start of `token_ids` whose full blocks the prefix cache holds, in
+        either tier, as far as allocate_prefix would serve them (one token left to compute);
+        changes nothing. What a prefix-aware router compares across replicas."""
+        if not self.enable_prefix_caching or not token_ids:
+            return 0
+        num_blocks = 0
+        for block_hash in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+            if block_hash not in self._hash_to_block and block_hash not in self._offloaded:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def num_loaded_prefix_tokens(self, seq: Sequence) -> int:
+        """Of the tokens allocate_prefix gave `seq`, those loaded back from the host tier."""
+        return self._seq_loaded_tokens.get(seq.seq_id, 0)
+
+    def _prefix_hashes(self, token_ids: Seq[int], num_blocks: int, previous_hash=None,
+                       first_block: int = 0):
+        """The chained hashes of blocks first_block..num_blocks-1 of `token_ids`, each of the
+        block's tokens and the hash before it (`previous_hash` for the first)."""
+        block_size = self.block_size
+        for index in range(first_block, num_blocks):
+            start = index * block_size
+            previous_hash = hash((previous_hash, tuple(token_ids[start:start + block_size])))
+            yield previous_hash
+
+    def _cache_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """Register the seq's full blocks not hashed yet, as far as its token ids are known."""
+        hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
+        num_full_blocks = num_tokens // self.block_size
+        if len(hashes) >= num_full_blocks or seq.request.prompt_token_ids is None:
+            return
+        token_ids = seq.token_ids()
+        num_full_blocks = min(num_full_blocks, len(token_ids) // self.block_size)
+        first_block = len(hashes)
+        for index, block_hash in enumerate(
+                self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
+                                    first_block), first_block):
+            hashes.append(block_hash)
+            block = table[index]
+            # The first block to hold a prefix stays its cache entry; a duplicate computed
+            # alongside it is an ordinary block.
+            if block_hash not in self._hash_to_block and block not in self._block_to_hash:
+                self._hash_to_block[block_hash] = block
+                self._block_to_hash[block] = block_hash
+                if self._offloaded:
+                    # Computed again on the device: its host copy goes (one tier per hash).
+                    slot = self._offloaded.pop(block_hash, None)
+                    if slot is not None:
+                        self._offload_free_ids.append(slot)
+
+    # ---- host tier of the prefix cache ----
+
+    def _offload(self, block: int, block_hash: int) -> None:
+        """Store an evicted cached block in the host tier (dropping its least recently stored
+        entry when full). Its K/V is intact until the step's forward pass: stores run first."""
+        if self._offload_free_ids:
+            slot = self._offload_free_ids.popleft()
+        elif self._offloaded:
+            _, slot = self._offloaded.popitem(last=False)
+        else:
+            return  # every slot is being read by a load this step: the block is forgotten
+        self._offloaded[block_hash] = slot
+        self._pending_offloads.append((block, slot))
+
+    def _load(self, block_hash: int) -> int:
+        """A device block for a prefix hit in the host tier, registered as the hash's cache
+        entry, its load pending; the host slot stays held until take_pending_offload."""
+        slot = self._offloaded.pop(block_hash)
+        block = self._take_free_block()
+        self._hash_to_block[block_hash] = block
+        self._block_to_hash[block] = block_hash
+        self._pending_loads[block] = slot
+        self._num_tokens_stored += self.block_size
+        return block
+
+    def _return_to_tier(self, block: int) -> None:
+        """A block freed before its pending load ran: the load is dropped and the hash goes
+        back to the host slot, which still holds its K/V; the block is an uncached free one."""
+        slot = self._pending_loads.pop(block)
+        block_hash = self._block_to_hash.pop(block)
+        del self._hash_to_block[block_hash]
+        self._offloaded[block_hash] = slot
+
+    def take_pending_offload(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The stores (device block, host slot) and loads (host slot, device block) decided
+        since the last call, for the step's plan; the loads' host slots are free again. A slot
+        stored twice (its first entry dropped meanwhile) keeps only its last store."""
+        if not self._pending_offloads and not self._pending_loads:
+            return [], []
+        stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())
+        self._pending_offloads = []
+        loads = [(slot, block) for block, slot in self._pending_loads.items()]
+        self._pending_loads.clear()
+        self._offload_free_ids.extend(slot for slot, _ in loads)
+        return stores, loads
+
+    def num_offloaded_blocks(self) -> int:
+        """Blocks the host tier holds."""
+        return len(self._offloaded)
+
+    def _check_tier(self, ref_counts: list[int]) -> None:
+        """check_invariants' part for the host tier."""
+        # The prefix cache's host tier: every slot holds one entry, is free, or is held by a
+        # pending load; a hash is in one tier; a pending load fills a cached block in use.
+        tier_slots = (list(self._offloaded.values()) + list(self._offload_free_ids)
+                      + list(self._pending_loads.values()))
+        assert sorted(tier_slots) == list(range(self.num_offload_blocks)), (
+            f"host tier slots are lost or held twice: {sorted(tier_slots)}")
+        assert not set(self._offloaded) & set(self._hash_to_block), (
+            "a hash is cached in both tiers")
+        for block in self._pending_loads:
+            assert block in self._block_to_hash and ref_counts[block] > 0, (
+                f"pending load into block {block}, which is not a cached block in use")
+        assert all(0 <= slot < self.num_offload_blocks for _, slot in self._pending_offloads), (
+            "a store targets a slot outside the host tier")
+        assert set(self._seq_loaded_tokens) <= set(self.block_tables) | set(
+            self._host_block_tables), "loaded-token counts of sequences that hold nothing"

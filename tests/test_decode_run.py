@@ -1,0 +1,162 @@
+"""Repeated decode steps behind one object: a plug-in that does not opt in never meets them, each
+optional capability is checked whole where it is built (one line naming what is missing), and a
+subclass that overrides a hook withdraws the promise the repeats rest on."""
+from __future__ import annotations
+
+import pytest
+
+from factories import assert_same_run, make_cfg, run_both_ways
+from policies.batching import ContinuousBatchingScheduler, PriorityScheduler
+from policies.capabilities import (AdmissionCheckingKVCache, OffloadingKVCache, has_capability,
+                                   protocol_members)
+from policies.decode_run import (DecodeRun, RepeatedStepCostModel, RepeatingExecutor,
+                                 RepeatingKVCache)
+from policies.memory import PagedBlockManager
+from policies.preemption import RecomputePreemption
+from sim.core.executor import SimExecutor
+from sim.core.experiment import run_experiment
+from sim.core.metrics import MetricsCollector, StepRecorder
+from sim.core.step import StepLoop
+from test_protocol_scheduler import REPO, FCFSScheduler
+
+PROTOCOLS = [RepeatingKVCache, RepeatingExecutor, RepeatedStepCostModel, OffloadingKVCache,
+             AdmissionCheckingKVCache]
+
+
+class NoRepeatsFCFS(FCFSScheduler):
+    """The documented from-scratch scheduler, failing if a run of repeated steps reaches it."""
+
+    def update(self, plan, result, now):
+        assert not result.step_durations and plan.decode_run is None
+        return super().update(plan, result, now)
+
+
+def test_a_from_scratch_scheduler_runs_without_meeting_repeats(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a DecodeRun was made for a scheduler that never asked for one")
+
+    monkeypatch.setattr(DecodeRun, "__init__", never)
+    result = run_experiment(make_cfg(
+        "scheduler._target_=test_decode_run.NoRepeatsFCFS", "workload.num_requests=80",
+        "workload.rate=2"), plots=False)
+    assert result.summary["completed"] == 80 and result.summary["mean_tpot_ms"] > 0
+
+
+def test_the_contract_names_no_repeats_before_schedule():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc[doc.index("# fcfs_scheduler.py"):]
+    contract = (REPO / "policies" / "protocols.py").read_text()
+    for text in (contract[:contract.index("def schedule(")], block[:block.index("```")]):
+        assert "repeat" not in text.lower() and "decode_run" not in text
+
+
+def one_short(protocol, missing: str) -> object:
+    """An object with every member of `protocol` but `missing`."""
+    members = {name: (lambda self, *args: None) for name in protocol_members(protocol)
+               if name != missing}
+    return type("OneShort", (), members)()
+
+
+@pytest.mark.parametrize("protocol", [p for p in PROTOCOLS if len(protocol_members(p)) > 1])
+def test_a_capability_half_written_names_the_missing_member_in_one_line(protocol):
+    for missing in protocol_members(protocol):
+        with pytest.raises(ValueError) as error:
+            has_capability(one_short(protocol, missing), protocol, "kv_cache")
+        message = str(error.value)
+        assert "\n" not in message
+        assert f"but no {missing}:" in message and protocol.__name__ in message
+        assert message.startswith("kv_cache (OneShort)")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_capability_had_whole_or_not_at_all(protocol):
+    assert not has_capability(object(), protocol, "kv_cache")
+    whole = one_short(protocol, missing="")
+    assert has_capability(whole, protocol, "kv_cache") and isinstance(whole, protocol)
+
+
+def test_the_built_ins_have_their_capabilities():
+    from policies.memory import ContiguousAllocator
+    from sim.core.roofline import RooflineCostModel
+
+    paged = PagedBlockManager(16, 4)
+    for protocol in (RepeatingKVCache, OffloadingKVCache, AdmissionCheckingKVCache):
+        assert has_capability(paged, protocol, "kv_cache")
+    contiguous = ContiguousAllocator(16, 4, max_model_len=16)
+    assert has_capability(contiguous, RepeatingKVCache, "kv_cache")
+    assert not has_capability(contiguous, OffloadingKVCache, "kv_cache")
+    assert has_capability(RooflineCostModel, RepeatedStepCostModel, "cost_model")
+    assert has_capability(SimExecutor(RooflineCostModel.__new__(RooflineCostModel)),
+                          RepeatingExecutor, "executor")
+
+
+class HalfRepeatingKVCache(PagedBlockManager):
+    """A KV manager whose repeats lack `frees_in_any_order` (shadowed away)."""
+
+    frees_in_any_order = property(lambda self: (_ for _ in ()).throw(AttributeError("no")))
+
+
+def test_each_builder_checks_its_capability_once():
+    with pytest.raises(ValueError, match="kv_cache .* but no frees_in_any_order:"):
+        ContinuousBatchingScheduler(HalfRepeatingKVCache(16, 4), RecomputePreemption(),
+                                    max_model_len=64, max_num_batched_tokens=64)
+
+    class HalfCostModel:   # the flag a cost model used to set, without the run's step times
+        reads_only_aggregates = True
+
+        def step_time(self, plan):
+            return 0.01
+
+    with pytest.raises(ValueError, match="cost_model .* but no repeated_step_times:"):
+        SimExecutor(HalfCostModel())
+
+    class HalfExecutor:
+        repeats_steps = True
+
+        def execute(self, plan):
+            raise AssertionError
+
+    scheduler = ContinuousBatchingScheduler(PagedBlockManager(16, 4), RecomputePreemption(),
+                                            max_model_len=64, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="executor .* but no repeated_step_times:"):
+        StepLoop(scheduler, HalfExecutor(), StepRecorder(MetricsCollector()))
+
+
+def test_a_cost_model_with_step_time_alone_runs_every_step_on_its_own():
+    class StepTimeOnly:
+        def step_time(self, plan):
+            return 1e-3 * (1 + plan.num_batched_tokens)
+
+    assert not SimExecutor(StepTimeOnly()).repeats_steps
+
+
+class ShortestPromptFirst(ContinuousBatchingScheduler):
+    """README's example: it reorders the queue and says nothing about repeats."""
+
+    def next_waiting(self, now):
+        return min(self.waiting, key=lambda request: request.prompt_len)
+
+
+class RestatedOrder(PriorityScheduler):
+    admits_in_arrival_order = True   # (wrong for priorities; only restates the flag)
+
+    def next_waiting(self, now):
+        return self.waiting[0]
+
+
+def test_an_override_withdraws_the_promise_it_does_not_restate():
+    assert ContinuousBatchingScheduler.admits_in_arrival_order
+    assert not ShortestPromptFirst.admits_in_arrival_order
+    assert ShortestPromptFirst.plain_update
+    assert RestatedOrder.admits_in_arrival_order
+
+
+def test_readmes_reordering_subclass_repeats_as_step_by_step(monkeypatch):
+    """Overloaded, short prompts arrive behind a blocked head: a run past arrivals would keep
+    them waiting where step by step admits them."""
+    overrides = ["scheduler._target_=test_decode_run.ShortestPromptFirst",
+                 "workload.num_requests=200", "workload.rate=30", "kv_cache.num_blocks=300",
+                 "++workload.prompt_len={dist: uniform, low: 8, high: 600}"]
+    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    assert max(repeated_runs) > 1
