@@ -300,5 +300,6 @@ def check_policy(obj, protocol: type, field: str) -> None:
     """Raise one line naming what `obj` (the setting `field`) lacks of `protocol`."""
     missing = missing_members(obj, protocol)
     if missing:
+        where = protocol.__module__.replace(".", "/") + ".py"
         raise ValueError(f"{field}: {type(obj).__name__} lacks {', '.join(missing)} "
-                         f"({protocol.__name__}, policies/protocols.py)")
+                         f"({protocol.__name__}, {where})")

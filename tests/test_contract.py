@@ -120,7 +120,7 @@ def test_missing_members_reads_annotations_methods_and_properties():
     assert missing_members(RecomputePreemption(), PreemptionPolicy) == []
 
     class Bare:
-        kv_cache = kv_cache   # an attribute, and a property below: both count as present
+        kv_cache = None   # an attribute, and a property below: both count as present
 
         @property
         def num_outstanding(self):
@@ -128,8 +128,10 @@ def test_missing_members_reads_annotations_methods_and_properties():
 
     assert missing_members(Bare(), Scheduler) == ["speculation", "add_request", "schedule",
                                                   "update", "has_unfinished", "queue_lengths"]
-    with pytest.raises(ValueError, match="^speculation: Bare lacks step, observe_hidden, "):
-        check_policy(Bare(), Drafter, "speculation")
+    with pytest.raises(ValueError) as error:
+        check_policy(Bare(), Drafter, "speculative_model")
+    assert str(error.value) == ("speculative_model: Bare lacks kind, step, observe_hidden, "
+                                "observe_verification (Drafter, policies/speculation/drafters.py)")
 
 
 def test_the_engine_checks_a_scheduler_object_and_its_drafter():
@@ -158,19 +160,25 @@ def test_a_run_without_first_tokens_says_so():
                                 "workload.num_requests=10"), plots=False)
 
 
-REPEATED_PROMPTS = ["workload=conversation", "workload.num_conversations=6",
+REPEATED_PROMPTS = ["workload=conversation", "workload.num_sessions=6",
                     "kv_cache.enable_prefix_caching=true"]
 
 
 def test_a_scheduler_ignoring_the_prefix_cache_is_named(capsys):
     run_experiment(make_cfg(*REPEATED_PROMPTS, "scheduler._target_=test_contract.FCFSScheduler"),
                    plots=False)
-    lines = capsys.readouterr().err.splitlines()
-    assert [line for line in lines if "enable_prefix_caching" in line] == [
-        line for line in lines if line.startswith("twinserve: kv_cache.enable_prefix_caching=true"
-                                                  " but no prompt token came from the prefix "
-                                                  "cache") and "FCFSScheduler call kv_cache."
-        "allocate_prefix" in line] != []
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if "enable_prefix_caching" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "twinserve: kv_cache.enable_prefix_caching=true but no prompt token came from the prefix "
+        "cache, though ") and lines[0].endswith("does FCFSScheduler call kv_cache.allocate_prefix?")
+    # Prompts that share no first block: nothing to hit, nothing said.
+    result = run_experiment(make_cfg(*REPEATED_PROMPTS, "workload.turns.low=1",
+                                     "workload.turns.high=1",
+                                     "scheduler._target_=test_contract.FCFSScheduler"),
+                            plots=False)
+    assert result.summary["prefix_cache_hit_rate"] == 0
+    assert "enable_prefix_caching" not in capsys.readouterr().err
     result = run_experiment(make_cfg(*REPEATED_PROMPTS), plots=False)   # the built-in one hits
     assert result.summary["prefix_cache_hit_rate"] > 0
     assert "enable_prefix_caching" not in capsys.readouterr().err
