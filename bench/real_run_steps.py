@@ -2,15 +2,19 @@
 
 A second of vLLM's own log (`vllm_timeseries.csv` of data/real-runs/llmservingsim/) in which no
 prompt token was computed is decode steps only: each running request gained one token a step,
-so the step took running / generated-tokens-per-second. The batch and its context in the middle
-of that second come from the per-request first- and last-token times (tokens spread evenly
-between them). The cost model predicts the same decode step from these aggregates; the ratio
-model / real, second by second, measures the decode kernels and the per-step terms alone,
-without scheduling, preemption or prefill in the way. Seconds with prompt tokens are reported
-too, as predicted busy time (steps x predicted step, the prompt tokens spread over the steps;
-about 1 s when the GPU was busy all the second), a coarser check of prefill.
+so the step took running / generated-tokens-per-second. The batch is the log's own `running`
+count (the mean of the second's two ticks: a preempted request waiting for its recompute is not
+in it); its context per request in the middle of that second comes from the per-request first-
+and last-token times (tokens spread evenly between them). The cost model predicts the same
+decode step from these aggregates; the ratio model / real, second by second, measures the decode
+kernels and the per-step terms alone, without scheduling, preemption or prefill in the way.
+Seconds with prompt tokens are reported too, as predicted busy time (steps x predicted step, the
+prompt tokens spread over the steps; about 1 s when the GPU was busy all the second), a coarser
+check of prefill. The run's saturated opening (prompts queued, every step a full token budget)
+measures the board's prefill rate: `--fit-compute` gives the hardware compute_efficiency that
+reproduces it.
 
-    python bench/real_run_steps.py [RUN_FOLDER ...] [--model M --hardware H --tp N] [overrides]
+    python bench/real_run_steps.py [RUN_FOLDER ...] [--fit-bandwidth] [--fit-compute] [overrides]
 
 Overrides are cost_model keys (`step_overhead_s=0`, `workstation_bandwidth_efficiency=1.0`).
 """
@@ -37,6 +41,12 @@ DEFAULT_RUNS = [RUNS / "RTX4090" / "Llama-3.1-8B", RUNS / "RTXPRO6000" / "Llama-
                 RUNS / "RTXPRO6000" / "Qwen3-32B"]
 # A decode chunk's prefill context: mid-prompt of the runs' mean 857-token prompts.
 PREFILL_CONTEXT = 400
+# A second whose KV cache use reached this share (vLLM's kv_cache_pct) may have preempted.
+KV_PRESSURE_PCT = 95.0
+# A request scheduled this long after it was queued waited for the token budget (a backlog).
+ADMISSION_WAIT_S = 0.01
+# A saturated stretch shorter than this is too few steps to measure a rate on.
+MIN_SATURATED_S = 1.5
 
 
 def batch_at(requests: list[dict], offset: float, when: float) -> tuple[int, float]:
@@ -50,7 +60,9 @@ def batch_at(requests: list[dict], offset: float, when: float) -> tuple[int, flo
     return num, context
 
 
-def cost_model_of(folder: Path, overrides: dict) -> GPUCostModel:
+def cost_model_of(folder: Path, overrides: dict, **hardware_fields) -> GPUCostModel:
+    """The shipped GPU cost model for the run's model, hardware (its fields replaced by
+    `hardware_fields`) and TP, its cost_model keys replaced by `overrides`."""
     meta = json.loads((folder / "vllm_meta.json").read_text())
     config = json.loads((folder / "config.json").read_text())["nodes"][0]["instances"][0]
     model = match_model(meta["model"])
@@ -61,7 +73,8 @@ def cost_model_of(folder: Path, overrides: dict) -> GPUCostModel:
                                  "workstation_bandwidth_efficiency",
                                  "workstation_compute_efficiency")}
     return GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
-                        OmegaConf.load(CONF_DIR / "hardware" / f"{hardware}.yaml"), tp,
+                        {**OmegaConf.to_container(OmegaConf.load(
+                            CONF_DIR / "hardware" / f"{hardware}.yaml")), **hardware_fields}, tp,
                         **{**terms, **overrides})
 
 
@@ -73,23 +86,118 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
     offset = float(np.median([r["arrival_time"] - r["queued_ts"] for r in requests]))
     rows = []
     with open(folder / "vllm_timeseries.csv", newline="") as file:
-        for tick in csv.DictReader(file):
-            prompt, generated = float(tick["prompt_throughput"]), float(tick["gen_throughput"])
-            num, context = batch_at(requests, offset, start + float(tick["t"]) - 0.5)
-            if num == 0 or generated < 2 * num:   # too few steps in the second to read one
-                continue
-            steps = generated / num
-            chunk = int(prompt / steps)
-            plan = StepPlan(num_decode_seqs=num, decode_context_tokens=int(context),
-                            num_prefill_tokens=chunk, num_prefill_seqs=1 if chunk else 0,
-                            prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
-                            prefill_context_tokens=chunk + PREFILL_CONTEXT if chunk else 0,
-                            sum_squared_prefill_chunks=chunk * chunk)
-            predicted = cost_model.step_time(plan)
-            rows.append({"t": float(tick["t"]), "decodes": num, "context": int(context),
-                         "prompt_tokens": prompt, "real_step_ms": 1e3 / steps,
-                         "model_step_ms": 1e3 * predicted, "busy_s": steps * predicted})
+        ticks = list(csv.DictReader(file))
+    for before, tick in zip([None, *ticks], ticks):
+        prompt, generated = float(tick["prompt_throughput"]), float(tick["gen_throughput"])
+        decoding, context = batch_at(requests, offset, start + float(tick["t"]) - 0.5)
+        # The log's running count excludes requests preempted and waiting for their recompute,
+        # which the per-request times would count as decoding from first to last token.
+        running = (float(tick["running"]) + float(before["running"] if before else 0)) / 2
+        num = min(decoding, round(running)) if decoding else 0
+        if num == 0 or generated < 2 * num:   # too few steps in the second to read one
+            continue
+        context *= num / decoding
+        steps = generated / num
+        chunk = int(prompt / steps)
+        plan = StepPlan(num_decode_seqs=num, decode_context_tokens=int(context),
+                        num_prefill_tokens=chunk, num_prefill_seqs=1 if chunk else 0,
+                        prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
+                        prefill_context_tokens=chunk + PREFILL_CONTEXT if chunk else 0,
+                        sum_squared_prefill_chunks=chunk * chunk)
+        predicted = cost_model.step_time(plan)
+        rows.append({"t": float(tick["t"]), "decodes": num, "context": int(context),
+                     "prompt_tokens": prompt, "real_step_ms": 1e3 / steps,
+                     "model_step_ms": 1e3 * predicted, "busy_s": steps * predicted,
+                     # Requests waited all second (the GPU never idled); at KV pressure the
+                     # engine may have recomputed preempted requests, which no counter logs.
+                     "saturated": bool(before) and min(float(before["waiting"]),
+                                                       float(tick["waiting"])) > 0,
+                     "kv_pressure": max(float(tick["kv_cache_pct"]),
+                                        float(before["kv_cache_pct"]) if before else 0.0)
+                     >= KV_PRESSURE_PCT})
     return rows
+
+
+def saturated_prefill(folder: Path) -> dict | None:
+    """The run's saturated opening: the longest stretch of requests, in first-token order, each
+    of which waited to be scheduled (a backlog of prompts: the GPU never idled and each step
+    filled its token budget), ending before vLLM's log first shows KV pressure (past it,
+    preempted requests are recomputed and no counter logs that work) or max_num_seqs running.
+    None when no stretch lasts MIN_SATURATED_S.
+
+    {"seconds", "prompt_tokens", "decode_tokens", "decodes" (mean decoding requests), "context"
+    (their mean total context)}: what the GPU computed in those seconds."""
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    requests = sorted((json.loads(line) for line in (folder / "vllm_requests.jsonl").open()),
+                      key=lambda r: r["first_token_ts"])
+    start = min(r["queued_ts"] for r in requests)
+    max_num_seqs = int(meta["engine_kwargs"]["max_num_seqs"])
+    with open(folder / "vllm_timeseries.csv", newline="") as file:
+        # Past these ticks steps no longer fill the token budget with prompts: the KV cache or
+        # max_num_seqs holds admission back.
+        limited = [float(t["t"]) - 1 for t in csv.DictReader(file)
+                   if float(t["kv_cache_pct"]) >= KV_PRESSURE_PCT
+                   or float(t["running"]) >= max_num_seqs]
+    # The log's t counts from the engine's start; the first request arrives within its first
+    # second, so the tick before the limit is a safe bound in the requests' clock.
+    end = start + (min(limited) if limited else float("inf"))
+    best, stretch = [], []
+    for r in requests:
+        if r["scheduled_ts"] - r["queued_ts"] > ADMISSION_WAIT_S and r["first_token_ts"] < end:
+            stretch.append(r)
+            if len(stretch) > len(best):
+                best = list(stretch)
+        else:
+            stretch = []
+    if len(best) < 2 or best[-1]["first_token_ts"] - best[0]["first_token_ts"] < MIN_SATURATED_S:
+        return None
+    # From the first's first token to the last's: the prompts in between were computed there.
+    t0, t1 = best[0]["first_token_ts"], best[-1]["first_token_ts"]
+    decode_tokens, decoding_s, context_s = 0.0, 0.0, 0.0
+    for r in requests:
+        first, last = r["first_token_ts"], r["last_token_ts"]
+        overlap = min(t1, last) - max(t0, first)
+        if overlap <= 0 or last <= first:
+            continue
+        rate = (r["output_toks"] - 1) / (last - first)
+        decode_tokens += rate * overlap
+        decoding_s += overlap
+        middle = (max(t0, first) + min(t1, last)) / 2
+        context_s += overlap * (r["input_toks"] + rate * (middle - first))
+    seconds_ = t1 - t0
+    return {"seconds": seconds_, "prompt_tokens": sum(r["input_toks"] for r in best[1:]),
+            "decode_tokens": decode_tokens, "decodes": decoding_s / seconds_,
+            "context": context_s / seconds_,
+            "token_budget": int(meta["engine_kwargs"]["max_num_batched_tokens"])}
+
+
+def predicted_saturated_s(window: dict, cost_model: GPUCostModel) -> float:
+    """Seconds the cost model takes for the window's work in full steps of the token budget:
+    each step the window's mean decodes plus a prompt chunk filling the rest."""
+    decodes = max(1, round(window["decodes"]))
+    chunk = window["token_budget"] - decodes
+    steps = (window["prompt_tokens"] + window["decode_tokens"]) / window["token_budget"]
+    plan = StepPlan(num_decode_seqs=decodes, decode_context_tokens=int(window["context"]),
+                    num_prefill_tokens=chunk, num_prefill_seqs=1,
+                    prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
+                    prefill_context_tokens=chunk + PREFILL_CONTEXT,
+                    sum_squared_prefill_chunks=chunk * chunk)
+    return steps * cost_model.step_time(plan)
+
+
+def fitted_compute_efficiency(folder: Path, overrides: dict) -> float | None:
+    """The hardware's compute_efficiency at which the run's saturated opening takes as long in
+    the model as it did (None without one): the board's own prefill rate."""
+    window = saturated_prefill(folder)
+    if window is None:
+        return None
+    low, high = 0.25, 4.0
+    for _ in range(30):
+        middle = (low * high) ** 0.5
+        model = cost_model_of(folder, overrides, compute_efficiency=middle)
+        predicted = predicted_saturated_s(window, model)
+        low, high = (middle, high) if predicted > window["seconds"] else (low, middle)
+    return (low * high) ** 0.5
 
 
 def fitted_bandwidth_efficiency(folder: Path, overrides: dict) -> float:
@@ -118,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-bandwidth", action="store_true",
                         help="also print each workstation run's fitted bandwidth efficiency and "
                              "its decode steps predicted with the others' mean")
+    parser.add_argument("--fit-compute", action="store_true",
+                        help="also print each run's saturated opening (prompt tokens a second "
+                             "while prompts queued, before KV pressure) and the hardware "
+                             "compute_efficiency that reproduces it")
     args = parser.parse_args(argv)
     arguments = args.arguments
     runs = [Path(a) for a in arguments if "=" not in a] or DEFAULT_RUNS
@@ -155,6 +267,18 @@ def main(argv: list[str] | None = None) -> None:
                 line += (f"; with the others' {np.mean(others):.3f} its decode steps come out "
                          f"{100 * (statistics.median(ratios) - 1):+.1f} % (median)")
             print(line)
+    if args.fit_compute:
+        for folder in (run if run.is_absolute() else Path.cwd() / run for run in runs):
+            window = saturated_prefill(folder)
+            name = f"{folder.parent.name}/{folder.name}"
+            if window is None:
+                print(f"{name}: no saturated opening (prompts never queued {MIN_SATURATED_S:g} s "
+                      "before KV pressure or max_num_seqs running)")
+                continue
+            print(f"{name}: saturated opening {window['seconds']:.2f} s, "
+                  f"{window['prompt_tokens'] / window['seconds']:,.0f} prompt tokens/s beside "
+                  f"{window['decodes']:.0f} decodes; compute_efficiency "
+                  f"{fitted_compute_efficiency(folder, overrides):.3f}")
 
 
 if __name__ == "__main__":

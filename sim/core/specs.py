@@ -184,9 +184,13 @@ class HardwareSpec:
     # RTX cards): the GPU cost model's tables are all datacenter boards, and a workstation board
     # reaches a different share of its spec-sheet rates (a fitted term of that model).
     board: str = "datacenter"
+    # The board's dense GEMMs against its spec FLOP/s, relative to the measured tables' boards
+    # (1.0: the same share); measured from the board's own saturated prefill where one exists.
+    compute_efficiency: float = 1.0
 
     def __post_init__(self):
         owner = f"HardwareSpec({self.name!r})"
+        positive_number(f"{owner}.compute_efficiency", self.compute_efficiency)
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
                      "interconnect_gbps"):
             positive_number(f"{owner}.{name}", getattr(self, name))

@@ -169,7 +169,9 @@ class GPUCostModel(RooflineCostModel):
         self.expected_error_pct = self.expected_errors["linear"][self.linear_transfer_kind]
         self._sources = {
             "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
-                                      "embedding and final norm per step)",
+                                      "embedding and final norm per step)"
+                      + ("" if self.hardware.compute_efficiency == 1.0 else
+                         f"; the board's compute_efficiency {self.hardware.compute_efficiency:g}"),
             "lm_head": f"predicted from {self.op_table.name} gate+up GEMM by the LM head's roofline ratio",
             "attention": attention.source,
             "allreduce": allreduce_source,
@@ -187,15 +189,17 @@ class GPUCostModel(RooflineCostModel):
         }
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
-        """`hardware` with the rates its kernels are predicted at (its own for a datacenter
-        board, like every measured one; scaled by the workstation efficiencies otherwise)."""
+        """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
+        own measured compute_efficiency, and a workstation board's rates by the workstation
+        efficiencies (the measured tables are all datacenter boards)."""
+        peak_tflops = hardware.peak_tflops * hardware.compute_efficiency
         if hardware.board != "workstation":
-            return hardware
+            return dataclasses.replace(hardware, peak_tflops=peak_tflops)
         return dataclasses.replace(
             hardware,
             memory_bandwidth_gbps=hardware.memory_bandwidth_gbps
             * self.workstation_bandwidth_efficiency,
-            peak_tflops=hardware.peak_tflops * self.workstation_compute_efficiency)
+            peak_tflops=peak_tflops * self.workstation_compute_efficiency)
 
     def describe(self) -> dict[str, str]:
         """Per term, what it was taken from."""
