@@ -356,7 +356,7 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     speculative_model "medusa" or "lookahead") that many tokens. With a speed_reference (a
     profile's speed reference, or the profile's path) its step durations are normalised to the
     profile's machine speed. On CUDA decode steps run as CUDA graphs unless enforce_eager."""
-    if (speculative_model in (MEDUSA, LOOKAHEAD)) != (tree is not None) or (
+    if (speculative_model in drafters.TREE_DRAFTERS) != (tree is not None) or (
             tree is not None and tree.method != speculative_model):
         raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
                          f"and lookahead need their TreeSpec, other drafters none")

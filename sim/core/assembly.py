@@ -43,7 +43,8 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
                      max_num_batched_tokens=max_num_batched_tokens)
     if max_num_seqs is not None:
         arguments["max_num_seqs"] = max_num_seqs
-    if speculation is not None:   # only a drafting run passes it: a scheduler of its own need not know it
+    # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
+    if speculation is not None:
         if isinstance(speculation, DictConfig):
             speculation = build_policy(speculation, "speculation")
         check_policy(speculation, SpeculationPolicy, "speculation")

@@ -198,7 +198,8 @@ def cost_model_summary(cost_models: list) -> dict:
     the kernels' error alone; how whole runs compare with real ones is in
     docs/validation-results.md ("Real GPUs")."""
     for cost_model in cost_models:
-        if isinstance(cost_model, StatesExpectedError) and cost_model.expected_error_pct is not None:
+        if (isinstance(cost_model, StatesExpectedError)
+                and cost_model.expected_error_pct is not None):
             return {"kernel_time_expected_error_pct": float(cost_model.expected_error_pct)}
     return {}
 
