@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check in one command, for a lent GPU: bench/gpu_check.py's steps (kernel
-# configurations against the oracle, the engine against HF generate, decode bandwidth, engine
-# throughput, a profile and a small validation grid), each under its own budget, the whole
-# within 9 minutes; results stream as a table and go to one JSON file, $OUT/gpu_check.json
-# when $OUT is set (a lent machine's output folder), else gpu_check_out/gpu_check.json.
+# The GPU check in one command, for a lent GPU: bench/gpu_check.py's steps (the engine against
+# HF generate, speculative decoding, the simulator against the engine on a Llama-2-7B-shaped
+# model, decode bandwidth and throughput against their goals, kernel configurations against the
+# oracle), each under its own budget, the whole within 9 minutes; results stream as a table
+# and go to $OUT (a lent machine's output folder; else gpu_check_out/): gpu_check.json,
+# gpu_check.log (this output), fidelity.md and fidelity.json, the 7B profile.
 #
 #   bash bench/gpu_check.sh                     # check with $PYTHON (default python3) as it is
+#   bash bench/gpu_check.sh --smoke             # every step at toy sizes on this CPU (Triton's
+#                                               # interpreter): proves the script, not a GPU
+#   bash bench/gpu_check.sh --carried DIR       # a lent machine (the image's CUDA torch): first
+#                                               # pip-install the wheels in DIR into a throwaway
+#                                               # folder on PYTHONPATH (bench/gpu_check_wheels.sh
+#                                               # DIR makes them on a machine with network)
 #   bash bench/gpu_check.sh --install           # first make .venv-gpu: the environment's torch
 #                                               # (a CUDA build, else one from the PyTorch index),
 #                                               # the project and its dependencies; then check
@@ -22,15 +29,22 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 install=0
 wheels=""
+smoke=0
+carried=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --install) install=1 ;;
+        --smoke) smoke=1 ;;
+        --carried) carried=${2:-}; shift
+                   if [ -z "$carried" ] || ! ls "$carried"/*.whl >/dev/null 2>&1; then
+                       echo "gpu_check: --carried needs a folder of wheels (bash bench/gpu_check_wheels.sh DIR makes it), got '${carried}'"; exit 2
+                   fi ;;
         --wheels) wheels=${2:-}; shift
                   if [ -z "$wheels" ] || [ ! -d "$wheels" ]; then
                       echo "gpu_check: --wheels needs a folder of wheels, got '${wheels}'"; exit 2
                   fi ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-        *) echo "gpu_check: unknown argument '$1' (--install, --wheels DIR)"; exit 2 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        *) echo "gpu_check: unknown argument '$1' (--install, --wheels DIR, --carried DIR, --smoke)"; exit 2 ;;
     esac
     shift
 done
@@ -38,11 +52,28 @@ if [ -n "$wheels" ] && [ $install -eq 0 ]; then
     echo "gpu_check: --wheels DIR goes with --install"; exit 2
 fi
 
+out=${OUT:-gpu_check_out}
+if [ $smoke -eq 1 ]; then
+    mkdir -p "$out"
+    env PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_check.py --smoke --out "$out" 2>&1 \
+        | tee "$out/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
+fi
+
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_check: no GPU here, nothing checked (nvidia-smi finds none)"
     exit 3
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+if [ -n "$carried" ]; then
+    # The device README's recipe: no venv, no network; the image's torch and triton stay.
+    site=$(mktemp -d /tmp/gpu_check_site.XXXXXX)
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$carried"/*.whl || {
+        echo "gpu_check: cannot install the wheels in $carried (see pip's lines above)"; exit 2; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 if [ $install -eq 1 ]; then
     venv=.venv-gpu
@@ -75,4 +106,6 @@ if [ $install -eq 1 ]; then
     PYTHON=$venv/bin/python
 fi
 
-exec env PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_check.py --out "${OUT:-gpu_check_out}"
+mkdir -p "$out"
+env PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+exit "${PIPESTATUS[0]}"

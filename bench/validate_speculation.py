@@ -23,7 +23,7 @@ varies by several % from draw to draw where the engine's, on fixed texts, does n
     python bench/validate_speculation.py --drafter medusa --ks 4 --tree '[[0],[0,0],[0,0,0]]'
 
 Medusa's acceptance is drawn per tree node where the statistics measured the tree's nodes
-(sim/core/acceptance.py); --per-depth drops the statistics' node counts to compare with the
+(sim/core/acceptance/); --per-depth drops the statistics' node counts to compare with the
 per-depth draws.
 
 Needs the profiles of both executors (`make profile-speculation` writes them; for medusa and

@@ -20,6 +20,7 @@ from engine.lookahead import LookaheadDrafter
 from engine.medusa import MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
+from engine.preflight import requested_device
 from engine.sampler import Sampler
 from kernels import get_kernel_ops
 from policies.protocols import BoundedScheduler, OffloadingKVCacheManager, Scheduler, check_policy
@@ -91,9 +92,7 @@ class Engine:
 
 
 def resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return requested_device(device, "device")   # CUDA asked for where there is none: one line
 
 
 def kv_cache_limit_gb(device, cpu_kv_cache_gb: float,

@@ -13,6 +13,7 @@ prompt, `step` runs one step and returns what it gave each request (`StepOutput`
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from tqdm import tqdm
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from engine.builder import LOOKAHEAD, build_engine
 from engine.config import EngineConfig
 from engine.lookahead import GREEDY_ONLY
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, as_sampling_params
 from policies.types import Request, Sequence
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
@@ -147,21 +148,26 @@ class LLM:
         return time.perf_counter() - self._clock_start
 
     def generate(self, prompts,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | dict | list | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a list of token ids, or a string
         when the model has a tokenizer; one prompt alone may be passed as such. `priority`: one
-        integer per prompt (lower runs first), for a scheduler that reads it (vLLM's argument)."""
+        integer per prompt (lower runs first), for a scheduler that reads it (vLLM's argument).
+        `sampling_params`: one for every prompt or one per prompt, each a SamplingParams or a dict
+        of its fields. A request that cannot run (its prompt, or the scheduler's rejection) comes
+        back with `error` set and no outputs."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+        if (isinstance(sampling_params, (SamplingParams, Mapping, str))
+                or not isinstance(sampling_params, Iterable)):
+            params_list = [as_sampling_params(sampling_params)] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = [as_sampling_params(params, f"sampling_params[{index}]")
+                           for index, params in enumerate(sampling_params)]
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; "
                                  f"give one, or one per prompt")
@@ -189,7 +195,8 @@ class LLM:
         """Queue one prompt (token ids, or a string with a tokenizer) for `step`. Returns its
         output: `error` says why it will not run; otherwise `request_id` names it in the
         StepOutputs of later steps, the last of which carries the finished output."""
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = SamplingParams() if sampling_params is None else as_sampling_params(
+            sampling_params)
         output, request = self._queue(prompt, params, priority)
         if request is not None:
             self._live[request.request_id] = _LiveRequest(request, output, [0] * request.n)
@@ -247,9 +254,6 @@ class LLM:
         self._next_request_id += 1
         text = prompt if isinstance(prompt, str) else None
         output = RequestOutput(request_id, text, None)
-        if not isinstance(params, SamplingParams):
-            output.error = f"sampling params must be a SamplingParams, got {type(params).__name__}"
-            return output, None
         output.error = params.error()
         if (output.error is None and self.config.speculative_model == LOOKAHEAD
                 and not params.greedy):

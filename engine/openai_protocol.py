@@ -81,9 +81,12 @@ def engine_request(body: CompletionRequest) -> tuple[Any, SamplingParams]:
     elif body.min_tokens == max_tokens:
         ignore_eos = True   # (the output cannot stop before max_tokens)
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    params = SamplingParams(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
-                            max_tokens=max_tokens, ignore_eos=ignore_eos, n=body.n,
-                            seed=body.seed)
+    try:   # (SamplingParams checks its fields when built: a bad one is the request's 400)
+        params = SamplingParams(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
+                                max_tokens=max_tokens, ignore_eos=ignore_eos, n=body.n,
+                                seed=body.seed)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
     return prompt, params
 
 

@@ -1,7 +1,9 @@
-"""Sampling parameters, shaped like vLLM's."""
+"""Sampling parameters, shaped like vLLM's: checked when built, as vLLM's are, so a bad value is
+one line naming its argument at the call that made it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from policies import validators
 
@@ -21,13 +23,18 @@ class SamplingParams:
     # Sample j of a request uses seed + j, so n samples equal n requests with seeds seed..seed+n-1.
     seed: int | None = None
 
+    def __post_init__(self):
+        error = self.error()
+        if error is not None:
+            raise ValueError(error)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def error(self) -> str | None:
-        """Why these parameters are invalid, or None. Checked per request at generate time, so
-        one bad request fails alone."""
+        """Why these parameters are invalid, or None. Checked when they are built and again per
+        request at generate time (a field changed since fails that request alone)."""
         try:
             validators.non_negative_number("temperature", self.temperature)
             # Rules of their own (-1 turns top-k off; any integer seeds), so no shared validator.
@@ -43,3 +50,19 @@ class SamplingParams:
         except ValueError as error:
             return str(error)
         return None
+
+
+def as_sampling_params(value, name: str = "sampling_params") -> SamplingParams:
+    """A SamplingParams as is, or one built from a dict of its fields ({"max_tokens": 3}); a
+    ValueError naming `name` for anything else or a field it does not have."""
+    if isinstance(value, SamplingParams):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a SamplingParams or a dict of its fields, got "
+                         f"{type(value).__name__}")
+    known = [field.name for field in fields(SamplingParams)]
+    unknown = sorted(str(key) for key in value if key not in known)
+    if unknown:
+        raise ValueError(f"{name}: SamplingParams has no field {', '.join(unknown)}; its fields: "
+                         f"{', '.join(known)}")
+    return SamplingParams(**value)

@@ -23,8 +23,9 @@ TRUE_TERMS = {"step_overhead_s": 3.0e-3, "per_sequence_overhead_s": 4.0e-5}
 
 
 def measured_run(tmp_path: Path, terms: dict[str, float], name: str, rate: float = 6.0,
-                 seed: int = 1) -> Path:
-    """A CSV run: a Poisson workload simulated with `terms` set, as if measured."""
+                 seed: int = 1, extra_overrides: tuple[str, ...] = ()) -> Path:
+    """A CSV run: a Poisson workload simulated with `terms` (and `extra_overrides`) set, as if
+    measured."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, 80))
     rows = [{"arrival_s": repr(float(t)), "prompt_len": int(p), "output_len": int(o),
@@ -33,7 +34,8 @@ def measured_run(tmp_path: Path, terms: dict[str, float], name: str, rate: float
     path = tmp_path / f"{name}.csv"
     write_rows(path, rows)
     workload = read_run(path)
-    overrides = [*SETTINGS, *(f"cost_model.{k}={v!r}" for k, v in terms.items())]
+    overrides = [*SETTINGS, *(f"cost_model.{k}={v!r}" for k, v in terms.items()),
+                 *extra_overrides]
     simulated = simulate(workload, compose_replay_config(workload, overrides))
     for row, request in zip(rows, simulated.requests):
         row["ttft_s"] = repr(request.first_token_time - request.arrival_time)

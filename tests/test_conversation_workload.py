@@ -1,5 +1,6 @@
-"""Tests for the conversation workload (sim/core/workload.py, conf/workload/conversation.yaml):
-multi-turn sessions whose later prompts carry the conversation so far, so the prefix cache hits."""
+"""Tests for the conversation workload (sim/core/workload/conversation.py,
+conf/workload/conversation.yaml): multi-turn sessions whose later prompts carry the conversation
+so far, so the prefix cache hits."""
 from __future__ import annotations
 
 import numpy as np

@@ -164,9 +164,11 @@ def test_stops_at_eos(reference_llm, prompts, expected):
 
 def test_bad_requests_fail_alone(reference_llm, prompts, expected):
     greedy4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    changed_since = SamplingParams()
+    changed_since.top_p = 1.5   # (built valid: generate checks again)
     outputs = reference_llm.generate(
         [prompts[2], [5] * 2100, [], [5, 600], [-1, 4], prompts[4], [5] * 2040, "a string"],
-        [greedy4, greedy4, greedy4, greedy4, greedy4, SamplingParams(top_p=1.5),
+        [greedy4, greedy4, greedy4, greedy4, greedy4, changed_since,
          SamplingParams(max_tokens=10), greedy4],
         use_tqdm=False)
     errors = [out.error for out in outputs]

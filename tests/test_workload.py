@@ -1,4 +1,4 @@
-"""Tests for sim/core/workload.py: synthetic sampling, trace replay, validation, the yaml presets."""
+"""Tests for sim/core/workload/: synthetic sampling, trace replay, validation, the yaml presets."""
 from __future__ import annotations
 
 import csv

@@ -52,6 +52,8 @@ def check_run_settings(cfg: DictConfig) -> None:
         non_negative_int("sim_seed", cfg.sim_seed)
     positive_int("cluster.num_replicas", cfg.cluster.num_replicas)
     positive_int("cluster.tensor_parallel_size", cfg.cluster.tensor_parallel_size)
+    if cfg.backend.get("preflight") is not None:   # the backend's own check (engine/preflight.py)
+        build_policy(cfg.backend.preflight, "backend.preflight")
 
 
 def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:

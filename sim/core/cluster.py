@@ -1,25 +1,12 @@
 """A cluster as a list of pools, and prefill/decode disaggregation between them.
 
-`cluster.pools` lists the pools, each with a `name`, a `role` (mixed | prefill | decode), its
-`num_replicas`, a `router` and optional overrides of the run's `hardware`,
-`tensor_parallel_size`, `scheduler` and `kv_cache` (a conf/ name, a {_target_: ...} mapping that
-replaces the group, or a mapping of fields merged over it). Without `cluster.pools` the cluster is
-one mixed pool of `cluster.num_replicas` replicas routed by `cluster.router`, built exactly as
-before pools existed.
-
-With a prefill and a decode pool, each request (n = 1) that the `cluster.disaggregate` policy
-sends there runs its prefill on a prefill replica, whose scheduler stops it after its first token
-(TTFT ends there) and keeps its blocks; the decode pool's router picks a decode replica, whose
-scheduler allocates blocks for the transferred KV (or the request waits there, first come first
-served, until a step of that replica frees room); the KV then moves over the links of
-`cluster.kv_transfer.topology`, one transfer at a time per link (a simpy resource each); on
-landing the prefill replica frees its blocks and the decode replica decodes. Other requests run
-colocated: on the mixed pool, or whole on a prefill replica when there is none.
-
-A decode replica admits a hand-off between its steps, as a scheduler admits arrivals. Repeated
-decode steps on a prefill or decode replica end where a transfer could next start or land
-(`DisaggregatedCluster.next_event`), so a run plans the steps that one planned step by step
-would.
+`cluster.pools` lists the pools (name, role, replicas, router, overrides of the run's parts);
+without it the cluster is one mixed pool of `cluster.num_replicas` replicas routed by
+`cluster.router`. With a prefill and a decode pool, a request the `cluster.disaggregate` policy
+hands off prefills on a prefill replica, waits for room on a decode replica, and decodes there
+once its KV has crossed the links of `cluster.kv_transfer.topology`. Repeated decode steps end at
+the cluster's next event (`DisaggregatedCluster.next_event`), so they plan what single steps
+would. docs/architecture.md ("Pools and prefill/decode disaggregation") has the details.
 """
 from __future__ import annotations
 

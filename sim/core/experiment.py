@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from policies.types import Request
+from policies.validators import finite_number, non_negative_number
 from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import (build_policy, build_predictor, build_replica_executor,
                             check_run_settings, cost_model_summary, kv_cache_policy_config,
@@ -92,6 +93,13 @@ def warn_unused_features(cfg: DictConfig, requests: list[Request], summary: dict
               f"ask preemption.mode and call kv_cache.swap_out?", file=sys.stderr)
 
 
+def frontend_latency(cfg: DictConfig) -> float:
+    """cluster.frontend_latency_s, checked (0 when the config has none)."""
+    key = "cluster.frontend_latency_s"
+    return float(non_negative_number(key, finite_number(
+        key, cfg.cluster.get("frontend_latency_s", 0.0))))
+
+
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                    progress: bool = False, plots: bool = True,
                    requests: list[Request] | None = None) -> RunResult:
@@ -135,7 +143,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
                                        next_arrival, on_requests_done=bar.update)
         router = cluster.router
-    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor))
+    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
+                         frontend_latency(cfg)))
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise); and
     # collect the young objects less often: most that a step keeps (its row) are never garbage.
@@ -175,6 +184,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
         metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
+        if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
+            from sim.tools.trace_export import write_trace
+            write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
+                        metrics.replica_labels)
     return RunResult(summary, requests, metrics, num_blocks, replicas)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from policies.protocols import Scheduler
 from policies.types import Request, Sequence, StepPlan, StepResult
@@ -484,9 +485,9 @@ class MetricsCollector:
         written = [summary_path, requests_path, steps_path]
         if plots:
             # Imported here so that runs that never plot never import matplotlib.
-            from sim.tools.plots import write_plots
+            from sim.tools.plots import kv_block_capacities, write_plots
             written += write_plots(out_dir, requests, self.step_rows, STEP_COLUMNS,
-                                   self.replica_labels)
+                                   self.replica_labels, kv_block_capacities(summary))
         return written
 
 
@@ -663,9 +664,6 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_column(style="bold")
     totals.add_column(justify="right")
     totals.add_row("completed / rejected", f"{summary['completed']:,} / {summary['rejected']:,}")
-    if summary.get("rejected_reason"):
-        totals.add_row("rejected because", f"{summary['rejected_reason']} "
-                                           f"({summary['rejected_reason_count']:,} like it)")
     totals.add_row("duration (sim)", f"{_fmt(summary['duration_s'])} s")
     totals.add_row("requests/s", _fmt(summary["request_throughput"]))
     totals.add_row("output tok/s", _fmt(summary["output_throughput"], 1))
@@ -676,6 +674,8 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_row("preemptions", f"{summary['num_preemptions']:,}")
     totals.add_row("peak KV blocks", f"{summary['peak_kv_blocks']:,}")
     totals.add_row("KV waste", f"{summary['kv_waste_fraction']:.1%}")
+    if "prefix_cache_hit_rate" in summary:
+        totals.add_row("prefix cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}")
     if summary.get("swap_bytes"):
         totals.add_row("swapped", f"{summary['swap_bytes'] / 2**20:,.1f} MiB")
     if summary.get("num_draft_tokens"):
@@ -704,13 +704,18 @@ def format_summary_table(summary: dict) -> Table:
 
     grid = Table.grid(padding=(0, 4))
     grid.add_row(totals, latencies)
+    # Below the two tables, not in their columns, which a long line would squeeze and wrap.
+    below = [Text(f"rejected because: {summary['rejected_reason']} "
+                  f"({summary['rejected_reason_count']:,} like it)")
+             ] if summary.get("rejected_reason") else []
     groups = _format_groups(summary)
-    if groups is None:
+    below += [groups] if groups is not None else []
+    if not below:
         return grid
-    # Below the two tables, not in their columns, which would squeeze it to the totals' width.
     stacked = Table.grid(padding=(1, 0))
     stacked.add_row(grid)
-    stacked.add_row(groups)
+    for part in below:
+        stacked.add_row(part)
     return stacked
 
 

@@ -147,15 +147,17 @@ class Replica:
 
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,
              replicas: list[Replica], next_arrival: NextArrival | None = None,
-             predictor=None):
-    """Hand each request to the replica the router picks, at its arrival time; keep
-    `next_arrival` at the time the next one will arrive. With a length `predictor` (a
+             predictor=None, frontend_latency_s: float = 0.0):
+    """Hand each request to the replica the router picks, `frontend_latency_s` after its
+    arrival time (the serving front end's latency, cluster.frontend_latency_s); keep
+    `next_arrival` at the time the next one will reach a replica. With a length `predictor` (a
     LengthPredictor, policies/prediction), each request's `predicted_output_len` is its
     prediction, made at arrival before routing."""
     next_arrival = next_arrival or NextArrival()
     predict = predictor.predict if predictor is not None else None
     for request in requests:
-        delay = request.arrival_time - env.now
+        # arrival_time stays the client's send time, so TTFT and E2E include the latency.
+        delay = request.arrival_time + frontend_latency_s - env.now
         if delay > 0:
             next_arrival.time = env.now + delay   # the time simpy will wake this process at
             yield env.timeout(delay)

@@ -94,12 +94,40 @@ def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: s
         ax.legend(loc="upper right", fontsize="small")
 
 
+def kv_block_capacities(summary: dict) -> dict[str, int]:
+    """A replica's KV blocks, by the name of its line in kv_blocks.png: each pool's (a run's
+    `per_pool`) or the run's `num_kv_blocks`; {} when the summary has neither."""
+    if summary.get("per_pool"):
+        return {f"{name} pool": pool["num_kv_blocks"] for name, pool in summary["per_pool"].items()}
+    return {"pool": summary["num_kv_blocks"]} if "num_kv_blocks" in summary else {}
+
+
+def plot_kv_blocks(ax, steps: np.ndarray, columns: tuple[str, ...],
+                   capacities: dict[str, int] | None = None,
+                   replica_labels: dict[int, str] | None = None) -> None:
+    """Blocks in use per replica, and a dashed line at each pool's capacity (kv_block_capacities),
+    so that how close a run came to preempting shows."""
+    ax.set_title("KV cache blocks in use")
+    _plot_per_replica(ax, steps, columns, "kv_blocks_used", "blocks", replica_labels)
+    by_size: dict[int, list[str]] = {}
+    for name, blocks in (capacities or {}).items():
+        by_size.setdefault(int(blocks), []).append(name)
+    for blocks, names in by_size.items():
+        ax.axhline(blocks, color="black", linestyle="--", linewidth=0.8,
+                   label=f"{' / '.join(names)} capacity ({blocks:,} blocks)")
+    if by_size:
+        ax.set_ylim(bottom=0, top=max(by_size) * 1.05)
+        ax.legend(loc="lower right", fontsize="small")
+
+
 def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
                 step_columns: tuple[str, ...],
-                replica_labels: dict[int, str] | None = None) -> list[Path]:
+                replica_labels: dict[int, str] | None = None,
+                kv_capacities: dict[str, int] | None = None) -> list[Path]:
     """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir; return their paths.
     Empty inputs give labelled figures that say "no data" rather than an error. Each replica's
-    line is named by `replica_labels` (replica_id -> name), else "replica <id>"."""
+    line is named by `replica_labels` (replica_id -> name), else "replica <id>"; kv_blocks.png
+    marks each pool's capacity in `kv_capacities` (kv_block_capacities)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = tuple(step_columns)
@@ -111,8 +139,7 @@ def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
 
     kv_path = out_dir / "kv_blocks.png"
     fig, ax = plt.subplots(figsize=(10, 4), constrained_layout=True)
-    ax.set_title("KV cache blocks in use")
-    _plot_per_replica(ax, steps, columns, "kv_blocks_used", "blocks", replica_labels)
+    plot_kv_blocks(ax, steps, columns, kv_capacities, replica_labels)
     fig.savefig(kv_path, dpi=100)
     plt.close(fig)
 

@@ -38,6 +38,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sim.tools.report_labels import (format_value, metric_heading, metric_label, policy_label,
+                                     short_names, value_texts)
+from sim.tools.report_runs import RUNS_NOTE, is_single_run, runs_table
+
 DEFAULT_METRICS: tuple[str, ...] = ("request_throughput", "p99_ttft_ms", "p99_tpot_ms")
 DEFAULT_X_KEY = "workload.rate"
 REPORT_CSV = "report.csv"
@@ -45,30 +49,6 @@ PER_CLASS_PLOT = "per_class.png"   # written when the runs have request classes
 
 # Figures summary.json does not hold, computed from each job's steps.csv.
 STEP_METRICS: tuple[str, ...] = ("peak_num_seqs", "peak_num_running", "mean_kv_blocks_used")
-
-METRIC_LABELS: dict[str, str] = {
-    "request_throughput": "request throughput (req/s)",
-    "output_throughput": "output throughput (tok/s)",
-    "total_token_throughput": "total throughput (tok/s)",
-    "kv_waste_fraction": "KV waste (fraction of allocated slots)",
-    "peak_kv_blocks": "peak KV blocks in use",
-    "num_kv_blocks": "KV blocks in the pool",
-    "num_preemptions": "preemptions",
-    "swap_bytes": "bytes swapped",
-    "goodput": "goodput (req/s)",
-    "slo_attainment": "SLO attainment",
-    "peak_num_seqs": "largest batch (sequences in a step)",
-    "peak_num_running": "peak running requests",
-    "mean_kv_blocks_used": "mean KV blocks in use (busy time)",
-}
-LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
-# Column headings of the terminal table, short so that it fits 80 columns.
-METRIC_HEADINGS: dict[str, str] = {
-    "request_throughput": "req/s", "output_throughput": "out tok/s",
-    "total_token_throughput": "tok/s", "kv_waste_fraction": "KV waste",
-    "peak_kv_blocks": "peak KV", "mean_kv_blocks_used": "mean KV", "peak_num_seqs": "max batch",
-    "peak_num_running": "max running", "num_preemptions": "preempted", "swap_bytes": "swapped B",
-}
 
 
 class ReportError(ValueError):
@@ -84,6 +64,7 @@ class Job:
     status: str = "ok"                          # or why there is no summary
     summary: dict | None = None
     step_metrics: dict[str, float] = field(default_factory=dict)
+    single_run: bool = False                    # Hydra wrote it for `twinserve` without -m
 
     def metric(self, key: str) -> Any:
         if self.summary is not None and key in self.summary:
@@ -172,7 +153,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
             raise ReportError(f"{overrides_file}: expected a list of overrides")
         overrides, values = parse_overrides(lines, overrides_file)
         job = Job(name=job_dir.relative_to(sweep_dir).as_posix(), overrides=overrides,
-                  values=values)
+                  values=values, single_run=is_single_run(job_dir))
         summary_file = job_dir / "summary.json"
         if not summary_file.is_file():
             job.status = "failed (no summary.json)"
@@ -251,24 +232,6 @@ def choose_x_key(jobs: list[Job], x_key: str | None) -> str | None:
     return varying[0] if varying else None
 
 
-def short_names(keys: list[str]) -> dict[str, str]:
-    """Each key less its config group (`kv_cache.block_size` -> `block_size`) where that stays
-    unambiguous among `keys`, for legends and table headings."""
-    shortened = {key: key.split(".", 1)[1] if "." in key else key for key in keys}
-    counts: dict[str, int] = {}
-    for name in [*shortened.values(), *(key for key in keys if "." in key)]:
-        counts[name] = counts.get(name, 0) + 1
-    return {key: name if counts[name] == 1 else key for key, name in shortened.items()}
-
-
-def policy_label(job: Job, policy_keys: list[str]) -> str:
-    """`scheduler=static, block_size=16`: the job's values of the other varying keys."""
-    if not policy_keys:
-        return "all jobs"
-    names = short_names(policy_keys)
-    return ", ".join(f"{names[key]}={job.overrides.get(key, '(unset)')}" for key in policy_keys)
-
-
 def policy_styles(policies: dict[str, list[Job]], policy_keys: list[str]) -> dict[str, dict]:
     """Matplotlib line styles per policy. With two varying keys, colour follows the second and
     the line style the first (e.g. colour = prompt length, dashed = swap), so that the pairs to
@@ -288,15 +251,6 @@ def policy_styles(policies: dict[str, list[Job]], policy_keys: list[str]) -> dic
         "linestyle": dashes[first_values.index(members[0].overrides.get(policy_keys[0]))
                             % len(dashes)],
     } for label, members in policies.items()}
-
-
-def metric_label(key: str) -> str:
-    if key in METRIC_LABELS:
-        return METRIC_LABELS[key]
-    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
-    if match:
-        return f"{match[1]} {LATENCY_NAMES[match[2]]} (ms)"
-    return key
 
 
 def check_metrics(jobs: list[Job], metrics: Sequence[str]) -> list[str]:
@@ -339,9 +293,13 @@ def default_plot_name(x_key: str | None) -> str:
     return f"metrics_vs_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}.png"
 
 
-def x_value(job: Job, x_key: str | None) -> str:
-    """The job's x as text: its override value, or its folder when there is no x key."""
-    return job.overrides.get(x_key, "") if x_key else job.name
+def x_value(job: Job, x_key: str | None, texts: dict[str, dict[str, str]]) -> str:
+    """The job's x as text: its override value as `texts` (value_texts) shows it, or its folder
+    when there is no x key."""
+    if not x_key:
+        return job.name
+    value = job.overrides.get(x_key, "")
+    return texts.get(x_key, {}).get(value, value)
 
 
 def plot_comparison(jobs: list[Job], x_key: str | None, metrics: list[str], path: Path,
@@ -354,9 +312,11 @@ def plot_comparison(jobs: list[Job], x_key: str | None, metrics: list[str], path
 
     finished = [job for job in jobs if job.summary is not None]
     policy_keys = [key for key in varying_keys(finished) if key != x_key]
+    texts = value_texts([job.overrides for job in finished],
+                        policy_keys + ([x_key] if x_key else []))
     policies: dict[str, list[Job]] = {}
     for job in finished:
-        policies.setdefault(policy_label(job, policy_keys), []).append(job)
+        policies.setdefault(policy_label(job.overrides, policy_keys, texts), []).append(job)
     numeric_x = x_key is not None and is_numeric_key(finished, x_key)
 
     # Up to three panels in a row, then a second row.
@@ -369,8 +329,8 @@ def plot_comparison(jobs: list[Job], x_key: str | None, metrics: list[str], path
         if numeric_x:
             plot_lines(ax, policies, styles, x_key, metric)
         else:
-            plot_bars(ax, policies, styles, [x_value(job, x_key) for job in finished], x_key,
-                      metric)
+            plot_bars(ax, policies, styles, [x_value(job, x_key, texts) for job in finished],
+                      x_key, metric, texts)
         ax.set_title(metric_label(metric), fontsize=10)
         ax.set_xlabel(x_key or "job")
         ax.grid(True, alpha=0.3)
@@ -413,11 +373,12 @@ def plot_lines(ax, policies: dict[str, list[Job]], styles: dict[str, dict], x_ke
 
 
 def plot_bars(ax, policies: dict[str, list[Job]], styles: dict[str, dict],
-              categories: list[str], x_key: str | None, metric: str) -> None:
+              categories: list[str], x_key: str | None, metric: str,
+              texts: dict[str, dict[str, str]]) -> None:
     categories = list(dict.fromkeys(categories))
     width = 0.8 / len(policies)
     for index, (label, members) in enumerate(policies.items()):
-        heights = {x_value(job, x_key): job.metric(metric) for job in members
+        heights = {x_value(job, x_key, texts): job.metric(metric) for job in members
                    if job.metric(metric) is not None}
         offset = (index - (len(policies) - 1) / 2) * width
         ax.bar([position + offset for position, category in enumerate(categories)
@@ -433,6 +394,7 @@ def report_table(jobs: list[Job], x_key: str | None, metrics: list[str]) -> Tabl
     """The terminal view: each job's varying overrides, completed count and the metrics."""
     shown_keys = varying_keys(jobs)
     headings = short_names(shown_keys)
+    texts = value_texts([job.overrides for job in jobs], shown_keys)
     table = Table(title="sweep report", title_justify="left")
     table.add_column("job")
     # fold, not ellipsis: a narrow terminal wraps names instead of cutting them.
@@ -442,33 +404,16 @@ def report_table(jobs: list[Job], x_key: str | None, metrics: list[str]) -> Tabl
     for metric in metrics:
         table.add_column(metric_heading(metric), justify="right", overflow="fold")
     for job in jobs:
+        values = [texts[key].get(job.overrides[key], "") if key in job.overrides else ""
+                  for key in shown_keys]
         if job.summary is None:
-            table.add_row(job.name, *(job.overrides.get(key, "") for key in shown_keys),
-                          Text(job.status, style="red"), *("" for _ in metrics))
+            table.add_row(job.name, *values, Text(job.status, style="red"),
+                          *("" for _ in metrics))
             continue
-        table.add_row(job.name, *(job.overrides.get(key, "") for key in shown_keys),
+        table.add_row(job.name, *values,
                       f"{job.summary.get('completed', '')}",
                       *(format_value(job.metric(metric)) for metric in metrics))
     return table
-
-
-def metric_heading(key: str) -> str:
-    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
-    if match:
-        return f"{match[1]} {match[2].upper()} ms"
-    return METRIC_HEADINGS.get(key, key)
-
-
-def format_value(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        if abs(value) < 1:
-            return f"{value:.4f}"
-        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
 
 
 def report_console() -> Console:
@@ -499,6 +444,11 @@ def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str |
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(jobs, out_dir / REPORT_CSV)
+    if any(job.single_run for job in jobs):   # outputs/: the runs, each with its overrides
+        if console is not None:
+            console.print(runs_table(jobs, metrics))
+            console.print(f"{sweep_dir}: {RUNS_NOTE}; report: {csv_path}")
+        return csv_path
     written = [csv_path]
     if any(job.summary is not None for job in jobs):
         written.append(plot_comparison(jobs, x_key, metrics,

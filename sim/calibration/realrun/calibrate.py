@@ -3,7 +3,9 @@ serving runs, keep the fit in a profile file, and report the error on runs it di
 
 The terms are the cost model's own config keys (`cost_model.<term>`: per-step and per-sequence
 overheads in seconds, for instance, or a roofline's `*_efficiency` shares of its peak rates,
-searched in (0.001, 1]), so the same fit works for any cost model that has them. Each candidate
+searched in (0.001, 1]), so the same fit works for any cost model that has them; a term with a
+dot is a whole config key in seconds (`cluster.frontend_latency_s`, the serving front end's
+per-request latency, which TTFT measures: fit it with `--metrics mean_ttft_ms,...`). Each candidate
 replays every fitting run through the simulator (replay.py); the loss is the mean over runs and
 load stages of the squared log ratio simulated/real of the fitted metrics. By default those are
 the mean and median TPOT: a decode step's duration is what the overheads set, and TPOT measures
@@ -24,6 +26,7 @@ import math
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from sim.calibration.realrun.readers import read_run
@@ -53,6 +56,11 @@ def term_bounds(term: str) -> tuple[float, float]:
     return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else BOUNDS
 
 
+def term_key(term: str) -> str:
+    """The config key a term sets: a dotted term is one already, else a cost_model key."""
+    return term if "." in term else f"cost_model.{term}"
+
+
 def start_value(term: str, value: float) -> float:
     """`value` moved into the term's search range; an overhead a decade inside its bounds (a
     term at 0 starts at a microsecond-scale guess, not at the search's edge)."""
@@ -71,22 +79,24 @@ class Calibration:
         self.overrides = list(overrides)
         self.configs = [compose_replay_config(run, overrides) for run in runs]
         for config in self.configs:
-            missing = [term for term in terms if term not in config.cost_model]
+            missing = [term for term in terms if OmegaConf.select(config, term_key(term)) is None]
             if missing:
                 raise RealRunError(
                     f"--terms: cost model {config.cost_model.get('_target_')} has no "
-                    f"{', '.join(missing)} (its keys: {', '.join(config.cost_model)})")
+                    f"{', '.join(missing)} (its keys: {', '.join(config.cost_model)}; a dotted "
+                    f"term must be a key of the run's config)")
         self.num_replays = 0
 
     def initial(self) -> dict[str, float]:
         """The terms' values in the first run's config, moved into the search's bounds."""
-        return {term: start_value(term, self.configs[0].cost_model[term]) for term in self.terms}
+        return {term: start_value(term, OmegaConf.select(self.configs[0], term_key(term)))
+                for term in self.terms}
 
     def replays(self, terms: dict[str, float]) -> list[dict]:
         results = []
         for run, config in zip(self.runs, self.configs):
             for term, value in terms.items():
-                config.cost_model[term] = float(value)
+                OmegaConf.update(config, term_key(term), float(value))
             # (The overrides too: the replay reports the settings' provenance from them, and a
             # file's model or hardware that only the command line resolves would fail without.)
             results.append(replay(run, self.overrides, config=config))
@@ -117,7 +127,7 @@ def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS, metrics=
 
 def errors_with(run: RealRun, overrides: list[str], terms: dict[str, float]) -> list[dict]:
     """Per stage, the reported metrics' real, sim and signed error % with `terms` set."""
-    result = replay(run, [*overrides, *(f"cost_model.{k}={v!r}" for k, v in terms.items())])
+    result = replay(run, [*overrides, *(f"{term_key(k)}={v!r}" for k, v in terms.items())])
     return [{"stage": index, "real": {m: stage["real"][m] for m in REPORTED},
              "sim": {m: stage["sim"][m] for m in REPORTED},
              "error_pct": {m: stage["error_pct"][m] for m in REPORTED},
@@ -146,7 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also fit on all --real runs but one, for each, and report it")
     parser.add_argument("--terms", default=",".join(DEFAULT_TERMS),
                         help="comma-separated cost_model keys to fit (seconds; *_efficiency "
-                             "keys are shares in (0.001, 1])")
+                             "keys are shares in (0.001, 1]), or whole config keys in seconds "
+                             "(cluster.frontend_latency_s)")
     parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
                         help="comma-separated stage metrics the loss compares")
     parser.add_argument("--passes", type=int, default=DEFAULT_PASSES,

@@ -1,0 +1,77 @@
+"""Workload generation: turn the `workload` config group into the requests a run replays.
+
+One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
+`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a CSV replayed) —
+over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
+(typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
+all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,
+prefix caching).
+
+Everything random comes from `numpy.random.default_rng(seed)`, split into one independent stream
+per quantity (arrivals, prompt lengths, output lengths, token ids, classes, turns, think times),
+so that two runs differing in one knob, say the output-length distribution, see the same draws
+of everything else (common random numbers).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from policies.types import Request
+from sim.core.workload.conversation import CONVERSATION_FIELDS, sample_conversation
+from sim.core.workload.distributions import (
+    ARRIVAL_PROCESSES, LENGTH_DISTRIBUTIONS, LENGTH_FIELDS, MAX_ZIPF_SUPPORT, TIME_DISTRIBUTIONS,
+    TIME_FIELDS, sample_prompt_token_ids)
+from sim.core.workload.fields import DEFAULT_TENANT, Fields, Streams, as_plain_dict
+from sim.core.workload.synthetic import (
+    CLASS_FIELDS, SHARE_SUM_TOLERANCE, SYNTHETIC_FIELDS, sample_synthetic)
+from sim.core.workload.trace import (
+    AZURE_COLUMNS, METADATA_COLUMNS, PLAIN_COLUMNS, REPO_ROOT, TOKEN_IDS_COLUMN, TRACE_FIELDS,
+    read_trace, resolve_trace_path, sample_trace)
+
+KINDS = ("synthetic", "trace", "conversation")
+_SAMPLERS = {"synthetic": sample_synthetic, "trace": sample_trace,
+             "conversation": sample_conversation}
+
+__all__ = [
+    "ARRIVAL_PROCESSES", "AZURE_COLUMNS", "CLASS_FIELDS", "CONVERSATION_FIELDS", "DEFAULT_TENANT",
+    "KINDS", "LENGTH_DISTRIBUTIONS", "LENGTH_FIELDS", "MAX_ZIPF_SUPPORT", "METADATA_COLUMNS",
+    "PLAIN_COLUMNS", "REPO_ROOT", "SHARE_SUM_TOLERANCE", "SYNTHETIC_FIELDS", "TIME_DISTRIBUTIONS",
+    "TIME_FIELDS", "TOKEN_IDS_COLUMN", "TRACE_FIELDS", "build_workload", "read_trace",
+    "resolve_trace_path",
+]
+
+
+def build_workload(cfg: Mapping[str, Any], *, seed: int,
+                   vocab_size: int | None = None) -> list[Request]:
+    """The requests described by `cfg` (the `workload` config group: a DictConfig or a dict).
+
+    Returns them sorted by arrival time with request_id 0..N-1. Raises ValueError, naming the
+    config field, for any bad value.
+    """
+    fields = Fields(as_plain_dict(cfg), "workload")
+    kind = fields.choice("kind", KINDS)
+    # Child streams are numbered in spawn order (child i is the same however many are spawned),
+    # so appending the class stream, then the conversation's turns and think-time streams, leaves
+    # the earlier ones exactly as they were before those existed.
+    streams = Streams(*np.random.default_rng(seed).spawn(len(Streams._fields)))
+    drawn = _SAMPLERS[kind](fields, vocab_size, streams)
+
+    token_ids = drawn.token_ids
+    if token_ids is None:
+        token_ids = (sample_prompt_token_ids(drawn.prompt_lens, *drawn.token_spec, streams.token)
+                     if drawn.token_spec is not None else [None] * len(drawn.prompt_lens))
+    # .tolist() turns the arrays into Python floats/ints in one pass (much faster than per item).
+    requests = [
+        Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o, n=drawn.n,
+                prompt_token_ids=ids)
+        for i, (t, p, o, ids) in enumerate(zip(drawn.arrival_times.tolist(),
+                                               drawn.prompt_lens.tolist(),
+                                               drawn.output_lens.tolist(), token_ids))
+    ]
+    for name, values in drawn.metadata.items():
+        for request, value in zip(requests, values):
+            setattr(request, name, value)
+    return requests

@@ -1,0 +1,150 @@
+"""The `conversation` workload kind: `num_sessions` multi-turn chats starting as a Poisson process
+at `rate` sessions/s, each of a sampled number of `turns`, a turn arriving a sampled
+`think_time_s` after the previous one arrived. Each turn's prompt is the whole conversation so
+far (the previous prompt, a stand-in for its answer, then a new `message_len`-token message), so
+with token ids later turns start with the earlier turns' exact ids and the prefix cache can
+serve them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.core.workload.distributions import (
+    LengthDistribution, TimeDistribution, parse_length_distribution, parse_time_distribution,
+    sample_arrival_times)
+from sim.core.workload.fields import Fields, RequestArrays, Streams, parse_common
+
+CONVERSATION_FIELDS = ("kind", "num_sessions", "rate", "turns", "think_time_s", "message_len",
+                       "output_len", "max_prompt_len", "n", "with_token_ids", "shared_prefix_len")
+
+
+def sample_conversation(fields: Fields, vocab_size: int | None,
+                        streams: Streams) -> RequestArrays:
+    """The conversation kind's requests. Session starts, message lengths, output lengths and
+    token ids come from the streams the synthetic kind draws its arrivals, prompt lengths, output
+    lengths and ids from; turns and think times from two streams of their own."""
+    fields.reject_unknown(CONVERSATION_FIELDS)
+    num_sessions = fields.integer("num_sessions", minimum=1)
+    rate = fields.rate("rate")
+    turns_dist = parse_length_distribution(fields.section("turns"))
+    think_dist = parse_time_distribution(fields.section("think_time_s"))
+    message_dist = parse_length_distribution(fields.section("message_len"))
+    output_dist = parse_length_distribution(fields.section("output_len"))
+    max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
+    # Prefix caching needs ids, so a conversation has them unless told otherwise.
+    n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
+    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
+    if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
+        raise ValueError(f"{fields.name('max_prompt_len')} must be > "
+                         f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
+                         f"{shared_prefix_len}")
+
+    turns = _sample_conversations(
+        num_sessions, rate, turns_dist, think_dist, message_dist, output_dist,
+        shared_prefix_len, max_prompt_len,
+        arrival_rng=streams.arrival, turns_rng=streams.turns, think_rng=streams.think,
+        message_rng=streams.prompt, output_rng=streams.output)
+    if not len(turns.arrival_times):
+        raise ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
+                         f"every session's first prompt ({fields.name('shared_prefix_len')} + "
+                         f"a {fields.name('message_len')}) is longer")
+    token_ids = (_conversation_token_ids(turns, *token_spec, streams.token)
+                 if token_spec is not None else None)
+    return RequestArrays(turns.arrival_times, turns.prompt_lens, turns.output_lens, n,
+                         token_spec, token_ids=token_ids)
+
+
+@dataclass(frozen=True)
+class _ConversationTurns:
+    """Every kept turn of a conversation workload, sorted by arrival (ties: session, then turn),
+    as parallel arrays; message_lens are the new tokens of each turn's prompt."""
+
+    arrival_times: np.ndarray
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    message_lens: np.ndarray
+    sessions: np.ndarray
+    turn_indices: np.ndarray  # 0 for a session's first turn
+
+
+def _segment_exclusive_cumsum(values: np.ndarray, starts: np.ndarray,
+                              lengths: np.ndarray) -> np.ndarray:
+    """For consecutive segments (session-major turns), the sum of each value's predecessors
+    within its own segment."""
+    inclusive = np.cumsum(values)
+    before_segment = np.repeat(inclusive[starts] - values[starts], lengths)
+    return inclusive - values - before_segment
+
+
+def _sample_conversations(num_sessions: int, rate: float, turns_dist: LengthDistribution,
+                          think_dist: TimeDistribution, message_dist: LengthDistribution,
+                          output_dist: LengthDistribution, shared_prefix_len: int,
+                          max_prompt_len: int | None, *, arrival_rng: np.random.Generator,
+                          turns_rng: np.random.Generator, think_rng: np.random.Generator,
+                          message_rng: np.random.Generator,
+                          output_rng: np.random.Generator) -> _ConversationTurns:
+    """Sample the sessions and lay out their turns.
+
+    Session s starts at its Poisson arrival; its turn k+1 arrives think_time after turn k
+    arrived (all arrivals are fixed before a run starts, so a turn cannot wait for the previous
+    answer). prompt_len(1) = shared_prefix_len + message_len(1) and prompt_len(k+1) =
+    prompt_len(k) + output_len(k) + message_len(k+1). A session ends before its first turn whose
+    prompt would pass max_prompt_len (prompts grow with k, so the kept turns are a prefix)."""
+    session_starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, arrival_rng)
+    turns = turns_dist.sample(num_sessions, turns_rng)
+    num_turns = int(turns.sum())
+    # Session-major: session 0's turns, then session 1's, ...
+    starts = np.cumsum(turns) - turns
+    sessions = np.repeat(np.arange(num_sessions), turns)
+    turn_indices = np.arange(num_turns) - np.repeat(starts, turns)
+    # One think time per turn: the gap before the session's next turn (the last one's is unused).
+    think_times = think_dist.sample(num_turns, think_rng)
+    message_lens = message_dist.sample(num_turns, message_rng)
+    output_lens = output_dist.sample(num_turns, output_rng)
+
+    arrival_times = (session_starts[sessions]
+                     + _segment_exclusive_cumsum(think_times, starts, turns))
+    prompt_lens = (shared_prefix_len + message_lens
+                   + _segment_exclusive_cumsum(message_lens + output_lens, starts, turns))
+    kept = (np.ones(num_turns, dtype=bool) if max_prompt_len is None
+            else prompt_lens <= max_prompt_len)
+    # Ties (a zero think time, or rate=inf) go to the lower session, then the earlier turn.
+    order = np.lexsort((turn_indices[kept], sessions[kept], arrival_times[kept]))
+    return _ConversationTurns(
+        arrival_times=arrival_times[kept][order], prompt_lens=prompt_lens[kept][order],
+        output_lens=output_lens[kept][order], message_lens=message_lens[kept][order],
+        sessions=sessions[kept][order], turn_indices=turn_indices[kept][order])
+
+
+def _conversation_token_ids(turns: _ConversationTurns, vocab_size: int, shared_prefix_len: int,
+                            rng: np.random.Generator) -> list[list[int]]:
+    """Each turn's prompt ids: the session's previous prompt ids, then random ids standing for
+    the previous turn's answer (its output_len of them), then the new message's random ids; a
+    first turn is the shared prefix then its message.
+
+    The stand-in answer is what the next turn's prompt carries, not what the run generates (the
+    simulator generates no ids, the engine its own). A prefix cache keys on prompt ids, so on
+    either backend turn k+1 can hit on the whole of turn k's prompt (its full blocks), which
+    holds every earlier message and stand-in answer, prefilled when turn k ran; only turn k's
+    answer and the new message are computed. (Turn k+1 hits less when it arrives before turn k's
+    prefill, or after the cache evicted those blocks.)"""
+    prefix = rng.integers(0, vocab_size, shared_prefix_len).tolist()
+    # Messages and answers from streams of their own, drawn in arrival order.
+    message_rng, answer_rng = rng.spawn(2)
+    message_ids = message_rng.integers(0, vocab_size, int(turns.message_lens.sum())).tolist()
+    answer_ids = answer_rng.integers(0, vocab_size, int(turns.output_lens.sum())).tolist()
+    contexts: dict[int, list[int]] = {}  # session -> its last prompt + that turn's stand-in answer
+    token_ids = []
+    message_start = answer_start = 0
+    for session, message_len, output_len in zip(turns.sessions.tolist(),
+                                                 turns.message_lens.tolist(),
+                                                 turns.output_lens.tolist()):
+        # Turns of a session arrive in turn order, so its context is the previous turn's.
+        prompt = contexts.get(session, prefix) + message_ids[message_start:message_start
+                                                             + message_len]
+        message_start += message_len
+        token_ids.append(prompt)
+        contexts[session] = prompt + answer_ids[answer_start:answer_start + output_len]
+        answer_start += output_len
+    return token_ids

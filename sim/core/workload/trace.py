@@ -1,0 +1,250 @@
+"""The `trace` workload kind: arrival times and lengths replayed from a CSV file (the Azure LLM
+trace format `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain
+`arrival_time,prompt_len,output_len`), optionally with the prompts themselves (a
+`prompt_token_ids` column of space-separated ids) and each request's `priority`, `tenant`,
+`slo_ttft_ms`, `slo_tpot_ms` (an empty cell: the default); and the CSV parser behind it."""
+from __future__ import annotations
+
+import csv
+import math
+import re
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from sim.core.workload.fields import DEFAULT_TENANT, Fields, RequestArrays, Streams, parse_common
+
+TRACE_FIELDS = ("kind", "trace_path", "time_scale", "max_requests", "n", "with_token_ids",
+                "shared_prefix_len")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
+TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
+# Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
+METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms")
+
+# A relative trace_path is looked up in the working directory, then here (the repo root), so the
+# default config works whether or not Hydra changed the working directory.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def sample_trace(fields: Fields, vocab_size: int | None, streams: Streams) -> RequestArrays:
+    """The trace's requests in arrival order (a stable sort: ties keep file order), the first
+    `max_requests` of them, arrival times scaled by `time_scale`; nothing is drawn."""
+    fields.reject_unknown(TRACE_FIELDS)
+    trace_path = resolve_trace_path(fields.string("trace_path"))
+    time_scale = fields.number("time_scale", default=1.0, greater_than=0.0)
+    max_requests = fields.integer("max_requests", default=None, minimum=1)
+    n, token_spec = parse_common(fields, vocab_size)
+
+    arrival_times, prompt_lens, output_lens, trace_token_ids, trace_metadata = (
+        read_trace(trace_path))
+    order = np.argsort(arrival_times, kind="stable")[:max_requests]
+    arrival_times = arrival_times[order] * time_scale
+    prompt_lens, output_lens = prompt_lens[order], output_lens[order]
+    metadata = {name: [values[i] for i in order.tolist()]
+                for name, values in trace_metadata.items()}
+    token_ids = None
+    if trace_token_ids is not None:
+        if token_spec is not None and token_spec[1]:
+            raise ValueError(f"{fields.name('shared_prefix_len')}: trace {trace_path} has "
+                             f"its own prompt_token_ids")
+        _check_vocabulary(trace_token_ids, vocab_size, trace_path)
+        token_ids = [trace_token_ids[i] for i in order.tolist()]
+    return RequestArrays(arrival_times, prompt_lens, output_lens, n, token_spec,
+                         token_ids=token_ids, metadata=metadata)
+
+
+def resolve_trace_path(trace_path: str | Path) -> Path:
+    """An absolute path as is; a relative one against the working directory, then the repo root."""
+    path = Path(trace_path).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = " or ".join(str(candidate) for candidate in candidates)
+    raise ValueError(f"workload.trace_path: no trace file at {tried}")
+
+
+def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                          list[list[int]] | None, dict[str, list]]:
+    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, the
+    prompts' token ids when it has a `prompt_token_ids` column (else None), and a list of
+    values per METADATA_COLUMNS column it has, keyed by the column (a Request field).
+
+    Arrival times are relative to the earliest row, which is at 0. Accepts the Azure columns
+    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`, or the plain
+    columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored but
+    `prompt_token_ids` (space-separated ids, as many as the row's prompt length) and the metadata:
+    `priority` (an integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms`
+    (positive numbers), each defaulting (0, "default", none) where its cell is empty.
+    """
+    path = Path(path)
+    try:
+        # utf-8-sig drops a byte-order mark that would otherwise stick to the first column name.
+        with open(path, newline="", encoding="utf-8-sig") as file:
+            reader = csv.reader(file)
+            header = [name.strip() for name in next(reader, [])]
+            rows, line_numbers = [], []
+            for row in reader:
+                if row:  # skip blank lines
+                    rows.append(row)
+                    line_numbers.append(reader.line_num)
+    except OSError as error:
+        raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
+
+    columns = AZURE_COLUMNS if set(AZURE_COLUMNS) & set(header) else PLAIN_COLUMNS
+    missing = [name for name in columns if name not in header]
+    if missing:
+        raise ValueError(
+            f"trace {path}: missing column(s) {', '.join(missing)}; found "
+            f"{', '.join(header) or 'no header'}; expected {', '.join(AZURE_COLUMNS)} (Azure) "
+            f"or {', '.join(PLAIN_COLUMNS)} (plain)")
+    if not rows:
+        raise ValueError(f"trace {path}: no data rows")
+
+    indices = [header.index(name) for name in columns]
+    for row_number, (row, line) in enumerate(zip(rows, line_numbers), start=1):
+        if len(row) <= max(indices):
+            raise ValueError(f"trace {path}: row {row_number} (line {line}) has {len(row)} "
+                             f"field(s), expected {len(header)}")
+    time_column, prompt_column, output_column = (
+        [row[index].strip() for row in rows] for index in indices)
+
+    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
+    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
+    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
+    token_ids = None
+    if TOKEN_IDS_COLUMN in header:
+        index = header.index(TOKEN_IDS_COLUMN)
+        token_ids = [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
+                                      f"row {number} (line {line})", path)
+                     for number, (row, prompt_len, line) in enumerate(
+                         zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
+    metadata = {}
+    for name in METADATA_COLUMNS:
+        if name in header:
+            index = header.index(name)
+            cells = [row[index].strip() if index < len(row) else "" for row in rows]
+            metadata[name] = _parse_metadata(cells, name, line_numbers, path)
+    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+
+def _parse_metadata(cells: list[str], column: str, line_numbers: list[int], path: Path) -> list:
+    """One METADATA_COLUMNS column's values; an empty cell gives Request's default."""
+    if column == "tenant":
+        return [cell or DEFAULT_TENANT for cell in cells]
+    values: list = []
+    for index, cell in enumerate(cells):
+        if not cell:
+            values.append(0 if column == "priority" else None)
+            continue
+        try:
+            number = float(cell)
+        except ValueError:
+            number = math.nan
+        if column == "priority":
+            if not number.is_integer():  # NaN and inf are not integers either
+                raise _bad_row_error(path, line_numbers, index, column, "an integer", cell)
+            values.append(int(number))
+        else:
+            if not (math.isfinite(number) and number > 0):
+                raise _bad_row_error(path, line_numbers, index, column,
+                                     "a positive number of ms or empty", cell)
+            values.append(number)
+    return values
+
+
+def _parse_token_ids(text: str, prompt_len: int, where: str, path: Path) -> list[int]:
+    try:
+        token_ids = [int(token) for token in text.split()]
+    except ValueError:
+        raise ValueError(f"trace {path}: {where}: {TOKEN_IDS_COLUMN} must be space-separated "
+                         f"integers, got {text[:40]!r}") from None
+    if len(token_ids) != prompt_len:
+        raise ValueError(f"trace {path}: {where}: {len(token_ids)} {TOKEN_IDS_COLUMN} for a "
+                         f"prompt_len of {prompt_len}")
+    return token_ids
+
+
+def _check_vocabulary(token_ids: list[list[int]], vocab_size: int | None, path: Path) -> None:
+    """Every id within the model's vocabulary (when the caller gives it)."""
+    if vocab_size is None:
+        return
+    for row, ids in enumerate(token_ids, start=1):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(f"trace {path}: row {row}: {TOKEN_IDS_COLUMN} outside the "
+                             f"model's vocabulary [0, {vocab_size})")
+
+
+def _bad_row_error(path: Path, line_numbers: list[int], index: int, column: str, what: str,
+                   value: str) -> ValueError:
+    return ValueError(f"trace {path}: row {index + 1} (line {line_numbers[index]}): {column} "
+                      f"must be {what}, got {value!r}")
+
+
+def _parse_lengths(values: list[str], column: str, line_numbers: list[int],
+                   path: Path) -> np.ndarray:
+    try:
+        lengths = np.array(values, dtype=np.float64)
+    except ValueError:
+        lengths = None
+    if lengths is None:  # find the culprit only on the error path
+        for index, value in enumerate(values):
+            try:
+                float(value)
+            except ValueError:
+                raise _bad_row_error(path, line_numbers, index, column, "a positive integer",
+                                     value) from None
+    # NaN and inf fail these checks too.
+    bad = ~np.isfinite(lengths) | (lengths < 1) | (lengths != np.floor(lengths))
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise _bad_row_error(path, line_numbers, index, column, "a positive integer", values[index])
+    return lengths.astype(np.int64)
+
+
+# Python's datetime.fromisoformat reads at most 6 fractional digits; the Azure trace has 7.
+_EXTRA_FRACTION_DIGITS = re.compile(r"(\.\d{6})\d+")
+
+
+def _parse_times(values: list[str], column: str, line_numbers: list[int],
+                 path: Path) -> np.ndarray:
+    """Seconds relative to the earliest value; numeric seconds or ISO datetimes."""
+    try:
+        seconds = np.array(values, dtype=np.float64)
+    except ValueError:
+        seconds = _parse_datetimes(values, column, line_numbers, path)
+    bad = ~np.isfinite(seconds)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise _bad_row_error(path, line_numbers, index, column, "a finite time", values[index])
+    return seconds - seconds.min()
+
+
+def _parse_datetimes(values: list[str], column: str, line_numbers: list[int],
+                     path: Path) -> np.ndarray:
+    """Seconds since the earliest of some datetime strings (naive ones taken as UTC)."""
+    # Fast path: numpy parses naive ISO datetimes with up to 9 fractional digits, vectorised.
+    # It warns about (and we then refuse) timezone offsets, which the slow path handles.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            stamps = np.array(values, dtype="datetime64[ns]")
+        return (stamps - stamps.min()).astype(np.int64) / 1e9
+    except (ValueError, Warning):
+        pass
+    # Slow path: one row at a time, dropping fractional digits past the 6th (sub-microsecond).
+    stamps = []
+    for index, value in enumerate(values):
+        try:
+            stamp = datetime.fromisoformat(_EXTRA_FRACTION_DIGITS.sub(r"\1", value))
+        except ValueError:
+            raise _bad_row_error(path, line_numbers, index, column,
+                                 "a datetime like 2023-11-16 18:17:03.9799600 or seconds",
+                                 value) from None
+        stamps.append(stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc))
+    earliest = min(stamps)
+    # Differences of datetimes are exact to the microsecond, unlike epoch seconds as floats.
+    return np.array([(stamp - earliest).total_seconds() for stamp in stamps])

@@ -1,0 +1,100 @@
+"""How the sweep report (sim/tools/report.py) names things: metrics in figure titles and table
+headings, override keys in legends and headings (less their config group), override values
+(a policy's class path by its class name), and numbers in the table."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+METRIC_LABELS: dict[str, str] = {
+    "request_throughput": "request throughput (req/s)",
+    "output_throughput": "output throughput (tok/s)",
+    "total_token_throughput": "total throughput (tok/s)",
+    "kv_waste_fraction": "KV waste (fraction of allocated slots)",
+    "peak_kv_blocks": "peak KV blocks in use",
+    "num_kv_blocks": "KV blocks in the pool",
+    "num_preemptions": "preemptions",
+    "swap_bytes": "bytes swapped",
+    "goodput": "goodput (req/s)",
+    "slo_attainment": "SLO attainment",
+    "peak_num_seqs": "largest batch (sequences in a step)",
+    "peak_num_running": "peak running requests",
+    "mean_kv_blocks_used": "mean KV blocks in use (busy time)",
+}
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+# Column headings of the terminal table, short so that it fits 80 columns.
+METRIC_HEADINGS: dict[str, str] = {
+    "request_throughput": "req/s", "output_throughput": "out tok/s",
+    "total_token_throughput": "tok/s", "kv_waste_fraction": "KV waste",
+    "peak_kv_blocks": "peak KV", "mean_kv_blocks_used": "mean KV", "peak_num_seqs": "max batch",
+    "peak_num_running": "max running", "num_preemptions": "preempted", "swap_bytes": "swapped B",
+}
+# A policy named by its class (`scheduler._target_=my_policies.ShortestPromptFirst`,
+# `cluster.router=my_policies.FewestOutstandingRouter`): a dotted path ending in a class name.
+CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
+TARGET_SUFFIX = "._target_"
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Each key less its config group (`kv_cache.block_size` -> `block_size`), a `_target_` key
+    as its group (`scheduler._target_` -> `scheduler`), where that stays unambiguous among
+    `keys`, for legends and table headings. (Matplotlib leaves a label that starts with `_`
+    out of the legend.)"""
+    shortened = {key: key.removesuffix(TARGET_SUFFIX) if key.endswith(TARGET_SUFFIX)
+                 else key.split(".", 1)[1] if "." in key else key for key in keys}
+    counts: dict[str, int] = {}
+    for name in [*shortened.values(), *(key for key in keys if "." in key)]:
+        counts[name] = counts.get(name, 0) + 1
+    return {key: name if counts[name] == 1 else key for key, name in shortened.items()}
+
+
+def value_texts(overrides: list[dict[str, str]], keys: list[str]) -> dict[str, dict[str, str]]:
+    """Per key, each of its values (as written in the overrides) as legends and tables show it:
+    a class path by its class name, unless two of the key's values share that name."""
+    texts = {}
+    for key in keys:
+        values = list(dict.fromkeys(job[key] for job in overrides if key in job))
+        names = {value: (match[1] if (match := CLASS_PATH.fullmatch(value)) else value)
+                 for value in values}
+        shared = len(set(names.values())) < len(names)
+        texts[key] = {value: value if shared else name for value, name in names.items()}
+    return texts
+
+
+def policy_label(overrides: dict[str, str], policy_keys: list[str],
+                 texts: dict[str, dict[str, str]]) -> str:
+    """`scheduler=static, block_size=16`: the job's values of the other varying keys, each as
+    `texts` (value_texts) shows it."""
+    if not policy_keys:
+        return "all jobs"
+    names = short_names(policy_keys)
+    return ", ".join(f"{names[key]}={texts[key].get(overrides[key], overrides[key])}"
+                     if key in overrides else f"{names[key]}=(unset)" for key in policy_keys)
+
+
+def metric_label(key: str) -> str:
+    if key in METRIC_LABELS:
+        return METRIC_LABELS[key]
+    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    if match:
+        return f"{match[1]} {LATENCY_NAMES[match[2]]} (ms)"
+    return key
+
+
+def metric_heading(key: str) -> str:
+    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    if match:
+        return f"{match[1]} {match[2].upper()} ms"
+    return METRIC_HEADINGS.get(key, key)
+
+
+def format_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if abs(value) < 1:
+            return f"{value:.4f}"
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
