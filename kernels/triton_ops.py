@@ -1,57 +1,30 @@
-"""Triton kernels for the paged KV cache, with Python launchers that share kernels/naive.py's API.
+"""The Triton paged-KV operations, with Python launchers that share kernels/naive.py's API; the
+kernels are in kernels/triton_attention.py (attention) and kernels/triton_cache.py (KV write,
+block copy), and triton is imported in the mode this machine runs them in (kernels/triton_mode.py).
 
-- paged_decode_attention: one new token per sequence. One program per (sequence, KV head) holds
-  the queries of every head that shares that KV head (GQA), gathers the context tile by tile
-  through the block table and keeps an online softmax, so K/V are read from memory once. From
-  four query heads per KV head on, the group runs on tl.dot (decode_config).
-- paged_decode_attention_split_k: flash-decoding. With few sequences and long contexts the plain
-  decode grid has too few programs to fill the GPU, so each (sequence, KV head) is also split
-  along the context; each split writes its partial max / sum / weighted values and a reduce
-  kernel combines them.
-- paged_prefill_attention: any number of new tokens per sequence (prefill, chunked prefill,
-  prefix-cache hits, speculative token trees). Tiles of queries against tiles of context through
-  the block table, causal by absolute position, with tl.dot; with a tree_mask (kernels/__init__.py)
-  each query row also drops the positions its entry hides.
+- paged_decode_attention, paged_decode_attention_split_k (flash-decoding: with few sequences and
+  long contexts the plain decode grid has too few programs to fill the GPU), and
+  paged_prefill_attention; decode_config picks the decode kernels' tiles and warps.
+- paged_attention: the dispatcher the engine calls (choose_num_splits picks split-K);
+  warm_up: compiles every variant a run launches, before the run.
 - write_kv_cache, copy_blocks: data movement; swap_blocks is a torch index copy (it crosses
   devices, which a kernel cannot).
-- paged_attention: the dispatcher the engine calls; warm_up: compiles every variant a run
-  launches, before the run.
-
-Runs compiled on CUDA, and through Triton's interpreter on a machine without one. The
-interpreter has to be chosen before triton is first imported (triton.language's own functions
-are built then), so without CUDA this module sets TRITON_INTERPRET=1 before importing triton;
-if something imported triton earlier without it, the launchers raise with the reason
-(UNAVAILABLE_REASON). The interpreter computes a bf16 tl.dot wrongly, so under it (and for fp32
-inputs, where the GPU would otherwise round to tf32) dot operands are cast to fp32. Every load
-and store is masked: the interpreter has no bounds checks.
 
 Assumption shared with the engine: every sequence in a call has at least one new token, so a
 call with as many tokens as sequences is a pure decode step.
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way Triton runs without a GPU
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from kernels import TREE_WINDOW  # noqa: E402
-
-# Ground truth for "which mode are the kernels in": how triton.language's own jit functions
-# were built, whatever the environment says now.
-INTERPRETED = isinstance(tl.standard.zeros, InterpretedFunction)
-UNAVAILABLE_REASON = (
-    None if INTERPRETED or torch.cuda.is_available() else
-    "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set: set it in the "
-    "environment, or import kernels.triton_ops before anything imports triton")
+from kernels import TREE_WINDOW
+from kernels.triton_attention import (_paged_decode_kernel, _paged_decode_split_kernel,
+                                      _paged_prefill_kernel, _split_reduce_kernel)
+from kernels.triton_cache import _copy_blocks_kernel, _write_kv_cache_kernel
+# Launchers read UNAVAILABLE_REASON from this module, where bench/gpu_check.py --compile clears it.
+from kernels.triton_mode import INTERPRETED, UNAVAILABLE_REASON, triton
 
 LOG2_E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2 e), exp2 is cheaper
 SPLIT_K_MIN_CONTEXT = 2048  # decode contexts longer than this may be split (flash-decoding)
@@ -64,287 +37,6 @@ NUM_WARPS = 4
 # The dispatcher takes the step's longest query and context from the caller (the engine's
 # runner, which has them on the host): kernels.get_kernel_ops passes them.
 TAKES_HOST_LENGTHS = True
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernels
-
-
-@triton.jit
-def _matmul(a, b, IN_FP32: tl.constexpr):
-    """a @ b with fp32 accumulation; IN_FP32 casts the operands first (interpreter, fp32 inputs)."""
-    if IN_FP32:
-        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        result = tl.dot(a, b)
-    return result
-
-
-@triton.jit
-def _attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head,
-                        token_start, token_end, scale_log2, stride_block, stride_offset,
-                        stride_head, head_dim, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """Online softmax of the query heads q [GROUP_PAD, HEAD_DIM_PAD] (as loaded) over cache
-    positions [token_start, token_end) of one sequence and KV head. Returns (running max,
-    running sum, unnormalized weighted values), base-2 exponents.
-
-    USE_DOT: scores and weighted values by tl.dot (tensor cores; GROUP_PAD >= 16 rows, the
-    padding rows are zeros). Otherwise a broadcast-multiply-sum, which works at any number of
-    rows but holds a [GROUP_PAD, TILE, HEAD_DIM_PAD] product in registers: fine for one or two
-    heads per KV head, a register spill for a group of 8."""
-    offs_t = tl.arange(0, TILE)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = offs_d < head_dim
-    m = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: an empty range must not make NaNs
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    q_scaled = q.to(tl.float32) * scale_log2
-    for tile_start in range(token_start, token_end, TILE):
-        positions = tile_start + offs_t
-        in_range = positions < token_end
-        # A tile may span several blocks: each position finds its own block (any block size).
-        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_range, other=0)
-        rows = (block_ids.to(tl.int64) * stride_block + (positions % BLOCK_SIZE) * stride_offset
-                + kv_head * stride_head)
-        kv_offsets = rows[:, None] + offs_d[None, :]
-        kv_mask = in_range[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if USE_DOT:
-            scores = _matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2  # [GROUP_PAD, TILE]
-        else:
-            scores = tl.sum(q_scaled[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        scores = tl.where(in_range[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, DOT_IN_FP32)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :],
-                                                axis=1)
-        m = m_new
-    return m, l, acc
-
-
-@triton.jit
-def _load_query_group(query_ptr, token, kv_head, stride_qt, stride_qh, heads_per_kv_head,
-                      head_dim, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr):
-    """The queries of the heads that read kv_head, [GROUP_PAD, HEAD_DIM_PAD] in the query's
-    dtype; rows past the group are zeros."""
-    group = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    heads = kv_head * heads_per_kv_head + group
-    mask = (group < heads_per_kv_head)[:, None] & (offs_d < head_dim)[None, :]
-    return tl.load(query_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                   + offs_d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit(do_not_specialize=["stride_table"])
-def _paged_decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                         seq_lens_ptr, query_start_loc_ptr, scale_log2,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                         stride_block, stride_offset, stride_head, heads_per_kv_head, head_dim,
-                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                         HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    q = _load_query_group(query_ptr, token, kv_head, stride_qt, stride_qh, heads_per_kv_head,
-                          head_dim, HEAD_DIM_PAD, GROUP_PAD)
-    m, l, acc = _attend_token_range(q, k_cache_ptr, v_cache_ptr,
-                                    block_tables_ptr + seq.to(tl.int64) * stride_table, kv_head,
-                                    0, seq_len, scale_log2, stride_block, stride_offset,
-                                    stride_head, head_dim, BLOCK_SIZE, TILE, HEAD_DIM_PAD,
-                                    GROUP_PAD, USE_DOT, DOT_IN_FP32)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    group = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    heads = kv_head * heads_per_kv_head + group
-    mask = (group < heads_per_kv_head)[:, None] & (offs_d < head_dim)[None, :]
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-             + offs_d[None, :], out, mask=mask)
-
-
-@triton.jit(do_not_specialize=["stride_table", "num_splits"])
-def _paged_decode_split_kernel(max_ptr, sum_ptr, acc_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
-                               block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
-                               stride_qt, stride_qh, stride_table, stride_block, stride_offset,
-                               stride_head, num_heads, heads_per_kv_head, head_dim, num_splits,
-                               BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                               HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                               USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """Split `split` of the context: partials go to max/sum [seqs, heads, splits] and
-    acc [seqs, heads, splits, head_dim]; a split past the end writes an empty partial.
-    num_splits is a run-time value (not specialised), so one compiled kernel serves every
-    split count."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    token = tl.load(query_start_loc_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # Tile-aligned equal shares of this sequence's context.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE
-    token_start = split * split_len
-    token_end = tl.minimum(token_start + split_len, seq_len)
-    q = _load_query_group(query_ptr, token, kv_head, stride_qt, stride_qh, heads_per_kv_head,
-                          head_dim, HEAD_DIM_PAD, GROUP_PAD)
-    m, l, acc = _attend_token_range(q, k_cache_ptr, v_cache_ptr,
-                                    block_tables_ptr + seq.to(tl.int64) * stride_table, kv_head,
-                                    token_start, token_end, scale_log2, stride_block,
-                                    stride_offset, stride_head, head_dim, BLOCK_SIZE, TILE,
-                                    HEAD_DIM_PAD, GROUP_PAD, USE_DOT, DOT_IN_FP32)
-    group = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    heads = kv_head * heads_per_kv_head + group
-    head_mask = group < heads_per_kv_head
-    partial = (seq * num_heads + heads) * num_splits + split  # index into [seqs, heads, splits]
-    tl.store(max_ptr + partial, m, mask=head_mask)
-    tl.store(sum_ptr + partial, l, mask=head_mask)
-    tl.store(acc_ptr + partial[:, None] * head_dim + offs_d[None, :], acc,
-             mask=head_mask[:, None] & (offs_d < head_dim)[None, :])
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _split_reduce_kernel(out_ptr, max_ptr, sum_ptr, acc_ptr, query_start_loc_ptr,
-                         stride_ot, stride_oh, num_heads, head_dim, num_splits,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, with M the largest m_s."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = splits < num_splits
-    partial = (seq * num_heads + head) * num_splits + splits
-    m = tl.load(max_ptr + partial, mask=split_mask, other=float("-inf"))
-    l = tl.load(sum_ptr + partial, mask=split_mask, other=0.0)
-    acc = tl.load(acc_ptr + partial[:, None] * head_dim + offs_d[None, :],
-                  mask=split_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
-    weights = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(weights * l, axis=0)
-    out = tl.sum(weights[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    token = tl.load(query_start_loc_ptr + seq)
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out,
-             mask=offs_d < head_dim)
-
-
-@triton.jit(do_not_specialize=["stride_table"])
-def _paged_prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                          seq_lens_ptr, query_start_loc_ptr, scale_log2,
-                          stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                          stride_block, stride_offset, stride_head, heads_per_kv_head, head_dim,
-                          tree_mask_ptr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          DOT_IN_FP32: tl.constexpr, TREE: tl.constexpr,
-                          TREE_WINDOW: tl.constexpr):
-    """Queries [q_block * BLOCK_M, +BLOCK_M) of one sequence and head, against its context;
-    with TREE, row r sees position p only if p is TREE_WINDOW or more before it or bit
-    (its position - p) of its tree_mask entry is set."""
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    head = tl.program_id(2)
-    first_token = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - first_token
-    if q_block * BLOCK_M >= query_len:
-        return  # the grid is sized for the longest query; this sequence is shorter
-    seq_len = tl.load(seq_lens_ptr + seq)
-    cached_len = seq_len - query_len  # positions before this chunk (earlier chunks, prefix hits)
-    kv_head = head // heads_per_kv_head
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < query_len
-    q_positions = cached_len + rows
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = offs_d < head_dim
-    q_offsets = ((first_token + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
-                 + offs_d[None, :])
-    q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    if TREE:
-        row_entries = tl.load(tree_mask_ptr + first_token + rows, mask=row_mask, other=-1)
-
-    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    offs_n = tl.arange(0, BLOCK_N)
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: padded rows see no key, make no NaN
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    # Causal: the last row of this tile sees positions up to cached_len + its row.
-    kv_end = tl.minimum(seq_len, cached_len + (q_block + 1) * BLOCK_M)
-    for tile_start in range(0, kv_end, BLOCK_N):
-        positions = tile_start + offs_n
-        in_range = positions < kv_end
-        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_range, other=0)
-        rows_kv = (block_ids.to(tl.int64) * stride_block + (positions % BLOCK_SIZE) * stride_offset
-                   + kv_head * stride_head)
-        kv_mask = in_range[:, None] & dim_mask[None, :]
-        kv_offsets = rows_kv[:, None] + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = _matmul(q, tl.trans(k), DOT_IN_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
-        distance = q_positions[:, None] - positions[None, :]
-        visible = (distance >= 0) & in_range[None, :]
-        if TREE:
-            shift = tl.minimum(tl.maximum(distance, 0), TREE_WINDOW - 1).to(tl.int64)
-            seen = (row_entries[:, None] >> shift) & 1
-            visible = visible & ((distance >= TREE_WINDOW) | (seen != 0))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, DOT_IN_FP32)
-        m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    o_offsets = ((first_token + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
-                 + offs_d[None, :])
-    tl.store(out_ptr + o_offsets, out, mask=row_mask[:, None] & dim_mask[None, :])
-
-
-@triton.jit
-def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                           stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
-                           stride_offset, stride_head, num_kv_heads, head_dim,
-                           BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           HEAD_DIM_PAD: tl.constexpr):
-    """One token's K and V, all KV heads, into its slot; a negative slot is padding."""
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (heads < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
-    cache_offsets = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset
-                     + heads[:, None] * stride_head + offs_d[None, :])
-    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + offs_d[None, :],
-                mask=mask, other=0.0)
-    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
-                mask=mask, other=0.0)
-    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
-
-
-@triton.jit
-def _copy_blocks_kernel(cache_ptr, block_pairs_ptr, stride_kv, stride_block, block_numel,
-                        CHUNK: tl.constexpr):
-    """Block dst <- block src for pair program_id(0), K or V by program_id(1)."""
-    pair = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1).to(tl.int64)
-    src = tl.load(block_pairs_ptr + pair * 2).to(tl.int64)
-    dst = tl.load(block_pairs_ptr + pair * 2 + 1).to(tl.int64)
-    src_ptr = cache_ptr + kv * stride_kv + src * stride_block
-    dst_ptr = cache_ptr + kv * stride_kv + dst * stride_block
-    for chunk_start in range(0, block_numel, CHUNK):
-        offs = chunk_start + tl.arange(0, CHUNK)
-        mask = offs < block_numel
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launchers
 
 
 def _require_triton():

@@ -14,7 +14,8 @@ from engine.cuda_graphs import (DecodeBatch, DecodeGraphs, bucket_for, capture_s
                                 pad_decode_batch)
 
 from factories import token_ids
-from test_engine import GREEDY, hf_greedy, random_prompts, triton_unavailable
+from test_engine import GREEDY, hf_greedy, random_prompts
+from triton_interpreter import ran_in_fresh_process
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_largest():
@@ -53,12 +54,11 @@ def test_padding_rows_attend_to_nothing_and_write_nothing():
         pad_decode_batch(batch, size=4, width=1)
 
 
-def test_decode_steps_through_the_padded_static_buffers_match_hf_generate():
+def test_decode_steps_through_the_padded_static_buffers_match_hf_generate(request):
     """Three prompts decode together in the bucket of 4 (one padding row); their prompts'
     steps run eagerly. The tokens equal HF's."""
-    reason = triton_unavailable()
-    if reason is not None:
-        pytest.skip(f"{reason} (the suite runs with TRITON_INTERPRET=1 without a GPU)")
+    if ran_in_fresh_process(request):
+        return
     llm = LLM("tiny-llama", num_gpu_blocks=64, kernel_backend="triton",
               scheduler="chunked_prefill", max_num_batched_tokens=32)
     runner = llm.executor.runner

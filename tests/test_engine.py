@@ -26,6 +26,7 @@ from kernels import get_kernel_ops, torch_paged
 from policies.protocols import Executor
 
 from factories import replay_on_sim_clock, token_ids
+from triton_interpreter import ran_in_fresh_process
 
 MAX_TOKENS = 16
 # Lengths around the block sizes tested (1, 16, 32): a one-token prompt, full blocks, one past.
@@ -400,15 +401,8 @@ def test_warm_up_runs_the_longest_prefill_the_pool_holds_and_a_decode_batch():
 # ---------------------------------------------------------------------------------------------
 # The engine end to end on the Triton kernels (Triton's interpreter without a GPU): the path a
 # GPU runs, tokens identical to HF's (and so to the torch path's, which the tests above hold
-# to the same outputs).
-
-
-def triton_unavailable() -> str | None:
-    try:
-        from kernels import triton_ops
-    except ImportError as error:
-        return f"triton does not import: {error}"
-    return triton_ops.UNAVAILABLE_REASON
+# to the same outputs). Where this process imported triton before the interpreter could be
+# chosen, each test re-runs alone in a fresh one (tests/triton_interpreter.py).
 
 
 @pytest.mark.parametrize("name, kwargs", [
@@ -422,10 +416,9 @@ def triton_unavailable() -> str | None:
     ("speculative_verification", dict(num_gpu_blocks=256, speculative_model="tiny-llama",
                                       num_speculative_tokens=3)),
 ])
-def test_triton_path_matches_hf_generate(name, kwargs, prompts, expected):
-    reason = triton_unavailable()
-    if reason is not None:
-        pytest.skip(f"{reason} (the suite runs with TRITON_INTERPRET=1 without a GPU)")
+def test_triton_path_matches_hf_generate(name, kwargs, prompts, expected, request):
+    if ran_in_fresh_process(request):
+        return
     llm = LLM("tiny-llama", kernel_backend="triton", **kwargs)
     assert llm.executor.runner.ops.name == "triton"
     if name == "speculative_verification":
@@ -437,10 +430,9 @@ def test_triton_path_matches_hf_generate(name, kwargs, prompts, expected):
         assert llm.last_stats.num_accepted_tokens > 0
 
 
-def test_triton_path_prefix_caching(reference_llm):
-    reason = triton_unavailable()
-    if reason is not None:
-        pytest.skip(f"{reason} (the suite runs with TRITON_INTERPRET=1 without a GPU)")
+def test_triton_path_prefix_caching(reference_llm, request):
+    if ran_in_fresh_process(request):
+        return
     shared = random_prompts([48], seed=3)[0]
     prompts = [shared + tail for tail in random_prompts([5, 9], seed=4)]
     expected = hf_greedy(reference_llm.model, prompts)

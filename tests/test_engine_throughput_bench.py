@@ -66,11 +66,29 @@ def test_runner_result_is_read_from_under_the_logs(tmp_path, monkeypatch):
         engine_throughput.run_vllm_cpu(model, [[3, 4]], [3], 1, tmp_path)
 
 
+def test_workload_is_seeded_within_its_ranges():
+    prompts, output_lens = engine_throughput.make_workload(40, 512, seed=1)
+    again, again_lens = engine_throughput.make_workload(40, 512, seed=1)
+    assert (prompts, output_lens) == (again, again_lens)
+    assert engine_throughput.make_workload(40, 512, seed=2)[0] != prompts
+    assert all(32 <= len(prompt) <= 256 for prompt in prompts)
+    assert all(32 <= n <= 128 for n in output_lens)
+    tokens = [token for prompt in prompts for token in prompt]
+    assert min(tokens) >= 3 and max(tokens) < 512   # clear of pad, bos and eos
+
+
 def test_engine_runs_and_outputs():
+    """The bench's engine timing runs the requests it is given: one (wall, CPU) pair per
+    repeat, and the last run's tokens are HF generate's greedy ones for those prompts."""
+    from engine import LLM
+    from test_engine import hf_greedy
+
     torch.set_num_threads(1)
     prompts, output_lens = engine_throughput.make_workload(3, 512, seed=1)
     prompts = [prompt[:20] for prompt in prompts]
     output_lens = [min(n, 5) for n in output_lens]
     runs, outputs = engine_throughput.run_engine_repeats(prompts, output_lens, "cpu", 16, 2)
-    assert len(runs) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in runs)
-    assert [len(tokens) for tokens in outputs] == output_lens
+    assert len(runs) == 2 and all(len(run) == 2 for run in runs)
+    reference = LLM("tiny-llama", num_gpu_blocks=64).model
+    assert outputs == [hf_greedy(reference, [prompt], n)[0]
+                       for prompt, n in zip(prompts, output_lens)]

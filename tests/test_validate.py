@@ -18,6 +18,7 @@ import sim.core.experiment
 from policies.types import StepPlan
 from engine.profiler import fit_profile
 from sim.calibration.profiled_cost_model import ProfiledCostModel, ProfileError
+from sim.core.build import SpeculationSetup, speculation_setup
 from sim.core.experiment import run_experiment
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.validate.cli import main, parse_args
@@ -422,10 +423,15 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
     return path
 
 
-# Wall-clock accuracy is measured by `make validate-grid`, never gated in a test (the machine's
-# load decides it); gate logic is tested on fixed numbers above. End-to-end runs gate nothing.
-NO_GATES = ["--gate-mean-pct=off", "--gate-p99-pct=off", "--gate-p99-ttft-pct=off",
-            "--gate-preemptions-pct=off"]
+# Wall-clock accuracy is measured by `make validate-grid` (the machine's load decides it); gate
+# logic is tested on fixed numbers above and on simulator stand-ins below. The end-to-end runs
+# on the real engine, a profile fitted seconds before on the same machine, keep loose gates
+# that a broken profile, cost model or clock still fails (a simulator predicting 10x too fast
+# or 2x too slow). Measured on 2 shared cores at load 10: over four single runs, |error| up to
+# 39 % on means and 42 % on p99s, one run past 60 %; 42 % on mean TPOT and 54 % on p99 TPOT in
+# the chunked-prefill grid job (both sides' speed normalised to the profile's).
+LOOSE_GATES = ["--gate-mean-pct=90", "--gate-p99-pct=95", "--gate-p99-ttft-pct=95",
+               "--gate-preemptions-pct=off"]
 
 
 def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
@@ -436,7 +442,7 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     content["residuals"]["samples"] = [-0.1, 0.0, 0.1]
     profile.write_text(json.dumps(content))
     overrides = [*TINY, "workload.num_requests=12", "workload.rate=20", f"--profile={profile}"]
-    assert main([*overrides, f"--out={tmp_path / 'loose'}", "--sim-runs=3", *NO_GATES]) == 0
+    assert main([*overrides, f"--out={tmp_path / 'loose'}", "--sim-runs=3", *LOOSE_GATES]) == 0
     result = json.loads((tmp_path / "loose" / "validation.json").read_text())
     assert set(result["metrics"]) == set(METRICS)
     for values in result["metrics"].values():
@@ -457,8 +463,10 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     # A profile without a speed reference: the engine's steps are timed as measured.
     assert result["engine_conditions"]["clock"] == "wall"
     assert result["speedup"] > 1 and result["failures"] == []
-    assert result["gates"] == {"mean_pct": None, "p99_pct": None, "p99_ttft_pct": None,
+    assert result["gates"] == {"mean_pct": 90.0, "p99_pct": 95.0, "p99_ttft_pct": 95.0,
                                "preemptions_pct": None}
+    for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "request_throughput"):
+        assert abs(result["metrics"][name]["error_pct"]) <= 90, name   # what the gate claims
     preemptions = result["metrics"]["num_preemptions"]
     assert (preemptions["error_pct"] is None) == (preemptions["engine"] == 0 != preemptions["sim"])
     ttft = result["metrics"]["mean_ttft_ms"]
@@ -535,7 +543,7 @@ def test_validation_grid_runs_every_job_and_writes_one_table(tmp_path, monkeypat
     add_speed_reference(profile)   # the engine's steps are timed at the profile's speed
     assert main([*TINY, "workload.num_requests=6", "workload.rate=20",
                  "scheduler=continuous,chunked_prefill", f"--profile={profile}",
-                 f"--out={tmp_path / 'grid'}", *NO_GATES]) == 0
+                 f"--out={tmp_path / 'grid'}", *LOOSE_GATES]) == 0
     grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
     assert grid["summary"]["num_jobs"] == 2
     assert [job["scheduler"] for job in grid["jobs"]] == ["continuous", "chunked_prefill"]
@@ -615,6 +623,9 @@ def engine_replaced_by_noisy_scaled_simulator(monkeypatch, time_factors: list[fl
         with open_dict(as_sim):
             as_sim.backend = {"name": "sim"}
         taken.append(next(factors))
+        # The engine's speculation setup leaves the drafting to it: the simulator's draws.
+        args = [speculation_setup(as_sim) if isinstance(arg, SpeculationSetup) else arg
+                for arg in args]
         return Scaled(original(as_sim, *args, **kwargs), taken[-1])
 
     monkeypatch.setattr(sim.core.experiment, "build_replica_executor", build)
@@ -719,13 +730,19 @@ def test_engine_repeats_report_the_engines_noise_beside_every_error(tmp_path, mo
 
 
 def test_one_engine_repeat_keeps_todays_validation(tmp_path, monkeypatch):
+    """An engine 2 % slower than the profile: every latency's error is -1.96 %, the
+    throughputs' +2 %, within the default gates (3 % on means, 8 % and 10 % on p99s)."""
     profile = write_profile(tmp_path / "p.json", samples=(0.0,))
-    engine_replaced_by_noisy_scaled_simulator(monkeypatch, [1.05])
+    engine_replaced_by_noisy_scaled_simulator(monkeypatch, [1.02])
     default, once = tmp_path / "default", tmp_path / "once"
-    assert main([*NOISY, f"--profile={profile}", f"--out={default}", *NO_GATES]) == 0
-    assert main([*NOISY, f"--profile={profile}", f"--out={once}", "--engine-repeats=1",
-                 *NO_GATES]) == 0
+    assert main([*NOISY, f"--profile={profile}", f"--out={default}"]) == 0
+    assert main([*NOISY, f"--profile={profile}", f"--out={once}", "--engine-repeats=1"]) == 0
     results = [json.loads((path / "validation.json").read_text()) for path in (default, once)]
+    metrics = results[0]["metrics"]
+    assert results[0]["gates"] == DEFAULT_GATES and results[0]["passed"]
+    for name in ("mean_ttft_ms", "mean_tpot_ms", "p99_e2el_ms"):
+        assert metrics[name]["error_pct"] == pytest.approx((1 / 1.02 - 1) * 100, abs=0.05), name
+    assert metrics["output_throughput"]["error_pct"] == pytest.approx(2.0, abs=0.05)
     assert set(results[0]) == set(results[1])
     assert "engine_repeats" not in results[0]
     assert results[0]["metrics"] == results[1]["metrics"]

@@ -1,0 +1,29 @@
+"""Imports triton in the mode this machine runs the kernels in: compiled on CUDA, Triton's
+interpreter without it. The interpreter has to be chosen before triton is first imported
+(triton.language's own functions are built then), so without CUDA this module sets
+TRITON_INTERPRET=1 before importing triton, and every kernels/triton_*.py module takes triton from
+here. If something imported triton earlier without it, UNAVAILABLE_REASON says why the kernels
+cannot run, and the launchers (kernels/triton_ops.py) raise with it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way Triton runs without a GPU
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+# Ground truth for "which mode are the kernels in": how triton.language's own jit functions
+# were built, whatever the environment says now.
+INTERPRETED = isinstance(tl.standard.zeros, InterpretedFunction)
+UNAVAILABLE_REASON = (
+    None if INTERPRETED or torch.cuda.is_available() else
+    "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set: set it in the "
+    "environment, or import kernels.triton_ops before anything imports triton")
+

@@ -1,0 +1,51 @@
+"""The presets' numbers in docs/experiments.md, pinned: the simulator on the roofline cost model
+(each preset pins it) is deterministic, so each value must come out as the docs report it, to
+the docs' rounding. A few jobs per preset (a second or two each), the ones the docs' headline
+claims rest on."""
+from __future__ import annotations
+
+import pytest
+
+from sim.core.experiment import run_experiment
+
+from factories import make_cfg
+
+
+def preset_summary(preset: str, *overrides: str) -> dict:
+    return run_experiment(make_cfg(f"+experiment={preset}", *overrides)).summary
+
+
+def test_static_vs_continuous_at_saturation():
+    """docs/experiments.md section 1: at 3 req/s static batching serves 0.55 req/s, continuous
+    2.12 (3.9x); p99 TTFT 741 s against 55.9 s; p99 TPOT 24 against 80 ms."""
+    static = preset_summary("static_vs_continuous", "scheduler=static", "workload.rate=3")
+    continuous = preset_summary("static_vs_continuous", "scheduler=continuous", "workload.rate=3")
+    assert static["request_throughput"] == pytest.approx(0.55, abs=0.005)
+    assert continuous["request_throughput"] == pytest.approx(2.12, abs=0.005)
+    assert round(continuous["request_throughput"] / static["request_throughput"], 1) == 3.9
+    assert static["p99_ttft_ms"] / 1000 == pytest.approx(741, abs=0.5)
+    assert continuous["p99_ttft_ms"] / 1000 == pytest.approx(55.9, abs=0.05)
+    assert static["p99_tpot_ms"] == pytest.approx(24, abs=0.5)
+    assert continuous["p99_tpot_ms"] == pytest.approx(80, abs=0.5)
+
+
+def test_chunked_prefill_trade_off_at_14_requests_per_second():
+    """docs/experiments.md, chunked prefill at 14 req/s: p99 TPOT 162 -> 34 ms and p99 TTFT
+    2,775 -> 7,969 ms from continuous batching to a 256-token budget; both about 10.3 req/s."""
+    continuous = preset_summary("chunked_prefill", "batching=continuous", "workload.rate=14")
+    chunked = preset_summary("chunked_prefill", "batching=chunked_256", "workload.rate=14")
+    assert continuous["p99_tpot_ms"] == pytest.approx(162, abs=0.5)
+    assert chunked["p99_tpot_ms"] == pytest.approx(34, abs=0.5)
+    assert continuous["p99_ttft_ms"] == pytest.approx(2775, abs=0.5)
+    assert chunked["p99_ttft_ms"] == pytest.approx(7969, abs=0.5)
+    for summary in (continuous, chunked):
+        assert summary["request_throughput"] == pytest.approx(10.3, abs=0.05)
+
+
+def test_parallel_sampling_shares_a_seventh_of_the_blocks_at_two_samples():
+    """docs/experiments.md, parallel sampling at n = 2: peak KV blocks 774 shared, 910 copied
+    (14.9 % saved)."""
+    shared = preset_summary("parallel_sampling", "kv_cache.share_on_fork=true", "workload.n=2")
+    copied = preset_summary("parallel_sampling", "kv_cache.share_on_fork=false", "workload.n=2")
+    assert (shared["peak_kv_blocks"], copied["peak_kv_blocks"]) == (774, 910)
+    assert round((1 - shared["peak_kv_blocks"] / copied["peak_kv_blocks"]) * 100, 1) == 14.9
