@@ -23,7 +23,9 @@ from engine.model_runner import ModelRunner
 from engine.preflight import requested_device
 from engine.sampler import Sampler
 from kernels import get_kernel_ops
-from policies.protocols import BoundedScheduler, OffloadingKVCacheManager, Scheduler, check_policy
+from policies.capabilities import OffloadingKVCache
+from policies.checks import check_policy, has_capability
+from policies.protocols import BoundedScheduler, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import Drafter, TreeSpec
 from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
@@ -150,13 +152,13 @@ def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, schedule
                                 num_offload_blocks=num_offload_blocks(kv_cache),
                                 cuda_graph_max_batch=0 if config.enforce_eager
                                 else scheduler.max_num_seqs
-                                if isinstance(scheduler, BoundedScheduler)
+                                if has_capability(scheduler, BoundedScheduler, "scheduler")
                                 else DEFAULT_MAX_CAPTURE_SIZE)
 
 
 def num_offload_blocks(kv_cache) -> int:
     """The blocks of the KV manager's prefix-cache host tier (0: it has none)."""
-    return (kv_cache.num_offload_blocks if isinstance(kv_cache, OffloadingKVCacheManager)
+    return (kv_cache.num_offload_blocks if has_capability(kv_cache, OffloadingKVCache, "kv_cache")
             else 0)
 
 

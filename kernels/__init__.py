@@ -33,7 +33,8 @@ def tree_mask_entry(hidden_distances) -> int:
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The five operations the engine calls, from one implementation."""
+    """The operations the engine calls, from one implementation: each backend module describes
+    itself with one (its KERNEL_OPS), checked when it is made."""
 
     name: str
     write_kv_cache: Callable
@@ -50,12 +51,18 @@ class KernelOps:
     # every kernel variant a run launches, before the run (the Triton path).
     warm_up: Callable | None = None
 
-
-def _ops_from(module, name: str) -> KernelOps:
-    return KernelOps(name, module.write_kv_cache, module.paged_attention, module.copy_blocks,
-                     module.swap_blocks, getattr(module, "plan_attention", None),
-                     getattr(module, "TAKES_HOST_LENGTHS", False),
-                     getattr(module, "warm_up", None))
+    def __post_init__(self):
+        required = {"write_kv_cache": self.write_kv_cache,
+                    "paged_attention": self.paged_attention,
+                    "copy_blocks": self.copy_blocks, "swap_blocks": self.swap_blocks}
+        optional = {"plan_attention": self.plan_attention, "warm_up": self.warm_up}
+        for name, value in (*required.items(), *optional.items()):
+            if not callable(value) and not (value is None and name in optional):
+                raise ValueError(f"kernel backend {self.name}: {name} is not callable, got "
+                                 f"{type(value).__name__}")
+        if not isinstance(self.takes_host_lengths, bool):
+            raise ValueError(f"kernel backend {self.name}: takes_host_lengths must be a bool, "
+                             f"got {self.takes_host_lengths!r}")
 
 
 def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
@@ -70,10 +77,10 @@ def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> Ke
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
         from kernels import torch_paged
-        return _ops_from(torch_paged, "torch")
+        return torch_paged.KERNEL_OPS
     if backend == "naive":
         from kernels import naive
-        return _ops_from(naive, "naive")
+        return naive.KERNEL_OPS
     if backend == "triton":
         try:
             from kernels import triton_ops
@@ -86,5 +93,5 @@ def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> Ke
                                "(TRITON_INTERPRET=1 was set before triton was imported): they "
                                "would run on the CPU, one program at a time; unset it, or "
                                "choose the torch kernels on purpose (kernel_backend='torch')")
-        return _ops_from(triton_ops, "triton")
+        return triton_ops.KERNEL_OPS
     raise ValueError(f"kernel backend must be one of triton, torch, naive; got {backend!r}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import TREE_WINDOW
+from kernels import TREE_WINDOW, KernelOps
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -91,3 +91,6 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
     host)."""
     for src, dst in block_pairs.tolist():
         dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device)
+
+
+KERNEL_OPS = KernelOps("naive", write_kv_cache, paged_attention, copy_blocks, swap_blocks)

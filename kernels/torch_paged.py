@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import TREE_WINDOW
+from kernels import TREE_WINDOW, KernelOps
 from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
 
 
@@ -164,3 +164,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         else:
             out[tile.tokens] = attended.reshape(-1, num_heads, head_dim)[tile.padded_rows]
     return out
+
+
+KERNEL_OPS = KernelOps("torch", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
+                       plan_attention=plan_attention)

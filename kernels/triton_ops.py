@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import TREE_WINDOW
+from kernels import TREE_WINDOW, KernelOps
 from kernels.triton_attention import (_paged_decode_kernel, _paged_decode_split_kernel,
                                       _paged_prefill_kernel, _split_reduce_kernel)
 from kernels.triton_cache import _copy_blocks_kernel, _write_kv_cache_kernel
@@ -34,9 +34,6 @@ MIN_TOKENS_PER_SPLIT = 512  # shorter splits cost more in the reduce than they w
 SPLIT_K_CHOICES = (2, 4, 8, 16)
 MAX_SPLITS = 16
 NUM_WARPS = 4
-# The dispatcher takes the step's longest query and context from the caller (the engine's
-# runner, which has them on the host): kernels.get_kernel_ops passes them.
-TAKES_HOST_LENGTHS = True
 
 
 def _require_triton():
@@ -316,3 +313,9 @@ def swap_blocks(src_cache, dst_cache, block_pairs):
     dst_ids = block_pairs[:, 1].to(dst_cache.device)
     # Blocking transfer: a non_blocking device-to-host copy would be read before it lands.
     dst_cache[:, dst_ids] = src_cache[:, src_ids].to(dst_cache.device)
+
+
+# The dispatcher takes the step's longest query and context from the caller (the engine's runner,
+# which has them on the host), so it reads nothing back from the device.
+KERNEL_OPS = KernelOps("triton", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
+                       takes_host_lengths=True, warm_up=warm_up)

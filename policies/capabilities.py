@@ -1,38 +1,16 @@
-"""Optional parts of the contract, each a typed protocol that an object has whole or not at all,
-checked once where the object is built (`has_capability`): a KV manager with a host tier for its
-prefix cache (`OffloadingKVCache`), one that can refuse an admission before trying it
-(`AdmissionCheckingKVCache`); the repeated decode steps' protocols are in `policies/decode_run.py`.
+"""Optional parts of the KV manager's contract, each a typed protocol that an object has whole or
+not at all, asked once where the object is built (`policies.checks.has_capability`): a host tier
+for its prefix cache (`OffloadingKVCache`), a cheap refusal of an admission before trying it
+(`AdmissionCheckingKVCache`). The other optional capabilities sit beside what they extend: an
+online length predictor, a bounded scheduler, prefill/decode pool schedulers, a cost model that
+states its error and an executor that reports its speed in `policies/protocols.py`; the repeated
+decode steps' protocols in `policies/decode_run.py`.
 """
 from __future__ import annotations
 
 from typing import Protocol, Sequence as Seq, runtime_checkable
 
 from policies.types import Sequence
-
-
-def protocol_members(protocol: type) -> list[str]:
-    """The attributes and methods a protocol lists, in the order it lists them."""
-    members = list(vars(protocol).get("__annotations__", {}))
-    members += [name for name, value in vars(protocol).items()
-                if not name.startswith("_") and name not in members
-                and (callable(value) or isinstance(value, property))]
-    return members
-
-
-def has_capability(obj: object, protocol: type, role: str) -> bool:
-    """Whether `obj`, the run's `role` (a config key such as "kv_cache"), has the optional
-    `protocol`: False when it has none of its members; a ValueError naming the first member it
-    lacks when it has only some (a capability half written is a mistake, not an opt-out)."""
-    members = protocol_members(protocol)
-    present = [hasattr(obj, name) for name in members]
-    if all(present):
-        return True
-    if not any(present):
-        return False
-    have = ", ".join(name for name, there in zip(members, present) if there)
-    raise ValueError(f"{role} ({type(obj).__name__}) has {have} of {protocol.__name__} but no "
-                     f"{members[present.index(False)]}: give it all of "
-                     f"{', '.join(members)} or none")
 
 
 @runtime_checkable

@@ -10,10 +10,13 @@ The step loop, as both backends run it:
     result = executor.execute(plan)            # simulated or real; result.duration passes
     finished = scheduler.update(plan, result, now)
 
-Optional capabilities are typed protocols, each had whole or not at all and checked once where
-the object is built (`policies.capabilities.has_capability`): a KV manager with a host tier for
-its prefix cache (`OffloadingKVCache`) or a cheap refusal of admissions that cannot fit
-(`AdmissionCheckingKVCache`), both in policies/capabilities.py; and a few the simulator alone
+Every policy is checked against its protocol where it is built (`policies.checks.check_policy`:
+one line naming the missing member). Optional capabilities are typed protocols, each had whole or
+not at all and asked once where the object is built (`policies.checks.has_capability`): a KV
+manager with a host tier for its prefix cache (`OffloadingKVCache`) or a cheap refusal of
+admissions that cannot fit (`AdmissionCheckingKVCache`), both in policies/capabilities.py; an
+online length predictor, a bounded scheduler, the disaggregation members, a cost model that
+states its error and an executor that reports its speed, below; a few the simulator alone
 uses, in the modules that use them.
 
 Optional, for prefill/decode disaggregation (a scheduler of a prefill or decode pool; BaseScheduler
@@ -26,8 +29,7 @@ decode once the KV has arrived; it is never prefilled there unless preempted by 
 """
 from __future__ import annotations
 
-import inspect
-from typing import Generic, Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
+from typing import Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 from policies.types import Request, Sequence, StepPlan, StepResult
 
@@ -144,11 +146,20 @@ class Scheduler(Protocol):
 class LengthPredictor(Protocol):
     """Guesses a request's output length when it arrives (conf/predictor): the simulator's
     arrivals and the engine's `generate` store it in `request.predicted_output_len`, before
-    routing. Optional: `update(request, num_output_tokens)`, a refined guess the step loop asks
-    for after every step in which the request made progress (`policies.prediction.refine`)."""
+    routing. Optional: OnlineLengthPredictor."""
 
     def predict(self, request: Request) -> int | None:
         """The predicted output length (tokens per sequence, positive), or None for none."""
+
+
+@runtime_checkable
+class OnlineLengthPredictor(Protocol):
+    """A length predictor that learns as tokens come out: the step loop asks it after every step
+    about each request that made progress (`policies.prediction.refine`) and runs every step on
+    its own for it. Without `update` a prediction made at arrival stands."""
+
+    def update(self, request: Request, num_output_tokens: int) -> int | None:
+        """The refined prediction of `request`, `num_output_tokens` per sequence served."""
 
 
 @runtime_checkable
@@ -216,8 +227,11 @@ class CostModel(Protocol):
     ModelSpec: policies.speculation.drafters says what each costs) and, for Medusa,
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,
     decode_context_tokens, spec_lens, ...); it may draw noise, and is called once per step.
-    Optional: `expected_error_pct` (StatesExpectedError), the summary's
-    kernel_time_expected_error_pct."""
+    Optional, each a protocol of its own: `expected_error_pct` (StatesExpectedError, below), the
+    summary's kernel_time_expected_error_pct; `reads_only_aggregates` and
+    `repeated_step_times(plan, num_steps)` (RepeatedStepCostModel, policies/decode_run.py), which
+    cost a run of repeated decode steps as one event. The executor wrapping it may report its
+    machine's speed (ReportsSpeed, below)."""
 
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step `plan` takes."""
@@ -242,48 +256,8 @@ class ReportsSpeed(Protocol):
 
 
 @runtime_checkable
-class OffloadingKVCacheManager(KVCacheManager, Protocol):
-    """A KV manager with a host tier for its prefix cache (docstring above: host tier)."""
-
-    num_offload_blocks: int
-
-
-@runtime_checkable
-class BoundedScheduler(Scheduler, Protocol):
+class BoundedScheduler(Protocol):
     """A scheduler that says how many sequences a step runs at most (the engine captures CUDA
     graphs for decode batches up to it)."""
 
     max_num_seqs: int
-
-
-def missing_members(obj, protocol: type) -> list[str]:
-    """The members of `protocol` that `obj` lacks (a method must be callable), in the protocol's
-    order: what a build-time check names."""
-    methods: dict[str, bool] = {}   # member -> whether it is a method
-    for cls in reversed(protocol.__mro__):
-        if cls in (object, Protocol, Generic) or not cls.__dict__.get("_is_protocol"):
-            continue
-        for name in cls.__dict__.get("__annotations__", {}):
-            methods.setdefault(name, False)
-        for name, value in cls.__dict__.items():
-            if not name.startswith("_") and (callable(value) or isinstance(value, property)):
-                methods.setdefault(name, callable(value))
-    missing = []
-    for name, is_method in methods.items():
-        try:   # static: a property is not run, an instance attribute is found
-            value = inspect.getattr_static(obj, name)
-        except AttributeError:
-            missing.append(name)
-            continue
-        if is_method and not callable(value):
-            missing.append(name)
-    return missing
-
-
-def check_policy(obj, protocol: type, field: str) -> None:
-    """Raise one line naming what `obj` (the setting `field`) lacks of `protocol`."""
-    missing = missing_members(obj, protocol)
-    if missing:
-        where = protocol.__module__.replace(".", "/") + ".py"
-        raise ValueError(f"{field}: {type(obj).__name__} lacks {', '.join(missing)} "
-                         f"({protocol.__name__}, {where})")

@@ -13,8 +13,8 @@ from factories import make_cfg
 from policies.batching import ContinuousBatchingScheduler
 from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
-from policies.protocols import (CostModel, KVCacheManager, PreemptionPolicy, Scheduler,
-                                check_policy, missing_members)
+from policies.checks import check_policy, missing_members
+from policies.protocols import CostModel, KVCacheManager, PreemptionPolicy, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import DRAFTER_KINDS, TREE_DRAFTERS, Drafter, drafter_kind
 from sim.core.experiment import run_experiment
@@ -139,6 +139,27 @@ def test_the_engine_checks_a_scheduler_object_and_its_drafter():
 
     with pytest.raises(ValueError, match="^scheduler: NoQueueLengths lacks queue_lengths "):
         LLM("tiny-llama", scheduler=NoQueueLengths(PagedBlockManager(64, 16)))
+
+
+def test_the_engine_sizes_its_host_tier_from_the_offloading_capability():
+    from engine.builder import num_offload_blocks
+    from policies.memory import ContiguousAllocator
+
+    assert num_offload_blocks(PagedBlockManager(64, 16, enable_prefix_caching=True,
+                                                num_offload_blocks=3)) == 3
+    assert num_offload_blocks(ContiguousAllocator(64, 16, max_model_len=64)) == 0
+
+    class TierWithoutLoads(ContiguousAllocator):   # a host tier half written
+        num_offload_blocks = 2
+
+        def take_pending_offload(self):
+            return [], []
+
+    with pytest.raises(ValueError) as error:
+        num_offload_blocks(TierWithoutLoads(64, 16, max_model_len=64))
+    assert str(error.value).startswith("kv_cache: TierWithoutLoads lacks num_loaded_prefix_tokens "
+                                       "(OffloadingKVCache, policies/capabilities.py) but has "
+                                       "num_offload_blocks, take_pending_offload")
 
 
 # ---- end-of-run checks ------------------------------------------------------------------------

@@ -194,8 +194,8 @@ class WithoutHandoffs(ContinuousBatchingScheduler):
 
 
 def test_a_pool_needs_a_scheduler_and_backend_that_can_hand_over():
-    with pytest.raises(ValueError, match="WithoutHandoffs cannot run in a prefill pool: it "
-                                         "lacks take_handoffs"):
+    with pytest.raises(ValueError, match=r"^scheduler of a prefill pool: WithoutHandoffs lacks "
+                                         r"take_handoffs \(PrefillPoolScheduler, "):
         run("cluster=disaggregated", "scheduler._target_=test_disaggregation.WithoutHandoffs")
     with pytest.raises(ValueError, match="prefill and decode pools run on backend=sim"):
         run("cluster=disaggregated", "backend=engine", "model=tiny-llama", "hardware=cpu",

@@ -387,6 +387,29 @@ def test_no_silent_fallback_when_triton_cannot_load(monkeypatch):
     assert get_kernel_ops("cuda", "torch").name == "torch"
 
 
+def test_each_backend_describes_its_optional_parts():
+    """get_kernel_ops hands out the backend's own descriptor; what a backend lacks is None."""
+    from kernels import KernelOps, get_kernel_ops, torch_paged
+
+    torch_ops = get_kernel_ops("cpu", "torch")
+    assert torch_ops is torch_paged.KERNEL_OPS
+    assert torch_ops.plan_attention is torch_paged.plan_attention
+    assert torch_ops.warm_up is None and not torch_ops.takes_host_lengths
+    naive_ops = get_kernel_ops("cpu", "naive")
+    assert naive_ops.paged_attention is naive.paged_attention
+    assert naive_ops.plan_attention is None and naive_ops.warm_up is None
+    if triton_ops is not None:
+        triton = get_kernel_ops("cpu", "triton")
+        assert triton.takes_host_lengths and triton.warm_up is triton_ops.warm_up
+        assert triton.plan_attention is None
+    parts = [naive.write_kv_cache, naive.paged_attention, naive.copy_blocks, naive.swap_blocks]
+    with pytest.raises(ValueError) as error:
+        KernelOps("mine", *parts[:3], "swap")
+    assert str(error.value) == "kernel backend mine: swap_blocks is not callable, got str"
+    with pytest.raises(ValueError, match="^kernel backend mine: warm_up is not callable"):
+        KernelOps("mine", *parts, warm_up=True)
+
+
 @needs_triton
 def test_gqa_4_and_odd_head_dim():
     """A group of 4 query heads per KV head and a head_dim that is no power of two."""

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from policies.prediction import (BucketPredictor, LengthPredictor, NoisyPredictor, NoPredictor,
-                                 OraclePredictor, refine)
+                                 OnlineLengthPredictor, OraclePredictor, refine)
 from policies.types import Request
 from sim.core.build import build_predictor
 from sim.core.experiment import run_experiment
@@ -112,16 +112,27 @@ def test_bucket_confuses_adjacent_classes_at_the_asked_rate():
     assert abs(up - down) < 4 * math.sqrt(up + down)  # either neighbour alike
 
 
-def test_update_keeps_the_prediction():
+def test_only_a_predictor_with_update_refines():
+    from sim.core.metrics import MetricsCollector, StepRecorder
+    from sim.core.step import StepLoop
+
     (request,) = requests_with_lengths([300])
     request.predicted_output_len = BucketPredictor().predict(request)
-    assert refine(BucketPredictor(), request, 100) == 640
+    assert refine(HalvingErrorPredictor(), request, 100) == 300 + (640 - 300) // 2
 
     class PredictOnly:
         def predict(self, request):
             return 7
 
-    assert refine(PredictOnly(), request, 100) == 640
+    def refining(predictor):
+        return StepLoop(None, object(), StepRecorder(MetricsCollector()),
+                        predictor).refining_predictor
+
+    online = HalvingErrorPredictor()
+    assert isinstance(online, OnlineLengthPredictor) and refining(online) is online
+    for predictor in (None, PredictOnly(), NoPredictor(), OraclePredictor(), NoisyPredictor(0.3),
+                      BucketPredictor()):
+        assert not isinstance(predictor, OnlineLengthPredictor) and refining(predictor) is None
 
 
 # ---- bad arguments -------------------------------------------------------------------------
@@ -143,7 +154,7 @@ def test_update_keeps_the_prediction():
     (["predictor=noisy", "predictor.seed=-1"], "predictor.seed must be a non-negative integer"),
     (["predictor._target_=no_such_module.Predictor"], "predictor._target_=no_such_module"),
     (["predictor._target_=policies.routing.RoundRobinRouter"],
-     "predictor must have a predict(request) method (a LengthPredictor), got RoundRobinRouter"),
+     "predictor: RoundRobinRouter lacks predict (LengthPredictor, policies/protocols.py)"),
 ])
 def test_bad_arguments_are_one_line_naming_the_field(overrides, message):
     with pytest.raises(ValueError) as error:
@@ -154,7 +165,7 @@ def test_bad_arguments_are_one_line_naming_the_field(overrides, message):
 
 
 def test_an_object_without_predict_is_refused():
-    with pytest.raises(ValueError, match=r"^predictor must have a predict\(request\) method"):
+    with pytest.raises(ValueError, match=r"^predictor: object lacks predict \(LengthPredictor, "):
         build_predictor(object(), seed=0)
     with pytest.raises(ValueError, match=r"^predictor must be one of bucket, noisy, none, oracle"):
         build_predictor("psychic", seed=0)
@@ -256,7 +267,7 @@ def test_llm_generate_predicts_each_request():
 @pytest.mark.parametrize("predictor, message", [
     ({"_target_": "policies.prediction.NoisyPredictor", "relative_error": -1},
      "predictor.relative_error must be a number >= 0"),
-    (object(), "predictor must have a predict(request) method"),
+    (object(), "predictor: object lacks predict (LengthPredictor, "),
     ("psychic", "predictor must be one of"),
 ])
 def test_llm_bad_predictor_fails_before_loading(predictor, message, monkeypatch):

@@ -332,10 +332,14 @@ def test_a_bad_policy_is_one_clear_error():
     scheduler = decoding_scheduler(Greedy())
     with pytest.raises(ValueError, match=r"Greedy.num_speculative_tokens returned 5; .*\[0, 2\]"):
         scheduler.schedule(0.01)
-    with pytest.raises(ValueError, match="max_num_speculative_tokens must be a non-negative"):
+    with pytest.raises(ValueError, match=r"^speculation: object lacks max_num_speculative_tokens, "
+                                         r"num_speculative_tokens, observe \(SpeculationPolicy, "):
         ContinuousBatchingScheduler(PagedBlockManager(8, 4), RecomputePreemption(),
                                     max_model_len=8, max_num_batched_tokens=8,
                                     speculation=object())
+    Greedy.max_num_speculative_tokens = -1
+    with pytest.raises(ValueError, match="max_num_speculative_tokens must be a non-negative"):
+        decoding_scheduler(Greedy())
 
 
 def test_remove_request_drops_its_drafts():

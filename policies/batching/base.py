@@ -29,7 +29,8 @@ from typing import ClassVar
 
 from policies.batching.handoff import KVHandoff
 from policies.batching.speculative import SpeculativeDecodes
-from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache, has_capability
+from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
+from policies.checks import has_capability
 from policies.decode_run import DecodeRun, RepeatingKVCache
 from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
 from policies.speculation import max_speculative_tokens

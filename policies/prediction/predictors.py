@@ -16,14 +16,6 @@ from policies.validators import finite_number, non_negative_int, non_negative_nu
 MEDIAN_ABS_NORMAL = NormalDist().inv_cdf(0.75)
 
 
-def check_predictor(predictor, field: str = "predictor"):
-    """`predictor` if it has a predict(request) method, else a ValueError naming `field`."""
-    if not callable(getattr(predictor, "predict", None)):
-        raise ValueError(f"{field} must have a predict(request) method (a LengthPredictor), "
-                         f"got {type(predictor).__name__}")
-    return predictor
-
-
 def _generator(seed) -> random.Random:
     """A generator of the predictor's own: the seed tagged, so it never repeats another stream
     of the run seeded with the same number."""
@@ -42,28 +34,21 @@ def _increasing_positive_ints(name: str, values) -> list[int]:
     return items
 
 
-class KeepPrediction:
-    """The `update` hook's default: the prediction made at arrival stands."""
-
-    def update(self, request: Request, num_output_tokens: int) -> int | None:
-        return request.predicted_output_len
-
-
-class NoPredictor(KeepPrediction):
+class NoPredictor:
     """No prediction: every request's predicted_output_len stays None (the default run)."""
 
     def predict(self, request: Request) -> int | None:
         return None
 
 
-class OraclePredictor(KeepPrediction):
+class OraclePredictor:
     """The true output length (on the engine: max_tokens, since where EOS stops is unknown)."""
 
     def predict(self, request: Request) -> int:
         return request.output_len
 
 
-class NoisyPredictor(KeepPrediction):
+class NoisyPredictor:
     """The true output length times a lognormal factor whose median error is `relative_error`
     either way: half the predictions lie within a factor of 1 + relative_error of the truth
     (0.5: between 1/1.5 and 1.5 times it), rounded, at least 1; 0 is the oracle."""
@@ -81,7 +66,7 @@ class NoisyPredictor(KeepPrediction):
         return max(1, round(request.output_len * self.rng.lognormvariate(0.0, self.sigma)))
 
 
-class BucketPredictor(KeepPrediction):
+class BucketPredictor:
     """A length classifier: `boundaries` b1 < ... < bk split lengths into k + 1 classes (<= b1,
     (b1, b2], ..., > bk); the prediction is the true class's representative value, or with
     probability `confusion_rate` an adjacent class's (either neighbour alike). `values` are the

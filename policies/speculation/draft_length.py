@@ -13,13 +13,17 @@ after the step reports every speculating sequence's (proposed, accepted) to `obs
 """
 from __future__ import annotations
 
+from policies.checks import check_policy
+from policies.protocols import SpeculationPolicy
 from policies.speculation.trees import node_children, path_parents
 from policies.validators import non_negative_int, number_in, positive_int
 
 
 def max_speculative_tokens(policy) -> int:
-    """A speculation policy's `max_num_speculative_tokens`, checked (0: it never drafts)."""
-    max_k = getattr(policy, "max_num_speculative_tokens", None)
+    """A speculation policy's `max_num_speculative_tokens` (0: it never drafts), the policy
+    checked against SpeculationPolicy and the number checked."""
+    check_policy(policy, SpeculationPolicy, "speculation")
+    max_k = policy.max_num_speculative_tokens
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 0:
         raise ValueError(f"speculation.max_num_speculative_tokens must be a non-negative "
                          f"integer, got {max_k!r} ({type(policy).__name__})")

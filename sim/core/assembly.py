@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig
 
-from policies.protocols import (KVCacheManager, PreemptionPolicy, Scheduler, SpeculationPolicy,
-                                check_policy)
+from policies.checks import check_policy
+from policies.protocols import KVCacheManager, PreemptionPolicy, Scheduler, SpeculationPolicy
 from sim.core.policy_config import build_policy, names_a_policy, policy_config
 
 

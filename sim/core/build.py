@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from policies.prediction import check_predictor
-from policies.protocols import CostModel, ReportsSpeed, StatesExpectedError, check_policy
+from policies.checks import check_policy, has_capability
+from policies.protocols import CostModel, LengthPredictor, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
 from policies.validators import (non_negative_int, non_negative_number, positive_int,
                                  positive_number)
@@ -37,12 +37,13 @@ def build_predictor(choice, seed: int, field: str = "predictor"):
     config's `seed: null` becomes the run's `seed`."""
     if choice is None:
         return None
-    if not isinstance(choice, (str, Mapping, DictConfig)):
-        return check_predictor(choice, field)
-    config = policy_config(choice, "predictor", field)
-    # Only a predictor that asks for a seed gets one: a user's own need not take it.
-    seeded = {"seed": seed} if "seed" in config and config.seed is None else {}
-    return check_predictor(build_policy(config, field, **seeded), field)
+    if isinstance(choice, (str, Mapping, DictConfig)):
+        config = policy_config(choice, "predictor", field)
+        # Only a predictor that asks for a seed gets one: a user's own need not take it.
+        seeded = {"seed": seed} if "seed" in config and config.seed is None else {}
+        choice = build_policy(config, field, **seeded)
+    check_policy(choice, LengthPredictor, field)
+    return choice
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -200,7 +201,7 @@ def cost_model_summary(cost_models: list) -> dict:
     the kernels' error alone; how whole runs compare with real ones is in
     docs/validation-results.md ("Real GPUs")."""
     for cost_model in cost_models:
-        if (isinstance(cost_model, StatesExpectedError)
+        if (has_capability(cost_model, StatesExpectedError, "cost_model")
                 and cost_model.expected_error_pct is not None):
             return {"kernel_time_expected_error_pct": float(cost_model.expected_error_pct)}
     return {}
@@ -210,7 +211,7 @@ def speed_summary(executors: list) -> dict:
     """An engine run normalised to a profile's machine speed (backend.speed_reference): the
     speed factors its probes saw, over every replica, and the wall time they took."""
     summaries = [executor.speed_summary() for executor in executors
-                 if isinstance(executor, ReportsSpeed)]
+                 if has_capability(executor, ReportsSpeed, "executor")]
     if not summaries:
         return {}
     summary = {"speed_factor_median": statistics.median(s["speed_factor_median"]

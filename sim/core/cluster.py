@@ -19,7 +19,8 @@ import numpy as np
 import simpy
 from omegaconf import DictConfig, OmegaConf
 
-from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler, missing_members
+from policies.checks import check_policy
+from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler
 from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
@@ -248,14 +249,6 @@ class PendingTransfer:
     prefill_step_s: float    # the step that finished the prompt (what overlap hides behind)
 
 
-def check_scheduler_members(scheduler, role: str, protocol: type) -> None:
-    """A scheduler in a prefill or decode pool needs the contract's disaggregation members."""
-    missing = missing_members(scheduler, protocol)
-    if missing:
-        raise ValueError(f"{type(scheduler).__name__} cannot run in a {role} pool: it lacks "
-                         f"{', '.join(missing)} (policies/protocols.py; BaseScheduler has them)")
-
-
 class DisaggregatedCluster:
     """The hand-offs from prefill replicas, the decode replicas' admission of them and the
     transfers over the links."""
@@ -275,7 +268,7 @@ class DisaggregatedCluster:
         for role, protocol in (("prefill", PrefillPoolScheduler),
                                ("decode", DecodePoolScheduler)):
             for replica in self.replicas_by_role[role]:
-                check_scheduler_members(replica.scheduler, role, protocol)
+                check_policy(replica.scheduler, protocol, f"scheduler of a {role} pool")
         self.decode_ids = {replica.replica_id for replica in self.decode_replicas}
         self.by_id = {replica.replica_id: replica for replica in replicas}
         routers = {pool.role: pool.router for pool in pools}

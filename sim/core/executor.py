@@ -3,7 +3,7 @@
 accepted drafts of a speculating one)."""
 from __future__ import annotations
 
-from policies.capabilities import has_capability
+from policies.checks import has_capability
 from policies.decode_run import RepeatedStepCostModel
 from policies.types import StepPlan, StepResult
 from sim.core.acceptance import AcceptanceModel

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 
-from policies.capabilities import has_capability
+from policies.checks import has_capability
 from policies.decode_run import RepeatingExecutor
-from policies.prediction import KeepPrediction, refine
-from policies.protocols import Executor, Scheduler
+from policies.prediction import refine
+from policies.protocols import Executor, OnlineLengthPredictor, Scheduler
 from policies.types import Request, StepPlan, StepResult
 from sim.core.metrics import StepRecorder
 
@@ -44,7 +44,9 @@ class StepLoop:
         self.recorder = recorder
         # A length predictor whose `update` refines its guesses: asked after every step about
         # the requests that made progress.
-        self.refining_predictor = predictor if refines(predictor) else None
+        self.refining_predictor = (
+            predictor if predictor is not None
+            and has_capability(predictor, OnlineLengthPredictor, "predictor") else None)
         # Runs of repeated steps, where the executor costs them (and no predictor refines).
         self.repeats_steps = (has_capability(executor, RepeatingExecutor, "executor")
                               and executor.repeats_steps and self.refining_predictor is None)
@@ -154,8 +156,3 @@ class StepLoop:
             if not request.is_finished:
                 refine(self.refining_predictor, request, request.num_output_tokens_per_sample)
 
-
-def refines(predictor) -> bool:
-    """Whether a length predictor has an `update` of its own (the built-ins keep their guess)."""
-    update = getattr(type(predictor), "update", None)
-    return predictor is not None and update is not None and update is not KeepPrediction.update
