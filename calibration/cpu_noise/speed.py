@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.calibration.step_shapes import GridPoint, build_plan
+from sim.core.step_shapes import GridPoint, build_plan
 
 # Small and quick, so that probing often costs little: a decode batch of 4 over 128 tokens.
 PROBE_POINT = GridPoint(0, "decode", 16, decodes=(128,) * 4)
@@ -277,7 +277,7 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
                          f"backend.speed_reference")
     if not _is_probe_point(reference.get("point")):
         raise ValueError(f"{source}: its speed_reference was taken on another probe shape than "
-                         f"sim/calibration/cpu_noise/speed.py's PROBE_POINT; re-take the "
+                         f"calibration/cpu_noise/speed.py's PROBE_POINT; re-take the "
                          f"profile")
     duration = reference.get("duration_s")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
@@ -291,7 +291,7 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
                 or not all(_is_probe_point(recorded, point)
                            for recorded, point in zip(points, PREFILL_PROBE_POINTS))):
             raise ValueError(f"{source}: its speed_reference's prefill probes were taken on other "
-                             f"shapes than sim/calibration/cpu_noise/speed.py's "
+                             f"shapes than calibration/cpu_noise/speed.py's "
                              f"PREFILL_PROBE_POINTS; re-take the profile")
         if (not isinstance(prefill_durations, list)
                 or len(prefill_durations) != len(PREFILL_PROBE_POINTS)

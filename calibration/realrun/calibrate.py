@@ -29,10 +29,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from sim.calibration.realrun.readers import read_run
-from sim.calibration.realrun.replay import compose_replay_config, replay
-from sim.calibration.realrun.run import RealRun, RealRunError
-from sim.calibration.term_fit import fit_terms
+from calibration.realrun.readers import read_run
+from calibration.realrun.replay import compose_replay_config, replay
+from calibration.realrun.run import RealRun, RealRunError
+from calibration.term_fit import fit_terms
 
 DEFAULT_TERMS = ("step_overhead_s", "per_sequence_overhead_s")
 DEFAULT_METRICS = ("mean_tpot_ms", "median_tpot_ms")

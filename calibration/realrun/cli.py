@@ -16,11 +16,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sim.calibration.realrun.readers import read_run
-from sim.calibration.realrun.replay import replay_details
-from sim.calibration.realrun.report import (markdown_report, plot_cdfs, print_combined,
+from calibration.realrun.readers import read_run
+from calibration.realrun.replay import replay_details
+from calibration.realrun.report import (markdown_report, plot_cdfs, print_combined,
                                             print_run)
-from sim.calibration.realrun.run import RealRun
+from calibration.realrun.run import RealRun
 
 
 def is_override(argument: str) -> bool:

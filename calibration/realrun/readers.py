@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.calibration.realrun.run import RealRun, RealRunError, make_run
+from calibration.realrun.run import RealRun, RealRunError, make_run
 
 LLMSERVINGSIM_REQUESTS = "vllm_requests.jsonl"
 CSV_REQUIRED = ("arrival_s", "prompt_len", "output_len", "ttft_s", "e2e_s")

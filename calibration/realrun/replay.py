@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sim.calibration.realrun.run import RealRun, RealRunError
-from sim.calibration.realrun.settings import CONF_DIR, settings_overrides
-from sim.calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
-from sim.calibration.realrun.stages import find_stages
+from calibration.realrun.run import RealRun, RealRunError
+from calibration.realrun.settings import CONF_DIR, settings_overrides
+from calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
+from calibration.realrun.stages import find_stages
 
 # Seeds the replayed prompts' random token ids (with prefix caching), with each request's index.
 PROMPT_IDS_SEED = 2029

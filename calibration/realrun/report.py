@@ -9,8 +9,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from sim.calibration.realrun.stage_metrics import METRICS
-from sim.calibration.validate.report import format_error, format_value
+from calibration.realrun.stage_metrics import METRICS
+from calibration.validate.report import format_error, format_value
 
 COMBINED_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
                     "mean_e2el_ms", "median_e2el_ms")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sim.calibration.validate.compare import ValidationInputError
+from calibration.validate.compare import ValidationInputError
 
 
 class RealRunError(ValidationInputError):

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import yaml
 
-from sim.calibration.realrun.run import RealRunError
+from calibration.realrun.run import RealRunError
+from sim.core.policy_config import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 REQUIRED = ("model", "hardware")
 # setting -> the override key it sets (the scheduler group and model/hardware are special).
 FIELD_KEYS = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.calibration.validate.compare import error_pct
+from calibration.validate.compare import error_pct
 
 LATENCIES = ("ttft", "tpot", "e2el")
 STATS = ("mean", "median", "p99")

@@ -9,5 +9,5 @@ One module per job, each readable alone:
 - sweep:              a Hydra sweep's overrides expanded into the grid's jobs
 - grid:               every job of a sweep validated, with one table for the grid
 - report:             the rich table, the markdown report and the CDF plot
-- cli:                the command line (`python -m sim.calibration.validate`)
+- cli:                the command line (`python -m calibration.validate`)
 """

@@ -1,6 +1,6 @@
-"""`python -m sim.calibration.validate`: the same as `twinserve-validate`."""
+"""`python -m calibration.validate`: the same as `twinserve-validate`."""
 import sys
 
-from sim.calibration.validate.cli import main
+from calibration.validate.cli import main
 
 sys.exit(main())

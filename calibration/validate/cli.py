@@ -36,7 +36,7 @@ directory holding a validation.json (repeats of a few workloads, say):
 
 `--real RUN...` replays serving runs someone measured (vLLM's bench serve detailed JSON,
 twinserve-bench's, LLMServingSim's vllm_requests.jsonl or its folder, a CSV) through the simulator
-and reports each load stage real against simulated, with no gates (sim/calibration/realrun/):
+and reports each load stage real against simulated, with no gates (calibration/realrun/):
 
     twinserve-validate --real data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B --out out/
 
@@ -51,12 +51,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from sim.calibration.validate.compare import UNSET
-from sim.calibration.validate.grid import tabulate, validate_grid
-from sim.calibration.validate.compare import ValidationInputError
-from sim.calibration.validate.run import (DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS,
+from calibration.validate.compare import UNSET
+from calibration.validate.grid import tabulate, validate_grid
+from calibration.validate.compare import ValidationInputError
+from calibration.validate.run import (DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS,
                                           check_engine_repeats, validate)
-from sim.calibration.validate.sweep import expand_sweep
+from calibration.validate.sweep import expand_sweep
 
 
 def gate_percentage(text: str) -> float | None:
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main_real(args: argparse.Namespace, argv: list[str] | None) -> int:
     """--real: the runs replayed through the simulator (arguments with '=' are overrides)."""
-    from sim.calibration.realrun.cli import is_override, validate_real
+    from calibration.realrun.cli import is_override, validate_real
 
     arguments = [*args.real, *args.overrides]
     runs = [argument for argument in arguments if not is_override(argument)]

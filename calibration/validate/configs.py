@@ -2,11 +2,9 @@
 the backend (`engine`, and `sim` with the profiled cost model), over the same KV pool."""
 from __future__ import annotations
 
-from pathlib import Path
+from calibration.validate.compare import ValidationInputError
+from sim.core.policy_config import CONF_DIR
 
-from sim.calibration.validate.compare import ValidationInputError
-
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 def compose_configs(overrides: list[str]):

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from sim.calibration.validate.compare import GATED_BY, METRICS, OUTSIDE_BOTH, WITHIN_GATE, \
+from calibration.validate.compare import GATED_BY, METRICS, OUTSIDE_BOTH, WITHIN_GATE, \
     WITHIN_NOISE, spread_pct, speedup, verdict
-from sim.calibration.validate.report import format_error, format_spread, format_value
-from sim.calibration.validate.run import DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS, validate
-from sim.calibration.validate.sweep import expand_sweep, swept_values
+from calibration.validate.report import format_error, format_spread, format_value
+from calibration.validate.run import DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS, validate
+from calibration.validate.sweep import expand_sweep, swept_values
 
 # The columns of the grid table: the errors people compare simulators by.
 GRID_METRICS: tuple[str, ...] = (

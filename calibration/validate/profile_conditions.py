@@ -1,7 +1,7 @@
 """Running the engine as its profile was measured: the profile's torch thread count and, when the
 profile carries a speed reference (twinserve-profile's speed probe), the engine's step durations
 normalised to the machine speed the profile was taken at (backend.speed_reference, read by
-sim/calibration/cpu_noise/speed.py): on a shared CPU machine the speed drifts by tens of % over
+calibration/cpu_noise/speed.py): on a shared CPU machine the speed drifts by tens of % over
 minutes, which no cost model can predict. The one place validation touches that machinery."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sim.calibration.cpu_noise.speed import PREFILL_PROBE_POINTS
+from calibration.cpu_noise.speed import PREFILL_PROBE_POINTS
 
 
 def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: bool,

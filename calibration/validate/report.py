@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
-from sim.calibration.validate.compare import GATED_BY
-from sim.calibration.validate.profile_conditions import engine_clock_line
+from calibration.validate.compare import GATED_BY
+from calibration.validate.profile_conditions import engine_clock_line
 
 CDF_COLUMNS: tuple[tuple[str, str], ...] = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"),
                                             ("e2el_ms", "E2E"))

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sim.calibration.validate.compare import (ValidationInputError, add_engine_noise,
+from calibration.validate.compare import (ValidationInputError, add_engine_noise,
                                               check_gates, compare_summaries, mean_summary,
                                               resolve_gates, speedup)
-from sim.calibration.validate.configs import compose_configs, pin_kv_pool
-from sim.calibration.validate.profile_conditions import match_profile_conditions
-from sim.calibration.validate.report import markdown_report, plot_cdfs, rich_table
+from calibration.validate.configs import compose_configs, pin_kv_pool
+from calibration.validate.profile_conditions import match_profile_conditions
+from calibration.validate.report import markdown_report, plot_cdfs, rich_table
 
 # The simulator predicts a run's expected metrics: the mean over this many runs of its random
 # draws (a p99 of one run moves by several % between draws; the engine's run is one draw).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from sim.calibration.validate.compare import ValidationInputError
+from calibration.validate.compare import ValidationInputError
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:

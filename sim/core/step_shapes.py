@@ -1,5 +1,5 @@
-"""Step shapes and the plans that realise them: what the profiler times over its grid and what the
-speed probe (sim/calibration/cpu_noise/speed.py) times as its reference.
+"""Step shapes and the plans that realise them: what the engine's warm-up runs, what the profiler
+(calibration/profiler/) times over its grid and what the speed probe times as its reference.
 
 A `GridPoint` names a step shape (prefill chunks over cached context, decodes of given contexts,
 copies, swaps, drafts per decode); `build_plan` builds its StepPlan for real through a

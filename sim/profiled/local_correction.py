@@ -4,7 +4,8 @@ points the prediction takes the measured/fitted ratio of the points around it.
 
 The ratios are averaged with a Gaussian kernel in log-scaled feature space and fade to 1 (the
 linear model alone) far from every point; the bandwidth and the weight of that 1 are chosen by
-leave-one-out over the grid points, and a profile carries the result as its `correction`.
+leave-one-out over the grid points (calibration/profiler/fit.py), and a profile carries the
+result as its `correction`.
 """
 from __future__ import annotations
 
@@ -91,39 +92,3 @@ class LocalCorrection:
 def log_scaled(features, scales: np.ndarray) -> np.ndarray:
     """z = log(1 + x / scale), per feature: the space the correction measures distances in."""
     return np.log1p(np.asarray(features, dtype=np.float64) / scales)
-
-
-def feature_scales(points: np.ndarray) -> np.ndarray:
-    """Per feature, the median of its non-zero values over the points (1 where none is)."""
-    scales = np.ones(points.shape[1])
-    for column in range(points.shape[1]):
-        nonzero = np.abs(points[:, column][points[:, column] != 0])
-        if nonzero.size:
-            scales[column] = float(np.median(nonzero))
-    return scales
-
-
-def fit_local_correction(points: np.ndarray, measured: np.ndarray, predicted: np.ndarray,
-                         bandwidths=(0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
-                         prior_weights=(0.25, 1.0, 4.0)) -> tuple[LocalCorrection | None, dict]:
-    """The correction whose leave-one-out error over the grid points is smallest (each point
-    predicted from the others alone), or None when none beats the linear model. Returns it and
-    {"linear": mean |point error|, "corrected": leave-one-out mean |point error|, ...}."""
-    ratios = measured / predicted
-    linear_error = float(np.abs(1.0 / ratios - 1.0).mean())
-    scales = feature_scales(points)
-    z = log_scaled(points, scales)
-    squared = ((z[:, None, :] - z[None, :, :]) ** 2).sum(axis=-1)   # once, for every candidate
-    best, best_error = None, linear_error
-    for bandwidth in bandwidths:
-        weights = np.exp(-squared / bandwidth ** 2)
-        np.fill_diagonal(weights, 0.0)                  # leave each point out of its own
-        for prior_weight in prior_weights:
-            factors = (weights @ ratios + prior_weight) / (weights.sum(axis=1) + prior_weight)
-            error = float(np.abs(predicted * factors / measured - 1.0).mean())
-            if error < best_error:
-                best, best_error = (bandwidth, prior_weight), error
-    correction = None if best is None else LocalCorrection(points, ratios, scales, *best)
-    return correction, {"linear_point_error": linear_error, "loo_point_error": best_error,
-                        "bandwidth": None if best is None else best[0],
-                        "prior_weight": None if best is None else best[1]}
