@@ -31,7 +31,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from policies.types import StepPlan
-from sim.calibration.realrun.settings import match_hardware, match_model
+from calibration.realrun.settings import match_hardware, match_model
 from sim.core.build import CONF_DIR
 from sim.gpu.cost_model import GPUCostModel
 

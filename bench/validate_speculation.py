@@ -49,8 +49,8 @@ from tqdm import tqdm  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from sim.calibration.validate.compare import DEFAULT_GATES, error_pct  # noqa: E402
-from sim.calibration.validate.run import validate  # noqa: E402
+from calibration.validate.compare import DEFAULT_GATES, error_pct  # noqa: E402
+from calibration.validate.run import validate  # noqa: E402
 from policies.speculation.drafters import TREE_DRAFTERS  # noqa: E402  (k: the tree's depth)
 
 DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram", "medusa": "medusa",
@@ -198,7 +198,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
     if summary.get("engine_clock") == "profile speed":
         low, high = summary["machine_speed_factor_range"]
         lines.append(f"\nEngine steps timed at the profiles' machine speed "
-                     f"(sim/calibration/cpu_noise/speed.py); "
+                     f"(calibration/cpu_noise/speed.py); "
                      f"the machine ran {low:.2f}-{high:.2f}x the profile's step times.")
     lines.append(f"\nLargest |error|: acceptance {_pct(summary['max_abs_acceptance_error_pct'])} "
                  f"%, tokens/step {_pct(summary['max_abs_tokens_per_step_error_pct'])} "

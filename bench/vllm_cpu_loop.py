@@ -215,8 +215,8 @@ def spread_pct(values: list[float]) -> float:
 def predict(fit_on: str, check_on: str, runs: dict[str, list[Path]], overrides: list[str],
             out: Path) -> dict:
     """Fit the terms on `fit_on`'s runs, replay `check_on`'s with them; the table's rows."""
-    from sim.calibration.realrun import calibrate
-    from sim.calibration.realrun.cli import validate_real
+    from calibration.realrun import calibrate
+    from calibration.realrun.cli import validate_real
 
     fit_path = out / f"fit-{fit_on}.json"
     argv = ["--real", *map(str, runs[fit_on]), "--terms", ",".join(FIT_TERMS),

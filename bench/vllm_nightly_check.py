@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 
-from sim.calibration.realrun.stage_metrics import OVERLOAD_SLOPE, ttft_slope
-from sim.calibration.term_fit import fit_terms
+from calibration.realrun.stage_metrics import OVERLOAD_SLOPE, ttft_slope
+from calibration.term_fit import fit_terms
 from sim.core.experiment import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]

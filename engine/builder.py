@@ -6,6 +6,7 @@ policy; and the output-length predictor generate asks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -28,16 +29,12 @@ from policies.checks import check_policy, has_capability
 from policies.protocols import BoundedScheduler, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import Drafter, TreeSpec
-from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
-                                             PREFILL_PROBE_POINTS, PROBE_POINT, PROBE_POOL_BLOCKS,
-                                             SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
-                                             load_reference)
-from sim.calibration.step_shapes import GridPoint, build_plan
 from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import build_predictor, kv_cache_policy_config
 from sim.core.policy_config import names_a_policy, policy_config
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 from sim.core.speculation_setup import sized_policy_config, speculation_policy_config, tree_spec
+from sim.core.step_shapes import GridPoint, build_plan
 
 # The drafters LLM(speculative_model=...) names (any other name is a draft model).
 NGRAM, MEDUSA, LOOKAHEAD = drafters.NGRAM.name, drafters.MEDUSA.name, drafters.LOOKAHEAD.name
@@ -324,29 +321,32 @@ def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_toke
                                               decodes=(block_size,) * batch), rng, num_blocks, 0))
 
 
-def build_speed_probe(loaded: LoadedModel, device: torch.device, seed: int = 0,
-                      kernel_backend: str | None = None,
-                      interval_s: float = DEFAULT_INTERVAL_S,
-                      point: GridPoint = PROBE_POINT) -> SpeedProbe:
-    """A speed probe (sim/calibration/cpu_noise/speed.py) of the loaded model timing `point`,
-    on an executor of its own."""
-    executor = build_model_executor(loaded, PROBE_POOL_BLOCKS, 0, point.block_size,
-                                    device, seed, kernel_backend)
-    return SpeedProbe(executor, interval_s, seed, point)
+# Builds another executor on the run's loaded model: (num_blocks, block_size) of its own pool.
+NewExecutor = Callable[[int, int], EngineExecutor]
 
 
-def build_prefill_probes(loaded: LoadedModel, device: torch.device, seed: int = 0,
-                         kernel_backend: str | None = None) -> tuple[SpeedProbe, ...]:
-    """The prefill probes (one per PREFILL_PROBE_POINTS shape) of the loaded model."""
-    return tuple(build_speed_probe(loaded, device, seed, kernel_backend,
-                                   DEFAULT_PREFILL_INTERVAL_S, point)
-                 for point in PREFILL_PROBE_POINTS)
+def executor_builder(loaded: LoadedModel, device: torch.device, seed: int = 0,
+                     kernel_backend: str | None = None) -> NewExecutor:
+    """A builder of plain executors (no drafter, no host tier) on the loaded model."""
+    def new_executor(num_blocks: int, block_size: int) -> EngineExecutor:
+        return build_model_executor(loaded, num_blocks, 0, block_size, device, seed,
+                                    kernel_backend)
+    return new_executor
+
+
+class StepTiming(Protocol):
+    """How an engine run's steps are timed, where its caller asks (calibration's speed
+    normalisation to a profile's machine speed, backend.speed_reference): given the run's
+    warmed-up executor, a builder of further executors on the same model (for probe steps of its
+    own) and the run's seed, it returns the executor the run steps."""
+
+    def __call__(self, executor: EngineExecutor, new_executor: NewExecutor, seed: int): ...
 
 
 def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: int = 0,
                           kernel_backend: str | None = None, speculative_model: str | None = None,
                           max_num_speculative_tokens: int = 0,
-                          speed_reference: SpeedReference | str | None = None,
+                          step_timing: StepTiming | None = None,
                           enforce_eager: bool = False,
                           tree: TreeSpec | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
@@ -354,9 +354,9 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     engine (backend=engine, whose config names this function); with a speculative_model
     ("ngram", a conf/model name or a checkpoint folder) it verifies plans of up to
     max_num_speculative_tokens drafts per sequence, or with a token tree method (`tree`, for
-    speculative_model "medusa" or "lookahead") that many tokens. With a speed_reference (a
-    profile's speed reference, or the profile's path) its step durations are normalised to the
-    profile's machine speed. On CUDA decode steps run as CUDA graphs unless enforce_eager."""
+    speculative_model "medusa" or "lookahead") that many tokens. With `step_timing` the run steps
+    the executor it returns (its step durations timed its way). On CUDA decode steps run as CUDA
+    graphs unless enforce_eager."""
     if (speculative_model in drafters.TREE_DRAFTERS) != (tree is not None) or (
             tree is not None and tree.method != speculative_model):
         raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
@@ -372,12 +372,6 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                                     cuda_graph_max_batch=0 if enforce_eager
                                     else DEFAULT_MAX_CAPTURE_SIZE)
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
-    if speed_reference is None:
+    if step_timing is None:
         return executor
-    if isinstance(speed_reference, str):
-        speed_reference = load_reference(speed_reference)
-    prefill_probes = (build_prefill_probes(loaded, device, seed, kernel_backend)
-                      if speed_reference.prefill_durations_s else ())
-    return SpeedNormalizedExecutor(executor, build_speed_probe(loaded, device, seed,
-                                                               kernel_backend), speed_reference,
-                                   prefill_probes)
+    return step_timing(executor, executor_builder(loaded, device, seed, kernel_backend), seed)

@@ -23,9 +23,9 @@ import simpy
 from policies.batching import ChunkedPrefillScheduler
 from policies.routing import RoundRobinRouter
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
-from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
-from sim.calibration.profiled_cost_model import ProfiledCostModel
-from sim.calibration.step_features import STEP_FEATURES, step_features
+from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
+from sim.profiled.cost_model import ProfiledCostModel
+from sim.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.build import (CONF_DIR, build_policy, config_names, kv_cache_policy_config,
                             policy_config)
 from sim.core.metrics import MetricsCollector
@@ -33,7 +33,7 @@ from sim.core.replica import Replica, arrivals
 from sim.core.specs import HardwareSpec, ModelSpec
 
 if TYPE_CHECKING:
-    from engine.profiler import GridPoint
+    from sim.core.step_shapes import GridPoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def true_cost(features) -> float:
 
 def held_out_points() -> list[GridPoint]:
     """Grid points (step shapes) not in the profiler's grid, inside its ranges."""
-    from engine.profiler import GridPoint  # imports torch
+    from sim.core.step_shapes import GridPoint
 
     return [
         GridPoint(1000, "prefill", 16, prefills=((200, 300),)),

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.calibration.realrun.calibrate import (BOUNDS, EFFICIENCY_BOUNDS, fit, main,
+from calibration.realrun.calibrate import (BOUNDS, EFFICIENCY_BOUNDS, fit, main,
                                                start_value, term_bounds)
-from sim.calibration.realrun.readers import read_run
-from sim.calibration.realrun.replay import compose_replay_config, run_requests, simulate
-from sim.calibration.realrun.run import make_run
+from calibration.realrun.readers import read_run
+from calibration.realrun.replay import compose_replay_config, run_requests, simulate
+from calibration.realrun.run import make_run
 
 # A small Llama-2-7B on one A100 with the GPU cost model: replays take a few ms.
 SETTINGS = ["model=llama-2-7b", "hardware=a100-80gb", "cost_model=gpu", "scheduler=chunked_prefill"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from sim.calibration.realrun.calibrate import fit, main
-from sim.calibration.realrun.readers import read_run
+from calibration.realrun.calibrate import fit, main
+from calibration.realrun.readers import read_run
 from sim.core.build import CONF_DIR
 from sim.core.experiment import run_experiment
 from tests.test_calibrate import SETTINGS, TRUE_TERMS, measured_run

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from policies.memory import ContiguousAllocator, PagedBlockManager
 from policies.routing import PrefixAffinityRouter
 from policies.types import Request, StepPlan, StepResult
-from sim.calibration.profiled_cost_model import ProfiledCostModel
-from sim.calibration.step_features import STEP_FEATURES
+from sim.profiled.cost_model import ProfiledCostModel
+from sim.profiled.step_features import STEP_FEATURES
 from sim.core.build import config_names
 from sim.core.experiment import run_experiment
 from sim.core.roofline import RooflineCostModel

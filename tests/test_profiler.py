@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine.profiler import (GridPoint, build_plan, fit_profile, main, make_grid, nnls,
-                             profile, read_samples, write_profile)
+from calibration.profiler.cli import main, read_samples, write_profile
+from calibration.profiler.fit import fit_profile, nnls
+from calibration.profiler.grid import make_grid, profile
+from sim.core.step_shapes import GridPoint, build_plan
 from kernels.tiling import query_class
 from policies.memory import PagedBlockManager
 from policies.types import Request, Sequence, StepResult
-from sim.calibration.cpu_noise.tile_features import (TILE_FEATURES, AttentionTiling,
+from sim.profiled.tile_features import (TILE_FEATURES, AttentionTiling,
                                                      attention_lengths, tile_features)
-from sim.calibration.profiled_cost_model import ProfiledCostModel
-from sim.calibration.step_features import STEP_FEATURES, step_features
-from sim.calibration.step_shapes import age_pool
+from sim.profiled.cost_model import ProfiledCostModel
+from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.core.step_shapes import age_pool
 
 from factories import (ALL_FEATURES, KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,
                        true_cost)
@@ -362,7 +364,7 @@ def test_speculating_points_verify_k_drafts_on_a_real_drafter(tmp_path):
 
     from engine.drafters import ngram_lookup
     from engine.model_loader import load_model
-    from engine.profiler import executor_factory
+    from calibration.profiler.cli import executor_factory
     device = torch.device("cpu")
     factory = executor_factory(load_model("tiny-llama", device), device,
                                speculative_model="ngram", max_num_speculative_tokens=5)
@@ -393,7 +395,7 @@ def test_token_tree_drafters_are_profiled_on_whole_trees(tmp_path):
     the tree's tokens: Medusa's default tree at each depth, lookahead in units of N - 1), and the
     engine runs them as trees (Medusa's heads once they saw a step's hidden state)."""
     from engine.model_loader import load_model
-    from engine.profiler import executor_factory, tree_setup
+    from calibration.profiler.cli import executor_factory, tree_setup
 
     medusa, medusa_sizes = tree_setup("medusa", [1, 2, 4])
     assert medusa_sizes == [3, 9, 33] and medusa.max_depth == 4

@@ -1,4 +1,4 @@
-"""Replaying measured serving runs (sim/calibration/realrun/, twinserve-validate --real): the
+"""Replaying measured serving runs (calibration/realrun/, twinserve-validate --real): the
 readers, settings to overrides, load stages, per-stage metrics and the replay itself."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.calibration.realrun.readers import read_run
-from sim.calibration.realrun.replay import compose_replay_config, replay, simulate
-from sim.calibration.realrun.run import RealRunError
-from sim.calibration.realrun.settings import (match_hardware, match_model, settings_overrides)
-from sim.calibration.realrun.stage_metrics import (Latencies, compare_stage, stage_metrics,
+from calibration.realrun.readers import read_run
+from calibration.realrun.replay import compose_replay_config, replay, simulate
+from calibration.realrun.run import RealRunError
+from calibration.realrun.settings import (match_hardware, match_model, settings_overrides)
+from calibration.realrun.stage_metrics import (Latencies, compare_stage, stage_metrics,
                                                    ttft_slope)
-from sim.calibration.realrun.stages import detect_boundaries, find_stages
-from sim.calibration.validate.cli import main
+from calibration.realrun.stages import detect_boundaries, find_stages
+from calibration.validate.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "real-runs" / "llmservingsim"

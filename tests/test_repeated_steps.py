@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
-from sim.calibration.cpu_noise.tile_features import TILE_FEATURES
+from sim.profiled.tile_features import TILE_FEATURES
 from sim.core.build import config_names
 from sim.core.experiment import run_experiment
 from sim.core.replica import SimEnvironment

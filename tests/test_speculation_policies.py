@@ -791,8 +791,8 @@ def test_bad_speculation_config_is_one_clear_error(overrides, message):
 
 def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):
     """Its draft features cost 0, and the log says so; the fitted ones predict as before."""
-    from sim.calibration.profiled_cost_model import ProfiledCostModel
-    from sim.calibration.step_features import STEP_FEATURES
+    from sim.profiled.cost_model import ProfiledCostModel
+    from sim.profiled.step_features import STEP_FEATURES
     old_features = [name for name in STEP_FEATURES
                     if name not in ("num_draft_tokens", "speculating", "draft_model_steps")]
     coefficients = {name: 0.0 for name in old_features} | {"num_decode_seqs": 1e-3}

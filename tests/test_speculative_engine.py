@@ -484,9 +484,9 @@ def test_draft_model_runs_its_lagging_token_again():
     accepted all its drafts) starts the draft's pass one token earlier: the extra token the
     step features count as draft_catch_up_tokens."""
     from engine.model_loader import load_model
-    from engine.profiler import executor_factory
-    from sim.calibration.step_shapes import GridPoint, build_plan
-    from sim.calibration.step_features import STEP_FEATURES, step_features
+    from calibration.profiler.cli import executor_factory
+    from sim.core.step_shapes import GridPoint, build_plan
+    from sim.profiled.step_features import STEP_FEATURES, step_features
 
     device = torch.device("cpu")
     factory = executor_factory(load_model(TARGET, device), device,

@@ -1,4 +1,4 @@
-"""The speed probe (sim/calibration/cpu_noise/speed.py): its factor, the executor that normalises an engine run's
+"""The speed probe (calibration/cpu_noise/speed.py): its factor, the executor that normalises an engine run's
 step durations with it, the profiler's normalised samples (a drifting stand-in machine is
 recovered as if it had not drifted, also where prefills follow the drift less than decodes, or
 follow the prefill probe's own drift), and clear errors for a profile without a usable
@@ -12,9 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from engine.profiler import build_plan, fit_profile, make_grid, profile
+from calibration.profiler.fit import fit_profile
+from calibration.profiler.grid import make_grid, profile
 from policies.types import StepResult
-from sim.calibration.cpu_noise.speed import (EXPONENT_KNOTS, PREFILL_PROBE_POINTS, PROBE_KNOTS,
+from sim.core.step_shapes import build_plan
+from calibration.cpu_noise.speed import (EXPONENT_KNOTS, PREFILL_PROBE_POINTS, PROBE_KNOTS,
                                              PROBE_POINT,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              check_reference, fit_exponents, load_reference,

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sim.calibration.term_fit import fit_terms
+from calibration.term_fit import fit_terms
 
 
 def test_recovers_the_minimum_of_a_separable_loss():

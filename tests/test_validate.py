@@ -1,5 +1,5 @@
-"""The profiled cost model and twinserve-validate (sim/calibration/profiled_cost_model.py,
-sim/calibration/validate/)."""
+"""The profiled cost model and twinserve-validate (sim/profiled/cost_model.py,
+calibration/validate/)."""
 from __future__ import annotations
 
 import csv
@@ -16,19 +16,19 @@ from omegaconf import open_dict
 
 import sim.core.experiment
 from policies.types import StepPlan
-from engine.profiler import fit_profile
-from sim.calibration.profiled_cost_model import ProfiledCostModel, ProfileError
+from calibration.profiler.fit import fit_profile
+from sim.profiled.cost_model import ProfiledCostModel, ProfileError
 from sim.core.build import SpeculationSetup, speculation_setup
 from sim.core.experiment import run_experiment
-from sim.calibration.step_features import STEP_FEATURES, step_features
-from sim.calibration.validate.cli import main, parse_args
-from sim.calibration.validate.compare import (DEFAULT_GATES, GATED_BY, METRICS, UNSET,
+from sim.profiled.step_features import STEP_FEATURES, step_features
+from calibration.validate.cli import main, parse_args
+from calibration.validate.compare import (DEFAULT_GATES, GATED_BY, METRICS, UNSET,
                                               add_engine_noise, check_gates, compare_summaries,
                                               error_pct, mean_summary, resolve_gates)
-from sim.calibration.validate.grid import (GRID_METRICS, grid_markdown, grid_rows, grid_summary,
+from calibration.validate.grid import (GRID_METRICS, grid_markdown, grid_rows, grid_summary,
                                           tabulate)
-from sim.calibration.validate.report import read_latencies_ms
-from sim.calibration.validate.sweep import expand_sweep, swept_values
+from calibration.validate.report import read_latencies_ms
+from calibration.validate.sweep import expand_sweep, swept_values
 
 from factories import make_cfg
 
@@ -338,7 +338,7 @@ def test_out_of_range_extrapolates_and_warns_once(tmp_path, caplog):
     model = ProfiledCostModel(path, sample_residuals=False)
     inside = FakePlan(decode_seqs=2, decode_ctx=50)
     outside = FakePlan(decode_seqs=2, decode_ctx=5000)
-    with caplog.at_level(logging.WARNING, logger="sim.calibration.profiled_cost_model"):
+    with caplog.at_level(logging.WARNING, logger="sim.profiled.cost_model"):
         model.step_time(inside)
         assert not caplog.records
         for _ in range(5):
@@ -525,12 +525,13 @@ def test_validation_reports_a_known_bias_of_the_engine(tmp_path, monkeypatch, ca
 
 def add_speed_reference(profile: Path) -> None:
     """The profile's speed reference, measured as the profiler does (cpu_noise/speed.py)."""
-    from engine.builder import build_speed_probe
+    from calibration.cpu_noise.engine_timing import build_speed_probe
+    from engine.builder import executor_builder
     from engine.model_loader import load_model
-    from sim.calibration.cpu_noise.speed import normalize_samples
+    from calibration.cpu_noise.speed import normalize_samples
 
     device = torch.device("cpu")
-    probe = build_speed_probe(load_model("tiny-llama", device, None, 0), device)
+    probe = build_speed_probe(executor_builder(load_model("tiny-llama", device, None, 0), device))
     for _ in range(3):
         probe.measure()
     content = json.loads(profile.read_text())
@@ -768,7 +769,7 @@ def test_a_bad_engine_repeats_is_one_clear_line(tmp_path, capsys, bad):
 
 
 def test_spread_and_verdict_definitions():
-    from sim.calibration.validate.compare import spread_pct, verdict
+    from calibration.validate.compare import spread_pct, verdict
 
     assert spread_pct([10.0, 10.6, 9.7]) == pytest.approx(0.45 / (30.3 / 3) * 100)
     assert spread_pct([5.0]) == 0.0 and spread_pct([0, 0, 0]) == 0.0

@@ -65,7 +65,7 @@ def gpu_hardware(smoke: bool) -> str:
 def profile(smoke: bool, work_dir: Path, report: StepReport) -> Path | None:
     """twinserve-profile on the device; the profile's path, or None (reported)."""
     model = MODEL[smoke]
-    args = [sys.executable, "-m", "engine.profiler", "--model", model,
+    args = [sys.executable, "-m", "calibration.profiler", "--model", model,
             "--device", "cpu" if smoke else "cuda", "--block-sizes", "16",
             "--repeats", "1" if smoke else "3", "--speed-probe-interval", "0",
             "--out-dir", str(work_dir / "profiles"), "--no-progress"]
@@ -87,8 +87,8 @@ def gpu_model_errors(overrides: list[str], job_dir: Path, hardware: str) -> dict
     mean over its repeats: {metric: error %}."""
     from hydra import compose, initialize_config_dir
 
-    from sim.calibration.validate.compare import compare_summaries, mean_summary
-    from sim.calibration.validate.configs import CONF_DIR
+    from calibration.validate.compare import compare_summaries, mean_summary
+    from calibration.validate.configs import CONF_DIR
     from sim.core.experiment import run_experiment
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=["progress=false", "backend=sim", "cost_model=gpu",
@@ -127,8 +127,8 @@ def table(rows: list[dict], model: str, hardware: str, dtype: str) -> str:
 
 
 def step_fidelity(report: StepReport, smoke: bool, out_dir: Path, work_dir: Path) -> None:
-    from sim.calibration.validate.compare import ValidationInputError
-    from sim.calibration.validate.run import validate
+    from calibration.validate.compare import ValidationInputError
+    from calibration.validate.run import validate
     model, hardware = MODEL[smoke], gpu_hardware(smoke)
     profile_path = profile(smoke, work_dir, report)
     if profile_path is None:

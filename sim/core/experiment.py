@@ -105,7 +105,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                    requests: list[Request] | None = None) -> RunResult:
     """Run the experiment `cfg` describes; write its files into `out_dir` if given (the PNG
     plots too, unless plots=False). `requests` (fresh, unserved) replace cfg.workload's: a
-    measured run replayed from memory (sim/calibration/realrun/)."""
+    measured run replayed from memory (calibration/realrun/)."""
     wall_start = time.perf_counter()
     model = ModelSpec.from_config(cfg.model)
     check_run_settings(cfg)

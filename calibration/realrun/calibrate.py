@@ -1,0 +1,215 @@
+"""`twinserve-calibrate --real RUN...`: fit a cost model's engine-overhead terms to measured
+serving runs, keep the fit in a profile file, and report the error on runs it did not use.
+
+The terms are the cost model's own config keys (`cost_model.<term>`: per-step and per-sequence
+overheads in seconds, for instance, or a roofline's `*_efficiency` shares of its peak rates,
+searched in (0.001, 1]), so the same fit works for any cost model that has them; a term with a
+dot is a whole config key in seconds (`cluster.frontend_latency_s`, the serving front end's
+per-request latency, which TTFT measures: fit it with `--metrics mean_ttft_ms,...`). Each candidate
+replays every fitting run through the simulator (replay.py); the loss is the mean over runs and
+load stages of the squared log ratio simulated/real of the fitted metrics. By default those are
+the mean and median TPOT: a decode step's duration is what the overheads set, and TPOT measures
+it directly, while TTFT and E2E of a loaded run follow from it through the queue, so they are
+checks, not targets. The search is term_fit.fit_terms: coordinate passes until one improves
+nothing (--passes at most; terms that trade off, as a step overhead and a compute efficiency do
+in TTFT, take three or four), a few dozen replays each.
+
+Held-out runs (`--held-out`) are replayed with the fitted terms and reported beside the fit;
+`--leave-one-out` fits on all runs but one, for each run in turn, and reports each run as
+predicted by the others' fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from calibration.realrun.readers import read_run
+from calibration.realrun.replay import compose_replay_config, replay
+from calibration.realrun.run import RealRun, RealRunError
+from calibration.term_fit import fit_terms
+
+DEFAULT_TERMS = ("step_overhead_s", "per_sequence_overhead_s")
+DEFAULT_METRICS = ("mean_tpot_ms", "median_tpot_ms")
+REPORTED = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
+            "median_e2el_ms", "request_throughput")
+DEFAULT_PASSES = 6
+# Overheads of a serving engine's step: from a tenth of a microsecond to a tenth of a second.
+BOUNDS = (1e-7, 0.1)
+# An achieved share of a spec-sheet rate (compute_efficiency, memory_efficiency, ...).
+EFFICIENCY_BOUNDS = (1e-3, 1.0)
+# A workstation board's share relative to the measured datacenter boards' (GPUCostModel): it may
+# exceed them.
+RELATIVE_EFFICIENCY_BOUNDS = (0.25, 4.0)
+
+
+def term_bounds(term: str) -> tuple[float, float]:
+    """The search's (low, high) for a cost-model term: a share for *_efficiency (a relative one
+    for workstation_*), else seconds."""
+    if term.startswith("workstation_") and term.endswith("_efficiency"):
+        return RELATIVE_EFFICIENCY_BOUNDS
+    return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else BOUNDS
+
+
+def term_key(term: str) -> str:
+    """The config key a term sets: a dotted term is one already, else a cost_model key."""
+    return term if "." in term else f"cost_model.{term}"
+
+
+def start_value(term: str, value: float) -> float:
+    """`value` moved into the term's search range; an overhead a decade inside its bounds (a
+    term at 0 starts at a microsecond-scale guess, not at the search's edge)."""
+    low, high = term_bounds(term)
+    if (low, high) == BOUNDS:
+        low, high = low * 10, high / 10
+    return min(max(float(value), low), high)
+
+
+class Calibration:
+    """The runs to fit, their replay configs (composed once) and the loss over them."""
+
+    def __init__(self, runs: list[RealRun], overrides: list[str], terms: tuple[str, ...],
+                 metrics: tuple[str, ...]):
+        self.runs, self.terms, self.metrics = runs, terms, metrics
+        self.overrides = list(overrides)
+        self.configs = [compose_replay_config(run, overrides) for run in runs]
+        for config in self.configs:
+            missing = [term for term in terms if OmegaConf.select(config, term_key(term)) is None]
+            if missing:
+                raise RealRunError(
+                    f"--terms: cost model {config.cost_model.get('_target_')} has no "
+                    f"{', '.join(missing)} (its keys: {', '.join(config.cost_model)}; a dotted "
+                    f"term must be a key of the run's config)")
+        self.num_replays = 0
+
+    def initial(self) -> dict[str, float]:
+        """The terms' values in the first run's config, moved into the search's bounds."""
+        return {term: start_value(term, OmegaConf.select(self.configs[0], term_key(term)))
+                for term in self.terms}
+
+    def replays(self, terms: dict[str, float]) -> list[dict]:
+        results = []
+        for run, config in zip(self.runs, self.configs):
+            for term, value in terms.items():
+                OmegaConf.update(config, term_key(term), float(value))
+            # (The overrides too: the replay reports the settings' provenance from them, and a
+            # file's model or hardware that only the command line resolves would fail without.)
+            results.append(replay(run, self.overrides, config=config))
+            self.num_replays += 1
+        return results
+
+    def loss(self, terms: dict[str, float]) -> float:
+        squares = []
+        for result in self.replays(terms):
+            for stage in result["stages"]:
+                for metric in self.metrics:
+                    real, sim = stage["real"][metric], stage["sim"][metric]
+                    if real is None or sim is None or real <= 0 or sim <= 0:
+                        squares.append(math.log(1e3) ** 2)   # an unfinished side: far off
+                    else:
+                        squares.append(math.log(sim / real) ** 2)
+        return sum(squares) / len(squares)
+
+
+def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS, metrics=DEFAULT_METRICS,
+        passes: int = DEFAULT_PASSES) -> tuple[dict[str, float], float, int]:
+    """(fitted terms, loss, number of replays) over `runs`."""
+    calibration = Calibration(runs, overrides, tuple(terms), tuple(metrics))
+    fitted, loss = fit_terms(calibration.loss, calibration.initial(),
+                             {term: term_bounds(term) for term in terms}, passes=passes)
+    return fitted, loss, calibration.num_replays
+
+
+def errors_with(run: RealRun, overrides: list[str], terms: dict[str, float]) -> list[dict]:
+    """Per stage, the reported metrics' real, sim and signed error % with `terms` set."""
+    result = replay(run, [*overrides, *(f"{term_key(k)}={v!r}" for k, v in terms.items())])
+    return [{"stage": index, "real": {m: stage["real"][m] for m in REPORTED},
+             "sim": {m: stage["sim"][m] for m in REPORTED},
+             "error_pct": {m: stage["error_pct"][m] for m in REPORTED},
+             "overloaded": stage["overloaded"]}
+            for index, stage in enumerate(result["stages"])]
+
+
+def _print_errors(console: Console, title: str, run: RealRun, stages: list[dict]) -> None:
+    console.print(f"[bold]{title}[/bold] {run.name}")
+    for stage in stages:
+        cells = "  ".join(f"{m.replace('_ms', '')} {stage['error_pct'][m]:+.1f}%"
+                          if stage["error_pct"][m] is not None else f"{m} -"
+                          for m in REPORTED)
+        console.print(f"  stage {stage['stage']}: {cells}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="twinserve-calibrate",
+        description="Fit a cost model's engine-overhead terms to measured serving runs.")
+    parser.add_argument("--real", nargs="+", required=True, metavar="RUN",
+                        help="runs to fit (files or folders, as twinserve-validate --real reads)")
+    parser.add_argument("--held-out", nargs="*", default=[], metavar="RUN",
+                        help="runs replayed with the fitted terms and reported, never fitted")
+    parser.add_argument("--leave-one-out", action="store_true",
+                        help="also fit on all --real runs but one, for each, and report it")
+    parser.add_argument("--terms", default=",".join(DEFAULT_TERMS),
+                        help="comma-separated cost_model keys to fit (seconds; *_efficiency "
+                             "keys are shares in (0.001, 1]), or whole config keys in seconds "
+                             "(cluster.frontend_latency_s)")
+    parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+                        help="comma-separated stage metrics the loss compares")
+    parser.add_argument("--passes", type=int, default=DEFAULT_PASSES,
+                        help="most coordinate passes of the search; it stops at one that "
+                             "improves nothing (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the profile file to write (JSON: terms, runs, errors)")
+    parser.add_argument("overrides", nargs="*", help="simulator overrides (key=value)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    terms = tuple(t for t in args.terms.split(",") if t)
+    metrics = tuple(m for m in args.metrics.split(",") if m)
+    try:
+        if args.passes < 1:
+            raise ValueError(f"--passes must be >= 1, got {args.passes}")
+        runs = [read_run(path) for path in args.real]
+        held_out = [read_run(path) for path in args.held_out]
+        fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics, args.passes)
+        console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
+                      f"rms log error {math.sqrt(loss):.3f}): "
+                      + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+        report = {"terms": fitted, "fitted_on": [r.source for r in runs],
+                  "metrics": list(metrics), "overrides": list(args.overrides),
+                  "fit": {}, "held_out": {}, "leave_one_out": {}}
+        for run in runs:
+            report["fit"][run.name] = errors_with(run, args.overrides, fitted)
+            _print_errors(console, "fit", run, report["fit"][run.name])
+        for run in held_out:
+            report["held_out"][run.name] = errors_with(run, args.overrides, fitted)
+            _print_errors(console, "held out", run, report["held_out"][run.name])
+        if args.leave_one_out and len(runs) > 1:
+            for index, run in enumerate(runs):
+                others = runs[:index] + runs[index + 1:]
+                others_fit, _, _ = fit(others, args.overrides, terms, metrics, args.passes)
+                report["leave_one_out"][run.name] = {
+                    "terms": others_fit,
+                    "stages": errors_with(run, args.overrides, others_fit)}
+                _print_errors(console, "left out (fitted on the others)", run,
+                              report["leave_one_out"][run.name]["stages"])
+    except (RealRunError, ValueError) as error:
+        console.print(f"twinserve-calibrate: {error}", style="red", highlight=False)
+        return 2
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Replay a measured run through the simulator: the run's own requests (arrival times, prompt and
+output lengths; no token ids, so no prefix-cache hits) on the config its engine settings and the
+command line give, and each load stage's metrics, real against simulated.
+
+The simulator replays the whole run (queues carry from one stage into the next); each stage's
+metrics are over the requests that arrived in it. `replay(run, overrides)` writes nothing and
+returns the comparison; configs are composed once per set of overrides and reused, so a
+calibration loop pays Hydra's compose once (or passes its own `config`)."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+from calibration.realrun.run import RealRun, RealRunError
+from calibration.realrun.settings import CONF_DIR, settings_overrides
+from calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
+from calibration.realrun.stages import find_stages
+
+# Seeds the replayed prompts' random token ids (with prefix caching), with each request's index.
+PROMPT_IDS_SEED = 2029
+
+
+@dataclass
+class ReplayOutcome:
+    result: dict            # what replay() returns (validation.json's entry for the run)
+    real: Latencies
+    sim: Latencies
+    stage_requests: list        # each stage's request indices (np.ndarray)
+
+
+def replay_overrides(run: RealRun, overrides: list[str]) -> tuple[list[str], dict]:
+    """(every override of the replay's config, the settings' provenance): the run's settings
+    as overrides, then the command line's (which win; settings.py)."""
+    from_file, provenance = settings_overrides(run.engine_settings, list(overrides), run.source)
+    return ["progress=false", *from_file, *overrides], provenance
+
+
+@lru_cache(maxsize=32)
+def _compose(overrides: tuple[str, ...]):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as error:
+        raise RealRunError(f"bad override: {error}") from None
+
+
+def compose_replay_config(run: RealRun, overrides: list[str] = ()):
+    """The simulator config the replay of `run` uses (a copy: the caller may change it)."""
+    all_overrides, _ = replay_overrides(run, overrides)
+    return copy.deepcopy(_compose(tuple(all_overrides)))
+
+
+def run_requests(run: RealRun, distinct_prompts_of_vocab: int | None = None) -> list:
+    """The run's requests as fresh simulator requests, ids in arrival order. With
+    `distinct_prompts_of_vocab`, each prompt gets random token ids of that vocabulary (seeded
+    per request): no two share a prefix, since the run's prompts are unknown, but a request
+    preempted for recompute finds its own blocks in the prefix cache again, as the real engine's
+    prefix cache lets it (vLLM V1 keeps a freed block's contents until the block is reused)."""
+    import numpy as np
+
+    from policies.types import Request
+
+    requests = [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o)
+                for i, (t, p, o) in enumerate(zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
+                                                   run.output_len.tolist()))]
+    if distinct_prompts_of_vocab:
+        for request in requests:
+            rng = np.random.default_rng([PROMPT_IDS_SEED, request.request_id])
+            request.prompt_token_ids = rng.integers(
+                0, distinct_prompts_of_vocab, request.prompt_len).tolist()
+    return requests
+
+
+def simulate(run: RealRun, config):
+    """The simulator's RunResult of the run's requests under `config` (nothing written)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sim.core.experiment import run_experiment
+
+    caching = bool(config.kv_cache.get("enable_prefix_caching", False))
+    vocab = int(config.model.vocab_size) if caching else None
+    try:
+        return run_experiment(config, requests=run_requests(run, vocab))
+    except OmegaConfBaseException as error:
+        raise RealRunError(f"{run.source}: bad config value: {error}") from None
+
+
+def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> ReplayOutcome:
+    """replay() with both sides' per-request latencies (for the CDF figure)."""
+    if config is None:
+        all_overrides, provenance = replay_overrides(run, overrides)
+        config = copy.deepcopy(_compose(tuple(all_overrides)))
+    else:   # (the caller composed it: compose_replay_config, with the settings mapped there)
+        all_overrides, provenance = list(overrides), {}
+    start = time.perf_counter()
+    result = simulate(run, config)
+    wall_s = time.perf_counter() - start
+    real, sim = Latencies.of_run(run), Latencies.of_requests(result.requests)
+    stages, stage_requests = [], []
+    for stage in find_stages(run.arrival_s, run.stage_labels):
+        stage_requests.append(stage.requests)
+        comparison = compare_stage(stage_metrics(real, stage.requests),
+                                   stage_metrics(sim, stage.requests))
+        stages.append({**stage.describe(), **comparison})
+    cost_model = config.cost_model.get("_target_", "?")
+    report = {
+        "name": run.name, "source": run.source, "num_requests": run.num_requests,
+        "overrides": all_overrides, "settings": provenance,
+        "cost_model": str(cost_model).rsplit(".", 1)[-1],
+        "num_kv_blocks": result.num_kv_blocks,
+        "sim_preemptions": result.summary.get("num_preemptions"),
+        "sim_wall_time_s": wall_s, "notes": list(run.notes), "stages": stages,
+    }
+    return ReplayOutcome(report, real, sim, stage_requests)
+
+
+def replay(run: RealRun, overrides: list[str] = (), config=None) -> dict:
+    """Replay `run` through the simulator (its settings, then `overrides`; or `config` as given)
+    and return {"stages": [{stage..., "real", "sim", "error_pct", "overloaded"}], "settings",
+    "overrides", ...}; writes nothing."""
+    return replay_details(run, overrides, config).result

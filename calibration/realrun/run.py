@@ -1,0 +1,119 @@
+"""A serving run someone measured, in memory: one row per completed request (arrival, lengths,
+TTFT, E2E, TPOT and ITLs where recorded), the engine settings its file records and where it came
+from. Every reader (readers.py) builds one with `make_run`, which checks and orders the rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from calibration.validate.compare import ValidationInputError
+
+
+class RealRunError(ValidationInputError):
+    """A run file that cannot be read or replayed: one line naming the file and the field."""
+
+
+@dataclass
+class RealRun:
+    """Completed requests in arrival order, arrival times in seconds from the first (at 0).
+
+    tpot_s is (e2e - ttft) / (output_len - 1), vLLM's per-request TPOT, NaN for one-token
+    outputs; itls_s holds each request's inter-token gaps (s) where the file has them."""
+    name: str
+    source: str                   # the file and its format, for reports
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    tpot_s: np.ndarray
+    engine_settings: dict = field(default_factory=dict)
+    stage_labels: list[str] | None = None   # an explicit stage per request, when the file has one
+    itls_s: list[list[float]] | None = None
+    notes: list[str] = field(default_factory=list)   # what the reader left out or assumed
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.arrival_s.size)
+
+
+def per_request_tpot(ttft_s: np.ndarray, e2e_s: np.ndarray, output_len: np.ndarray) -> np.ndarray:
+    """vLLM's per-request TPOT, (e2e - ttft) / (output_len - 1); NaN where output_len <= 1."""
+    tokens_after_first = output_len.astype(np.float64) - 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tokens_after_first > 0, (e2e_s - ttft_s) / tokens_after_first, np.nan)
+
+
+def _column(values, name: str, where: str, dtype) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError):
+        raise RealRunError(f"{where}: field {name!r} must hold numbers") from None
+    if array.ndim != 1:
+        raise RealRunError(f"{where}: field {name!r} must be a list of numbers, one per request")
+    return array
+
+
+def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, output_len, ttft_s,
+             e2e_s, tpot_s=None, engine_settings: dict | None = None,
+             stage_labels: list | None = None, itls_s: list | None = None,
+             notes: list[str] | None = None, field_names: dict[str, str] | None = None) -> RealRun:
+    """A RealRun from per-request columns, checked (equal lengths, finite, lengths >= 1,
+    0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. `where`
+    names the file in errors; `field_names` maps a column to the file's own name for it."""
+    names = {"arrival_s": "arrival_s", "prompt_len": "prompt_len", "output_len": "output_len",
+             "ttft_s": "ttft_s", "e2e_s": "e2e_s", "tpot_s": "tpot_s", **(field_names or {})}
+    columns = {
+        "arrival_s": _column(arrival_s, names["arrival_s"], where, np.float64),
+        "prompt_len": _column(prompt_len, names["prompt_len"], where, np.float64),
+        "output_len": _column(output_len, names["output_len"], where, np.float64),
+        "ttft_s": _column(ttft_s, names["ttft_s"], where, np.float64),
+        "e2e_s": _column(e2e_s, names["e2e_s"], where, np.float64),
+    }
+    count = columns["arrival_s"].size
+    if count == 0:
+        raise RealRunError(f"{where}: no completed requests")
+    for key, values in columns.items():
+        if values.size != count:
+            raise RealRunError(f"{where}: field {names[key]!r} has {values.size} values for "
+                               f"{count} requests")
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            raise RealRunError(f"{where}: field {names[key]!r} of request {bad[0]} is not a "
+                               f"finite number")
+    for key in ("prompt_len", "output_len"):
+        values = columns[key]
+        bad = np.flatnonzero((values < 1) | (values != np.round(values)))
+        if bad.size:
+            raise RealRunError(f"{where}: field {names[key]!r} of request {bad[0]} must be a "
+                               f"whole number >= 1, got {values[bad[0]]:g}")
+    ttft, e2e = columns["ttft_s"], columns["e2e_s"]
+    bad = np.flatnonzero((ttft < 0) | (e2e < ttft))
+    if bad.size:
+        i = bad[0]
+        raise RealRunError(f"{where}: request {i} has {names['ttft_s']}={ttft[i]:g} and "
+                           f"{names['e2e_s']}={e2e[i]:g}; need 0 <= TTFT <= E2E")
+    prompt = columns["prompt_len"].astype(np.int64)
+    output = columns["output_len"].astype(np.int64)
+    if tpot_s is None:
+        tpot = per_request_tpot(ttft, e2e, output)
+    else:
+        tpot = _column(tpot_s, names["tpot_s"], where, np.float64)
+        if tpot.size != count:
+            raise RealRunError(f"{where}: field {names['tpot_s']!r} has {tpot.size} values for "
+                               f"{count} requests")
+    if stage_labels is not None and len(stage_labels) != count:
+        raise RealRunError(f"{where}: field 'stage' has {len(stage_labels)} values for {count} "
+                           f"requests")
+    if itls_s is not None and len(itls_s) != count:
+        raise RealRunError(f"{where}: field 'itls' has {len(itls_s)} values for {count} requests")
+    order = np.argsort(columns["arrival_s"], kind="stable")
+    arrival = columns["arrival_s"][order]
+    return RealRun(
+        name=name, source=source, arrival_s=arrival - arrival[0], prompt_len=prompt[order],
+        output_len=output[order], ttft_s=ttft[order], e2e_s=e2e[order], tpot_s=tpot[order],
+        engine_settings=dict(engine_settings or {}),
+        stage_labels=None if stage_labels is None else [str(stage_labels[i]) for i in order],
+        itls_s=None if itls_s is None else [list(itls_s[i]) for i in order],
+        notes=list(notes or []))

@@ -1,0 +1,192 @@
+"""`twinserve-validate`: run one workload on the engine and on the profiled simulator, and compare.
+
+    twinserve-validate --out validation/ cost_model.profile=profiles/cpu/tiny-llama.json \\
+        model=tiny-llama hardware=cpu workload.with_token_ids=true workload.num_requests=50
+
+Both runs use the same config (policies, workload, seed, KV pool size) composed from the repo's
+conf/ plus the given overrides; only the backend differs: `backend=engine` runs every step for real,
+`backend=sim cost_model=profiled` predicts each step from the profile alone (it never sees the
+engine run's measurements). When the profile carries a speed reference (twinserve-profile's speed
+probe), the engine's step durations are normalised to the machine speed the profile was taken at
+(profile_conditions.py); `--wall-clock` times them as measured. The simulator runs the workload
+`--sim-runs` times (sim_seed, sim_seed + 1, ...: other draws of step-time noise and acceptances)
+and its value of a metric is the mean over them. `--engine-repeats N` runs the engine N times (same
+config and seed; default 1): its value of a metric is then the mean over the repeats, and each
+metric also carries the repeats' values, the engine's spread (the relative half-range of the
+repeats, (max - min) / 2 / |mean| × 100) and a verdict: within gate, within engine noise (outside
+the gate, |error| <= spread) or outside both (compare.py). Writes <out>/engine/, <out>/sim/ and
+<out>/sim-run1/... (and <out>/engine-run1/... for engine repeats; each run's usual files; plots
+for the first simulator run only) and
+
+- `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
+  time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
+  (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
+  with engine repeats > 1 each metric adds "engine_runs", "engine_spread_pct" and "verdict";
+- `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both
+  backends, the simulator's runs pooled).
+
+A validation grid is a Hydra sweep: give any override several values (`scheduler=continuous,
+chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combination is validated
+in <out>/<job>/, with one table for the grid, `grid.csv` and `grid.md` (each job's swept values,
+signed errors and speedup; then the mean signed error and the largest |error| of each metric
+over the grid). `--tabulate` makes that table of validations run before, each argument then a
+directory holding a validation.json (repeats of a few workloads, say):
+
+    twinserve-validate --tabulate --out validation/light-load validation/light-load/run*/*
+
+`--real RUN...` replays serving runs someone measured (vLLM's bench serve detailed JSON,
+twinserve-bench's, LLMServingSim's vllm_requests.jsonl or its folder, a CSV) through the simulator
+and reports each load stage real against simulated, with no gates (calibration/realrun/):
+
+    twinserve-validate --real data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B --out out/
+
+Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
+an error within the engine's noise but outside its gate fails too, and its line says so),
+2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from calibration.validate.compare import UNSET
+from calibration.validate.grid import tabulate, validate_grid
+from calibration.validate.compare import ValidationInputError
+from calibration.validate.run import (DEFAULT_ENGINE_REPEATS, DEFAULT_SIM_RUNS,
+                                          check_engine_repeats, validate)
+from calibration.validate.sweep import expand_sweep
+
+
+def gate_percentage(text: str) -> float | None:
+    """A --gate-*-pct argument: a percentage >= 0, or off/none/null for no gate."""
+    if text.lower() in ("none", "off", "null"):
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a gate is a percentage >= 0 or 'off', got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="twinserve-validate",
+        description="Run one workload on the engine and on the profiled simulator and compare "
+                    "their metrics. Other arguments are Hydra overrides, as for twinserve.")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides, e.g. model=tiny-llama (with --tabulate: "
+                             "validation directories)")
+    parser.add_argument("--out", type=Path, default=Path("validation"),
+                        help="output folder (default: ./validation)")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="run nothing: the arguments are directories of validations run "
+                             "before (each with a validation.json); write one table of them, "
+                             "grid.md, grid.csv and grid.json, to --out")
+    parser.add_argument("--real", nargs="+", action="extend", metavar="RUN",
+                        help="replay these measured runs (files, or folders holding "
+                             "vllm_requests.jsonl) through the simulator and compare per load "
+                             "stage; the runs' engine settings, then the overrides, configure it")
+    parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
+    parser.add_argument("--wall-clock", action="store_true",
+                        help="time the engine's steps as measured, not normalised to the "
+                             "profile's machine speed by the speed probe")
+    parser.add_argument("--sim-runs", type=int, default=DEFAULT_SIM_RUNS,
+                        help="simulator runs of the workload, each with its own residual and "
+                             "acceptance draws (sim_seed, sim_seed + 1, ...); the simulator's "
+                             f"value of a metric is its mean over them (default "
+                             f"{DEFAULT_SIM_RUNS})")
+    # Checked in main (check_engine_repeats): a bad value is one line naming the option.
+    parser.add_argument("--engine-repeats", default=DEFAULT_ENGINE_REPEATS,
+                        help="engine runs of the workload (same config and seed; default "
+                             f"{DEFAULT_ENGINE_REPEATS}); with more than one, the engine's value "
+                             "of a metric is its mean over them, reported with their spread "
+                             "(relative half-range, %%) and a verdict: within gate, within "
+                             "engine noise, outside both")
+    parser.add_argument("--gate-mean-pct", type=gate_percentage, default=UNSET,
+                        help="|error| %% gate on means/medians of TTFT, TPOT, e2e and throughputs "
+                             "(default 3; 'off' disables a gate)")
+    parser.add_argument("--gate-p99-pct", type=gate_percentage, default=UNSET,
+                        help="|error| %% gate on p99 TPOT, ITL and e2e (default 8)")
+    parser.add_argument("--gate-p99-ttft-pct", type=gate_percentage, default=UNSET,
+                        help="|error| %% gate on p99 TTFT (default 10)")
+    parser.add_argument("--gate-preemptions-pct", type=gate_percentage,
+                        default=UNSET,
+                        help="|error| %% gate on the preemption count (default 5)")
+    # Intermixed: overrides and options in any order, as Hydra users write them.
+    return parser.parse_intermixed_args(argv)
+
+
+def main_real(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """--real: the runs replayed through the simulator (arguments with '=' are overrides)."""
+    from calibration.realrun.cli import is_override, validate_real
+
+    arguments = [*args.real, *args.overrides]
+    runs = [argument for argument in arguments if not is_override(argument)]
+    overrides = [argument for argument in arguments if is_override(argument)]
+    if args.profile:
+        overrides.append(f"cost_model.profile={args.profile}")
+    command = shlex.join(["twinserve-validate", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        validate_real(runs, args.out, overrides, command=command)
+    except ValueError as error:  # RealRunError, a bad override or config value
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"results in {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.real:
+        return main_real(args, argv)
+    if args.tabulate:
+        command = shlex.join(["twinserve-validate", *(argv if argv is not None else sys.argv[1:])])
+        try:
+            tabulate([Path(d) for d in args.overrides], args.out, command)
+        except ValueError as error:
+            print(f"twinserve-validate: error: {error}", file=sys.stderr)
+            return 2
+        print(f"results in {args.out}")
+        return 0
+    overrides = list(args.overrides)
+    if args.profile:
+        overrides.append(f"cost_model.profile={args.profile}")
+    gates = {"mean_pct": args.gate_mean_pct, "p99_pct": args.gate_p99_pct,
+             "p99_ttft_pct": args.gate_p99_ttft_pct,
+             "preemptions_pct": args.gate_preemptions_pct}
+    try:
+        engine_repeats = check_engine_repeats(args.engine_repeats)
+    except ValidationInputError as error:
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        if len(expand_sweep(overrides)) > 1:
+            command = shlex.join(["twinserve-validate",
+                                  *(argv if argv is not None else sys.argv[1:])])
+            grid = validate_grid(overrides, args.out, gates, command=command,
+                                 normalize_speed=not args.wall_clock, sim_runs=args.sim_runs,
+                                 engine_repeats=engine_repeats)
+            print(f"results in {args.out}")
+            failed = grid["failures"]
+            if failed:
+                print(f"twinserve-validate: gate failed in {len(failed)} of "
+                      f"{grid['summary']['num_jobs']} jobs: "
+                      f"{', '.join(str(job) for job in failed)}", file=sys.stderr)
+                return 1
+            return 0
+        result = validate(overrides, args.out, gates, normalize_speed=not args.wall_clock,
+                          sim_runs=args.sim_runs, engine_repeats=engine_repeats)
+    except ValueError as error:  # ValidationInputError, ProfileError, a bad config value
+        print(f"twinserve-validate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"results in {args.out}")
+    if result["failures"]:
+        print("twinserve-validate: gate failed:\n  " + "\n  ".join(result["failures"]),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
