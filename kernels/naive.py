@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import TREE_WINDOW
+from kernels.tree_mask import TREE_WINDOW
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
