@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 
 from sim.calibration.validate.compare import DEFAULT_GATES, error_pct  # noqa: E402
 from sim.calibration.validate.run import validate  # noqa: E402
-from sim.core.build import TREE_DRAFTERS  # noqa: E402  (k: the tree's depth)
+from policies.speculation.drafters import TREE_DRAFTERS  # noqa: E402  (k: the tree's depth)
 
 DRAFTERS = {"tiny-pair-draft": "tiny-pair-draft", "ngram": "ngram", "medusa": "medusa",
             "lookahead": "lookahead"}

@@ -5,15 +5,10 @@ speculative decoding also the drafter (a draft model or n-gram lookup) and the s
 policy; and the output-length predictor generate asks."""
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from engine.attention import use_paged_attention
 from engine.config import EngineConfig
@@ -22,95 +17,54 @@ from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
 from engine.lookahead import LookaheadDrafter
-from engine.medusa import HEADS_CONFIG, MedusaDrafter, MedusaHeads
+from engine.medusa import MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.preflight import requested_device
 from engine.sampler import Sampler
 from kernels import get_kernel_ops
-from policies.speculation.trees import (lookahead_depth_per_size, medusa_depth_per_size,
-                                        tree_paths)
+from policies.protocols import BoundedScheduler, OffloadingKVCacheManager, Scheduler, check_policy
+from policies.speculation import drafters
+from policies.speculation.drafters import Drafter, TreeSpec
 from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INTERVAL_S,
                                              PREFILL_PROBE_POINTS, PROBE_POINT, PROBE_POOL_BLOCKS,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                              load_reference)
 from sim.calibration.step_shapes import GridPoint, build_plan
-from sim.core.build import (build_policy, build_predictor, kv_cache_policy_config,
-                            policy_config, speculation_policy_config)
+from sim.core.assembly import assemble_scheduler, build_preemption
+from sim.core.build import build_predictor, kv_cache_policy_config
+from sim.core.policy_config import names_a_policy, policy_config
 from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+from sim.core.speculation_setup import sized_policy_config, speculation_policy_config, tree_spec
 
-NGRAM = "ngram"
-MEDUSA = "medusa"
-LOOKAHEAD = "lookahead"
+# The drafters LLM(speculative_model=...) names (any other name is a draft model).
+NGRAM, MEDUSA, LOOKAHEAD = drafters.NGRAM.name, drafters.MEDUSA.name, drafters.LOOKAHEAD.name
 # The KV manager the engine builds its pools' block tables with (conf/kv_cache).
 KV_CACHE_CONFIG = "paged"
 
 
-@dataclass
-class TreeSpeculation:
-    """How a token-tree method drafts (engine/medusa.py, engine/lookahead.py): Medusa's heads
-    and tree, or lookahead's window, n-gram size and guesses; max_depth is k, the most tokens a
-    step accepts beyond its own."""
-
-    method: str                     # MEDUSA or LOOKAHEAD
-    max_depth: int
-    medusa_heads: str | None = None
-    tree: Any = None
-    lookahead_window: int = 4
-    lookahead_ngram: int | None = None
-    lookahead_guesses: int = 4
-
-    def __post_init__(self):
-        if isinstance(self.tree, ListConfig):   # from a config (speculation.tree)
-            self.tree = OmegaConf.to_container(self.tree)
-
-    def num_medusa_heads(self) -> int:
-        if self.medusa_heads is None:
-            return self.max_depth   # seeded random heads, one per depth
-        config = Path(self.medusa_heads) / HEADS_CONFIG
-        if not config.is_file():
-            raise ValueError(f"medusa_heads={self.medusa_heads!r} has no {HEADS_CONFIG} "
-                             f"(scripts/train_medusa.py writes Medusa heads folders)")
-        return json.loads(config.read_text())["num_heads"]
-
-    def medusa_paths(self) -> list[tuple[int, ...]]:
-        return tree_paths(self.tree, self.num_medusa_heads(), self.max_depth)
-
-    def ngram(self) -> int:
-        return self.lookahead_ngram if self.lookahead_ngram is not None else self.max_depth + 1
-
-    def depth_per_size(self) -> list[int]:
-        """For each size 0..num_tokens() a step may verify, the most tokens it can accept."""
-        if self.method == MEDUSA:
-            return medusa_depth_per_size(self.medusa_paths())
-        return lookahead_depth_per_size(self.lookahead_window, self.ngram(),
-                                        self.lookahead_guesses)
-
-    def num_tokens(self) -> int:
-        """The most tokens a step verifies per sequence: the policy's largest size."""
-        return len(self.depth_per_size()) - 1
-
-    def drafter(self, loaded: LoadedModel, seed: int = 0):
-        if self.method == LOOKAHEAD:
-            return LookaheadDrafter(self.lookahead_window, self.ngram(), self.lookahead_guesses,
-                                    seed)
-        lm_head = loaded.model.lm_head
-        if self.medusa_heads is None:
-            heads = MedusaHeads.seeded(lm_head, self.max_depth, seed)
-        else:
-            heads = MedusaHeads.load(self.medusa_heads, lm_head.weight.device,
-                                     lm_head.weight.dtype)
-            if (heads.hidden_size, heads.vocab_size) != tuple(lm_head.weight.shape[::-1]):
-                raise ValueError(f"medusa_heads={self.medusa_heads!r} were trained for hidden "
-                                 f"size {heads.hidden_size} and {heads.vocab_size} tokens; the "
-                                 f"target has {lm_head.weight.shape[1]} and "
-                                 f"{lm_head.weight.shape[0]}")
-        return MedusaDrafter(heads, self.medusa_paths())
+def tree_drafter(tree: TreeSpec, loaded: LoadedModel, seed: int = 0) -> Drafter:
+    """The drafter of a token-tree method: lookahead's, or Medusa's heads (trained ones from
+    tree.medusa_heads, else seeded) on the target's last hidden states."""
+    if tree.method == LOOKAHEAD:
+        return LookaheadDrafter(tree.lookahead_window, tree.ngram(), tree.lookahead_guesses,
+                                seed)
+    lm_head = loaded.model.lm_head
+    if tree.medusa_heads is None:
+        heads = MedusaHeads.seeded(lm_head, tree.max_depth, seed)
+    else:
+        heads = MedusaHeads.load(tree.medusa_heads, lm_head.weight.device, lm_head.weight.dtype)
+        if (heads.hidden_size, heads.vocab_size) != tuple(lm_head.weight.shape[::-1]):
+            raise ValueError(f"medusa_heads={tree.medusa_heads!r} were trained for hidden "
+                             f"size {heads.hidden_size} and {heads.vocab_size} tokens; the "
+                             f"target has {lm_head.weight.shape[1]} and "
+                             f"{lm_head.weight.shape[0]}")
+    return MedusaDrafter(heads, tree.medusa_paths())
 
 
-def tree_speculation(config: EngineConfig) -> TreeSpeculation | None:
+def tree_speculation(config: EngineConfig) -> TreeSpec | None:
     """The config's token-tree method, or None for a chain drafter (or none)."""
-    if config.speculative_model not in (MEDUSA, LOOKAHEAD):
+    if config.speculative_model not in drafters.TREE_DRAFTERS:
         if config.medusa_heads is not None:
             raise ValueError("medusa_heads needs speculative_model='medusa'")
         return None
@@ -121,9 +75,10 @@ def tree_speculation(config: EngineConfig) -> TreeSpeculation | None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with "
                          f"speculative_model={config.speculative_model!r}, got {k!r}")
-    return TreeSpeculation(config.speculative_model, k, config.medusa_heads, tree,
-                           config.lookahead_window, config.lookahead_ngram,
-                           config.lookahead_guesses)
+    return tree_spec(config.speculative_model, k, {
+        "medusa_heads": config.medusa_heads, "tree": tree,
+        "lookahead_window": config.lookahead_window, "lookahead_ngram": config.lookahead_ngram,
+        "lookahead_guesses": config.lookahead_guesses})
 
 
 @dataclass
@@ -154,12 +109,6 @@ def kv_cache_limit_gb(device, cpu_kv_cache_gb: float,
     return cpu_kv_cache_gb
 
 
-def names_a_policy(choice) -> bool:
-    """Whether a policy setting names its policy (a conf/ name, a dotted class path or a
-    mapping) rather than being the policy object itself."""
-    return isinstance(choice, (str, Mapping, DictConfig))
-
-
 def build_engine(config: EngineConfig) -> Engine:
     # Built first, so that a bad predictor argument fails before the model loads.
     predictor = build_predictor(config.predictor, config.seed)
@@ -178,7 +127,9 @@ def build_engine(config: EngineConfig) -> Engine:
     elif config.speculative_model is not None and config.num_speculative_tokens:
         raise ValueError("with a scheduler object, speculation is the scheduler's own "
                          "(its speculation=...): leave num_speculative_tokens unset")
-    speculation = getattr(scheduler, "speculation", None)
+    else:
+        check_policy(scheduler, Scheduler, "scheduler")
+    speculation = scheduler.speculation
     max_k = speculation.max_num_speculative_tokens if speculation is not None else 0
     if max_k and draft is None:
         raise ValueError("the scheduler speculates but no speculative_model was given")
@@ -196,10 +147,17 @@ def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, schedule
                                 kv_cache.block_size, device, config.seed,
                                 config.kernel_backend, draft=draft,
                                 max_num_speculative_tokens=max_num_speculative_tokens,
-                                num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
+                                num_offload_blocks=num_offload_blocks(kv_cache),
                                 cuda_graph_max_batch=0 if config.enforce_eager
-                                else getattr(scheduler, "max_num_seqs",
-                                             DEFAULT_MAX_CAPTURE_SIZE))
+                                else scheduler.max_num_seqs
+                                if isinstance(scheduler, BoundedScheduler)
+                                else DEFAULT_MAX_CAPTURE_SIZE)
+
+
+def num_offload_blocks(kv_cache) -> int:
+    """The blocks of the KV manager's prefix-cache host tier (0: it has none)."""
+    return (kv_cache.num_offload_blocks if isinstance(kv_cache, OffloadingKVCacheManager)
+            else 0)
 
 
 def load_draft(speculative_model: str | None, target: LoadedModel, device: torch.device,
@@ -226,11 +184,11 @@ def load_draft(speculative_model: str | None, target: LoadedModel, device: torch
     return draft
 
 
-def build_speculation(config: EngineConfig, tree: TreeSpeculation | None = None):
+def build_speculation(config: EngineConfig, tree: TreeSpec | None = None):
     """The speculation policy of the config: None without a speculative_model; else the named
-    policy (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens (with a
-    token-tree method: verifying up to its most tokens per step), or the config's own policy
-    object."""
+    policy's config (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens
+    (with a token-tree method: verifying up to its most tokens per step), or the config's own
+    policy object."""
     k = config.num_speculative_tokens
     if config.speculative_model is None:
         if k:
@@ -244,68 +202,58 @@ def build_speculation(config: EngineConfig, tree: TreeSpeculation | None = None)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer with a "
                          f"speculative_model, got {k!r}")
-    if tree is not None:
-        k = tree.num_tokens()
-    # k is the policy's own draft length: fixed's num_speculative_tokens, adaptive's most.
-    k_keys = [key for key in ("num_speculative_tokens", "max_num_speculative_tokens")
-              if key in policy_cfg]
-    overrides = {key: k for key in k_keys[:1]}
-    if tree is not None and "max_num_speculative_tokens" in policy_cfg:   # adaptive
-        overrides["depth_per_size"] = tree.depth_per_size()
-    return build_policy(policy_cfg, "speculation", **overrides)
+    if tree is None:
+        return sized_policy_config(policy_cfg, k)
+    depth_per_size = tree.depth_per_size()
+    return sized_policy_config(policy_cfg, len(depth_per_size) - 1, depth_per_size)
 
 
 def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                    max_model_len: int,
-                    draft: LoadedModel | TreeSpeculation | str | None = None):
-    """The config's scheduler, its preemption policy and KV manager, built from their conf/
-    groups as the simulator builds them, the engine's settings over the groups' defaults."""
+                    max_model_len: int, draft: LoadedModel | TreeSpec | str | None = None):
+    """The config's scheduler, its preemption policy and KV manager, assembled as the
+    simulator's (sim/core/assembly.py), the engine's settings over the groups' defaults."""
     scheduler_cfg = policy_config(config.scheduler, "scheduler")
-    preemption = config.preemption
-    if names_a_policy(preemption):
-        preemption_cfg = policy_config(preemption, "preemption")
-        overrides = ({"swap_space_gb": config.swap_space_gb}
-                     if config.swap_space_gb is not None and "swap_space_gb" in preemption_cfg
-                     else {})
-        preemption = build_policy(preemption_cfg, "preemption", **overrides)
+    preemption = build_preemption(config.preemption, config.swap_space_gb)
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = step_token_budget(scheduler_cfg.get("max_num_batched_tokens"), max_model_len,
                                    "scheduler.max_num_batched_tokens")
     spec = loaded.spec
     draft_spec = draft.spec if isinstance(draft, LoadedModel) else None
-    num_blocks = config.num_gpu_blocks
-    if num_blocks is None:
-        num_blocks = kv_cache_num_blocks(
-            spec, hardware_spec(config.hardware, device), config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs, draft=draft_spec,
-            kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb,
-                                                config.gpu_memory_utilization),
-            max_model_len=max_model_len)
-    host_blocks = kv_cache_num_host_blocks(spec, config.block_size,
-                                           getattr(preemption, "swap_space_gb", 0.0),
-                                           draft=draft_spec)
-    # The host tier, sized as the swap pool is (its bandwidth is the simulator's to charge).
-    offload_blocks = kv_cache_num_host_blocks(spec, config.block_size, config.kv_offload_gb,
-                                              draft=draft_spec)
-    kv_cache = build_policy(kv_cache_policy_config(policy_config(KV_CACHE_CONFIG, "kv_cache")),
-                            "kv_cache", num_blocks=num_blocks, block_size=config.block_size,
-                            num_host_blocks=host_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching,
-                            num_offload_blocks=offload_blocks)
-    speculation = build_speculation(
-        config, draft if isinstance(draft, TreeSpeculation) else None)
-    drafting = {} if speculation is None else {"speculation": speculation}
-    return build_policy(scheduler_cfg, "scheduler", kv_cache=kv_cache, preemption=preemption,
-                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, **drafting)
+
+    def kv_cache_sizes(preemption) -> dict:
+        num_blocks = config.num_gpu_blocks
+        if num_blocks is None:
+            num_blocks = kv_cache_num_blocks(
+                spec, hardware_spec(config.hardware, device), config.block_size,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
+                draft=draft_spec,
+                kv_cache_limit_gb=kv_cache_limit_gb(device, config.cpu_kv_cache_gb,
+                                                    config.gpu_memory_utilization),
+                max_model_len=max_model_len)
+        host_blocks = kv_cache_num_host_blocks(spec, config.block_size, preemption.swap_space_gb,
+                                               draft=draft_spec)
+        # The host tier, sized as the swap pool is (its bandwidth is the simulator's to charge).
+        offload_blocks = kv_cache_num_host_blocks(spec, config.block_size, config.kv_offload_gb,
+                                                  draft=draft_spec)
+        return dict(num_blocks=num_blocks, block_size=config.block_size,
+                    num_host_blocks=host_blocks,
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    num_offload_blocks=offload_blocks)
+
+    return assemble_scheduler(
+        scheduler_cfg, preemption,
+        kv_cache_policy_config(policy_config(KV_CACHE_CONFIG, "kv_cache")), kv_cache_sizes,
+        max_num_batched_tokens=budget, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        speculation=build_speculation(config, draft if isinstance(draft, TreeSpec) else None))
 
 
 def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
                          block_size: int, device: torch.device, seed: int = 0,
                          kernel_backend: str | None = None,
-                         draft: LoadedModel | TreeSpeculation | str | None = None,
+                         draft: LoadedModel | TreeSpec | str | None = None,
                          max_num_speculative_tokens: int = 0,
                          num_offload_blocks: int = 0,
                          cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE
@@ -340,18 +288,20 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
     drafter = None
     if draft == NGRAM:
         drafter = NgramDrafter()
-    elif isinstance(draft, TreeSpeculation):
-        drafter = draft.drafter(loaded, seed)
+    elif isinstance(draft, TreeSpec):
+        drafter = tree_drafter(draft, loaded, seed)
     elif draft_model is not None:
         use_paged_attention(draft_model.model)
         drafter = DraftModelDrafter(
             ModelRunner(draft_model.model, pool.draft_caches, block_size, ops, device), sampler)
+    if drafter is not None:
+        check_policy(drafter, Drafter, "speculative_model")
     if max_num_speculative_tokens and drafter is None:
         raise ValueError(f"max_num_speculative_tokens={max_num_speculative_tokens} needs a "
                          f"draft (a speculative_model)")
     return EngineExecutor(runner, pool, sampler, loaded.eos_token_id, device, drafter,
                           max_num_speculative_tokens,
-                          draft.max_depth if isinstance(draft, TreeSpeculation) else None,
+                          draft.max_depth if isinstance(draft, TreeSpec) else None,
                           drafter.paths if isinstance(drafter, MedusaDrafter) else None)
 
 
@@ -396,7 +346,7 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                           max_num_speculative_tokens: int = 0,
                           speed_reference: SpeedReference | str | None = None,
                           enforce_eager: bool = False,
-                          tree: TreeSpeculation | None = None):
+                          tree: TreeSpec | None = None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the
     engine (backend=engine, whose config names this function); with a speculative_model
@@ -405,10 +355,10 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     speculative_model "medusa" or "lookahead") that many tokens. With a speed_reference (a
     profile's speed reference, or the profile's path) its step durations are normalised to the
     profile's machine speed. On CUDA decode steps run as CUDA graphs unless enforce_eager."""
-    if (speculative_model in (MEDUSA, LOOKAHEAD)) != (tree is not None) or (
+    if (speculative_model in drafters.TREE_DRAFTERS) != (tree is not None) or (
             tree is not None and tree.method != speculative_model):
         raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
-                         f"and lookahead need their TreeSpeculation, other drafters none")
+                         f"and lookahead need their TreeSpec, other drafters none")
     device = resolve_device(device)
     loaded = load_model(model, device, dtype, seed)
     draft = tree or load_draft(speculative_model, loaded, device, seed)
@@ -416,7 +366,7 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                                     kv_cache.block_size, device, seed, kernel_backend,
                                     draft=draft,
                                     max_num_speculative_tokens=max_num_speculative_tokens,
-                                    num_offload_blocks=getattr(kv_cache, "num_offload_blocks", 0),
+                                    num_offload_blocks=num_offload_blocks(kv_cache),
                                     cuda_graph_max_batch=0 if enforce_eager
                                     else DEFAULT_MAX_CAPTURE_SIZE)
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)

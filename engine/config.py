@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from policies.speculation.drafters import DEFAULT_LOOKAHEAD_GUESSES, DEFAULT_LOOKAHEAD_WINDOW
 from policies.validators import (boolean, non_negative_int, non_negative_number, number_in,
                                  positive_int, positive_number)
 
@@ -67,9 +68,9 @@ class EngineConfig:
     medusa_heads: str | None = None
     speculation_tree: Any = None
     # Lookahead decoding: window W, n-gram size N (None: k + 1), guesses G verified per step.
-    lookahead_window: int = 4
+    lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
     lookahead_ngram: int | None = None
-    lookahead_guesses: int = 4
+    lookahead_guesses: int = DEFAULT_LOOKAHEAD_GUESSES
     # Output-length predictor, asked once per request in generate (predicted_output_len): a
     # conf/predictor name (none | oracle | noisy | bucket), a dotted class path, a mapping or an
     # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.

@@ -25,6 +25,8 @@ from engine.model_runner import ModelRunner, new_token_ids
 from engine.sampler import Sampler, probabilities
 from engine.sampling_params import SamplingParams
 from engine.token_tree import TokenTree
+from policies.speculation import drafters
+from policies.speculation.drafters import DrafterKind
 from policies.types import Sequence, StepPlan
 
 
@@ -49,11 +51,28 @@ class DraftProposal:
     trees: list[TokenTree] | None = None
 
 
-class NgramDrafter:
+class DrafterDefaults:
+    """The optional hooks of policies.speculation.drafters.Drafter, doing nothing: a drafter
+    that reads no hidden states and keeps no state across verifications inherits them."""
+
+    kind: DrafterKind
+
+    def observe_hidden(self, seqs: list[Sequence], hidden: torch.Tensor,
+                       rows: dict[int, int]) -> None:
+        pass
+
+    def observe_verification(self, speculating: list[SpeculatingSeq], trees: list[TokenTree],
+                             argmax_rows: list) -> None:
+        pass
+
+
+class NgramDrafter(DrafterDefaults):
     """Prompt lookup: match the longest suffix n-gram (max_n down to min_n) of prompt + output
     earlier in the same sequence and propose the (up to k) tokens that followed its latest
     occurrence; no match, no drafts (the sequence then verifies nothing and decodes as
     usual)."""
+
+    kind = drafters.NGRAM
 
     def __init__(self, min_n: int = 1, max_n: int = 3):
         if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
@@ -82,8 +101,10 @@ def ngram_lookup(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list[
     return []
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterDefaults):
     """A small model proposes k tokens by k sequential batched steps."""
+
+    kind = drafters.DRAFT_MODEL
 
     def __init__(self, runner: ModelRunner, sampler: Sampler):
         self.runner = runner

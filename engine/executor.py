@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from engine.drafters import DraftModelDrafter, DraftProposal, NgramDrafter, SpeculatingSeq
+from engine.drafters import DraftProposal, SpeculatingSeq
 from engine.kv_cache import KVCachePool
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample, verify_greedy
@@ -30,6 +30,7 @@ from engine.sampler import Sampler, probabilities
 from engine.sampling_params import SamplingParams
 from engine.token_tree import TokenTree, compaction_moves, greedy_accepts, typical_accepts
 from policies.speculation import AcceptanceCounts
+from policies.speculation.drafters import Drafter
 from policies.types import Request, Sequence, StepPlan, StepResult
 
 # Requests without SamplingParams (a simulator workload replayed on the engine): greedy, and the
@@ -40,7 +41,7 @@ REPLAY_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
 class EngineExecutor:
     def __init__(self, runner: ModelRunner, pool: KVCachePool, sampler: Sampler,
                  eos_token_id: int | None, device: torch.device,
-                 drafter: NgramDrafter | DraftModelDrafter | None = None,
+                 drafter: Drafter | None = None,
                  max_num_speculative_tokens: int = 0, max_tree_depth: int | None = None,
                  tree_paths: list[tuple[int, ...]] | None = None):
         self.runner = runner
@@ -77,7 +78,7 @@ class EngineExecutor:
                 drafts = {s.seq.seq_id: tokens
                           for s, tokens in zip(speculating, proposal.trees or proposal.tokens)}
             inputs = self.runner.prepare(plan, drafts)
-            reads_hidden = getattr(self.drafter, "reads_hidden_states", False)
+            reads_hidden = self.drafter is not None and self.drafter.kind.reads_hidden_states
             if reads_hidden:
                 logits, hidden = self.runner.forward_with_hidden(inputs)
             else:
@@ -192,8 +193,8 @@ class EngineExecutor:
                                       seq.num_tokens - 1, path)
         if moves:
             self._move_slots(moves)
-        if hasattr(self.drafter, "observe_verification"):   # lookahead's Jacobi update
-            self.drafter.observe_verification(speculating, trees, argmax_rows)
+        # Lookahead's Jacobi update (the other drafters keep nothing across verifications).
+        self.drafter.observe_verification(speculating, trees, argmax_rows)
         return paths, next_tokens
 
     def _move_slots(self, moves: list[tuple[int, int]]) -> None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import random
 
-from engine.drafters import DraftProposal, SpeculatingSeq
+from engine.drafters import DrafterDefaults, DraftProposal, SpeculatingSeq
 from engine.token_tree import TokenTree
 from kernels import TREE_WINDOW
+from policies.speculation import drafters
 from policies.speculation.trees import lookahead_tokens
 from policies.types import Sequence, SequenceStatus, StepPlan
 from policies.validators import positive_int
@@ -50,7 +51,9 @@ class LookaheadState:
         del continuations[:-MAX_POOL_PER_KEY]
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(DrafterDefaults):
+    kind = drafters.LOOKAHEAD
+
     def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
         positive_int("lookahead_window", window)
         positive_int("lookahead_guesses", guesses)

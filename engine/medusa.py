@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from engine.drafters import DraftProposal, SpeculatingSeq
+from engine.drafters import DrafterDefaults, DraftProposal, SpeculatingSeq
 from engine.token_tree import DEFAULT_TYPICAL_DELTA, DEFAULT_TYPICAL_EPSILON, TokenTree
+from policies.speculation import drafters
+from policies.speculation.drafters import MEDUSA_HEADS_CONFIG as HEADS_CONFIG
 from policies.speculation.trees import path_parents
 from policies.types import Request, Sequence, StepPlan
 
-HEADS_CONFIG = "medusa_config.json"
 HEADS_WEIGHTS = "medusa_heads.safetensors"
 
 
@@ -83,10 +84,10 @@ class MedusaHeads(torch.nn.Module):
         return heads.to(device, dtype)
 
 
-class MedusaDrafter:
+class MedusaDrafter(DrafterDefaults):
     """Proposes each speculating sequence's tree from its heads' top candidates."""
 
-    reads_hidden_states = True
+    kind = drafters.MEDUSA
 
     def __init__(self, heads: MedusaHeads, paths: list[tuple[int, ...]],
                  typical_epsilon: float = DEFAULT_TYPICAL_EPSILON,

@@ -46,7 +46,7 @@ from sim.calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, SpeedProbe, nor
 from sim.calibration.cpu_noise.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.calibration.step_features import STEP_FEATURES, step_features
 from sim.calibration.step_shapes import GridPoint, build_plan, spread, spread_chunks
-from sim.core.build import TREE_DRAFTERS   # drafters whose points verify whole token trees
+from policies.speculation.drafters import TREE_DRAFTERS   # points that verify whole token trees
 
 SCHEMA = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -466,7 +466,7 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
                      speculative_model: str | None = None, max_num_speculative_tokens: int = 0,
                      tree=None):
     """A factory building engine executors of an already loaded model (several factories, with
-    and without drafters, share its weights); with `tree` (a TreeSpeculation), executors that
+    and without drafters, share its weights); with `tree` (a TreeSpec), executors that
     draft token trees of up to max_num_speculative_tokens tokens."""
     from engine.builder import build_model_executor, load_draft
 
@@ -481,29 +481,29 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
 
 
 def tree_setup(method: str, ks: list[int], medusa_heads: str | None = None):
-    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpeculation and
+    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpec and
     the tree sizes (tokens verified per sequence) its speculating grid points run, for the draft
     depths `ks`: Medusa's whole default tree at each depth (its heads bound the depth);
     lookahead (W = G = 4) at the deepest k whose tokens fit a tree mask, N = k + 1, in units of
     N - 1 tokens: 1, 2 and W window columns (always filled), and W + G (the guesses as many as
     its n-gram pool holds, the window the rest)."""
-    from engine.builder import LOOKAHEAD, MEDUSA, TreeSpeculation
+    from policies.speculation.drafters import LOOKAHEAD, MEDUSA, TreeSpec
     from policies.speculation.trees import MAX_TREE_TOKENS, lookahead_tokens
 
-    if method == MEDUSA:
-        tree = TreeSpeculation(MEDUSA, max(ks), medusa_heads)
-        sizes = {TreeSpeculation(MEDUSA, k, medusa_heads).num_tokens() for k in ks}
+    if method == MEDUSA.name:
+        tree = TreeSpec(method, max(ks), medusa_heads)
+        sizes = {TreeSpec(method, k, medusa_heads).num_tokens() for k in ks}
         return tree, sorted(sizes)
-    if method != LOOKAHEAD:
-        raise ValueError(f"tree_setup: method must be {MEDUSA!r} or {LOOKAHEAD!r}, got "
-                         f"{method!r}")
-    tree = TreeSpeculation(LOOKAHEAD, 1)
+    if method != LOOKAHEAD.name:
+        raise ValueError(f"tree_setup: method must be {MEDUSA.name!r} or {LOOKAHEAD.name!r}, "
+                         f"got {method!r}")
+    tree = TreeSpec(method, 1)
     window, guesses = tree.lookahead_window, tree.lookahead_guesses
     fitting = [k for k in ks if lookahead_tokens(window, k + 1, guesses) <= MAX_TREE_TOKENS]
     if not fitting:
         raise ValueError(f"lookahead: no depth of {ks} fits a tree mask ({MAX_TREE_TOKENS} "
                          f"tokens at most, (W + G) x k = {window + guesses} x k)")
-    tree = TreeSpeculation(LOOKAHEAD, max(fitting))
+    tree = TreeSpec(method, max(fitting))
     return tree, [units * max(fitting) for units in (1, 2, window, window + guesses)]
 
 

@@ -26,7 +26,8 @@ decode once the KV has arrived; it is never prefilled there unless preempted by 
 """
 from __future__ import annotations
 
-from typing import Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
+import inspect
+from typing import Generic, Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 from policies.types import Request, Sequence, StepPlan, StepResult
 
@@ -108,7 +109,18 @@ class SpeculationPolicy(Protocol):
 @runtime_checkable
 class Scheduler(Protocol):
     """Moves requests between its queues and writes one StepPlan per step. Everything it needs
-    arrives as arguments; measurement (step rows, inter-token latencies) is the step loop's."""
+    arrives as arguments; measurement (step rows, inter-token latencies) is the step loop's.
+
+    Built (sim/core/assembly.py, for both backends) with the keyword arguments `kv_cache`,
+    `preemption`, `max_num_batched_tokens` (resolved: an int), `max_model_len`, `max_num_seqs`
+    (the engine's setting, or the scheduler group's own when it has one) and, only when the run
+    speculates, `speculation`; the config group's other keys come as they are written.
+    Every plan carries `block_tables=kv_cache.block_tables` (the engine reads each scheduled
+    sequence's table there; the simulator does not). `update` stamps `request.first_token_time`
+    (`now` of the step that gave the request its first output token) and
+    `request.finish_time` (`now` of the step that finished it): the run's TTFT, TPOT and
+    end-to-end latency are read from them, and a run that ends with no first token stamped
+    says so."""
 
     kv_cache: KVCacheManager                  # the engine sizes its KV tensors from it
     speculation: SpeculationPolicy | None     # the engine sizes its drafter from it; None: never drafts
@@ -177,3 +189,101 @@ class DisaggregationPolicy(Protocol):
 
     def disaggregate(self, request: Request, pools: Mapping[str, Seq[ReplicaView]]) -> bool:
         """True to disaggregate; `pools` maps each pool's role to its replicas."""
+
+
+class PrefillPoolScheduler(Protocol):
+    """A scheduler of a prefill pool (docstring above: disaggregation)."""
+
+    def take_handoffs(self) -> list[Request]:
+        """The requests stopped after their first token since the last call, blocks kept."""
+
+
+class DecodePoolScheduler(Protocol):
+    """A scheduler of a decode pool (docstring above: disaggregation)."""
+
+    def admit_transfer(self, request: Request, now: float) -> bool:
+        """A sequence and blocks for KV computed elsewhere; False: no room now."""
+    def finish_transfer(self, request: Request, now: float) -> None:
+        """The KV has arrived: the request decodes from the next step."""
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """How long a simulated step takes (conf/cost_model: any `_target_` class with `step_time`).
+    Built once per replica with the keyword arguments `model` (sim.core.specs.ModelSpec),
+    `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys; when the run
+    speculates also `draft_model` ("ngram", "lookahead", "medusa" or the draft model's
+    ModelSpec: policies.speculation.drafters says what each costs) and, for Medusa,
+    `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,
+    decode_context_tokens, spec_lens, ...); it may draw noise, and is called once per step.
+    Optional: `expected_error_pct` (StatesExpectedError), the summary's
+    kernel_time_expected_error_pct."""
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds the step `plan` takes."""
+
+
+@runtime_checkable
+class StatesExpectedError(Protocol):
+    """A cost model that states the expected error of its kernel times (the GPU cost model)."""
+
+    expected_error_pct: float | None   # percent; None: none stated
+
+
+@runtime_checkable
+class ReportsSpeed(Protocol):
+    """An executor whose durations are normalised to a profile's machine speed (the engine with
+    backend.speed_reference): the run's summary adds what its speed probes saw."""
+
+    def speed_summary(self) -> dict:
+        """speed_factor_median, speed_factor_p05, speed_factor_p95, speed_probes,
+        speed_probe_s and, with prefill probes, prefill_speed_factor_medians and
+        prefill_speed_probes."""
+
+
+@runtime_checkable
+class OffloadingKVCacheManager(KVCacheManager, Protocol):
+    """A KV manager with a host tier for its prefix cache (docstring above: host tier)."""
+
+    num_offload_blocks: int
+
+
+@runtime_checkable
+class BoundedScheduler(Scheduler, Protocol):
+    """A scheduler that says how many sequences a step runs at most (the engine captures CUDA
+    graphs for decode batches up to it)."""
+
+    max_num_seqs: int
+
+
+def missing_members(obj, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks (a method must be callable), in the protocol's
+    order: what a build-time check names."""
+    methods: dict[str, bool] = {}   # member -> whether it is a method
+    for cls in reversed(protocol.__mro__):
+        if cls in (object, Protocol, Generic) or not cls.__dict__.get("_is_protocol"):
+            continue
+        for name in cls.__dict__.get("__annotations__", {}):
+            methods.setdefault(name, False)
+        for name, value in cls.__dict__.items():
+            if not name.startswith("_") and (callable(value) or isinstance(value, property)):
+                methods.setdefault(name, callable(value))
+    missing = []
+    for name, is_method in methods.items():
+        try:   # static: a property is not run, an instance attribute is found
+            value = inspect.getattr_static(obj, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        if is_method and not callable(value):
+            missing.append(name)
+    return missing
+
+
+def check_policy(obj, protocol: type, field: str) -> None:
+    """Raise one line naming what `obj` (the setting `field`) lacks of `protocol`."""
+    missing = missing_members(obj, protocol)
+    if missing:
+        where = protocol.__module__.replace(".", "/") + ".py"
+        raise ValueError(f"{field}: {type(obj).__name__} lacks {', '.join(missing)} "
+                         f"({protocol.__name__}, {where})")

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.drafters import DraftProposal, NgramDrafter
+from engine.drafters import DrafterDefaults, DraftProposal, NgramDrafter
 from engine.lookahead import LookaheadDrafter
 from engine.token_tree import TokenTree, compaction_moves, greedy_accepts
 from kernels import tree_mask_entry
+from policies.speculation.drafters import DrafterKind
 from policies.speculation.trees import tree_paths
 
 from factories import token_ids
@@ -104,9 +105,11 @@ def test_lookahead_window_sees_a_contiguous_run():
 
 # ---- greedy identity --------------------------------------------------------------------------
 
-class DecoyTreeDrafter:
+class DecoyTreeDrafter(DrafterDefaults):
     """N-gram drafts as one branch of a tree of random decoys: the accepted path's nodes are
     rarely the first ones, so its K/V has to move."""
+
+    kind = DrafterKind("decoy_tree", tree=True, acceptance="tree_depth", draft_cost="lookup")
 
     def __init__(self, seed: int = 0):
         self.ngram = NgramDrafter()

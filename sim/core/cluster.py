@@ -19,6 +19,7 @@ import numpy as np
 import simpy
 from omegaconf import DictConfig, OmegaConf
 
+from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler, missing_members
 from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
@@ -247,9 +248,9 @@ class PendingTransfer:
     prefill_step_s: float    # the step that finished the prompt (what overlap hides behind)
 
 
-def check_scheduler_members(scheduler, role: str, members: tuple[str, ...]) -> None:
+def check_scheduler_members(scheduler, role: str, protocol: type) -> None:
     """A scheduler in a prefill or decode pool needs the contract's disaggregation members."""
-    missing = [member for member in members if not callable(getattr(scheduler, member, None))]
+    missing = missing_members(scheduler, protocol)
     if missing:
         raise ValueError(f"{type(scheduler).__name__} cannot run in a {role} pool: it lacks "
                          f"{', '.join(missing)} (policies/protocols.py; BaseScheduler has them)")
@@ -271,10 +272,10 @@ class DisaggregatedCluster:
             self.replicas_by_role.setdefault(replica.role, []).append(replica)
         self.prefill_replicas = self.replicas_by_role["prefill"]
         self.decode_replicas = self.replicas_by_role["decode"]
-        for role, members in (("prefill", ("take_handoffs",)),
-                              ("decode", ("admit_transfer", "finish_transfer"))):
+        for role, protocol in (("prefill", PrefillPoolScheduler),
+                               ("decode", DecodePoolScheduler)):
             for replica in self.replicas_by_role[role]:
-                check_scheduler_members(replica.scheduler, role, members)
+                check_scheduler_members(replica.scheduler, role, protocol)
         self.decode_ids = {replica.replica_id for replica in self.decode_replicas}
         self.by_id = {replica.replica_id: replica for replica in replicas}
         routers = {pool.role: pool.router for pool in pools}

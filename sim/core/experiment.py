@@ -8,6 +8,7 @@ any `_target_` class works, the built-in ones and a user's own.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,14 @@ from tqdm import tqdm
 
 from policies.types import Request
 from policies.validators import finite_number, non_negative_number
-from sim.core.build import (build_kv_cache, build_policy, build_predictor, build_replica_executor,
-                             check_run_settings, cost_model_summary, max_num_batched_tokens,
-                             policy_config, slos_ms, speculation_setup, speed_summary)
+from sim.core.assembly import assemble_scheduler, build_preemption
+from sim.core.build import (build_policy, build_predictor, build_replica_executor,
+                            check_run_settings, cost_model_summary, kv_cache_policy_config,
+                            kv_cache_sizes, max_num_batched_tokens, policy_config, slos_ms,
+                            speculation_setup, speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
+from sim.core.executor import SimExecutor
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.specs import ModelSpec
@@ -53,6 +57,41 @@ def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
         if tenant not in tenants:
             raise ValueError(f"scheduler.tenant_weights.{tenant}: no request of the run has "
                              f"tenant {tenant!r}; the run's tenants: {', '.join(tenants)}")
+
+
+def check_first_tokens(requests: list[Request], replicas: list[Replica]) -> None:
+    """Finished requests without a first token time have no TTFT or TPOT: a scheduler's update
+    must stamp it (policies.protocols.Scheduler)."""
+    missing = [r for r in requests
+               if r.finish_time is not None and r.rejected_reason is None
+               and r.first_token_time is None]
+    if missing:
+        schedulers = sorted({type(replica.scheduler).__name__ for replica in replicas})
+        raise RuntimeError(f"{len(missing)} finished requests have no first_token_time (first: "
+                           f"{missing[0].request_id}): {', '.join(schedulers)}.update must set "
+                           f"request.first_token_time when a request gets its first token")
+
+
+def warn_unused_features(cfg: DictConfig, requests: list[Request], summary: dict,
+                         replicas: list[Replica]) -> None:
+    """One line on stderr for each configured feature the run's scheduler never used: prefix
+    caching with no prompt token served from the cache though prompts repeat a first block, or
+    a swap pool with every preemption recomputed."""
+    schedulers = ", ".join(sorted({type(replica.scheduler).__name__ for replica in replicas}))
+    block_size = cfg.kv_cache.block_size
+    if cfg.kv_cache.get("enable_prefix_caching") and summary.get("prefix_cache_hit_rate") == 0:
+        first_blocks = [tuple(r.prompt_token_ids[:block_size]) for r in requests
+                        if r.prompt_token_ids is not None and r.prompt_len > block_size]
+        repeats = len(first_blocks) - len(set(first_blocks))
+        if repeats:
+            print(f"twinserve: kv_cache.enable_prefix_caching=true but no prompt token came from "
+                  f"the prefix cache, though {repeats} prompts repeat an earlier one's first "
+                  f"block: does {schedulers} call kv_cache.allocate_prefix?", file=sys.stderr)
+    host_blocks = max(replica.scheduler.kv_cache.num_host_blocks for replica in replicas)
+    if host_blocks and summary["num_preemptions"] and not summary["swap_bytes"]:
+        print(f"twinserve: a swap pool of {host_blocks} host blocks per replica is configured but "
+              f"all {summary['num_preemptions']} preemptions recomputed: does {schedulers} "
+              f"ask preemption.mode and call kv_cache.swap_out?", file=sys.stderr)
 
 
 def frontend_latency(cfg: DictConfig) -> float:
@@ -128,12 +167,15 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (first: "
                            f"{unfinished[0].request_id}); the simulation stalled")
+    check_first_tokens(requests, replicas)
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
                               slos_ms=slos_ms(cfg))
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))
-    summary.update(cost_model_summary([replica.executor for replica in replicas]))
+    summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
+                                       if isinstance(replica.executor, SimExecutor)]))
+    warn_unused_features(cfg, requests, summary, replicas)
     if cfg.cluster.get("pools") is not None:
         metrics.replica_labels = {replica.replica_id: f"{replica.pool} {replica.replica_id}"
                                   for replica in replicas}
@@ -158,15 +200,15 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     cfg = pool.cfg
     replicas = []
     for replica_id in range(first_id, first_id + pool.num_replicas):
-        preemption = build_policy(cfg.preemption, "preemption")
-        kv_cache = build_kv_cache(cfg, model, pool.num_kv_blocks, preemption, speculation)
-        # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
-        drafting = ({} if speculation is None else
-                    {"speculation": build_policy(speculation.policy_cfg, "speculation")})
-        scheduler = build_policy(cfg.scheduler, "scheduler", kv_cache=kv_cache,
-                                 preemption=preemption, max_model_len=model.max_model_len,
-                                 max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-                                 **drafting)
+        preemption = build_preemption(cfg.preemption)
+        scheduler = assemble_scheduler(
+            cfg.scheduler, preemption, kv_cache_policy_config(cfg.kv_cache),
+            lambda preemption: kv_cache_sizes(cfg, model, pool.num_kv_blocks, preemption,
+                                              speculation),
+            max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+            max_model_len=model.max_model_len,
+            speculation=None if speculation is None else speculation.policy_cfg)
+        kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,

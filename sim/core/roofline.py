@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies import validators
+from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
@@ -98,9 +99,13 @@ class RooflineCostModel:
                 transfer_efficiency=transfer_efficiency, step_overhead_s=draft_step_overhead_s,
                 per_sequence_overhead_s=0.0)
             self.draft_model = self._draft_cost_model.model
-        elif draft_model not in (None, "ngram", "medusa", "lookahead"):
-            raise ValueError(f"RooflineCostModel.draft_model must be 'ngram', 'medusa', "
-                             f"'lookahead', a model spec or null, got {draft_model!r}")
+        elif draft_model is not None and draft_model not in DRAFTER_KINDS:
+            raise ValueError(f"RooflineCostModel.draft_model must be "
+                             f"{', '.join(map(repr, DRAFTER_KINDS))}, a model spec or null, got "
+                             f"{draft_model!r}")
+        # How drafts are charged (policies.speculation.drafters): None without a drafter.
+        self._draft_cost = (drafter_kind(draft_model).draft_cost
+                            if isinstance(draft_model, str) else None)
         self.medusa_num_heads = validators.positive_int("RooflineCostModel.medusa_num_heads",
                                                         medusa_num_heads)
 
@@ -236,9 +241,9 @@ class RooflineCostModel:
         or max_draft_len sequential decode steps of the draft model over them (at the step's mean
         decode context). The draft model's catch-up on accepted tokens is not counted."""
         num_speculating = len(plan.spec_lens)
-        if self.draft_model in ("ngram", "lookahead"):
+        if self._draft_cost == "lookup":
             return num_speculating * self.ngram_overhead_s_per_seq
-        if self.draft_model == "medusa":
+        if self._draft_cost == "heads":
             return (self.draft_step_overhead_s
                     + max(num_speculating * self._medusa_s_per_seq, self._medusa_weights_s))
         if self._draft_cost_model is None:

@@ -1,0 +1,54 @@
+"""One policy assembly for both backends: a replica's preemption policy, KV manager, speculation
+policy and scheduler, built in that order from their configs (or taken as the caller's objects),
+each checked against its protocol (policies/protocols.py) as it is built, so that a plug-in
+missing a member fails here in one line naming it, not mid-run. The simulator
+(sim/core/experiment.py) and the engine (engine/builder.py) differ only in the pool sizes and
+settings they pass."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from omegaconf import DictConfig
+
+from policies.protocols import (KVCacheManager, PreemptionPolicy, Scheduler, SpeculationPolicy,
+                                check_policy)
+from sim.core.policy_config import build_policy, names_a_policy, policy_config
+
+
+def build_preemption(choice, swap_space_gb: float | None = None):
+    """The preemption policy: a conf/preemption name, dotted class path or mapping (built, with
+    `swap_space_gb` over the group's own when given and the group has one), or the object."""
+    if names_a_policy(choice):
+        config = policy_config(choice, "preemption")
+        overrides = ({"swap_space_gb": swap_space_gb}
+                     if swap_space_gb is not None and "swap_space_gb" in config else {})
+        choice = build_policy(config, "preemption", **overrides)
+    check_policy(choice, PreemptionPolicy, "preemption")
+    return choice
+
+
+def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: DictConfig,
+                       kv_cache_sizes: Callable[[object], Mapping], *,
+                       max_num_batched_tokens: int, max_model_len: int,
+                       max_num_seqs: int | None = None, speculation=None):
+    """A replica's scheduler over its own KV manager: the KV manager built from `kv_cache_cfg`
+    with the keyword arguments `kv_cache_sizes(preemption)` gives (its pools: the host one is
+    sized by the preemption policy's swap space), then the speculation policy (a config built
+    here, the caller's object, or None: the run does not speculate), then the scheduler with the
+    keyword arguments of the contract (policies.protocols.Scheduler). `max_num_seqs` None: the
+    scheduler group's own."""
+    kv_cache = build_policy(kv_cache_cfg, "kv_cache", **kv_cache_sizes(preemption))
+    check_policy(kv_cache, KVCacheManager, "kv_cache")
+    arguments = dict(kv_cache=kv_cache, preemption=preemption, max_model_len=max_model_len,
+                     max_num_batched_tokens=max_num_batched_tokens)
+    if max_num_seqs is not None:
+        arguments["max_num_seqs"] = max_num_seqs
+    # Only a drafting run passes `speculation`: a scheduler of its own need not know it.
+    if speculation is not None:
+        if isinstance(speculation, DictConfig):
+            speculation = build_policy(speculation, "speculation")
+        check_policy(speculation, SpeculationPolicy, "speculation")
+        arguments["speculation"] = speculation
+    scheduler = build_policy(scheduler_cfg, "scheduler", **arguments)
+    check_policy(scheduler, Scheduler, "scheduler")
+    return scheduler
