@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import TREE_WINDOW, KernelOps
+from kernels.ops import KernelOps
+from kernels.tree_mask import TREE_WINDOW
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import TREE_WINDOW, KernelOps
+from kernels.ops import KernelOps
 from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
+from kernels.tree_mask import TREE_WINDOW
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import TREE_WINDOW, KernelOps
+from kernels.ops import KernelOps
+from kernels.tree_mask import TREE_WINDOW
 from kernels.triton_attention import (_paged_decode_kernel, _paged_decode_split_kernel,
                                       _paged_prefill_kernel, _split_reduce_kernel)
 from kernels.triton_cache import _copy_blocks_kernel, _write_kv_cache_kernel

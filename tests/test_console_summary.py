@@ -8,7 +8,7 @@ import matplotlib.axes
 from rich.console import Console
 
 from sim.core.experiment import run_experiment
-from sim.core.metrics import print_summary
+from sim.tools.console_summary import print_summary
 from sim.tools.plots import kv_block_capacities
 
 from factories import make_cfg

@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
-from sim.core.metrics import (
-    REQUEST_COLUMNS, STEP_COLUMNS, MetricsCollector, StepRecorder, format_summary_table,
-    print_summary, weighted_percentiles,
-)
+from sim.core.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder, weighted_percentiles
+from sim.tools.console_summary import format_summary_table, print_summary
 from sim.tools.plots import downsample_indices, write_plots
+from sim.tools.run_outputs import REQUEST_COLUMNS, write_run_outputs
 
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
                 for stat in ("mean", "median", "p90", "p99")]
@@ -219,7 +218,7 @@ def read_csv(path):
 def test_write_outputs(run, tmp_path):
     collector, requests = run
     summary = collector.summary(requests, wall_time_s=1.0)
-    written = collector.write_outputs(tmp_path / "out", requests, summary)
+    written = write_run_outputs(tmp_path / "out", collector, requests, summary)
     out = tmp_path / "out"
     assert {path.name for path in written} == {
         "summary.json", "requests.csv", "steps.csv",
@@ -254,7 +253,7 @@ def test_empty_run(tmp_path):
     summary = collector.summary(rejected, wall_time_s=0.1)
     assert summary["rejected"] == 1 and summary["completed"] == 0
     assert summary["request_throughput"] == 0.0 and summary["mean_ttft_ms"] == 0.0
-    collector.write_outputs(tmp_path, rejected, summary)
+    write_run_outputs(tmp_path, collector, rejected, summary)
     for name in ("latency_cdf.png", "kv_blocks.png", "batch_size.png"):
         assert (tmp_path / name).stat().st_size > 0
     _, rows = read_csv(tmp_path / "steps.csv")
@@ -291,7 +290,7 @@ def test_large_run_summary_and_steps_csv(tmp_path):
         record(collector, index % 4, index * 0.01, plan, used=used[index], allocated=512,
                stored=400, waiting=index % 17, running=31)
     summary = collector.summary([], 1.0)
-    collector.write_outputs(tmp_path, [], summary, plots=False)
+    write_run_outputs(tmp_path, collector, [], summary, plots=False)
     assert summary["peak_kv_blocks"] == max(used)
     assert summary["kv_waste_fraction"] == pytest.approx(1 - 400 / 512)
     _, rows = read_csv(tmp_path / "steps.csv")

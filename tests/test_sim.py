@@ -220,7 +220,7 @@ def test_cli_bad_seed_is_one_clear_line(tmp_path):
 def test_a_run_that_rejects_every_request_says_why(tmp_path):
     from rich.console import Console
 
-    from sim.core.metrics import print_summary
+    from sim.tools.console_summary import print_summary
 
     summary = run("kv_cache.num_blocks=2", "workload.num_requests=20").summary
     assert summary["completed"] == 0 and summary["rejected"] == 20

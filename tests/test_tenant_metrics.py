@@ -12,9 +12,9 @@ from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus
 from sim.core.experiment import run_experiment
-from sim.core.metrics import (
-    GROUP_LATENCY_KEYS, REQUEST_COLUMNS, MetricsCollector, format_summary_table, jain_fairness,
-)
+from sim.core.metrics import GROUP_LATENCY_KEYS, MetricsCollector, jain_fairness
+from sim.tools.console_summary import format_summary_table
+from sim.tools.run_outputs import REQUEST_COLUMNS
 from sim.tools.report import flatten_summary, load_jobs, write_csv
 
 TWO_TENANTS = ("workload.num_requests=200", "workload.rate=12", "slo.ttft_ms=80",

@@ -30,6 +30,7 @@ from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.specs import ModelSpec
 from sim.core.workload import build_workload
+from sim.tools.run_outputs import write_run_outputs
 
 # Allocations between the cyclic GC's young collections while the simulation runs (Python's
 # default is 700: a collection every few steps).
@@ -183,7 +184,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if disaggregated:
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
-        metrics.write_outputs(Path(out_dir), requests, summary, plots=plots)
+        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots)
         if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
             from sim.tools.trace_export import write_trace
             write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from sim.tools.loggers import log_run
-from sim.core.metrics import print_summary
+from sim.tools.console_summary import print_summary
 from sim.core.experiment import run_experiment
 
 

@@ -1,0 +1,260 @@
+"""What a run records while it goes, on the hot path of both backends: one row per step (in
+STEP_COLUMNS order) and each replica's inter-token latencies as a histogram. `StepRecorder` is a
+replica's recorder, called by the step loop (sim/core/step.py); `MetricsCollector` holds every
+replica's rows and histogram for the run and reads them back (columns, totals, the summary).
+"""
+from __future__ import annotations
+
+import array
+import bisect
+import itertools
+import operator
+
+import numpy as np
+
+from policies.protocols import Scheduler
+from policies.types import Request, Sequence, StepPlan, StepResult
+from sim.core.metrics.summary import run_summary
+
+STEP_COLUMNS: tuple[str, ...] = (
+    "replica_id", "start_time", "duration",
+    "num_seqs", "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs", "num_batched_tokens",
+    "kv_blocks_used", "kv_slots_allocated", "kv_tokens_stored",
+    "num_waiting", "num_running", "num_swapped",
+    "num_preempted_recompute", "num_preempted_swap",
+    "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied",
+    "num_draft_tokens", "num_accepted_tokens",
+    "num_blocks_offloaded", "num_blocks_loaded",
+)
+
+_COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
+
+
+class MetricsCollector:
+    """Collects step rows and ITL histograms from every replica of a run, and turns them plus the
+    run's requests into a summary (sim/tools/run_outputs.py writes them to files)."""
+
+    def __init__(self, kv_bytes_per_block: int = 0):
+        self.kv_bytes_per_block = kv_bytes_per_block
+        # replica_id -> its name in the plots' legends (a cluster of pools names its pool).
+        self.replica_labels: dict[int, str] = {}
+        self.step_rows: list[tuple] = []
+        self.itl_counts: dict[float, int] = {}
+
+    def record_step(self, replica_id: int, start_time: float, plan: StepPlan, duration: float, *,
+                    kv_blocks_used: int, kv_slots_allocated: int, kv_tokens_stored: int,
+                    num_waiting: int, num_running: int, num_swapped: int,
+                    num_accepted_tokens: int = 0) -> None:
+        """Append one row, in STEP_COLUMNS order. Called every step of every replica, so it only
+        appends a tuple: all per-step analysis happens once, in summary().
+        `num_accepted_tokens`: the step's accepted drafts (speculative decoding)."""
+        self.step_rows.append((
+            replica_id, start_time, duration,
+            len(plan.seqs), plan.num_prefill_seqs, plan.num_prefill_tokens, plan.num_decode_seqs,
+            plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens,
+            kv_blocks_used, kv_slots_allocated, kv_tokens_stored,
+            num_waiting, num_running, num_swapped,
+            len(plan.preempted_recompute), len(plan.preempted_swap),
+            len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(plan.blocks_to_copy),
+            plan.num_draft_tokens, num_accepted_tokens,
+            len(plan.blocks_to_offload), len(plan.blocks_to_load),
+        ))
+
+    def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
+        """Merge one scheduler's ITL histogram {seconds: number of tokens}."""
+        merged = self.itl_counts
+        if not merged:
+            merged.update(itl_counts)   # the first (or only) replica's: in one C call
+            return
+        for itl, count in itl_counts.items():
+            merged[itl] = merged.get(itl, 0) + count
+
+    def step_totals(self) -> dict[str, int]:
+        """Each STEP_COLUMNS count summed over every recorded step."""
+        totals = self.step_array().sum(axis=0)
+        return {name: int(totals[index]) for name, index in _COL.items()}
+
+    def order_steps_by_start(self) -> None:
+        """Put the step rows in order of their start time (a replica records a run of repeated
+        steps at once, ahead of other replicas' steps in between; ties keep their order)."""
+        self.step_rows.sort(key=operator.itemgetter(1))
+
+    def step_array(self) -> np.ndarray:
+        """The step rows as a (num_steps, len(STEP_COLUMNS)) float array."""
+        if not self.step_rows:
+            return np.empty((0, len(STEP_COLUMNS)), dtype=np.float64)
+        return np.asarray(self.step_rows, dtype=np.float64)
+
+    def step_column(self, name: str) -> np.ndarray:
+        """One of STEP_COLUMNS over the steps, as a float array (the values of step_array's
+        column, without building the whole array)."""
+        index = _COL[name]
+        return np.fromiter(map(operator.itemgetter(index), self.step_rows), dtype=np.float64,
+                           count=len(self.step_rows))
+
+    def step_column_total(self, name: str) -> int:
+        """The sum of one of STEP_COLUMNS' counts over the steps (an integer: no float array
+        is built for it)."""
+        return int(sum(map(operator.itemgetter(_COL[name]), self.step_rows)))
+
+    def step_column_peak(self, name: str) -> int:
+        """The largest of one of STEP_COLUMNS' counts over the steps; 0 without steps."""
+        if not self.step_rows:
+            return 0
+        return int(max(map(operator.itemgetter(_COL[name]), self.step_rows)))
+
+    def summary(self, requests: list[Request], wall_time_s: float,
+                slos_ms: dict[str, float] | None = None) -> dict:
+        """The run's headline numbers (summary.py's run_summary); `slos_ms` (optional), e.g.
+        {"ttft": 200, "tpot": 50, "e2el": 10_000}, adds goodput and SLO attainment."""
+        return run_summary(self, requests, wall_time_s, slos_ms)
+
+
+class StepRecorder:
+    """What one replica's steps leave in a run's metrics, recorded by the step loop
+    (sim/core/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
+    inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
+    for a 100k-request run, and most tokens of a step share one value).
+
+    The latencies are logged as they arise, (seconds, tokens) pairs side by side in two arrays,
+    and counted into the histogram when it is read (`itl_counts`) or the log grows long: a dict
+    update for every step of a run of repeated steps cost more than the rest of its row."""
+
+    MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
+
+    def __init__(self, metrics: MetricsCollector, replica_id: int = 0):
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self._itl_counts: dict[float, int] = {}
+        self._logged_itls = array.array("d")
+        self._logged_tokens = array.array("q")
+
+    @property
+    def itl_counts(self) -> dict[float, int]:
+        """{seconds: tokens} of every inter-token latency recorded so far, the latencies in the
+        order they first arose."""
+        if self._logged_itls:
+            self._count_logged_itls()
+        return self._itl_counts
+
+    def _count_logged_itls(self) -> None:
+        """Add the logged pairs to the histogram as one dict update per pair, in order, would."""
+        latencies = np.frombuffer(self._logged_itls, dtype=np.float64)
+        tokens = np.frombuffer(self._logged_tokens, dtype=np.int64)
+        values, first_index, inverse = np.unique(latencies, return_index=True,
+                                                 return_inverse=True)
+        totals = np.zeros(values.size, dtype=np.int64)
+        np.add.at(totals, inverse, tokens)
+        order = np.argsort(first_index)   # the order a dict would have inserted them in
+        new_counts = zip(values[order].tolist(), totals[order].tolist())
+        if self._itl_counts:
+            counts = self._itl_counts
+            for latency, total in new_counts:
+                counts[latency] = counts.get(latency, 0) + total
+        else:
+            self._itl_counts = dict(new_counts)
+        self._logged_itls, self._logged_tokens = array.array("d"), array.array("q")
+
+    def record_step(self, start_time: float, plan: StepPlan, result: StepResult,
+                    scheduler: Scheduler) -> None:
+        """The step's row: its plan, and memory and queues as they stand during the step
+        (before its finished requests leave)."""
+        self._record_row(start_time, plan, result.duration, scheduler,
+                         sum(result.num_accepted.values()) if result.num_accepted else 0)
+
+    def _record_row(self, start_time: float, plan: StepPlan, duration: float,
+                    scheduler: Scheduler, num_accepted_tokens: int = 0) -> None:
+        kv_cache = scheduler.kv_cache
+        waiting, running, swapped = scheduler.queue_lengths()
+        self.metrics.record_step(
+            self.replica_id, start_time, plan, duration,
+            kv_blocks_used=kv_cache.num_used_blocks(),
+            kv_slots_allocated=kv_cache.num_slots_allocated(),
+            kv_tokens_stored=kv_cache.num_tokens_stored(),
+            num_waiting=waiting, num_running=running, num_swapped=swapped,
+            num_accepted_tokens=num_accepted_tokens)
+
+    def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
+                              scheduler: Scheduler) -> None:
+        """The rows of a decode batch run len(durations) times in a row, each as its own step's
+        row would be: only the start, the duration and the memory columns (one more token
+        stored per decode each step, and the blocks they grow into) move, so the first row is
+        recorded as any step's and the others are copies of it with those changed; the blocks
+        come from the plan's DecodeRun. A run's later segment, whose sequences ran
+        `num_steps_before` steps already, holds the slots of where they stood before those: its
+        first row adds what they grew into since."""
+        self._record_row(start_time, plan, durations[0], scheduler)
+        rows = self.metrics.step_rows
+        row = list(rows[-1])
+        start_column, duration_column = _COL["start_time"], _COL["duration"]
+        blocks_column = _COL["kv_blocks_used"]
+        slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
+        block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
+        run = plan.decode_run
+        first_step = run.num_steps_before
+        new_blocks = run.new_blocks_per_step(plan, len(durations))
+        if first_step:
+            row[tokens_column] += num_decodes * first_step
+            row[blocks_column] += new_blocks[0]
+            row[slots_column] += new_blocks[0] * block_size
+            rows[-1] = tuple(row)
+        for step in range(1, len(durations)):
+            start_time += durations[step - 1]
+            row[start_column], row[duration_column] = start_time, durations[step]
+            row[tokens_column] += num_decodes
+            if new_blocks[step]:
+                row[blocks_column] += new_blocks[step]
+                row[slots_column] += new_blocks[step] * block_size
+            rows.append(tuple(row))
+
+    def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
+        """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
+        time order): each step row from `first_row` on that started after one counts it waiting,
+        as the row of a separate step would."""
+        rows, column = self.metrics.step_rows, _COL["num_waiting"]
+        for index in range(first_row, first_row + num_rows):
+            row = rows[index]
+            num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
+            if num_arrived:
+                rows[index] = row[:column] + (row[column] + num_arrived,) + row[column + 1:]
+
+    def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
+        """Inter-token latencies of a decode batch's repeated steps: in the first, each
+        sequence's since its last token; in each later one, the step itself for every sequence."""
+        self._add_one_token_each(times_before, step_end_times[0])
+        self._logged_itls.extend(map(operator.sub, step_end_times[1:], step_end_times[:-1]))
+        self._logged_tokens.extend(itertools.repeat(len(times_before), len(step_end_times) - 1))
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
+
+    def _add_one_token_each(self, times_before: list[float], end: float) -> None:
+        """One token for each of the (non-empty) sequences that last sampled at `times_before`,
+        `end - that time` later. Those that last sampled in one step sit side by side in the batch:
+        one run per earlier step (hashing each sequence's time would cost more than its step)."""
+        log_itl, log_tokens = self._logged_itls.append, self._logged_tokens.append
+        if times_before.count(times_before[0]) == len(times_before):
+            log_itl(end - times_before[0])
+            log_tokens(len(times_before))
+            return
+        for last_time, same_time in itertools.groupby(times_before):
+            log_itl(end - last_time)
+            log_tokens(len(list(same_time)))
+
+    def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
+                    times_before: list[float], now: float) -> None:
+        """Inter-token latencies of a step that ended at `now`: each sequence that gained tokens
+        after its first gained them `now - its last token's time` later (the tokens of one step
+        share one time). `outputs_before` and `times_before` are the sequences'
+        `num_output_tokens` and `last_token_time` before the step's update."""
+        gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
+        num_seqs = len(gained)
+        if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:
+            self._add_one_token_each(times_before, now)   # most steps: one token each
+        else:
+            for before, num_gained, last_time in zip(outputs_before, gained, times_before):
+                if before and num_gained:
+                    self._logged_itls.append(now - last_time)
+                    self._logged_tokens.append(num_gained)
+        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+            self._count_logged_itls()
+

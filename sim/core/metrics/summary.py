@@ -1,0 +1,120 @@
+"""A run's summary: its headline numbers (counts, throughputs, latency percentiles, goodput, KV
+memory, swap, speculation, prefix caching, per-tenant and per-priority numbers), from its
+requests and what its MetricsCollector recorded; the value of `MetricsCollector.summary`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import TYPE_CHECKING
+
+from policies.types import Request
+from sim.core.metrics.statistics import (LATENCY_METRICS, group_summaries, histogram_stats_ms,
+                                         is_completed, latency_arrays_s, meets_slos, per_second,
+                                         stats_ms)
+
+if TYPE_CHECKING:
+    from sim.core.metrics.recorder import MetricsCollector
+
+
+def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s: float,
+                slos_ms: dict[str, float] | None = None) -> dict:
+    """The run's headline numbers; a value with no data to stand on is 0.0 (statistics.py).
+
+    `slos_ms` (optional), e.g. {"ttft": 200, "tpot": 50, "e2el": 10_000}: adds `goodput`
+    (req/s of completed requests meeting every given SLO, as vllm defines it) and
+    `slo_attainment` (their fraction of completed requests); so do requests' own SLOs, which
+    replace the run's limits for their request."""
+    # (Sums over the requests in C passes: a big run's summary is a share of its time.)
+    attribute = operator.attrgetter
+    completed = [request for request in requests if is_completed(request)]
+    num_rejected = len(requests) - list(map(attribute("rejected_reason"), requests)).count(None)
+    if completed:
+        first_arrival = min(map(attribute("arrival_time"), requests))
+        last_finish = max(map(attribute("finish_time"), completed))
+        duration_s = last_finish - first_arrival
+    else:
+        duration_s = 0.0
+    total_input = sum(map(attribute("prompt_len"), completed))
+    total_output = sum(map(attribute("num_output_tokens"), completed))
+
+    result: dict = {
+        "completed": len(completed),
+        "rejected": num_rejected,
+        "num_requests": len(requests),
+        "duration_s": float(duration_s),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": per_second(len(completed), duration_s),
+        "output_throughput": per_second(total_output, duration_s),
+        "total_token_throughput": per_second(total_input + total_output, duration_s),
+    }
+    latencies = latency_arrays_s(completed)
+    for name in LATENCY_METRICS:
+        if name == "itl":
+            result.update(histogram_stats_ms(metrics.itl_counts, name))
+        else:
+            result.update(stats_ms(latencies[name], name))
+    has_slos = slos_ms is not None or any(
+        request.slo_ttft_ms is not None or request.slo_tpot_ms is not None
+        for request in requests)
+    if has_slos:
+        result.update(_goodput(completed, slos_ms or {}, duration_s))
+
+    column, total = metrics.step_column, metrics.step_column_total
+    allocated = column("kv_slots_allocated")
+    stored = column("kv_tokens_stored")
+    has_slots = allocated > 0
+    waste = 1.0 - stored[has_slots] / allocated[has_slots]
+    blocks_swapped = total("num_blocks_swapped_out") + total("num_blocks_swapped_in")
+    num_drafts = total("num_draft_tokens")
+    num_accepted = total("num_accepted_tokens")
+    num_decodes = total("num_decode_seqs")
+    result.update({
+        "num_preemptions": sum(map(attribute("num_preemptions"), requests)),
+        "peak_kv_blocks": metrics.step_column_peak("kv_blocks_used"),
+        # fsum: the same whatever order the replicas' steps were recorded in.
+        "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
+        "swap_bytes": int(blocks_swapped) * metrics.kv_bytes_per_block,
+        "num_steps": len(metrics.step_rows),
+        "wall_time_s": float(wall_time_s),
+        # Simulated seconds per wall second: how much faster than real time the run went.
+        "sim_speedup": per_second(duration_s, wall_time_s),
+        # Speculative decoding: drafts proposed and accepted, their ratio, and the tokens a
+        # decoding sequence gains per step (1 + accepted drafts per decode; 1.0 without).
+        "num_draft_tokens": num_drafts,
+        "num_accepted_tokens": num_accepted,
+        "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
+        "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
+                                        if num_decodes else 0.0),
+    })
+    if any(request.prompt_token_ids is not None for request in requests):
+        # Prefix caching needs token ids: the share of completed prompts' tokens it served,
+        # and of those the device's cache and the host tier's.
+        prompt_tokens = sum(request.prompt_len for request in completed)
+        cached = sum(request.num_cached_tokens for request in completed)
+        host_cached = sum(request.num_host_cached_tokens for request in completed)
+        result["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0
+        result["prefix_cache_device_hit_rate"] = (
+            (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
+        result["prefix_cache_host_hit_rate"] = (
+            host_cached / prompt_tokens if prompt_tokens else 0.0)
+    blocks_offloaded = total("num_blocks_offloaded")
+    blocks_loaded = total("num_blocks_loaded")
+    if blocks_offloaded or blocks_loaded:
+        # The prefix cache's host tier: K/V bytes stored there and loaded back.
+        result["offload_bytes"] = blocks_offloaded * metrics.kv_bytes_per_block
+        result["reload_bytes"] = blocks_loaded * metrics.kv_bytes_per_block
+    result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
+    return result
+
+
+def _goodput(completed: list[Request], slos_ms: dict[str, float],
+             duration_s: float) -> dict[str, float]:
+    """`goodput` (req/s of completed requests meeting every SLO) and `slo_attainment`."""
+    unknown = set(slos_ms) - {"ttft", "tpot", "e2el"}
+    if unknown:
+        raise ValueError(f"unknown SLO metrics {sorted(unknown)}; use ttft, tpot, e2el")
+    num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
+    return {"goodput": per_second(num_good, duration_s),
+            "slo_attainment": num_good / len(completed) if completed else 0.0}

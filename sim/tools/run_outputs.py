@@ -1,0 +1,71 @@
+"""A run's output files: summary.json, requests.csv (a row per request, REQUEST_COLUMNS),
+steps.csv (a row per step, STEP_COLUMNS) and the PNG plots (sim/tools/plots.py). The experiment
+driver calls `write_run_outputs` once, after the run.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from policies.types import Request
+from sim.core.metrics import STEP_COLUMNS, MetricsCollector, request_latencies_s
+from sim.core.metrics.statistics import ms_or_none
+
+REQUEST_COLUMNS: tuple[str, ...] = (
+    "request_id", "replica_id", "arrival_time", "prompt_len", "output_len", "n",
+    "num_output_tokens", "first_scheduled_time", "first_token_time", "finish_time",
+    "ttft_ms", "tpot_ms", "e2el_ms", "num_preemptions", "rejected_reason",
+    "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "predicted_output_len",
+    "prefill_replica_id", "kv_handoff_time", "kv_transfer_start_time", "kv_transfer_end_time",
+    "kv_transfer_bytes",
+)
+
+
+def request_rows(requests: list[Request]) -> list[tuple]:
+    """One tuple per request, in REQUEST_COLUMNS order; None (an empty CSV cell) where a value
+    does not exist, e.g. the TTFT of a rejected request."""
+    rows = []
+    for request in requests:
+        ttft, tpot, e2el = request_latencies_s(request)
+        rows.append((
+            request.request_id, request.replica_id, request.arrival_time, request.prompt_len,
+            request.output_len, request.n, request.num_output_tokens,
+            request.first_scheduled_time, request.first_token_time, request.finish_time,
+            ms_or_none(ttft), ms_or_none(tpot), ms_or_none(e2el), request.num_preemptions, request.rejected_reason,
+            request.priority, request.tenant, request.slo_ttft_ms, request.slo_tpot_ms,
+            request.predicted_output_len, request.prefill_replica_id, request.kv_handoff_time,
+            request.kv_transfer_start_time, request.kv_transfer_end_time,
+            request.kv_transfer_bytes,
+        ))
+    return rows
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
+    """A CSV file of `rows` under a header of `columns`."""
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    return path
+
+
+def write_run_outputs(out_dir: Path, metrics: MetricsCollector, requests: list[Request],
+                      summary: dict, plots: bool = True) -> list[Path]:
+    """Write summary.json, requests.csv, steps.csv of `metrics`' rows and (unless plots=False)
+    the PNG plots into out_dir. Returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = out_dir / "summary.json"
+    # allow_nan=False: fail loudly here rather than write JSON other tools cannot parse.
+    summary_path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    requests_path = _write_csv(out_dir / "requests.csv", REQUEST_COLUMNS,
+                               request_rows(requests))
+    steps_path = _write_csv(out_dir / "steps.csv", STEP_COLUMNS, metrics.step_rows)
+    written = [summary_path, requests_path, steps_path]
+    if plots:
+        # Imported here so that runs that never plot never import matplotlib.
+        from sim.tools.plots import kv_block_capacities, write_plots
+        written += write_plots(out_dir, requests, metrics.step_rows, STEP_COLUMNS,
+                               metrics.replica_labels, kv_block_capacities(summary))
+    return written
