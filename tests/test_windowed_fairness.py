@@ -139,7 +139,7 @@ def test_the_table_and_the_report_name_the_windowed_keys():
     console = Console(width=200, record=True)
     console.print(format_summary_table(summary))
     text = console.export_text()
-    assert "Jain fairness, backlogged (10 s)" in text and "max service gap (10 s)" in text
+    assert "windowed Jain 10 s" in text and "max gap 10 s" in text
     assert "tok/window backlogged" in text
     for key in ("windowed_jain_fairness", "max_backlogged_service_diff",
                 "per_tenant.light.mean_backlogged_service"):

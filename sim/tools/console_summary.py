@@ -45,12 +45,12 @@ def format_summary_table(summary: dict) -> Table:
     if "jain_fairness" in summary:
         totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
     if summary.get("fairness_windows"):
+        # (Among the tenants backlogged all window long: sim/core/metrics/fairness.py.)
         window = f"{summary['fairness_window_s']:g} s"
-        totals.add_row(f"Jain fairness, backlogged ({window})",
+        totals.add_row(f"windowed Jain {window}",
                        f"{_fmt(summary['windowed_jain_fairness'], 3)} "
                        f"({summary['fairness_windows']:,} windows)")
-        totals.add_row(f"max service gap ({window})",
-                       f"{summary['max_backlogged_service_diff']:,.0f} tok")
+        totals.add_row(f"max gap {window}", f"{summary['max_backlogged_service_diff']:,.0f} tok")
     totals.add_row("steps", f"{summary['num_steps']:,}")
     if "kernel_time_expected_error_pct" in summary:   # (sim/gpu/transfer_errors.py)
         totals.add_row("kernel time expected error",
