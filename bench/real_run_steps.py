@@ -70,8 +70,7 @@ def cost_model_of(folder: Path, overrides: dict, **hardware_fields) -> GPUCostMo
     tp = int(meta["engine_kwargs"].get("tensor_parallel_size") or 1)
     gpu = OmegaConf.load(CONF_DIR / "cost_model" / "gpu.yaml")
     terms = {k: gpu[k] for k in ("step_overhead_s", "per_sequence_overhead_s",
-                                 "workstation_bandwidth_efficiency",
-                                 "workstation_compute_efficiency")}
+                                 "workstation_bandwidth_efficiency")}
     return GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
                         {**OmegaConf.to_container(OmegaConf.load(
                             CONF_DIR / "hardware" / f"{hardware}.yaml")), **hardware_fields}, tp,
