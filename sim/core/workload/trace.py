@@ -29,7 +29,7 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
 # Each CSV schema's (time, prompt length, output length) columns, in the order auto-detection
-# tries them: the first schema that has any of its columns in the header is the file's.
+# tries them (detect_csv_schema).
 CSV_SCHEMAS = {"azure": AZURE_COLUMNS, "burstgpt": BURSTGPT_COLUMNS, "plain": PLAIN_COLUMNS}
 TRACE_FORMATS = ("auto", *CSV_SCHEMAS, "mooncake")
 TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
