@@ -92,6 +92,8 @@ class Request:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     predicted_output_len: int | None = None
+    # The session (a chat, an agent) the request is a turn of, e.g. a trace's session column.
+    session_id: int | str | None = None
 
     sequences: list[Sequence] = field(default_factory=list)
     replica_id: int = -1
