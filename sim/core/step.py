@@ -78,9 +78,11 @@ class StepLoop:
                 f"progress (a request larger than the pool, or max_num_seqs too small?)")
         # (A refining predictor is asked after every step: its guesses may move a later one.)
         if horizon is not None and plan.decode_run is not None and self.repeats_steps:
-            past_arrivals = plan.decode_run.past_arrivals and queued_arrivals
-            return self._run_repeated(plan, now, math.inf if past_arrivals else horizon,
-                                      horizon if past_finishes else now)
+            run = plan.decode_run
+            return self._run_repeated(
+                plan, now, min(math.inf if run.past_arrivals and queued_arrivals else horizon,
+                               run.until),
+                horizon if past_finishes else now)
         result = self.executor.execute(plan)
         self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
