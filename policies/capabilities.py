@@ -53,6 +53,8 @@ class PinningKVCache(Protocol):
     def release(self, key: int) -> int:
         """Drop the references kept under `key` (a block no one else holds becomes an
         evictable cached block); returns how many there were."""
+    def num_retained_blocks(self) -> int:
+        """Device blocks kept under any key, each counted once."""
 
 
 @runtime_checkable

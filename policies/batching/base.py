@@ -18,7 +18,8 @@ or passes its own PreemptionPolicy.
 
 With a KV retention policy that keeps blocks (`kv_retention=`, pin or offload; evict passes
 none), a finished request's sequence goes to `kv_retention.turn_finished` instead of being
-freed, a first admission to `turn_admitted`, and every plan starts with `expire(now)`; a plan
+freed, a queued request to `turn_arrived`, a first admission to `turn_admitted`, and every
+plan starts with `expire(now)`; a plan
 that would be empty releases the policy's oldest kept blocks and plans again (retention.py).
 
 Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
@@ -126,6 +127,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             return
         request.sequences = [self._new_sequence(request)]
         self.waiting.append(request)
+        if self.kv_retention is not None:
+            self.kv_retention.turn_arrived(request, now)
 
     def _rejection_reason(self, request: Request) -> str | None:
         total_len = request.prompt_len + request.output_len

@@ -10,6 +10,8 @@ are), where a later prefix hit loads them back.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from policies.types import Sequence
 
 
@@ -18,6 +20,7 @@ class RetainedBlocks:
 
     def _init_retained(self) -> None:
         self._retained: dict[int, list[int]] = {}   # key -> the blocks kept under it
+        self._retained_refs: Counter[int] = Counter()   # block -> keys keeping it
 
     def retain(self, seq: Sequence, key: int) -> int:
         if key in self._retained:
@@ -31,6 +34,7 @@ class RetainedBlocks:
             for block in kept:
                 ref_counts[block] += 1
             self._retained[key] = kept
+            self._retained_refs.update(kept)
         self.free(seq)
         return len(kept)
 
@@ -38,6 +42,11 @@ class RetainedBlocks:
         kept = self._retained.pop(key, None)
         if not kept:
             return 0
+        retained_refs = self._retained_refs
+        retained_refs.subtract(kept)
+        for block in kept:
+            if not retained_refs[block]:
+                del retained_refs[block]
         num_tokens = len(kept) * self.block_size   # full, computed blocks
         self._release_blocks(kept, num_tokens, num_tokens)
         return len(kept)
@@ -62,8 +71,8 @@ class RetainedBlocks:
         return num_stored
 
     def num_retained_blocks(self) -> int:
-        """Blocks kept under some key (each counted once per key)."""
-        return sum(map(len, self._retained.values()))
+        """Device blocks kept under any key (a block kept under several counted once)."""
+        return len(self._retained_refs)
 
     def _cached_prefix(self, seq: Sequence, table: list[int]) -> list[int]:
         """The blocks of `table` that hold `seq`'s computed full blocks and are their hashes'
@@ -81,4 +90,7 @@ class RetainedBlocks:
 
     def _retained_tables(self) -> list[list[int]]:
         """check_invariants' view: each key's blocks, as one more table of full blocks."""
+        assert self._retained_refs == Counter(
+            block for kept in self._retained.values() for block in kept), (
+            "retained block counts disagree with the kept blocks")
         return list(self._retained.values())

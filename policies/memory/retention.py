@@ -4,9 +4,9 @@
 - `Evict` (the default): a finished turn's blocks are freed as any request's; with prefix
   caching its cached blocks go to the cache's LRU, where other traffic may evict them before the
   session's next turn. The scheduler is never told (`keeps_blocks` False): runs are unchanged.
-- `Pin`: a finished turn's cached blocks stay held for up to `ttl_s`, counted against the pool
-  and not evictable, until the session's next turn is admitted (its prefix hits them) or the
-  time runs out; then they go to the LRU as under evict. A pin never stalls a replica: when the
+- `Pin`: a finished turn's cached blocks stay held, counted against the pool and not evictable,
+  until the session's next turn is admitted (its prefix hits them), or until `ttl_s` passes
+  with the session idle (its next turn not arrived); then they go to the LRU as under evict. A pin never stalls a replica: when the
   scheduler would plan nothing, the oldest pins are released early (`release_oldest`).
 - `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
   (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
@@ -36,6 +36,9 @@ class Evict:
 
     def turn_finished(self, seq: Sequence, now: float) -> None:
         self.kv_cache.free(seq)
+
+    def turn_arrived(self, request: Request, now: float) -> None:
+        pass
 
     def turn_admitted(self, request: Request, now: float) -> None:
         pass
@@ -73,7 +76,8 @@ class _SessionTurns:
 
 
 class Pin(_SessionTurns):
-    """Keeps a finished turn's cached blocks held for its session for up to `ttl_s` seconds."""
+    """Keeps a finished turn's cached blocks held for its session for up to `ttl_s` seconds of
+    idleness: once the session's next turn has arrived, until that turn is admitted."""
 
     keeps_blocks = True
 
@@ -85,9 +89,12 @@ class Pin(_SessionTurns):
                              "session's next turn finds its pinned blocks by their prefix hashes")
         self.kv_cache = kv_cache
         self.ttl_s = float(non_negative_number("kv_retention.ttl_s", ttl_s))
-        # session -> (deadline, blocks), in pinning order: with one ttl, deadline order too.
-        self._pins: OrderedDict[int, tuple[float, int]] = OrderedDict()
-        self._log: list[tuple[float, int]] = []
+        # Idle sessions' pins: session -> deadline, in pinning order (with one ttl, deadline
+        # order too); then the pins of sessions whose next turn waits to be admitted, in the
+        # order it arrived.
+        self._idle: OrderedDict[int, float] = OrderedDict()
+        self._awaited: OrderedDict[int, None] = OrderedDict()
+        self._log: list[tuple[float, int]] = []   # (time, change in pinned blocks)
 
     def turn_finished(self, seq: Sequence, now: float) -> None:
         request = seq.request
@@ -95,48 +102,52 @@ class Pin(_SessionTurns):
             self.kv_cache.free(seq)
             return
         session = request.session_id
-        if session in self._pins:   # an earlier turn's, finishing after a later one began
+        if session in self._idle or session in self._awaited:   # an earlier turn's, late
             self._unpin(session, now)
-        num_blocks = self.kv_cache.retain(seq, session)
-        if num_blocks:
-            self._pins[session] = (now + self.ttl_s, num_blocks)
-            self._log.append((now, num_blocks))
+        before = self.kv_cache.num_retained_blocks()
+        if self.kv_cache.retain(seq, session):
+            self._idle[session] = now + self.ttl_s
+            self._log.append((now, self.kv_cache.num_retained_blocks() - before))
+
+    def turn_arrived(self, request: Request, now: float) -> None:
+        session = request.session_id
+        if session in self._idle:   # no longer idle: kept until the turn is admitted
+            del self._idle[session]
+            self._awaited[session] = None
 
     def turn_admitted(self, request: Request, now: float) -> None:
         self.admitted(request)
-        if request.session_id in self._pins:
-            self._unpin(request.session_id, now)
+        session = request.session_id
+        if session in self._awaited or session in self._idle:
+            self._unpin(session, now)
 
     def expire(self, now: float) -> None:
-        pins = self._pins
-        while pins:
-            session, (deadline, _) = next(iter(pins.items()))
+        idle = self._idle
+        while idle:
+            session, deadline = next(iter(idle.items()))
             if deadline > now:
                 return
             self._unpin(session, deadline)
 
     def next_expiry(self) -> float:
-        if not self._pins:
-            return math.inf
-        deadline, _ = next(iter(self._pins.values()))
-        return deadline
+        return next(iter(self._idle.values())) if self._idle else math.inf
 
     def release_oldest(self, now: float) -> bool:
-        if not self._pins:
-            return False
-        self._unpin(next(iter(self._pins)), now)
-        return True
+        for pins in (self._idle, self._awaited):
+            if pins:
+                self._unpin(next(iter(pins)), now)
+                return True
+        return False
 
     def held_blocks_log(self) -> list[tuple[float, int]]:
         return self._log
 
-    def num_pinned_blocks(self) -> int:
-        return sum(num_blocks for _, num_blocks in self._pins.values())
-
     def _unpin(self, session: int, when: float) -> None:
-        _, num_blocks = self._pins.pop(session)
+        if self._idle.pop(session, None) is None:
+            del self._awaited[session]
+        before = self.kv_cache.num_retained_blocks()
         self.kv_cache.release(session)
-        self._log.append((when, -num_blocks))
+        self._log.append((when, self.kv_cache.num_retained_blocks() - before))
 
 
 class Offload(_SessionTurns):
@@ -160,6 +171,9 @@ class Offload(_SessionTurns):
             self.num_blocks_offloaded += self.kv_cache.free_to_tier(seq)
         else:
             self.kv_cache.free(seq)
+
+    def turn_arrived(self, request: Request, now: float) -> None:
+        pass
 
     def turn_admitted(self, request: Request, now: float) -> None:
         self.admitted(request)   # (its prefix hit loaded the blocks back)
