@@ -6,7 +6,8 @@
   session's next turn. The scheduler is never told (`keeps_blocks` False): runs are unchanged.
 - `Pin`: a finished turn's cached blocks stay held, counted against the pool and not evictable,
   until the session's next turn is admitted (its prefix hits them), or until `ttl_s` passes
-  with the session idle (its next turn not arrived); then they go to the LRU as under evict. A pin never stalls a replica: when the
+  with the session idle (its next turn not arrived); then they go to the LRU as under evict.
+  Pins hold at most `max_pool_fraction` of the pool (the oldest released first past it). A pin never stalls a replica: when the
   scheduler would plan nothing, the oldest pins are released early (`release_oldest`).
 - `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
   (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from policies.capabilities import OffloadingKVCache, PinningKVCache, TierRetainingKVCache
 from policies.checks import check_policy
 from policies.types import Request, Sequence
-from policies.validators import non_negative_number
+from policies.validators import non_negative_number, number_in
 
 
 class Evict:
@@ -81,7 +82,7 @@ class Pin(_SessionTurns):
 
     keeps_blocks = True
 
-    def __init__(self, kv_cache, ttl_s: float = 30.0):
+    def __init__(self, kv_cache, ttl_s: float = 30.0, max_pool_fraction: float = 1.0):
         super().__init__()
         check_policy(kv_cache, PinningKVCache, "kv_cache (kv_retention=pin)")
         if not kv_cache.enable_prefix_caching:
@@ -89,6 +90,10 @@ class Pin(_SessionTurns):
                              "session's next turn finds its pinned blocks by their prefix hashes")
         self.kv_cache = kv_cache
         self.ttl_s = float(non_negative_number("kv_retention.ttl_s", ttl_s))
+        # The most blocks pins may hold: past it the oldest pins go first.
+        self.max_pinned_blocks = int(number_in("kv_retention.max_pool_fraction",
+                                               max_pool_fraction, 0, 1, low_open=True)
+                                     * kv_cache.num_blocks)
         # Idle sessions' pins: session -> deadline, in pinning order (with one ttl, deadline
         # order too); then the pins of sessions whose next turn waits to be admitted, in the
         # order it arrived.
@@ -108,6 +113,8 @@ class Pin(_SessionTurns):
         if self.kv_cache.retain(seq, session):
             self._idle[session] = now + self.ttl_s
             self._log.append((now, self.kv_cache.num_retained_blocks() - before))
+            while self.kv_cache.num_retained_blocks() > self.max_pinned_blocks:
+                self.release_oldest(now)
 
     def turn_arrived(self, request: Request, now: float) -> None:
         session = request.session_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import groupby
 
 
 from policies.types import Request
@@ -47,16 +48,17 @@ def session_kv_summary(requests: list[Request],
 def held_blocks_over_time(logs: Iterable[list[tuple[float, int]]], start: float,
                           end: float) -> tuple[float, float]:
     """The time-weighted mean over [start, end] and the maximum of a level that starts at 0 and
-    moves by each (time, change) of the logs, taken in time order (ties in each log's order)."""
+    moves by each (time, change) of the logs, taken in time order; changes at one time count
+    together (a pin and the releases it caused are one change)."""
     changes = heapq.merge(*(sorted(log, key=_time) for log in logs), key=_time)
     level = peak = 0
     area = 0.0
     last = start
-    for time, delta in changes:
+    for time, group in groupby(changes, key=_time):
         clipped = min(max(time, start), end)
         area += level * (clipped - last)
         last = clipped
-        level += delta
+        level += sum(delta for _, delta in group)
         peak = max(peak, level)
     area += level * (end - last)
     return (area / (end - start) if end > start else 0.0), float(peak)
