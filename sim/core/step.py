@@ -14,7 +14,8 @@ wall clock.
 Repeated decode steps (simulator only, policies/decode_run.py): when the plan carries a DecodeRun
 and the executor can cost its steps from the plan alone, `begin(now, horizon)` runs them as one:
 step by step until the batch changes or a step ends at or after `horizon`, the next arrival,
-which the scheduler must see at the following step boundary. Where the batch changes because
+which the scheduler must see at the following step boundary (or the run's own `until`, when the
+scheduler's pool changes by itself: a kv_retention pin expiring). Where the batch changes because
 sequences finish before the horizon, the run may go on with the rest (`past_finishes`): nothing
 outside the replica can see it before then. Rows, latencies and the clock come out as if each
 step had run on its own.
