@@ -250,11 +250,11 @@ def test_evict_builds_no_retention_and_changes_nothing():
 
 
 def test_the_engine_answers_the_same_under_every_retention():
-    """backend=engine on the tiny Llama, greedy: 3 sessions of 3 turns."""
+    """backend=engine on the tiny Llama, greedy: 3 sessions of 3 turns, a minute apart (each turn finished before the next)."""
     overrides = ["backend=engine", "model=tiny-llama", "hardware=cpu", "workload=conversation",
                  "workload.num_sessions=3", "workload.rate=inf",
                  "++workload.turns={dist: fixed, value: 3}",
-                 "++workload.think_time_s={dist: fixed, value: 0.5}",
+                 "++workload.think_time_s={dist: fixed, value: 60.0}",
                  "++workload.message_len={dist: uniform, low: 8, high: 24}",
                  "++workload.output_len={dist: uniform, low: 4, high: 8}",
                  "workload.max_prompt_len=512", "kv_cache.block_size=4",
