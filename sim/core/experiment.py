@@ -27,6 +27,7 @@ from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build
                               is_disaggregated, kv_transfer_summary, pools_summary)
 from sim.core.executor import SimExecutor
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
+from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.specs import ModelSpec
 from sim.core.workload import build_workload
@@ -195,6 +196,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
                                        if isinstance(replica.executor, SimExecutor)]))
+    if has_sessions(requests):
+        summary.update(session_kv_summary(requests, [
+            retention.held_blocks_log() for retention in (
+                getattr(replica.scheduler, "kv_retention", None) for replica in replicas)
+            if retention is not None]))
     warn_unused_features(cfg, requests, summary, replicas)
     warn_rejections(summary)
     if cfg.cluster.get("pools") is not None:
@@ -228,7 +234,8 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                                               speculation),
             max_num_batched_tokens=max_num_batched_tokens(cfg, model),
             max_model_len=model.max_model_len,
-            speculation=None if speculation is None else speculation.policy_cfg)
+            speculation=None if speculation is None else speculation.policy_cfg,
+            kv_retention=cfg.get("kv_retention"))
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
