@@ -16,11 +16,8 @@ the accepted ones, gives the rejected drafts' slots back and tells the policy wh
 A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
 or passes its own PreemptionPolicy.
 
-With a KV retention policy that keeps blocks (`kv_retention=`, pin or offload; evict passes
-none), a finished request's sequence goes to `kv_retention.turn_finished` instead of being
-freed, a queued request to `turn_arrived`, a first admission to `turn_admitted`, and every
-plan starts with `expire(now)`; a plan
-that would be empty releases the policy's oldest kept blocks and plans again (retention.py).
+A KV retention policy that keeps blocks between a session's turns (`kv_retention=pin|offload`)
+hears of each turn's arrival, admission and finish (policies/memory/retention.py).
 
 Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
 batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.

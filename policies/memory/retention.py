@@ -7,13 +7,16 @@
 - `Pin`: a finished turn's cached blocks stay held, counted against the pool and not evictable,
   until the session's next turn is admitted (its prefix hits them), or until `ttl_s` passes
   with the session idle (its next turn not arrived); then they go to the LRU as under evict.
-  Pins hold at most `max_pool_fraction` of the pool (the oldest released first past it). A pin never stalls a replica: when the
-  scheduler would plan nothing, the oldest pins are released early (`release_oldest`).
+  Pins hold at most `max_pool_fraction` of the pool (the oldest released first past it). A pin
+  never stalls a replica: when the scheduler would plan nothing, the oldest pins are released
+  early (`release_oldest`).
 - `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
   (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
   loads them back.
 
-Only requests with a `session_id` and one sample are kept; a later turn of the session already
+The scheduler (policies/batching/base.py) calls `turn_arrived`, `turn_admitted` and
+`turn_finished` (instead of freeing) and `expire(now)` at every plan. Only requests with a
+`session_id` and one sample are kept; a later turn of the session already
 admitted (open-loop arrivals) makes the earlier one's blocks not worth keeping.
 """
 from __future__ import annotations
