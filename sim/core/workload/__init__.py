@@ -1,7 +1,8 @@
 """Workload generation: turn the `workload` config group into the requests a run replays.
 
 One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
-`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a CSV replayed) —
+`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a file replayed:
+Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) —
 over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
 (typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
 all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,

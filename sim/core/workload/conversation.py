@@ -3,7 +3,7 @@ at `rate` sessions/s, each of a sampled number of `turns`, a turn arriving a sam
 `think_time_s` after the previous one arrived. Each turn's prompt is the whole conversation so
 far (the previous prompt, a stand-in for its answer, then a new `message_len`-token message), so
 with token ids later turns start with the earlier turns' exact ids and the prefix cache can
-serve them."""
+serve them. Each request carries its `session_id` and `turn` (0: the session's first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +52,9 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
     token_ids = (_conversation_token_ids(turns, *token_spec, streams.token)
                  if token_spec is not None else None)
     return RequestArrays(turns.arrival_times, turns.prompt_lens, turns.output_lens, n,
-                         token_spec, token_ids=token_ids)
+                         token_spec, token_ids=token_ids,
+                         metadata={"session_id": turns.sessions.tolist(),
+                                   "turn": turns.turn_indices.tolist()})
 
 
 @dataclass(frozen=True)
