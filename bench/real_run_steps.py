@@ -70,8 +70,7 @@ def cost_model_of(folder: Path, overrides: dict, **hardware_fields) -> GPUCostMo
     tp = int(meta["engine_kwargs"].get("tensor_parallel_size") or 1)
     gpu = OmegaConf.load(CONF_DIR / "cost_model" / "gpu.yaml")
     terms = {k: gpu[k] for k in ("step_overhead_s", "per_sequence_overhead_s",
-                                 "workstation_bandwidth_efficiency",
-                                 "workstation_compute_efficiency")}
+                                 "workstation_bandwidth_efficiency")}
     return GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
                         {**OmegaConf.to_container(OmegaConf.load(
                             CONF_DIR / "hardware" / f"{hardware}.yaml")), **hardware_fields}, tp,
@@ -116,6 +115,26 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
                                         float(before["kv_cache_pct"]) if before else 0.0)
                      >= KV_PRESSURE_PCT})
     return rows
+
+
+# Per-request fields that count the prompt tokens served from the prefix cache (none of the
+# LLMServingSim logs has one).
+CACHED_PROMPT_FIELDS = ("num_cached_tokens", "cached_toks")
+
+
+def uncomputed_prompts(folder: Path) -> str | None:
+    """Why the run's prompt counts cannot measure compute (None if they can): with prefix caching
+    on, vLLM counts a prompt whole, its cache hits included, and a log without a per-request
+    count of cached tokens cannot tell the computed part."""
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    if not (meta.get("kv_cache") or {}).get("enable_prefix_caching"):
+        return None
+    with open(folder / "vllm_requests.jsonl") as file:
+        first = json.loads(file.readline())
+    if any(name in first for name in CACHED_PROMPT_FIELDS):
+        return None
+    return ("prefix caching was on and the log has no per-request cached-token count "
+            f"({' or '.join(CACHED_PROMPT_FIELDS)}): its prompt tokens include cache hits")
 
 
 def saturated_prefill(folder: Path) -> dict | None:
@@ -230,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also print each run's saturated opening (prompt tokens a second "
                              "while prompts queued, before KV pressure) and the hardware "
                              "compute_efficiency that reproduces it")
+    parser.add_argument("--count-cached-prompts", action="store_true",
+                        help="with --fit-compute: fit even where the log's prompt counts "
+                             "include prefix-cache hits (an upper bound on the share)")
     args = parser.parse_args(argv)
     arguments = args.arguments
     runs = [Path(a) for a in arguments if "=" not in a] or DEFAULT_RUNS
@@ -271,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         for folder in (run if run.is_absolute() else Path.cwd() / run for run in runs):
             window = saturated_prefill(folder)
             name = f"{folder.parent.name}/{folder.name}"
+            reason = uncomputed_prompts(folder)
+            if reason is not None and not args.count_cached_prompts:
+                print(f"{name}: compute_efficiency not measurable: {reason} (--count-cached-"
+                      f"prompts measures it anyway, as an upper bound)")
+                continue
             if window is None:
                 print(f"{name}: no saturated opening (prompts never queued {MIN_SATURATED_S:g} s "
                       "before KV pressure or max_num_seqs running)")

@@ -1,7 +1,9 @@
 """Optional parts of the KV manager's contract, each a typed protocol that an object has whole or
 not at all, asked once where the object is built (`policies.checks.has_capability`): a host tier
 for its prefix cache (`OffloadingKVCache`), a cheap refusal of an admission before trying it
-(`AdmissionCheckingKVCache`). The other optional capabilities sit beside what they extend: an
+(`AdmissionCheckingKVCache`), keeping a finished turn's cached blocks for its session
+(`PinningKVCache`) or moving them to the host tier at once (`TierRetainingKVCache`), which the
+kv_retention policies pin and offload need. The other optional capabilities sit beside what they extend: an
 online length predictor, a bounded scheduler, prefill/decode pool schedulers, a cost model that
 states its error and an executor that reports its speed in `policies/protocols.py`; the repeated
 decode steps' protocols in `policies/decode_run.py`.
@@ -36,3 +38,32 @@ class AdmissionCheckingKVCache(Protocol):
         prefill chunks, counted as if nothing were cached) with the watermark. False must be
         exact (allocate_slots with watermark=True would fail for one of them): BaseScheduler
         then skips the attempt; without this member it tries the allocation and undoes it."""
+
+
+@runtime_checkable
+class PinningKVCache(Protocol):
+    """A KV manager that can keep a finished sequence's cached blocks held, unevictable, under a
+    key, until released (kv_retention=pin)."""
+
+    enable_prefix_caching: bool   # pinned blocks are found again by their prefix hashes
+
+    def retain(self, seq: Sequence, key: int) -> int:
+        """Free `seq` but keep one reference to each block of its cached, computed prefix under
+        `key` (none may be held under it); returns how many blocks are kept."""
+    def release(self, key: int) -> int:
+        """Drop the references kept under `key` (a block no one else holds becomes an
+        evictable cached block); returns how many there were."""
+    def num_retained_blocks(self) -> int:
+        """Device blocks kept under any key, each counted once."""
+
+
+@runtime_checkable
+class TierRetainingKVCache(Protocol):
+    """A KV manager that can move a finished sequence's cached blocks to its prefix cache's host
+    tier at once (kv_retention=offload)."""
+
+    num_offload_blocks: int   # host tier slots (0: no tier to move them to)
+
+    def free_to_tier(self, seq: Sequence) -> int:
+        """Free `seq` and store each of its cached blocks that no one else holds in the host
+        tier (a store in the next plan), leaving the device block uncached; returns how many."""

@@ -12,6 +12,7 @@ The engine runs every step for real and never repeats one.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from itertools import compress
 from typing import Protocol, runtime_checkable
@@ -186,7 +187,7 @@ class DecodeRun:
     every segment without a pass over the batch."""
 
     __slots__ = ("scheduler", "max_repeats", "past_arrivals", "num_steps_before",
-                 "steps_to_last_output", "_growth")
+                 "steps_to_last_output", "until", "_growth")
 
     def __init__(self, scheduler: RepeatingScheduler, max_repeats: int,
                  steps_to_last_output: list[int], past_arrivals: bool):
@@ -195,6 +196,9 @@ class DecodeRun:
         self.past_arrivals = past_arrivals
         self.num_steps_before = 0
         self.steps_to_last_output = steps_to_last_output
+        # A time the scheduler's pool changes by itself (a kv_retention pin expiring): the step
+        # during which it passes is the run's last, whatever the arrivals.
+        self.until = math.inf
         self._growth: DecodeGrowth | NoDecodeGrowth | None = None   # made by the first rows
 
     @classmethod

@@ -97,6 +97,37 @@ class PreemptionPolicy(Protocol):
 
 
 @runtime_checkable
+class KVRetentionPolicy(Protocol):
+    """What happens to a session's KV blocks between its turns (conf/kv_retention: evict, pin,
+    offload). Built once per replica with the keyword argument `kv_cache` (the replica's KV
+    manager) and the group's own keys. A scheduler that takes `kv_retention` (BaseScheduler
+    does) is given it only when `keeps_blocks`; it then hands it every finished turn of a
+    session instead of freeing its blocks, tells it when a request is queued and when it is
+    first admitted, and lets it release what it holds at the start of every step."""
+
+    keeps_blocks: bool   # False: finished turns are freed as any request's (evict); never called
+
+    def turn_finished(self, seq: Sequence, now: float) -> None:
+        """`seq` (its request's only sample) finished at `now`: free its blocks, or keep them
+        for the session's next turn; a request without a session is freed as always."""
+    def turn_arrived(self, request: Request, now: float) -> None:
+        """`request` joined the scheduler's queue at `now`: its session is no longer idle."""
+    def turn_admitted(self, request: Request, now: float) -> None:
+        """`request` was admitted for the first time at `now` (its prefix cache hit taken):
+        what was kept for its session need not be kept any longer."""
+    def expire(self, now: float) -> None:
+        """Release what was kept until a time at or before `now`."""
+    def next_expiry(self) -> float:
+        """When the next kept blocks are released by time (inf: none): a run of repeated
+        decode steps ends at the step during which it passes, as steps one by one would see it."""
+    def release_oldest(self, now: float) -> bool:
+        """Release the longest-kept session's blocks early (the scheduler would otherwise plan
+        nothing); False when nothing is kept."""
+    def held_blocks_log(self) -> list[tuple[float, int]]:
+        """(time, change) of the device blocks held for idle sessions, in the order changed."""
+
+
+@runtime_checkable
 class SpeculationPolicy(Protocol):
     """How many draft tokens each decode proposes and verifies per step (speculative decoding)."""
 

@@ -4,6 +4,8 @@ in one line naming it; a run whose scheduler never stamps a first token, or igno
 prefix cache or swap pool, says so in one line; the drafter table is what both backends read."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,26 @@ def test_missing_members_reads_annotations_methods_and_properties():
         check_policy(Bare(), Drafter, "speculative_model")
     assert str(error.value) == ("speculative_model: Bare lacks kind, step, observe_hidden, "
                                 "observe_verification (Drafter, policies/speculation/drafters.py)")
+
+
+def test_a_check_never_reads_the_instance_dict():
+    """Reading an object's __dict__ turns off CPython's specialised attribute access on it for
+    the rest of the run (the steps ran 7 % slower); the checks run on every scheduler and KV
+    manager the simulator builds. gc shows a materialised dict among an object's referents."""
+    def dict_materialised(obj):
+        # A materialised __dict__ is one referent holding the attributes; otherwise gc sees
+        # each attribute's value directly.
+        return any(isinstance(r, dict) and "kv_cache" in r for r in gc.get_referents(obj))
+
+    kv_cache = PagedBlockManager(8, 4)
+    scheduler = ContinuousBatchingScheduler(kv_cache, RecomputePreemption(), max_num_seqs=4,
+                                            max_model_len=64)
+    assert not dict_materialised(scheduler)
+    check_policy(kv_cache, KVCacheManager, "kv_cache")
+    check_policy(scheduler, Scheduler, "scheduler")
+    assert not dict_materialised(scheduler)
+    vars(scheduler)
+    assert dict_materialised(scheduler)   # the probe sees it when it happens
 
 
 def test_the_engine_checks_a_scheduler_object_and_its_drafter():

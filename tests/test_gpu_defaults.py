@@ -76,6 +76,12 @@ def test_a_terms_file_replaces_the_configured_terms(tmp_path):
     path.write_text(json.dumps({"step_overhead_s": 1}))
     with pytest.raises(ValueError, match="terms_file=.*not a twinserve-calibrate profile"):
         GPUCostModel(model_spec("llama-3.1-8b"), hardware_spec("rtx-4090"), terms_file=str(path))
+    # A calibrated whole-config key is not dropped without a word: it goes on the command line.
+    path.write_text(json.dumps({"terms": {"step_overhead_s": 0.004,
+                                          "cluster.frontend_latency_s": 0.03}}))
+    with pytest.raises(ValueError, match=r"terms_file=.*: cluster.frontend_latency_s not a term "
+                                         r".*command line instead: cluster.frontend_latency_s=0.03"):
+        GPUCostModel(model_spec("llama-3.1-8b"), hardware_spec("rtx-4090"), terms_file=str(path))
     with pytest.raises(ValueError, match="terms_file=.*no such file"):
         GPUCostModel(model_spec("llama-3.1-8b"), hardware_spec("rtx-4090"),
                      terms_file=str(tmp_path / "missing.json"))

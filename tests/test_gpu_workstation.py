@@ -151,6 +151,23 @@ def test_the_fitted_compute_efficiency_reproduces_the_opening(tmp_path):
     assert faster > 1.2 * fitted
 
 
+def test_a_prefix_cached_log_without_cached_counts_measures_no_compute(tmp_path, capsys):
+    folder = backlog_run(tmp_path)
+    assert real_run_steps.uncomputed_prompts(folder) is None
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    meta["kv_cache"] = {"enable_prefix_caching": True}
+    (folder / "vllm_meta.json").write_text(json.dumps(meta))
+    assert "include cache hits" in real_run_steps.uncomputed_prompts(folder)
+    real_run_steps.main([str(folder), "--fit-compute"])
+    assert "compute_efficiency not measurable: prefix caching was on" in capsys.readouterr().out
+    real_run_steps.main([str(folder), "--fit-compute", "--count-cached-prompts"])
+    assert "saturated opening 2.20 s" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
+    (folder / "vllm_requests.jsonl").write_text(
+        "".join(json.dumps({**r, "num_cached_tokens": 0}) + "\n" for r in rows))
+    assert real_run_steps.uncomputed_prompts(folder) is None
+
+
 def test_describe_names_a_boards_compute_efficiency():
     board = hardware_spec("rtx-4090")
     assert "compute_efficiency 1.86" in GPUCostModel(

@@ -52,7 +52,7 @@ def test_parallel_sampling_shares_a_seventh_of_the_blocks_at_two_samples():
 
 
 def test_closed_loop_sessions_past_saturation():
-    """docs/experiments.md section 12, 8 sessions/s: open loop 11.68 req/s and a mean follow-up
+    """docs/experiments.md section 13, 8 sessions/s: open loop 11.68 req/s and a mean follow-up
     TTFT of 23,670 ms; closed loop 10.15 req/s and 117 ms."""
     open_loop = preset_summary("sessions", "workload=conversation", "workload.rate=8")
     closed_loop = preset_summary("sessions", "workload=sessions", "workload.rate=8")
@@ -63,7 +63,7 @@ def test_closed_loop_sessions_past_saturation():
 
 
 def test_agents_lose_their_cached_contexts_at_128_at_once():
-    """docs/experiments.md section 13, prefix caching on: hit rate 78.3 % and 9.09 req/s with 64
+    """docs/experiments.md section 14, prefix caching on: hit rate 78.3 % and 9.09 req/s with 64
     agents at once, 32.7 % and 6.21 req/s with 128."""
     at_64 = preset_summary("agents", "kv_cache.enable_prefix_caching=true",
                            "workload.concurrency=64")

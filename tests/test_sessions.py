@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from factories import assert_same_run, make_cfg, model_spec, run_both_ways
 from sim.core.experiment import run_experiment
-from sim.core.metrics.sessions import session_summary
+from sim.core.metrics.session_kv import session_kv_summary
 from sim.core.workload import build_session_source, build_workload
 from sim.core.workload.distributions import parse_length_distribution
 from sim.core.workload.fields import Fields, Streams
@@ -288,14 +288,12 @@ def test_the_session_summary_splits_first_and_follow_up_turns():
 
     requests = [request(0, 0, 0.1), request(0, 1, 0.4), request(1, 0, 0.3),
                 request(1, 1, 0.2), request(1, 2, 0.6)]
-    summary = session_summary(requests)
-    assert summary["num_sessions"] == 2
+    summary = session_kv_summary(requests, [])
+    assert (summary["num_sessions"], summary["num_followup_turns"]) == (2, 3)
     assert summary["mean_ttft_first_turn_ms"] == pytest.approx(200.0)
     assert summary["mean_ttft_followup_turn_ms"] == pytest.approx(400.0)
     assert summary["p99_ttft_followup_turn_ms"] == pytest.approx(
         np.percentile([400.0, 200.0, 600.0], 99))
-    alone = Request(request_id=0, arrival_time=0.0, prompt_len=4, output_len=2)
-    assert session_summary([alone]) == {}
     run = run_experiment(make_cfg("workload.num_requests=20"), plots=False)
     assert not any("turn" in key or key == "num_sessions" for key in run.summary)
 

@@ -16,6 +16,9 @@ the accepted ones, gives the rejected drafts' slots back and tells the policy wh
 A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
 or passes its own PreemptionPolicy.
 
+A KV retention policy that keeps blocks between a session's turns (`kv_retention=pin|offload`)
+hears of each turn's arrival, admission and finish (policies/memory/retention.py).
+
 Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
 batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.
 That rests on two promises of the class, `admits_in_arrival_order` and `plain_update`; a
@@ -32,7 +35,8 @@ from policies.batching.speculative import SpeculativeDecodes
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability
 from policies.decode_run import DecodeRun, RepeatingKVCache
-from policies.protocols import KVCacheManager, PreemptionPolicy, SpeculationPolicy
+from policies.protocols import (KVCacheManager, KVRetentionPolicy, PreemptionPolicy,
+                                SpeculationPolicy)
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
 from policies.validators import boolean, positive_int
@@ -58,7 +62,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None,
-                 coalesce: bool = True):
+                 coalesce: bool = True, kv_retention: KVRetentionPolicy | None = None):
         positive_int("scheduler.max_num_seqs", max_num_seqs)
         positive_int("scheduler.max_num_batched_tokens", max_num_batched_tokens)
         positive_int("scheduler.max_model_len", max_model_len)
@@ -68,6 +72,9 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.speculation = speculation
+        # What a session's finished turn keeps between turns; None: freed as any request's.
+        self.kv_retention = kv_retention
+        self._replanning = False   # planning again after releasing kept blocks (_finish_plan)
         # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
@@ -117,6 +124,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             return
         request.sequences = [self._new_sequence(request)]
         self.waiting.append(request)
+        if self.kv_retention is not None:
+            self.kv_retention.turn_arrived(request, now)
 
     def _rejection_reason(self, request: Request) -> str | None:
         total_len = request.prompt_len + request.output_len
@@ -188,6 +197,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                 request.num_cached_tokens = num_cached[0]
                 if self._num_loaded_prefix_tokens is not None:
                     request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
+                if self.kv_retention is not None:
+                    self.kv_retention.turn_admitted(request, self._now)
             token_budget = budget_left
         return token_budget
 
@@ -374,9 +385,16 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
 
     def _new_plan(self, now: float) -> StepPlan:
         self._now = now
+        if self.kv_retention is not None:
+            self.kv_retention.expire(now)
         return StepPlan(block_tables=self.kv_cache.block_tables)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
+        if (self.kv_retention is not None and plan.is_empty and not self._replanning
+                and self.has_unfinished()):
+            replanned = self._plan_releasing_kept_blocks()
+            if replanned is not None:
+                return replanned
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
         if self._take_pending_offload is not None:
             stores, loads = self._take_pending_offload()
@@ -385,7 +403,24 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         if self.coalesce and plan.num_decode_seqs and self._plans_the_batch_again(plan):
             # A blocked FCFS head keeps every later arrival waiting behind it.
             plan.decode_run = DecodeRun.plan(self, plan, past_arrivals=bool(self.waiting))
+            if plan.decode_run is not None and self.kv_retention is not None:
+                # Blocks released by time change the pool: steps one by one would see it.
+                plan.decode_run.until = self.kv_retention.next_expiry()
         return plan
+
+    def _plan_releasing_kept_blocks(self) -> StepPlan | None:
+        """An empty plan with requests unfinished: release the retention policy's oldest kept
+        blocks, one session at a time, until a plan is not empty (that plan, finished), or
+        nothing is kept (None)."""
+        self._replanning = True
+        try:
+            while self.kv_retention.release_oldest(self._now):
+                plan = self.schedule(self._now)
+                if not plan.is_empty:
+                    return plan
+        finally:
+            self._replanning = False
+        return None
 
     # ---- repeated decode steps (policies/decode_run.py) ------------------------------------------
 
@@ -478,7 +513,10 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished and free its blocks; True if its request is now done."""
         seq.status = SequenceStatus.FINISHED
-        self.kv_cache.free(seq)
+        if self.kv_retention is None:
+            self.kv_cache.free(seq)
+        else:
+            self.kv_retention.turn_finished(seq, now)
         self.num_running_seqs -= 1
         request = seq.request
         samples = request.sequences

@@ -10,7 +10,8 @@ Device block ids 0..num_blocks-1 index the engine's KV tensors; host block ids
 here: they are returned as (source, destination) pairs and carried out by the executor before the
 step's forward pass, in the order swap out, offload, load, swap in, copy.
 
-The prefix cache and its host tier are in prefix_cache.py, swap to host in swap.py.
+The prefix cache and its host tier are in prefix_cache.py, swap to host in swap.py, the blocks a
+kv_retention policy keeps for a session between its turns in retained.py.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from typing import Sequence as Seq
 
 from policies.decode_run import DecodeGrowth
 from policies.memory.prefix_cache import PrefixCache
+from policies.memory.retained import RetainedBlocks
 from policies.memory.slots import NOT_EXCLUSIVE, SeqSlots
 from policies.memory.swap import HostSwap
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-class PagedBlockManager(PrefixCache, HostSwap):
+class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
     """Satisfies `policies.protocols.KVCacheManager`."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -71,6 +73,7 @@ class PagedBlockManager(PrefixCache, HostSwap):
 
         self._init_prefix_cache(num_offload_blocks)
         self._init_host_pool(num_host_blocks)
+        self._init_retained()
 
     # ---- counts (all O(1): waste is reported every step) ----
 
@@ -431,6 +434,11 @@ class PagedBlockManager(PrefixCache, HostSwap):
                 fill = min(block_size, num_tokens - index * block_size)
                 assert fills.setdefault(block, fill) == fill, (
                     f"block {block} is shared by sequences that fill it differently")
+        for table in self._retained_tables():   # full blocks, one reference each
+            refs.update(table)
+            for block in table:
+                assert fills.setdefault(block, block_size) == block_size, (
+                    f"retained block {block} is not full")
         assert set(self._slots) == set(self.block_tables), (
             "allocated lengths and tables name different sequences")
         if self._any_block_shared:

@@ -1,5 +1,5 @@
-"""One policy assembly for both backends: a replica's preemption policy, KV manager, speculation
-policy and scheduler, built in that order from their configs (or taken as the caller's objects),
+"""One policy assembly for both backends: a replica's preemption policy, KV manager, KV retention
+policy, speculation policy and scheduler, built in that order from their configs (or taken as the caller's objects),
 each checked against its protocol (policies/protocols.py) as it is built, so that a plug-in
 missing a member fails here in one line naming it, not mid-run. The simulator
 (sim/core/experiment.py) and the engine (engine/builder.py) differ only in the pool sizes and
@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 from omegaconf import DictConfig
 
 from policies.checks import check_policy
-from policies.protocols import KVCacheManager, PreemptionPolicy, Scheduler, SpeculationPolicy
+from policies.protocols import (KVCacheManager, KVRetentionPolicy, PreemptionPolicy, Scheduler,
+                                SpeculationPolicy)
 from sim.core.policy_config import build_policy, names_a_policy, policy_config
 
 
@@ -30,13 +31,14 @@ def build_preemption(choice, swap_space_gb: float | None = None):
 def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: DictConfig,
                        kv_cache_sizes: Callable[[object], Mapping], *,
                        max_num_batched_tokens: int, max_model_len: int,
-                       max_num_seqs: int | None = None, speculation=None):
+                       max_num_seqs: int | None = None, speculation=None, kv_retention=None):
     """A replica's scheduler over its own KV manager: the KV manager built from `kv_cache_cfg`
     with the keyword arguments `kv_cache_sizes(preemption)` gives (its pools: the host one is
     sized by the preemption policy's swap space), then the speculation policy (a config built
     here, the caller's object, or None: the run does not speculate), then the scheduler with the
     keyword arguments of the contract (policies.protocols.Scheduler). `max_num_seqs` None: the
-    scheduler group's own."""
+    scheduler group's own. `kv_retention` (a conf/kv_retention name or mapping; None: evict) is
+    built over the KV manager and passed to the scheduler only when it keeps blocks."""
     kv_cache = build_policy(kv_cache_cfg, "kv_cache", **kv_cache_sizes(preemption))
     check_policy(kv_cache, KVCacheManager, "kv_cache")
     arguments = dict(kv_cache=kv_cache, preemption=preemption, max_model_len=max_model_len,
@@ -49,6 +51,21 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
             speculation = build_policy(speculation, "speculation")
         check_policy(speculation, SpeculationPolicy, "speculation")
         arguments["speculation"] = speculation
+    retention = build_kv_retention(kv_retention, kv_cache)
+    if retention is not None:
+        arguments["kv_retention"] = retention
     scheduler = build_policy(scheduler_cfg, "scheduler", **arguments)
     check_policy(scheduler, Scheduler, "scheduler")
     return scheduler
+
+
+def build_kv_retention(choice, kv_cache):
+    """The KV retention policy over `kv_cache`: a conf/kv_retention name, dotted class path or
+    mapping, checked against its protocol; None when it keeps no blocks (evict, or no choice):
+    the scheduler is then built as without one."""
+    if choice is None:
+        return None
+    retention = build_policy(policy_config(choice, "kv_retention"), "kv_retention",
+                             kv_cache=kv_cache)
+    check_policy(retention, KVRetentionPolicy, "kv_retention")
+    return retention if retention.keeps_blocks else None

@@ -27,6 +27,7 @@ from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build
                               is_disaggregated, kv_transfer_summary, pools_summary)
 from sim.core.executor import SimExecutor
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
+from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.session_arrivals import ClosedLoopArrivals
 from sim.core.specs import ModelSpec
@@ -36,6 +37,12 @@ from sim.tools.run_outputs import write_run_outputs
 # Allocations between the cyclic GC's young collections while the simulation runs (Python's
 # default is 700: a collection every few steps).
 YOUNG_GC_THRESHOLD = 20_000
+# A run rejecting more than this share of its requests says so on stderr, with the main reason.
+REJECTED_WARNING_FRACTION = 0.05
+# What to change for a rejection reason (a piece of its text): the scheduler's own words say why.
+REJECTION_HINTS = {"max_model_len": "a model with a longer context (e.g. model=llama-3.1-8b)",
+                   "never fit in the KV cache": "a larger KV pool (kv_cache.num_blocks, more "
+                                                "device memory or cluster.tensor_parallel_size)"}
 
 
 @dataclass
@@ -93,6 +100,20 @@ def warn_unused_features(cfg: DictConfig, requests: list[Request], summary: dict
         print(f"twinserve: a swap pool of {host_blocks} host blocks per replica is configured but "
               f"all {summary['num_preemptions']} preemptions recomputed: does {schedulers} "
               f"ask preemption.mode and call kv_cache.swap_out?", file=sys.stderr)
+
+
+def warn_rejections(summary: dict) -> None:
+    """One line on stderr when more than REJECTED_WARNING_FRACTION of the requests were
+    rejected: how many, the most common reason (the summary's rejected_reason) and what to
+    change; a trace of long prompts on a short-context model would otherwise look served."""
+    num_rejected, num_requests = summary["rejected"], summary["num_requests"]
+    if num_rejected <= REJECTED_WARNING_FRACTION * num_requests:
+        return
+    reason = summary["rejected_reason"]
+    hint = next((f"; try {hint}" for key, hint in REJECTION_HINTS.items() if key in reason), "")
+    print(f"twinserve: {num_rejected:,} of {num_requests:,} requests "
+          f"({num_rejected / num_requests:.0%}) rejected, {summary['rejected_reason_count']:,} "
+          f"because {reason}{hint}", file=sys.stderr)
 
 
 def frontend_latency(cfg: DictConfig) -> float:
@@ -191,7 +212,13 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
                                        if isinstance(replica.executor, SimExecutor)]))
+    if has_sessions(requests):
+        summary.update(session_kv_summary(requests, [
+            retention.held_blocks_log() for retention in (
+                getattr(replica.scheduler, "kv_retention", None) for replica in replicas)
+            if retention is not None]))
     warn_unused_features(cfg, requests, summary, replicas)
+    warn_rejections(summary)
     if cfg.cluster.get("pools") is not None:
         metrics.replica_labels = {replica.replica_id: f"{replica.pool} {replica.replica_id}"
                                   for replica in replicas}
@@ -223,7 +250,8 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                                               speculation),
             max_num_batched_tokens=max_num_batched_tokens(cfg, model),
             max_model_len=model.max_model_len,
-            speculation=None if speculation is None else speculation.policy_cfg)
+            speculation=None if speculation is None else speculation.policy_cfg,
+            kv_retention=cfg.get("kv_retention"))
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)

@@ -14,7 +14,8 @@ wall clock.
 Repeated decode steps (simulator only, policies/decode_run.py): when the plan carries a DecodeRun
 and the executor can cost its steps from the plan alone, `begin(now, horizon)` runs them as one:
 step by step until the batch changes or a step ends at or after `horizon`, the next arrival,
-which the scheduler must see at the following step boundary. Where the batch changes because
+which the scheduler must see at the following step boundary (or the run's own `until`, when the
+scheduler's pool changes by itself: a kv_retention pin expiring). Where the batch changes because
 sequences finish before the horizon, the run may go on with the rest (`past_finishes`): nothing
 outside the replica can see it before then. Rows, latencies and the clock come out as if each
 step had run on its own.
@@ -78,9 +79,11 @@ class StepLoop:
                 f"progress (a request larger than the pool, or max_num_seqs too small?)")
         # (A refining predictor is asked after every step: its guesses may move a later one.)
         if horizon is not None and plan.decode_run is not None and self.repeats_steps:
-            past_arrivals = plan.decode_run.past_arrivals and queued_arrivals
-            return self._run_repeated(plan, now, math.inf if past_arrivals else horizon,
-                                      horizon if past_finishes else now)
+            run = plan.decode_run
+            return self._run_repeated(
+                plan, now, min(math.inf if run.past_arrivals and queued_arrivals else horizon,
+                               run.until),
+                horizon if past_finishes else now)
         result = self.executor.execute(plan)
         self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result

@@ -40,14 +40,26 @@ from sim.gpu.transfer_errors import expected_errors
 DENSE_TOKENS = 8192
 
 
+# The terms a twinserve-calibrate profile may set on this cost model.
+FITTABLE_TERMS = ("step_overhead_s", "per_sequence_overhead_s",
+                  "eager_launch_overhead_s_per_layer", "workstation_bandwidth_efficiency")
+
+
 def read_terms_file(path: str, key: str) -> dict[str, float]:
-    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}})."""
+    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}}); a term this
+    cost model does not take is an error, not silently dropped."""
     where = f"{key}={path}"
     terms = read_json_object(path, where).get("terms")
     if not isinstance(terms, dict) or not all(
             isinstance(value, (int, float)) for value in terms.values()):
         raise ValueError(f"{where}: not a twinserve-calibrate profile (a JSON object with "
                          f"numeric 'terms')")
+    unknown = [name for name in terms if name not in FITTABLE_TERMS]
+    if unknown:
+        settings = " ".join(f"{name}={terms[name]!r}" for name in unknown)
+        raise ValueError(f"{where}: {', '.join(unknown)} not a term of the GPU cost model "
+                         f"({', '.join(FITTABLE_TERMS)}); give it on the command line instead: "
+                         f"{settings}")
     return {name: float(value) for name, value in terms.items()}
 
 
@@ -94,7 +106,6 @@ class GPUCostModel(RooflineCostModel):
                  cuda_graph_max_tokens: int = 512,
                  attention_backend: str = "FLASH_ATTENTION",
                  workstation_bandwidth_efficiency: float = 1.0,
-                 workstation_compute_efficiency: float = 1.0,
                  terms_file: str | None = None,
                  **roofline_kwargs):
         owner = "GPUCostModel"
@@ -107,13 +118,9 @@ class GPUCostModel(RooflineCostModel):
                 "eager_launch_overhead_s_per_layer", eager_launch_overhead_s_per_layer)
             workstation_bandwidth_efficiency = fitted.get("workstation_bandwidth_efficiency",
                                                           workstation_bandwidth_efficiency)
-            workstation_compute_efficiency = fitted.get("workstation_compute_efficiency",
-                                                        workstation_compute_efficiency)
         self.terms_file = terms_file
         self.workstation_bandwidth_efficiency = float(validators.positive_number(
             f"{owner}.workstation_bandwidth_efficiency", workstation_bandwidth_efficiency))
-        self.workstation_compute_efficiency = float(validators.positive_number(
-            f"{owner}.workstation_compute_efficiency", workstation_compute_efficiency))
         validators.non_negative_number(f"{owner}.step_overhead_s", step_overhead_s)
         validators.non_negative_number(f"{owner}.per_sequence_overhead_s", per_sequence_overhead_s)
         self.eager_launch_overhead_s_per_layer = float(validators.non_negative_number(
@@ -182,24 +189,21 @@ class GPUCostModel(RooflineCostModel):
                        f"{self.cuda_graph_max_tokens}"
                        + ("" if self.hardware.board != "workstation" else
                           f", workstation_bandwidth_efficiency="
-                          f"{self.workstation_bandwidth_efficiency:g}, "
-                          f"workstation_compute_efficiency="
-                          f"{self.workstation_compute_efficiency:g}")),
+                          f"{self.workstation_bandwidth_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
-        own measured compute_efficiency, and a workstation board's rates by the workstation
-        efficiencies (the measured tables are all datacenter boards)."""
+        own measured compute_efficiency, and a workstation board's bandwidth by the workstation
+        efficiency (the measured tables are all datacenter boards)."""
         peak_tflops = hardware.peak_tflops * hardware.compute_efficiency
         if hardware.board != "workstation":
             return dataclasses.replace(hardware, peak_tflops=peak_tflops)
         return dataclasses.replace(
             hardware,
             memory_bandwidth_gbps=hardware.memory_bandwidth_gbps
-            * self.workstation_bandwidth_efficiency,
-            peak_tflops=peak_tflops * self.workstation_compute_efficiency)
+            * self.workstation_bandwidth_efficiency, peak_tflops=peak_tflops)
 
     def describe(self) -> dict[str, str]:
         """Per term, what it was taken from."""

@@ -1,6 +1,6 @@
 """A run's summary: its headline numbers (counts, throughputs, latency percentiles, goodput, KV
-memory, swap, speculation, prefix caching, per-tenant and per-priority numbers, sessions), from
-its requests and what its MetricsCollector recorded; the value of `MetricsCollector.summary`.
+memory, swap, speculation, prefix caching, per-tenant and per-priority numbers), from its
+requests and what its MetricsCollector recorded; the value of `MetricsCollector.summary`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import operator
 from typing import TYPE_CHECKING
 
 from policies.types import Request
-from sim.core.metrics.sessions import session_summary
 from sim.core.metrics.statistics import (LATENCY_METRICS, group_summaries, histogram_stats_ms,
                                          is_completed, latency_arrays_s, meets_slos, per_second,
                                          stats_ms)
@@ -107,7 +106,6 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         result["offload_bytes"] = blocks_offloaded * metrics.kv_bytes_per_block
         result["reload_bytes"] = blocks_loaded * metrics.kv_bytes_per_block
     result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
-    result.update(session_summary(requests))
     return result
 
 

@@ -1,9 +1,10 @@
 """Workload generation: turn the `workload` config group into the requests a run replays.
 
 One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
-`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a CSV replayed) —
-and the closed-loop kinds in `sessions` (`sessions`, `agent`: a turn arrives after the previous
-one finished, so the run decides the arrivals; `build_session_source` builds them) —
+`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a file replayed:
+Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) — and the
+closed-loop kinds in `sessions` (`sessions`, `agent`: a turn arrives after the previous one
+finished, so the run decides the arrivals; `build_session_source` builds them) —
 over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
 (typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
 all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,

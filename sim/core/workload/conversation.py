@@ -3,7 +3,7 @@ at `rate` sessions/s, each of a sampled number of `turns`, a turn arriving a sam
 `think_time_s` after the previous one arrived. Each turn's prompt is the whole conversation so
 far (the previous prompt, a stand-in for its answer, then a new `message_len`-token message), so
 with token ids later turns start with the earlier turns' exact ids and the prefix cache can
-serve them."""
+serve them. Each request carries its `session_id` and `turn` (0: the session's first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

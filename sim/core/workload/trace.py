@@ -1,13 +1,17 @@
-"""The `trace` workload kind: arrival times and lengths replayed from a CSV file (the Azure LLM
-trace format `TIMESTAMP,ContextTokens,GeneratedTokens`, or plain
-`arrival_time,prompt_len,output_len`), optionally with the prompts themselves (a
-`prompt_token_ids` column of space-separated ids) and each request's `priority`, `tenant`,
-`slo_ttft_ms`, `slo_tpot_ms` (an empty cell: the default); and the CSV parser behind it."""
+"""The `trace` workload kind: arrival times and lengths replayed from a file, and the CSV parser
+behind it. Formats (`workload.format`, or told apart by the file: a JSONL file is Mooncake, a
+CSV by its header): the Azure LLM traces 2023 and 2024 `TIMESTAMP,ContextTokens,GeneratedTokens`,
+BurstGPT `Timestamp,...,Request tokens,Response tokens,...`, plain
+`arrival_time,prompt_len,output_len`, and Mooncake (mooncake.py: prompts as 512-token blocks of
+content ids, turned into token ids). A CSV may carry the prompts themselves (a `prompt_token_ids`
+column of space-separated ids) and each request's `priority`, `tenant`, `slo_ttft_ms`,
+`slo_tpot_ms`, `session_id` (an empty cell: the default)."""
 from __future__ import annotations
 
 import csv
 import math
 import re
+import sys
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,14 +19,22 @@ from pathlib import Path
 import numpy as np
 
 from sim.core.workload.fields import DEFAULT_TENANT, Fields, RequestArrays, Streams, parse_common
+from sim.core.workload.mooncake import hash_ids_token_ids, read_mooncake
 
-TRACE_FIELDS = ("kind", "trace_path", "time_scale", "max_requests", "n", "with_token_ids",
-                "shared_prefix_len")
+TRACE_FIELDS = ("kind", "trace_path", "format", "time_scale", "max_requests", "n",
+                "with_token_ids", "shared_prefix_len")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+# BurstGPT's time (seconds), prompt and output columns; its Model, Total tokens and Log Type
+# columns are not needed.
+BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
+# Each CSV schema's (time, prompt length, output length) columns, in the order auto-detection
+# tries them (detect_csv_schema).
+CSV_SCHEMAS = {"azure": AZURE_COLUMNS, "burstgpt": BURSTGPT_COLUMNS, "plain": PLAIN_COLUMNS}
+TRACE_FORMATS = ("auto", *CSV_SCHEMAS, "mooncake")
 TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
 # Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
-METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms")
+METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id")
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
@@ -31,29 +43,61 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 def sample_trace(fields: Fields, vocab_size: int | None, streams: Streams) -> RequestArrays:
     """The trace's requests in arrival order (a stable sort: ties keep file order), the first
-    `max_requests` of them, arrival times scaled by `time_scale`; nothing is drawn."""
+    `max_requests` of them, arrival times scaled by `time_scale`; nothing is drawn. A Mooncake
+    trace's prompts are always token ids (its hash_ids' content, so it needs `vocab_size`)."""
     fields.reject_unknown(TRACE_FIELDS)
     trace_path = resolve_trace_path(fields.string("trace_path"))
+    trace_format = fields.choice("format", TRACE_FORMATS, default="auto")
     time_scale = fields.number("time_scale", default=1.0, greater_than=0.0)
     max_requests = fields.integer("max_requests", default=None, minimum=1)
     n, token_spec = parse_common(fields, vocab_size)
 
-    arrival_times, prompt_lens, output_lens, trace_token_ids, trace_metadata = (
-        read_trace(trace_path))
+    hash_ids = None
+    if trace_format == "mooncake" or (trace_format == "auto" and is_jsonl(trace_path)):
+        if vocab_size is None:
+            raise ValueError(f"{fields.name('trace_path')}: the Mooncake trace {trace_path} "
+                             f"gives prompts as content (hash_ids), which needs a vocab_size: "
+                             f"call build_workload(cfg, seed=..., vocab_size=...)")
+        arrival_times, prompt_lens, output_lens, hash_ids, trace_metadata = (
+            read_mooncake(trace_path))
+        trace_token_ids = None
+    else:
+        arrival_times, prompt_lens, output_lens, trace_token_ids, trace_metadata = (
+            read_trace(trace_path, trace_format))
     order = np.argsort(arrival_times, kind="stable")[:max_requests]
     arrival_times = arrival_times[order] * time_scale
     prompt_lens, output_lens = prompt_lens[order], output_lens[order]
     metadata = {name: [values[i] for i in order.tolist()]
                 for name, values in trace_metadata.items()}
     token_ids = None
-    if trace_token_ids is not None:
+    if hash_ids is not None or trace_token_ids is not None:
         if token_spec is not None and token_spec[1]:
             raise ValueError(f"{fields.name('shared_prefix_len')}: trace {trace_path} has "
                              f"its own prompt_token_ids")
-        _check_vocabulary(trace_token_ids, vocab_size, trace_path)
-        token_ids = [trace_token_ids[i] for i in order.tolist()]
+        if hash_ids is not None:
+            # Only the kept requests' ids are built: a slice of a long trace is quick.
+            token_ids = hash_ids_token_ids([hash_ids[i] for i in order.tolist()],
+                                           prompt_lens.tolist(), int(vocab_size))
+        else:
+            _check_vocabulary(trace_token_ids, vocab_size, trace_path)
+            token_ids = [trace_token_ids[i] for i in order.tolist()]
     return RequestArrays(arrival_times, prompt_lens, output_lens, n, token_spec,
                          token_ids=token_ids, metadata=metadata)
+
+
+def is_jsonl(path: Path) -> bool:
+    """Whether a trace file is JSON lines (a Mooncake trace): its suffix, else its first
+    non-blank character is `{`."""
+    if path.suffix.lower() == ".jsonl":
+        return True
+    try:
+        with open(path, encoding="utf-8-sig", errors="replace") as file:
+            for line in file:
+                if line.strip():
+                    return line.lstrip().startswith("{")
+    except OSError:
+        pass  # read_trace names the error
+    return False
 
 
 def resolve_trace_path(trace_path: str | Path) -> Path:
@@ -67,18 +111,23 @@ def resolve_trace_path(trace_path: str | Path) -> Path:
     raise ValueError(f"workload.trace_path: no trace file at {tried}")
 
 
-def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                          list[list[int]] | None, dict[str, list]]:
+def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, list[list[int]] | None, dict[str, list]]:
     """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, the
     prompts' token ids when it has a `prompt_token_ids` column (else None), and a list of
     values per METADATA_COLUMNS column it has, keyed by the column (a Request field).
 
-    Arrival times are relative to the earliest row, which is at 0. Accepts the Azure columns
-    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`, or the plain
-    columns `arrival_time` (seconds), `prompt_len`, `output_len`; other columns are ignored but
-    `prompt_token_ids` (space-separated ids, as many as the row's prompt length) and the metadata:
-    `priority` (an integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms`
-    (positive numbers), each defaulting (0, "default", none) where its cell is empty.
+    Arrival times are relative to the earliest row, which is at 0. `trace_format` names the
+    CSV_SCHEMAS entry, or "auto": the first whose columns are all in the header, else the first
+    with any of them (for the error), else plain. The Azure columns (2023 and 2024) are
+    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`; BurstGPT's
+    `Timestamp` (seconds), `Request tokens`, `Response tokens` (a row with 0 tokens either way is
+    a failed request and is skipped, with one line on stderr); the plain ones `arrival_time`
+    (seconds), `prompt_len`, `output_len`. Other columns are ignored but `prompt_token_ids`
+    (space-separated ids, as many as the row's prompt length) and the metadata: `priority` (an
+    integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms` (positive numbers),
+    `session_id` (integers, or names if any cell is not one), each defaulting (0, "default",
+    none) where its cell is empty.
     """
     path = Path(path)
     try:
@@ -94,13 +143,18 @@ def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     except OSError as error:
         raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
 
-    columns = AZURE_COLUMNS if set(AZURE_COLUMNS) & set(header) else PLAIN_COLUMNS
+    schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
+    columns = CSV_SCHEMAS[schema]
     missing = [name for name in columns if name not in header]
     if missing:
+        expected = "; expected " + " or ".join(
+            f"{', '.join(names)} ({name})" for name, names in CSV_SCHEMAS.items()
+            if trace_format in ("auto", name))
         raise ValueError(
             f"trace {path}: missing column(s) {', '.join(missing)}; found "
-            f"{', '.join(header) or 'no header'}; expected {', '.join(AZURE_COLUMNS)} (Azure) "
-            f"or {', '.join(PLAIN_COLUMNS)} (plain)")
+            f"{', '.join(header) or 'no header'}{expected}")
+    if schema == "burstgpt":
+        rows, line_numbers = _drop_failed_requests(rows, line_numbers, header, path)
     if not rows:
         raise ValueError(f"trace {path}: no data rows")
 
@@ -131,10 +185,45 @@ def read_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return arrival_times, prompt_lens, output_lens, token_ids, metadata
 
 
+def detect_csv_schema(header: list[str]) -> str:
+    """The CSV_SCHEMAS name a header is: the first schema it has all the columns of, else the
+    first it has any of (whose missing columns the caller names), else plain."""
+    present = set(header)
+    for name, columns in CSV_SCHEMAS.items():
+        if present.issuperset(columns):
+            return name
+    return next((name for name, columns in CSV_SCHEMAS.items() if present & set(columns)),
+                "plain")
+
+
+def _drop_failed_requests(rows: list[list[str]], line_numbers: list[int], header: list[str],
+                          path: Path) -> tuple[list[list[str]], list[int]]:
+    """BurstGPT logs failed requests with 0 request or response tokens: nothing to replay."""
+    indices = [header.index(name) for name in BURSTGPT_COLUMNS[1:]]
+    kept = [(row, line) for row, line in zip(rows, line_numbers)
+            if not any(index < len(row) and _is_zero(row[index]) for index in indices)]
+    if len(kept) < len(rows):
+        print(f"twinserve: trace {path}: skipped {len(rows) - len(kept):,} BurstGPT row(s) with 0 "
+              f"{' or '.join(BURSTGPT_COLUMNS[1:])} (failed requests)", file=sys.stderr)
+    return [row for row, _ in kept], [line for _, line in kept]
+
+
+def _is_zero(cell: str) -> bool:
+    try:
+        return float(cell) == 0
+    except ValueError:
+        return False
+
+
 def _parse_metadata(cells: list[str], column: str, line_numbers: list[int], path: Path) -> list:
     """One METADATA_COLUMNS column's values; an empty cell gives Request's default."""
     if column == "tenant":
         return [cell or DEFAULT_TENANT for cell in cells]
+    if column == "session_id":
+        # Integers when every id is one, so they compare and sort like generated sessions' ids.
+        if all(not cell or re.fullmatch(r"[+-]?\d+", cell) for cell in cells):
+            return [int(cell) if cell else None for cell in cells]
+        return [cell or None for cell in cells]
     values: list = []
     for index, cell in enumerate(cells):
         if not cell:
