@@ -1,35 +1,92 @@
 """Shortest job first: continuous batching that admits the waiting request with the shortest
 predicted remaining output (`Request.predicted_output_len`, from the run's length predictor), as
-learning-to-rank schedulers do; a request that has waited `max_wait_s` goes first, oldest first,
-so long ones never starve.
+learning-to-rank schedulers do, with one of two aging rules so that long requests never starve:
+
+- `aging="max_wait"` (the default): a request that has waited `max_wait_s` goes first, oldest
+  first. Under overload every request has waited that long, and the order becomes FCFS.
+- `aging="score"`: admit the lowest score, predicted remaining tokens minus
+  `aging_tokens_per_s` times the seconds waited. Since score = (predicted + w * arrival) - w *
+  now, the order does not change with time: requests are ranked by predicted + w * arrival.
+  A request predicted to need p more tokens is overtaken only by requests that arrived at most
+  p / w seconds after it, so it waits at most what a FCFS request arriving p / w later would,
+  and short requests keep their lead however long the queue. The waiting requests are kept in
+  a heap on that rank (computed as a request joins the queue, and again when a recompute sends
+  it back with fewer tokens left), so admission costs O(log n), not a pass over the queue.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+
 from policies.batching.continuous import ContinuousBatchingScheduler
-from policies.types import Request
+from policies.types import Request, StepPlan
 from policies.validators import positive_number
+
+AGING_RULES = ("max_wait", "score")
 
 
 class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
     # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
     admits_in_arrival_order = False
 
-    def __init__(self, *args, max_wait_s: float = 30.0, **kwargs):
+    def __init__(self, *args, max_wait_s: float = 30.0, aging: str = "max_wait",
+                 aging_tokens_per_s: float = 10.0, **kwargs):
         super().__init__(*args, **kwargs)
+        if aging not in AGING_RULES:
+            raise ValueError(f"scheduler.aging must be one of {', '.join(AGING_RULES)}, "
+                             f"got {aging!r}")
+        self.aging = aging
         self.max_wait_s = positive_number("scheduler.max_wait_s", max_wait_s)
+        self.aging_tokens_per_s = positive_number("scheduler.aging_tokens_per_s",
+                                                  aging_tokens_per_s)
+        # aging="score": (rank, arrival, request_id, tiebreak, request) of waiting requests, and
+        # each one's current rank; an entry whose request left the queue, or was ranked again,
+        # is skipped when it comes up.
+        self._ranked: list[tuple[float, float, int, int, Request]] = []
+        self._rank_of: dict[Request, float] = {}
+        self._tiebreak = itertools.count()
 
     def add_request(self, request: Request, now: float) -> None:
         if request.predicted_output_len is None:
             raise ValueError("scheduler=sjf orders by predicted output length: set a predictor "
                              "(predictor=oracle, noisy or bucket)")
         super().add_request(request, now)
+        if self.aging == "score" and request.rejected_reason is None:
+            self._rank(request)
 
     def next_waiting(self, now: float) -> Request:
+        if self.aging == "score":
+            ranked, rank_of = self._ranked, self._rank_of
+            while rank_of.get(ranked[0][-1]) != ranked[0][0]:
+                heapq.heappop(ranked)   # admitted since, or ranked again lower
+            return ranked[0][-1]
         waiting = self.waiting
         oldest = min(waiting, key=_arrival_order)
         if now - oldest.arrival_time >= self.max_wait_s:
             return oldest
         return min(waiting, key=_predicted_remaining)
+
+    def aged_rank(self, request: Request) -> tuple[float, float, int]:
+        """Predicted remaining tokens + w * arrival, then arrival: the aged score plus w * now,
+        which is the same for every request at one step, so it orders them as the score does
+        at any time."""
+        remaining, arrival, request_id = _predicted_remaining(request)
+        return remaining + self.aging_tokens_per_s * arrival, arrival, request_id
+
+    def _rank(self, request: Request) -> None:
+        rank, arrival, request_id = self.aged_rank(request)
+        self._rank_of[request] = rank
+        heapq.heappush(self._ranked, (rank, arrival, request_id, next(self._tiebreak), request))
+
+    def _take_waiting(self, request: Request) -> None:
+        super()._take_waiting(request)
+        if self.aging == "score":
+            del self._rank_of[request]
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        super()._preempt(request, plan)
+        if self.aging == "score" and self.waiting and self.waiting[0] is request:
+            self._rank(request)   # a recompute: back in the queue with fewer tokens to go
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:

@@ -13,9 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 from policies.checks import check_policy, has_capability
 from policies.protocols import CostModel, LengthPredictor, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
-from policies.validators import (non_negative_int, non_negative_number, positive_int,
-                                 positive_number)
+from policies.validators import (finite_number, non_negative_int, non_negative_number,
+                                 positive_int, positive_number)
 from sim.core.executor import SimExecutor
+from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
@@ -120,6 +121,15 @@ def kv_cache_sizes(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemptio
             draft=speculation.draft_kv if speculation is not None else None)
     return dict(num_blocks=num_blocks,
                 num_host_blocks=num_host_kv_blocks(cfg, model, preemption, speculation), **offload)
+
+
+def fairness_window_s(cfg: DictConfig) -> float:
+    """metrics.fairness_window_s, checked (the summary's default when the config has none)."""
+    window_s = (cfg.get("metrics") or {}).get("fairness_window_s")
+    if window_s is None:
+        return DEFAULT_FAIRNESS_WINDOW_S
+    return float(positive_number("metrics.fairness_window_s",
+                                 finite_number("metrics.fairness_window_s", window_s)))
 
 
 def slos_ms(cfg: DictConfig) -> dict[str, float] | None:

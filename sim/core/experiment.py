@@ -21,8 +21,8 @@ from policies.validators import finite_number, non_negative_number
 from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import (build_policy, build_predictor, build_replica_executor,
                             check_run_settings, cost_model_summary, kv_cache_policy_config,
-                            kv_cache_sizes, max_num_batched_tokens, policy_config, slos_ms,
-                            speculation_setup, speed_summary)
+                            fairness_window_s, kv_cache_sizes, max_num_batched_tokens,
+                            policy_config, slos_ms, speculation_setup, speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
 from sim.core.executor import SimExecutor
@@ -206,7 +206,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                            f"{unfinished[0].request_id}); the simulation stalled")
     check_first_tokens(requests, replicas)
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
-                              slos_ms=slos_ms(cfg))
+                              slos_ms=slos_ms(cfg), fairness_window_s=fairness_window_s(cfg))
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))

@@ -33,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
+from sim.core.build import fairness_window_s
 from sim.core.experiment import run_experiment
 
 PROG = "twinserve-capacity"
@@ -210,7 +211,8 @@ def find_capacity(cfg_overrides: Sequence[str], slo: SLO, *, low: float = 1.0,
         result = run_experiment(probe_cfg)
         # The same summary with the SLO as per-request goodput: how many requests met it.
         return result.metrics.summary(result.requests, time.perf_counter() - wall_start,
-                                      slos_ms=slo.as_slos_ms())
+                                      slos_ms=slo.as_slos_ms(),
+                                      fairness_window_s=fairness_window_s(probe_cfg))
 
     result = search_capacity(measure, slo, low=low, high=high, tolerance=tolerance,
                              max_iters=max_iters, on_probe=on_probe)

@@ -44,6 +44,13 @@ def format_summary_table(summary: dict) -> Table:
                                                f"({_fmt(summary['p99_kv_transfer_ms'])})")
     if "jain_fairness" in summary:
         totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
+    if summary.get("fairness_windows"):
+        # (Among the tenants backlogged all window long: sim/core/metrics/fairness.py.)
+        window = f"{summary['fairness_window_s']:g} s"
+        totals.add_row(f"windowed Jain {window}",
+                       f"{_fmt(summary['windowed_jain_fairness'], 3)} "
+                       f"({summary['fairness_windows']:,} windows)")
+        totals.add_row(f"max gap {window}", f"{summary['max_backlogged_service_diff']:,.0f} tok")
     totals.add_row("steps", f"{summary['num_steps']:,}")
     if "kernel_time_expected_error_pct" in summary:   # (sim/gpu/transfer_errors.py)
         totals.add_row("kernel time expected error",
@@ -84,12 +91,16 @@ def _format_groups(summary: dict) -> Table | None:
         return None
     has_slos = any("slo_attainment" in group for _, groups in sections
                    for group in groups.values())
+    # Each tenant's mean service in the windows where it and another waited (windowed fairness).
+    has_windows = bool(summary.get("fairness_windows"))
     table = Table(box=None, pad_edge=False)
     table.add_column("group", style="bold")
     for heading in ("done", "req/s", "TTFT p99", "TPOT p99", "E2E p99"):
         table.add_column(heading, justify="right")
     if has_slos:
         table.add_column("SLO", justify="right")
+    if has_windows:
+        table.add_column("tok/window backlogged", justify="right")
     for label, groups in sections:
         for name, group in groups.items():
             row = [f"{label} {name}", f"{group['completed']:,}",
@@ -97,6 +108,9 @@ def _format_groups(summary: dict) -> Table | None:
                    _fmt(group["p99_tpot_ms"]), _fmt(group["p99_e2el_ms"])]
             if has_slos:
                 row.append(f"{group['slo_attainment']:.1%}")
+            if has_windows:
+                row.append(f"{group['mean_backlogged_service']:,.0f}"
+                           if group.get("backlogged_windows") else "")
             table.add_row(*row)
     return table
 

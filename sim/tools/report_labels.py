@@ -20,6 +20,12 @@ METRIC_LABELS: dict[str, str] = {
     "peak_num_seqs": "largest batch (sequences in a step)",
     "peak_num_running": "peak running requests",
     "mean_kv_blocks_used": "mean KV blocks in use (busy time)",
+    "jain_fairness": "Jain fairness (whole run)",
+    "windowed_jain_fairness": "Jain fairness of backlogged tenants (mean over windows)",
+    "max_backlogged_service_diff": "max service gap between backlogged tenants (tok/window)",
+    "fairness_windows": "windows with two tenants backlogged",
+    "mean_backlogged_service": "service per window while backlogged (tok)",
+    "backlogged_windows": "windows backlogged beside another tenant",
 }
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 # Column headings of the terminal table, short so that it fits 80 columns.
@@ -28,7 +34,12 @@ METRIC_HEADINGS: dict[str, str] = {
     "total_token_throughput": "tok/s", "kv_waste_fraction": "KV waste",
     "peak_kv_blocks": "peak KV", "mean_kv_blocks_used": "mean KV", "peak_num_seqs": "max batch",
     "peak_num_running": "max running", "num_preemptions": "preempted", "swap_bytes": "swapped B",
+    "jain_fairness": "Jain", "windowed_jain_fairness": "Jain/window",
+    "max_backlogged_service_diff": "max gap tok", "fairness_windows": "windows",
+    "mean_backlogged_service": "tok/window", "backlogged_windows": "windows",
 }
+# A group's key in a sweep's summaries: per_tenant.<name>.<key>, per_priority.<name>.<key>.
+GROUP_KEY = re.compile(r"per_(tenant|priority)\.([^.]+)\.(.+)")
 # A policy named by its class (`scheduler._target_=my_policies.ShortestPromptFirst`,
 # `cluster.router=my_policies.FewestOutstandingRouter`): a dotted path ending in a class name.
 CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
@@ -75,6 +86,9 @@ def policy_label(overrides: dict[str, str], policy_keys: list[str],
 def metric_label(key: str) -> str:
     if key in METRIC_LABELS:
         return METRIC_LABELS[key]
+    group = GROUP_KEY.fullmatch(key)
+    if group:
+        return f"{metric_label(group[3])}, {group[1]} {group[2]}"
     match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
     if match:
         return f"{match[1]} {LATENCY_NAMES[match[2]]} (ms)"
@@ -82,6 +96,9 @@ def metric_label(key: str) -> str:
 
 
 def metric_heading(key: str) -> str:
+    group = GROUP_KEY.fullmatch(key)
+    if group:
+        return f"{group[2]} {metric_heading(group[3])}"
     match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
     if match:
         return f"{match[1]} {match[2].upper()} ms"

@@ -14,7 +14,7 @@ import numpy as np
 
 from policies.protocols import Scheduler
 from policies.types import Request, Sequence, StepPlan, StepResult
-from sim.core.metrics.summary import run_summary
+from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S, run_summary
 
 STEP_COLUMNS: tuple[str, ...] = (
     "replica_id", "start_time", "duration",
@@ -104,10 +104,12 @@ class MetricsCollector:
         return int(max(map(operator.itemgetter(_COL[name]), self.step_rows)))
 
     def summary(self, requests: list[Request], wall_time_s: float,
-                slos_ms: dict[str, float] | None = None) -> dict:
+                slos_ms: dict[str, float] | None = None,
+                fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S) -> dict:
         """The run's headline numbers (summary.py's run_summary); `slos_ms` (optional), e.g.
-        {"ttft": 200, "tpot": 50, "e2el": 10_000}, adds goodput and SLO attainment."""
-        return run_summary(self, requests, wall_time_s, slos_ms)
+        {"ttft": 200, "tpot": 50, "e2el": 10_000}, adds goodput and SLO attainment;
+        `fairness_window_s` is the windowed fairness's window (with tenants)."""
+        return run_summary(self, requests, wall_time_s, slos_ms, fairness_window_s)
 
 
 class StepRecorder:

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from policies.batching.vtc import INPUT_WEIGHT, OUTPUT_WEIGHT
 from policies.types import Request
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
@@ -21,8 +22,9 @@ PERCENTILES: tuple[tuple[str, float], ...] = (("median", 50.0), ("p90", 90.0), (
 GROUP_LATENCY_KEYS: tuple[str, ...] = tuple(
     f"{stat}_{name}_ms" for name in ("ttft", "tpot", "e2el") for stat in ("mean", "median", "p99"))
 # VTC's service weights (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
-# an output token costs twice an input token, roughly its share of the work.
-SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT = 1, 2
+# an output token costs twice an input token, roughly its share of the work. The scheduler's own,
+# so that the summary measures what scheduler=vtc equalises.
+SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT = INPUT_WEIGHT, OUTPUT_WEIGHT
 
 
 # ---- per-request latencies ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ import operator
 from typing import TYPE_CHECKING
 
 from policies.types import Request
+from sim.core.metrics.fairness import decode_step_ends, windowed_fairness
 from sim.core.metrics.statistics import (LATENCY_METRICS, group_summaries, histogram_stats_ms,
                                          is_completed, latency_arrays_s, meets_slos, per_second,
                                          stats_ms)
@@ -16,15 +17,21 @@ from sim.core.metrics.statistics import (LATENCY_METRICS, group_summaries, histo
 if TYPE_CHECKING:
     from sim.core.metrics.recorder import MetricsCollector
 
+# The windows of the windowed fairness (metrics.fairness_window_s): long enough for several
+# requests of each tenant, short enough to see who was served while both waited.
+DEFAULT_FAIRNESS_WINDOW_S = 10.0
+
 
 def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s: float,
-                slos_ms: dict[str, float] | None = None) -> dict:
+                slos_ms: dict[str, float] | None = None,
+                fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S) -> dict:
     """The run's headline numbers; a value with no data to stand on is 0.0 (statistics.py).
 
     `slos_ms` (optional), e.g. {"ttft": 200, "tpot": 50, "e2el": 10_000}: adds `goodput`
     (req/s of completed requests meeting every given SLO, as vllm defines it) and
     `slo_attainment` (their fraction of completed requests); so do requests' own SLOs, which
-    replace the run's limits for their request."""
+    replace the run's limits for their request. With more than one tenant, the windowed
+    fairness over windows of `fairness_window_s` (fairness.py) joins `jain_fairness`."""
     # (Sums over the requests in C passes: a big run's summary is a share of its time.)
     attribute = operator.attrgetter
     completed = [request for request in requests if is_completed(request)]
@@ -106,6 +113,12 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         result["offload_bytes"] = blocks_offloaded * metrics.kv_bytes_per_block
         result["reload_bytes"] = blocks_loaded * metrics.kv_bytes_per_block
     result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
+    if "per_tenant" in result:
+        fairness, per_tenant = windowed_fairness(requests, decode_step_ends(metrics),
+                                                 fairness_window_s)
+        result.update(fairness)
+        for tenant, part in per_tenant.items():
+            result["per_tenant"][tenant].update(part)
     return result
 
 
