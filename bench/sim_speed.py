@@ -5,13 +5,17 @@ Workloads: Vidur's benchmark shape (Llama-2-70B, tensor parallel 2, 10,000 reque
 2 req/s, 512-token prompts, 128-token outputs); the Azure code trace (8,819 requests, replayed as
 recorded, Llama-2-7B); a conversation-like one (19,000 requests, prompts ~1,500 tokens, outputs
 ~300, at a busy and an overloaded rate); a synthetic 100,000-request Llama-2-7B workload of
-Vidur's shape at a busy and an overloaded rate; and the busy one on two pools (one prefill and
-one decode replica, `cluster=disaggregated`). Prints wall time, simulated requests per
-wall-second and simulated seconds per wall-second, each beside the same run step by step
-(`scheduler.coalesce=false`: no repeated decode steps run as one event) and against the
-targets: 10,000 requests/wall-s on the code trace and the conversation-like workload, 3,000 on
-two pools (each request a prefill, a transfer and decodes on two replicas' event streams), and
-10x Vidur on its 70B workload. `--profile` prints where each run's time went (cProfile).
+Vidur's shape at a busy and an overloaded rate; the busy one on two pools (one prefill and one
+decode replica, `cluster=disaggregated`); and closed-loop chat sessions (`workload=sessions`,
+4,000 sessions of ~5 turns, each turn sent ~15 s after the previous answer finished, prompts
+growing ~190 tokens a turn, no token ids, like the conversation-like one). Prints wall time,
+simulated requests per wall-second and simulated seconds per wall-second, each beside the same
+run step by step (`scheduler.coalesce=false`: no repeated decode steps run as one event) and
+against the targets: 10,000 requests/wall-s on the code trace and the conversation-like
+workload, 3,000 on two pools (each request a prefill, a transfer and decodes on two replicas'
+event streams), 5,000 closed loop (each finish schedules its session's next turn, and runs of
+repeated steps end at finishes), and 10x Vidur on its 70B workload. `--profile` prints where
+each run's time went (cProfile).
 
 With `--vidur PATH` (a Vidur checkout) it also runs Vidur's simulator on the 70B workload and
 prints the ratio; without it, that column says it was not measured.
@@ -37,6 +41,7 @@ from sim.gpu import tables as gpu_tables
 REPO = Path(__file__).resolve().parents[1]
 TARGET_REQUESTS_PER_WALL_S = 10_000
 TWO_POOL_TARGET_REQUESTS_PER_WALL_S = 3_000
+CLOSED_LOOP_TARGET_REQUESTS_PER_WALL_S = 5_000
 TARGET_TIMES_VIDUR = 10
 FIXED_512_128 = ["++workload.prompt_len={dist: fixed, value: 512}",
                  "++workload.output_len={dist: fixed, value: 128}"]
@@ -45,6 +50,8 @@ CONVERSATION_LIKE = ["workload.num_requests=19000",
                      "max: 3500}",
                      "++workload.output_len={dist: lognormal, mean: 300, sigma: 0.6, min: 8, "
                      "max: 500}"]
+CLOSED_LOOP_SESSIONS = ["workload=sessions", "workload.num_sessions=4000", "workload.rate=3",
+                        "workload.with_token_ids=false"]
 VIDUR_WORKLOAD = ["model=llama-2-70b", "cluster.tensor_parallel_size=2",
                   "workload.num_requests=10000", "workload.rate=2", *FIXED_512_128]
 # The same workload in Vidur's command line (its vLLM scheduler, an A100, Poisson arrivals).
@@ -129,6 +136,7 @@ def main():
                           synthetic[rate]))
     workloads.append((f"two pools {args.requests // 1000}k 512/128 @{args.rates[0]:g}/s",
                       [*synthetic[args.rates[0]], "cluster=disaggregated"]))
+    workloads.append(("sessions 4k closed loop @3/s", CLOSED_LOOP_SESSIONS))
     vidur = measure_vidur(args.vidur) if args.vidur else None
     # The GPU cost model (the default) parses its measurement tables once per process: a sweep
     # pays it once, so it is timed apart from the runs.
@@ -142,6 +150,7 @@ def main():
     print("-" * len(header), flush=True)
     for name, overrides in workloads:
         target = (TWO_POOL_TARGET_REQUESTS_PER_WALL_S if "cluster=disaggregated" in overrides
+                  else CLOSED_LOOP_TARGET_REQUESTS_PER_WALL_S if overrides is CLOSED_LOOP_SESSIONS
                   else TARGET_REQUESTS_PER_WALL_S)
         row = measure(overrides, args.profile)
         step_by_step = measure([*overrides, "++scheduler.coalesce=false"])
@@ -152,7 +161,8 @@ def main():
               f"{row['sim_s_per_wall_s']:>13,.1f} {vs_vidur:>9} "
               f"{row['req_per_wall_s'] / target:>8.2f}x", flush=True)
     print(f"\ntarget: >= {TARGET_REQUESTS_PER_WALL_S:,} simulated requests per wall-second "
-          f"({TWO_POOL_TARGET_REQUESTS_PER_WALL_S:,} on two pools), and >= {TARGET_TIMES_VIDUR}x "
+          f"({TWO_POOL_TARGET_REQUESTS_PER_WALL_S:,} on two pools, "
+          f"{CLOSED_LOOP_TARGET_REQUESTS_PER_WALL_S:,} closed loop), and >= {TARGET_TIMES_VIDUR}x "
           f"Vidur on its 70B workload; 'step by step': the same run with scheduler.coalesce=false")
     if vidur:
         print(f"Vidur on the 70B workload: {vidur:,.0f} requests per wall-second (this run)")

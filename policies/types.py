@@ -93,7 +93,8 @@ class Request:
     slo_tpot_ms: float | None = None
     predicted_output_len: int | None = None
     # The session (a chat, an agent's model calls, a trace's session column) and this request's
-    # turn in it, from 0; None: a request of its own.
+    # turn in it, from 0; None: a request of its own. Closed-loop workloads (workload=sessions,
+    # agent) send turn k+1 after turn k finished.
     session_id: int | str | None = None
     turn: int = 0
 

@@ -49,3 +49,27 @@ def test_parallel_sampling_shares_a_seventh_of_the_blocks_at_two_samples():
     copied = preset_summary("parallel_sampling", "kv_cache.share_on_fork=false", "workload.n=2")
     assert (shared["peak_kv_blocks"], copied["peak_kv_blocks"]) == (774, 910)
     assert round((1 - shared["peak_kv_blocks"] / copied["peak_kv_blocks"]) * 100, 1) == 14.9
+
+
+def test_closed_loop_sessions_past_saturation():
+    """docs/experiments.md section 13, 8 sessions/s: open loop 11.68 req/s and a mean follow-up
+    TTFT of 23,670 ms; closed loop 10.15 req/s and 117 ms."""
+    open_loop = preset_summary("sessions", "workload=conversation", "workload.rate=8")
+    closed_loop = preset_summary("sessions", "workload=sessions", "workload.rate=8")
+    assert open_loop["request_throughput"] == pytest.approx(11.68, abs=0.005)
+    assert closed_loop["request_throughput"] == pytest.approx(10.15, abs=0.005)
+    assert open_loop["mean_ttft_followup_turn_ms"] == pytest.approx(23670, abs=0.5)
+    assert closed_loop["mean_ttft_followup_turn_ms"] == pytest.approx(117, abs=0.5)
+
+
+def test_agents_lose_their_cached_contexts_at_128_at_once():
+    """docs/experiments.md section 14, prefix caching on: hit rate 78.3 % and 9.09 req/s with 64
+    agents at once, 32.7 % and 6.21 req/s with 128."""
+    at_64 = preset_summary("agents", "kv_cache.enable_prefix_caching=true",
+                           "workload.concurrency=64")
+    at_128 = preset_summary("agents", "kv_cache.enable_prefix_caching=true",
+                            "workload.concurrency=128")
+    assert at_64["prefix_cache_hit_rate"] == pytest.approx(0.783, abs=0.0005)
+    assert at_128["prefix_cache_hit_rate"] == pytest.approx(0.327, abs=0.0005)
+    assert at_64["request_throughput"] == pytest.approx(9.09, abs=0.005)
+    assert at_128["request_throughput"] == pytest.approx(6.21, abs=0.005)

@@ -329,6 +329,8 @@ class DisaggregatedCluster:
                 self._release_source(pending)
                 if self.on_requests_done:
                     self.on_requests_done(1)
+                if decode.on_finished is not None:
+                    decode.on_finished([request])
                 continue
             queue.popleft()
             decode.num_pending_transfers += 1

@@ -29,8 +29,9 @@ from sim.core.executor import SimExecutor
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
+from sim.core.session_arrivals import ClosedLoopArrivals
 from sim.core.specs import ModelSpec
-from sim.core.workload import build_workload
+from sim.core.workload import build_session_source, build_workload, is_closed_loop
 from sim.tools.run_outputs import write_run_outputs
 
 # Allocations between the cyclic GC's young collections while the simulation runs (Python's
@@ -147,16 +148,26 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     speculation = speculation_setup(cfg)
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
-    if requests is None:
-        requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
-    check_tenant_weights(cfg.scheduler, requests)
-
     env = SimEnvironment()
+    # A closed-loop workload's requests arrive as the run finishes their sessions' previous
+    # turns: `requests` lists those that arrived once the run is over.
+    sessions = None
+    if requests is None and is_closed_loop(cfg.workload):
+        source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+        sessions = ClosedLoopArrivals(env, source, predictor, frontend_latency(cfg))
+        check_tenant_weights(cfg.scheduler, source.all_requests())
+        num_planned = source.num_planned_requests
+    else:
+        if requests is None:
+            requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+        check_tenant_weights(cfg.scheduler, requests)
+        num_planned = len(requests)
+
     metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)
-    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress,
+    bar = tqdm(total=num_planned, desc="requests", unit="req", disable=not progress,
                mininterval=0.5, leave=False)
     replicas = []
-    next_arrival = NextArrival()
+    next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
                                         predictor, next_arrival, bar.update)
@@ -165,8 +176,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
                                        next_arrival, on_requests_done=bar.update)
         router = cluster.router
-    env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
-                         frontend_latency(cfg)))
+    if sessions is None:
+        env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
+                             frontend_latency(cfg)))
+    else:
+        sessions.start(router, replicas)
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise); and
     # collect the young objects less often: most that a step keeps (its row) are never garbage.
@@ -179,6 +193,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     bar.close()
+    if sessions is not None:
+        requests = sessions.requests
     if len(replicas) > 1:   # (one replica records its steps in order already)
         metrics.order_steps_by_start()
 

@@ -2,7 +2,8 @@
 
 A replica's loop is the step loop of sim/core/step.py and nothing else: begin a step, let its
 duration pass on the simulated clock, complete it. One simpy event per step, never per token, and
-one per run of repeated decode steps, which end at the next arrival (`NextArrival`).
+one per run of repeated decode steps, which end at the next arrival (`NextArrival`). A closed-loop
+workload's arrivals (sim/core/session_arrivals.py) hear of finishes through `Replica.on_finished`.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ class Replica:
         # ends (inf while idle) and how long the last one took.
         self.on_step_done: Callable[[Replica], None] | None = None
         self.num_pending_transfers = 0
+        # A closed-loop workload (sim/core/session_arrivals.py): called with the requests that
+        # finished or were rejected, so that their sessions' next turns can be scheduled.
+        self.on_finished: Callable[[list[Request]], None] | None = None
         self.busy_until = math.inf
         self.last_step_duration = 0.0
         self._idle: simpy.Event | None = None
@@ -88,6 +92,8 @@ class Replica:
         if request.rejected_reason is not None:
             if self.on_requests_done:
                 self.on_requests_done(1)
+            if self.on_finished is not None:
+                self.on_finished([request])
             return
         self._queued_during_step.append(self.env.now)
         self.wake()
@@ -117,11 +123,13 @@ class Replica:
             # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
             # out of a prefill replica, whose blocks it frees.
             transfers = self.role == "decode" or self.num_pending_transfers > 0
-            # Past finishes unless a cluster reacts to each step (`on_step_done`).
+            # Past finishes unless a cluster reacts to each step (`on_step_done`) or a finish
+            # sends a session's next turn (`on_finished`).
             result = steps.begin(env.now, next_arrival.time if next_arrival else None,
                                  queued_arrivals=not transfers,
                                  may_idle=self.num_pending_transfers > 0,
-                                 past_finishes=self.on_step_done is None)
+                                 past_finishes=self.on_step_done is None
+                                 and self.on_finished is None)
             if result is None:   # nothing can run until a KV transfer frees or brings blocks
                 self._idle = env.event()
                 yield self._idle
@@ -141,6 +149,8 @@ class Replica:
                 self.recorder.count_arrivals(first_row, result.num_steps, queued)
             if finished and self.on_requests_done:
                 self.on_requests_done(len(finished))
+            if finished and self.on_finished is not None:
+                self.on_finished(finished)
             if self.on_step_done is not None:
                 self.on_step_done(self)
 

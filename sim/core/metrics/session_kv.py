@@ -19,7 +19,8 @@ def has_sessions(requests: list[Request]) -> bool:
 
 def session_kv_summary(requests: list[Request],
                        held_blocks_logs: Iterable[list[tuple[float, int]]]) -> dict:
-    """Over completed requests with a session: `{mean,median,p90,p99}_ttft_first_turn_ms` and
+    """`num_sessions` (those any request of the run belongs to); over completed requests with a
+    session: `{mean,median,p90,p99}_ttft_first_turn_ms` and
     `..._ttft_followup_turn_ms`; with token ids `prefix_cache_hit_rate_first_turn` and
     `prefix_cache_hit_rate_followup_turn` (the share of those turns' prompt tokens the cache
     served); and `idle_session_blocks_mean` / `idle_session_blocks_max`: the device blocks held
@@ -29,7 +30,8 @@ def session_kv_summary(requests: list[Request],
     completed = [r for r in in_sessions if is_completed(r)]
     turns = {"first_turn": [r for r in completed if not r.turn],
              "followup_turn": [r for r in completed if r.turn]}
-    summary: dict = {"num_followup_turns": len(turns["followup_turn"])}
+    summary: dict = {"num_sessions": len({r.session_id for r in in_sessions}),
+                     "num_followup_turns": len(turns["followup_turn"])}
     for kind, done in turns.items():
         summary.update(stats_ms(latency_arrays_s(done)["ttft"], f"ttft_{kind}"))
     if any(r.prompt_token_ids is not None for r in in_sessions):

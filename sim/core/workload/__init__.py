@@ -2,14 +2,17 @@
 
 One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
 `conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a file replayed:
-Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) —
+Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) — and the
+closed-loop kinds in `sessions` (`sessions`, `agent`: a turn arrives after the previous one
+finished, so the run decides the arrivals; `build_session_source` builds them) —
 over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
 (typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
 all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,
 prefix caching).
 
 Everything random comes from `numpy.random.default_rng(seed)`, split into one independent stream
-per quantity (arrivals, prompt lengths, output lengths, token ids, classes, turns, think times),
+per quantity (arrivals, prompt lengths, output lengths, token ids, classes, turns, think times,
+tool results),
 so that two runs differing in one knob, say the output-length distribution, see the same draws
 of everything else (common random numbers).
 """
@@ -26,6 +29,8 @@ from sim.core.workload.distributions import (
     ARRIVAL_PROCESSES, LENGTH_DISTRIBUTIONS, LENGTH_FIELDS, MAX_ZIPF_SUPPORT, TIME_DISTRIBUTIONS,
     TIME_FIELDS, sample_prompt_token_ids)
 from sim.core.workload.fields import DEFAULT_TENANT, Fields, Streams, as_plain_dict
+from sim.core.workload.session_source import SessionSource
+from sim.core.workload.sessions import AGENT_FIELDS, SESSIONS_FIELDS, sample_agent, sample_sessions
 from sim.core.workload.synthetic import (
     CLASS_FIELDS, SHARE_SUM_TOLERANCE, SYNTHETIC_FIELDS, sample_synthetic)
 from sim.core.workload.trace import (
@@ -33,15 +38,19 @@ from sim.core.workload.trace import (
     read_trace, resolve_trace_path, sample_trace)
 
 KINDS = ("synthetic", "trace", "conversation")
+# Kinds whose arrivals the run decides (each turn after the previous one finished).
+CLOSED_LOOP_KINDS = ("sessions", "agent")
+_CLOSED_LOOP_SAMPLERS = {"sessions": sample_sessions, "agent": sample_agent}
 _SAMPLERS = {"synthetic": sample_synthetic, "trace": sample_trace,
              "conversation": sample_conversation}
 
 __all__ = [
-    "ARRIVAL_PROCESSES", "AZURE_COLUMNS", "CLASS_FIELDS", "CONVERSATION_FIELDS", "DEFAULT_TENANT",
-    "KINDS", "LENGTH_DISTRIBUTIONS", "LENGTH_FIELDS", "MAX_ZIPF_SUPPORT", "METADATA_COLUMNS",
-    "PLAIN_COLUMNS", "REPO_ROOT", "SHARE_SUM_TOLERANCE", "SYNTHETIC_FIELDS", "TIME_DISTRIBUTIONS",
-    "TIME_FIELDS", "TOKEN_IDS_COLUMN", "TRACE_FIELDS", "build_workload", "read_trace",
-    "resolve_trace_path",
+    "AGENT_FIELDS", "ARRIVAL_PROCESSES", "AZURE_COLUMNS", "CLASS_FIELDS", "CLOSED_LOOP_KINDS",
+    "CONVERSATION_FIELDS", "DEFAULT_TENANT", "KINDS", "LENGTH_DISTRIBUTIONS", "LENGTH_FIELDS",
+    "MAX_ZIPF_SUPPORT", "METADATA_COLUMNS", "PLAIN_COLUMNS", "REPO_ROOT", "SESSIONS_FIELDS",
+    "SHARE_SUM_TOLERANCE", "SYNTHETIC_FIELDS", "TIME_DISTRIBUTIONS", "TIME_FIELDS",
+    "TOKEN_IDS_COLUMN", "TRACE_FIELDS", "SessionSource", "build_session_source", "build_workload",
+    "is_closed_loop", "read_trace", "resolve_trace_path",
 ]
 
 
@@ -53,6 +62,10 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
     config field, for any bad value.
     """
     fields = Fields(as_plain_dict(cfg), "workload")
+    if fields.get("kind", None) in CLOSED_LOOP_KINDS:
+        raise ValueError(f"workload.kind={fields.get('kind', None)} is closed-loop: its arrivals "
+                         f"depend on the run; build it with build_session_source and run it "
+                         f"with run_experiment (twinserve)")
     kind = fields.choice("kind", KINDS)
     # Child streams are numbered in spawn order (child i is the same however many are spawned),
     # so appending the class stream, then the conversation's turns and think-time streams, leaves
@@ -76,3 +89,19 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
         for request, value in zip(requests, values):
             setattr(request, name, value)
     return requests
+
+
+def is_closed_loop(cfg: Mapping[str, Any]) -> bool:
+    """Whether the `workload` config is of a closed-loop kind (build_session_source's)."""
+    return as_plain_dict(cfg).get("kind") in CLOSED_LOOP_KINDS
+
+
+def build_session_source(cfg: Mapping[str, Any], *, seed: int,
+                         vocab_size: int | None = None) -> SessionSource:
+    """The sessions a closed-loop `workload` config describes (kind `sessions` or `agent`),
+    drawn from the same streams as build_workload's. Raises ValueError, naming the config
+    field, for any bad value."""
+    fields = Fields(as_plain_dict(cfg), "workload")
+    kind = fields.choice("kind", CLOSED_LOOP_KINDS)
+    streams = Streams(*np.random.default_rng(seed).spawn(len(Streams._fields)))
+    return _CLOSED_LOOP_SAMPLERS[kind](fields, vocab_size, streams)

@@ -40,16 +40,18 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
                          f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
                          f"{shared_prefix_len}")
 
-    turns = _sample_conversations(
-        num_sessions, rate, turns_dist, think_dist, message_dist, output_dist,
-        shared_prefix_len, max_prompt_len,
-        arrival_rng=streams.arrival, turns_rng=streams.turns, think_rng=streams.think,
-        message_rng=streams.prompt, output_rng=streams.output)
+    drawn = draw_session_turns(
+        num_sessions, turns_dist, think_dist, message_dist, output_dist,
+        turns_rng=streams.turns, think_rng=streams.think, message_rng=streams.prompt,
+        output_rng=streams.output)
+    session_starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, streams.arrival)
+    turns = lay_out_sessions(*drawn, shared_prefix_len, max_prompt_len,
+                             session_starts=session_starts).by_arrival()
     if not len(turns.arrival_times):
         raise ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
                          f"every session's first prompt ({fields.name('shared_prefix_len')} + "
                          f"a {fields.name('message_len')}) is longer")
-    token_ids = (_conversation_token_ids(turns, *token_spec, streams.token)
+    token_ids = (session_token_ids(turns, *token_spec, streams.token)
                  if token_spec is not None else None)
     return RequestArrays(turns.arrival_times, turns.prompt_lens, turns.output_lens, n,
                          token_spec, token_ids=token_ids,
@@ -58,16 +60,28 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
 
 
 @dataclass(frozen=True)
-class _ConversationTurns:
-    """Every kept turn of a conversation workload, sorted by arrival (ties: session, then turn),
-    as parallel arrays; message_lens are the new tokens of each turn's prompt."""
+class SessionTurns:
+    """Every kept turn of a multi-turn workload as parallel arrays, session-major (each
+    session's turns in turn order) or sorted by arrival. message_lens are the new tokens of each
+    turn's prompt (a user message, or an agent's tool result); think_times the gap after each
+    turn before the session's next one (the last turn's too: a closed-loop run may start a new
+    session after it)."""
 
-    arrival_times: np.ndarray
+    arrival_times: np.ndarray   # open loop: the session's start plus its earlier think times
     prompt_lens: np.ndarray
     output_lens: np.ndarray
     message_lens: np.ndarray
+    think_times: np.ndarray
     sessions: np.ndarray
     turn_indices: np.ndarray  # 0 for a session's first turn
+
+    def by_arrival(self) -> SessionTurns:
+        """The turns sorted by arrival; ties (a zero think time, or rate=inf) go to the lower
+        session, then the earlier turn."""
+        order = np.lexsort((self.turn_indices, self.sessions, self.arrival_times))
+        return SessionTurns(*(values[order] for values in (
+            self.arrival_times, self.prompt_lens, self.output_lens, self.message_lens,
+            self.think_times, self.sessions, self.turn_indices)))
 
 
 def _segment_exclusive_cumsum(values: np.ndarray, starts: np.ndarray,
@@ -79,47 +93,47 @@ def _segment_exclusive_cumsum(values: np.ndarray, starts: np.ndarray,
     return inclusive - values - before_segment
 
 
-def _sample_conversations(num_sessions: int, rate: float, turns_dist: LengthDistribution,
-                          think_dist: TimeDistribution, message_dist: LengthDistribution,
-                          output_dist: LengthDistribution, shared_prefix_len: int,
-                          max_prompt_len: int | None, *, arrival_rng: np.random.Generator,
-                          turns_rng: np.random.Generator, think_rng: np.random.Generator,
-                          message_rng: np.random.Generator,
-                          output_rng: np.random.Generator) -> _ConversationTurns:
-    """Sample the sessions and lay out their turns.
-
-    Session s starts at its Poisson arrival; its turn k+1 arrives think_time after turn k
-    arrived (all arrivals are fixed before a run starts, so a turn cannot wait for the previous
-    answer). prompt_len(1) = shared_prefix_len + message_len(1) and prompt_len(k+1) =
-    prompt_len(k) + output_len(k) + message_len(k+1). A session ends before its first turn whose
-    prompt would pass max_prompt_len (prompts grow with k, so the kept turns are a prefix)."""
-    session_starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, arrival_rng)
+def draw_session_turns(num_sessions: int, turns_dist: LengthDistribution,
+                       think_dist: TimeDistribution, message_dist: LengthDistribution,
+                       output_dist: LengthDistribution, *, turns_rng: np.random.Generator,
+                       think_rng: np.random.Generator, message_rng: np.random.Generator,
+                       output_rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """Each session's number of turns, then per turn (session-major) its think time after,
+    message length and output length, each from its own stream."""
     turns = turns_dist.sample(num_sessions, turns_rng)
     num_turns = int(turns.sum())
+    return (turns, think_dist.sample(num_turns, think_rng),
+            message_dist.sample(num_turns, message_rng),
+            output_dist.sample(num_turns, output_rng))
+
+
+def lay_out_sessions(turns: np.ndarray, think_times: np.ndarray, message_lens: np.ndarray,
+                     output_lens: np.ndarray, shared_prefix_len: int, max_prompt_len: int | None,
+                     session_starts: np.ndarray | None = None) -> SessionTurns:
+    """The sessions' turns, session-major: prompt_len(1) = shared_prefix_len + message_len(1)
+    and prompt_len(k+1) = prompt_len(k) + output_len(k) + message_len(k+1). Open loop (with
+    `session_starts`), turn k+1 arrives think_time(k) after turn k arrived (all arrivals fixed
+    before a run, so a turn cannot wait for the previous answer); else arrival times are nan.
+    A session ends before its first turn whose prompt would pass max_prompt_len (prompts grow
+    with k, so the kept turns are a prefix)."""
+    num_sessions, num_turns = len(turns), int(turns.sum())
     # Session-major: session 0's turns, then session 1's, ...
     starts = np.cumsum(turns) - turns
     sessions = np.repeat(np.arange(num_sessions), turns)
     turn_indices = np.arange(num_turns) - np.repeat(starts, turns)
-    # One think time per turn: the gap before the session's next turn (the last one's is unused).
-    think_times = think_dist.sample(num_turns, think_rng)
-    message_lens = message_dist.sample(num_turns, message_rng)
-    output_lens = output_dist.sample(num_turns, output_rng)
-
-    arrival_times = (session_starts[sessions]
+    arrival_times = (np.full(num_turns, np.nan) if session_starts is None
+                     else session_starts[sessions]
                      + _segment_exclusive_cumsum(think_times, starts, turns))
     prompt_lens = (shared_prefix_len + message_lens
                    + _segment_exclusive_cumsum(message_lens + output_lens, starts, turns))
     kept = (np.ones(num_turns, dtype=bool) if max_prompt_len is None
             else prompt_lens <= max_prompt_len)
-    # Ties (a zero think time, or rate=inf) go to the lower session, then the earlier turn.
-    order = np.lexsort((turn_indices[kept], sessions[kept], arrival_times[kept]))
-    return _ConversationTurns(
-        arrival_times=arrival_times[kept][order], prompt_lens=prompt_lens[kept][order],
-        output_lens=output_lens[kept][order], message_lens=message_lens[kept][order],
-        sessions=sessions[kept][order], turn_indices=turn_indices[kept][order])
+    return SessionTurns(arrival_times[kept], prompt_lens[kept], output_lens[kept],
+                        message_lens[kept], think_times[kept], sessions[kept],
+                        turn_indices[kept])
 
 
-def _conversation_token_ids(turns: _ConversationTurns, vocab_size: int, shared_prefix_len: int,
+def session_token_ids(turns: SessionTurns, vocab_size: int, shared_prefix_len: int,
                             rng: np.random.Generator) -> list[list[int]]:
     """Each turn's prompt ids: the session's previous prompt ids, then random ids standing for
     the previous turn's answer (its output_len of them), then the new message's random ids; a

@@ -30,6 +30,7 @@ class Streams(NamedTuple):
     classes: np.random.Generator
     turns: np.random.Generator
     think: np.random.Generator
+    tool: np.random.Generator   # the agent kind's tool results
 
 
 @dataclass

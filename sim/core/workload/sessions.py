@@ -1,0 +1,133 @@
+"""The closed-loop workload kinds, whose arrivals the run decides: a turn arrives a gap after the
+session's previous turn *finished*, so a slow server delays the next turn.
+
+- `sessions`: multi-turn chats, laid out as the `conversation` kind lays them out (the same
+  fields, drawn from the same streams: the same seed gives the same sessions), but turn k+1
+  arrives `think_time_s` after turn k's answer finished.
+- `agent`: a session alternates model calls and tool calls. Call 1's prompt is a task of
+  `prompt_len` tokens; after each call a tool runs for `tool_latency_s` and returns
+  `tool_output_len` tokens, and call k+1's prompt is call k's prompt, ids standing for its answer
+  (`output_len`), then the tool's tokens. A session makes `steps` calls.
+
+Both start sessions as a Poisson process at `rate` sessions/s, or keep `concurrency` sessions
+going (a closed population). What they build is a `SessionSource` (session_source.py), which the
+run asks for the next request each time one finishes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from policies.types import Request
+from sim.core.workload.conversation import (SessionTurns, draw_session_turns, lay_out_sessions,
+                                            session_token_ids)
+from sim.core.workload.distributions import (parse_length_distribution, parse_time_distribution,
+                                             sample_arrival_times)
+from sim.core.workload.fields import Fields, Streams, parse_common
+from sim.core.workload.session_source import SessionSource
+
+_COMMON_FIELDS = ("kind", "num_sessions", "rate", "concurrency", "output_len", "max_prompt_len",
+                  "n", "with_token_ids", "shared_prefix_len")
+SESSIONS_FIELDS = (*_COMMON_FIELDS, "turns", "think_time_s", "message_len")
+AGENT_FIELDS = (*_COMMON_FIELDS, "steps", "prompt_len", "tool_latency_s", "tool_output_len")
+
+
+def sample_sessions(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
+    """The `sessions` kind: the conversation kind's sessions, in a closed loop."""
+    fields.reject_unknown(SESSIONS_FIELDS)
+    num_sessions, rate, concurrency = _population(fields)
+    turns_dist = parse_length_distribution(fields.section("turns"))
+    think_dist = parse_time_distribution(fields.section("think_time_s"))
+    message_dist = parse_length_distribution(fields.section("message_len"))
+    output_dist = parse_length_distribution(fields.section("output_len"))
+    max_prompt_len, n, token_spec, shared_prefix_len = _prompt_settings(fields, vocab_size)
+    drawn = draw_session_turns(
+        num_sessions, turns_dist, think_dist, message_dist, output_dist,
+        turns_rng=streams.turns, think_rng=streams.think, message_rng=streams.prompt,
+        output_rng=streams.output)
+    turns = lay_out_sessions(*drawn, shared_prefix_len, max_prompt_len)
+    return _source(fields, turns, n, token_spec, streams, num_sessions, rate, concurrency,
+                   first_len="message_len")
+
+
+def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
+    """The `agent` kind: model calls whose next prompt appends the answer and a tool's result.
+    Steps and tool latencies come from the streams the conversation kind draws its turns and
+    think times from; task prompts and tool results from the prompt stream and one of their
+    own."""
+    fields.reject_unknown(AGENT_FIELDS)
+    num_sessions, rate, concurrency = _population(fields)
+    steps_dist = parse_length_distribution(fields.section("steps"))
+    prompt_dist = parse_length_distribution(fields.section("prompt_len"))
+    output_dist = parse_length_distribution(fields.section("output_len"))
+    latency_dist = parse_time_distribution(fields.section("tool_latency_s"))
+    tool_output_dist = parse_length_distribution(fields.section("tool_output_len"))
+    max_prompt_len, n, token_spec, shared_prefix_len = _prompt_settings(fields, vocab_size)
+    steps = steps_dist.sample(num_sessions, streams.turns)
+    num_calls = int(steps.sum())
+    latencies = latency_dist.sample(num_calls, streams.think)
+    output_lens = output_dist.sample(num_calls, streams.output)
+    # Each call's new tokens: the task for a session's first, the previous call's tool result
+    # for the others (a tool result is drawn after every call; the last one's is unused).
+    first_calls = np.cumsum(steps) - steps
+    new_lens = np.empty(num_calls, dtype=np.int64)
+    new_lens[first_calls] = prompt_dist.sample(num_sessions, streams.prompt)
+    tool_lens = tool_output_dist.sample(num_calls, streams.tool)
+    later = np.ones(num_calls, dtype=bool)
+    later[first_calls] = False
+    new_lens[later] = tool_lens[np.flatnonzero(later) - 1]
+    turns = lay_out_sessions(steps, latencies, new_lens, output_lens, shared_prefix_len,
+                             max_prompt_len)
+    return _source(fields, turns, n, token_spec, streams, num_sessions, rate, concurrency,
+                   first_len="prompt_len")
+
+
+def _population(fields: Fields) -> tuple[int, float, int | None]:
+    """num_sessions, rate (session starts/s) and concurrency (None: sessions start at `rate`)."""
+    num_sessions = fields.integer("num_sessions", minimum=1)
+    rate = fields.rate("rate")
+    concurrency = fields.integer("concurrency", default=None, minimum=1)
+    return num_sessions, rate, concurrency
+
+
+def _prompt_settings(fields: Fields, vocab_size: int | None):
+    """max_prompt_len, n, the token-id spec and shared_prefix_len, checked together."""
+    max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
+    # Prefix caching needs ids, so sessions have them unless told otherwise.
+    n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
+    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
+    if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
+        raise ValueError(f"{fields.name('max_prompt_len')} must be > "
+                         f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
+                         f"{shared_prefix_len}")
+    return max_prompt_len, n, token_spec, shared_prefix_len
+
+
+def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: Streams,
+            num_sessions: int, rate: float, concurrency: int | None,
+            first_len: str) -> SessionSource:
+    """The SessionSource of the kept turns (session-major), sessions numbered from 0 in the
+    order they were drawn (those whose first prompt max_prompt_len cut left out)."""
+    if not len(turns.prompt_lens):
+        raise ValueError(f"{fields.name('max_prompt_len')}={fields.get('max_prompt_len', None)} "
+                         f"leaves no request: every session's first prompt "
+                         f"({fields.name('shared_prefix_len')} + a {fields.name(first_len)}) is "
+                         f"longer")
+    # Drawn even under concurrency, so the stream after it is the same either way.
+    starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, streams.arrival)
+    kept_sessions, session_ids = np.unique(turns.sessions, return_inverse=True)
+    token_ids = (session_token_ids(turns, *token_spec, streams.token)
+                 if token_spec is not None else [None] * len(turns.prompt_lens))
+    sessions: list[list[Request]] = [[] for _ in kept_sessions]
+    gaps: list[list[float]] = [[] for _ in kept_sessions]
+    for session, turn, prompt_len, output_len, gap, ids in zip(
+            session_ids.tolist(), turns.turn_indices.tolist(), turns.prompt_lens.tolist(),
+            turns.output_lens.tolist(), turns.think_times.tolist(), token_ids):
+        sessions[session].append(Request(
+            request_id=-1, arrival_time=math.nan, prompt_len=prompt_len, output_len=output_len,
+            n=n, prompt_token_ids=ids, session_id=session, turn=turn))
+        gaps[session].append(gap)
+    if concurrency is not None:
+        return SessionSource(sessions, gaps, concurrency=concurrency)
+    return SessionSource(sessions, gaps, start_times=starts[kept_sessions].tolist())
