@@ -166,9 +166,13 @@ class KVRetentionPolicy(Protocol):
     def next_expiry(self) -> float:
         """When the next kept blocks are released by time (inf: none): a run of repeated
         decode steps ends at the step during which it passes, as steps one by one would see it."""
-    def release_oldest(self, now: float) -> bool:
+    def holds_for(self, request: Request) -> bool:
+        """Whether device blocks are kept for waiting `request`'s session: admitting it then
+        costs only its new tokens, so the scheduler lets it go ahead of a head that cannot fit."""
+    def release_oldest(self, now: float, idle_only: bool = False) -> bool:
         """Release the longest-kept session's blocks early (the scheduler would otherwise plan
-        nothing); False when nothing is kept."""
+        nothing, preempt a running request or keep a session's next turn waiting); with
+        `idle_only` only those of a session whose next turn has not arrived. False when none."""
     def held_blocks_log(self) -> list[tuple[float, int]]:
         """(time, change) of the device blocks held for idle sessions, in the order changed."""
 

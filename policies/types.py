@@ -97,6 +97,9 @@ class Request:
     # agent) send turn k+1 after turn k finished.
     session_id: int | str | None = None
     turn: int = 0
+    # The session ends with this request's answer (an agent's final answer, not a tool call:
+    # its framework knows once the answer is out), so a KV retention policy keeps nothing for it.
+    final_turn: bool = False
 
     sequences: list[Sequence] = field(default_factory=list)
     replica_id: int = -1

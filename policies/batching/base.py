@@ -75,6 +75,9 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         # What a session's finished turn keeps between turns; None: freed as any request's.
         self.kv_retention = kv_retention
         self._replanning = False   # planning again after releasing kept blocks (_finish_plan)
+        # Kept blocks released for a running request in the plan being made: the pool changed
+        # after the queue's head was refused, so the next step may admit it.
+        self._released_for_running = False
         # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
@@ -159,47 +162,76 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
     def _admit_waiting(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
         """Admit waiting requests while the budget, max_num_seqs and the KV pool allow (new
         requests keep the watermark free). Without chunking a sequence's prefill is never split.
-        Returns the budget left."""
+        Then, with a retention policy, the waiting turns whose sessions' blocks it keeps may go
+        ahead of a head that did not fit (`_admit_kept_turns`). Returns the budget left."""
         while self.waiting and token_budget > 0:
-            request = self.next_waiting(self._now)
-            if not self._may_admit(request):
+            budget_left = self._admit(self.next_waiting(self._now), plan, token_budget,
+                                      chunked=chunked)
+            if budget_left is None:
                 break
-            seqs = request.unfinished_sequences()
-            if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
-                break
-            if (self._may_allocate_new is not None and not self._may_allocate_new(
-                    self._uncached_chunks(seqs, token_budget, chunked))):
-                break   # the allocation below would fail: skip taking and freeing its blocks
-            num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
-            chunks = []
-            budget_left = token_budget
-            for seq, cached in zip(seqs, num_cached):
-                seq.num_computed_tokens = cached
-                # The samples of a group (recomputed after preemption) may start in later steps.
-                chunk = self._chunk(seq.num_tokens - cached, budget_left, chunked)
-                chunks.append(chunk)
-                budget_left -= chunk
-            fits_budget = chunks[0] > 0
-            if not fits_budget or not self._allocate_all(seqs, chunks):
-                for seq in seqs:
-                    self.kv_cache.free(seq)
-                    seq.num_computed_tokens = 0
-                break
-            self._take_waiting(request)
-            for seq, chunk in zip(seqs, chunks):
-                seq.status = SequenceStatus.RUNNING
-                if chunk > 0:
-                    plan.add(seq, chunk)
-            self.running.append(request)
-            self.num_running_seqs += self._num_live_samples(request)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self._now
-                request.num_cached_tokens = num_cached[0]
-                if self._num_loaded_prefix_tokens is not None:
-                    request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
-                if self.kv_retention is not None:
-                    self.kv_retention.turn_admitted(request, self._now)
             token_budget = budget_left
+        if self.kv_retention is not None and self.waiting and token_budget > 0:
+            token_budget = self._admit_kept_turns(plan, token_budget, chunked=chunked)
+        return token_budget
+
+    def _admit(self, request: Request, plan: StepPlan, token_budget: int, *,
+               chunked: bool) -> int | None:
+        """Admit waiting `request` into `plan` if the budget, max_num_seqs and the pool allow:
+        the budget left, or None (nothing changed)."""
+        if not self._may_admit(request):
+            return None
+        seqs = request.unfinished_sequences()
+        if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
+            return None
+        if (self._may_allocate_new is not None and not self._may_allocate_new(
+                self._uncached_chunks(seqs, token_budget, chunked))):
+            return None   # the allocation below would fail: skip taking and freeing its blocks
+        num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
+        chunks = []
+        budget_left = token_budget
+        for seq, cached in zip(seqs, num_cached):
+            seq.num_computed_tokens = cached
+            # The samples of a group (recomputed after preemption) may start in later steps.
+            chunk = self._chunk(seq.num_tokens - cached, budget_left, chunked)
+            chunks.append(chunk)
+            budget_left -= chunk
+        fits_budget = chunks[0] > 0
+        if not fits_budget or not self._allocate_all(seqs, chunks):
+            for seq in seqs:
+                self.kv_cache.free(seq)
+                seq.num_computed_tokens = 0
+            return None
+        self._take_waiting(request)
+        for seq, chunk in zip(seqs, chunks):
+            seq.status = SequenceStatus.RUNNING
+            if chunk > 0:
+                plan.add(seq, chunk)
+        self.running.append(request)
+        self.num_running_seqs += self._num_live_samples(request)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self._now
+            request.num_cached_tokens = num_cached[0]
+            if self._num_loaded_prefix_tokens is not None:
+                request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
+            if self.kv_retention is not None:
+                self.kv_retention.turn_admitted(request, self._now)
+        return budget_left
+
+    def _admit_kept_turns(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
+        """Admit, in arrival order, the waiting turns whose sessions' blocks the retention
+        policy keeps, past a head that did not fit: their context is on the device already, so
+        each costs only its new tokens, which the head (needing its whole prompt) could not use;
+        making them wait would hold the kept blocks idle behind it. Returns the budget left."""
+        retention = self.kv_retention
+        for request in [request for request in self.waiting if retention.holds_for(request)]:
+            budget_left = self._admit(request, plan, token_budget, chunked=chunked)
+            # A session whose turn is here goes before those still waiting on their tools.
+            while budget_left is None and retention.release_oldest(self._now, idle_only=True):
+                budget_left = self._admit(request, plan, token_budget, chunked=chunked)
+            if budget_left is not None:
+                token_budget = budget_left
+                if token_budget <= 0:
+                    break
         return token_budget
 
     def _uncached_chunks(self, seqs: list[Sequence], token_budget: int,
@@ -275,6 +307,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             num_allocated = 0
             while ((num_allocated := self.kv_cache.append_slots(decodes, num_allocated))
                    < len(decodes)):
+                if self._release_kept_blocks():
+                    continue   # an idle session's kept blocks go before a running request
                 preempted_any = True
                 request = decodes[num_allocated].request
                 victim = self._preempt_for(request, plan, decodes[:num_allocated])
@@ -295,6 +329,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                 continue  # unchunked and too long for what is left: whole, in a later step
             request = seq.request
             while not self.kv_cache.allocate_slots(seq, seq.num_computed_tokens + chunk):
+                if self._release_kept_blocks():
+                    continue
                 preempted_any = True
                 if self._preempt_for(request, plan, []) is request:
                     break
@@ -302,6 +338,15 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                 plan.add(seq, chunk)
                 token_budget -= chunk
         return token_budget, preempted_any
+
+    def _release_kept_blocks(self) -> bool:
+        """Before a running request is preempted for memory: release the retention policy's
+        longest-kept session's blocks instead (kept on the chance of a next turn, where a
+        preemption throws computed work away for sure); False when nothing is kept."""
+        if self.kv_retention is not None and self.kv_retention.release_oldest(self._now):
+            self._released_for_running = True
+            return True
+        return False
 
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
         """Preempt one victim to make room for `request`: the policy's pick among the running
@@ -387,6 +432,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         self._now = now
         if self.kv_retention is not None:
             self.kv_retention.expire(now)
+            self._released_for_running = False
         return StepPlan(block_tables=self.kv_cache.block_tables)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
@@ -401,8 +447,10 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             plan.blocks_to_offload.extend(stores)
             plan.blocks_to_load.extend(loads)
         if self.coalesce and plan.num_decode_seqs and self._plans_the_batch_again(plan):
-            # A blocked FCFS head keeps every later arrival waiting behind it.
-            plan.decode_run = DecodeRun.plan(self, plan, past_arrivals=bool(self.waiting))
+            # A blocked FCFS head keeps every later arrival waiting behind it, unless kept
+            # blocks let a session's next turn go ahead of it (_admit_kept_turns).
+            plan.decode_run = DecodeRun.plan(
+                self, plan, past_arrivals=bool(self.waiting) and self.kv_retention is None)
             if plan.decode_run is not None and self.kv_retention is not None:
                 # Blocks released by time change the pool: steps one by one would see it.
                 plan.decode_run.until = self.kv_retention.next_expiry()
@@ -438,6 +486,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
                     or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
+                    or self._released_for_running
                     or (self.waiting and not self.admits_in_arrival_order))
 
     def runs_past_finishes(self) -> bool:

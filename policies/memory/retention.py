@@ -53,7 +53,10 @@ class Evict:
     def next_expiry(self) -> float:
         return math.inf
 
-    def release_oldest(self, now: float) -> bool:
+    def holds_for(self, request: Request) -> bool:
+        return False
+
+    def release_oldest(self, now: float, idle_only: bool = False) -> bool:
         return False
 
     def held_blocks_log(self) -> list[tuple[float, int]]:
@@ -73,7 +76,7 @@ class _SessionTurns:
 
     def worth_keeping(self, request: Request) -> bool:
         """Whether a finished request's blocks may serve its session's next turn."""
-        if request.session_id is None or request.n != 1:
+        if request.session_id is None or request.n != 1 or request.final_turn:
             return False
         latest = self._latest_admitted.get(request.session_id, -1)
         return latest <= request.turn
@@ -142,8 +145,11 @@ class Pin(_SessionTurns):
     def next_expiry(self) -> float:
         return next(iter(self._idle.values())) if self._idle else math.inf
 
-    def release_oldest(self, now: float) -> bool:
-        for pins in (self._idle, self._awaited):
+    def holds_for(self, request: Request) -> bool:
+        return request.session_id in self._awaited
+
+    def release_oldest(self, now: float, idle_only: bool = False) -> bool:
+        for pins in ((self._idle,) if idle_only else (self._idle, self._awaited)):
             if pins:
                 self._unpin(next(iter(pins)), now)
                 return True
@@ -194,7 +200,10 @@ class Offload(_SessionTurns):
     def next_expiry(self) -> float:
         return math.inf
 
-    def release_oldest(self, now: float) -> bool:
+    def holds_for(self, request: Request) -> bool:
+        return False
+
+    def release_oldest(self, now: float, idle_only: bool = False) -> bool:
         return False
 
     def held_blocks_log(self) -> list[tuple[float, int]]:

@@ -80,7 +80,7 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
     turns = lay_out_sessions(steps, latencies, new_lens, output_lens, shared_prefix_len,
                              max_prompt_len)
     return _source(fields, turns, n, token_spec, streams, num_sessions, rate, concurrency,
-                   first_len="prompt_len")
+                   first_len="prompt_len", marks_final_turns=True)
 
 
 def _population(fields: Fields) -> tuple[int, float, int | None]:
@@ -106,9 +106,12 @@ def _prompt_settings(fields: Fields, vocab_size: int | None):
 
 def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: Streams,
             num_sessions: int, rate: float, concurrency: int | None,
-            first_len: str) -> SessionSource:
+            first_len: str, marks_final_turns: bool = False) -> SessionSource:
     """The SessionSource of the kept turns (session-major), sessions numbered from 0 in the
-    order they were drawn (those whose first prompt max_prompt_len cut left out)."""
+    order they were drawn (those whose first prompt max_prompt_len cut left out). With
+    `marks_final_turns` (agents) each session's last kept turn is its `final_turn`: an agent's
+    framework knows a call answered with the final answer rather than a tool call (a chat user's
+    last message is not known as such)."""
     if not len(turns.prompt_lens):
         raise ValueError(f"{fields.name('max_prompt_len')}={fields.get('max_prompt_len', None)} "
                          f"leaves no request: every session's first prompt "
@@ -128,6 +131,9 @@ def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: St
             request_id=-1, arrival_time=math.nan, prompt_len=prompt_len, output_len=output_len,
             n=n, prompt_token_ids=ids, session_id=session, turn=turn))
         gaps[session].append(gap)
+    if marks_final_turns:
+        for requests in sessions:
+            requests[-1].final_turn = True
     if concurrency is not None:
         return SessionSource(sessions, gaps, concurrency=concurrency)
     return SessionSource(sessions, gaps, start_times=starts[kept_sessions].tolist())
