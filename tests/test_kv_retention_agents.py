@@ -9,9 +9,13 @@ from __future__ import annotations
 import pytest
 
 from factories import make_cfg
+from policies.batching import ContinuousBatchingScheduler
+from policies.memory import PagedBlockManager
+from policies.memory.retention import Pin
+from policies.preemption import RecomputePreemption
 from sim.core.experiment import run_experiment
 from sim.core.workload import build_session_source
-from test_kv_retention import Driver, make_scheduler, request
+from test_kv_retention import BLOCK, Driver, make_scheduler, request
 
 
 def test_a_final_turn_is_not_kept():
@@ -87,6 +91,28 @@ def test_a_kept_turn_releases_an_idle_sessions_pin_to_fit():
     # Session 0's pin went (its tool still runs); session 1's blocks are its turn's now.
     assert scheduler.kv_cache.num_retained_blocks() == 0
     assert running.num_preemptions == 0
+
+
+def test_a_kept_turn_refused_its_seat_releases_no_pin():
+    kv_cache = PagedBlockManager(40, BLOCK, watermark=0.0, enable_prefix_caching=True)
+    scheduler = ContinuousBatchingScheduler(
+        kv_cache, RecomputePreemption(), max_num_seqs=1, max_num_batched_tokens=512,
+        max_model_len=512, kv_retention=Pin(kv_cache, ttl_s=100.0))
+    driver = Driver(scheduler)
+    returns = list(range(100, 132))
+    driver.serve(request(0, range(32), session=0))
+    driver.serve(request(1, returns, session=1))
+    running = request(2, range(500, 508), output_len=10)    # the only seat
+    scheduler.add_request(running, driver.now)
+    driver.step()
+    follow_up = request(3, returns + list(range(200, 204)), session=1, turn=1)
+    scheduler.add_request(follow_up, driver.now)
+    driver.step()
+    assert follow_up.first_scheduled_time is None
+    assert kv_cache.num_retained_blocks() == 16   # session 0's pin is no use to it: kept
+    while follow_up.finish_time is None:
+        driver.step()
+    assert follow_up.num_cached_tokens == 32
 
 
 def test_a_running_request_releases_a_pin_before_it_is_preempted():

@@ -17,7 +17,8 @@ A plug-in that changes only who goes next overrides `next_waiting(now)` (see the
 or passes its own PreemptionPolicy.
 
 A KV retention policy that keeps blocks between a session's turns (`kv_retention=pin|offload`)
-hears of each turn's arrival, admission and finish (policies/memory/retention.py).
+hears of each turn's arrival, admission and finish (policies/memory/retention.py); what the
+scheduler does with the blocks it keeps is in kept_turns.py.
 
 Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
 batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.
@@ -31,6 +32,7 @@ from collections import deque
 from typing import ClassVar
 
 from policies.batching.handoff import KVHandoff
+from policies.batching.kept_turns import KeptTurns
 from policies.batching.speculative import SpeculativeDecodes
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability
@@ -42,7 +44,7 @@ from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResu
 from policies.validators import boolean, positive_int
 
 
-class BaseScheduler(KVHandoff, SpeculativeDecodes):
+class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns):
     # The promises repeated decode steps rest on. `admits_in_arrival_order`: next_waiting takes
     # the queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
     # while requests wait). `plain_update`: `update` does per step only what a DecodeRun
@@ -78,6 +80,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         # Kept blocks released for a running request in the plan being made: the pool changed
         # after the queue's head was refused, so the next step may admit it.
         self._released_for_running = False
+        self._short_of_blocks = False   # why `_admit` last refused: the pool (else seats, budget)
         # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
@@ -200,6 +203,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             for seq in seqs:
                 self.kv_cache.free(seq)
                 seq.num_computed_tokens = 0
+            self._short_of_blocks = fits_budget
             return None
         self._take_waiting(request)
         for seq, chunk in zip(seqs, chunks):
@@ -216,23 +220,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
             if self.kv_retention is not None:
                 self.kv_retention.turn_admitted(request, self._now)
         return budget_left
-
-    def _admit_kept_turns(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
-        """Admit, in arrival order, the waiting turns whose sessions' blocks the retention
-        policy keeps, past a head that did not fit: their context is on the device already, so
-        each costs only its new tokens, which the head (needing its whole prompt) could not use;
-        making them wait would hold the kept blocks idle behind it. Returns the budget left."""
-        retention = self.kv_retention
-        for request in [request for request in self.waiting if retention.holds_for(request)]:
-            budget_left = self._admit(request, plan, token_budget, chunked=chunked)
-            # A session whose turn is here goes before those still waiting on their tools.
-            while budget_left is None and retention.release_oldest(self._now, idle_only=True):
-                budget_left = self._admit(request, plan, token_budget, chunked=chunked)
-            if budget_left is not None:
-                token_budget = budget_left
-                if token_budget <= 0:
-                    break
-        return token_budget
 
     def _uncached_chunks(self, seqs: list[Sequence], token_budget: int,
                          chunked: bool) -> list[int]:
@@ -338,15 +325,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                 plan.add(seq, chunk)
                 token_budget -= chunk
         return token_budget, preempted_any
-
-    def _release_kept_blocks(self) -> bool:
-        """Before a running request is preempted for memory: release the retention policy's
-        longest-kept session's blocks instead (kept on the chance of a next turn, where a
-        preemption throws computed work away for sure); False when nothing is kept."""
-        if self.kv_retention is not None and self.kv_retention.release_oldest(self._now):
-            self._released_for_running = True
-            return True
-        return False
 
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
         """Preempt one victim to make room for `request`: the policy's pick among the running
@@ -456,20 +434,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
                 plan.decode_run.until = self.kv_retention.next_expiry()
         return plan
 
-    def _plan_releasing_kept_blocks(self) -> StepPlan | None:
-        """An empty plan with requests unfinished: release the retention policy's oldest kept
-        blocks, one session at a time, until a plan is not empty (that plan, finished), or
-        nothing is kept (None)."""
-        self._replanning = True
-        try:
-            while self.kv_retention.release_oldest(self._now):
-                plan = self.schedule(self._now)
-                if not plan.is_empty:
-                    return plan
-        finally:
-            self._replanning = False
-        return None
-
     # ---- repeated decode steps (policies/decode_run.py) ------------------------------------------
 
     def _plans_the_batch_again(self, plan: StepPlan) -> bool:
@@ -479,7 +443,9 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes):
         swapped. Waiting requests stay waiting: the head of the queue was not admitted now, and
         what kept it out (max_num_seqs, the token budget, the pool's free blocks, the batch)
         gets no better before a decode finishes; a scheduler that reorders the queue may pick
-        another head later, so it waits for none. Requests whose KV is arriving (`receiving`)
+        another head later, so it waits for none; nor after kept blocks were released for a
+        running request this step (the pool grew after the head was refused). Requests whose KV
+        is arriving (`receiving`)
         hold their seats and blocks already; the replica's horizon ends the run where they
         land."""
         return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy

@@ -8,16 +8,19 @@
   until the session's next turn is admitted (its prefix hits them), or until `ttl_s` passes
   with the session idle (its next turn not arrived); then they go to the LRU as under evict.
   Pins hold at most `max_pool_fraction` of the pool (the oldest released first past it). A pin
-  never stalls a replica: when the scheduler would plan nothing, the oldest pins are released
-  early (`release_oldest`).
+  never stalls a replica: when the scheduler would plan nothing, or preempt a running request,
+  the oldest pins are released early (`release_oldest`); a waiting turn whose session's blocks
+  are pinned (`holds_for`) goes ahead of a head that does not fit, releasing the pins of
+  sessions still idle to fit (BaseScheduler._admit_kept_turns).
 - `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
   (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
   loads them back.
 
 The scheduler (policies/batching/base.py) calls `turn_arrived`, `turn_admitted` and
 `turn_finished` (instead of freeing) and `expire(now)` at every plan. Only requests with a
-`session_id` and one sample are kept; a later turn of the session already
-admitted (open-loop arrivals) makes the earlier one's blocks not worth keeping.
+`session_id` and one sample are kept, and not a session's `final_turn` (an agent's last call);
+a later turn of the session already admitted (open-loop arrivals) makes the earlier one's
+blocks not worth keeping.
 """
 from __future__ import annotations
 
