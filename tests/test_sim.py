@@ -217,6 +217,16 @@ def test_cli_bad_seed_is_one_clear_line(tmp_path):
         "twinserve: error: seed must be a non-negative integer, got 'abc'"]
 
 
+def test_a_setting_refused_while_building_prints_no_progress_bar(tmp_path):
+    # With the progress bar on (the CLI's default), a policy refused while the run is built
+    # (here by kv_retention) gives its one line alone, not behind a bar at 0 %.
+    result = twinserve("kv_retention=pin", "progress=true", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "twinserve: error: kv_retention=pin needs kv_cache.enable_prefix_caching=true: a "
+        "session's next turn finds its pinned blocks by their prefix hashes"]
+
+
 def test_a_run_that_rejects_every_request_says_why(tmp_path):
     from rich.console import Console
 

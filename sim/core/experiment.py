@@ -164,23 +164,30 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         num_planned = len(requests)
 
     metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)
-    bar = tqdm(total=num_planned, desc="requests", unit="req", disable=not progress,
-               mininterval=0.5, leave=False)
+    # The bar is drawn once everything is built, so a setting the build refuses prints its one
+    # line alone; the replicas report to it through this name.
+    bar = None
+
+    def count_done(num_requests: int) -> None:
+        bar.update(num_requests)
+
     replicas = []
     next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
-                                        predictor, next_arrival, bar.update)
+                                        predictor, next_arrival, count_done)
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
-                                       next_arrival, on_requests_done=bar.update)
+                                       next_arrival, on_requests_done=count_done)
         router = cluster.router
     if sessions is None:
         env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
                              frontend_latency(cfg)))
     else:
         sessions.start(router, replicas)
+    bar = tqdm(total=num_planned, desc="requests", unit="req", disable=not progress,
+               mininterval=0.5, leave=False)
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise); and
     # collect the young objects less often: most that a step keeps (its row) are never garbage.
