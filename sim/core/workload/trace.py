@@ -296,6 +296,7 @@ def _parse_lengths(values: list[str], column: str, line_numbers: list[int],
 
 # Python's datetime.fromisoformat reads at most 6 fractional digits; the Azure trace has 7.
 _EXTRA_FRACTION_DIGITS = re.compile(r"(\.\d{6})\d+")
+_TIMEZONE_SUFFIX = re.compile(r"(Z|[+-]\d\d:?\d\d)$")
 
 
 def _parse_times(values: list[str], column: str, line_numbers: list[int],
@@ -316,14 +317,21 @@ def _parse_datetimes(values: list[str], column: str, line_numbers: list[int],
                      path: Path) -> np.ndarray:
     """Seconds since the earliest of some datetime strings (naive ones taken as UTC)."""
     # Fast path: numpy parses naive ISO datetimes with up to 9 fractional digits, vectorised.
-    # It warns about (and we then refuse) timezone offsets, which the slow path handles.
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            stamps = np.array(values, dtype="datetime64[ns]")
-        return (stamps - stamps.min()).astype(np.int64) / 1e9
-    except (ValueError, Warning):
-        pass
+    # It warns about (and we then refuse) timezone offsets; one offset shared by every value
+    # (Azure 2024's "+00:00") cancels out of the differences, so it is cut first. Mixed offsets
+    # take the slow path.
+    offsets = {match.group(0) if (match := _TIMEZONE_SUFFIX.search(value)) else ""
+               for value in values}
+    if len(offsets) == 1:
+        offset = offsets.pop()
+        naive = [value[:-len(offset)] for value in values] if offset else values
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                stamps = np.array(naive, dtype="datetime64[ns]")
+            return (stamps - stamps.min()).astype(np.int64) / 1e9
+        except (ValueError, Warning):
+            pass
     # Slow path: one row at a time, dropping fractional digits past the 6th (sub-microsecond).
     stamps = []
     for index, value in enumerate(values):
