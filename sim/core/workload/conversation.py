@@ -19,6 +19,28 @@ CONVERSATION_FIELDS = ("kind", "num_sessions", "rate", "turns", "think_time_s", 
                        "output_len", "max_prompt_len", "n", "with_token_ids", "shared_prefix_len")
 
 
+def prompt_settings(fields: Fields, vocab_size: int | None):
+    """max_prompt_len, n, the token-id spec and shared_prefix_len of a session workload, checked
+    together."""
+    max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
+    # Prefix caching needs ids, so sessions have them unless told otherwise.
+    n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
+    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
+    if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
+        raise ValueError(f"{fields.name('max_prompt_len')} must be > "
+                         f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
+                         f"{shared_prefix_len}")
+    return max_prompt_len, n, token_spec, shared_prefix_len
+
+
+def no_request_left(fields: Fields, max_prompt_len: int | None, first_len: str) -> ValueError:
+    """The error for a max_prompt_len that cuts every session before its first turn, whose new
+    tokens are the field `first_len`."""
+    return ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
+                      f"every session's first prompt ({fields.name('shared_prefix_len')} + a "
+                      f"{fields.name(first_len)}) is longer")
+
+
 def sample_conversation(fields: Fields, vocab_size: int | None,
                         streams: Streams) -> RequestArrays:
     """The conversation kind's requests. Session starts, message lengths, output lengths and
@@ -31,15 +53,7 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
     think_dist = parse_time_distribution(fields.section("think_time_s"))
     message_dist = parse_length_distribution(fields.section("message_len"))
     output_dist = parse_length_distribution(fields.section("output_len"))
-    max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
-    # Prefix caching needs ids, so a conversation has them unless told otherwise.
-    n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
-    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
-    if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
-        raise ValueError(f"{fields.name('max_prompt_len')} must be > "
-                         f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
-                         f"{shared_prefix_len}")
-
+    max_prompt_len, n, token_spec, shared_prefix_len = prompt_settings(fields, vocab_size)
     drawn = draw_session_turns(
         num_sessions, turns_dist, think_dist, message_dist, output_dist,
         turns_rng=streams.turns, think_rng=streams.think, message_rng=streams.prompt,
@@ -48,9 +62,7 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
     turns = lay_out_sessions(*drawn, shared_prefix_len, max_prompt_len,
                              session_starts=session_starts).by_arrival()
     if not len(turns.arrival_times):
-        raise ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
-                         f"every session's first prompt ({fields.name('shared_prefix_len')} + "
-                         f"a {fields.name('message_len')}) is longer")
+        raise no_request_left(fields, max_prompt_len, "message_len")
     token_ids = (session_token_ids(turns, *token_spec, streams.token)
                  if token_spec is not None else None)
     return RequestArrays(turns.arrival_times, turns.prompt_lens, turns.output_lens, n,

@@ -21,10 +21,10 @@ import numpy as np
 
 from policies.types import Request
 from sim.core.workload.conversation import (SessionTurns, draw_session_turns, lay_out_sessions,
-                                            session_token_ids)
+                                            no_request_left, prompt_settings, session_token_ids)
 from sim.core.workload.distributions import (parse_length_distribution, parse_time_distribution,
                                              sample_arrival_times)
-from sim.core.workload.fields import Fields, Streams, parse_common
+from sim.core.workload.fields import Fields, Streams
 from sim.core.workload.session_source import SessionSource
 
 _COMMON_FIELDS = ("kind", "num_sessions", "rate", "concurrency", "output_len", "max_prompt_len",
@@ -41,7 +41,7 @@ def sample_sessions(fields: Fields, vocab_size: int | None, streams: Streams) ->
     think_dist = parse_time_distribution(fields.section("think_time_s"))
     message_dist = parse_length_distribution(fields.section("message_len"))
     output_dist = parse_length_distribution(fields.section("output_len"))
-    max_prompt_len, n, token_spec, shared_prefix_len = _prompt_settings(fields, vocab_size)
+    max_prompt_len, n, token_spec, shared_prefix_len = prompt_settings(fields, vocab_size)
     drawn = draw_session_turns(
         num_sessions, turns_dist, think_dist, message_dist, output_dist,
         turns_rng=streams.turns, think_rng=streams.think, message_rng=streams.prompt,
@@ -63,7 +63,7 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
     output_dist = parse_length_distribution(fields.section("output_len"))
     latency_dist = parse_time_distribution(fields.section("tool_latency_s"))
     tool_output_dist = parse_length_distribution(fields.section("tool_output_len"))
-    max_prompt_len, n, token_spec, shared_prefix_len = _prompt_settings(fields, vocab_size)
+    max_prompt_len, n, token_spec, shared_prefix_len = prompt_settings(fields, vocab_size)
     steps = steps_dist.sample(num_sessions, streams.turns)
     num_calls = int(steps.sum())
     latencies = latency_dist.sample(num_calls, streams.think)
@@ -91,19 +91,6 @@ def _population(fields: Fields) -> tuple[int, float, int | None]:
     return num_sessions, rate, concurrency
 
 
-def _prompt_settings(fields: Fields, vocab_size: int | None):
-    """max_prompt_len, n, the token-id spec and shared_prefix_len, checked together."""
-    max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
-    # Prefix caching needs ids, so sessions have them unless told otherwise.
-    n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
-    shared_prefix_len = fields.integer("shared_prefix_len", default=0, minimum=0)
-    if max_prompt_len is not None and shared_prefix_len >= max_prompt_len:
-        raise ValueError(f"{fields.name('max_prompt_len')} must be > "
-                         f"{fields.name('shared_prefix_len')}, got {max_prompt_len} <= "
-                         f"{shared_prefix_len}")
-    return max_prompt_len, n, token_spec, shared_prefix_len
-
-
 def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: Streams,
             num_sessions: int, rate: float, concurrency: int | None,
             first_len: str, marks_final_turns: bool = False) -> SessionSource:
@@ -113,10 +100,7 @@ def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: St
     framework knows a call answered with the final answer rather than a tool call (a chat user's
     last message is not known as such)."""
     if not len(turns.prompt_lens):
-        raise ValueError(f"{fields.name('max_prompt_len')}={fields.get('max_prompt_len', None)} "
-                         f"leaves no request: every session's first prompt "
-                         f"({fields.name('shared_prefix_len')} + a {fields.name(first_len)}) is "
-                         f"longer")
+        raise no_request_left(fields, fields.get("max_prompt_len", None), first_len)
     # Drawn even under concurrency, so the stream after it is the same either way.
     starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, streams.arrival)
     kept_sessions, session_ids = np.unique(turns.sessions, return_inverse=True)
