@@ -169,8 +169,9 @@ class Pin(_SessionTurns):
         self._log.append((when, self.kv_cache.num_retained_blocks() - before))
 
 
-class Offload(_SessionTurns):
-    """Moves a finished turn's cached blocks to the prefix cache's host tier at once."""
+class Offload(_SessionTurns, Evict):
+    """Moves a finished turn's cached blocks to the prefix cache's host tier at once; it holds
+    nothing on the device for idle sessions, so Evict's other hooks are its own."""
 
     keeps_blocks = True
 
@@ -191,23 +192,5 @@ class Offload(_SessionTurns):
         else:
             self.kv_cache.free(seq)
 
-    def turn_arrived(self, request: Request, now: float) -> None:
-        pass
-
     def turn_admitted(self, request: Request, now: float) -> None:
         self.admitted(request)   # (its prefix hit loaded the blocks back)
-
-    def expire(self, now: float) -> None:
-        pass
-
-    def next_expiry(self) -> float:
-        return math.inf
-
-    def holds_for(self, request: Request) -> bool:
-        return False
-
-    def release_oldest(self, now: float, idle_only: bool = False) -> bool:
-        return False
-
-    def held_blocks_log(self) -> list[tuple[float, int]]:
-        return []   # it holds no device blocks for idle sessions
