@@ -44,6 +44,8 @@ GROUP_KEY = re.compile(r"per_(tenant|priority)\.([^.]+)\.(.+)")
 # `cluster.router=my_policies.FewestOutstandingRouter`): a dotted path ending in a class name.
 CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
 TARGET_SUFFIX = "._target_"
+# A latency statistic: mean_ttft_ms, p99_itl_ms, ...
+LATENCY_KEY = re.compile(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms")
 
 
 def short_names(keys: list[str]) -> dict[str, str]:
@@ -89,7 +91,7 @@ def metric_label(key: str) -> str:
     group = GROUP_KEY.fullmatch(key)
     if group:
         return f"{metric_label(group[3])}, {group[1]} {group[2]}"
-    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    match = LATENCY_KEY.fullmatch(key)
     if match:
         return f"{match[1]} {LATENCY_NAMES[match[2]]} (ms)"
     return key
@@ -99,7 +101,7 @@ def metric_heading(key: str) -> str:
     group = GROUP_KEY.fullmatch(key)
     if group:
         return f"{group[2]} {metric_heading(group[3])}"
-    match = re.fullmatch(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms", key)
+    match = LATENCY_KEY.fullmatch(key)
     if match:
         return f"{match[1]} {match[2].upper()} ms"
     return METRIC_HEADINGS.get(key, key)
