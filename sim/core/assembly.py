@@ -31,14 +31,16 @@ def build_preemption(choice, swap_space_gb: float | None = None):
 def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: DictConfig,
                        kv_cache_sizes: Callable[[object], Mapping], *,
                        max_num_batched_tokens: int, max_model_len: int,
-                       max_num_seqs: int | None = None, speculation=None, kv_retention=None):
+                       max_num_seqs: int | None = None, speculation=None, kv_retention=None,
+                       retention_policies: list | None = None):
     """A replica's scheduler over its own KV manager: the KV manager built from `kv_cache_cfg`
     with the keyword arguments `kv_cache_sizes(preemption)` gives (its pools: the host one is
     sized by the preemption policy's swap space), then the speculation policy (a config built
     here, the caller's object, or None: the run does not speculate), then the scheduler with the
     keyword arguments of the contract (policies.protocols.Scheduler). `max_num_seqs` None: the
     scheduler group's own. `kv_retention` (a conf/kv_retention name or mapping; None: evict) is
-    built over the KV manager and passed to the scheduler only when it keeps blocks."""
+    built over the KV manager and passed to the scheduler only when it keeps blocks; then also
+    appended to `retention_policies` (the run's summary reads their logs)."""
     kv_cache = build_policy(kv_cache_cfg, "kv_cache", **kv_cache_sizes(preemption))
     check_policy(kv_cache, KVCacheManager, "kv_cache")
     arguments = dict(kv_cache=kv_cache, preemption=preemption, max_model_len=max_model_len,
@@ -54,6 +56,8 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
     retention = build_kv_retention(kv_retention, kv_cache)
     if retention is not None:
         arguments["kv_retention"] = retention
+        if retention_policies is not None:
+            retention_policies.append(retention)
     scheduler = build_policy(scheduler_cfg, "scheduler", **arguments)
     check_policy(scheduler, Scheduler, "scheduler")
     return scheduler

@@ -172,10 +172,12 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         bar.update(num_requests)
 
     replicas = []
+    retention_policies = []   # the replicas' KV retention policies that keep blocks
     next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
-                                        predictor, next_arrival, count_done)
+                                        predictor, next_arrival, count_done,
+                                        retention_policies)
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
@@ -221,9 +223,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                        if isinstance(replica.executor, SimExecutor)]))
     if has_sessions(requests):
         summary.update(session_kv_summary(requests, [
-            retention.held_blocks_log() for retention in (
-                getattr(replica.scheduler, "kv_retention", None) for replica in replicas)
-            if retention is not None]))
+            retention.held_blocks_log() for retention in retention_policies]))
     warn_unused_features(cfg, requests, summary, replicas)
     warn_rejections(summary)
     if cfg.cluster.get("pools") is not None:
@@ -244,9 +244,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                         metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
-                        next_arrival: NextArrival, on_requests_done) -> list[Replica]:
+                        next_arrival: NextArrival, on_requests_done,
+                        retention_policies: list | None = None) -> list[Replica]:
     """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
-    config) and executor."""
+    config) and executor; the KV retention policies that keep blocks are appended to
+    `retention_policies`."""
     cfg = pool.cfg
     replicas = []
     for replica_id in range(first_id, first_id + pool.num_replicas):
@@ -258,7 +260,7 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             max_num_batched_tokens=max_num_batched_tokens(cfg, model),
             max_model_len=model.max_model_len,
             speculation=None if speculation is None else speculation.policy_cfg,
-            kv_retention=cfg.get("kv_retention"))
+            kv_retention=cfg.get("kv_retention"), retention_policies=retention_policies)
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
