@@ -190,6 +190,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             return None
         if (self._may_allocate_new is not None and not self._may_allocate_new(
                 self._uncached_chunks(seqs, token_budget, chunked))):
+            self._short_of_blocks = True
             return None   # the allocation below would fail: skip taking and freeing its blocks
         num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
         chunks = []
@@ -367,9 +368,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         gets no better before a decode finishes; a scheduler that reorders the queue may pick
         another head later, so it waits for none; nor after kept blocks were released for a
         running request this step (the pool grew after the head was refused). Requests whose KV
-        is arriving (`receiving`)
-        hold their seats and blocks already; the replica's horizon ends the run where they
-        land."""
+        is arriving (`receiving`) hold their seats and blocks already; the replica's horizon
+        ends the run where they land."""
         return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
