@@ -8,7 +8,6 @@ import heapq
 from collections.abc import Iterable
 from itertools import groupby
 
-
 from policies.types import Request
 from sim.core.metrics.statistics import is_completed, latency_arrays_s, stats_ms
 
