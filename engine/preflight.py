@@ -55,7 +55,7 @@ def engine_run_cost(model: ModelSpec, rates: HardwareSpec, memory_bytes: float,
                     prefill_tokens: int) -> EngineRunCost:
     """The cost of `model` (its dtype_bytes as the engine loads it) at `rates`' peak FLOP/s and
     bandwidth, on a device of `memory_bytes`."""
-    flops_per_token = 2 * model.num_layers * model.linear_parameters_per_layer
+    flops_per_token = 2 * model.num_layers * model.active_linear_parameters_per_layer
     # Causal attention: QK^T and PV (2 FLOPs a multiply-add each) over half the square.
     attention_flops = (4 * model.num_layers * model.num_attention_heads * model.head_dim
                        * prefill_tokens * prefill_tokens / 2)

@@ -100,6 +100,9 @@ class Request:
     # The session ends with this request's answer (an agent's final answer, not a tool call:
     # its framework knows once the answer is out), so a KV retention policy keeps nothing for it.
     final_turn: bool = False
+    # The LoRA adapter the request runs with: an index into the run's adapters (0 .. N-1);
+    # None: the base model alone.
+    lora_id: int | None = None
 
     sequences: list[Sequence] = field(default_factory=list)
     replica_id: int = -1

@@ -69,6 +69,29 @@ def test_parameter_counts_match_transformers():
     # Qwen3's per-head q/k norms (2 x 128 weights a layer) are not modelled.
     assert model_spec("qwen3-32b").num_parameters == 32_762_123_264 - 64 * 2 * 128
     assert model_spec("opt-13b").num_parameters == pytest.approx(12.85e9, rel=0.01)
+    # Mixtures of experts: every expert and the router counted (MixtralForCausalLM,
+    # Qwen3MoeForCausalLM built from the configs on the meta device).
+    assert model_spec("mixtral-8x7b").num_parameters == 46_702_792_704
+    assert model_spec("qwen3-30b-a3b").num_parameters == 30_532_122_624 - 48 * 2 * 128
+
+
+def test_a_mixture_runs_each_token_through_its_routed_experts_only():
+    dense, moe = model_spec("llama-2-7b"), model_spec("mixtral-8x7b")
+    assert dense.active_linear_parameters_per_layer == dense.linear_parameters_per_layer
+    assert moe.linear_parameters_per_layer - moe.active_linear_parameters_per_layer \
+        == (8 - 2) * moe.expert_parameters
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"num_experts": 8, "num_experts_per_tok": 9, "moe_intermediate_size": 64},
+     "num_experts_per_tok"),
+    ({"num_experts": 8, "num_experts_per_tok": 2}, "moe_intermediate_size"),
+    ({"num_experts_per_tok": 2}, "num_experts"),
+])
+def test_bad_expert_fields_are_named(fields, key):
+    with pytest.raises(ValueError, match=key):
+        ModelSpec(name="m", num_layers=2, hidden_size=64, num_attention_heads=4,
+                  intermediate_size=128, vocab_size=100, max_model_len=128, **fields)
 
 
 def test_opt_13b_keeps_about_800_kb_of_kv_per_token():

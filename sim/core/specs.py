@@ -64,6 +64,14 @@ class ModelSpec:
     # A local HF checkpoint folder (absolute, or relative to the repo root) the engine loads
     # instead of building seeded random weights; its shape must be this one.
     checkpoint: str | None = None
+    # Mixture of experts (HF's Mixtral / Qwen3-MoE names): 0 experts is a dense model. Each layer's
+    # MLP is `num_experts` gated experts of `moe_intermediate_size` of which a router picks
+    # `num_experts_per_tok` per token, plus (Qwen2-MoE, DeepSeek) always-on shared experts of
+    # `shared_expert_intermediate_size` in all; `intermediate_size` is then unused by the layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         owner = f"ModelSpec({self.name!r})"
@@ -89,6 +97,21 @@ class ModelSpec:
         for name in ("tie_word_embeddings", "bias"):
             boolean(f"{owner}.{name}", getattr(self, name))
         non_negative_int(f"{owner}.num_position_embeddings", self.num_position_embeddings)
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"):
+            non_negative_int(f"{owner}.{name}", getattr(self, name))
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"{owner}.num_experts_per_tok={self.num_experts_per_tok} must be "
+                                 f"between 1 and num_experts={self.num_experts}")
+            positive_int(f"{owner}.moe_intermediate_size", self.moe_intermediate_size)
+            if self.mlp != "gated" or self.bias:
+                raise ValueError(f"{owner}: experts are gated MLPs without biases (mlp: gated, "
+                                 f"bias: false)")
+        elif self.num_experts_per_tok or self.moe_intermediate_size \
+                or self.shared_expert_intermediate_size:
+            raise ValueError(f"{owner}: num_experts_per_tok, moe_intermediate_size and "
+                             f"shared_expert_intermediate_size need num_experts > 0")
 
     @classmethod
     def from_config(cls, config: Mapping | DictConfig) -> ModelSpec:
@@ -105,16 +128,50 @@ class ModelSpec:
         return self.num_key_value_heads * self.head_dim
 
     @property
-    def linear_parameters_per_layer(self) -> int:
-        """Weights of the matrix multiplies in one layer (q, k, v, o and the MLP), biases included."""
-        h, inter = self.hidden_size, self.intermediate_size
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_parameters_per_layer(self) -> int:
+        """q, k, v and o projections, biases included."""
+        h = self.hidden_size
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        num_mlp_matrices = 3 if self.mlp == "gated" else 2
-        mlp = num_mlp_matrices * h * inter
         if self.bias:
             attention += self.q_size + 2 * self.kv_size + h
-            mlp += (num_mlp_matrices - 1) * inter + h
-        return attention + mlp
+        return attention
+
+    @property
+    def expert_parameters(self) -> int:
+        """One routed expert's gate, up and down matrices (0 for a dense model)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def always_active_mlp_parameters_per_layer(self) -> int:
+        """The MLP weights every token runs through: the whole MLP of a dense layer; the router
+        and the shared experts of a mixture-of-experts layer."""
+        h = self.hidden_size
+        if self.is_moe:
+            return h * self.num_experts + 3 * h * self.shared_expert_intermediate_size
+        num_mlp_matrices = 3 if self.mlp == "gated" else 2
+        mlp = num_mlp_matrices * h * self.intermediate_size
+        if self.bias:
+            mlp += (num_mlp_matrices - 1) * self.intermediate_size + h
+        return mlp
+
+    @property
+    def linear_parameters_per_layer(self) -> int:
+        """Weights of the matrix multiplies in one layer (q, k, v, o and the MLP, every expert of
+        a mixture counted), biases included: what the layer holds in memory."""
+        return (self.attention_parameters_per_layer + self.always_active_mlp_parameters_per_layer
+                + self.num_experts * self.expert_parameters)
+
+    @property
+    def active_linear_parameters_per_layer(self) -> int:
+        """The weights one token's matrix multiplies run through: a mixture's routed experts
+        count `num_experts_per_tok` times, not `num_experts` (= linear_parameters_per_layer for
+        a dense model)."""
+        return (self.attention_parameters_per_layer + self.always_active_mlp_parameters_per_layer
+                + self.num_experts_per_tok * self.expert_parameters)
 
     @property
     def norm_parameters_per_layer(self) -> int:
