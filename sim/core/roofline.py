@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from policies import validators
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
+from sim.core.energy.work import ModelStepWork
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -141,6 +142,15 @@ class RooflineCostModel:
         # The prefix cache's host tier moves blocks at its own configured bandwidth.
         self._offload_s_per_block = offload_seconds_per_block(m, hw, self.block_size, tp,
                                                               offload_bandwidth_gbps)
+        # The FLOPs and bytes of a step (sim/core/energy/work.py): the power model's input.
+        self._work = ModelStepWork(m, tp, self.block_size)
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step on one GPU (energy.work.StepWorkCostModel)."""
+        return self._work.step_work(plan)
+
+    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
+        return self._work.repeated_step_work(plan, num_steps)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -1,0 +1,87 @@
+"""Each replica's energy as its steps go: the step recorder (sim/core/metrics/recorder.py) hands
+every step, or run of repeated decode steps, to the replica's `EnergyMeter`, which adds the busy
+joules in O(1); the idle time between steps is charged once, at the summary."""
+from __future__ import annotations
+
+import math
+
+from omegaconf import DictConfig, OmegaConf
+
+from policies.checks import check_policy, has_capability
+from policies.types import StepPlan
+from sim.core.energy.power import PowerModel, UtilisationPowerModel
+from sim.core.energy.work import ModelStepWork, StepWorkCostModel
+from sim.core.specs import HardwareSpec, ModelSpec
+
+
+class EnergyMeter:
+    """The busy seconds and joules of one replica of `num_boards` GPUs (tensor_parallel_size:
+    each board draws the power model's watts), the work of each step from `work`."""
+
+    __slots__ = ("power_model", "work", "num_boards", "busy_s", "busy_j")
+
+    def __init__(self, power_model: PowerModel, work: StepWorkCostModel, num_boards: int = 1):
+        self.power_model = power_model
+        self.work = work
+        self.num_boards = num_boards
+        self.busy_s = 0.0
+        self.busy_j = 0.0   # all boards' joules during steps, their idle power included
+
+    def add_step(self, plan: StepPlan, duration: float) -> None:
+        flops, bytes_moved = self.work.step_work(plan)
+        self.busy_s += duration
+        self.busy_j += self.num_boards * self.power_model.busy_energy_j(duration, flops,
+                                                                         bytes_moved)
+
+    def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
+        """A run of len(durations) repeated decode steps of `plan`, costed as one span: the
+        default power model is linear below its cap, so the span's joules are its steps' sum."""
+        flops, bytes_moved = self.work.repeated_step_work(plan, len(durations))
+        duration = math.fsum(durations)
+        self.busy_s += duration
+        self.busy_j += self.num_boards * self.power_model.busy_energy_j(duration, flops,
+                                                                         bytes_moved)
+
+    def energy_j(self, span_s: float) -> float:
+        """All boards' joules over a run of `span_s` seconds: the steps', and idle power the
+        rest of the time (a replica is powered for the whole run)."""
+        idle_s = max(span_s - self.busy_s, 0.0)
+        return self.busy_j + self.num_boards * self.power_model.idle_power_w * idle_s
+
+
+def build_power_model(power_cfg: DictConfig | None, hardware: HardwareSpec) -> PowerModel:
+    """The run's power model for `hardware` from its `power` group (None: the default
+    UtilisationPowerModel); its `_target_` is any class taking `hardware` and the group's keys."""
+    if power_cfg is None:
+        return UtilisationPowerModel(hardware)
+    fields = OmegaConf.to_container(power_cfg, resolve=True) if isinstance(
+        power_cfg, DictConfig) else dict(power_cfg)
+    if not isinstance(fields, dict):
+        raise ValueError(f"power must be a mapping with a _target_, got {power_cfg!r}")
+    target = fields.pop("_target_", None)
+    if target is None:
+        return UtilisationPowerModel(hardware, **_checked_keys(fields))
+    from hydra.utils import get_class
+    model = get_class(target)(hardware, **fields)
+    check_policy(model, PowerModel, "power")
+    return model
+
+
+def _checked_keys(fields: dict) -> dict:
+    allowed = ("compute_saturation", "memory_weight")
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise ValueError(f"power: unknown key(s) {unknown}; UtilisationPowerModel takes "
+                         f"{', '.join(allowed)}")
+    return fields
+
+
+def build_energy_meter(power_cfg: DictConfig | None, model: ModelSpec, hardware: HardwareSpec,
+                       tensor_parallel_size: int, block_size: int,
+                       cost_model=None) -> EnergyMeter:
+    """A replica's meter: its work from `cost_model` where it says (StepWorkCostModel), else
+    from the model's shape (the engine's executor, a profiled or a user's cost model)."""
+    work = (cost_model if cost_model is not None
+            and has_capability(cost_model, StepWorkCostModel, "cost_model")
+            else ModelStepWork(model, tensor_parallel_size, block_size))
+    return EnergyMeter(build_power_model(power_cfg, hardware), work, tensor_parallel_size)
