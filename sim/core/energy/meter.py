@@ -18,7 +18,8 @@ class EnergyMeter:
     """The busy seconds and joules of one replica of `num_boards` GPUs (tensor_parallel_size:
     each board draws the power model's watts), the work of each step from `work`."""
 
-    __slots__ = ("power_model", "work", "num_boards", "busy_s", "busy_j")
+    __slots__ = ("power_model", "work", "num_boards", "busy_s", "busy_j", "_step_work",
+                 "_busy_energy_j")
 
     def __init__(self, power_model: PowerModel, work: StepWorkCostModel, num_boards: int = 1):
         self.power_model = power_model
@@ -26,12 +27,13 @@ class EnergyMeter:
         self.num_boards = num_boards
         self.busy_s = 0.0
         self.busy_j = 0.0   # all boards' joules during steps, their idle power included
+        # (Bound once: add_step runs every step.)
+        self._step_work, self._busy_energy_j = work.step_work, power_model.busy_energy_j
 
     def add_step(self, plan: StepPlan, duration: float) -> None:
-        flops, bytes_moved = self.work.step_work(plan)
+        flops, bytes_moved = self._step_work(plan)
         self.busy_s += duration
-        self.busy_j += self.num_boards * self.power_model.busy_energy_j(duration, flops,
-                                                                         bytes_moved)
+        self.busy_j += self.num_boards * self._busy_energy_j(duration, flops, bytes_moved)
 
     def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
         """A run of len(durations) repeated decode steps of `plan`, costed as one span: the

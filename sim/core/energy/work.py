@@ -81,8 +81,11 @@ class ModelStepWork:
         flops = (num_tokens * self._linear_flops_per_token
                  + num_sampling * self._lm_head_flops_per_row
                  + pairs * self._attention_flops_per_pair)
-        bytes_moved = (self._weights_read(num_tokens) + kv_tokens * self._kv_bytes_per_token
-                       + num_copied * self._copy_bytes_per_block)
+        bytes_moved = ((self._weight_bytes if self._miss_per_token == 1.0
+                        else self._weights_read(num_tokens))
+                       + kv_tokens * self._kv_bytes_per_token)
+        if num_copied:
+            bytes_moved += num_copied * self._copy_bytes_per_block
         return flops, bytes_moved
 
     def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
