@@ -203,3 +203,21 @@ class NotAPowerModel:
 
     def describe(self) -> str:
         return "half a power model"
+
+
+def sweep_job(policy: str, rate: float, attainment: float, tokens_per_joule: float):
+    from sim.tools.report import Job
+    return Job(name=f"{policy}-{rate}", overrides={"policy": policy, "workload.rate": str(rate)},
+               values={"policy": policy, "workload.rate": rate},
+               summary={"slo_attainment": attainment, "tokens_per_joule": tokens_per_joule,
+                        "output_throughput": 1.0, "joules_per_output_token": 1 / tokens_per_joule,
+                        "avg_power_w": 300.0})
+
+
+def test_energy_at_slo_is_at_each_policys_highest_rate_meeting_it():
+    from sim.tools.report_energy import energy_at_slo, policies_by_label
+    jobs = [sweep_job("a", 4, 0.95, 5.0), sweep_job("a", 2, 1.0, 3.0), sweep_job("a", 8, 0.5, 9.0),
+            sweep_job("b", 2, 0.8, 2.0), sweep_job("b", 4, 0.1, 4.0)]
+    rows = energy_at_slo(policies_by_label(jobs, "workload.rate"), "workload.rate", 0.9)
+    assert rows["policy=a"]["workload.rate"] == 4 and rows["policy=a"]["tokens_per_joule"] == 5.0
+    assert rows["policy=b"] == {}

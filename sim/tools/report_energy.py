@@ -98,7 +98,11 @@ def plot_energy(policies: dict[str, list[Job]], rows: dict[str, dict[str, Any]],
                      color=[f"C{index % 10}" for index in range(len(labels))])
     for bar, label in zip(drawn, labels):
         rate = rows[label].get(x_key)
-        bars.annotate("none met" if rate is None else f"{rate:g} {x_key.split('.')[-1]}",
+        if rate is None:
+            at = "none met"
+        else:
+            at = f"{rate:g} req/s" if x_key == DEFAULT_X_KEY else f"{x_key}={rate:g}"
+        bars.annotate(at,
                       (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                       ha="center", va="bottom", fontsize=8)
     bars.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
