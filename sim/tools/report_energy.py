@@ -102,9 +102,11 @@ def plot_energy(policies: dict[str, list[Job]], rows: dict[str, dict[str, Any]],
             at = "none met"
         else:
             at = f"{rate:g} req/s" if x_key == DEFAULT_X_KEY else f"{x_key}={rate:g}"
+            at += f"\n{bar.get_height():.2f} tok/J"
         bars.annotate(at,
                       (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                       ha="center", va="bottom", fontsize=8)
+    bars.set_ylim(top=1.3 * max(heights + [1e-9]))   # room for the labels above the bars
     bars.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
     bars.set_ylabel("output tokens per joule")
     bars.set_title(f"at each policy's highest {x_key} with SLO attainment >= {target:g}",
@@ -172,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the SLO attainment each policy must keep (default %(default)s)")
     parser.add_argument("--x", dest="x_key", default=DEFAULT_X_KEY,
                         help="the load override (default %(default)s)")
+    parser.add_argument("--title", default=None, help="figure title")
     args = parser.parse_args(argv)
     try:
-        write_energy_report(args.sweep_dir, args.slo_attainment, args.x_key,
+        write_energy_report(args.sweep_dir, args.slo_attainment, args.x_key, args.title,
                             console=report_console())
     except (ReportError, ValueError) as error:
         print(f"python -m sim.tools.report_energy: error: {error}", file=sys.stderr)
