@@ -3,8 +3,6 @@ every step, or run of repeated decode steps, to the replica's `EnergyMeter`, whi
 joules in O(1); the idle time between steps is charged once, at the summary."""
 from __future__ import annotations
 
-import math
-
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
@@ -39,7 +37,7 @@ class EnergyMeter:
         """A run of len(durations) repeated decode steps of `plan`, costed as one span: the
         default power model is linear below its cap, so the span's joules are its steps' sum."""
         flops, bytes_moved = self.work.repeated_step_work(plan, len(durations))
-        duration = math.fsum(durations)
+        duration = sum(durations)
         self.busy_s += duration
         self.busy_j += self.num_boards * self.power_model.busy_energy_j(duration, flops,
                                                                          bytes_moved)

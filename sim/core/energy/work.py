@@ -29,7 +29,31 @@ class StepWorkCostModel(Protocol):
     without it is given `ModelStepWork` of its model)."""
 
     def step_work(self, plan: StepPlan) -> tuple[float, float]:
-        """(FLOPs, device-memory bytes) of the step `plan` on one GPU."""
+        num_decodes, num_drafts = plan.num_decode_seqs, plan.num_draft_tokens
+        num_prefill = plan.num_prefill_tokens
+        num_tokens = num_prefill + num_decodes + num_drafts
+        num_copied = len(plan.blocks_to_copy)
+        if not num_tokens:
+            return 0.0, num_copied * self._copy_bytes_per_block
+        if num_prefill:
+            pairs = plan.prefill_attention_work - plan.sum_squared_prefill_chunks / 2
+            kv_tokens = plan.prefill_context_tokens + num_prefill
+        else:
+            pairs = kv_tokens = 0
+        if num_decodes:
+            context = plan.decode_context_tokens
+            pairs += context + num_drafts * context / num_decodes if num_drafts else context
+            kv_tokens += context + num_decodes + num_drafts
+        num_sampling = num_decodes + plan.num_prefill_seqs + num_drafts
+        flops = (num_tokens * self._linear_flops_per_token
+                 + num_sampling * self._lm_head_flops_per_row
+                 + pairs * self._attention_flops_per_pair)
+        bytes_moved = ((self._weight_bytes if self._miss_per_token == 1.0
+                        else self._weights_read(num_tokens))
+                       + kv_tokens * self._kv_bytes_per_token)
+        if num_copied:
+            bytes_moved += num_copied * self._copy_bytes_per_block
+        return flops, bytes_moved
 
     def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
         """The same, summed over the decode batch `plan` and the next `num_steps - 1` steps of
