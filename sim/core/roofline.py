@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from policies import validators
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
-from sim.core.experts import ExpertLayout, RooflineExperts
+from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -122,6 +122,7 @@ class RooflineCostModel:
         # A mixture's routed experts are their own term (sim/core/experts.py): the linear layers
         # here are those every token runs through.
         self.routing, self._experts = routing, None
+        check_expert_parallel_size(m, expert_parallel_size, tp)
         if m.is_moe:
             linear_params = m.num_layers * (m.attention_parameters_per_layer
                                             + m.always_active_mlp_parameters_per_layer) / tp
