@@ -3,6 +3,7 @@ routing, routed experts in both cost models against a dense model and hand arith
 parallelism (all-to-all bytes, weights per GPU), bad settings named, and the real-run settings.
 No wall-clock."""
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,9 @@ from sim.gpu.tables import LayerShape
 from factories import decode_plan, hardware_spec, make_cfg, model_spec
 
 torch.set_num_threads(1)
+
+REAL_RUN = (Path(__file__).resolve().parent.parent / "data" / "real-runs" / "llmservingsim"
+            / "RTXPRO6000" / "Qwen3-30B-A3B-Instruct-2507")
 
 
 def dense_equivalent(moe):
@@ -294,3 +298,23 @@ def test_real_run_settings_map_expert_parallel():
     assert provenance["enable_expert_parallel"]["override"] == "cluster.expert_parallel_size=2"
     overrides, _ = settings_overrides({**settings, "enable_expert_parallel": False}, [], "run")
     assert not any(o.startswith("cluster.expert_parallel_size") for o in overrides)
+
+
+def test_shipped_moe_run_reads_as_published_and_replays_with_expert_parallelism():
+    """The Qwen3-30B-A3B run (data/real-runs/llmservingsim/RTXPRO6000/): its real side is
+    LLMServingSim's own validation_summary.txt (vLLM TTFT mean 1086.0 ms, TPOT mean 47.3,
+    latency mean 32344.6), and the replay runs it on two replicas with the experts split over
+    both (data parallel 2 + expert parallel)."""
+    from calibration.realrun.readers import read_run
+    from calibration.realrun.replay import replay
+
+    run = read_run(REAL_RUN)
+    assert run.num_requests == 300
+    assert run.ttft_s.mean() * 1000 == pytest.approx(1086.0, abs=0.05)
+    assert np.nanmean(run.tpot_s) * 1000 == pytest.approx(47.3, abs=0.05)
+    assert run.e2e_s.mean() * 1000 == pytest.approx(32344.6, abs=0.05)
+    result = replay(run)
+    assert {"model=qwen3-30b-a3b", "cluster.num_replicas=2",
+            "cluster.expert_parallel_size=2"} <= set(result["overrides"])
+    (stage,) = result["stages"]
+    assert stage["sim"]["mean_tpot_ms"] > 0 and result["sim_preemptions"] == 0
