@@ -85,6 +85,17 @@ def test_closed_form_matches_monte_carlo_skewed_and_histogram(routing):
         assert abs(touched.mean() - expected) < 4 * touched.std() / np.sqrt(len(touched)) + 1e-9
 
 
+def test_inclusion_probabilities_cap_at_one_pick_a_token():
+    """k x share, an expert over 1 capped and its excess spread over the rest by their shares."""
+    np.testing.assert_allclose(inclusion_probabilities(np.array([0.4, 0.3, 0.2, 0.1]), 2),
+                               [0.8, 0.6, 0.4, 0.2])
+    np.testing.assert_allclose(inclusion_probabilities(np.array([100, 1, 1, 1]), 2),
+                               [1, 1 / 3, 1 / 3, 1 / 3])
+    np.testing.assert_allclose(inclusion_probabilities(np.array([100, 10, 1, 1]), 3),
+                               [1, 1, 0.5, 0.5])
+    np.testing.assert_allclose(inclusion_probabilities(np.array([3, 1, 0, 0]), 2), [1, 1, 0, 0])
+
+
 def test_skewed_routing_touches_fewer_experts_than_uniform():
     qwen = model_spec("qwen3-30b-a3b")
     uniform = ExpertLayout.of(qwen, "uniform")

@@ -81,11 +81,12 @@ def inclusion_probabilities(shares: np.ndarray, k: int) -> np.ndarray:
     if k > np.count_nonzero(shares):
         raise ValueError(f"{ROUTING_KEY}: {k} experts per token need at least {k} experts with a "
                          f"positive share, got {np.count_nonzero(shares)}")
-    inclusion = np.zeros_like(shares)
     capped = np.zeros(len(shares), dtype=bool)
-    while True:
+    while True:   # each round caps at least one more expert, so at most E rounds
         remaining = k - capped.sum()
         free = shares * ~capped
+        if remaining <= 0 or free.sum() <= 0:   # every expert with a share is picked always
+            return capped.astype(float)
         inclusion = np.where(capped, 1.0, remaining * free / free.sum())
         over = inclusion > 1.0
         if not over.any():
@@ -122,7 +123,7 @@ def check_expert_parallel_size(model: ModelSpec, expert_parallel_size: int,
     return ep
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExpertLayout:
     """How one GPU sees a step's routed experts (module docstring)."""
 
