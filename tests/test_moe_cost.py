@@ -94,6 +94,9 @@ def test_inclusion_probabilities_cap_at_one_pick_a_token():
     np.testing.assert_allclose(inclusion_probabilities(np.array([100, 10, 1, 1]), 3),
                                [1, 1, 0.5, 0.5])
     np.testing.assert_allclose(inclusion_probabilities(np.array([3, 1, 0, 0]), 2), [1, 1, 0, 0])
+    # Every expert every token: 7 x 1/7 rounds over 1 for some, and all end capped.
+    np.testing.assert_array_equal(inclusion_probabilities(routing_shares("uniform", 7), 7),
+                                  np.ones(7))
 
 
 def test_skewed_routing_touches_fewer_experts_than_uniform():
