@@ -201,7 +201,8 @@ def per_token_table(seconds_from_one: np.ndarray) -> tuple[list[float], float]:
 class RooflineExperts:
     """The routed experts' seconds per step, all layers, on the roofline: per layer
     max(expert FLOPs / FLOP rate, touched experts' bytes / bandwidth), plus with expert
-    parallelism a dispatch and a combine all-to-all, each its latency plus bytes / link rate.
+    parallelism a dispatch and a combine all-to-all, each a collective's fixed latency (the
+    model's allreduce_latency_s) plus its bytes / achieved link rate.
     Precomputed per token count, so `seconds(T)` is a list lookup."""
 
     def __init__(self, layout: ExpertLayout, hardware: HardwareSpec, compute_efficiency: float,
