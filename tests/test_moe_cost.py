@@ -179,10 +179,10 @@ def test_small_decode_reads_fewer_expert_weights_than_dense_and_large_batches_al
         assert moe_cost.step_time(plan) < 0.9 * dense_cost.step_time(plan)
     for batch in (256, 1024, 4096):
         assert layout.expert_weight_bytes_read(batch) == pytest.approx(all_experts, rel=1e-6)
-    # Reading all the experts, a big decode batch costs the MoE at least 80 % of what its
-    # expert weights alone take to read: nothing is skipped once every expert is touched.
-    bandwidth_s = all_experts * mixtral.num_layers / (a100.memory_bandwidth * 1.12)
-    assert moe_cost.step_time(decode_plan(256, 512)) > 0.8 * bandwidth_s
+    # Every expert touched, a big decode batch takes at least the time its expert weights take
+    # to read at the spec-sheet bandwidth: nothing is skipped.
+    bandwidth_s = all_experts * mixtral.num_layers / a100.memory_bandwidth
+    assert moe_cost.step_time(decode_plan(256, 512)) > bandwidth_s
 
 
 def test_roofline_routed_experts_by_hand():
