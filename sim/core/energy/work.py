@@ -11,7 +11,8 @@ The terms are the roofline's (sim/core/roofline.py) without its efficiencies:
           + 2 x KV block bytes x blocks copied                  (copy-on-write: read and write)
 
 all divided over the tensor-parallel GPUs as the roofline splits them. A mixture of experts reads
-the experts its tokens touch: under uniform routing E (1 - (1 - k/E)^tokens) of them. Swaps and
+the experts its tokens touch (sim/core/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
+of them; the cost model's routing and expert parallelism where it has them). Swaps and
 host-tier moves cross PCIe and drafting runs its own model: neither is counted (their seconds
 count at the step's utilisation).
 """
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from policies.types import StepPlan
+from sim.core.experts import TABLE_TOKENS, ExpertLayout, per_token_table
 from sim.core.specs import ModelSpec
 
 
@@ -27,6 +31,50 @@ from sim.core.specs import ModelSpec
 class StepWorkCostModel(Protocol):
     """A cost model that says how much work the steps it costs do (optional: a cost model
     without it is given `ModelStepWork` of its model)."""
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step `plan` on one GPU."""
+
+    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
+        """The same, summed over the decode batch `plan` and the next `num_steps - 1` steps of
+        it, every decode's context a token longer each step (as repeated_step_times)."""
+
+
+class ModelStepWork:
+    """`step_work` and `repeated_step_work` of `model` on `tensor_parallel_size` GPUs."""
+
+    def __init__(self, model: ModelSpec, tensor_parallel_size: int = 1, block_size: int = 16,
+                 experts: ExpertLayout | None = None):
+        m, tp = model, tensor_parallel_size
+        self.model, self.tensor_parallel_size = m, tp
+        self._linear_flops_per_token = 2 * m.num_layers * m.active_linear_parameters_per_layer / tp
+        # Weights every step reads; a mixture's routed experts as many as its tokens touch
+        # (`experts`, the cost model's routing and expert parallelism; uniform routing without).
+        self._weight_bytes = ((m.num_layers * m.linear_parameters_per_layer
+                               + m.lm_head_parameters) * m.dtype_bytes / tp)
+        self._expert_bytes: list[float] | None = None
+        if m.is_moe:
+            self._weight_bytes = ((m.num_layers * (m.attention_parameters_per_layer
+                                                   + m.always_active_mlp_parameters_per_layer)
+                                   + m.lm_head_parameters) * m.dtype_bytes / tp)
+            layout = experts if experts is not None else ExpertLayout.of(m, "uniform", tp)
+            tokens = np.arange(1, TABLE_TOKENS + 1, dtype=float)
+            self._expert_bytes, self._expert_bytes_slope = per_token_table(
+                m.num_layers * layout.expert_weight_bytes_read(tokens))
+        self._lm_head_flops_per_row = 2 * m.lm_head_parameters / tp
+        self._attention_flops_per_pair = (4 * m.num_layers * (m.num_attention_heads // tp)
+                                          * m.head_dim)
+        self._kv_bytes_per_token = m.kv_bytes_per_token_per_gpu(tp)
+        self._copy_bytes_per_block = 2 * block_size * self._kv_bytes_per_token
+
+    def _weights_read(self, num_tokens: int) -> float:
+        """Bytes of weights a step over `num_tokens` tokens reads (a mixture: O(1), a table)."""
+        if self._expert_bytes is None:
+            return self._weight_bytes
+        if num_tokens <= TABLE_TOKENS:
+            return self._weight_bytes + self._expert_bytes[num_tokens]
+        return (self._weight_bytes + self._expert_bytes[TABLE_TOKENS]
+                + (num_tokens - TABLE_TOKENS) * self._expert_bytes_slope)
 
     def step_work(self, plan: StepPlan) -> tuple[float, float]:
         num_decodes, num_drafts = plan.num_decode_seqs, plan.num_draft_tokens
@@ -48,64 +96,7 @@ class StepWorkCostModel(Protocol):
         flops = (num_tokens * self._linear_flops_per_token
                  + num_sampling * self._lm_head_flops_per_row
                  + pairs * self._attention_flops_per_pair)
-        bytes_moved = ((self._weight_bytes if self._miss_per_token == 1.0
-                        else self._weights_read(num_tokens))
-                       + kv_tokens * self._kv_bytes_per_token)
-        if num_copied:
-            bytes_moved += num_copied * self._copy_bytes_per_block
-        return flops, bytes_moved
-
-    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
-        """The same, summed over the decode batch `plan` and the next `num_steps - 1` steps of
-        it, every decode's context a token longer each step (as repeated_step_times)."""
-
-
-class ModelStepWork:
-    """`step_work` and `repeated_step_work` of `model` on `tensor_parallel_size` GPUs."""
-
-    def __init__(self, model: ModelSpec, tensor_parallel_size: int = 1, block_size: int = 16):
-        m, tp = model, tensor_parallel_size
-        self.model, self.tensor_parallel_size = m, tp
-        self._linear_flops_per_token = 2 * m.num_layers * m.active_linear_parameters_per_layer / tp
-        # Weights every step reads; a mixture adds the experts its tokens touch.
-        dense_params = m.num_layers * (m.attention_parameters_per_layer
-                                       + m.always_active_mlp_parameters_per_layer)
-        self._expert_bytes = m.num_layers * m.expert_parameters * m.dtype_bytes / tp
-        self._weight_bytes = (dense_params + m.lm_head_parameters) * m.dtype_bytes / tp
-        if not m.is_moe:
-            self._weight_bytes = ((m.num_layers * m.linear_parameters_per_layer
-                                   + m.lm_head_parameters) * m.dtype_bytes / tp)
-        self._miss_per_token = 1 - m.num_experts_per_tok / m.num_experts if m.is_moe else 1.0
-        self._lm_head_flops_per_row = 2 * m.lm_head_parameters / tp
-        self._attention_flops_per_pair = (4 * m.num_layers * (m.num_attention_heads // tp)
-                                          * m.head_dim)
-        self._kv_bytes_per_token = m.kv_bytes_per_token_per_gpu(tp)
-        self._copy_bytes_per_block = 2 * block_size * self._kv_bytes_per_token
-
-    def _weights_read(self, num_tokens: int) -> float:
-        """Bytes of weights a step over `num_tokens` tokens reads."""
-        if self._miss_per_token == 1.0:
-            return self._weight_bytes
-        experts = self.model.num_experts * (1 - self._miss_per_token ** num_tokens)
-        return self._weight_bytes + experts * self._expert_bytes
-
-    def step_work(self, plan: StepPlan) -> tuple[float, float]:
-        num_decodes, num_drafts = plan.num_decode_seqs, plan.num_draft_tokens
-        num_tokens = plan.num_prefill_tokens + num_decodes + num_drafts
-        num_copied = len(plan.blocks_to_copy)
-        if not num_tokens:
-            return 0.0, num_copied * self._copy_bytes_per_block
-        pairs = plan.prefill_attention_work - plan.sum_squared_prefill_chunks / 2
-        kv_tokens = plan.prefill_context_tokens + plan.num_prefill_tokens
-        if num_decodes:
-            context = plan.decode_context_tokens
-            pairs += context + num_drafts * context / num_decodes
-            kv_tokens += context + num_decodes + num_drafts
-        num_sampling = num_decodes + plan.num_prefill_seqs + num_drafts
-        flops = (num_tokens * self._linear_flops_per_token
-                 + num_sampling * self._lm_head_flops_per_row
-                 + pairs * self._attention_flops_per_pair)
-        bytes_moved = ((self._weight_bytes if self._miss_per_token == 1.0
+        bytes_moved = ((self._weight_bytes if self._expert_bytes is None
                         else self._weights_read(num_tokens))
                        + kv_tokens * self._kv_bytes_per_token)
         if num_copied:
