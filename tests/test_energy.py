@@ -239,3 +239,26 @@ def test_the_energy_presets_numbers():
     assert chunked["slo_attainment"] >= 0.9
     assert chunked["tokens_per_joule"] == pytest.approx(9.90, abs=0.005)
     assert static["slo_attainment"] == pytest.approx(0.469, abs=0.0005)
+
+
+def test_a_mixtures_work_follows_the_cost_models_routing():
+    """Skewed routing sends the tokens of a small batch to fewer experts than uniform: the
+    roofline's expert layout reaches the work."""
+    model, hardware = model_spec("mixtral-8x7b"), hardware_spec("h100-80gb")
+    plan = decode_plan(4, 200)
+    uniform = RooflineCostModel(model, hardware, tensor_parallel_size=2).step_work(plan)[1]
+    skewed = RooflineCostModel(model, hardware, tensor_parallel_size=2,
+                               routing="skewed").step_work(plan)[1]
+    assert skewed < uniform == ModelStepWork(model, 2).step_work(plan)[1]
+
+
+def test_verified_drafts_are_tokens_and_queries_over_the_mean_context():
+    model = model_spec("llama-2-7b")
+    plan = decode_plan(4, 300)
+    plan.num_draft_tokens = 12   # 3 drafts a sequence: 16 tokens through the weights
+    flops, bytes_moved = ModelStepWork(model).step_work(plan)
+    weights = model.num_layers * model.linear_parameters_per_layer + model.lm_head_parameters
+    per_pair = 4 * model.num_layers * model.num_attention_heads * model.head_dim
+    assert flops == pytest.approx(2 * weights * 16 + per_pair * (4 + 12) * 300, rel=1e-12)
+    assert bytes_moved == pytest.approx(weights * model.dtype_bytes + model.kv_bytes_per_token * (
+        4 * 300 + 4 + 12), rel=1e-12)
