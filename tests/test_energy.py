@@ -50,16 +50,23 @@ def test_a_decode_steps_work_is_the_hand_count():
     assert bytes_moved == pytest.approx(ref_bytes, rel=1e-12)
 
 
-def test_repeated_steps_work_is_the_sum_of_their_steps():
-    work = ModelStepWork(model_spec("llama-2-7b"))
+def test_a_run_of_repeated_steps_counts_as_its_steps_one_by_one():
+    """A run of repeated decode steps (one event) adds, bit for bit, what its steps would add
+    one at a time, every decode's context a token longer each step."""
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    durations = [0.0131, 0.0133, 0.0129, 0.0137, 0.0135]
+
+    def meter():
+        return build_energy_meter(None, model, hardware, 2, 16,
+                                  RooflineCostModel(model, hardware, tensor_parallel_size=2))
+
+    together, one_by_one = meter(), meter()
     plan = decode_plan(5, 300)
-    total_flops = total_bytes = 0.0
-    for step in range(7):   # each step every decode's context a token longer
-        flops, bytes_moved = work.step_work(decode_plan(5, 300 + step))
-        total_flops, total_bytes = total_flops + flops, total_bytes + bytes_moved
-    flops, bytes_moved = work.repeated_step_work(plan, 7)
-    assert flops == pytest.approx(total_flops, rel=1e-12)
-    assert bytes_moved == pytest.approx(total_bytes, rel=1e-12)
+    together.add_repeated_steps(plan, durations)
+    assert plan.decode_context_tokens == 5 * 300   # the plan is left as it was
+    for step, duration in enumerate(durations):
+        one_by_one.add_step(decode_plan(5, 300 + step), duration)
+    assert (together.busy_s, together.busy_j) == (one_by_one.busy_s, one_by_one.busy_j)
 
 
 def test_a_mixture_reads_fewer_experts_in_small_batches():

@@ -165,9 +165,6 @@ class RooflineCostModel:
         """(FLOPs, device-memory bytes) of the step on one GPU (energy.work.StepWorkCostModel)."""
         return self._work.step_work(plan)
 
-    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
-        return self._work.repeated_step_work(plan, num_steps)
-
     @property
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block on one GPU."""

@@ -34,13 +34,23 @@ class EnergyMeter:
         self.busy_j += self.num_boards * self._busy_energy_j(duration, flops, bytes_moved)
 
     def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
-        """A run of len(durations) repeated decode steps of `plan`, costed as one span: the
-        default power model is linear below its cap, so the span's joules are its steps' sum."""
-        flops, bytes_moved = self.work.repeated_step_work(plan, len(durations))
-        duration = sum(durations)
-        self.busy_s += duration
-        self.busy_j += self.num_boards * self.power_model.busy_energy_j(duration, flops,
-                                                                         bytes_moved)
+        """A run of len(durations) repeated decode steps of `plan`, each as add_step would
+        count it on its own (every decode's context a token longer each step; the first step's
+        block copies, if any, only in it): the same sums, so a run's joules come out bit for bit
+        as when its steps run one by one."""
+        step_work, busy_energy_j, num_boards = self._step_work, self._busy_energy_j, self.num_boards
+        context, num_decodes, copies = (plan.decode_context_tokens, plan.num_decode_seqs,
+                                        plan.blocks_to_copy)
+        try:
+            for step, duration in enumerate(durations):
+                if step == 1 and copies:
+                    plan.blocks_to_copy = []
+                plan.decode_context_tokens = context + step * num_decodes
+                flops, bytes_moved = step_work(plan)
+                self.busy_s += duration
+                self.busy_j += num_boards * busy_energy_j(duration, flops, bytes_moved)
+        finally:
+            plan.decode_context_tokens, plan.blocks_to_copy = context, copies
 
     def energy_j(self, span_s: float) -> float:
         """All boards' joules over a run of `span_s` seconds: the steps', and idle power the

@@ -35,13 +35,9 @@ class StepWorkCostModel(Protocol):
     def step_work(self, plan: StepPlan) -> tuple[float, float]:
         """(FLOPs, device-memory bytes) of the step `plan` on one GPU."""
 
-    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
-        """The same, summed over the decode batch `plan` and the next `num_steps - 1` steps of
-        it, every decode's context a token longer each step (as repeated_step_times)."""
-
 
 class ModelStepWork:
-    """`step_work` and `repeated_step_work` of `model` on `tensor_parallel_size` GPUs."""
+    """`step_work` of `model` on `tensor_parallel_size` GPUs."""
 
     def __init__(self, model: ModelSpec, tensor_parallel_size: int = 1, block_size: int = 16,
                  experts: ExpertLayout | None = None):
@@ -101,17 +97,4 @@ class ModelStepWork:
                        + kv_tokens * self._kv_bytes_per_token)
         if num_copied:
             bytes_moved += num_copied * self._copy_bytes_per_block
-        return flops, bytes_moved
-
-    def repeated_step_work(self, plan: StepPlan, num_steps: int) -> tuple[float, float]:
-        # Step j reads context C + j D (D decodes) and writes D tokens: the sums over j < n are
-        # n C + D n (n - 1) / 2 pairs and that plus n D tokens of K/V.
-        num_decodes, context = plan.num_decode_seqs, plan.decode_context_tokens
-        n = num_steps
-        pairs = n * context + num_decodes * n * (n - 1) / 2
-        flops = (n * num_decodes * (self._linear_flops_per_token + self._lm_head_flops_per_row)
-                 + pairs * self._attention_flops_per_pair)
-        bytes_moved = (n * self._weights_read(num_decodes)
-                       + (pairs + n * num_decodes) * self._kv_bytes_per_token
-                       + len(plan.blocks_to_copy) * self._copy_bytes_per_block)
         return flops, bytes_moved
