@@ -58,6 +58,7 @@ class ModelStepWork:
             self._expert_bytes, self._expert_bytes_slope = per_token_table(
                 m.num_layers * layout.expert_weight_bytes_read(tokens))
         self._lm_head_flops_per_row = 2 * m.lm_head_parameters / tp
+        self._decode_flops_per_seq = self._linear_flops_per_token + self._lm_head_flops_per_row
         self._attention_flops_per_pair = (4 * m.num_layers * (m.num_attention_heads // tp)
                                           * m.head_dim)
         self._kv_bytes_per_token = m.kv_bytes_per_token_per_gpu(tp)
@@ -75,6 +76,13 @@ class ModelStepWork:
     def step_work(self, plan: StepPlan) -> tuple[float, float]:
         num_decodes, num_drafts = plan.num_decode_seqs, plan.num_draft_tokens
         num_prefill = plan.num_prefill_tokens
+        if num_decodes and not (num_prefill or num_drafts or plan.blocks_to_copy
+                                or self._expert_bytes):
+            # (Most steps: a dense model's decodes alone, the terms below in fewer operations.)
+            context = plan.decode_context_tokens
+            return (num_decodes * self._decode_flops_per_seq
+                    + context * self._attention_flops_per_pair,
+                    self._weight_bytes + (context + num_decodes) * self._kv_bytes_per_token)
         num_tokens = num_prefill + num_decodes + num_drafts
         num_copied = len(plan.blocks_to_copy)
         if not num_tokens:
