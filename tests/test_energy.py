@@ -173,7 +173,8 @@ def test_the_run_energy_is_its_replicas_busy_and_idle_joules():
     assert span > meter.busy_s   # light load: the replica idles between steps
     expected = meter.busy_j + meter.power_model.idle_power_w * (span - meter.busy_s)
     assert result.summary["energy_j"] == pytest.approx(expected)
-    again = energy_summary({0: meter}, {0: "main"}, result.requests, span)
+    again = energy_summary({0: meter}, {0: "main"}, result.requests, span,
+                           result.summary["total_output_tokens"])
     assert again["energy_j"] == result.summary["energy_j"]
 
 

@@ -223,7 +223,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary.update(energy_summary({replica.replica_id: replica.recorder.energy
                                    for replica in replicas},
                                   {replica.replica_id: replica.pool for replica in replicas},
-                                  requests, summary["duration_s"]))
+                                  requests, summary["duration_s"],
+                                  summary["total_output_tokens"]))
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
                                        if isinstance(replica.executor, SimExecutor)]))

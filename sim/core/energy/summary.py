@@ -25,14 +25,18 @@ def energy_numbers(energy_j: float, output_tokens: int, span_s: float) -> dict[s
 
 
 def energy_summary(meters: Mapping[int, EnergyMeter], pools: Mapping[int, str],
-                   requests: list[Request], span_s: float) -> dict:
+                   requests: list[Request], span_s: float, total_output_tokens: int) -> dict:
     """The run's energy numbers (energy_numbers) at the top level, `energy_per_replica`
     {replica id: numbers} and `energy_per_pool` {pool: numbers}, and `energy_model`: how they
-    were worked out (modelled from each step's work, not measured, on either backend)."""
-    tokens_by_replica = dict.fromkeys(meters, 0)
-    for request in requests:
-        if is_completed(request) and request.replica_id in tokens_by_replica:
-            tokens_by_replica[request.replica_id] += request.num_output_tokens
+    were worked out (modelled from each step's work, not measured, on either backend).
+    `total_output_tokens`: the completed requests' (the run summary's)."""
+    if len(meters) == 1:   # (every request's tokens are the one replica's)
+        tokens_by_replica = dict.fromkeys(meters, total_output_tokens)
+    else:
+        tokens_by_replica = dict.fromkeys(meters, 0)
+        for request in requests:
+            if is_completed(request) and request.replica_id in tokens_by_replica:
+                tokens_by_replica[request.replica_id] += request.num_output_tokens
     joules = {replica_id: meter.energy_j(span_s) for replica_id, meter in meters.items()}
     per_pool: dict[str, list[int]] = {}
     for replica_id in meters:
