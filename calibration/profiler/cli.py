@@ -28,6 +28,7 @@ from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile_together
 from kernels.tiling import TILE_BYTES
 from policies.speculation.drafters import TREE_DRAFTERS   # points that verify whole token trees
+from sim.profiled.expert_features import ExpertRouting
 from sim.profiled.step_features import STEP_FEATURES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
+    # A mixture's samples carry the experts its steps touch (sim/profiled/expert_features.py).
+    routing = (ExpertRouting(spec.num_experts, spec.num_experts_per_tok) if spec.is_moe
+               else None)
     speed_probe, prefill_probes = None, ()
     if args.speed_probe_interval > 0:
         new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
                                 kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,
-                                prefill_probes=prefill_probes)
+                                prefill_probes=prefill_probes,
+                                routing=routing)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
         metadata = {
