@@ -4,6 +4,8 @@ predicts a per-expert cost on step shapes it was not fitted on, which the core f
 miss; a profile with the feature but no experts in its metadata is refused."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,23 @@ def test_profile_routing_reads_the_model_config():
                           {"device": "stand-in"})
     with pytest.raises(ProfileError, match="metadata.model_config has no num_experts"):
         ProfiledCostModel(content, sample_residuals=False)
+
+
+def test_quick_real_profile_of_tiny_moe_carries_the_expert_feature(tmp_path):
+    """twinserve-profile on the mixture: its samples carry experts_touched (from each step's
+    batched tokens) and its profile the feature and the experts it was computed with."""
+    from calibration.profiler.cli import main, read_samples
+
+    assert main(["--model", "tiny-moe", "--quick", "--repeats", "1", "--device", "cpu",
+                 "--block-sizes", "16", "--speed-probe-interval", "0", "--out-dir",
+                 str(tmp_path), "--no-progress"]) == 0
+    content = json.loads((tmp_path / "cpu" / "tiny-moe.json").read_text())
+    assert content["features"][-1] == "experts_touched"
+    assert profile_routing(content["metadata"]) == ROUTING
+    samples = read_samples(tmp_path / "cpu" / "tiny-moe.samples.csv")
+    assert len(samples) == len(make_grid((16,), quick=True))
+    for sample in samples:
+        tokens = sample["num_prefill_tokens"] + sample["num_decode_seqs"]
+        assert sample["experts_touched"] == pytest.approx(ROUTING.experts_touched(tokens))
+    model = ProfiledCostModel(str(tmp_path / "cpu" / "tiny-moe.json"), block_size=16)
+    assert model.routing == ROUTING
