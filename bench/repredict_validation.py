@@ -3,10 +3,13 @@ again (same overrides, same seeds) with `--profile`, compared against the engine
 already measured. What a change of the profiled cost model does to the errors on the same
 engine measurements (tiny-moe's profile with and without its expert feature, docs/calibration.md).
 
-    python bench/repredict_validation.py --profile OTHER.json validation/tiny-moe/*/
+    python bench/repredict_validation.py --profile OTHER.json --out DIR validation/tiny-moe/*/
+    twinserve-validate --tabulate --out DIR DIR/*      # the grid's table with OTHER
 
 Prints, per job and on average, the mean |error| % over the gated means and medians (TTFT, TPOT,
-e2e latency, throughputs) for the job's own profile and for OTHER.
+e2e latency, throughputs) for the job's own profile and for OTHER; with --out, writes each job's
+validation.json as OTHER predicts it (every metric, the engine's spread and the verdicts, gates
+and the rest as the job had them) into DIR/<job>/.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from calibration.validate.compare import (GATED_BY, compare_summaries,  # noqa: E402
-                                          mean_summary)
+from calibration.validate.compare import (GATED_BY, add_engine_noise,  # noqa: E402
+                                          check_gates, compare_summaries, mean_summary,
+                                          speedup)
 from calibration.validate.configs import compose_configs, pin_kv_pool  # noqa: E402
 from calibration.validate.run import engine_run_dirs  # noqa: E402
 
@@ -31,8 +35,9 @@ def mean_abs_error(metrics: dict) -> float:
     return float(np.mean([abs(metrics[name]["error_pct"]) for name in MEAN_METRICS]))
 
 
-def repredict(job_dir: Path, profile: str) -> tuple[float, float]:
-    """(the job's mean |error| %, that with `profile`) over MEAN_METRICS."""
+def repredict(job_dir: Path, profile: str, out_dir: Path | None) -> tuple[float, float]:
+    """(the job's mean |error| %, that with `profile`) over MEAN_METRICS; with `out_dir`, the
+    job's validation.json with `profile` written there."""
     from omegaconf import open_dict
 
     from sim.core.experiment import run_experiment
@@ -48,13 +53,26 @@ def repredict(job_dir: Path, profile: str) -> tuple[float, float]:
         sims.append(run_experiment(sim_cfg, None, plots=False).summary)
     engines = [json.loads((run_dir / "summary.json").read_text())
                for run_dir in engine_run_dirs(job_dir, result.get("engine_repeats", 1))]
-    other = compare_summaries(mean_summary(engines), mean_summary(sims), MEAN_METRICS)
+    sim_summary = mean_summary(sims)
+    other = compare_summaries(mean_summary(engines), sim_summary)
+    if len(engines) > 1:
+        add_engine_noise(other, engines, result["gates"])
+    if out_dir is not None:
+        failures = check_gates(other, result["gates"])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "validation.json").write_text(json.dumps(
+            {**result, "metrics": other, "failures": failures, "passed": not failures,
+             "profile": profile, "sim_wall_time_s": sim_summary["wall_time_s"],
+             "speedup": speedup(result["engine_wall_time_s"], sim_summary["wall_time_s"])},
+            indent=2) + "\n")
     return mean_abs_error(result["metrics"]), mean_abs_error(other)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="the other profile JSON")
+    parser.add_argument("--out", type=Path, help="write the re-predicted validation.json files "
+                                                 "into OUT/<job folder name>/")
     parser.add_argument("job_dirs", nargs="+", type=Path,
                         help="validation job folders (each with validation.json)")
     args = parser.parse_args(argv)
@@ -62,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     for job_dir in args.job_dirs:
         if not (job_dir / "validation.json").is_file():
             parser.error(f"{job_dir}: no validation.json (not a finished validation job)")
-        own, other = repredict(job_dir, args.profile)
+        out_dir = None if args.out is None else args.out / job_dir.resolve().name
+        own, other = repredict(job_dir, args.profile, out_dir)
         rows.append((own, other))
         print(f"{job_dir}: mean |error| {own:.2f} % with its profile, {other:.2f} % with "
               f"{args.profile}")

@@ -101,13 +101,14 @@ def test_profile_routing_reads_the_model_config():
 
 
 def test_quick_real_profile_of_tiny_moe_carries_the_expert_feature(tmp_path):
-    """twinserve-profile on the mixture: its samples carry experts_touched (from each step's
-    batched tokens) and its profile the feature and the experts it was computed with."""
+    """twinserve-profile --expert-feature on the mixture: its samples carry experts_touched
+    (from each step's batched tokens) and its profile the feature and the experts it was
+    computed with; a dense model has no experts to count."""
     from calibration.profiler.cli import main, read_samples
 
     assert main(["--model", "tiny-moe", "--quick", "--repeats", "1", "--device", "cpu",
                  "--block-sizes", "16", "--speed-probe-interval", "0", "--out-dir",
-                 str(tmp_path), "--no-progress"]) == 0
+                 str(tmp_path), "--no-progress", "--expert-feature"]) == 0
     content = json.loads((tmp_path / "cpu" / "tiny-moe.json").read_text())
     assert content["features"][-1] == "experts_touched"
     assert profile_routing(content["metadata"]) == ROUTING
@@ -118,3 +119,6 @@ def test_quick_real_profile_of_tiny_moe_carries_the_expert_feature(tmp_path):
         assert sample["experts_touched"] == pytest.approx(ROUTING.experts_touched(tokens))
     model = ProfiledCostModel(str(tmp_path / "cpu" / "tiny-moe.json"), block_size=16)
     assert model.routing == ROUTING
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-llama", "--quick", "--expert-feature", "--out-dir",
+              str(tmp_path)])

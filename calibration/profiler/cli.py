@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between speed probes, which normalise every sample to "
                              "the run's median machine speed and give the profile the speed "
                              "reference that twinserve-validate's engine runs use (0: off)")
+    parser.add_argument("--expert-feature", action="store_true",
+                        help="a mixture of experts' samples also carry experts_touched "
+                             "(sim/profiled/expert_features.py) and its profile is fitted with "
+                             "it; off by default: on tiny-moe it improved the fit but not the "
+                             "predictions of held-out steps (docs/calibration.md)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--refit", nargs="+", metavar="PROFILE_JSON",
                         help="re-fit these profiles from their samples CSVs (no measuring)")
@@ -231,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
-    # A mixture's samples carry the experts its steps touch (sim/profiled/expert_features.py).
-    routing = (ExpertRouting(spec.num_experts, spec.num_experts_per_tok) if spec.is_moe
-               else None)
+    routing = None
+    if args.expert_feature:
+        if not spec.is_moe:
+            parser.error(f"--expert-feature: {args.model} is not a mixture of experts")
+        routing = ExpertRouting(spec.num_experts, spec.num_experts_per_tok)
     speed_probe, prefill_probes = None, ()
     if args.speed_probe_interval > 0:
         new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
