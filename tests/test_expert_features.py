@@ -5,6 +5,7 @@ miss; a profile with the feature but no experts in its metadata is refused."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +123,26 @@ def test_quick_real_profile_of_tiny_moe_carries_the_expert_feature(tmp_path):
     with pytest.raises(SystemExit):
         main(["--model", "tiny-llama", "--quick", "--expert-feature", "--out-dir",
               str(tmp_path)])
+
+
+def test_refit_adds_the_expert_feature_to_a_mixtures_samples(tmp_path):
+    """--refit --expert-feature: the shipped tiny-moe samples fitted with experts_touched
+    computed from each sample's tokens, as the profiler would have measured them."""
+    import shutil
+
+    from calibration.profiler.cli import main, read_samples
+
+    shipped = Path(__file__).resolve().parents[1] / "profiles" / "cpu"
+    for suffix in (".json", ".samples.csv"):
+        shutil.copy(shipped / f"tiny-moe{suffix}", tmp_path / f"tiny-moe{suffix}")
+    assert main(["--refit", str(tmp_path / "tiny-moe.json"), "--expert-feature"]) == 0
+    content = json.loads((tmp_path / "tiny-moe.json").read_text())
+    assert content["features"][-1] == "experts_touched"
+    assert content["feature_ranges"]["experts_touched"] == pytest.approx(
+        [ROUTING.experts_touched(1), 8.0])
+    samples = read_samples(tmp_path / "tiny-moe.samples.csv")
+    assert max(s["num_decode_seqs"] for s in samples) == 256
+    shutil.copy(shipped / "tiny-llama.json", tmp_path / "tiny-llama.json")
+    shutil.copy(shipped / "tiny-llama.samples.csv", tmp_path / "tiny-llama.samples.csv")
+    with pytest.raises(SystemExit):
+        main(["--refit", str(tmp_path / "tiny-llama.json"), "--expert-feature"])

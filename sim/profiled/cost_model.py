@@ -16,7 +16,7 @@ features fall outside the profiled ranges is extrapolated linearly, and the firs
 each feature is logged as a warning. Where the profile asks for it, the CPU layer adds to this:
 attention-tile features (sim/profiled/tile_features.py, tile names in `features`) and a local
 correction of the linear prediction (sim/profiled/local_correction.py, a `correction` section).
-A mixture of experts' profile adds the expected experts a step touches
+A mixture of experts' profile may add the expected experts a step touches
 (sim/profiled/expert_features.py).
 """
 from __future__ import annotations

@@ -7,7 +7,8 @@ linear aggregates cannot draw.
 The feature is the expected number of distinct experts a step's tokens touch per layer under
 uniform routing, E·(1 − (1 − k/E)^T) for T tokens, E experts and k routed per token: the
 simulator knows no token's routing, and a random model's router spreads its tokens. A profile
-fitted with it lists it in its `features` and reads E and k from `metadata.model_config`.
+fitted with it (`twinserve-profile --expert-feature`; opt-in, docs/calibration.md says why) lists
+it in its `features` and reads E and k from `metadata.model_config`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def expert_features(plan: StepPlan, routing: ExpertRouting | None) -> tuple[floa
     if routing is None:
         return (0.0,)
     return (routing.experts_touched(plan.num_batched_tokens),)
+
+
+def sample_expert_features(step: dict, routing: ExpertRouting) -> tuple[float]:
+    """EXPERT_FEATURES of a profiler sample (its core features by name): the refit of a
+    mixture's samples taken without them."""
+    tokens = step["num_prefill_tokens"] + step["num_decode_seqs"] + step["num_draft_tokens"]
+    return (routing.experts_touched(tokens),)
 
 
 def profile_routing(metadata: dict) -> ExpertRouting | None:
