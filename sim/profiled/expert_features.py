@@ -5,16 +5,20 @@ per-token one. Decode batches of 1-16 touch 2 to all 8 of tiny-moe's experts, a 
 linear aggregates cannot draw.
 
 The feature is the expected number of distinct experts a step's tokens touch per layer under
-uniform routing, E·(1 − (1 − k/E)^T) for T tokens, E experts and k routed per token: the
-simulator knows no token's routing, and a random model's router spreads its tokens. A profile
+uniform routing, E·(1 − (1 − k/E)^T) for T tokens, E experts and k routed per token
+(sim/core/experts.py's closed form): the simulator knows no token's routing, and a random
+model's router spreads its tokens. A profile
 fitted with it (`twinserve-profile --expert-feature`; opt-in, docs/calibration.md says why) lists
 it in its `features` and reads E and k from `metadata.model_config`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from policies.types import StepPlan
+from sim.core.experts import expected_experts_touched, inclusion_probabilities, routing_shares
 
 EXPERT_FEATURES: tuple[str, ...] = (
     "experts_touched",             # expected distinct experts the step's tokens reach per layer
@@ -27,14 +31,16 @@ class ExpertRouting:
 
     num_experts: int
     num_experts_per_tok: int
+    inclusion: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "inclusion", inclusion_probabilities(
+            routing_shares("uniform", self.num_experts), self.num_experts_per_tok))
 
     def experts_touched(self, num_tokens: float) -> float:
         """Expected distinct experts `num_tokens` tokens reach, each picking
         num_experts_per_tok distinct experts uniformly."""
-        if num_tokens <= 0:
-            return 0.0
-        missed = 1.0 - self.num_experts_per_tok / self.num_experts
-        return self.num_experts * (1.0 - missed ** num_tokens)
+        return float(expected_experts_touched(self.inclusion, num_tokens))
 
 
 def expert_features(plan: StepPlan, routing: ExpertRouting | None) -> tuple[float]:
