@@ -71,6 +71,8 @@ def test_tiny_moe_is_a_seeded_mixtral_with_spread_routing(reference_llm, prompts
     experts = model.model.layers[0].mlp.experts
     assert tuple(experts.down_proj.shape) == (8, spec.hidden_size, spec.moe_intermediate_size)
     assert reference_llm.spec.is_moe and reference_llm.spec.num_experts == 8
+    # The simulator's memory arithmetic counts every expert and the routers: HF's parameters.
+    assert sum(p.numel() for p in model.parameters()) * 4 == spec.weight_bytes
     # Every layer's router reaches every expert, none taking more than a third of the tokens:
     # an equivalence test through a router that sends everything to one expert is a dense one.
     for per_expert in routed_experts(model, prompts):
