@@ -30,6 +30,15 @@ class LoRASpec:
     target_modules: tuple[str, ...] = ATTENTION_MODULES
     alpha: float | None = None   # None: alpha = rank (scaling 1)
 
+    @classmethod
+    def of(cls, value: LoRASpec | Mapping) -> LoRASpec:
+        """The spec itself, or one from a mapping of its fields (as Hydra passes a dataclass)."""
+        if isinstance(value, LoRASpec):
+            return value
+        return cls(ranks=tuple(int(rank) for rank in value["ranks"]),
+                   target_modules=tuple(str(module) for module in value["target_modules"]),
+                   alpha=value.get("alpha"))
+
     @property
     def num_adapters(self) -> int:
         return len(self.ranks)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from policies import validators
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
+from sim.core.lora_cost import lora_step_cost
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -61,7 +62,8 @@ class RooflineCostModel:
                  draft_step_overhead_s: float = 3e-4,
                  ngram_overhead_s_per_seq: float = 20e-6,
                  medusa_num_heads: int = 4,
-                 offload_bandwidth_gbps: float | None = None):
+                 offload_bandwidth_gbps: float | None = None,
+                 lora=None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -141,6 +143,9 @@ class RooflineCostModel:
         # The prefix cache's host tier moves blocks at its own configured bandwidth.
         self._offload_s_per_block = offload_seconds_per_block(m, hw, self.block_size, tp,
                                                               offload_bandwidth_gbps)
+        # Multi-LoRA (a policies.lora.spec.LoRASpec; None: off): sim/core/lora_cost.py.
+        self._lora = lora_step_cost(lora, m, tp, flop_rate, byte_rate,
+                                    hw.host_to_device_bandwidth * self.transfer_efficiency)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -208,6 +213,8 @@ class RooflineCostModel:
         num_offload_moves = len(plan.blocks_to_offload) + len(plan.blocks_to_load)
         if num_offload_moves:
             time += num_offload_moves * self._offload_s_per_block
+        if plan.num_loras:   # the adapters' grouped matmuls and loads (sim/core/lora_cost.py)
+            time += self._lora.seconds(plan)
         return time
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:

@@ -27,6 +27,7 @@ import numpy as np
 from policies import validators
 from policies.types import StepPlan
 from sim.core.json_files import read_json_object
+from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
@@ -147,6 +148,10 @@ class GPUCostModel(RooflineCostModel):
         # The rates the kernels are predicted at: a workstation board's spec-sheet rates scaled
         # by the share it reaches relative to the measured datacenter boards.
         hw = self.achieved_rates(self.hardware)
+        if self._lora is not None:   # the adapters' matmuls at the rates the kernels run at
+            self._lora = lora_step_cost(roofline_kwargs["lora"], m, tp, hw.peak_flops,
+                                        hw.memory_bandwidth,
+                                        hw.host_to_device_bandwidth * self.transfer_efficiency)
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
         forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
         forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
