@@ -249,6 +249,13 @@ class ReplicaView(Protocol):
 
 
 @runtime_checkable
+class LoRAReplicaView(ReplicaView, Protocol):
+    """A replica view a LoRA-aware router reads (the simulator's Replica is one)."""
+
+    lora: LoRAManager | None   # its LoRA manager, to read (batch_loras, is_loaded); None: off
+
+
+@runtime_checkable
 class Router(Protocol):
     """Which replica of a cluster gets a new request."""
 

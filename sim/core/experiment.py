@@ -276,4 +276,6 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
                                 predictor=predictor, pool=pool.name, role=pool.role))
+        if lora_managers:   # the manager just built for this replica's scheduler
+            replicas[-1].lora = lora_managers[-1]
     return replicas
