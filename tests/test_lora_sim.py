@@ -22,9 +22,9 @@ from sim.core.roofline import RooflineCostModel
 from sim.core.workload import build_session_source, build_workload
 from sim.gpu.cost_model import GPUCostModel
 
-from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive,
-                       hardware_spec, make_cfg, model_spec, requests_from_specs,
-                       synthetic_workload)
+from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, assert_same_run, build_scheduler,
+                       check_outcome, drive, hardware_spec, make_cfg, model_spec,
+                       requests_from_specs, run_both_ways, synthetic_workload)
 
 MULTI = {"num_adapters": 8, "ranks": 16, "target_modules": ["q_proj", "v_proj"],
          "max_loras": 2, "popularity": "uniform"}
@@ -153,6 +153,36 @@ def test_the_manager_loads_evicts_the_least_recent_unused_and_sums_the_plan():
     assert manager.summary()["lora_loads"] == 5
 
 
+def test_the_manager_never_evicts_an_adapter_a_running_request_uses():
+    manager = LRULoRAManager(ranks=[4, 8, 16], max_loras=2)
+    first = _running(0, 1)
+    manager.finish_step(_plan(first), first)
+    manager.finish_step(_plan(first[:1]), first)   # 1 is now the least recently used
+    waiting_on_1, new = _running(1, 2)
+    plan = _plan([new])                              # 1 runs on but has no tokens this step
+    manager.finish_step(plan, [waiting_on_1, new])
+    assert set(manager.slots) == {1, 2} and plan.lora_to_load == ((2, 0),)
+
+
+def test_the_manager_evicts_the_least_recently_used():
+    manager = LRULoRAManager(ranks=[4, 8, 16], max_loras=2)
+    first = _running(0, 1)
+    manager.finish_step(_plan(first), first)       # 0 loaded before 1
+    manager.finish_step(_plan(first[:1]), first)   # then 0 used again: 1 is the older
+    new = _running(2)
+    manager.finish_step(_plan(new), new)
+    assert set(manager.slots) == {0, 2}
+
+
+def test_a_speculating_decode_counts_its_drafts_in_the_adapter_matmuls():
+    manager = LRULoRAManager(ranks=[4, 8], max_loras=2)
+    running = _running(0, 1)
+    plan = _plan(running)
+    plan.spec_lens = {running[1].sequences[0].seq_id: 3}
+    manager.finish_step(plan, running)
+    assert plan.lora_token_rank_sum == 1 * 4 + (1 + 3) * 8
+
+
 def test_the_manager_refuses_a_batch_past_max_loras():
     manager = LRULoRAManager(ranks=[4] * 4, max_loras=2)
     manager.track(_running(0, 1))
@@ -223,6 +253,36 @@ def test_affinity_admits_the_batch_adapter_first_and_the_aged_head_before_all():
     assert 2 not in [seq.request.request_id for seq in plan.seqs]
 
 
+def test_affinity_ranks_the_batch_adapters_then_the_loaded_then_any_that_fits():
+    manager = LRULoRAManager(ranks=[8] * 4, max_loras=2)
+    scheduler = build_scheduler("lora_affinity", "paged", "recompute", 16, 64, 0, 8, 64,
+                                lora=manager)
+    scheduler.add_request(Request(0, 0.0, 10, 50, lora_id=0), 0.0)
+    scheduler.add_request(Request(1, 0.0, 10, 1, lora_id=1), 0.0)   # done after its prefill
+    scheduler.update(scheduler.schedule(0.0), StepResult(0.01), 0.01)
+    assert set(manager.slots) == {0, 1}
+    for request_id, lora_id in ((2, 3), (3, 1), (4, 0)):
+        scheduler.add_request(Request(request_id, 0.01, 10, 5, lora_id=lora_id), 0.01)
+    plan = scheduler.schedule(0.02)
+    # 0 runs (request 4 first), 1 is loaded (request 3); then the batch holds max_loras.
+    assert [seq.request.request_id for seq in plan.seqs] == [4, 3]
+
+
+def test_priority_preempts_the_holders_of_an_adapter_slot_for_an_important_request():
+    manager = LRULoRAManager(ranks=[8] * 2, max_loras=1)
+    scheduler = build_scheduler("priority", "paged", "recompute", 16, 64, 0, 8, 64,
+                                lora=manager)
+    for index in range(2):
+        scheduler.add_request(Request(index, 0.0, 10, 20, priority=1, lora_id=0), 0.0)
+    plan = scheduler.schedule(0.0)
+    scheduler.update(plan, StepResult(0.01), 0.01)
+    scheduler.add_request(Request(2, 0.01, 10, 5, priority=0, lora_id=1), 0.01)
+    plan = scheduler.schedule(0.01)
+    # Both holders of the one slot leave in this step and the important request runs at once.
+    assert [seq.request.request_id for seq in plan.seqs] == [2]
+    assert sorted(r.request_id for r in plan.preempted_recompute) == [0, 1]
+
+
 class _View:
     def __init__(self, replica_id, num_outstanding, lora):
         self.replica_id, self.num_outstanding, self.lora = replica_id, num_outstanding, lora
@@ -290,6 +350,38 @@ def test_a_lora_run_counts_loads_and_keeps_max_loras():
     off = run_experiment(make_cfg("workload.num_requests=200", "workload.rate=4",
                                   "cost_model=roofline"), plots=False).summary
     assert "lora_loads" not in off and off["mean_e2el_ms"] < summary["mean_e2el_ms"]
+
+
+def test_the_affinity_router_reads_each_replicas_adapters_in_a_run():
+    def run(router):
+        cfg = make_cfg("workload.num_requests=300", "workload.rate=12", "lora=multi",
+                       "lora.num_adapters=32", "cluster.num_replicas=4",
+                       f"cluster.router={router}", "cost_model=roofline")
+        return run_experiment(cfg, plots=False).summary
+    affinity, least_loaded = run("lora_affinity"), run("least_outstanding")
+    assert affinity["lora_loads"] < 0.9 * least_loaded["lora_loads"]
+    assert affinity["mean_ttft_ms"] < least_loaded["mean_ttft_ms"]
+
+
+def test_a_decode_pool_admits_transfers_within_max_loras():
+    cfg = make_cfg("cluster=disaggregated", "workload.num_requests=200", "workload.rate=8",
+                   "lora=multi", "lora.num_adapters=16", "lora.max_loras=2",
+                   "cost_model=roofline")
+    summary = run_experiment(cfg, plots=False).summary
+    assert summary["completed"] == 200 and summary["lora_max_adapters_in_a_step"] == 2
+
+
+@pytest.mark.parametrize("scheduler, cluster", [("continuous", "default"),
+                                                ("lora_affinity", "default"),
+                                                ("continuous", "disaggregated")])
+def test_repeated_decode_steps_change_nothing_with_lora(scheduler, cluster, monkeypatch):
+    # (A decode replica loads the adapter of a request whose KV arrived in a decode step.)
+    coalesced, step_by_step, repeated = run_both_ways(
+        ("workload.num_requests=150", "workload.rate=3", "lora=multi", "lora.num_adapters=12",
+         "lora.max_loras=3", f"scheduler={scheduler}", f"cluster={cluster}",
+         "cost_model=roofline"), monkeypatch)
+    assert repeated and max(repeated) > 1
+    assert_same_run(coalesced, step_by_step)
 
 
 def test_affinity_beats_fcfs_on_mean_ttft_when_adapters_thrash():
