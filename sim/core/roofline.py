@@ -4,6 +4,7 @@ Each kernel group of a forward pass takes max(FLOPs / achieved FLOP rate, bytes 
 bandwidth), and the groups run one after another, so their times add:
 
     step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
+         + LoRA adapters (multi-LoRA: grouped matmuls and loads, sim/core/lora_cost.py)
          + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
          + LM head         (only the sequences that sample)
          + prefill attention (causal query-key pairs vs KV read)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies import validators
+from policies.lora.spec import LoRASpec
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
 from sim.core.lora_cost import lora_step_cost
@@ -63,7 +65,7 @@ class RooflineCostModel:
                  ngram_overhead_s_per_seq: float = 20e-6,
                  medusa_num_heads: int = 4,
                  offload_bandwidth_gbps: float | None = None,
-                 lora=None):
+                 lora: LoRASpec | Mapping | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)

@@ -3,6 +3,7 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 
     step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
          + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
+         + LoRA adapters' matmuls and loads (sim/core/lora_cost.py, at the achieved rates)
          + GPU forward pass, which is the larger of
              the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
                           batch's tokens (padded to a CUDA-graph capture size when it has one)
