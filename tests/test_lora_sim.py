@@ -15,6 +15,7 @@ from policies.lora.manager import LRULoRAManager
 from policies.lora.spec import LoRASpec, lora_config
 from policies.routing import LoRAAffinityRouter
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
+from sim.core.assembly import build_lora_manager
 from sim.core.experiment import run_experiment
 from sim.core.lora_cost import lora_adapter_bytes
 from sim.core.policy_config import CONF_DIR
@@ -53,6 +54,16 @@ def test_lora_off_is_none_and_the_keys_are_read():
 def test_a_bad_lora_key_is_named(change, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
         lora_config({**MULTI, **change})
+
+
+def test_lora_policy_is_lru_or_a_class_of_the_protocol():
+    built = build_lora_manager(lora_config({**MULTI,
+                                            "policy": "policies.lora.manager.LRULoRAManager"}))
+    assert isinstance(built, LRULoRAManager) and built.max_loras == 2
+    with pytest.raises(ValueError, match="lora.policy must be lru"):
+        build_lora_manager(lora_config({**MULTI, "policy": "fifo"}))
+    with pytest.raises(ValueError, match=r"lora.policy: .* lacks .*track"):
+        build_lora_manager(lora_config({**MULTI, "policy": "collections.Counter"}))
 
 
 # ---- workloads -----------------------------------------------------------------------------------
