@@ -279,6 +279,21 @@ def test_affinity_ranks_the_batch_adapters_then_the_loaded_then_any_that_fits():
     assert [seq.request.request_id for seq in plan.seqs] == [4, 3]
 
 
+def test_affinity_ends_a_run_of_repeated_steps_when_the_head_ages():
+    manager = LRULoRAManager(ranks=[8] * 2, max_loras=2)
+    scheduler = build_scheduler("lora_affinity", "paged", "recompute", 16, 10, 0, 8, 128,
+                                lora=manager)
+    scheduler.max_wait_s = 5.0
+    scheduler.add_request(Request(0, 0.0, 100, 20, lora_id=0), 0.0)
+    scheduler.update(scheduler.schedule(0.0), StepResult(0.01), 0.01)
+    scheduler.add_request(Request(1, 0.1, 10, 5, lora_id=1), 0.1)     # the head: it would fit
+    scheduler.add_request(Request(2, 0.1, 100, 5, lora_id=0), 0.1)    # in the batch: too big
+    plan = scheduler.schedule(0.2)
+    assert [seq.request.request_id for seq in plan.seqs] == [0]       # request 2 did not fit
+    assert plan.decode_run is not None and not plan.decode_run.past_arrivals
+    assert plan.decode_run.until == pytest.approx(0.1 + 5.0)   # then request 1 goes first
+
+
 def test_priority_preempts_the_holders_of_an_adapter_slot_for_an_important_request():
     manager = LRULoRAManager(ranks=[8] * 2, max_loras=1)
     scheduler = build_scheduler("priority", "paged", "recompute", 16, 64, 0, 8, 64,
@@ -382,15 +397,18 @@ def test_a_decode_pool_admits_transfers_within_max_loras():
     assert summary["completed"] == 200 and summary["lora_max_adapters_in_a_step"] == 2
 
 
-@pytest.mark.parametrize("scheduler, cluster", [("continuous", "default"),
-                                                ("lora_affinity", "default"),
-                                                ("continuous", "disaggregated")])
-def test_repeated_decode_steps_change_nothing_with_lora(scheduler, cluster, monkeypatch):
-    # (A decode replica loads the adapter of a request whose KV arrived in a decode step.)
+@pytest.mark.parametrize("overrides", [
+    ["scheduler=continuous"],
+    ["scheduler=lora_affinity"],
+    # Requests age past max_wait_s inside runs of repeated steps.
+    ["scheduler=lora_affinity", "scheduler.max_wait_s=2", "workload.rate=6"],
+    # A decode replica loads the adapter of a request whose KV arrived, in a decode step.
+    ["scheduler=continuous", "cluster=disaggregated"],
+])
+def test_repeated_decode_steps_change_nothing_with_lora(overrides, monkeypatch):
     coalesced, step_by_step, repeated = run_both_ways(
         ("workload.num_requests=150", "workload.rate=3", "lora=multi", "lora.num_adapters=12",
-         "lora.max_loras=3", f"scheduler={scheduler}", f"cluster={cluster}",
-         "cost_model=roofline"), monkeypatch)
+         "lora.max_loras=3", "cost_model=roofline", *overrides), monkeypatch)
     assert repeated and max(repeated) > 1
     assert_same_run(coalesced, step_by_step)
 

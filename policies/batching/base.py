@@ -396,8 +396,13 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
     def runs_past_finishes(self) -> bool:
         """Whether a run's decodes that finish may leave at their step and the rest run on:
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
-        return (self.plain_update and self.lora is None   # (LoRA: the plan's sums would change)
+        return (self.plain_update
                 and not (self.waiting or self.swapped or self.receiving))
+
+    def rest_of_run(self, plan: StepPlan) -> None:
+        """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""
+        if self.lora is not None:
+            self.lora.finish_step(plan, self.running)
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's

@@ -10,13 +10,15 @@ LoRA (no manager), or with every request on the base model, it is FCFS.
 from __future__ import annotations
 
 from policies.batching.continuous import ContinuousBatchingScheduler
-from policies.types import Request
+from policies.types import Request, StepPlan
 from policies.validators import positive_number
 
 
 class LoRAAffinityScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
-    admits_in_arrival_order = False
+    # (policies/decode_run.py) A request kept out stays out while the batch, the loaded adapters
+    # and the queue stay as they are, until the head ages past max_wait_s; an arrival may go
+    # ahead of it, so a run of repeated steps ends at the next arrival and at that age.
+    admits_in_arrival_order = True
 
     def __init__(self, *args, max_wait_s: float = 60.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -27,7 +29,7 @@ class LoRAAffinityScheduler(ContinuousBatchingScheduler):
         head = waiting[0]
         lora = self.lora
         if lora is None or now - head.arrival_time >= self.max_wait_s:
-            return head   # (recomputed requests go back to the front: the head is the oldest)
+            return head   # (the oldest, but for recomputed requests sent back to the front)
         in_batch = lora.batch_loras
         loaded = None
         fitting = None
@@ -40,3 +42,13 @@ class LoRAAffinityScheduler(ContinuousBatchingScheduler):
             elif fitting is None and lora.fits(lora_id):
                 fitting = request
         return loaded or fitting or head
+
+    def _finish_plan(self, plan: StepPlan) -> StepPlan:
+        plan = super()._finish_plan(plan)
+        run = plan.decode_run
+        if run is not None and self.waiting:
+            run.past_arrivals = False
+            aged_at = self.waiting[0].arrival_time + self.max_wait_s
+            if aged_at > self._now:
+                run.until = min(run.until, aged_at)
+        return plan

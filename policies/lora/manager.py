@@ -90,9 +90,9 @@ class LRULoRAManager:
         plan.num_loras = len(adapters)
         plan.lora_rank_sum = sum([ranks[lora_id] for lora_id in adapters])
         plan.lora_token_rank_sum = token_ranks
+        plan.lora_to_load = tuple(loads)
+        plan.lora_load_rank_sum = sum([ranks[lora_id] for lora_id, _ in loads])
         if loads:
-            plan.lora_to_load = tuple(loads)
-            plan.lora_load_rank_sum = sum([ranks[lora_id] for lora_id, _ in loads])
             self.num_loads += len(loads)
             self.num_load_ranks += plan.lora_load_rank_sum
         if len(adapters) > self.max_loras_in_a_step:
