@@ -97,7 +97,7 @@ class GPUCostModel(RooflineCostModel):
     Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
     per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
     attention_backend describe the engine. The remaining keyword arguments are
-    RooflineCostModel's, used for swaps, copies, host-tier moves and drafting only.
+    RooflineCostModel's, used for swaps, copies, host-tier moves, drafting and LoRA adapters.
     """
 
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
