@@ -232,7 +232,7 @@ def test_energy_at_slo_is_at_each_policys_highest_rate_meeting_it():
 
 
 def test_the_energy_presets_numbers():
-    """docs/experiments.md section 15: under TTFT 1 s / TPOT 50 ms, continuous batching keeps 90 %
+    """docs/experiments.md section 16: under TTFT 1 s / TPOT 50 ms, continuous batching keeps 90 %
     attainment to 10.5 req/s (9.59 tok/J) but not 11 (75 %); chunked prefill (512) keeps it at 11
     (9.90 tok/J); static batching meets 47 % at 0.25 req/s."""
     def summary(policy: str, rate: float) -> dict:
