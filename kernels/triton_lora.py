@@ -22,8 +22,9 @@ from kernels.lora_batch import LoRABatch
 from kernels.triton_mode import INTERPRETED, tl, triton
 
 BLOCK_M = 16
-BLOCK_K = 64
-BLOCK_N = 64
+# Input and output columns per tile; the interpreter runs one program at a time, each a numpy
+# call per operation, so there wider tiles (fewer programs) run many times faster.
+BLOCK_K, BLOCK_N = (256, 256) if INTERPRETED else (64, 64)
 NUM_WARPS = 4
 
 
@@ -97,8 +98,10 @@ def rank_pad(max_rank: int) -> int:
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scalings: torch.Tensor, batch: LoRABatch) -> None:
-    """out[t] += scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s."""
+             scalings: torch.Tensor, batch: LoRABatch, *, block_k: int = BLOCK_K,
+             block_n: int = BLOCK_N) -> None:
+    """out[t] += scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s.
+    block_k / block_n (powers of two >= 16) override the input / output columns per tile."""
     from kernels.triton_ops import require_triton  # its flag, which --compile clears
     require_triton()
     num_tokens, in_features = x.shape
@@ -117,11 +120,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     group_args = (batch.sorted_tokens, batch.group_starts, batch.group_slots)
     _lora_shrink_kernel[(batch.num_groups, tiles)](
         v, x, lora_a, *group_args, in_features, max_rank, x.stride(0), lora_a.stride(0),
-        lora_a.stride(1), v.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, RANK_PAD=pad,
+        lora_a.stride(1), v.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=block_k, RANK_PAD=pad,
         DOT_IN_FP32=dot_in_fp32, num_warps=NUM_WARPS)
-    _lora_expand_kernel[(batch.num_groups, tiles, triton.cdiv(out_features, BLOCK_N))](
+    _lora_expand_kernel[(batch.num_groups, tiles, triton.cdiv(out_features, block_n))](
         out, v, lora_b, scalings, *group_args, out_features, max_rank, out.stride(0),
-        v.stride(0), lora_b.stride(0), lora_b.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        v.stride(0), lora_b.stride(0), lora_b.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         RANK_PAD=pad, DOT_IN_FP32=dot_in_fp32, num_warps=NUM_WARPS)
 
 

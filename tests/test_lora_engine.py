@@ -1,0 +1,154 @@
+"""Multi-LoRA on the engine against HF + PEFT, on the tiny random Llama (fp32, CPU, one thread).
+
+One batch mixes requests of different adapters (of different ranks, targeting every Llama
+projection) and requests of the base model; each request's greedy output must equal HF generate
+on a PeftModel built by peft.LoraConfig + get_peft_model on the same seeded base model, holding
+that adapter alone, its A and B loaded from engine/lora.py's adapter_weights. With fewer device
+slots than adapters, adapters are loaded and evicted between steps and outputs stay equal.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.lora import LLAMA_TARGET_MODULES, LoRAAdapters, adapter_weights, target_shapes
+from engine.model_loader import load_model
+
+from factories import token_ids
+from triton_interpreter import ran_in_fresh_process
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+RANKS = [4, 16, 8]
+LORA = dict(num_adapters=len(RANKS), ranks=RANKS, alpha=8,
+            target_modules=list(LLAMA_TARGET_MODULES), max_loras=len(RANKS))
+# Prompt i runs adapter LORA_IDS[i]; None: the base model.
+LORA_IDS = [0, None, 1, 2, 1, None, 0, 2]
+
+
+def random_prompts(lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
+
+
+def peft_model(base: torch.nn.Module, adapters: LoRAAdapters, index: int) -> torch.nn.Module:
+    """A PeftModel on a copy of `base` holding adapter `index` alone, with the engine's A, B."""
+    from peft import LoraConfig, get_peft_model
+
+    rank = adapters.ranks[index]
+    config = LoraConfig(r=rank, lora_alpha=adapters.alpha or rank, lora_dropout=0.0,
+                        target_modules=list(adapters.target_modules))
+    model = get_peft_model(copy.deepcopy(base), config)
+    weights = adapter_weights(adapters, index, target_shapes(base, adapters.target_modules))
+    with torch.no_grad():
+        for name, (lora_a, lora_b) in weights.items():
+            module = model.base_model.model.get_submodule(name)
+            module.lora_A["default"].weight.copy_(lora_a)
+            module.lora_B["default"].weight.copy_(lora_b)
+    return model.eval()
+
+
+def hf_greedy(model, prompts):
+    with torch.inference_mode():
+        return [model.generate(input_ids=torch.tensor([p]), max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([5, 17, 33, 9, 1, 40, 16, 23], seed=11)
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    """Each prompt through HF with its adapter alone (PEFT), or the plain base model."""
+    base = load_model("tiny-llama", torch.device("cpu"), seed=0).model
+    adapters = LoRAAdapters.from_config(LORA)
+    models = {None: base, **{i: peft_model(base, adapters, i) for i in range(len(RANKS))}}
+    outputs = [hf_greedy(models[lora_id], [prompt])[0]
+               for prompt, lora_id in zip(prompts, LORA_IDS)]
+    by_base = hf_greedy(base, prompts)
+    changed = [out != plain for out, plain, lora_id in zip(outputs, by_base, LORA_IDS)
+               if lora_id is not None]
+    assert all(changed), "an adapter leaves its request's greedy output as the base model's"
+    return outputs
+
+
+def test_mixed_adapters_in_one_batch_match_peft(prompts, expected):
+    llm = LLM("tiny-llama", num_gpu_blocks=256, lora=LORA)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_id=LORA_IDS)
+    assert token_ids(outputs) == expected
+    # Every request was in the first step: one batch held every adapter and the base model.
+    assert llm.last_stats.num_steps == MAX_TOKENS
+    assert llm.executor.runner.lora.num_loads == len(RANKS)
+
+
+def test_adapters_evicted_and_reloaded_keep_outputs(prompts, expected):
+    """Two slots for three adapters: a call's missing adapters evict the least recently used
+    adapters it does not need, and reloaded adapters give the same tokens."""
+    llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
+    served = llm.executor.runner.lora
+    # (adapters of the call, adapters in the slots after it, loads so far): after [0] the least
+    # recently used of 0 and 2 is 2, which [1] evicts.
+    for used, resident, loads in (([0, 1], {0, 1}, 2), ([2, 0], {0, 2}, 3), ([0], {0, 2}, 3),
+                                  ([1], {0, 1}, 4)):
+        chosen = [i for i, lora_id in enumerate(LORA_IDS) if lora_id in used or lora_id is None]
+        outputs = llm.generate([prompts[i] for i in chosen], GREEDY, use_tqdm=False,
+                               lora_id=[LORA_IDS[i] for i in chosen])
+        assert token_ids(outputs) == [expected[i] for i in chosen]
+        assert set(served.slot_adapters) == resident
+        assert served.num_loads == loads
+
+
+def test_chunked_prefill_with_adapters_matches_peft(prompts, expected):
+    llm = LLM("tiny-llama", scheduler="chunked_prefill", max_num_batched_tokens=12,
+              num_gpu_blocks=256, lora=LORA)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_id=LORA_IDS)
+    assert token_ids(outputs) == expected
+
+
+def test_step_over_max_loras_adapters_is_refused(prompts):
+    llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
+    with pytest.raises(ValueError, match="uses 3 adapters, more than lora.max_loras=2"):
+        llm.generate(prompts[:3], GREEDY, use_tqdm=False, lora_id=[0, 1, 2])
+
+
+@pytest.mark.parametrize("kwargs, lora_id, message", [
+    (dict(lora=LORA), 3, r"lora_id must be None or one of the 3 adapters, 0..2; got 3"),
+    (dict(lora=LORA), [0, True], r"lora_id\[1\] must be None or one of the 3 adapters"),
+    (dict(lora=LORA), [0, 1, 2], r"lora_id must be one adapter id .* or one per prompt \(2\)"),
+    (dict(), 0, r"lora_id must be None or None: this engine serves no adapters"),
+])
+def test_bad_lora_id_names_the_argument(kwargs, lora_id, message):
+    llm = LLM("tiny-llama", num_gpu_blocks=64, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6], [7]], GREEDY, use_tqdm=False, lora_id=lora_id)
+
+
+@pytest.mark.parametrize("lora, message", [
+    ({**LORA, "ranks": [4, 0, 8]}, r"lora.ranks\[1\] must be a positive integer"),
+    ({**LORA, "ranks": [4, 8]}, r"lora.ranks must be one rank or one per adapter"),
+    ({**LORA, "target_modules": ["q_proj", "fc1"]}, r"lora.target_modules must be"),
+    ({**LORA, "max_loras": 0}, r"lora.max_loras must be a positive integer"),
+    ({**LORA, "rank": 4}, r"lora: unknown key\(s\) rank"),
+    ("no-such-lora", r"lora must be a mapping of the lora group's keys or one of"),
+])
+def test_bad_lora_config_names_the_key(lora, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny-llama", num_gpu_blocks=64, lora=lora)
+
+
+def test_triton_path_with_mixed_adapters_matches_peft(prompts, expected, request):
+    if ran_in_fresh_process(request):
+        return
+    llm = LLM("tiny-llama", num_gpu_blocks=256, kernel_backend="triton", lora=LORA)
+    # Adapters 0 and 1 and the base model, four tokens each: the interpreter is slow.
+    chosen, num_tokens = [0, 1, 4], 4
+    outputs = llm.generate([prompts[i] for i in chosen],
+                           SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True),
+                           use_tqdm=False, lora_id=[LORA_IDS[i] for i in chosen])
+    assert token_ids(outputs) == [expected[i][:num_tokens] for i in chosen]
