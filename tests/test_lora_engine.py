@@ -102,6 +102,19 @@ def test_adapters_evicted_and_reloaded_keep_outputs(prompts, expected):
         assert token_ids(outputs) == [expected[i] for i in chosen]
         assert set(served.slot_adapters) == resident
         assert served.num_loads == loads
+        check_slots(served)
+
+
+def check_slots(served):
+    """Each slot holds its adapter's A and B, zero past the adapter's rank (the kernels' layout:
+    no stale rows or columns of a wider adapter the slot held before)."""
+    for slot, lora_id in enumerate(served.slot_adapters):
+        rank = RANKS[lora_id]
+        for name, (lora_a, lora_b) in served.host_weights(lora_id).items():
+            module = served.modules[name]
+            assert torch.equal(module.lora_a[slot, :rank], lora_a)
+            assert torch.equal(module.lora_b[slot, :, :rank], lora_b)
+            assert not module.lora_a[slot, rank:].any() and not module.lora_b[slot, :, rank:].any()
 
 
 def test_chunked_prefill_with_adapters_matches_peft(prompts, expected):

@@ -1,8 +1,9 @@
 """The grouped multi-LoRA kernels (kernels/torch_lora.py; kernels/triton_lora.py, through Triton's
-interpreter without a GPU) against the per-token loop oracle (kernels/naive.py add_lora), on
-fresh random inputs at tiny sizes: adapters of mixed ranks in slots padded to the widest (rows
-and columns past a rank zero), unused slots, tokens without an adapter interleaved with grouped
-ones, and feature sizes that are not multiples of the kernels' tiles."""
+interpreter without a GPU) against the per-token loop oracle (kernels/naive.py add_lora), itself
+checked against a per-adapter computation, on fresh random inputs at tiny sizes: adapters of
+mixed ranks in slots padded to the widest (rows and columns past a rank zero), a loaded slot no
+token uses, tokens without an adapter interleaved with grouped ones, feature sizes that are not
+multiples of the kernels' tiles, and every row followed by NaNs (an unmasked read shows)."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,25 +17,36 @@ from triton_interpreter import ran_in_fresh_process
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def poisoned(shape, pad: int, dtype) -> torch.Tensor:
+    """A zero tensor of `shape` whose rows are views into NaN-filled rows `pad` wider: a kernel
+    reading past a row's last column (an unmasked load) makes NaNs."""
+    buffer = torch.full((*shape[:-1], shape[-1] + pad), float("nan"), dtype=dtype)
+    view = buffer[..., :shape[-1]]
+    view.zero_()
+    return view
+
+
 def random_lora_case(seed: int, num_tokens: int, in_features: int, out_features: int,
                      ranks: list[int], dtype=torch.float32):
-    """(out, x, lora_a, lora_b, scalings, batch): slots of `ranks` (one slot left empty), each
-    token's slot drawn at random, a third of them without an adapter."""
+    """(out, x, lora_a, lora_b, scalings, batch): slots of `ranks` plus one more slot holding
+    an adapter no token uses, each token's slot drawn at random, a third of them without an
+    adapter. Every tensor's rows end in NaN padding."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     num_slots, max_rank = len(ranks) + 1, max(ranks)
-    lora_a = torch.zeros(num_slots, max_rank, in_features)
-    lora_b = torch.zeros(num_slots, out_features, max_rank)
-    for slot, rank in enumerate(ranks):
-        lora_a[slot, :rank] = torch.randn(rank, in_features, generator=gen)
-        lora_b[slot, :, :rank] = torch.randn(out_features, rank, generator=gen)
+    lora_a = poisoned((num_slots, max_rank, in_features), 5, dtype)
+    lora_b = poisoned((num_slots, out_features, max_rank), 3, dtype)
+    for slot, rank in enumerate(ranks + [max_rank]):
+        lora_a[slot, :rank] = torch.randn(rank, in_features, generator=gen).to(dtype)
+        lora_b[slot, :, :rank] = torch.randn(out_features, rank, generator=gen).to(dtype)
     scalings = torch.rand(num_slots, generator=gen) + 0.5
     token_slots = rng.integers(0, len(ranks), num_tokens)
     token_slots[rng.random(num_tokens) < 1 / 3] = NO_ADAPTER
-    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    out = torch.randn(num_tokens, out_features, generator=gen).to(dtype)
-    return out, x, lora_a.to(dtype), lora_b.to(dtype), scalings, LoRABatch.build(token_slots,
-                                                                                  "cpu")
+    x = poisoned((num_tokens, in_features), 7, dtype)
+    x.copy_(torch.randn(num_tokens, in_features, generator=gen))
+    out = poisoned((num_tokens, out_features), 2, dtype)
+    out.copy_(torch.randn(num_tokens, out_features, generator=gen))
+    return out, x, lora_a, lora_b, scalings, LoRABatch.build(token_slots, "cpu")
 
 
 def per_request_loop(out, x, lora_a, lora_b, scalings, token_slots):
@@ -50,8 +62,8 @@ def per_request_loop(out, x, lora_a, lora_b, scalings, token_slots):
 
 CASES = [  # (seed, tokens, in, out, ranks)
     (0, 1, 32, 48, [8]),              # one decode token
-    (1, 37, 80, 100, [4, 16, 7]),     # ragged ranks, features off the tiles
-    (2, 70, 64, 130, [1, 32, 8, 16]),
+    (1, 37, 90, 100, [4, 16, 7]),     # ragged ranks, features off the tiles of 16
+    (2, 70, 40, 130, [1, 32, 8, 16]),
 ]
 
 
