@@ -8,10 +8,12 @@ step's adapter deltas to each target nn.Linear's output.
   a generator seeded by (seed, i) alone, so a test rebuilds them for PEFT. B is not zero (PEFT
   initialises it to zero, which would make every adapter the base model).
 - `ServedAdapters`: wraps the model's target modules in `LoRALinear` and holds max_loras device
-  slots per module (kernels/lora_batch.py's layout); every adapter stays in host memory, and a
-  step whose batch needs an adapter that is not in a slot loads it (evicting the least recently
-  used adapter this step does not use), counted in `num_loads`. A step never needs more than
-  max_loras adapters: the scheduler keeps batches within it, and a plan that breaks it raises.
+  slots per module (kernels/lora_batch.py's layout); every adapter stays in host memory. Where
+  the plan's LoRA manager placed the adapters (which slot each is in, which to load), the step
+  follows it, checked; else a step whose batch needs an adapter that is not in a slot loads it
+  (evicting the least recently used adapter this step does not use). Loads are counted in
+  `num_loads`. A step never needs more than max_loras adapters: the scheduler keeps batches
+  within it, and a plan that breaks it raises.
 
 Per-step state: the runner builds the step's LoRABatch (which slot each flattened token uses)
 and sets it on one `LoRAStep` object that every wrapper of the model holds, for the duration of
@@ -21,7 +23,7 @@ forward's keyword arguments, so the batch cannot travel with attn_metadata; noth
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,25 +224,46 @@ class ServedAdapters:
                                  for name, (a, b) in weights.items()}
         return self._host[index]
 
-    def batch_for(self, token_lora_ids: np.ndarray) -> LoRABatch | None:
+    def batch_for(self, token_lora_ids: np.ndarray, placement: Mapping[int, int] | None = None,
+                  loads: Iterable[tuple[int, int]] = ()) -> LoRABatch | None:
         """The step's LoRABatch for flattened tokens using adapters token_lora_ids (NO_ADAPTER:
-        none), loading the adapters not in a slot; None when no token uses one."""
+        none); None when no token uses one. With a plan's LoRA manager's `placement` (adapter
+        -> slot) and `loads` ((adapter, slot) pairs to copy in first), the step follows the
+        plan, checked; without, the adapters not in a slot are loaded here (LRU)."""
+        for lora_id, slot in loads:
+            self._check_id(lora_id)
+            if not 0 <= slot < self.adapters.max_loras:
+                raise ValueError(f"the plan loads adapter {lora_id} into slot {slot}, outside "
+                                 f"the lora.max_loras={self.adapters.max_loras} slots")
+            self._load(lora_id, slot)
         needed = [int(i) for i in np.unique(token_lora_ids) if i != NO_ADAPTER]
         if not needed:
             return None
         for lora_id in needed:
-            if not 0 <= lora_id < self.adapters.num_adapters:
-                raise ValueError(f"lora_id {lora_id} is not one of the run's "
-                                 f"{self.adapters.num_adapters} adapters (lora.num_adapters)")
+            self._check_id(lora_id)
         if len(needed) > self.adapters.max_loras:
             raise ValueError(f"a step's batch uses {len(needed)} adapters, more than "
                              f"lora.max_loras={self.adapters.max_loras} device slots: the "
                              f"scheduler must keep each batch within max_loras")
-        slot_of = self._place(needed)
+        if placement is None:
+            slot_of = self._place(needed)
+        else:
+            slot_of = {lora_id: placement.get(lora_id) for lora_id in needed}
+            for lora_id, slot in slot_of.items():
+                if slot is None or not 0 <= slot < self.adapters.max_loras or \
+                        self.slot_adapters[slot] != lora_id:
+                    raise ValueError(f"the plan runs adapter {lora_id} in slot {slot}, which "
+                                     f"does not hold it (slots hold {self.slot_adapters}): "
+                                     f"its LoRA manager did not load it")
         lookup = np.full(self.adapters.num_adapters + 1, NO_ADAPTER, dtype=np.int64)
         for lora_id, slot in slot_of.items():
             lookup[lora_id] = slot
         return LoRABatch.build(lookup[token_lora_ids], self.device)  # NO_ADAPTER -> last entry
+
+    def _check_id(self, lora_id: int) -> None:
+        if not 0 <= lora_id < self.adapters.num_adapters:
+            raise ValueError(f"lora_id {lora_id} is not one of the run's "
+                             f"{self.adapters.num_adapters} adapters (lora.num_adapters)")
 
     def _place(self, needed: list[int]) -> dict[int, int]:
         """Each needed adapter's slot, loading the missing ones into free slots or the least

@@ -118,11 +118,11 @@ class ModelRunner:
                 tree_mask[rows] = tree.mask_entries()
                 position_shift[rows] = np.arange(1 + len(tree)) - np.asarray([0] + tree.depths)
         token_lora_ids = None
-        if (lora_ids != NO_ADAPTER).any():
-            if self.lora is None:
-                raise ValueError("a request has a lora_id but this engine serves no adapters "
-                                 "(give it lora=...)")
+        if self.lora is not None:
             token_lora_ids = np.repeat(lora_ids, query_lens)
+        elif (lora_ids != NO_ADAPTER).any():
+            raise ValueError("a request has a lora_id but this engine serves no adapters "
+                             "(give it lora=...)")
         return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs,
                           tree_mask, position_shift, token_lora_ids)
 

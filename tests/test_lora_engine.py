@@ -165,3 +165,22 @@ def test_triton_path_with_mixed_adapters_matches_peft(prompts, expected, request
                            SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True),
                            use_tqdm=False, lora_id=[LORA_IDS[i] for i in chosen])
     assert token_ids(outputs) == [expected[i][:num_tokens] for i in chosen]
+
+
+def test_slots_follow_the_plans_placement():
+    """With a LoRA manager's placement the engine loads what the plan loads, where it says, and
+    refuses a plan that runs an adapter from a slot that does not hold it."""
+    import numpy as np
+
+    served = LLM("tiny-llama", num_gpu_blocks=64, lora=LORA).executor.runner.lora
+    batch = served.batch_for(np.array([2, -1, 2, 0]), placement={2: 1, 0: 2},
+                             loads=[(2, 1), (0, 2)])
+    assert batch.token_slots.tolist() == [1, -1, 1, 2]
+    assert served.slot_adapters == [None, 2, 0] and served.num_loads == 2
+    with pytest.raises(ValueError, match=r"the plan runs adapter 1 in slot 0, which does not"):
+        served.batch_for(np.array([1]), placement={1: 0})
+    with pytest.raises(ValueError, match=r"the plan loads adapter 1 into slot 3, outside"):
+        served.batch_for(np.array([1]), placement={1: 3}, loads=[(1, 3)])
+    # A plan that only loads (an adapter for a later step) loads it and runs the base model.
+    assert served.batch_for(np.array([-1, -1]), placement={}, loads=[(1, 0)]) is None
+    assert served.slot_adapters == [1, 2, 0] and served.num_loads == 3
