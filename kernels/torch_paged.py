@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_lora
 from kernels.ops import KernelOps
 from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
+from kernels.torch_lora import add_lora
 from kernels.tree_mask import TREE_WINDOW
 
 
@@ -169,4 +169,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 KERNEL_OPS = KernelOps("torch", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
-                       plan_attention=plan_attention, add_lora=torch_lora.add_lora)
+                       plan_attention=plan_attention, add_lora=add_lora)

@@ -25,7 +25,7 @@ from kernels.tree_mask import TREE_WINDOW
 from kernels.triton_attention import (_paged_decode_kernel, _paged_decode_split_kernel,
                                       _paged_prefill_kernel, _split_reduce_kernel)
 from kernels.triton_cache import _copy_blocks_kernel, _write_kv_cache_kernel
-from kernels.triton_lora import add_lora
+from kernels.triton_lora import add_lora as grouped_add_lora
 # Launchers read UNAVAILABLE_REASON from this module, where bench/gpu_check.py --compile clears it.
 from kernels.triton_mode import INTERPRETED, UNAVAILABLE_REASON, triton
 
@@ -317,6 +317,12 @@ def swap_blocks(src_cache, dst_cache, block_pairs):
     dst_ids = block_pairs[:, 1].to(dst_cache.device)
     # Blocking transfer: a non_blocking device-to-host copy would be read before it lands.
     dst_cache[:, dst_ids] = src_cache[:, src_ids].to(dst_cache.device)
+
+
+def add_lora(out, x, lora_a, lora_b, scalings, batch, **tiles):
+    """kernels/triton_lora.py's add_lora (kernels/lora_batch.py's API), where the kernels run."""
+    require_triton()
+    grouped_add_lora(out, x, lora_a, lora_b, scalings, batch, **tiles)
 
 
 # The dispatcher takes the step's longest query and context from the caller (the engine's runner,
