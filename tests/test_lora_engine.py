@@ -124,6 +124,16 @@ def test_chunked_prefill_with_adapters_matches_peft(prompts, expected):
     assert token_ids(outputs) == expected
 
 
+def test_speculative_verification_with_adapters_matches_peft(prompts, expected):
+    """A draft model (the base model: drafts carry no adapter) proposes, the target verifies
+    each sequence's drafts with the sequence's adapter: the tokens are the adapter's."""
+    llm = LLM("tiny-llama", num_gpu_blocks=256, speculative_model="tiny-llama",
+              num_speculative_tokens=3, lora=LORA)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_id=LORA_IDS)
+    assert token_ids(outputs) == expected
+    assert llm.last_stats.num_accepted_tokens > 0
+
+
 def test_step_over_max_loras_adapters_is_refused(prompts):
     llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
     with pytest.raises(ValueError, match="uses 3 adapters, more than lora.max_loras=2"):
