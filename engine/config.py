@@ -76,8 +76,8 @@ class EngineConfig:
     # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.
     predictor: Any = None
     # Multi-LoRA serving (engine/lora.py): the lora config group's keys as a mapping
-    # (num_adapters, ranks, alpha, target_modules, max_loras), a conf/lora name, or a
-    # LoRAAdapters; None: the base model alone. generate(lora_id=...) picks each request's.
+    # (num_adapters, ranks, alpha, target_modules, max_loras, ...) or a conf/lora name; None:
+    # the base model alone. generate(lora_id=...) picks each request's adapter.
     lora: Any = None
 
     def __post_init__(self):

@@ -101,25 +101,26 @@ class LoRAAdapters:
                    config.get("max_loras", 4), seed)
 
 
-def lora_adapters(setting, seed: int = 0) -> LoRAAdapters | None:
-    """The adapters of a `lora` setting: None (off), a LoRAAdapters, a mapping of the lora
-    config group's keys, or a conf/lora name."""
+def lora_group(setting) -> Mapping | None:
+    """The lora config group a `lora` setting names: None (off), a mapping of the group's keys,
+    or a conf/lora name."""
     from omegaconf import OmegaConf
 
     from sim.core.policy_config import CONF_DIR, config_names
 
-    if setting is None or isinstance(setting, LoRAAdapters):
+    if setting is None or isinstance(setting, Mapping):
         return setting
-    if isinstance(setting, str):
-        path = CONF_DIR / "lora" / f"{setting}.yaml"
-        if not path.is_file():
-            raise ValueError(f"lora must be a mapping of the lora group's keys or one of "
-                             f"{config_names('lora')} (conf/lora), got {setting!r}")
-        setting = OmegaConf.load(path)
-    if not isinstance(setting, Mapping):
-        raise ValueError(f"lora must be None, a mapping of the lora group's keys, a conf/lora "
-                         f"name or a LoRAAdapters, got {type(setting).__name__}")
-    return LoRAAdapters.from_config(setting, seed)
+    path = CONF_DIR / "lora" / f"{setting}.yaml"
+    if not isinstance(setting, str) or not path.is_file():
+        raise ValueError(f"lora must be None, a mapping of the lora group's keys or one of "
+                         f"{config_names('lora')} (conf/lora), got {setting!r}")
+    return OmegaConf.load(path)
+
+
+def lora_adapters(setting, seed: int = 0) -> LoRAAdapters | None:
+    """The adapters of a `lora` setting (lora_group's), or None when it serves none."""
+    group = lora_group(setting)
+    return None if group is None else LoRAAdapters.from_config(group, seed)
 
 
 def target_linears(model: torch.nn.Module, target_modules) -> list[tuple[str, torch.nn.Linear]]:

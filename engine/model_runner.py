@@ -117,25 +117,26 @@ class ModelRunner:
                 rows = slice(root_row, root_row + 1 + len(tree))
                 tree_mask[rows] = tree.mask_entries()
                 position_shift[rows] = np.arange(1 + len(tree)) - np.asarray([0] + tree.depths)
-        token_lora_ids = None
+        lora_batch = None
         if self.lora is not None:
-            token_lora_ids = np.repeat(lora_ids, query_lens)
+            # Every step: a plan's LoRA manager may load an adapter no token uses yet.
+            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens))
         elif (lora_ids != NO_ADAPTER).any():
             raise ValueError("a request has a lora_id but this engine serves no adapters "
                              "(give it lora=...)")
         return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs,
-                          tree_mask, position_shift, token_lora_ids)
+                          tree_mask, position_shift, lora_batch)
 
     def build(self, token_ids: list[int], starts: np.ndarray, query_lens: np.ndarray,
               seq_tables: list[list[int]], logits_rows: list[int],
               sampling_seqs: list[Sequence], tree_mask: np.ndarray | None = None,
               position_shift: np.ndarray | None = None,
-              token_lora_ids: np.ndarray | None = None) -> StepInputs:
+              lora_batch: LoRABatch | None = None) -> StepInputs:
         """Inputs for sequences b running query_lens[b] tokens from position starts[b] (their
         ids concatenated in `token_ids`), K/V at the slots of seq_tables[b], keeping the logits
         of the flattened rows `logits_rows`. With token trees: each token's tree_mask entry, and
         how many positions before its slot's position the model sees it (position_shift). With
-        adapters: each token's lora_id (NO_ADAPTER: none), whose slots it loads as needed."""
+        adapters: the step's LoRABatch (ServedAdapters.batch_for)."""
         block_size = self.block_size
         num_seqs = len(seq_tables)
         num_tokens = len(token_ids)
@@ -156,11 +157,9 @@ class ModelRunner:
         slots = (block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
                  + positions % block_size)
 
-        lora_batch = None
-        if token_lora_ids is not None:
-            lora_batch = self.lora.batch_for(token_lora_ids)
         graphs = self.decode_graphs
-        if (graphs is not None and lora_batch is None and num_tokens == num_seqs and graphs.fits(num_seqs, max_blocks)
+        if (graphs is not None and lora_batch is None and num_tokens == num_seqs
+                and graphs.fits(num_seqs, max_blocks)
                 and logits_rows == list(range(num_seqs))):
             decode_batch = DecodeBatch(np.asarray(token_ids, dtype=np.int64), positions, slots,
                                        block_tables, seq_lens.astype(np.int32))

@@ -158,7 +158,7 @@ def test_bad_lora_id_names_the_argument(kwargs, lora_id, message):
     ({**LORA, "target_modules": ["q_proj", "fc1"]}, r"lora.target_modules must be"),
     ({**LORA, "max_loras": 0}, r"lora.max_loras must be a positive integer"),
     ({**LORA, "rank": 4}, r"lora: unknown key\(s\) rank"),
-    ("no-such-lora", r"lora must be a mapping of the lora group's keys or one of"),
+    ("no-such-lora", r"lora must be None, a mapping of the lora group's keys or one of"),
 ])
 def test_bad_lora_config_names_the_key(lora, message):
     with pytest.raises(ValueError, match=message):
