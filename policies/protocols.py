@@ -257,7 +257,9 @@ class DecodePoolScheduler(Protocol):
 class CostModel(Protocol):
     """How long a simulated step takes (conf/cost_model: any `_target_` class with `step_time`).
     Built once per replica with the keyword arguments `model` (sim.core.specs.ModelSpec),
-    `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys; when the run
+    `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys (and
+    `expert_parallel_size` when cluster.expert_parallel_size > 1: a cost model that does not
+    take it cannot cost that cluster, and the run says so); when the run
     speculates also `draft_model` ("ngram", "lookahead", "medusa" or the draft model's
     ModelSpec: policies.speculation.drafters says what each costs) and, for Medusa,
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,

@@ -16,6 +16,7 @@ from policies.speculation.drafters import drafter_kind
 from policies.validators import (finite_number, non_negative_int, non_negative_number,
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
+from sim.core.experts import check_expert_parallel_size
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
@@ -58,6 +59,12 @@ def check_run_settings(cfg: DictConfig) -> None:
         build_policy(cfg.backend.preflight, "backend.preflight")
 
 
+def expert_parallel_size(cfg: DictConfig, model: ModelSpec) -> int:
+    """cluster.expert_parallel_size (1 when unset), checked against the model and tp."""
+    return check_expert_parallel_size(model, cfg.cluster.get("expert_parallel_size", 1),
+                                      cfg.cluster.tensor_parallel_size)
+
+
 def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
     """The step token budget (null: big enough for any prompt the model allows)."""
     return step_token_budget(cfg.scheduler.get("max_num_batched_tokens"), model.max_model_len,
@@ -80,7 +87,8 @@ def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> 
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
         max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-        draft=speculation.draft_kv if speculation is not None else None, **sizing)
+        draft=speculation.draft_kv if speculation is not None else None,
+        expert_parallel_size=expert_parallel_size(cfg, model), **sizing)
 
 
 def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
@@ -179,6 +187,8 @@ def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
 
     arguments = dict(model=model, hardware=hardware,
                      tensor_parallel_size=cfg.cluster.tensor_parallel_size, **drafting)
+    if expert_parallel_size(cfg, model) > 1:   # (a cost model without experts never sees it)
+        arguments["expert_parallel_size"] = cfg.cluster.expert_parallel_size
     try:
         cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
     except NoGPUTable:

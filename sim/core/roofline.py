@@ -5,6 +5,8 @@ bandwidth), and the groups run one after another, so their times add:
 
     step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
          + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
+         + routed experts  (a mixture of experts: T·k tokens' FLOPs, the touched experts' weights,
+                            the all-to-alls of expert parallelism; sim/core/experts.py)
          + LM head         (only the sequences that sample)
          + prefill attention (causal query-key pairs vs KV read)
          + decode attention  (one query per sequence vs its whole context's KV read)
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 from policies import validators
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
+from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -61,7 +64,9 @@ class RooflineCostModel:
                  draft_step_overhead_s: float = 3e-4,
                  ngram_overhead_s_per_seq: float = 20e-6,
                  medusa_num_heads: int = 4,
-                 offload_bandwidth_gbps: float | None = None):
+                 offload_bandwidth_gbps: float | None = None,
+                 routing="uniform",
+                 expert_parallel_size: int = 1):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -114,6 +119,16 @@ class RooflineCostModel:
         byte_rate = hw.memory_bandwidth * self.memory_efficiency
         # Everything below is per GPU: weights, heads and KV heads are split over tp.
         linear_params = m.num_layers * m.linear_parameters_per_layer / tp
+        # A mixture's routed experts are their own term (sim/core/experts.py): the linear layers
+        # here are those every token runs through.
+        self.routing, self._experts = routing, None
+        check_expert_parallel_size(m, expert_parallel_size, tp)
+        if m.is_moe:
+            linear_params = m.num_layers * (m.attention_parameters_per_layer
+                                            + m.always_active_mlp_parameters_per_layer) / tp
+            self._experts = RooflineExperts(
+                ExpertLayout.of(m, routing, tp, expert_parallel_size), hw, self.compute_efficiency,
+                self.memory_efficiency, self.transfer_efficiency, self.allreduce_latency_s)
         self._linear_s_per_token = 2 * linear_params / flop_rate
         self._linear_weights_s = linear_params * m.dtype_bytes / byte_rate
         lm_head_params = m.lm_head_parameters / tp
@@ -223,6 +238,8 @@ class RooflineCostModel:
         """`time` plus the linear layers, the LM head and prefill attention, in step_time's
         order of sums."""
         time += max(num_tokens * self._linear_s_per_token, self._linear_weights_s)
+        if self._experts is not None:
+            time += self._experts.seconds(num_tokens)
         # Every decode sequence samples (a speculating one at each draft too); a prefill chunk
         # samples only if it ends the prompt, which the aggregates do not say, so count them all
         # (an upper bound of a few rows).

@@ -31,9 +31,10 @@ from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost
+from sim.gpu.experts import MLP_OPS, ExpertKernels
 from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
                             predict_lm_head_ms, predict_step_ops_ms)
-from sim.gpu.tables import LayerShape, attention_tables
+from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
 from sim.gpu.transfer_errors import expected_errors
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
@@ -148,7 +149,14 @@ class GPUCostModel(RooflineCostModel):
         # by the share it reaches relative to the measured datacenter boards.
         hw = self.achieved_rates(self.hardware)
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
-        forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+        if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
+            experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
+            forward_ms = layers * (experts.layer_ms(tokens) + predict_layer_ms(
+                self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
+                ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
+        else:
+            forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
+                                                   m.dtype_bytes)
         forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
         allreduce_source = "none (tensor_parallel_size 1)"
         if tp > 1:
@@ -192,6 +200,8 @@ class GPUCostModel(RooflineCostModel):
                           f"{self.workstation_bandwidth_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
+        if m.is_moe:
+            self._sources["experts"] = experts.source(self.routing)
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
