@@ -134,10 +134,15 @@ def test_speculative_verification_with_adapters_matches_peft(prompts, expected):
     assert llm.last_stats.num_accepted_tokens > 0
 
 
-def test_step_over_max_loras_adapters_is_refused(prompts):
-    llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
+def test_step_over_max_loras_adapters_is_refused():
+    """The scheduler keeps a batch within max_loras; a step that is not is refused, not run."""
+    import numpy as np
+
+    served = LLM("tiny-llama", num_gpu_blocks=64,
+                 lora={**LORA, "max_loras": 2}).executor.runner.lora
     with pytest.raises(ValueError, match="uses 3 adapters, more than lora.max_loras=2"):
-        llm.generate(prompts[:3], GREEDY, use_tqdm=False, lora_id=[0, 1, 2])
+        served.batch_for(np.array([0, 1, -1, 2]))
+    assert served.num_loads == 0
 
 
 @pytest.mark.parametrize("kwargs, lora_id, message", [
