@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
+from policies.lora.spec import lora_config
 from policies.protocols import CostModel, LengthPredictor, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
 from policies.validators import (finite_number, non_negative_int, non_negative_number,
@@ -169,6 +170,9 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         raise ValueError(f"backend must be sim or name its executor (backend.executor); got "
                          f"backend.name={cfg.backend.name!r}")
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
+    lora = lora_config(cfg.get("lora"))
+    if lora is not None:   # only a LoRA run passes `lora`: a cost model of its own need not know
+        drafting["lora"] = lora.spec
     if speculation is not None and drafter_kind(speculation.draft_model).draft_cost == "heads":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
     cost_model = build_cost_model(cfg, model, hardware, **drafting)
@@ -247,3 +251,13 @@ def speed_summary(executors: list) -> dict:
                                                              for s in prefill))]
         summary["prefill_speed_probes"] = sum(s["prefill_speed_probes"] for s in prefill)
     return summary
+
+
+def lora_summary(managers: list) -> dict:
+    """The replicas' LoRA managers' counts, summed (the most adapters in a step: the largest);
+    {} when the run serves no adapters."""
+    summaries = [manager.summary() for manager in managers]
+    if not summaries:
+        return {}
+    return {key: (max if key.startswith("lora_max") else sum)(s[key] for s in summaries)
+            for key in summaries[0]}

@@ -4,6 +4,7 @@ Each kernel group of a forward pass takes max(FLOPs / achieved FLOP rate, bytes 
 bandwidth), and the groups run one after another, so their times add:
 
     step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
+         + LoRA adapters (multi-LoRA: grouped matmuls and loads, sim/core/lora_cost.py)
          + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
          + routed experts  (a mixture of experts: T·k tokens' FLOPs, the touched experts' weights,
                             the all-to-alls of expert parallelism; sim/core/experts.py)
@@ -24,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies import validators
+from policies.lora.spec import LoRASpec
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
 from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
+from sim.core.lora_cost import lora_step_cost
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -66,7 +69,8 @@ class RooflineCostModel:
                  medusa_num_heads: int = 4,
                  offload_bandwidth_gbps: float | None = None,
                  routing="uniform",
-                 expert_parallel_size: int = 1):
+                 expert_parallel_size: int = 1,
+                 lora: LoRASpec | Mapping | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -156,6 +160,9 @@ class RooflineCostModel:
         # The prefix cache's host tier moves blocks at its own configured bandwidth.
         self._offload_s_per_block = offload_seconds_per_block(m, hw, self.block_size, tp,
                                                               offload_bandwidth_gbps)
+        # Multi-LoRA (a policies.lora.spec.LoRASpec; None: off): sim/core/lora_cost.py.
+        self._lora = lora_step_cost(lora, m, tp, flop_rate, byte_rate,
+                                    hw.host_to_device_bandwidth * self.transfer_efficiency)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -223,6 +230,8 @@ class RooflineCostModel:
         num_offload_moves = len(plan.blocks_to_offload) + len(plan.blocks_to_load)
         if num_offload_moves:
             time += num_offload_moves * self._offload_s_per_block
+        if plan.num_loras:   # the adapters' grouped matmuls and loads (sim/core/lora_cost.py)
+            time += self._lora.seconds(plan)
         return time
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:

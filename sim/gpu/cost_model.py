@@ -3,6 +3,7 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 
     step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
          + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
+         + LoRA adapters' matmuls and loads (sim/core/lora_cost.py, at the achieved rates)
          + GPU forward pass, which is the larger of
              the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
                           batch's tokens (padded to a CUDA-graph capture size when it has one)
@@ -27,6 +28,7 @@ import numpy as np
 from policies import validators
 from policies.types import StepPlan
 from sim.core.json_files import read_json_object
+from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
@@ -95,7 +97,7 @@ class GPUCostModel(RooflineCostModel):
     Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
     per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
     attention_backend describe the engine. The remaining keyword arguments are
-    RooflineCostModel's, used for swaps, copies, host-tier moves and drafting only.
+    RooflineCostModel's, used for swaps, copies, host-tier moves, drafting and LoRA adapters.
     """
 
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
@@ -148,6 +150,10 @@ class GPUCostModel(RooflineCostModel):
         # The rates the kernels are predicted at: a workstation board's spec-sheet rates scaled
         # by the share it reaches relative to the measured datacenter boards.
         hw = self.achieved_rates(self.hardware)
+        if self._lora is not None:   # the adapters' matmuls at the rates the kernels run at
+            self._lora = lora_step_cost(roofline_kwargs["lora"], m, tp, hw.peak_flops,
+                                        hw.memory_bandwidth,
+                                        hw.host_to_device_bandwidth * self.transfer_efficiency)
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
         if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
             experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
