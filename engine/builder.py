@@ -18,7 +18,7 @@ from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
 from engine.lookahead import LookaheadDrafter
-from engine.lora import LoRAAdapters, ServedAdapters, lora_adapters
+from engine.lora import LoRAAdapters, ServedAdapters, lora_adapters, lora_group
 from engine.medusa import MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
@@ -27,6 +27,7 @@ from engine.sampler import Sampler
 from kernels import get_kernel_ops
 from policies.capabilities import OffloadingKVCache
 from policies.checks import check_policy, has_capability
+from policies.lora.spec import lora_config
 from policies.protocols import BoundedScheduler, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import Drafter, TreeSpec
@@ -250,7 +251,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         kv_cache_policy_config(policy_config(KV_CACHE_CONFIG, "kv_cache")), kv_cache_sizes,
         max_num_batched_tokens=budget, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
-        speculation=build_speculation(config, draft if isinstance(draft, TreeSpec) else None))
+        speculation=build_speculation(config, draft if isinstance(draft, TreeSpec) else None),
+        lora=lora_config(lora_group(config.lora)))
 
 
 def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,

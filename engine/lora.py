@@ -3,7 +3,7 @@ rank, for every target module of every layer), their device slots, and the wrapp
 step's adapter deltas to each target nn.Linear's output.
 
 - `LoRAAdapters`: what the run serves (the `lora` config group's num_adapters, ranks, alpha,
-  target_modules, max_loras), checked, each bad key named.
+  target_modules, max_loras, read by policies/lora/spec.py as the simulator reads them).
 - `adapter_weights`: adapter i's A [rank, in] and B [out, rank] per target module, drawn from
   a generator seeded by (seed, i) alone, so a test rebuilds them for PEFT. B is not zero (PEFT
   initialises it to zero, which would make every adapter the base model).
@@ -31,74 +31,49 @@ import torch
 
 from kernels import KernelOps
 from kernels.lora_batch import NO_ADAPTER, LoRABatch
-from policies.validators import non_negative_int, positive_int, positive_number
+from policies.lora.spec import LoRASpec, lora_config
+from policies.validators import non_negative_int
 
-# The HF Llama projections an adapter may target: attention, then the gated MLP.
-LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj")
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A's entries have variance 1/in_features (A x keeps x's scale per rank); B's this spread, so
 # that an adapter moves the outputs of the tiny random model as a fine-tune would (a delta of
 # about a third of the base projection's at rank 16), changing its greedy continuations.
 LORA_B_STD = 0.1
-# The keys of the lora config group the simulator alone reads (workload, manager policy).
-SIMULATOR_KEYS = ("popularity", "zipf_exponent", "max_cpu_loras", "policy")
 
 
 @dataclass(frozen=True)
 class LoRAAdapters:
-    """The run's adapters: adapter i has rank ranks[i] and applies to every target module of
-    every layer, scaled by alpha / ranks[i] (alpha None: the rank, scaling 1)."""
+    """The run's adapters (`spec`: adapter i has rank spec.ranks[i] and applies to every target
+    module of every layer, scaled by alpha / rank), the device slots and the weights' seed.
+    Made by from_config, which checks the group."""
 
-    ranks: tuple[int, ...]
-    alpha: float | None = None
-    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    max_loras: int = 4
+    spec: LoRASpec
+    max_loras: int
     seed: int = 0
 
-    def __post_init__(self):
-        for index, rank in enumerate(self.ranks):
-            positive_int(f"lora.ranks[{index}]", rank)
-        if self.alpha is not None:
-            positive_number("lora.alpha", self.alpha)
-        if not self.target_modules or any(name not in LLAMA_TARGET_MODULES
-                                          for name in self.target_modules):
-            raise ValueError(f"lora.target_modules must be a non-empty list of "
-                             f"{', '.join(LLAMA_TARGET_MODULES)}; got {list(self.target_modules)}")
-        positive_int("lora.max_loras", self.max_loras)
-        non_negative_int("seed", self.seed)
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.spec.ranks
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return self.spec.target_modules
 
     @property
     def num_adapters(self) -> int:
-        return len(self.ranks)
+        return self.spec.num_adapters
 
     def scaling(self, index: int) -> float:
         """PEFT's lora_alpha / r of adapter `index`."""
-        rank = self.ranks[index]
-        return (self.alpha if self.alpha is not None else rank) / rank
+        return self.spec.scaling(index)
 
     @classmethod
-    def from_config(cls, config: Mapping, seed: int = 0) -> "LoRAAdapters | None":
-        """From the lora config group's keys (conf/lora); None when num_adapters is 0 (off)."""
-        known = {"num_adapters", "ranks", "alpha", "target_modules", "max_loras",
-                 *SIMULATOR_KEYS}
-        unknown = sorted(str(key) for key in config if key not in known)
-        if unknown:
-            raise ValueError(f"lora: unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
-        num_adapters = non_negative_int("lora.num_adapters", config.get("num_adapters", 0))
-        if num_adapters == 0:
+    def from_config(cls, group: Mapping, seed: int = 0) -> "LoRAAdapters | None":
+        """From the lora config group (read and checked by policies/lora/spec.py lora_config,
+        as the simulator reads it); None when it serves no adapters."""
+        config = lora_config(group)
+        if config is None:
             return None
-        ranks = config.get("ranks", 16)
-        if isinstance(ranks, int) and not isinstance(ranks, bool):
-            ranks = [ranks] * num_adapters
-        ranks = list(ranks)
-        if len(ranks) != num_adapters:
-            raise ValueError(f"lora.ranks must be one rank or one per adapter "
-                             f"(num_adapters={num_adapters}), got {len(ranks)}")
-        return cls(tuple(ranks), config.get("alpha"),
-                   tuple(config.get("target_modules", DEFAULT_TARGET_MODULES)),
-                   config.get("max_loras", 4), seed)
+        return cls(config.spec, config.max_loras, non_negative_int("seed", seed))
 
 
 def lora_group(setting) -> Mapping | None:

@@ -119,8 +119,9 @@ class ModelRunner:
                 position_shift[rows] = np.arange(1 + len(tree)) - np.asarray([0] + tree.depths)
         lora_batch = None
         if self.lora is not None:
-            # Every step: a plan's LoRA manager may load an adapter no token uses yet.
-            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens))
+            # Every step: the plan's LoRA manager may load an adapter no token uses yet.
+            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens), plan.lora_slots,
+                                             plan.lora_to_load)
         elif (lora_ids != NO_ADAPTER).any():
             raise ValueError("a request has a lora_id but this engine serves no adapters "
                              "(give it lora=...)")

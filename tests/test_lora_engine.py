@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.lora import LLAMA_TARGET_MODULES, LoRAAdapters, adapter_weights, target_shapes
+from engine.lora import LoRAAdapters, adapter_weights, target_shapes
 from engine.model_loader import load_model
+from policies.lora.spec import TARGET_MODULES
 
 from factories import token_ids
 from triton_interpreter import ran_in_fresh_process
@@ -24,7 +25,7 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 RANKS = [4, 16, 8]
 LORA = dict(num_adapters=len(RANKS), ranks=RANKS, alpha=8,
-            target_modules=list(LLAMA_TARGET_MODULES), max_loras=len(RANKS))
+            target_modules=list(TARGET_MODULES), max_loras=len(RANKS))
 # Prompt i runs adapter LORA_IDS[i]; None: the base model.
 LORA_IDS = [0, None, 1, 2, 1, None, 0, 2]
 
@@ -39,7 +40,7 @@ def peft_model(base: torch.nn.Module, adapters: LoRAAdapters, index: int) -> tor
     from peft import LoraConfig, get_peft_model
 
     rank = adapters.ranks[index]
-    config = LoraConfig(r=rank, lora_alpha=adapters.alpha or rank, lora_dropout=0.0,
+    config = LoraConfig(r=rank, lora_alpha=adapters.spec.alpha or rank, lora_dropout=0.0,
                         target_modules=list(adapters.target_modules))
     model = get_peft_model(copy.deepcopy(base), config)
     weights = adapter_weights(adapters, index, target_shapes(base, adapters.target_modules))
@@ -89,7 +90,8 @@ def test_mixed_adapters_in_one_batch_match_peft(prompts, expected):
 
 def test_adapters_evicted_and_reloaded_keep_outputs(prompts, expected):
     """Two slots for three adapters: a call's missing adapters evict the least recently used
-    adapters it does not need, and reloaded adapters give the same tokens."""
+    adapters it does not need (the scheduler's LoRA manager decides, the engine follows), and
+    reloaded adapters give the same tokens."""
     llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
     served = llm.executor.runner.lora
     # (adapters of the call, adapters in the slots after it, loads so far): after [0] the least
@@ -102,7 +104,20 @@ def test_adapters_evicted_and_reloaded_keep_outputs(prompts, expected):
         assert token_ids(outputs) == [expected[i] for i in chosen]
         assert set(served.slot_adapters) == resident
         assert served.num_loads == loads
+        # The engine's slots are where the scheduler's LoRA manager put each adapter.
+        assert {lora_id: served.slot_adapters.index(lora_id)
+                for lora_id in resident} == dict(llm.scheduler.lora.slots)
         check_slots(served)
+
+
+def test_engine_slots_are_the_lora_managers(prompts, expected):
+    """The engine loads each adapter into the slot the scheduler's LoRA manager chose (here the
+    first request's adapter, 2, into the first free slot), not a placement of its own."""
+    llm = LLM("tiny-llama", num_gpu_blocks=256, lora={**LORA, "max_loras": 2})
+    outputs = llm.generate([prompts[3], prompts[2]], GREEDY, use_tqdm=False, lora_id=[2, 1])
+    assert token_ids(outputs) == [expected[3], expected[2]]
+    assert dict(llm.scheduler.lora.slots) == {2: 0, 1: 1}
+    assert llm.executor.runner.lora.slot_adapters == [2, 1]
 
 
 def check_slots(served):
@@ -159,10 +174,10 @@ def test_bad_lora_id_names_the_argument(kwargs, lora_id, message):
 
 @pytest.mark.parametrize("lora, message", [
     ({**LORA, "ranks": [4, 0, 8]}, r"lora.ranks\[1\] must be a positive integer"),
-    ({**LORA, "ranks": [4, 8]}, r"lora.ranks must be one rank or one per adapter"),
+    ({**LORA, "ranks": [4, 8]}, r"lora.ranks must be one int or a list of lora.num_adapters=3"),
     ({**LORA, "target_modules": ["q_proj", "fc1"]}, r"lora.target_modules must be"),
     ({**LORA, "max_loras": 0}, r"lora.max_loras must be a positive integer"),
-    ({**LORA, "rank": 4}, r"lora: unknown key\(s\) rank"),
+    ({**LORA, "rank": 4}, r"lora: unknown key\(s\) \['rank'\]"),
     ("no-such-lora", r"lora must be None, a mapping of the lora group's keys or one of"),
 ])
 def test_bad_lora_config_names_the_key(lora, message):
@@ -199,3 +214,29 @@ def test_slots_follow_the_plans_placement():
     # A plan that only loads (an adapter for a later step) loads it and runs the base model.
     assert served.batch_for(np.array([-1, -1]), placement={}, loads=[(1, 0)]) is None
     assert served.slot_adapters == [1, 2, 0] and served.num_loads == 3
+
+
+def test_engine_backend_runs_each_requests_adapter():
+    """backend=engine with the lora group: the simulator's workload draws each request's adapter,
+    its scheduler's LoRA manager places them in max_loras slots, the engine follows; each
+    request's tokens equal the offline API's with that adapter (itself held to PEFT above)."""
+    from factories import make_cfg
+    from sim.core.experiment import run_experiment
+
+    lora = ["lora=multi", "lora.num_adapters=3", "lora.ranks=[4,16,8]", "lora.alpha=8",
+            "lora.max_loras=2", f"lora.target_modules=[{','.join(TARGET_MODULES)}]"]
+    result = run_experiment(make_cfg(
+        "backend=engine", "model=tiny-llama", "hardware=cpu", "workload.num_requests=8",
+        "workload.rate=inf", "workload.with_token_ids=true",
+        "++workload.prompt_len={dist: uniform, low: 4, high: 24}",
+        "++workload.output_len={dist: uniform, low: 3, high: 6}", *lora), None)
+    requests = result.requests
+    assert result.summary["completed"] == 8 and result.summary["lora_loads"] > 2
+    assert {request.lora_id for request in requests} == {0, 1, 2}
+    llm = LLM("tiny-llama", num_gpu_blocks=256, lora=LORA)
+    for request in requests:
+        (output,) = llm.generate([request.prompt_token_ids],
+                                 SamplingParams(temperature=0, max_tokens=request.output_len,
+                                                ignore_eos=True),
+                                 use_tqdm=False, lora_id=request.lora_id)
+        assert request.sequences[0].output_token_ids == output.outputs[0].token_ids
