@@ -149,6 +149,22 @@ def test_speculative_verification_with_adapters_matches_peft(prompts, expected):
     assert llm.last_stats.num_accepted_tokens > 0
 
 
+def test_slots_without_a_manager_evict_the_least_recently_used():
+    """A plan without a LoRA manager's placement (a scheduler object built without one): the
+    engine loads missing adapters into free slots, else the least recently used it can spare."""
+    import numpy as np
+
+    served = LLM("tiny-llama", num_gpu_blocks=64,
+                 lora={**LORA, "max_loras": 2}).executor.runner.lora
+    # After [0], adapter 2 (slot 1) is the least recently used: [1] evicts it.
+    for ids, slots, loads in (([1, 0], [0, 1], 2), ([2, -1, 0], [0, 2], 3), ([0], [0, 2], 3),
+                              ([1, 1], [0, 1], 4)):
+        batch = served.batch_for(np.array(ids))
+        assert served.slot_adapters == slots and served.num_loads == loads
+        assert batch.token_slots.tolist() == [slots.index(i) if i >= 0 else -1 for i in ids]
+    check_slots(served)
+
+
 def test_step_over_max_loras_adapters_is_refused():
     """The scheduler keeps a batch within max_loras; a step that is not is refused, not run."""
     import numpy as np
