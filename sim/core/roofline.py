@@ -165,12 +165,12 @@ class RooflineCostModel:
         self._lora = lora_step_cost(lora, m, tp, flop_rate, byte_rate,
                                     hw.host_to_device_bandwidth * self.transfer_efficiency)
         # The FLOPs and bytes of a step (sim/core/energy/work.py): the power model's input.
-        self._work = ModelStepWork(m, tp, self.block_size,
+        self.work = ModelStepWork(m, tp, self.block_size,
                                    None if self._experts is None else self._experts.layout)
 
     def step_work(self, plan: StepPlan) -> tuple[float, float]:
         """(FLOPs, device-memory bytes) of the step on one GPU (energy.work.StepWorkCostModel)."""
-        return self._work.step_work(plan)
+        return self.work.step_work(plan)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -66,6 +66,11 @@ class UtilisationPowerModel:
     def idle_power_w(self) -> float:
         return self._idle_w
 
+    def linear_terms(self) -> tuple[float, float, float, float]:
+        """(idle W, dynamic W, seconds per FLOP, seconds per byte): busy_energy_j's constants,
+        for a meter that repeats its arithmetic over a run of steps without a call a step."""
+        return self._idle_w, self._dynamic_w, self._s_per_flop, self._s_per_byte
+
     def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
         busy_s = flops * self._s_per_flop + bytes_moved * self._s_per_byte
         return (self._idle_w * duration_s

@@ -64,6 +64,16 @@ class ModelStepWork:
         self._kv_bytes_per_token = m.kv_bytes_per_token_per_gpu(tp)
         self._copy_bytes_per_block = 2 * block_size * self._kv_bytes_per_token
 
+    def decode_terms(self) -> tuple[float, float, float, float] | None:
+        """A decode-only step's work is flops = decodes x (1) + context x (2), bytes = (3) +
+        (context + decodes) x (4), exactly as step_work computes it: the constants, for a
+        meter that costs a run of repeated decode steps without a call a step; None for a
+        mixture (its expert reads are not linear in the tokens)."""
+        if self._expert_bytes is not None:
+            return None
+        return (self._decode_flops_per_seq, self._attention_flops_per_pair, self._weight_bytes,
+                self._kv_bytes_per_token)
+
     def _weights_read(self, num_tokens: int) -> float:
         """Bytes of weights a step over `num_tokens` tokens reads (a mixture: O(1), a table)."""
         if self._expert_bytes is None:
