@@ -80,7 +80,7 @@ def test_policy_names_are_conf_files():
     assert policy_config("my.Policy", "scheduler") == {"_target_": "my.Policy"}
     assert policy_config({"_target_": "my.Policy", "k": 2}, "speculation").k == 2
     with pytest.raises(ValueError, match=r"^cluster\.router must be one of least_outstanding, "
-                                         r"prefix_affinity, round_robin \(conf/router\)"):
+                                         r"lora_affinity, prefix_affinity, round_robin \(conf/router\)"):
         build_router("fastest")
     with pytest.raises(ValueError, match="must name its class in _target_"):
         policy_config({"k": 2}, "speculation")
