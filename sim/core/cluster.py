@@ -29,7 +29,7 @@ from sim.core.specs import HardwareSpec, ModelSpec
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
-             "scheduler", "kv_cache")
+             "pipeline_parallel_size", "scheduler", "kv_cache")
 TOPOLOGIES = ("per_replica", "shared")
 
 
@@ -93,12 +93,12 @@ def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
 
 
 def _pool_config(base: DictConfig, entry, field: str) -> DictConfig:
-    """The run's config with the pool's overrides of hardware, tensor_parallel_size, scheduler
-    and kv_cache."""
+    """The run's config with the pool's overrides of hardware, tensor_parallel_size,
+    pipeline_parallel_size, scheduler and kv_cache."""
     pool_cfg = base.copy()
-    if entry.get("tensor_parallel_size") is not None:
-        pool_cfg.cluster.tensor_parallel_size = positive_int(f"{field}.tensor_parallel_size",
-                                                             entry.tensor_parallel_size)
+    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if entry.get(size) is not None:
+            pool_cfg.cluster[size] = positive_int(f"{field}.{size}", entry[size])
     for group in ("hardware", "scheduler", "kv_cache"):
         override = entry.get(group)
         if override is None:

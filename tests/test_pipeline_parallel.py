@@ -1,0 +1,232 @@
+"""Pipeline parallelism (sim/core/pipeline.py): the stages' split, the per-GPU KV capacity, the
+step's cost over micro-batches and its bubble, the stage sends, and whole runs' invariants."""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
+from policies.types import StepPlan
+from sim.core.build import build_cost_model, num_kv_blocks
+from sim.core.cluster import build_pools
+from sim.core.experiment import run_experiment
+from sim.core.pipeline import PipelineCostModel, send_bytes_per_token, stage_layers, stage_model
+from sim.core.roofline import RooflineCostModel
+from sim.core.specs import GIB, activation_peak_bytes, step_token_budget
+
+
+def _cost_model(pp: int, cost_model: str = "roofline", *overrides: str):
+    cfg = make_cfg(f"cost_model={cost_model}", f"cluster.pipeline_parallel_size={pp}",
+                   *overrides)
+    return build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+
+
+def _decodes(num_seqs: int, context: int = 512) -> StepPlan:
+    return StepPlan(num_decode_seqs=num_seqs, decode_context_tokens=num_seqs * context)
+
+
+def _prefills(num_seqs: int, chunk: int) -> StepPlan:
+    return StepPlan(num_prefill_seqs=num_seqs, num_prefill_tokens=num_seqs * chunk,
+                    prefill_attention_work=num_seqs * chunk * chunk,
+                    prefill_context_tokens=num_seqs * chunk,
+                    sum_squared_prefill_chunks=num_seqs * chunk * chunk)
+
+
+# ---- stages and validation -----------------------------------------------------------------------
+
+def test_stage_split_is_vllms():
+    # vLLM get_pp_indices: 32 layers over 3 stages -> 11, 11, 10 (the last, with the LM head,
+    # takes no extra layer); even splits stay even.
+    assert stage_layers(32, 3) == [11, 11, 10]
+    assert stage_layers(80, 4) == [20] * 4
+    assert stage_layers(5, 5) == [1] * 5
+    assert sum(stage_layers(61, 8)) == 61 and max(stage_layers(61, 8)) == 8
+    assert stage_model(model_spec("llama-2-7b"), 3).num_layers == 11
+    assert stage_model(model_spec("llama-2-7b"), 1) is model_spec("llama-2-7b") or \
+        stage_model(model_spec("llama-2-7b"), 1).num_layers == 32
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.pipeline_parallel_size=0", "cluster.pipeline_parallel_size"),
+    ("cluster.pipeline_parallel_size=33", "cluster.pipeline_parallel_size=33 exceeds"),
+    ("cluster.pipeline_parallel_size=1.5", "cluster.pipeline_parallel_size"),
+])
+def test_bad_sizes_name_the_key(override, message):
+    cfg = make_cfg(override)
+    with pytest.raises(ValueError, match=message):
+        num_kv_blocks(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+
+
+def test_speculation_and_other_cost_models_are_refused():
+    cfg = make_cfg("cluster.pipeline_parallel_size=2", "speculation=fixed")
+    with pytest.raises(ValueError, match="cluster.pipeline_parallel_size=2 with speculative"):
+        build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+    cfg = make_cfg("cluster.pipeline_parallel_size=2", "cost_model=profiled",
+                   f"cost_model.profile={REPO / 'profiles/cpu/tiny-llama.json'}",
+                   "model=tiny-llama", "hardware=cpu")
+    with pytest.raises(ValueError, match="needs cost_model=roofline or gpu"):
+        build_cost_model(cfg, model_spec("tiny-llama"), hardware_spec("cpu"))
+
+
+def test_one_stage_is_the_base_cost_model():
+    assert type(_cost_model(1)) is RooflineCostModel
+    assert isinstance(_cost_model(2), PipelineCostModel)
+
+
+# ---- KV capacity ---------------------------------------------------------------------------------
+
+def test_kv_blocks_per_gpu_hold_a_stages_layers():
+    """(memory x utilisation - reserved - a stage's weights - activations) / a stage's KV per
+    block, by hand: 16 of Llama-2-7B's 32 layers, the embedding and the LM head."""
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    cfg = make_cfg("cluster.pipeline_parallel_size=2")
+    h, block = model.hidden_size, cfg.kv_cache.block_size
+    layer = model.linear_parameters_per_layer + model.norm_parameters_per_layer
+    weights = (2 * model.vocab_size * h + 16 * layer + h) * model.dtype_bytes
+    activations = activation_peak_bytes(model, step_token_budget(None, model.max_model_len), 256)
+    budget = hardware.memory_gb * GIB * cfg.gpu_memory_utilization \
+        - hardware.reserved_memory_gb * GIB
+    kv_per_block = block * 2 * 16 * model.num_key_value_heads * model.head_dim * model.dtype_bytes
+    expected = int((budget - weights - activations) // kv_per_block)
+    assert num_kv_blocks(cfg, model, hardware) == expected
+    # More than twice the one-stage pool: half the KV per block and half the weights.
+    assert expected > 2 * num_kv_blocks(make_cfg(), model, hardware)
+
+
+def test_a_pool_sets_its_own_pipeline():
+    model = model_spec("llama-2-7b")
+    cfg = make_cfg("+cluster.pools=[{name: a, role: mixed, num_replicas: 1}, "
+                   "{name: b, role: mixed, num_replicas: 1, pipeline_parallel_size: 2}]")
+    with pytest.raises(ValueError, match="one pool each"):   # two mixed pools are refused
+        build_pools(cfg, model)
+    cfg = make_cfg("cluster=disaggregated", "+cluster.pools.1.pipeline_parallel_size=2")
+    prefill, decode = build_pools(cfg, model)
+    hardware = hardware_spec("a100-80gb")
+    assert prefill.num_kv_blocks == num_kv_blocks(make_cfg(), model, hardware)
+    assert decode.num_kv_blocks == num_kv_blocks(make_cfg("cluster.pipeline_parallel_size=2"),
+                                                 model, hardware)
+
+
+# ---- the step's cost -----------------------------------------------------------------------------
+
+def test_a_lone_sequence_gains_nothing_and_pays_the_sends():
+    """The bubble: one sequence is one micro-batch; it crosses every stage in turn, so the step
+    is the whole model's plus a send per stage boundary, whatever pp."""
+    base = _cost_model(1)
+    for pp in (2, 4):
+        pipeline = _cost_model(pp)
+        for plan in (_decodes(1), _prefills(1, 2048)):
+            tokens = plan.num_prefill_tokens + plan.num_decode_seqs
+            assert pipeline.step_time(plan) == pytest.approx(
+                base.step_time(plan) + (pp - 1) * pipeline.send_s(tokens), rel=1e-12)
+            assert pipeline.send_s(tokens) > 0
+
+
+def test_micro_batches_overlap_the_stages_when_compute_bound():
+    """Eight 1024-token prompts: compute-bound, so two stages each working on one half of the
+    batch while the other works on the other halve the step (about: overheads and sends)."""
+    base, pipeline = _cost_model(1), _cost_model(2)
+    plan = _prefills(8, 1024)
+    assert 0.45 < pipeline.step_time(plan) / base.step_time(plan) < 0.6
+    # Memory-bound decodes: every micro-batch reads its stage's weights, so no gain.
+    decodes = _decodes(8)
+    assert pipeline.step_time(decodes) >= base.step_time(decodes)
+
+
+def test_the_step_is_the_slower_of_latency_and_the_slowest_stage():
+    pipeline = _cost_model(4)
+    whole, stage = pipeline.whole, pipeline.stage
+    assert stage.model.num_layers == 8
+    for plan in (_decodes(64), _prefills(4, 512), _decodes(3)):
+        m = min(4, plan.num_prefill_seqs + plan.num_decode_seqs)
+        micro = StepPlan(
+            num_prefill_seqs=-(-plan.num_prefill_seqs // m),
+            num_prefill_tokens=-(-plan.num_prefill_tokens // m),
+            prefill_attention_work=-(-plan.prefill_attention_work // m),
+            prefill_context_tokens=-(-plan.prefill_context_tokens // m),
+            sum_squared_prefill_chunks=-(-plan.sum_squared_prefill_chunks // m),
+            num_decode_seqs=-(-plan.num_decode_seqs // m),
+            decode_context_tokens=-(-plan.decode_context_tokens // m))
+        send = pipeline.send_s(micro.num_prefill_tokens + micro.num_decode_seqs)
+        assert pipeline.step_time(plan) == max(whole.step_time(micro) + 3 * send,
+                                               m * (stage.step_time(micro) + send))
+
+
+def test_memory_operations_move_a_stages_share_of_each_block():
+    pipeline = _cost_model(2)
+    swaps = [(i, i) for i in range(10)]
+    plan = _decodes(4)
+    with_swaps = _decodes(4)
+    with_swaps.blocks_to_swap_in = swaps
+    whole = pipeline.whole
+    whole_swaps_s = whole.step_time(StepPlan(blocks_to_swap_in=swaps)) - whole.step_overhead_s
+    added = pipeline.step_time(with_swaps) - pipeline.step_time(plan)
+    assert added == pytest.approx(whole_swaps_s / 2, rel=1e-9)
+    # A step of swaps alone costs the stage's overhead and its share.
+    assert pipeline.step_time(StepPlan(blocks_to_swap_in=swaps)) == pytest.approx(
+        whole.step_overhead_s + whole_swaps_s / 2, rel=1e-9)
+    assert pipeline.step_time(StepPlan()) == 0.0
+
+
+def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
+    """GPU cost model: the NCCL send/recv table (one node) at hidden + residual bytes; roofline:
+    its all-reduce latency plus the bytes over the link at transfer_efficiency."""
+    model = model_spec("llama-2-7b")
+    per_token = send_bytes_per_token(model, 1)
+    assert per_token == 2 * 4096 * 2
+    with open(REPO / "data/gpu/vidur/network/a100_dgx/send_recv.csv", newline="") as file:
+        points = sorted((int(row["size"]), float(row["time_stats.send_recv.median"]))
+                        for row in csv.DictReader(file) if row["devices_per_node"] == "2")
+    sizes, ms = zip(*points)
+    gpu = _cost_model(2, "gpu")
+    for tokens in (1, 100, 2000):
+        assert gpu.send_s(tokens) == pytest.approx(
+            np.interp(tokens * per_token, sizes, ms) * 1e-3, rel=1e-9)
+    roofline = _cost_model(2)
+    hardware = hardware_spec("a100-80gb")
+    rate = hardware.interconnect_gbps * 1e9 * roofline.whole.transfer_efficiency
+    assert roofline.send_s(100) == pytest.approx(
+        roofline.whole.allreduce_latency_s + 100 * per_token / rate, rel=1e-12)
+    # Beyond the precomputed counts, linear (the roofline's slope is exact).
+    assert roofline.send_s(20000) == pytest.approx(
+        roofline.whole.allreduce_latency_s + 20000 * per_token / rate, rel=1e-9)
+    # With tensor parallelism each rank sends its share.
+    assert send_bytes_per_token(model, 2) == per_token / 2
+
+
+# ---- whole runs ----------------------------------------------------------------------------------
+
+def _run(pp: int, *overrides: str):
+    cfg = make_cfg("cost_model=roofline", f"cluster.pipeline_parallel_size={pp}", *overrides)
+    return run_experiment(cfg, plots=False)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_runs_finish_every_request_once_and_free_every_block(pp):
+    """Under memory pressure (preemption by swap and recompute) and chunked prefill."""
+    for preemption in ("recompute", "swap"):
+        result = _run(pp, "workload.num_requests=120", "workload.rate=40",
+                      "kv_cache.num_blocks=60", f"preemption={preemption}",
+                      "scheduler=chunked_prefill")
+        finished = [r.request_id for r in result.requests if r.finish_time is not None]
+        for replica in result.replicas:
+            check_outcome(replica.scheduler, result.requests, finished)
+        assert result.summary["num_preemptions"] > 0
+
+
+def test_light_load_same_throughput_longer_steps_heavy_load_overlaps():
+    """The bubble end to end. Light load (one request at a time): pp=2 serves the same requests
+    per second as pp=1 with slower tokens (the sends). Heavy compute-bound load at the same KV
+    pool: pp=2's micro-batches overlap its two stages, more than 1.5x the tokens per second."""
+    light = ("workload.num_requests=20", "workload.rate=0.2")
+    one, two = _run(1, *light).summary, _run(2, *light).summary
+    assert two["request_throughput"] == pytest.approx(one["request_throughput"], rel=0.01)
+    assert two["mean_tpot_ms"] > one["mean_tpot_ms"]
+    heavy = ("workload.num_requests=200", "workload.rate=1000", "kv_cache.num_blocks=4000",
+             "workload.prompt_len.mean=1800", "workload.prompt_len.min=1500",
+             "workload.output_len.mean=3", "workload.output_len.min=2",
+             "workload.output_len.max=4")
+    one, two = _run(1, *heavy).summary, _run(2, *heavy).summary
+    assert two["output_throughput"] > 1.5 * one["output_throughput"]
