@@ -12,7 +12,8 @@ from policies.types import StepPlan
 from sim.core.build import build_cost_model, num_kv_blocks
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
-from sim.core.pipeline import PipelineCostModel, send_bytes_per_token, stage_layers, stage_model
+from sim.core.pipeline import (PipelineCostModel, pipeline_period_s, send_bytes_per_token,
+                               stage_layers, stage_model)
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import GIB, activation_peak_bytes, step_token_budget
 
@@ -110,6 +111,33 @@ def test_a_pool_sets_its_own_pipeline():
 
 
 # ---- the step's cost -----------------------------------------------------------------------------
+
+def _event_simulated_period(stage_s: list[float], num_micro_batches: int, rounds: int = 60):
+    """The reference: micro-batches cycling through stages event by event, each stage one at a
+    time in arrival order, each micro-batch re-entering the first stage when it has left the
+    last. The mean time between rounds once the pipeline has filled."""
+    stage_free = [0.0] * len(stage_s)
+    ready = [0.0] * num_micro_batches   # when each micro-batch's tokens are back
+    round_ends = []
+    for _ in range(rounds):
+        for j in range(num_micro_batches):
+            t = ready[j]
+            for s, duration in enumerate(stage_s):
+                t = max(t, stage_free[s]) + duration
+                stage_free[s] = t
+            ready[j] = t
+        round_ends.append(max(ready))
+    half = rounds // 2
+    return (round_ends[-1] - round_ends[half]) / (rounds - 1 - half)
+
+
+@pytest.mark.parametrize("stage_s", [[1.0, 1.0], [1.0, 3.0, 2.0], [0.5, 0.5, 0.5, 2.0],
+                                     [2.0, 1.0, 1.0, 1.0]])
+def test_the_period_is_an_event_simulations(stage_s):
+    for m in range(1, len(stage_s) + 1):
+        assert pipeline_period_s(sum(stage_s), max(stage_s), m) == pytest.approx(
+            _event_simulated_period(stage_s, m), rel=1e-9)
+
 
 def test_a_lone_sequence_gains_nothing_and_pays_the_sends():
     """The bubble: one sequence is one micro-batch; it crosses every stage in turn, so the step

@@ -86,6 +86,14 @@ def stage_model(model: ModelSpec, stages: int) -> ModelSpec:
     return dataclasses.replace(model, num_layers=max(stage_layers(model.num_layers, stages)))
 
 
+def pipeline_period_s(latency_s: float, slowest_stage_s: float, num_micro_batches: int) -> float:
+    """Seconds between a micro-batch's entries into the first stage when `num_micro_batches`
+    circulate, each re-entering once it has left the last stage (its tokens are needed), through
+    stages that each work on one at a time: the way through (`latency_s`) or, when the
+    micro-batches queue, the slowest stage's work on all of them."""
+    return max(latency_s, num_micro_batches * slowest_stage_s)
+
+
 def _share(value: int, num_micro_batches: int) -> int:
     return -(-value // num_micro_batches)
 
@@ -148,8 +156,8 @@ class PipelineCostModel:
         micro = micro_batch(plan, m, False)
         send = self.send_s(micro.num_prefill_tokens + micro.num_decode_seqs)
         stage_s = self.stage.step_time(micro)
-        time = max(self.whole.step_time(micro) + (self.num_stages - 1) * send,
-                   m * (stage_s + send))
+        time = pipeline_period_s(self.whole.step_time(micro) + (self.num_stages - 1) * send,
+                                 stage_s + send, m)
         if _has_memory_ops(plan):
             # What the memory operations add to one stage's step (each stage moves its share).
             time += self.stage.step_time(micro_batch(plan, m, True)) - stage_s
