@@ -209,10 +209,12 @@ def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
                         for row in csv.DictReader(file) if row["devices_per_node"] == "2")
     sizes, ms = zip(*points)
     gpu = _cost_model(2, "gpu")
+    assert gpu.send_source == "measured: a100_dgx send_recv on 2 GPUs"
     for tokens in (1, 100, 2000):
         assert gpu.send_s(tokens) == pytest.approx(
             np.interp(tokens * per_token, sizes, ms) * 1e-3, rel=1e-9)
     roofline = _cost_model(2)
+    assert roofline.send_source.startswith("roofline")
     hardware = hardware_spec("a100-80gb")
     rate = hardware.interconnect_gbps * 1e9 * roofline.whole.transfer_efficiency
     assert roofline.send_s(100) == pytest.approx(

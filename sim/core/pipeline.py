@@ -126,7 +126,8 @@ class PipelineCostModel:
     """`step_time(plan)` of a replica of `num_stages` pipeline stages (the module docstring's
     model), from two cost models of the same kind: `whole` (every layer) and `stage` (the
     largest stage's layers), and `send_s_per_tokens[n]`, a stage's send of n tokens'
-    activations (linear at `send_slope_s` per token beyond the list)."""
+    activations (linear at `send_slope_s` per token beyond the list; `send_source` says where
+    those times come from)."""
 
     reads_only_aggregates = True
 
@@ -166,10 +167,6 @@ class PipelineCostModel:
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
         """step_time of the decode batch `plan` over `num_steps` steps, context growing."""
         return step_times_one_by_one(self, plan, num_steps)
-
-    def describe(self) -> dict[str, str]:
-        return {"pipeline": f"{self.num_stages} stages of {self.stage.model.num_layers} layers "
-                            f"at most; stage sends: {self.send_source}"}
 
 
 def send_bytes_per_token(model: ModelSpec, tensor_parallel_size: int) -> float:
