@@ -7,7 +7,8 @@ import csv
 import numpy as np
 import pytest
 
-from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
+from factories import (REPO, assert_same_run, check_outcome, hardware_spec, make_cfg, model_spec,
+                       run_both_ways)
 from policies.types import StepPlan
 from sim.core.build import build_cost_model, num_kv_blocks
 from sim.core.cluster import build_pools
@@ -244,6 +245,16 @@ def test_runs_finish_every_request_once_and_free_every_block(pp):
         for replica in result.replicas:
             check_outcome(replica.scheduler, result.requests, finished)
         assert result.summary["num_preemptions"] > 0
+
+
+def test_repeated_decode_steps_run_as_step_by_step(monkeypatch):
+    """Runs of repeated decode steps cost each step as step_time would (the pipeline's
+    repeated_step_times), so a run with them equals one without."""
+    overrides = ["cost_model=gpu", "cluster.pipeline_parallel_size=2", "workload.num_requests=150",
+                 "workload.rate=20"]
+    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    assert max(repeated_runs) > 1
 
 
 def test_light_load_same_throughput_longer_steps_heavy_load_overlaps():
