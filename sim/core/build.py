@@ -183,8 +183,8 @@ def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
     if stages == 1:
         return _base_cost_model(cfg, model, hardware, **drafting)
     return pipeline_cost_model(_base_cost_model(cfg, model, hardware, **drafting),
-                               _base_cost_model(cfg, stage_model(model, stages), hardware),
-                               stages)
+                               _base_cost_model(cfg, stage_model(model, stages), hardware,
+                                                **drafting), stages)
 
 
 def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
