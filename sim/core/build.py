@@ -17,7 +17,8 @@ from policies.validators import (finite_number, non_negative_int, non_negative_n
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
-from sim.core.pipeline import pipeline_cost_model, pipeline_parallel_size, stage_model
+from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
+                               stage_model)
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
@@ -77,7 +78,7 @@ def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> 
                                                     _convert_="all")
     speculation = speculation_setup(cfg)
     return kv_cache_num_blocks(
-        stage_model(model, pipeline_parallel_size(cfg, model)), hardware, block_size,
+        gpu_model(cfg, model), hardware, block_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
         max_num_batched_tokens=max_num_batched_tokens(cfg, model),
@@ -89,8 +90,7 @@ def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
     """Blocks of each replica's host swap pool: the preemption policy's swap_space_gb (0
     without swap) over one block's K/V, a draft model's included."""
     return kv_cache_num_host_blocks(
-        stage_model(model, pipeline_parallel_size(cfg, model)), cfg.kv_cache.block_size,
-        preemption.swap_space_gb,
+        gpu_model(cfg, model), cfg.kv_cache.block_size, preemption.swap_space_gb,
         cfg.cluster.tensor_parallel_size,
         draft=speculation.draft_kv if speculation is not None else None)
 
@@ -119,8 +119,8 @@ def kv_cache_sizes(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemptio
         if group.get("offload_bandwidth_gbps") is not None:
             positive_number("kv_cache.offload_bandwidth_gbps", group.offload_bandwidth_gbps)
         offload["num_offload_blocks"] = kv_cache_num_host_blocks(
-            stage_model(model, pipeline_parallel_size(cfg, model)), group.block_size,
-            offload_gb, cfg.cluster.tensor_parallel_size,
+            gpu_model(cfg, model), group.block_size, offload_gb,
+            cfg.cluster.tensor_parallel_size,
             draft=speculation.draft_kv if speculation is not None else None)
     return dict(num_blocks=num_blocks,
                 num_host_blocks=num_host_kv_blocks(cfg, model, preemption, speculation), **offload)

@@ -86,6 +86,12 @@ def stage_model(model: ModelSpec, stages: int) -> ModelSpec:
     return dataclasses.replace(model, num_layers=max(stage_layers(model.num_layers, stages)))
 
 
+def gpu_model(cfg: DictConfig, model: ModelSpec) -> ModelSpec:
+    """The shape one GPU of the run holds (what its KV pools are sized from): stage_model at
+    cluster.pipeline_parallel_size."""
+    return stage_model(model, pipeline_parallel_size(cfg, model))
+
+
 def pipeline_period_s(latency_s: float, slowest_stage_s: float, num_micro_batches: int) -> float:
     """Seconds between a micro-batch's entries into the first stage when `num_micro_batches`
     circulate, each re-entering once it has left the last stage (its tokens are needed), through
