@@ -10,7 +10,8 @@ import pytest
 from factories import (REPO, assert_same_run, check_outcome, hardware_spec, make_cfg, model_spec,
                        run_both_ways)
 from policies.types import StepPlan
-from sim.core.build import build_cost_model, num_kv_blocks
+from sim.core.assembly import build_preemption
+from sim.core.build import build_cost_model, kv_cache_sizes, num_kv_blocks
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
 from sim.core.pipeline import (PipelineCostModel, pipeline_period_s, send_bytes_per_token,
@@ -95,6 +96,22 @@ def test_kv_blocks_per_gpu_hold_a_stages_layers():
     assert num_kv_blocks(cfg, model, hardware) == expected
     # More than twice the one-stage pool: half the KV per block and half the weights.
     assert expected > 2 * num_kv_blocks(make_cfg(), model, hardware)
+
+
+def test_host_pools_hold_a_stages_share_of_each_block():
+    """Swap space and the prefix cache's host tier are GiB per GPU: a stage's block is half
+    of Llama-2-7B's at pp=2, so each holds twice the blocks."""
+    model = model_spec("llama-2-7b")
+    sizes = {}
+    for pp in (1, 2):
+        cfg = make_cfg(f"cluster.pipeline_parallel_size={pp}", "preemption=swap",
+                       "kv_cache.offload_gb=3")
+        sizes[pp] = kv_cache_sizes(cfg, model, 100, build_preemption(cfg.preemption), None)
+    block_bytes = model.kv_bytes_per_block(16)
+    assert sizes[1]["num_host_blocks"] == 4 * GIB // block_bytes
+    assert sizes[2]["num_host_blocks"] == 4 * GIB // (block_bytes // 2)
+    assert sizes[2]["num_offload_blocks"] == 3 * GIB // (block_bytes // 2)
+    assert sizes[1]["num_offload_blocks"] == 3 * GIB // block_bytes
 
 
 def test_a_pool_sets_its_own_pipeline():
