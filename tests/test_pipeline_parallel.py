@@ -122,6 +122,9 @@ def test_a_pool_sets_its_own_pipeline():
         build_pools(cfg, model)
     cfg = make_cfg("cluster=disaggregated", "+cluster.pools.1.pipeline_parallel_size=2")
     prefill, decode = build_pools(cfg, model)
+    too_many = make_cfg("cluster=disaggregated", "+cluster.pools.1.pipeline_parallel_size=40")
+    with pytest.raises(ValueError, match=r"cluster.pools\[1\].pipeline_parallel_size=40 exceeds"):
+        build_pools(too_many, model)
     hardware = hardware_spec("a100-80gb")
     assert prefill.num_kv_blocks == num_kv_blocks(make_cfg(), model, hardware)
     assert decode.num_kv_blocks == num_kv_blocks(make_cfg("cluster.pipeline_parallel_size=2"),

@@ -25,6 +25,7 @@ from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
                             policy_config)
+from sim.core.pipeline import pipeline_parallel_size
 from sim.core.specs import HardwareSpec, ModelSpec
 
 ROLES = ("mixed", "prefill", "decode")
@@ -80,6 +81,8 @@ def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
         roles.add(role)
         num_replicas = positive_int(f"{field}.num_replicas", entry.get("num_replicas"))
         pool_cfg = _pool_config(base, entry, field)
+        if entry.get("pipeline_parallel_size") is not None:
+            pipeline_parallel_size(pool_cfg, model, f"{field}.pipeline_parallel_size")
         hardware = HardwareSpec.from_config(pool_cfg.hardware)
         router_cfg = entry.get("router") or cfg.cluster.router
         router = build_policy(policy_config(router_cfg, "router", f"{field}.router"),

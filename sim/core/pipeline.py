@@ -51,19 +51,20 @@ KEY = "cluster.pipeline_parallel_size"
 DENSE_SEND_TOKENS = 8192
 
 
-def pipeline_parallel_size(cfg: DictConfig, model: ModelSpec) -> int:
-    """cluster.pipeline_parallel_size (1 when unset), checked against the model and the run."""
-    stages = positive_int(KEY, cfg.cluster.get("pipeline_parallel_size", 1))
+def pipeline_parallel_size(cfg: DictConfig, model: ModelSpec, key: str = KEY) -> int:
+    """cluster.pipeline_parallel_size (1 when unset), checked against the model and the run;
+    errors name `key` (a pool's own setting, where it has one)."""
+    stages = positive_int(key, cfg.cluster.get("pipeline_parallel_size", 1))
     if stages == 1:
         return 1
     if stages > model.num_layers:
-        raise ValueError(f"{KEY}={stages} exceeds {model.name}'s num_layers={model.num_layers}: "
+        raise ValueError(f"{key}={stages} exceeds {model.name}'s num_layers={model.num_layers}: "
                          f"every stage needs at least one layer")
     if cfg.backend.get("executor") is not None:
-        raise ValueError(f"{KEY}={stages}: pipeline parallelism is simulated only "
+        raise ValueError(f"{key}={stages}: pipeline parallelism is simulated only "
                          f"(backend=sim); the engine runs the whole model on one device")
     if speculation_setup(cfg) is not None:
-        raise ValueError(f"{KEY}={stages} with speculative decoding (speculation="
+        raise ValueError(f"{key}={stages} with speculative decoding (speculation="
                          f"{cfg.speculation.get('draft_model')}): not modelled with pipeline "
                          f"stages; use speculation=none")
     return stages
