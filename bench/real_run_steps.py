@@ -38,7 +38,8 @@ from sim.gpu.cost_model import GPUCostModel
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "data" / "real-runs" / "llmservingsim"
 DEFAULT_RUNS = [RUNS / "RTX4090" / "Llama-3.1-8B", RUNS / "RTXPRO6000" / "Llama-3.1-8B",
-                RUNS / "RTXPRO6000" / "Qwen3-32B"]
+                RUNS / "RTXPRO6000" / "Qwen3-32B",
+                RUNS / "RTXPRO6000" / "Qwen3-30B-A3B-Instruct-2507"]
 # A decode chunk's prefill context: mid-prompt of the runs' mean 857-token prompts.
 PREFILL_CONTEXT = 400
 # A second whose KV cache use reached this share (vLLM's kv_cache_pct) may have preempted.
@@ -71,14 +72,22 @@ def cost_model_of(folder: Path, overrides: dict, **hardware_fields) -> GPUCostMo
     gpu = OmegaConf.load(CONF_DIR / "cost_model" / "gpu.yaml")
     terms = {k: gpu[k] for k in ("step_overhead_s", "per_sequence_overhead_s",
                                  "workstation_bandwidth_efficiency")}
+    if meta["engine_kwargs"].get("enable_expert_parallel"):   # the experts over every GPU
+        terms["expert_parallel_size"] = tp * data_parallel_size(meta)
     return GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
                         {**OmegaConf.to_container(OmegaConf.load(
                             CONF_DIR / "hardware" / f"{hardware}.yaml")), **hardware_fields}, tp,
                         **{**terms, **overrides})
 
 
+def data_parallel_size(meta: dict) -> int:
+    return int(meta["engine_kwargs"].get("data_parallel_size") or 1)
+
+
 def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
-    """One row per logged second with decoding requests: measured and predicted."""
+    """One row per logged second with decoding requests: measured and predicted. With data
+    parallelism the log counts every rank's requests and tokens; each rank steps its share
+    (taken as equal) at the same rate, so a step is predicted at that share."""
     meta = json.loads((folder / "vllm_meta.json").read_text())
     start = datetime.datetime.fromisoformat(meta["started_at"].replace("Z", "+00:00")).timestamp()
     requests = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
@@ -97,8 +106,10 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
             continue
         context *= num / decoding
         steps = generated / num
-        chunk = int(prompt / steps)
-        plan = StepPlan(num_decode_seqs=num, decode_context_tokens=int(context),
+        ranks = data_parallel_size(meta)
+        chunk = int(prompt / steps / ranks)
+        plan = StepPlan(num_decode_seqs=max(1, round(num / ranks)),
+                        decode_context_tokens=int(context / ranks),
                         num_prefill_tokens=chunk, num_prefill_seqs=1 if chunk else 0,
                         prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
                         prefill_context_tokens=chunk + PREFILL_CONTEXT if chunk else 0,

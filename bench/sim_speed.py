@@ -1,21 +1,22 @@
 """How fast the simulator runs, continuous batching and paged KV on an A100-80GB (the default,
 GPU cost model).
 
-Workloads: Vidur's benchmark shape (Llama-2-70B, tensor parallel 2, 10,000 requests, Poisson
-2 req/s, 512-token prompts, 128-token outputs); the Azure code trace (8,819 requests, replayed as
+Workloads: Vidur's benchmark shape (Llama-2-70B, tensor parallel 2, 10,000 requests, Poisson 2
+req/s, 512-token prompts, 128-token outputs); the Azure code trace (8,819 requests, replayed as
 recorded, Llama-2-7B); a conversation-like one (19,000 requests, prompts ~1,500 tokens, outputs
 ~300, at a busy and an overloaded rate); a synthetic 100,000-request Llama-2-7B workload of
 Vidur's shape at a busy and an overloaded rate; the busy one on two pools (one prefill and one
 decode replica, `cluster=disaggregated`); and closed-loop chat sessions (`workload=sessions`,
 4,000 sessions of ~5 turns, each turn sent ~15 s after the previous answer finished, prompts
-growing ~190 tokens a turn, no token ids, like the conversation-like one). Prints wall time,
-simulated requests per wall-second and simulated seconds per wall-second, each beside the same
-run step by step (`scheduler.coalesce=false`: no repeated decode steps run as one event) and
-against the targets: 10,000 requests/wall-s on the code trace and the conversation-like
-workload, 3,000 on two pools (each request a prefill, a transfer and decodes on two replicas'
-event streams), 5,000 closed loop (each finish schedules its session's next turn, and runs of
-repeated steps end at finishes), and 10x Vidur on its 70B workload. `--profile` prints where
-each run's time went (cProfile).
+growing ~190 tokens a turn, no token ids, like the conversation-like one); and the busy
+synthetic one on Mixtral-8x7B at tensor parallel 2 (a mixture of experts: within 2x of the dense
+row). Prints wall time, simulated requests per wall-second and simulated seconds per wall-
+second, each beside the same run step by step (`scheduler.coalesce=false`: no repeated decode
+steps run as one event) and against the targets: 10,000 requests/wall-s on the code trace and
+the conversation-like workload, 3,000 on two pools (each request a prefill, a transfer and
+decodes on two replicas' event streams), 5,000 closed loop (each finish schedules its session's
+next turn, and runs of repeated steps end at finishes), and 10x Vidur on its 70B workload.
+`--profile` prints where each run's time went (cProfile).
 
 With `--vidur PATH` (a Vidur checkout) it also runs Vidur's simulator on the 70B workload and
 prints the ratio; without it, that column says it was not measured.
@@ -137,6 +138,11 @@ def main():
     workloads.append((f"two pools {args.requests // 1000}k 512/128 @{args.rates[0]:g}/s",
                       [*synthetic[args.rates[0]], "cluster=disaggregated"]))
     workloads.append(("sessions 4k closed loop @3/s", CLOSED_LOOP_SESSIONS))
+    # A mixture of experts (routed experts costed per step, sim/core/experts.py): within 2x of
+    # the dense synthetic row above.
+    workloads.append((f"MoE Mixtral TP2 {args.requests // 1000}k @{args.rates[0]:g}/s",
+                      [*synthetic[args.rates[0]], "model=mixtral-8x7b",
+                       "cluster.tensor_parallel_size=2"]))
     vidur = measure_vidur(args.vidur) if args.vidur else None
     # The GPU cost model (the default) parses its measurement tables once per process: a sweep
     # pays it once, so it is timed apart from the runs.

@@ -71,6 +71,9 @@ class RepeatingScheduler(Protocol):
         what DecodeRun applies."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished at `now` and free its blocks; True if its request is done."""
+    def rest_of_run(self, plan: StepPlan) -> None:
+        """Some decodes of the run `plan` finished and the plan holds the rest: sum again what
+        the scheduler summed into it beyond the decode counts (the LoRA fields)."""
 
 
 def step_times_one_by_one(cost_model, plan: StepPlan, num_steps: int) -> Iterator[float]:
@@ -291,6 +294,7 @@ class DecodeRun:
         plan.num_new_tokens = [1] * len(rest)
         plan.num_decode_seqs = len(rest)
         plan.decode_context_tokens = context
+        scheduler.rest_of_run(plan)
         self.steps_to_last_output = rest_to_last
         self.max_repeats = max_repeats
         self.num_steps_before = num_steps

@@ -29,7 +29,7 @@ decode once the KV has arrived; it is never prefilled there unless preempted by 
 """
 from __future__ import annotations
 
-from typing import Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
+from typing import Iterable, Literal, Mapping, Protocol, Sequence as Seq, runtime_checkable
 
 from policies.types import Request, Sequence, StepPlan, StepResult
 
@@ -82,6 +82,35 @@ class KVCacheManager(Protocol):
         """Move their blocks back to the device; returns the (host, device) block pairs."""
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies decided since the last call (copy-on-write)."""
+
+
+@runtime_checkable
+class LoRAManager(Protocol):
+    """Which LoRA adapters sit in a replica's device slots (multi-LoRA serving, conf/lora), and
+    the rule that a step's batch holds at most `max_loras` distinct adapters (vLLM's). A
+    scheduler built with `lora=` asks `fits` before admitting a request (or swapping one in),
+    tells `admitted`, re-tracks the batch when requests leave it, and hands each finished plan
+    to `finish_step`. policies/lora/manager.py's LRULoRAManager is the default."""
+
+    max_loras: int                    # device adapter slots: sizes the engine's adapter buffers
+    ranks: Seq[int]                   # rank of adapter i (Request.lora_id i)
+    batch_loras: set[int]             # the adapters the batch holds now (what `fits` reads)
+
+    def track(self, requests: Iterable[Request]) -> None:
+        """The batch's adapters are those of `requests` (the running ones, at a step's start or
+        after one left)."""
+    def fits(self, lora_id: int | None) -> bool:
+        """Whether a request of adapter `lora_id` (None: the base model) may join the batch."""
+    def admitted(self, lora_id: int | None) -> None:
+        """A request of adapter `lora_id` joined the batch."""
+    def is_loaded(self, lora_id: int) -> bool:
+        """Whether the adapter is in a device slot now (no load before its next step)."""
+    def finish_step(self, plan: StepPlan, running: Iterable[Request]) -> None:
+        """Load the adapters the plan's sequences need into slots (evicting ones no running
+        request uses) and set the plan's LoRA fields (lora_to_load, lora_slots, num_loras,
+        lora_rank_sum, lora_token_rank_sum, lora_load_rank_sum)."""
+    def summary(self) -> dict:
+        """The run summary's LoRA counts (adapter loads, host-pool misses, ...)."""
 
 
 @runtime_checkable
@@ -220,6 +249,13 @@ class ReplicaView(Protocol):
 
 
 @runtime_checkable
+class LoRAReplicaView(ReplicaView, Protocol):
+    """A replica view a LoRA-aware router reads (the simulator's Replica is one)."""
+
+    lora: LoRAManager | None   # its LoRA manager, to read (batch_loras, is_loaded); None: off
+
+
+@runtime_checkable
 class Router(Protocol):
     """Which replica of a cluster gets a new request."""
 
@@ -257,7 +293,9 @@ class DecodePoolScheduler(Protocol):
 class CostModel(Protocol):
     """How long a simulated step takes (conf/cost_model: any `_target_` class with `step_time`).
     Built once per replica with the keyword arguments `model` (sim.core.specs.ModelSpec),
-    `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys; when the run
+    `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys (and
+    `expert_parallel_size` when cluster.expert_parallel_size > 1: a cost model that does not
+    take it cannot cost that cluster, and the run says so); when the run
     speculates also `draft_model` ("ngram", "lookahead", "medusa" or the draft model's
     ModelSpec: policies.speculation.drafters says what each costs) and, for Medusa,
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,

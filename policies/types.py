@@ -191,6 +191,16 @@ class StepPlan:
     # The simulator's repeated decode steps: the run of this same batch the scheduler planned
     # (policies/decode_run.py), or None (every step its own event).
     decode_run: DecodeRun | None = None
+    # Multi-LoRA (conf/lora; all zero/empty when off), set by the scheduler's LoRA manager at
+    # the end of planning. Each sequence runs adapter `seq.request.lora_id` (None: none).
+    # lora_to_load: (adapter id, device slot) pairs copied host -> device before the forward
+    # pass; lora_slots: adapter id -> its device slot, a live view into the manager.
+    lora_to_load: tuple[tuple[int, int], ...] = ()
+    lora_slots: dict[int, int] | None = None
+    num_loras: int = 0                  # distinct adapters among the step's sequences
+    lora_rank_sum: int = 0              # sum of their ranks (adapter weights read once each)
+    lora_token_rank_sum: int = 0        # sum over sequences of tokens computed x its rank
+    lora_load_rank_sum: int = 0         # sum of the ranks of the adapters in lora_to_load
 
     @property
     def num_seqs(self) -> int:

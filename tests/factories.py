@@ -210,11 +210,11 @@ def requests_from_specs(request_specs) -> list[Request]:
 
 def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_blocks,
                     num_host_blocks, max_num_seqs, chunk_budget, prefix_caching=False,
-                    speculation=None, num_offload_blocks=0):
+                    speculation=None, num_offload_blocks=0, lora=None):
     """A conf/scheduler policy over conf/kv_cache and conf/preemption ones, as the sim builds it."""
     # kv_name: "paged", "contiguous_max" or "contiguous_oracle" (the contiguous reserve mode).
     # Only the chunked-prefill scheduler gets chunk_budget as its step token budget.
-    # num_offload_blocks: the paged prefix cache's host tier.
+    # num_offload_blocks: the paged prefix cache's host tier. lora: a LoRA manager (None: off).
     kv_group, _, reserve = kv_name.partition("_")
     kv_args = (dict(enable_prefix_caching=prefix_caching, num_offload_blocks=num_offload_blocks)
                if kv_group == "paged" else dict(reserve=reserve, max_model_len=MAX_MODEL_LEN))
@@ -226,7 +226,7 @@ def build_scheduler(scheduler_name, kv_name, preemption_name, block_size, num_bl
     return build_policy(conf_policy(scheduler_name, "scheduler"), "scheduler",
                         kv_cache=kv_cache, preemption=preemption, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
-                        speculation=speculation)
+                        speculation=speculation, **({} if lora is None else {"lora": lora}))
 
 
 def check_speculation(scheduler, plan):

@@ -164,7 +164,8 @@ def test_unknown_format_and_missing_folder_file(tmp_path):
 def test_names_match_conf():
     assert match_model("meta-llama/Llama-3.1-8B") == "llama-3.1-8b"
     assert match_model("/models/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
-    assert match_model("Qwen/Qwen3-30B-A3B") is None
+    assert match_model("Qwen/Qwen3-30B-A3B-Instruct-2507") == "qwen3-30b-a3b"   # release date
+    assert match_model("Qwen/Qwen3-235B-A22B") is None
     assert match_hardware("NVIDIA GeForce RTX 4090") == "rtx-4090"
     assert match_hardware("NVIDIA A100-SXM4-80GB") == "a100-80gb"
     assert match_hardware("NVIDIA A100-SXM4-40GB") == "a100-40gb"

@@ -118,6 +118,7 @@ def llmservingsim_settings(folder: Path) -> tuple[dict, list[str]]:
             "model": engine.get("model") or meta.get("model"),
             "tensor_parallel_size": engine.get("tensor_parallel_size"),
             "data_parallel_size": engine.get("data_parallel_size"),
+            "enable_expert_parallel": engine.get("enable_expert_parallel"),
             "max_num_seqs": scheduler.get("max_num_seqs", engine.get("max_num_seqs")),
             "max_num_batched_tokens": scheduler.get("max_num_batched_tokens",
                                                     engine.get("max_num_batched_tokens")),

@@ -4,6 +4,8 @@
     hardware (device name)   -> hardware=<conf/hardware whose name's words it has>
     tensor_parallel_size     -> cluster.tensor_parallel_size
     data_parallel_size       -> cluster.num_replicas
+    enable_expert_parallel   -> cluster.expert_parallel_size = tensor x data parallel size
+                                (vLLM's expert group spans every GPU of the deployment)
     max_num_seqs             -> scheduler.max_num_seqs
     max_num_batched_tokens   -> scheduler.max_num_batched_tokens
     enable_chunked_prefill   -> scheduler=chunked_prefill (true) / continuous (false)
@@ -24,6 +26,7 @@ from functools import lru_cache
 import yaml
 
 from calibration.realrun.run import RealRunError
+from sim.core.experts import EP_KEY
 from sim.core.policy_config import CONF_DIR
 
 REQUIRED = ("model", "hardware")
@@ -42,7 +45,7 @@ FIELD_KEYS = {
 V1_ONLY_VERSION = (0, 10)
 # Other V1 defaults a run may leave unrecorded.
 V1_DEFAULTS = {"enable_prefix_caching": True}
-# Suffixes of fine-tuned variants that keep the base model's shape.
+# Suffixes of fine-tuned variants that keep the base model's shape (after a release date).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-hf", "-it")
 
 
@@ -53,6 +56,7 @@ def _conf_group(group: str) -> tuple[tuple[str, dict], ...]:
 
 
 def _strip_variant(name: str) -> str:
+    name = re.sub(r"-\d{4}$", "", name)   # a release date (Qwen's -2507) keeps the shape
     for suffix in VARIANT_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -168,6 +172,11 @@ def settings_overrides(settings: dict, user_overrides: list[str],
             chunked_source if chunked_source != "file" else f"file: {chunked}")
     v1_default = ("vllm_version" in settings
                   and _version(settings["vllm_version"]) >= V1_ONLY_VERSION)
+    if settings.get("enable_expert_parallel"):
+        ep = (int(settings.get("tensor_parallel_size") or 1)
+              * int(settings.get("data_parallel_size") or 1))
+        add("enable_expert_parallel", EP_KEY, True, f"{EP_KEY}={ep}",
+            "file: true (tensor x data parallel size)")
     for setting, key in FIELD_KEYS.items():
         value = settings.get(setting)
         if value is None and setting in V1_DEFAULTS and v1_default:

@@ -39,8 +39,8 @@ from policies.batching.speculative import SpeculativeDecodes
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability
 from policies.decode_run import DecodeRun, RepeatingKVCache
-from policies.protocols import (KVCacheManager, KVRetentionPolicy, PreemptionPolicy,
-                                SpeculationPolicy)
+from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager,
+                                PreemptionPolicy, SpeculationPolicy)
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
 from policies.validators import boolean, positive_int
@@ -66,7 +66,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None,
-                 coalesce: bool = True, kv_retention: KVRetentionPolicy | None = None):
+                 coalesce: bool = True, kv_retention: KVRetentionPolicy | None = None,
+                 lora: LoRAManager | None = None):
         positive_int("scheduler.max_num_seqs", max_num_seqs)
         positive_int("scheduler.max_num_batched_tokens", max_num_batched_tokens)
         positive_int("scheduler.max_model_len", max_model_len)
@@ -78,6 +79,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         self.speculation = speculation
         # What a session's finished turn keeps between turns; None: freed as any request's.
         self.kv_retention = kv_retention
+        # Multi-LoRA serving: the replica's adapter slots; None: no request has an adapter.
+        self.lora = lora
         self._replanning = False   # planning again after releasing kept blocks (_finish_plan)
         # Kept blocks released for a running request in the plan being made: the pool changed
         # after the queue's head was refused, so the next step may admit it.
@@ -185,6 +188,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         the budget left, or None (nothing changed)."""
         if not self._may_admit(request):
             return None
+        if self.lora is not None and not self.lora.fits(request.lora_id):
+            return None   # the batch holds max_loras other adapters: it waits, as for memory
         seqs = request.unfinished_sequences()
         if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
             return None
@@ -215,6 +220,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                 plan.add(seq, chunk)
         self.running.append(request)
         self.num_running_seqs += self._num_live_samples(request)
+        if self.lora is not None:
+            self.lora.admitted(request.lora_id)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self._now
             request.num_cached_tokens = num_cached[0]
@@ -223,6 +230,10 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             if self.kv_retention is not None:
                 self.kv_retention.turn_admitted(request, self._now)
         return budget_left
+
+    def _lora_holders(self) -> list[Request]:
+        """The requests whose adapters the batch holds: running, and arriving by KV transfer."""
+        return self.running + self.receiving if self.receiving else self.running
 
     def _uncached_chunks(self, seqs: list[Sequence], token_budget: int,
                          chunked: bool) -> list[int]:
@@ -334,6 +345,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         if self.kv_retention is not None:
             self.kv_retention.expire(now)
             self._released_for_running = False
+        if self.lora is not None:
+            self.lora.track(self._lora_holders())
         return StepPlan(block_tables=self.kv_cache.block_tables)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
@@ -342,6 +355,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             replanned = self._plan_releasing_kept_blocks()
             if replanned is not None:
                 return replanned
+        if self.lora is not None:
+            self.lora.finish_step(plan, self.running)
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
         if self._take_pending_offload is not None:
             stores, loads = self._take_pending_offload()
@@ -373,6 +388,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
+                    or plan.lora_to_load
                     or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
                     or self._released_for_running
                     or (self.waiting and not self.admits_in_arrival_order))
@@ -382,6 +398,11 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
         return (self.plain_update
                 and not (self.waiting or self.swapped or self.receiving))
+
+    def rest_of_run(self, plan: StepPlan) -> None:
+        """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""
+        if self.lora is not None:
+            self.lora.finish_step(plan, self.running)
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's

@@ -29,6 +29,10 @@ class KVHandoff:
             return False
         if self.num_running_seqs + 1 > self.max_num_seqs:
             return False
+        if self.lora is not None:
+            self.lora.track(self._lora_holders())
+            if not self.lora.fits(request.lora_id):
+                return False
         source = request.sequences[0]
         # A sequence id of this scheduler's: the block tables are keyed by it.
         seq = self._new_sequence(request, source.num_output_tokens,

@@ -47,6 +47,8 @@ class PreemptionAndSwap:
         seqs = request.unfinished_sequences()
         self.running.remove(request)
         self.num_running_seqs -= self._num_live_samples(request)
+        if self.lora is not None:
+            self.lora.track(self._lora_holders())
         request.num_preemptions += 1
         if self.preemption.mode(request, self.kv_cache) == "swap":
             plan.blocks_to_swap_out.extend(self.kv_cache.swap_out(seqs))
@@ -70,6 +72,8 @@ class PreemptionAndSwap:
             request = self.swapped[0]
             if not self._may_admit(request):
                 break
+            if self.lora is not None and not self.lora.fits(request.lora_id):
+                break
             seqs = request.unfinished_sequences()
             if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
                 break
@@ -78,6 +82,8 @@ class PreemptionAndSwap:
             plan.blocks_to_swap_in.extend(self.kv_cache.swap_in(seqs))
             self.swapped.popleft()
             self.running.append(request)
+            if self.lora is not None:
+                self.lora.admitted(request.lora_id)
             self.num_running_seqs += self._num_live_samples(request)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING

@@ -2,7 +2,9 @@
 and decode on separate pools (disaggregation)."""
 from policies.routing.disaggregation import (AlwaysDisaggregate, LongPromptsDisaggregate,
                                              NeverDisaggregate)
+from policies.routing.lora_affinity import LoRAAffinityRouter
 from policies.routing.routers import LeastOutstandingRouter, PrefixAffinityRouter, RoundRobinRouter
 
-__all__ = ["AlwaysDisaggregate", "LeastOutstandingRouter", "LongPromptsDisaggregate",
-           "NeverDisaggregate", "PrefixAffinityRouter", "RoundRobinRouter"]
+__all__ = ["AlwaysDisaggregate", "LeastOutstandingRouter", "LoRAAffinityRouter",
+           "LongPromptsDisaggregate", "NeverDisaggregate", "PrefixAffinityRouter",
+           "RoundRobinRouter"]

@@ -11,8 +11,10 @@ from collections.abc import Callable, Mapping
 from omegaconf import DictConfig
 
 from policies.checks import check_policy
-from policies.protocols import (KVCacheManager, KVRetentionPolicy, PreemptionPolicy, Scheduler,
-                                SpeculationPolicy)
+from policies.lora.manager import LRULoRAManager
+from policies.lora.spec import LoRAConfig
+from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager, PreemptionPolicy,
+                                Scheduler, SpeculationPolicy)
 from sim.core.policy_config import build_policy, names_a_policy, policy_config
 
 
@@ -32,7 +34,8 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
                        kv_cache_sizes: Callable[[object], Mapping], *,
                        max_num_batched_tokens: int, max_model_len: int,
                        max_num_seqs: int | None = None, speculation=None, kv_retention=None,
-                       retention_policies: list | None = None):
+                       retention_policies: list | None = None, lora: LoRAConfig | None = None,
+                       lora_managers: list | None = None):
     """A replica's scheduler over its own KV manager: the KV manager built from `kv_cache_cfg`
     with the keyword arguments `kv_cache_sizes(preemption)` gives (its pools: the host one is
     sized by the preemption policy's swap space), then the speculation policy (a config built
@@ -40,7 +43,9 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
     keyword arguments of the contract (policies.protocols.Scheduler). `max_num_seqs` None: the
     scheduler group's own. `kv_retention` (a conf/kv_retention name or mapping; None: evict) is
     built over the KV manager and passed to the scheduler only when it keeps blocks; then also
-    appended to `retention_policies` (the run's summary reads their logs)."""
+    appended to `retention_policies` (the run's summary reads their logs). With `lora` (the run's
+    LoRA config; None: off) the scheduler gets a LoRA manager of its own (`lora=`), also appended
+    to `lora_managers`."""
     kv_cache = build_policy(kv_cache_cfg, "kv_cache", **kv_cache_sizes(preemption))
     check_policy(kv_cache, KVCacheManager, "kv_cache")
     arguments = dict(kv_cache=kv_cache, preemption=preemption, max_model_len=max_model_len,
@@ -58,6 +63,10 @@ def assemble_scheduler(scheduler_cfg: DictConfig, preemption, kv_cache_cfg: Dict
         arguments["kv_retention"] = retention
         if retention_policies is not None:
             retention_policies.append(retention)
+    if lora is not None:
+        arguments["lora"] = build_lora_manager(lora)
+        if lora_managers is not None:
+            lora_managers.append(arguments["lora"])
     scheduler = build_policy(scheduler_cfg, "scheduler", **arguments)
     check_policy(scheduler, Scheduler, "scheduler")
     return scheduler
@@ -73,3 +82,21 @@ def build_kv_retention(choice, kv_cache):
                              kv_cache=kv_cache)
     check_policy(retention, KVRetentionPolicy, "kv_retention")
     return retention if retention.keeps_blocks else None
+
+
+def build_lora_manager(lora: LoRAConfig) -> LoRAManager:
+    """A replica's LoRA manager: `lora.policy` lru (LRULoRAManager), or a dotted class path or
+    {_target_: ...} mapping built with the same arguments, checked against its protocol."""
+    arguments = dict(ranks=list(lora.spec.ranks), max_loras=lora.max_loras,
+                     max_cpu_loras=lora.max_cpu_loras)
+    if lora.policy == "lru":
+        manager = LRULoRAManager(**arguments)
+    elif isinstance(lora.policy, (str, Mapping, DictConfig)) and (
+            not isinstance(lora.policy, str) or "." in lora.policy):
+        manager = build_policy(policy_config(lora.policy, "lora", "lora.policy"), "lora.policy",
+                               **arguments)
+    else:
+        raise ValueError(f"lora.policy must be lru, a dotted class path or a {{_target_: ...}} "
+                         f"mapping; got {lora.policy!r}")
+    check_policy(manager, LoRAManager, "lora.policy")
+    return manager

@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
+from policies.lora.spec import lora_config
 from policies.protocols import CostModel, LengthPredictor, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
 from policies.validators import (finite_number, non_negative_int, non_negative_number,
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
+from sim.core.experts import check_expert_parallel_size
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
                                stage_model)
@@ -60,6 +62,12 @@ def check_run_settings(cfg: DictConfig) -> None:
         build_policy(cfg.backend.preflight, "backend.preflight")
 
 
+def expert_parallel_size(cfg: DictConfig, model: ModelSpec) -> int:
+    """cluster.expert_parallel_size (1 when unset), checked against the model and tp."""
+    return check_expert_parallel_size(model, cfg.cluster.get("expert_parallel_size", 1),
+                                      cfg.cluster.tensor_parallel_size)
+
+
 def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
     """The step token budget (null: big enough for any prompt the model allows)."""
     return step_token_budget(cfg.scheduler.get("max_num_batched_tokens"), model.max_model_len,
@@ -82,7 +90,8 @@ def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> 
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
         max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-        draft=speculation.draft_kv if speculation is not None else None, **sizing)
+        draft=speculation.draft_kv if speculation is not None else None,
+        expert_parallel_size=expert_parallel_size(cfg, model), **sizing)
 
 
 def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
@@ -164,6 +173,9 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         raise ValueError(f"backend must be sim or name its executor (backend.executor); got "
                          f"backend.name={cfg.backend.name!r}")
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
+    lora = lora_config(cfg.get("lora"))
+    if lora is not None:   # only a LoRA run passes `lora`: a cost model of its own need not know
+        drafting["lora"] = lora.spec
     if speculation is not None and drafter_kind(speculation.draft_model).draft_cost == "heads":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
     cost_model = build_cost_model(cfg, model, hardware, **drafting)
@@ -192,6 +204,8 @@ def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
 
     arguments = dict(model=model, hardware=hardware,
                      tensor_parallel_size=cfg.cluster.tensor_parallel_size, **drafting)
+    if expert_parallel_size(cfg, model) > 1:   # (a cost model without experts never sees it)
+        arguments["expert_parallel_size"] = cfg.cluster.expert_parallel_size
     try:
         cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
     except NoGPUTable:
@@ -250,3 +264,13 @@ def speed_summary(executors: list) -> dict:
                                                              for s in prefill))]
         summary["prefill_speed_probes"] = sum(s["prefill_speed_probes"] for s in prefill)
     return summary
+
+
+def lora_summary(managers: list) -> dict:
+    """The replicas' LoRA managers' counts, summed (the most adapters in a step: the largest);
+    {} when the run serves no adapters."""
+    summaries = [manager.summary() for manager in managers]
+    if not summaries:
+        return {}
+    return {key: (max if key.startswith("lora_max") else sum)(s[key] for s in summaries)
+            for key in summaries[0]}

@@ -16,13 +16,15 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from policies.lora.spec import lora_config
 from policies.types import Request
 from policies.validators import finite_number, non_negative_number
 from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import (build_policy, build_predictor, build_replica_executor,
                             check_run_settings, cost_model_summary, kv_cache_policy_config,
                             fairness_window_s, kv_cache_sizes, max_num_batched_tokens,
-                            policy_config, slos_ms, speculation_setup, speed_summary)
+                            lora_summary, policy_config, slos_ms, speculation_setup,
+                            speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
 from sim.core.executor import SimExecutor
@@ -146,6 +148,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
             policy_config(cfg.cluster.get("disaggregate", "always"), "disaggregate",
                           "cluster.disaggregate"), "cluster.disaggregate")
     speculation = speculation_setup(cfg)
+    lora = lora_config(cfg.get("lora"))
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
     env = SimEnvironment()
@@ -153,13 +156,15 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     # turns: `requests` lists those that arrived once the run is over.
     sessions = None
     if requests is None and is_closed_loop(cfg.workload):
-        source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+        source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
+                                      lora=lora)
         sessions = ClosedLoopArrivals(env, source, predictor, frontend_latency(cfg))
         check_tenant_weights(cfg.scheduler, source.all_requests())
         num_planned = source.num_planned_requests
     else:
         if requests is None:
-            requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size)
+            requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
+                                      lora=lora)
         check_tenant_weights(cfg.scheduler, requests)
         num_planned = len(requests)
 
@@ -173,11 +178,12 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 
     replicas = []
     retention_policies = []   # the replicas' KV retention policies that keep blocks
+    lora_managers = []        # the replicas' LoRA managers (none without adapters)
     next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
                                         predictor, next_arrival, count_done,
-                                        retention_policies)
+                                        retention_policies, lora_managers)
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
@@ -219,6 +225,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
     summary.update(speed_summary([replica.executor for replica in replicas]))
+    summary.update(lora_summary(lora_managers))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
                                        if isinstance(replica.executor, SimExecutor)]))
     if has_sessions(requests):
@@ -245,10 +252,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                         metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
                         next_arrival: NextArrival, on_requests_done,
-                        retention_policies: list | None = None) -> list[Replica]:
+                        retention_policies: list | None = None,
+                        lora_managers: list | None = None) -> list[Replica]:
     """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
     config) and executor; the KV retention policies that keep blocks are appended to
-    `retention_policies`."""
+    `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
     replicas = []
     for replica_id in range(first_id, first_id + pool.num_replicas):
@@ -260,11 +268,14 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             max_num_batched_tokens=max_num_batched_tokens(cfg, model),
             max_model_len=model.max_model_len,
             speculation=None if speculation is None else speculation.policy_cfg,
-            kv_retention=cfg.get("kv_retention"), retention_policies=retention_policies)
+            kv_retention=cfg.get("kv_retention"), retention_policies=retention_policies,
+            lora=lora_config(cfg.get("lora")), lora_managers=lora_managers)
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
                                 predictor=predictor, pool=pool.name, role=pool.role))
+        if lora_managers:   # the manager just built for this replica's scheduler
+            replicas[-1].lora = lora_managers[-1]
     return replicas

@@ -14,7 +14,7 @@ from typing import Callable
 import simpy
 from simpy.events import NORMAL
 
-from policies.protocols import Executor, Router, Scheduler
+from policies.protocols import Executor, LoRAManager, Router, Scheduler
 from policies.types import Request
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
@@ -56,6 +56,8 @@ class Replica:
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
+        # Its scheduler's LoRA manager (set by the builder; None: no adapters), for a router.
+        self.lora: LoRAManager | None = None
         self.recorder = StepRecorder(metrics, replica_id)
         self.steps = StepLoop(scheduler, executor, self.recorder, predictor)
         self.on_requests_done = on_requests_done

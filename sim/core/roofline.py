@@ -4,7 +4,10 @@ Each kernel group of a forward pass takes max(FLOPs / achieved FLOP rate, bytes 
 bandwidth), and the groups run one after another, so their times add:
 
     step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
+         + LoRA adapters (multi-LoRA: grouped matmuls and loads, sim/core/lora_cost.py)
          + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
+         + routed experts  (a mixture of experts: T·k tokens' FLOPs, the touched experts' weights,
+                            the all-to-alls of expert parallelism; sim/core/experts.py)
          + LM head         (only the sequences that sample)
          + prefill attention (causal query-key pairs vs KV read)
          + decode attention  (one query per sequence vs its whole context's KV read)
@@ -22,8 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies import validators
+from policies.lora.spec import LoRASpec
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
+from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
+from sim.core.lora_cost import lora_step_cost
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 
 
@@ -61,7 +67,10 @@ class RooflineCostModel:
                  draft_step_overhead_s: float = 3e-4,
                  ngram_overhead_s_per_seq: float = 20e-6,
                  medusa_num_heads: int = 4,
-                 offload_bandwidth_gbps: float | None = None):
+                 offload_bandwidth_gbps: float | None = None,
+                 routing="uniform",
+                 expert_parallel_size: int = 1,
+                 lora: LoRASpec | Mapping | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
@@ -114,6 +123,16 @@ class RooflineCostModel:
         byte_rate = hw.memory_bandwidth * self.memory_efficiency
         # Everything below is per GPU: weights, heads and KV heads are split over tp.
         linear_params = m.num_layers * m.linear_parameters_per_layer / tp
+        # A mixture's routed experts are their own term (sim/core/experts.py): the linear layers
+        # here are those every token runs through.
+        self.routing, self._experts = routing, None
+        check_expert_parallel_size(m, expert_parallel_size, tp)
+        if m.is_moe:
+            linear_params = m.num_layers * (m.attention_parameters_per_layer
+                                            + m.always_active_mlp_parameters_per_layer) / tp
+            self._experts = RooflineExperts(
+                ExpertLayout.of(m, routing, tp, expert_parallel_size), hw, self.compute_efficiency,
+                self.memory_efficiency, self.transfer_efficiency, self.allreduce_latency_s)
         self._linear_s_per_token = 2 * linear_params / flop_rate
         self._linear_weights_s = linear_params * m.dtype_bytes / byte_rate
         lm_head_params = m.lm_head_parameters / tp
@@ -141,6 +160,9 @@ class RooflineCostModel:
         # The prefix cache's host tier moves blocks at its own configured bandwidth.
         self._offload_s_per_block = offload_seconds_per_block(m, hw, self.block_size, tp,
                                                               offload_bandwidth_gbps)
+        # Multi-LoRA (a policies.lora.spec.LoRASpec; None: off): sim/core/lora_cost.py.
+        self._lora = lora_step_cost(lora, m, tp, flop_rate, byte_rate,
+                                    hw.host_to_device_bandwidth * self.transfer_efficiency)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -208,6 +230,8 @@ class RooflineCostModel:
         num_offload_moves = len(plan.blocks_to_offload) + len(plan.blocks_to_load)
         if num_offload_moves:
             time += num_offload_moves * self._offload_s_per_block
+        if plan.num_loras:   # the adapters' grouped matmuls and loads (sim/core/lora_cost.py)
+            time += self._lora.seconds(plan)
         return time
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:
@@ -223,6 +247,8 @@ class RooflineCostModel:
         """`time` plus the linear layers, the LM head and prefill attention, in step_time's
         order of sums."""
         time += max(num_tokens * self._linear_s_per_token, self._linear_weights_s)
+        if self._experts is not None:
+            time += self._experts.seconds(num_tokens)
         # Every decode sequence samples (a speculating one at each draft too); a prefill chunk
         # samples only if it ends the prompt, which the aggregates do not say, so count them all
         # (an upper bound of a few rows).

@@ -324,14 +324,30 @@ def kv_bytes_per_block_per_gpu(model: ModelSpec, block_size: int, tensor_paralle
     return block_bytes
 
 
+def weight_bytes_per_gpu(model: ModelSpec, tensor_parallel_size: int = 1,
+                         expert_parallel_size: int = 1) -> float:
+    """The weights one GPU holds: all of them over tp, except that a mixture's routed experts
+    are split over max(tp, expert_parallel_size) GPUs (ep > tp: the expert group spans ep / tp
+    replicas, each GPU holding num_experts / ep whole experts)."""
+    tp = tensor_parallel_size
+    if expert_parallel_size == 1 or not model.is_moe:
+        return model.weight_bytes / tp
+    experts = (model.num_layers * model.num_experts * model.expert_parameters
+               * model.dtype_bytes)
+    return (model.weight_bytes - experts) / tp + experts / max(tp, expert_parallel_size)
+
+
 def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: int,
                         gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                         max_num_batched_tokens: int | None = None, max_num_seqs: int = 256, *,
                         draft: ModelSpec | None = None, kv_cache_limit_gb: float | None = None,
-                        max_model_len: int | None = None) -> int:
+                        max_model_len: int | None = None, expert_parallel_size: int = 1) -> int:
     """How many KV blocks each GPU's device pool holds, as vLLM sizes its cache:
 
-        (memory × utilisation − reserved − weights / tp − activation peak) / (KV bytes per block / tp)
+        (memory × utilisation − reserved − weights per GPU − activation peak) / (KV bytes per block / tp)
+
+    (weights per GPU: weight_bytes_per_gpu, the experts of a mixture split over
+    max(tp, `expert_parallel_size`) GPUs.)
 
     `max_num_batched_tokens` defaults to step_token_budget's and `max_num_seqs` to 256, as
     vLLM's scheduler config does without chunked prefill. A `draft` model's weights come off the
@@ -348,7 +364,7 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
 
     tp = tensor_parallel_size
     budget = hardware.memory_bytes * gpu_memory_utilization - hardware.reserved_memory_gb * GIB
-    weights = model.weight_bytes / tp
+    weights = weight_bytes_per_gpu(model, tp, expert_parallel_size)
     activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     free_for_kv = budget - weights - activations
     block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp)

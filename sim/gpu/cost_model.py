@@ -3,6 +3,7 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 
     step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
          + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
+         + LoRA adapters' matmuls and loads (sim/core/lora_cost.py, at the achieved rates)
          + GPU forward pass, which is the larger of
              the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
                           batch's tokens (padded to a CUDA-graph capture size when it has one)
@@ -27,13 +28,15 @@ import numpy as np
 from policies import validators
 from policies.types import StepPlan
 from sim.core.json_files import read_json_object
+from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost
+from sim.gpu.experts import MLP_OPS, ExpertKernels
 from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
                             predict_lm_head_ms, predict_step_ops_ms)
-from sim.gpu.tables import LayerShape, attention_tables
+from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
 from sim.gpu.transfer_errors import expected_errors
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
@@ -94,7 +97,7 @@ class GPUCostModel(RooflineCostModel):
     Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
     per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
     attention_backend describe the engine. The remaining keyword arguments are
-    RooflineCostModel's, used for swaps, copies, host-tier moves and drafting only.
+    RooflineCostModel's, used for swaps, copies, host-tier moves, drafting and LoRA adapters.
     """
 
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
@@ -147,8 +150,19 @@ class GPUCostModel(RooflineCostModel):
         # The rates the kernels are predicted at: a workstation board's spec-sheet rates scaled
         # by the share it reaches relative to the measured datacenter boards.
         hw = self.achieved_rates(self.hardware)
+        if self._lora is not None:   # the adapters' matmuls at the rates the kernels run at
+            self._lora = lora_step_cost(roofline_kwargs["lora"], m, tp, hw.peak_flops,
+                                        hw.memory_bandwidth,
+                                        hw.host_to_device_bandwidth * self.transfer_efficiency)
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
-        forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+        if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
+            experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
+            forward_ms = layers * (experts.layer_ms(tokens) + predict_layer_ms(
+                self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
+                ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
+        else:
+            forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
+                                                   m.dtype_bytes)
         forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
         allreduce_source = "none (tensor_parallel_size 1)"
         if tp > 1:
@@ -192,6 +206,8 @@ class GPUCostModel(RooflineCostModel):
                           f"{self.workstation_bandwidth_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
+        if m.is_moe:
+            self._sources["experts"] = experts.source(self.routing)
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its

@@ -110,10 +110,11 @@ def predict_op_ms(table: OpTable, op: str, tokens: np.ndarray, hardware: Hardwar
 
 
 def predict_layer_ms(table: OpTable, tokens: np.ndarray, hardware: HardwareSpec,
-                     shape: LayerShape, tensor_parallel_size: int, dtype_bytes: int) -> np.ndarray:
-    """One layer's non-attention kernels (ms) at each of `tokens`."""
+                     shape: LayerShape, tensor_parallel_size: int, dtype_bytes: int,
+                     ops: tuple[str, ...] = LAYER_OPS) -> np.ndarray:
+    """One layer's non-attention kernels (ms) at each of `tokens` (`ops`: which of them)."""
     return sum(predict_op_ms(table, op, tokens, hardware, shape, tensor_parallel_size, dtype_bytes)
-               for op in LAYER_OPS)
+               for op in ops)
 
 
 def predict_step_ops_ms(table: OpTable, tokens: np.ndarray, hardware: HardwareSpec,

@@ -23,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from policies.lora.spec import LoRAConfig
 from policies.types import Request
 from sim.core.workload.conversation import CONVERSATION_FIELDS, sample_conversation
 from sim.core.workload.distributions import (
     ARRIVAL_PROCESSES, LENGTH_DISTRIBUTIONS, LENGTH_FIELDS, MAX_ZIPF_SUPPORT, TIME_DISTRIBUTIONS,
     TIME_FIELDS, sample_prompt_token_ids)
 from sim.core.workload.fields import DEFAULT_TENANT, Fields, Streams, as_plain_dict
+from sim.core.workload.lora_ids import assign_lora_ids
 from sim.core.workload.session_source import SessionSource
 from sim.core.workload.sessions import AGENT_FIELDS, SESSIONS_FIELDS, sample_agent, sample_sessions
 from sim.core.workload.synthetic import (
@@ -54,9 +56,11 @@ __all__ = [
 ]
 
 
-def build_workload(cfg: Mapping[str, Any], *, seed: int,
-                   vocab_size: int | None = None) -> list[Request]:
-    """The requests described by `cfg` (the `workload` config group: a DictConfig or a dict).
+def build_workload(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
+                   lora: LoRAConfig | None = None) -> list[Request]:
+    """The requests described by `cfg` (the `workload` config group: a DictConfig or a dict),
+    each with the LoRA adapter it runs with when `lora` is on (a trace's `lora_id` column, else
+    drawn: assign_lora_ids; with `lora` None a trace's column is ignored).
 
     Returns them sorted by arrival time with request_id 0..N-1. Raises ValueError, naming the
     config field, for any bad value.
@@ -86,8 +90,11 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int,
                                                drawn.output_lens.tolist(), token_ids))
     ]
     for name, values in drawn.metadata.items():
+        if name == "lora_id" and lora is None:
+            continue
         for request, value in zip(requests, values):
             setattr(request, name, value)
+    assign_lora_ids(requests, lora, seed)
     return requests
 
 
@@ -96,12 +103,14 @@ def is_closed_loop(cfg: Mapping[str, Any]) -> bool:
     return as_plain_dict(cfg).get("kind") in CLOSED_LOOP_KINDS
 
 
-def build_session_source(cfg: Mapping[str, Any], *, seed: int,
-                         vocab_size: int | None = None) -> SessionSource:
+def build_session_source(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
+                         lora: LoRAConfig | None = None) -> SessionSource:
     """The sessions a closed-loop `workload` config describes (kind `sessions` or `agent`),
-    drawn from the same streams as build_workload's. Raises ValueError, naming the config
-    field, for any bad value."""
+    drawn from the same streams as build_workload's, each session on one LoRA adapter when
+    `lora` is on. Raises ValueError, naming the config field, for any bad value."""
     fields = Fields(as_plain_dict(cfg), "workload")
     kind = fields.choice("kind", CLOSED_LOOP_KINDS)
     streams = Streams(*np.random.default_rng(seed).spawn(len(Streams._fields)))
-    return _CLOSED_LOOP_SAMPLERS[kind](fields, vocab_size, streams)
+    source = _CLOSED_LOOP_SAMPLERS[kind](fields, vocab_size, streams)
+    assign_lora_ids(source.all_requests(), lora, seed)
+    return source

@@ -34,7 +34,7 @@ CSV_SCHEMAS = {"azure": AZURE_COLUMNS, "burstgpt": BURSTGPT_COLUMNS, "plain": PL
 TRACE_FORMATS = ("auto", *CSV_SCHEMAS, "mooncake")
 TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
 # Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
-METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id")
+METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id", "lora_id")
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
@@ -126,8 +126,9 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
     (seconds), `prompt_len`, `output_len`. Other columns are ignored but `prompt_token_ids`
     (space-separated ids, as many as the row's prompt length) and the metadata: `priority` (an
     integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms` (positive numbers),
-    `session_id` (integers, or names if any cell is not one), each defaulting (0, "default",
-    none) where its cell is empty.
+    `session_id` (integers, or names if any cell is not one), `lora_id` (a LoRA adapter's index,
+    an integer >= 0; read only with the `lora` group on), each defaulting (0, "default", none)
+    where its cell is empty.
     """
     path = Path(path)
     try:
@@ -236,6 +237,11 @@ def _parse_metadata(cells: list[str], column: str, line_numbers: list[int], path
         if column == "priority":
             if not number.is_integer():  # NaN and inf are not integers either
                 raise _bad_row_error(path, line_numbers, index, column, "an integer", cell)
+            values.append(int(number))
+        elif column == "lora_id":
+            if not (number.is_integer() and number >= 0):
+                raise _bad_row_error(path, line_numbers, index, column,
+                                     "an adapter index (an integer >= 0) or empty", cell)
             values.append(int(number))
         else:
             if not (math.isfinite(number) and number > 0):

@@ -1,0 +1,2 @@
+"""Multi-LoRA serving: the adapters' description (spec.py) and the adapter-slot manager
+(manager.py)."""
