@@ -219,6 +219,27 @@ def test_memory_operations_move_a_stages_share_of_each_block():
     assert pipeline.step_time(StepPlan()) == 0.0
 
 
+def test_lora_work_is_shared_and_adapter_loads_move_a_stages_share():
+    """Adapter matmuls split with the tokens, every micro-batch reads the step's adapters, and
+    an adapter load moves the stage's layers of it (half of Llama-2-7B's at pp=2)."""
+    lora = {"ranks": (16,), "target_modules": ("q_proj", "v_proj")}
+    cfg = make_cfg("cost_model=roofline", "cluster.pipeline_parallel_size=2")
+    pipeline = build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"),
+                                lora=lora)
+    plan = _decodes(8)
+    with_lora = _decodes(8)
+    with_lora.num_loras, with_lora.lora_rank_sum, with_lora.lora_token_rank_sum = 2, 32, 8 * 16
+    assert pipeline.step_time(with_lora) > pipeline.step_time(plan)
+    with_load = _decodes(8)
+    with_load.num_loras, with_load.lora_rank_sum, with_load.lora_token_rank_sum = 2, 32, 8 * 16
+    with_load.lora_to_load, with_load.lora_load_rank_sum = ((1, 0),), 16
+    whole = pipeline.whole
+    whole_load_s = (whole.step_time(with_load) - whole.step_time(with_lora))
+    assert whole_load_s > 0
+    assert pipeline.step_time(with_load) - pipeline.step_time(with_lora) == pytest.approx(
+        whole_load_s / 2, rel=1e-9)
+
+
 def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
     """GPU cost model: the NCCL send/recv table (one node) at hidden + residual bytes; roofline:
     its all-reduce latency plus the bytes over the link at transfer_efficiency."""

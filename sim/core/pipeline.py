@@ -24,8 +24,9 @@ with m < pp the stages idle for part of the step (the bubble: a lone sequence ga
 from pp and pays the sends), with m = pp every stage works all the time. The slowest stage is
 taken as the largest one (ceil(L / pp) layers) charged the step's overhead, the embedding, the
 LM head and its send, an upper bound by whichever of the LM head and the send its stage skips.
-Memory operations (swaps, copies, host-tier moves) run once per step, every stage moving its own
-layers' share of each block.
+Memory operations (swaps, copies, host-tier moves, LoRA adapter loads) run once per step, every
+stage moving its own layers' share of each block or adapter; every micro-batch reads all the
+step's adapters.
 
 KV capacity: each GPU holds its stage's layers, so per-GPU KV bytes of a block and weights shrink
 by about pp (`stage_model` sizes the pool: the largest stage, counting the embedding and the LM
@@ -107,7 +108,8 @@ def _share(value: int, num_micro_batches: int) -> int:
 
 def micro_batch(plan: StepPlan, num_micro_batches: int, with_memory_ops: bool) -> StepPlan:
     """One of `num_micro_batches` equal shares of the step's work (counts rounded up), with the
-    plan's memory operations or without."""
+    plan's memory operations (block moves, LoRA adapter loads) or without. Every micro-batch
+    reads all the step's LoRA adapters (an upper bound: they may fall in fewer)."""
     m = num_micro_batches
     share = StepPlan(
         num_prefill_tokens=_share(plan.num_prefill_tokens, m),
@@ -116,17 +118,20 @@ def micro_batch(plan: StepPlan, num_micro_batches: int, with_memory_ops: bool) -
         prefill_context_tokens=_share(plan.prefill_context_tokens, m),
         sum_squared_prefill_chunks=_share(plan.sum_squared_prefill_chunks, m),
         num_decode_seqs=_share(plan.num_decode_seqs, m),
-        decode_context_tokens=_share(plan.decode_context_tokens, m))
+        decode_context_tokens=_share(plan.decode_context_tokens, m),
+        num_loras=plan.num_loras, lora_rank_sum=plan.lora_rank_sum,
+        lora_token_rank_sum=_share(plan.lora_token_rank_sum, m))
     if with_memory_ops:
         share.blocks_to_copy, share.blocks_to_swap_out = plan.blocks_to_copy, plan.blocks_to_swap_out
         share.blocks_to_swap_in = plan.blocks_to_swap_in
         share.blocks_to_offload, share.blocks_to_load = plan.blocks_to_offload, plan.blocks_to_load
+        share.lora_to_load, share.lora_load_rank_sum = plan.lora_to_load, plan.lora_load_rank_sum
     return share
 
 
 def _has_memory_ops(plan: StepPlan) -> bool:
     return bool(plan.blocks_to_copy or plan.blocks_to_swap_out or plan.blocks_to_swap_in
-                or plan.blocks_to_offload or plan.blocks_to_load)
+                or plan.blocks_to_offload or plan.blocks_to_load or plan.lora_load_rank_sum)
 
 
 class PipelineCostModel:
