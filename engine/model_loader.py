@@ -71,22 +71,39 @@ def load_model(model: str, device: torch.device, dtype=None, seed: int = 0) -> L
     raise ValueError(f"model={model!r} is neither a local checkpoint folder nor one of {known}")
 
 
-def _build_random(spec: ModelSpec, device: torch.device, dtype, seed: int) -> LoadedModel:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_config(spec: ModelSpec):
+    """The HF config of `spec` with random weights: a LlamaConfig, or a MixtralConfig for a
+    mixture of experts (Mixtral's `intermediate_size` is one expert's width)."""
+    from transformers import LlamaConfig, MixtralConfig
 
     if spec.mlp != "gated" or spec.bias or spec.num_position_embeddings:
         raise ValueError(f"{spec.name} is not Llama-shaped; random weights are only built for "
                          f"Llama-shaped configs; give a local checkpoint folder instead")
-    torch_dtype = resolve_dtype(dtype, spec, device)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
         max_position_embeddings=spec.max_model_len,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=RANDOM_INITIALIZER_RANGE, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
+    if not spec.is_moe:
+        return LlamaConfig(intermediate_size=spec.intermediate_size, **shape)
+    if spec.shared_expert_intermediate_size:
+        raise ValueError(f"model {spec.name}: shared_expert_intermediate_size="
+                         f"{spec.shared_expert_intermediate_size}: random weights are built for "
+                         f"Mixtral-shaped mixtures only (no shared experts); give a local "
+                         f"checkpoint folder instead")
+    return MixtralConfig(intermediate_size=spec.moe_intermediate_size,
+                         num_local_experts=spec.num_experts,
+                         num_experts_per_tok=spec.num_experts_per_tok, **shape)
+
+
+def _build_random(spec: ModelSpec, device: torch.device, dtype, seed: int) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(spec)
+    torch_dtype = resolve_dtype(dtype, spec, device)
     # Seeded without disturbing the caller's global RNG; built on the target device in the
     # target dtype (a 7B model in fp32 first would need twice the memory).
     devices = []
@@ -95,7 +112,7 @@ def _build_random(spec: ModelSpec, device: torch.device, dtype, seed: int) -> Lo
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.eval().requires_grad_(False)
     spec = _with_dtype(spec, torch_dtype)
     return LoadedModel(model, spec, None, config.eos_token_id)
@@ -109,7 +126,8 @@ def _load_named_checkpoint(spec: ModelSpec, device: torch.device, dtype) -> Load
         raise ValueError(f"model {spec.name}: checkpoint folder {path} does not exist")
     loaded = _load_checkpoint(path, device, dtype)
     shape = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "intermediate_size", "vocab_size")
+             "head_dim", "intermediate_size", "vocab_size", "num_experts", "num_experts_per_tok",
+             "moe_intermediate_size", "shared_expert_intermediate_size")
     differing = [f"{name} {getattr(spec, name)} vs {getattr(loaded.spec, name)}" for name in shape
                  if getattr(spec, name) != getattr(loaded.spec, name)]
     if differing:
@@ -149,7 +167,8 @@ def _load_checkpoint(path: Path, device: torch.device, dtype) -> LoadedModel:
 
 
 def spec_from_hf_config(config, name: str) -> ModelSpec:
-    """The ModelSpec of an HF decoder config (Llama family field names)."""
+    """The ModelSpec of an HF decoder config (Llama family field names; a mixture of experts in
+    Mixtral's, Qwen2-MoE's or Qwen3-MoE's, expert_fields)."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text_config.num_attention_heads
     return ModelSpec(
@@ -163,7 +182,34 @@ def spec_from_hf_config(config, name: str) -> ModelSpec:
         vocab_size=text_config.vocab_size,
         max_model_len=text_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+        **expert_fields(text_config, name),
     )
+
+
+def expert_fields(text_config, name: str) -> dict:
+    """ModelSpec's mixture-of-experts fields from an HF text config ({} for a dense model):
+    Mixtral counts its experts in num_local_experts and sizes them by intermediate_size, the
+    Qwen MoE family in num_experts and moe_intermediate_size. A mixture with dense layers among
+    its expert layers has no ModelSpec: every layer of one is costed alike."""
+    if getattr(text_config, "n_routed_experts", None):
+        raise ValueError(f"{name}: DeepSeek-style mixtures (n_routed_experts) are not supported; "
+                         f"Mixtral and Qwen MoE configs are")
+    num_experts = (getattr(text_config, "num_local_experts", None)
+                   or getattr(text_config, "num_experts", None) or 0)
+    if not num_experts:
+        return {}
+    sparse_step = getattr(text_config, "decoder_sparse_step", None) or 1
+    dense_layers = list(getattr(text_config, "mlp_only_layers", None) or [])
+    if sparse_step != 1 or dense_layers:
+        raise ValueError(f"{name}: decoder_sparse_step={sparse_step}, mlp_only_layers="
+                         f"{dense_layers}: a mixture with dense MLP layers is not supported "
+                         f"(every layer must be an expert layer)")
+    return dict(num_experts=num_experts,
+                num_experts_per_tok=text_config.num_experts_per_tok,
+                moe_intermediate_size=(getattr(text_config, "moe_intermediate_size", None)
+                                       or text_config.intermediate_size),
+                shared_expert_intermediate_size=(
+                    getattr(text_config, "shared_expert_intermediate_size", None) or 0))
 
 
 def _with_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:

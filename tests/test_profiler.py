@@ -156,7 +156,7 @@ def test_tile_features_in_any_position_predict_the_same():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pair", "tiny-pair+ngram",
-                                  "tiny-pair+tiny-pair-draft"])
+                                  "tiny-pair+tiny-pair-draft", "tiny-moe"])
 def test_the_shipped_cpu_profiles_load_with_their_tile_features_and_correction(name):
     path = Path(__file__).resolve().parents[1] / "profiles" / "cpu" / f"{name}.json"
     model = ProfiledCostModel(str(path), sample_residuals=False, block_size=16)

@@ -28,6 +28,8 @@ from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile_together
 from kernels.tiling import TILE_BYTES
 from policies.speculation.drafters import TREE_DRAFTERS   # points that verify whole token trees
+from sim.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, profile_routing,
+                                          sample_expert_features)
 from sim.profiled.step_features import STEP_FEATURES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,13 +48,21 @@ def read_samples(csv_path: Path) -> list[dict]:
                 for row in csv.DictReader(handle)]
 
 
-def refit(json_path: Path) -> dict:
+def refit(json_path: Path, expert_feature: bool = False) -> dict:
     """Re-fit a profile from its samples CSV (beside it), keeping its metadata and speed
-    reference: what a change of the fit needs, without measuring again."""
+    reference: what a change of the fit needs, without measuring again. With `expert_feature`
+    (a mixture's profile) the fit adds experts_touched, computed from each sample's tokens."""
     json_path = Path(json_path)
     old = json.loads(json_path.read_text())
     csv_path = json_path.with_name(json_path.stem + ".samples.csv")
-    content = fit_profile(read_samples(csv_path), old.get("metadata"))
+    samples = read_samples(csv_path)
+    if expert_feature:
+        routing = profile_routing(old.get("metadata") or {})
+        if routing is None:
+            raise ValueError("--expert-feature: its metadata.model_config has no num_experts")
+        for sample in samples:
+            sample.update(zip(EXPERT_FEATURES, sample_expert_features(sample, routing)))
+    content = fit_profile(samples, old.get("metadata"))
     if old.get("speed_reference") is not None:
         content["speed_reference"] = old["speed_reference"]
     content["metadata"]["refitted"] = _dt.datetime.now(_dt.timezone.utc).isoformat(
@@ -183,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between speed probes, which normalise every sample to "
                              "the run's median machine speed and give the profile the speed "
                              "reference that twinserve-validate's engine runs use (0: off)")
+    parser.add_argument("--expert-feature", action="store_true",
+                        help="a mixture of experts' samples also carry experts_touched "
+                             "(sim/profiled/expert_features.py) and its profile is fitted with "
+                             "it; off by default: on tiny-moe it improved the fit but not the "
+                             "predictions of held-out steps (docs/calibration.md)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--refit", nargs="+", metavar="PROFILE_JSON",
                         help="re-fit these profiles from their samples CSVs (no measuring)")
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         for path in args.refit:
             try:
-                fit = refit(Path(path))["fit"]
+                fit = refit(Path(path), args.expert_feature)["fit"]
             except (OSError, ValueError, KeyError) as error:
                 parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
                              f"{error}); it needs a profile JSON and its .samples.csv beside it")
@@ -230,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
+    routing = None
+    if args.expert_feature:
+        if not spec.is_moe:
+            parser.error(f"--expert-feature: {args.model} is not a mixture of experts")
+        routing = ExpertRouting(spec.num_experts, spec.num_experts_per_tok)
     speed_probe, prefill_probes = None, ()
     if args.speed_probe_interval > 0:
         new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
@@ -238,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
                                 kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,
-                                prefill_probes=prefill_probes)
+                                prefill_probes=prefill_probes,
+                                routing=routing)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
         metadata = {

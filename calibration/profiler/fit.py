@@ -8,6 +8,7 @@ import numpy as np
 
 from sim.profiled.local_correction import LocalCorrection, log_scaled
 from sim.profiled.step_features import STEP_FEATURES
+from sim.profiled.expert_features import EXPERT_FEATURES
 from sim.profiled.tile_features import TILE_FEATURES
 
 SCHEMA = 1
@@ -45,8 +46,8 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
 
 def sample_features(samples: list[dict]) -> list[str]:
     """The features a profile of these samples is fitted with: STEP_FEATURES, and the
-    attention-tile features where every sample has them."""
-    return [*STEP_FEATURES, *(name for name in TILE_FEATURES
+    attention-tile and expert features where every sample has them."""
+    return [*STEP_FEATURES, *(name for name in TILE_FEATURES + EXPERT_FEATURES
                               if all(name in sample for sample in samples))]
 
 

@@ -23,6 +23,7 @@ from calibration.profiler.fit import fit_profile
 from policies import validators
 from sim.core.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
 from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 
 
@@ -155,22 +156,25 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
             warmup: int = 1, seed: int = 0, progress: bool = True,
             kv_bytes_per_token: int | None = None,
             speed_probe: SpeedProbe | None = None,
-            prefill_probes: tuple[SpeedProbe, ...] = ()) -> Profile:
+            prefill_probes: tuple[SpeedProbe, ...] = (),
+            routing: ExpertRouting | None = None) -> Profile:
     """Run every grid point `warmup` untimed + `repeats` timed times on executors built by
     `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
     for its largest point), keeping every sample's measured `duration`. With
     `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
-    attention-tile features too. With a `speed_probe`, every sample is normalised to the
-    machine's median speed over the run (calibration/cpu_noise/speed.py)."""
+    attention-tile features too, with `routing` (a mixture of experts') the expert feature.
+    With a `speed_probe`, every sample is normalised to the machine's median speed over the run
+    (calibration/cpu_noise/speed.py)."""
     return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
-                            kv_bytes_per_token, speed_probe, prefill_probes)[""]
+                            kv_bytes_per_token, speed_probe, prefill_probes, routing)[""]
 
 
 def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                      repeats: int = 5, warmup: int = 1, seed: int = 0, progress: bool = True,
                      kv_bytes_per_token: int | None = None,
                      speed_probe: SpeedProbe | None = None,
-                     prefill_probes: tuple[SpeedProbe, ...] = ()) -> dict[str, Profile]:
+                     prefill_probes: tuple[SpeedProbe, ...] = (),
+                     routing: ExpertRouting | None = None) -> dict[str, Profile]:
     """`profile` for several executors (name -> (factory, grid)) at once, every point of every
     one in the same interleaved rounds: profiles that a comparison divides by each other (a
     speedup with a drafter over one without) then see the same machine, drifts included (and
@@ -201,6 +205,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 features = dict(zip(STEP_FEATURES, step_features(plan)))
                 if tiling is not None:
                     features.update(zip(TILE_FEATURES, tile_features(plan, tiling)))
+                if routing is not None:
+                    features.update(zip(EXPERT_FEATURES, expert_features(plan, routing)))
                 runs.append((name, point, executor, plan, features))
                 if point in largest:   # warm each executor up on its largest shapes first
                     executor.execute(plan)

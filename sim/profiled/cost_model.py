@@ -16,6 +16,8 @@ features fall outside the profiled ranges is extrapolated linearly, and the firs
 each feature is logged as a warning. Where the profile asks for it, the CPU layer adds to this:
 attention-tile features (sim/profiled/tile_features.py, tile names in `features`) and a local
 correction of the linear prediction (sim/profiled/local_correction.py, a `correction` section).
+A mixture of experts' profile may add the expected experts a step touches
+(sim/profiled/expert_features.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import numpy as np
 
 from policies.decode_run import step_times_one_by_one
 from policies.types import StepPlan
+from sim.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
 from sim.profiled.local_correction import LocalCorrection
 from sim.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
 from sim.profiled.step_features import STEP_FEATURES, step_features
@@ -61,16 +64,18 @@ def load_profile(path: str | Path) -> dict:
 
 
 def _known_features(features) -> bool:
-    """Whether `features` names core features (in STEP_FEATURES order) and attention-tile
-    features (in TILE_FEATURES order), each at most once."""
+    """Whether `features` names core features (in STEP_FEATURES order), attention-tile features
+    (in TILE_FEATURES order) and expert features (EXPERT_FEATURES), each at most once."""
     if (not isinstance(features, list) or not features
             or not all(isinstance(name, str) for name in features)):
         return False
     core = [name for name in features if name in STEP_FEATURES]
     tiles = [name for name in features if name in TILE_FEATURES]
-    return (len(core) + len(tiles) == len(features)
+    experts = [name for name in features if name in EXPERT_FEATURES]
+    return (len(core) + len(tiles) + len(experts) == len(features)
             and core == [name for name in STEP_FEATURES if name in core]
-            and tiles == [name for name in TILE_FEATURES if name in tiles])
+            and tiles == [name for name in TILE_FEATURES if name in tiles]
+            and experts == [name for name in EXPERT_FEATURES if name in experts])
 
 
 def check_profile(profile: dict, where: str = "profile") -> dict:
@@ -85,7 +90,8 @@ def check_profile(profile: dict, where: str = "profile") -> dict:
         raise ProfileError(f"{where}: its features {features!r} are not "
                            f"sim.profiled.step_features.STEP_FEATURES {list(STEP_FEATURES)!r} "
                            f"in that order, with any of the attention-tile features "
-                           f"{list(TILE_FEATURES)!r} in theirs; re-run the profiler")
+                           f"{list(TILE_FEATURES)!r} and expert features "
+                           f"{list(EXPERT_FEATURES)!r} in theirs; re-run the profiler")
     # A profile from before some core features existed still loads: they cost 0.
     missing = [name for name in STEP_FEATURES if name not in features]
     if missing:
@@ -141,7 +147,9 @@ class ProfiledCostModel:
         self.uses_tiles = any(name in TILE_FEATURES for name in fitted)
         # The tiles come from each sequence's length; the plain features from the plan's sums.
         self.reads_only_aggregates = not self.uses_tiles
-        computed = STEP_FEATURES + (TILE_FEATURES if self.uses_tiles else ())
+        self.uses_experts = any(name in EXPERT_FEATURES for name in fitted)
+        computed = (STEP_FEATURES + (TILE_FEATURES if self.uses_tiles else ())
+                    + (EXPERT_FEATURES if self.uses_experts else ()))
         self.feature_names: tuple[str, ...] = tuple(fitted) + tuple(
             name for name in computed if name not in fitted)
         order = [computed.index(name) for name in self.feature_names]
@@ -152,6 +160,15 @@ class ProfiledCostModel:
                 self.tiling = profile_tiling(self.metadata, block_size)
             except ValueError as error:
                 raise ProfileError(f"{where}: {error}") from None
+        self.routing = None
+        if self.uses_experts:
+            try:
+                self.routing = profile_routing(self.metadata)
+            except ValueError as error:
+                raise ProfileError(f"{where}: {error}") from None
+            if self.routing is None:
+                raise ProfileError(f"{where}: it was fitted with {list(EXPERT_FEATURES)} but "
+                                   f"metadata.model_config has no num_experts")
         model_data = data["model"]
         self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
         self.coefficients_s = tuple(
@@ -202,6 +219,8 @@ class ProfiledCostModel:
         features = step_features(plan)
         if self.uses_tiles:
             features += tile_features(plan, self.tiling)
+        if self.uses_experts:
+            features += expert_features(plan, self.routing)
         if self._order is not None:
             features = tuple([features[index] for index in self._order])
         return features
