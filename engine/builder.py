@@ -18,6 +18,7 @@ from engine.drafters import DraftModelDrafter, NgramDrafter
 from engine.executor import EngineExecutor
 from engine.kv_cache import KVCachePool, hardware_spec
 from engine.lookahead import LookaheadDrafter
+from engine.lora import LoRAAdapters, ServedAdapters, lora_adapters, lora_group
 from engine.medusa import MedusaDrafter, MedusaHeads
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
@@ -26,6 +27,7 @@ from engine.sampler import Sampler
 from kernels import get_kernel_ops
 from policies.capabilities import OffloadingKVCache
 from policies.checks import check_policy, has_capability
+from policies.lora.spec import lora_config
 from policies.protocols import BoundedScheduler, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import Drafter, TreeSpec
@@ -132,15 +134,18 @@ def build_engine(config: EngineConfig) -> Engine:
     max_k = speculation.max_num_speculative_tokens if speculation is not None else 0
     if max_k and draft is None:
         raise ValueError("the scheduler speculates but no speculative_model was given")
-    executor = build_scheduler_executor(config, loaded, scheduler, device, draft, max_k)
+    executor = build_scheduler_executor(config, loaded, scheduler, device, draft, max_k,
+                                        lora_adapters(config.lora, config.seed))
     return Engine(loaded, scheduler, executor, max_model_len, device, predictor)
 
 
 def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, scheduler,
                              device: torch.device, draft=None,
-                             max_num_speculative_tokens: int = 0) -> EngineExecutor:
+                             max_num_speculative_tokens: int = 0,
+                             lora: LoRAAdapters | None = None) -> EngineExecutor:
     """The executor whose pools (device, swap, host tier) match `scheduler`'s KV manager, with
-    CUDA graphs up to its max_num_seqs unless config.enforce_eager."""
+    CUDA graphs up to its max_num_seqs unless config.enforce_eager, serving `lora`'s
+    adapters."""
     kv_cache = scheduler.kv_cache
     return build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                 kv_cache.block_size, device, config.seed,
@@ -150,7 +155,7 @@ def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, schedule
                                 cuda_graph_max_batch=0 if config.enforce_eager
                                 else scheduler.max_num_seqs
                                 if has_capability(scheduler, BoundedScheduler, "scheduler")
-                                else DEFAULT_MAX_CAPTURE_SIZE)
+                                else DEFAULT_MAX_CAPTURE_SIZE, lora=lora)
 
 
 def num_offload_blocks(kv_cache) -> int:
@@ -246,7 +251,8 @@ def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.dev
         kv_cache_policy_config(policy_config(KV_CACHE_CONFIG, "kv_cache")), kv_cache_sizes,
         max_num_batched_tokens=budget, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
-        speculation=build_speculation(config, draft if isinstance(draft, TreeSpec) else None))
+        speculation=build_speculation(config, draft if isinstance(draft, TreeSpec) else None),
+        lora=lora_config(lora_group(config.lora)))
 
 
 def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
@@ -255,14 +261,15 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          draft: LoadedModel | TreeSpec | str | None = None,
                          max_num_speculative_tokens: int = 0,
                          num_offload_blocks: int = 0,
-                         cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE
-                         ) -> EngineExecutor:
+                         cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE,
+                         lora: LoRAAdapters | None = None) -> EngineExecutor:
     """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
     kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
     drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
     sequence; with num_offload_blocks, the prefix cache's host tier. On CUDA the Triton kernels
     are compiled now and the target's decode steps of up to cuda_graph_max_batch sequences run
-    as CUDA graphs captured now (engine/cuda_graphs.py; 0: every step eager)."""
+    as CUDA graphs captured now (engine/cuda_graphs.py; 0: every step eager). With `lora`, the
+    target model serves its adapters (engine/lora.py), whose kernels are compiled now too."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
@@ -275,6 +282,9 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
         for spec in [loaded.spec] + ([draft_model.spec] if draft_model else []):
             ops.warm_up(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
                         block_size, dtype, device)
+    served = ServedAdapters(loaded.model, lora, ops) if lora is not None else None
+    if served is not None and device.type == "cuda":
+        served.warm_up()
     decode_graphs = None
     if cuda_graph_max_batch and device.type == "cuda" and ops.takes_host_lengths:
         decode_graphs = DecodeGraphs(loaded.model, pool.target_caches, ops, device,
@@ -282,7 +292,7 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                                      loaded.spec.max_model_len, block_size)
         decode_graphs.capture_all()
     runner = ModelRunner(loaded.model, pool.target_caches, block_size, ops, device,
-                         decode_graphs)
+                         decode_graphs, served)
     sampler = Sampler(device, seed)
     drafter = None
     if draft == NGRAM:
@@ -348,7 +358,7 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                           max_num_speculative_tokens: int = 0,
                           step_timing: StepTiming | None = None,
                           enforce_eager: bool = False,
-                          tree: TreeSpec | None = None):
+                          tree: TreeSpec | None = None, lora=None):
     """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
     block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the
     engine (backend=engine, whose config names this function); with a speculative_model
@@ -356,7 +366,8 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
     max_num_speculative_tokens drafts per sequence, or with a token tree method (`tree`, for
     speculative_model "medusa" or "lookahead") that many tokens. With `step_timing` the run steps
     the executor it returns (its step durations timed its way). On CUDA decode steps run as CUDA
-    graphs unless enforce_eager."""
+    graphs unless enforce_eager. `lora`: the run's lora config group (engine/lora.py
+    lora_adapters), whose adapters the requests' lora_id pick."""
     if (speculative_model in drafters.TREE_DRAFTERS) != (tree is not None) or (
             tree is not None and tree.method != speculative_model):
         raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "
@@ -370,7 +381,8 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                                     max_num_speculative_tokens=max_num_speculative_tokens,
                                     num_offload_blocks=num_offload_blocks(kv_cache),
                                     cuda_graph_max_batch=0 if enforce_eager
-                                    else DEFAULT_MAX_CAPTURE_SIZE)
+                                    else DEFAULT_MAX_CAPTURE_SIZE,
+                                    lora=lora_adapters(lora, seed))
     warm_up(executor, kv_cache.num_blocks, kv_cache.block_size, loaded.spec.max_model_len)
     if step_timing is None:
         return executor

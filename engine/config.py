@@ -75,6 +75,10 @@ class EngineConfig:
     # conf/predictor name (none | oracle | noisy | bucket), a dotted class path, a mapping or an
     # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.
     predictor: Any = None
+    # Multi-LoRA serving (engine/lora.py): the lora config group's keys as a mapping
+    # (num_adapters, ranks, alpha, target_modules, max_loras, ...) or a conf/lora name; None:
+    # the base model alone. generate(lora_id=...) picks each request's adapter.
+    lora: Any = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:

@@ -68,6 +68,8 @@ class DisaggregatedLLM(LLM):
         prefill replica's). Speculative decoding is not supported here."""
         if kwargs.get("speculative_model") is not None:
             raise ValueError("DisaggregatedLLM does not speculate: leave speculative_model unset")
+        if kwargs.get("lora") is not None:
+            raise ValueError("DisaggregatedLLM does not serve LoRA adapters: leave lora unset")
         super().__init__(model, **kwargs)
         if not names_a_policy(self.config.scheduler) or not names_a_policy(
                 self.config.preemption):
@@ -84,8 +86,8 @@ class DisaggregatedLLM(LLM):
                                                         self.decode_scheduler, self.device)
         self.last_transfers: list[KVTransfer] = []
 
-    def _make_request(self, prompt, params, priority: int = 0):
-        output, request = super()._make_request(prompt, params, priority)
+    def _make_request(self, prompt, params, priority: int = 0, lora_id: int | None = None):
+        output, request = super()._make_request(prompt, params, priority, lora_id)
         if request is not None and request.n == 1:
             request.handoff = True   # n > 1 runs whole on the prefill replica
         return output, request

@@ -119,7 +119,8 @@ class LLM:
         checkpoint folder of a draft model with the target's vocabulary),
         num_speculative_tokens (k) and speculation ("fixed" | "adaptive" | a policy object);
         predictor ("oracle" | "noisy" | "bucket" | a LengthPredictor object; None: none) sets
-        each request's predicted_output_len when generate creates it."""
+        each request's predicted_output_len when generate creates it; lora (the lora config
+        group's keys, or a conf/lora name) the adapters generate(lora_id=...) runs."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -149,10 +150,13 @@ class LLM:
 
     def generate(self, prompts,
                  sampling_params: SamplingParams | dict | list | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_id: int | list[int | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a list of token ids, or a string
         when the model has a tokenizer; one prompt alone may be passed as such. `priority`: one
         integer per prompt (lower runs first), for a scheduler that reads it (vLLM's argument).
+        `lora_id`: the adapter (0 .. lora.num_adapters - 1 of LLM(lora=...)) every prompt runs
+        with, or one per prompt; None: the base model.
         `sampling_params`: one for every prompt or one per prompt, each a SamplingParams or a dict
         of its fields. A request that cannot run (its prompt, or the scheduler's rejection) comes
         back with `error` set and no outputs."""
@@ -178,10 +182,18 @@ class LLM:
                 isinstance(p, int) and not isinstance(p, bool) for p in priority):
             raise ValueError(f"priority must be one integer per prompt ({len(prompts)}), got "
                              f"{priority!r}")
+        if lora_id is None or isinstance(lora_id, int):
+            lora_ids = [self._checked_lora_id(lora_id, "lora_id")] * len(prompts)
+        else:
+            lora_ids = [self._checked_lora_id(value, f"lora_id[{index}]")
+                        for index, value in enumerate(lora_id)]
+            if len(lora_ids) != len(prompts):
+                raise ValueError(f"lora_id must be one adapter id (or None) or one per prompt "
+                                 f"({len(prompts)}), got {len(lora_ids)}")
         outputs: list[RequestOutput] = []
         requests: dict[int, tuple[Request, RequestOutput]] = {}
-        for prompt, params, importance in zip(prompts, params_list, priority):
-            output, request = self._queue(prompt, params, importance)
+        for prompt, params, importance, adapter in zip(prompts, params_list, priority, lora_ids):
+            output, request = self._queue(prompt, params, importance, adapter)
             outputs.append(output)
             if request is not None:
                 requests[request.request_id] = (request, output)
@@ -191,13 +203,15 @@ class LLM:
     # ---- step by step, for a server ------------------------------------------------------------
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0) -> RequestOutput:
-        """Queue one prompt (token ids, or a string with a tokenizer) for `step`. Returns its
+                    priority: int = 0, lora_id: int | None = None) -> RequestOutput:
+        """Queue one prompt (token ids, or a string with a tokenizer) for `step`, with adapter
+        `lora_id` (None: the base model). Returns its
         output: `error` says why it will not run; otherwise `request_id` names it in the
         StepOutputs of later steps, the last of which carries the finished output."""
         params = SamplingParams() if sampling_params is None else as_sampling_params(
             sampling_params)
-        output, request = self._queue(prompt, params, priority)
+        output, request = self._queue(prompt, params, priority,
+                                      self._checked_lora_id(lora_id, "lora_id"))
         if request is not None:
             self._live[request.request_id] = _LiveRequest(request, output, [0] * request.n)
         return output
@@ -237,10 +251,24 @@ class LLM:
             self._live_stopped = set()
         return step_outputs
 
-    def _queue(self, prompt, params, priority: int) -> tuple[RequestOutput, Request | None]:
+    def _checked_lora_id(self, lora_id, name: str) -> int | None:
+        """`lora_id` when it names one of the engine's adapters (or is None); else a ValueError
+        naming the argument `name`."""
+        if lora_id is None:
+            return None
+        adapters = self.executor.runner.lora
+        count = adapters.adapters.num_adapters if adapters is not None else 0
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or not 0 <= lora_id < count:
+            served = (f"one of the {count} adapters, 0..{count - 1}" if count else
+                      "None: this engine serves no adapters (LLM(lora=...))")
+            raise ValueError(f"{name} must be None or {served}; got {lora_id!r}")
+        return lora_id
+
+    def _queue(self, prompt, params, priority: int,
+               lora_id: int | None = None) -> tuple[RequestOutput, Request | None]:
         """Make the prompt's request and hand it to the scheduler; the request is None when it
         will not run (the output's error says why)."""
-        output, request = self._make_request(prompt, params, priority)
+        output, request = self._make_request(prompt, params, priority, lora_id)
         if request is not None:
             self.scheduler.add_request(request, self._now())
             if request.rejected_reason is not None:
@@ -248,8 +276,8 @@ class LLM:
                 request = None
         return output, request
 
-    def _make_request(self, prompt, params,
-                      priority: int = 0) -> tuple[RequestOutput, Request | None]:
+    def _make_request(self, prompt, params, priority: int = 0,
+                      lora_id: int | None = None) -> tuple[RequestOutput, Request | None]:
         request_id = self._next_request_id
         self._next_request_id += 1
         text = prompt if isinstance(prompt, str) else None
@@ -275,7 +303,8 @@ class LLM:
             return output, None
         request = Request(request_id=request_id, arrival_time=self._now(),
                           prompt_len=len(token_ids), output_len=params.max_tokens, n=params.n,
-                          prompt_token_ids=token_ids, sampling_params=params, priority=priority)
+                          prompt_token_ids=token_ids, sampling_params=params, priority=priority,
+                          lora_id=lora_id)
         if self.predictor is not None:
             request.predicted_output_len = self.predictor.predict(request)
         return output, request

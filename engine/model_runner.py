@@ -7,6 +7,7 @@ for a sequence verifying draft tokens, for each of its drafts).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,8 +15,10 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from engine.lora import ServedAdapters
 from engine.token_tree import TokenTree
 from kernels import KernelOps
+from kernels.lora_batch import NO_ADAPTER, LoRABatch
 from policies.types import Sequence, StepPlan
 
 
@@ -30,6 +33,8 @@ class StepInputs:
     logits_indices: torch.Tensor | None
     sampling_seqs: list[Sequence]   # sequences that reach their last token and sample
     decode_batch: DecodeBatch | None = None
+    # Which adapter slot each token uses (engine/lora.py); None: the base model alone.
+    lora_batch: LoRABatch | None = None
 
 
 def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
@@ -51,17 +56,20 @@ def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
 class ModelRunner:
     """Runs one model over paged KV layers `kv_caches` (the target's, or a draft model's: the
     same block ids index both). With `decode_graphs` (engine/cuda_graphs.py), a step of one
-    sampled token per sequence that fits a captured bucket replays its graph."""
+    sampled token per sequence that fits a captured bucket replays its graph (unless a
+    sequence of the step runs an adapter: graphs are captured without). With `lora`, each
+    sequence's tokens run with its request's adapter (request.lora_id)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  ops: KernelOps, device: torch.device,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, lora: ServedAdapters | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
         self.device = device
         self.block_size = block_size
         self.decode_graphs = decode_graphs
+        self.lora = lora
 
     def prepare(self, plan: StepPlan,
                 drafts: dict[int, list[int] | TokenTree] | None = None) -> StepInputs:
@@ -77,12 +85,15 @@ class ModelRunner:
         sampling_seqs = []
         logits_rows: list[int] = []
         trees: list[tuple[int, TokenTree]] = []   # (flattened row of the root, tree)
+        lora_ids = np.full(num_seqs, NO_ADAPTER, dtype=np.int64)
         num_tokens = 0
         for index, (seq, num_new) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
             start = seq.num_computed_tokens
             starts[index] = start
             token_ids += new_token_ids(seq, start, num_new)
             seq_tables.append(tables[seq.seq_id])
+            if seq.request.lora_id is not None:
+                lora_ids[index] = seq.request.lora_id
             num_tokens += num_new
             if start + num_new == seq.num_tokens:
                 sampling_seqs.append(seq)
@@ -106,17 +117,27 @@ class ModelRunner:
                 rows = slice(root_row, root_row + 1 + len(tree))
                 tree_mask[rows] = tree.mask_entries()
                 position_shift[rows] = np.arange(1 + len(tree)) - np.asarray([0] + tree.depths)
+        lora_batch = None
+        if self.lora is not None:
+            # Every step: the plan's LoRA manager may load an adapter no token uses yet.
+            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens), plan.lora_slots,
+                                             plan.lora_to_load)
+        elif (lora_ids != NO_ADAPTER).any():
+            raise ValueError("a request has a lora_id but this engine serves no adapters "
+                             "(give it lora=...)")
         return self.build(token_ids, starts, query_lens, seq_tables, logits_rows, sampling_seqs,
-                          tree_mask, position_shift)
+                          tree_mask, position_shift, lora_batch)
 
     def build(self, token_ids: list[int], starts: np.ndarray, query_lens: np.ndarray,
               seq_tables: list[list[int]], logits_rows: list[int],
               sampling_seqs: list[Sequence], tree_mask: np.ndarray | None = None,
-              position_shift: np.ndarray | None = None) -> StepInputs:
+              position_shift: np.ndarray | None = None,
+              lora_batch: LoRABatch | None = None) -> StepInputs:
         """Inputs for sequences b running query_lens[b] tokens from position starts[b] (their
         ids concatenated in `token_ids`), K/V at the slots of seq_tables[b], keeping the logits
         of the flattened rows `logits_rows`. With token trees: each token's tree_mask entry, and
-        how many positions before its slot's position the model sees it (position_shift)."""
+        how many positions before its slot's position the model sees it (position_shift). With
+        adapters: the step's LoRABatch (ServedAdapters.batch_for)."""
         block_size = self.block_size
         num_seqs = len(seq_tables)
         num_tokens = len(token_ids)
@@ -138,7 +159,8 @@ class ModelRunner:
                  + positions % block_size)
 
         graphs = self.decode_graphs
-        if (graphs is not None and num_tokens == num_seqs and graphs.fits(num_seqs, max_blocks)
+        if (graphs is not None and lora_batch is None and num_tokens == num_seqs
+                and graphs.fits(num_seqs, max_blocks)
                 and logits_rows == list(range(num_seqs))):
             decode_batch = DecodeBatch(np.asarray(token_ids, dtype=np.int64), positions, slots,
                                        block_tables, seq_lens.astype(np.int32))
@@ -171,7 +193,13 @@ class ModelRunner:
             positions=to(positions, torch.int64),
             metadata=metadata,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device),
-            sampling_seqs=sampling_seqs)
+            sampling_seqs=sampling_seqs, lora_batch=lora_batch)
+
+    def _adapters(self, inputs: StepInputs):
+        """The block in which the model applies the step's adapters (if any)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.applying(inputs.lora_batch)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -180,18 +208,20 @@ class ModelRunner:
         if inputs.decode_batch is not None:
             return self.decode_graphs.run(inputs.decode_batch)
         # Chunks that sample nothing still fill the cache: they keep no logits.
-        output = self.model(input_ids=inputs.input_ids[None],
-                            position_ids=inputs.positions[None],
-                            attn_metadata=inputs.metadata, use_cache=False,
-                            logits_to_keep=inputs.logits_indices)
+        with self._adapters(inputs):
+            output = self.model(input_ids=inputs.input_ids[None],
+                                position_ids=inputs.positions[None],
+                                attn_metadata=inputs.metadata, use_cache=False,
+                                logits_to_keep=inputs.logits_indices)
         return output.logits[0].float()
 
     @torch.inference_mode()
     def forward_with_hidden(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's logits and the final (normed) hidden states of the same rows, which
         Medusa's heads read."""
-        hidden = self.model.model(input_ids=inputs.input_ids[None],
-                                  position_ids=inputs.positions[None],
-                                  attn_metadata=inputs.metadata,
-                                  use_cache=False).last_hidden_state[0, inputs.logits_indices]
+        with self._adapters(inputs):
+            hidden = self.model.model(input_ids=inputs.input_ids[None],
+                                      position_ids=inputs.positions[None],
+                                      attn_metadata=inputs.metadata,
+                                      use_cache=False).last_hidden_state[0, inputs.logits_indices]
         return self.model.lm_head(hidden).float(), hidden

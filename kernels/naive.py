@@ -94,4 +94,17 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
         dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device)
 
 
-KERNEL_OPS = KernelOps("naive", write_kv_cache, paged_attention, copy_blocks, swap_blocks)
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scalings: torch.Tensor, batch) -> None:
+    """out[t] += scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each token t whose slot s
+    (batch.token_slots, kernels/lora_batch.py) is not -1: one token at a time, in fp32."""
+    for token, slot in enumerate(batch.token_slots.tolist()):
+        if slot < 0:
+            continue
+        shrunk = lora_a[slot].float() @ x[token].float()
+        delta = (lora_b[slot].float() @ shrunk) * float(scalings[slot])
+        out[token] = (out[token].float() + delta).to(out.dtype)
+
+
+KERNEL_OPS = KernelOps("naive", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
+                       add_lora=add_lora)

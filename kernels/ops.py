@@ -26,12 +26,16 @@ class KernelOps:
     # Optional: warm_up(num_heads, num_kv_heads, head_dim, block_size, dtype, device) compiles
     # every kernel variant a run launches, before the run (the Triton path).
     warm_up: Callable | None = None
+    # Optional: add_lora(out, x, lora_a, lora_b, scalings, batch) adds each token's adapter
+    # delta to a target module's output (kernels/lora_batch.py). None: no multi-LoRA serving.
+    add_lora: Callable | None = None
 
     def __post_init__(self):
         required = {"write_kv_cache": self.write_kv_cache,
                     "paged_attention": self.paged_attention,
                     "copy_blocks": self.copy_blocks, "swap_blocks": self.swap_blocks}
-        optional = {"plan_attention": self.plan_attention, "warm_up": self.warm_up}
+        optional = {"plan_attention": self.plan_attention, "warm_up": self.warm_up,
+                    "add_lora": self.add_lora}
         for name, value in (*required.items(), *optional.items()):
             if not callable(value) and not (value is None and name in optional):
                 raise ValueError(f"kernel backend {self.name}: {name} is not callable, got "

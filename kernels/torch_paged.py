@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kernels.ops import KernelOps
 from kernels.tiling import TILE_BYTES, group_into_tiles, tile_tokens
+from kernels.torch_lora import add_lora
 from kernels.tree_mask import TREE_WINDOW
 
 
@@ -168,4 +169,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 KERNEL_OPS = KernelOps("torch", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
-                       plan_attention=plan_attention)
+                       plan_attention=plan_attention, add_lora=add_lora)

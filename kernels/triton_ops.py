@@ -7,6 +7,7 @@ block copy), and triton is imported in the mode this machine runs them in (kerne
   paged_prefill_attention; decode_config picks the decode kernels' tiles and warps.
 - paged_attention: the dispatcher the engine calls (choose_num_splits picks split-K);
   warm_up: compiles every variant a run launches, before the run.
+- add_lora: the multi-LoRA kernels (kernels/triton_lora.py);
 - write_kv_cache, copy_blocks: data movement; swap_blocks is a torch index copy (it crosses
   devices, which a kernel cannot).
 
@@ -24,6 +25,7 @@ from kernels.tree_mask import TREE_WINDOW
 from kernels.triton_attention import (_paged_decode_kernel, _paged_decode_split_kernel,
                                       _paged_prefill_kernel, _split_reduce_kernel)
 from kernels.triton_cache import _copy_blocks_kernel, _write_kv_cache_kernel
+from kernels.triton_lora import add_lora as grouped_add_lora
 # Launchers read UNAVAILABLE_REASON from this module, where bench/gpu_check.py --compile clears it.
 from kernels.triton_mode import INTERPRETED, UNAVAILABLE_REASON, triton
 
@@ -37,13 +39,14 @@ MAX_SPLITS = 16
 NUM_WARPS = 4
 
 
-def _require_triton():
+def require_triton():
+    """Raise, saying why, when the kernels cannot run in this process."""
     if UNAVAILABLE_REASON is not None:
         raise RuntimeError(f"kernels.triton_ops cannot run: {UNAVAILABLE_REASON}")
 
 
 def _check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc):
-    _require_triton()
+    require_triton()
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, \
         "kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]"
     assert query.dim() == 3 and query.shape[2] == kv_cache.shape[4], "query is [tokens, heads, dim]"
@@ -243,7 +246,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     longest query: 16, 32, 64 rows) with and without a tree mask, the cache write and the block
     copy. Run-time values that vary from step to step (the block tables' width, the split
     count) are not specialised on, so no step compiles."""
-    _require_triton()
+    require_triton()
     gen = torch.Generator(device=device).manual_seed(0)
     longest = 64
     blocks_per_seq = triton.cdiv(longest, block_size)
@@ -278,7 +281,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
 
 def write_kv_cache(key, value, kv_cache, slot_mapping):
     """kv_cache[:, slot] <- (key[t], value[t]) per token; negative slots are skipped."""
-    _require_triton()
+    require_triton()
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and kv_cache.shape[3:] == (num_kv_heads, head_dim)
     assert slot_mapping.shape == (num_tokens,), "one slot per token"
@@ -295,7 +298,7 @@ def write_kv_cache(key, value, kv_cache, slot_mapping):
 def copy_blocks(kv_cache, block_pairs):
     """Block dst <- block src, K and V, for each (src, dst) row. The pairs run in parallel, so
     no dst may be another pair's src (copy-on-write copies into fresh blocks)."""
-    _require_triton()
+    require_triton()
     assert kv_cache.is_contiguous(), "a block is copied as one contiguous run"
     if block_pairs.shape[0] == 0:
         return
@@ -316,7 +319,13 @@ def swap_blocks(src_cache, dst_cache, block_pairs):
     dst_cache[:, dst_ids] = src_cache[:, src_ids].to(dst_cache.device)
 
 
+def add_lora(out, x, lora_a, lora_b, scalings, batch, **tiles):
+    """kernels/triton_lora.py's add_lora (kernels/lora_batch.py's API), where the kernels run."""
+    require_triton()
+    grouped_add_lora(out, x, lora_a, lora_b, scalings, batch, **tiles)
+
+
 # The dispatcher takes the step's longest query and context from the caller (the engine's runner,
 # which has them on the host), so it reads nothing back from the device.
 KERNEL_OPS = KernelOps("triton", write_kv_cache, paged_attention, copy_blocks, swap_blocks,
-                       takes_host_lengths=True, warm_up=warm_up)
+                       takes_host_lengths=True, warm_up=warm_up, add_lora=add_lora)

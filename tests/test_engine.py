@@ -298,7 +298,8 @@ def test_prefix_cache_host_tier_reloads_keep_outputs(reference_llm):
     (dict(seed="abc"), "seed must be a non-negative integer, got 'abc'"),
     (dict(hardware="tpu"), "hardware must be a conf/hardware name"),
     (dict(scheduler="fastest"),
-     "scheduler must be one of chunked_prefill, continuous, edf, mlfq, priority, sjf, static, vtc"),
+     "scheduler must be one of chunked_prefill, continuous, edf, lora_affinity, mlfq, priority, "
+     "sjf, static, vtc"),
     (dict(preemption="evict"), "preemption must be one of recompute, swap"),
 ])
 def test_bad_engine_settings_name_the_argument(kwargs, message):

@@ -8,12 +8,18 @@ import subprocess
 from pathlib import Path
 
 from gpu_check_steps.common import dtype_of
-from gpu_check_steps.kernels import KERNEL_MATRIX_NAMES
+from gpu_check_steps.kernels import DTYPES, KERNEL_MATRIX_NAMES
+
+# The multi-LoRA kernels at Llama-2-7B's target modules (q/k/v/o, gate/up, down) and adapter
+# ranks padded to 16 and 64 (kernels/triton_lora.py): one variant per rank padding and dtype.
+LORA_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
+LORA_RANKS = (16, 64)
 
 
 def compile_report(arch: int = 90) -> int:
     """Run the kernels' warm-up (kernels/triton_ops.warm_up: every variant the engine
-    launches) for each configuration of KERNEL_MATRIX_NAMES (block size 16; 32, 16, 8 KV heads
+    launches; kernels/triton_lora.warm_up_lora at LORA_SHAPES and LORA_RANKS) for each
+    configuration of KERNEL_MATRIX_NAMES (block size 16; 32, 16, 8 KV heads
     for groups of 1, 2, 8: Llama-2-7B, -, 70B) with the kernel launches captured instead of
     run, compile each launch for sm_{arch} with the specialisation a real launch gets (16-byte
     aligned pointers; ints divisible by 16 or equal to 1, but for the kernels'
@@ -27,7 +33,7 @@ def compile_report(arch: int = 90) -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from kernels import triton_ops
+    from kernels import triton_lora, triton_ops
 
     launches = []
     original_run = JITFunction.run
@@ -39,6 +45,10 @@ def compile_report(arch: int = 90) -> int:
             num_kv_heads = 32 // heads_per_kv_head
             triton_ops.warm_up(32, num_kv_heads, head_dim, 16, dtype_of(dtype_name),
                                torch.device("cpu"))
+        for dtype_name in DTYPES:
+            for rank in LORA_RANKS:
+                triton_lora.warm_up_lora(LORA_SHAPES, rank, dtype_of(dtype_name),
+                                         torch.device("cpu"))
     finally:
         JITFunction.run = original_run
 
