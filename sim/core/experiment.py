@@ -27,6 +27,8 @@ from sim.core.build import (build_policy, build_predictor, build_replica_executo
                             speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
+from sim.core.energy.meter import build_energy_meter
+from sim.core.energy.summary import energy_summary
 from sim.core.executor import SimExecutor
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
@@ -224,6 +226,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                               slos_ms=slos_ms(cfg), fairness_window_s=fairness_window_s(cfg))
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
+    summary.update(energy_summary({replica.replica_id: replica.recorder.energy
+                                   for replica in replicas},
+                                  {replica.replica_id: replica.pool for replica in replicas},
+                                  requests, summary["duration_s"],
+                                  summary["total_output_tokens"]))
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(lora_summary(lora_managers))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
@@ -273,9 +280,14 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
+        energy = build_energy_meter(
+            cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
+            cfg.kv_cache.block_size,
+            executor.cost_model if isinstance(executor, SimExecutor) else None)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
-                                predictor=predictor, pool=pool.name, role=pool.role))
+                                predictor=predictor, pool=pool.name, role=pool.role,
+                                energy=energy))
         if lora_managers:   # the manager just built for this replica's scheduler
             replicas[-1].lora = lora_managers[-1]
     return replicas

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import simpy
 from simpy.events import NORMAL
@@ -18,6 +18,9 @@ from policies.protocols import Executor, LoRAManager, Router, Scheduler
 from policies.types import Request
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
+
+if TYPE_CHECKING:
+    from sim.core.energy.meter import EnergyMeter
 
 
 class SimEnvironment(simpy.Environment):
@@ -49,7 +52,7 @@ class Replica:
                  executor: Executor, metrics: MetricsCollector,
                  on_requests_done: Callable[[int], None] | None = None,
                  next_arrival: NextArrival | None = None, predictor=None,
-                 pool: str = "main", role: str = "mixed"):
+                 pool: str = "main", role: str = "mixed", energy: EnergyMeter | None = None):
         self.env = env
         self.replica_id = replica_id
         self.pool, self.role = pool, role
@@ -58,7 +61,7 @@ class Replica:
         self.metrics = metrics
         # Its scheduler's LoRA manager (set by the builder; None: no adapters), for a router.
         self.lora: LoRAManager | None = None
-        self.recorder = StepRecorder(metrics, replica_id)
+        self.recorder = StepRecorder(metrics, replica_id, energy)
         self.steps = StepLoop(scheduler, executor, self.recorder, predictor)
         self.on_requests_done = on_requests_done
         # Without it, every step is its own event; with it, env must be a SimEnvironment. A

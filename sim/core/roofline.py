@@ -28,6 +28,7 @@ from policies import validators
 from policies.lora.spec import LoRASpec
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
+from sim.core.energy.work import ModelStepWork
 from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.core.lora_cost import lora_step_cost
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
@@ -163,6 +164,13 @@ class RooflineCostModel:
         # Multi-LoRA (a policies.lora.spec.LoRASpec; None: off): sim/core/lora_cost.py.
         self._lora = lora_step_cost(lora, m, tp, flop_rate, byte_rate,
                                     hw.host_to_device_bandwidth * self.transfer_efficiency)
+        # The FLOPs and bytes of a step (sim/core/energy/work.py): the power model's input.
+        self.work = ModelStepWork(m, tp, self.block_size,
+                                   None if self._experts is None else self._experts.layout)
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step on one GPU (energy.work.StepWorkCostModel)."""
+        return self.work.step_work(plan)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from policies.validators import boolean, non_negative_int, number_in, positive_int, positive_number
+from policies.validators import (boolean, non_negative_int, non_negative_number, number_in,
+                                 positive_int, positive_number)
 
 GIB = 1024 ** 3
 GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
@@ -244,10 +245,16 @@ class HardwareSpec:
     # The board's dense GEMMs against its spec FLOP/s, relative to the measured tables' boards
     # (1.0: the same share); measured from the board's own saturated prefill where one exists.
     compute_efficiency: float = 1.0
+    # Board power in watts (docs/energy.md): idle (powered, no kernel running; a published
+    # measurement) and maximum (the spec sheet's TDP/TBP). 0 and 0: not stated, energy reads 0.
+    idle_power_w: float = 0.0
+    max_power_w: float = 0.0
 
     def __post_init__(self):
         owner = f"HardwareSpec({self.name!r})"
         positive_number(f"{owner}.compute_efficiency", self.compute_efficiency)
+        non_negative_number(f"{owner}.max_power_w", self.max_power_w)
+        number_in(f"{owner}.idle_power_w", self.idle_power_w, 0, self.max_power_w)
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
                      "interconnect_gbps"):
             positive_number(f"{owner}.{name}", getattr(self, name))

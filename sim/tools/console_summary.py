@@ -27,6 +27,10 @@ def format_summary_table(summary: dict) -> Table:
     if "goodput" in summary:
         totals.add_row("goodput req/s", _fmt(summary["goodput"]))
         totals.add_row("SLO attainment", f"{summary['slo_attainment']:.1%}")
+    if "joules_per_output_token" in summary:   # (modelled: sim/core/energy, docs/energy.md)
+        totals.add_row("energy (modelled)", f"{summary['energy_j'] / 1e3:,.2f} kJ, "
+                                            f"{_fmt(summary['avg_power_w'], 0)} W")
+        totals.add_row("J / output token", _fmt(summary["joules_per_output_token"], 3))
     totals.add_row("preemptions", f"{summary['num_preemptions']:,}")
     totals.add_row("peak KV blocks", f"{summary['peak_kv_blocks']:,}")
     totals.add_row("KV waste", f"{summary['kv_waste_fraction']:.1%}")

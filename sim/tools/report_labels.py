@@ -17,6 +17,10 @@ METRIC_LABELS: dict[str, str] = {
     "swap_bytes": "bytes swapped",
     "goodput": "goodput (req/s)",
     "slo_attainment": "SLO attainment",
+    "energy_j": "energy (J, modelled)",
+    "avg_power_w": "average power (W, modelled)",
+    "joules_per_output_token": "energy per output token (J, modelled)",
+    "tokens_per_joule": "output tokens per joule (modelled)",
     "peak_num_seqs": "largest batch (sequences in a step)",
     "peak_num_running": "peak running requests",
     "mean_kv_blocks_used": "mean KV blocks in use (busy time)",
@@ -37,6 +41,8 @@ METRIC_HEADINGS: dict[str, str] = {
     "jain_fairness": "Jain", "windowed_jain_fairness": "Jain/window",
     "max_backlogged_service_diff": "max gap tok", "fairness_windows": "windows",
     "mean_backlogged_service": "tok/window", "backlogged_windows": "windows",
+    "energy_j": "J", "avg_power_w": "W", "joules_per_output_token": "J/tok",
+    "tokens_per_joule": "tok/J",
 }
 # A group's key in a sweep's summaries: per_tenant.<name>.<key>, per_priority.<name>.<key>.
 GROUP_KEY = re.compile(r"per_(tenant|priority)\.([^.]+)\.(.+)")

@@ -12,9 +12,14 @@ import operator
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from policies.protocols import Scheduler
 from policies.types import Request, Sequence, StepPlan, StepResult
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S, run_summary
+
+if TYPE_CHECKING:
+    from sim.core.energy.meter import EnergyMeter
 
 STEP_COLUMNS: tuple[str, ...] = (
     "replica_id", "start_time", "duration",
@@ -124,9 +129,11 @@ class StepRecorder:
 
     MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
 
-    def __init__(self, metrics: MetricsCollector, replica_id: int = 0):
+    def __init__(self, metrics: MetricsCollector, replica_id: int = 0,
+                 energy: EnergyMeter | None = None):
         self.metrics = metrics
         self.replica_id = replica_id
+        self.energy = energy   # the replica's joules, step by step (sim/core/energy/meter.py)
         self._itl_counts: dict[float, int] = {}
         self._logged_itls = array.array("d")
         self._logged_tokens = array.array("q")
@@ -163,6 +170,8 @@ class StepRecorder:
         (before its finished requests leave)."""
         self._record_row(start_time, plan, result.duration, scheduler,
                          sum(result.num_accepted.values()) if result.num_accepted else 0)
+        if self.energy is not None:
+            self.energy.add_step(plan, result.duration)
 
     def _record_row(self, start_time: float, plan: StepPlan, duration: float,
                     scheduler: Scheduler, num_accepted_tokens: int = 0) -> None:
@@ -186,6 +195,8 @@ class StepRecorder:
         `num_steps_before` steps already, holds the slots of where they stood before those: its
         first row adds what they grew into since."""
         self._record_row(start_time, plan, durations[0], scheduler)
+        if self.energy is not None:
+            self.energy.add_repeated_steps(plan, durations)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         start_column, duration_column = _COL["start_time"], _COL["duration"]

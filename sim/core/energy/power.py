@@ -1,0 +1,84 @@
+"""Power models: how many watts a board draws while it runs steps, and idle.
+
+`PowerModel` is the protocol (a measured model, e.g. one fitted to nvidia-smi samples, replaces
+the default by `power._target_`); `UtilisationPowerModel` is the default (docs/energy.md):
+
+    P = P_idle + (P_max - P_idle) x min(1, u_compute / compute_saturation
+                                           + memory_weight x u_memory)
+
+with u_compute = FLOPs / (seconds x peak FLOP/s) and u_memory = bytes / (seconds x bandwidth) of
+the step on one board, and P_idle, P_max the hardware spec's `idle_power_w` and `max_power_w`.
+Over a step of d seconds the board draws P_idle d + (P_max - P_idle) min(d, FLOPs /
+(peak x compute_saturation) + memory_weight x bytes / bandwidth) joules: O(1), and exact summed
+over any run of steps whose utilisation stays under the cap.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from policies import validators
+from sim.core.specs import HardwareSpec
+
+# The share of its peak FLOP/s at which a board reaches its power limit: the GEMM share the
+# roofline reaches (its compute_efficiency), as a prefill-saturated board runs at its limit
+# (Patel et al., "Splitwise", ISCA 2024: prompt phases draw near TDP, token phases well below).
+DEFAULT_COMPUTE_SATURATION = 0.55
+# The share of the dynamic range a board streaming memory at its full spec bandwidth draws:
+# an H200 decoding at batch 128 draws 517 W between 80 W idle and 700 W (0.70 of the range,
+# ~0.75 of the bandwidth in use; docs/energy.md).
+DEFAULT_MEMORY_WEIGHT = 0.7
+
+
+@runtime_checkable
+class PowerModel(Protocol):
+    """One board's power: what it draws idle, and the joules of a span of steps."""
+
+    @property
+    def idle_power_w(self) -> float:
+        """Watts the board draws between steps (powered, no kernel running)."""
+
+    def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
+        """Joules one board draws over `duration_s` seconds of steps in which it did `flops`
+        FLOPs and moved `bytes_moved` bytes of device memory, idle power included."""
+
+    def describe(self) -> str:
+        """One line: the model and its inputs, for the summary."""
+
+
+class UtilisationPowerModel:
+    """The default power model (module docstring): idle power plus the dynamic range scaled by
+    how busy the step kept compute and memory, capped at the board's maximum."""
+
+    def __init__(self, hardware: HardwareSpec,
+                 compute_saturation: float = DEFAULT_COMPUTE_SATURATION,
+                 memory_weight: float = DEFAULT_MEMORY_WEIGHT):
+        self.hardware = hardware
+        self.compute_saturation = float(validators.number_in(
+            "power.compute_saturation", compute_saturation, 0, 1, low_open=True))
+        self.memory_weight = float(validators.number_in(
+            "power.memory_weight", memory_weight, 0, 1))
+        self._idle_w = hardware.idle_power_w
+        self._dynamic_w = hardware.max_power_w - hardware.idle_power_w
+        self._s_per_flop = 1.0 / (hardware.peak_flops * self.compute_saturation)
+        self._s_per_byte = self.memory_weight / hardware.memory_bandwidth
+
+    @property
+    def idle_power_w(self) -> float:
+        return self._idle_w
+
+    def linear_terms(self) -> tuple[float, float, float, float]:
+        """(idle W, dynamic W, seconds per FLOP, seconds per byte): busy_energy_j's constants,
+        for a meter that repeats its arithmetic over a run of steps without a call a step."""
+        return self._idle_w, self._dynamic_w, self._s_per_flop, self._s_per_byte
+
+    def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
+        busy_s = flops * self._s_per_flop + bytes_moved * self._s_per_byte
+        return (self._idle_w * duration_s
+                + self._dynamic_w * (busy_s if busy_s < duration_s else duration_s))
+
+    def describe(self) -> str:
+        hw = self.hardware
+        return (f"modelled, not measured: P = {hw.idle_power_w:g} W + "
+                f"({hw.max_power_w:g} - {hw.idle_power_w:g}) W x min(1, u_compute / "
+                f"{self.compute_saturation:g} + {self.memory_weight:g} u_memory) per board "
+                f"({hw.name}; docs/energy.md)")

@@ -1,0 +1,55 @@
+"""The run's energy keys: total joules, average power, joules per output token and output tokens
+per joule, for the run, each replica and each pool, from the replicas' meters (meter.py).
+
+A replica's boards are powered from the first arrival to the last finish (the summary's
+`duration_s`): the time between its steps counts at idle power. A request's output tokens count
+for the replica that finished it (with disaggregation, the decode replica: a prefill pool's
+joules per token is 0.0, its joules are in the run's).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from policies.types import Request
+from sim.core.energy.meter import EnergyMeter
+from sim.core.metrics.statistics import is_completed
+
+
+def energy_numbers(energy_j: float, output_tokens: int, span_s: float) -> dict[str, float]:
+    """energy_j, avg_power_w, joules_per_output_token and tokens_per_joule (0.0 where the
+    denominator is 0: no time, no tokens, or no power stated)."""
+    return {"energy_j": energy_j,
+            "avg_power_w": energy_j / span_s if span_s > 0 else 0.0,
+            "joules_per_output_token": energy_j / output_tokens if output_tokens else 0.0,
+            "tokens_per_joule": output_tokens / energy_j if energy_j > 0 else 0.0}
+
+
+def energy_summary(meters: Mapping[int, EnergyMeter], pools: Mapping[int, str],
+                   requests: list[Request], span_s: float, total_output_tokens: int) -> dict:
+    """The run's energy numbers (energy_numbers) at the top level, `energy_per_replica`
+    {replica id: numbers} and `energy_per_pool` {pool: numbers}, and `energy_model`: how they
+    were worked out (modelled from each step's work, not measured, on either backend).
+    `total_output_tokens`: the completed requests' (the run summary's)."""
+    if len(meters) == 1:   # (every request's tokens are the one replica's)
+        tokens_by_replica = dict.fromkeys(meters, total_output_tokens)
+    else:
+        tokens_by_replica = dict.fromkeys(meters, 0)
+        for request in requests:
+            if is_completed(request) and request.replica_id in tokens_by_replica:
+                tokens_by_replica[request.replica_id] += request.num_output_tokens
+    joules = {replica_id: meter.energy_j(span_s) for replica_id, meter in meters.items()}
+    per_pool: dict[str, list[int]] = {}
+    for replica_id in meters:
+        per_pool.setdefault(pools[replica_id], []).append(replica_id)
+    total_tokens = sum(tokens_by_replica.values())
+    summary = energy_numbers(sum(joules.values()), total_tokens, span_s)
+    summary["energy_per_replica"] = {
+        str(replica_id): energy_numbers(joules[replica_id], tokens_by_replica[replica_id], span_s)
+        for replica_id in meters}
+    summary["energy_per_pool"] = {
+        pool: energy_numbers(sum(joules[i] for i in ids),
+                             sum(tokens_by_replica[i] for i in ids), span_s)
+        for pool, ids in per_pool.items()}
+    descriptions = sorted({meter.power_model.describe() for meter in meters.values()})
+    summary["energy_model"] = "; ".join(descriptions)
+    return summary
