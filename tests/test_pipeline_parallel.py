@@ -240,6 +240,21 @@ def test_lora_work_is_shared_and_adapter_loads_move_a_stages_share():
         whole_load_s / 2, rel=1e-9)
 
 
+def test_energy_counts_every_gpu_and_each_stages_work():
+    """A replica of pp stages is tp x pp boards, each doing its stage's work on every
+    micro-batch; at a light load, mostly idle, twice the boards draw nearly twice the
+    energy."""
+    pipeline = _cost_model(2)
+    plan = _prefills(4, 512)
+    stage_flops, stage_bytes = pipeline.stage.step_work(StepPlan(
+        num_prefill_seqs=2, num_prefill_tokens=1024, prefill_attention_work=2 * 512 * 512,
+        prefill_context_tokens=1024, sum_squared_prefill_chunks=2 * 512 * 512))
+    assert pipeline.step_work(plan) == pytest.approx((2 * stage_flops, 2 * stage_bytes))
+    light = ("workload.num_requests=5", "workload.rate=0.05")
+    one, two = _run(1, *light).summary, _run(2, *light).summary
+    assert 1.5 < two["energy_j"] / one["energy_j"] < 2.0
+
+
 def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
     """GPU cost model: the NCCL send/recv table (one node) at hidden + residual bytes; roofline:
     its all-reduce latency plus the bytes over the link at transfer_efficiency."""

@@ -176,6 +176,17 @@ class PipelineCostModel:
             time += self.stage.step_time(micro_batch(plan, m, True)) - stage_s
         return time
 
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step on one GPU (the energy meter's input,
+        sim/core/energy/work.py): its stage's work on every micro-batch, the memory operations'
+        once."""
+        m = min(self.num_stages, plan.num_prefill_seqs + plan.num_decode_seqs) or 1
+        flops, moved = self.stage.step_work(micro_batch(plan, m, True))
+        if m > 1:
+            other_flops, other_moved = self.stage.step_work(micro_batch(plan, m, False))
+            flops, moved = flops + (m - 1) * other_flops, moved + (m - 1) * other_moved
+        return flops, moved
+
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
         """step_time of the decode batch `plan` over `num_steps` steps, context growing."""
         return step_times_one_by_one(self, plan, num_steps)
