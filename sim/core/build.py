@@ -19,6 +19,8 @@ from policies.validators import (finite_number, non_negative_int, non_negative_n
 from sim.core.executor import SimExecutor
 from sim.core.experts import check_expert_parallel_size
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
+from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
+                               stage_model)
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
@@ -84,7 +86,7 @@ def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> 
                                                     _convert_="all")
     speculation = speculation_setup(cfg)
     return kv_cache_num_blocks(
-        model, hardware, block_size,
+        gpu_model(cfg, model), hardware, block_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
         max_num_batched_tokens=max_num_batched_tokens(cfg, model),
@@ -97,7 +99,7 @@ def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
     """Blocks of each replica's host swap pool: the preemption policy's swap_space_gb (0
     without swap) over one block's K/V, a draft model's included."""
     return kv_cache_num_host_blocks(
-        model, cfg.kv_cache.block_size, preemption.swap_space_gb,
+        gpu_model(cfg, model), cfg.kv_cache.block_size, preemption.swap_space_gb,
         cfg.cluster.tensor_parallel_size,
         draft=speculation.draft_kv if speculation is not None else None)
 
@@ -126,7 +128,8 @@ def kv_cache_sizes(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemptio
         if group.get("offload_bandwidth_gbps") is not None:
             positive_number("kv_cache.offload_bandwidth_gbps", group.offload_bandwidth_gbps)
         offload["num_offload_blocks"] = kv_cache_num_host_blocks(
-            model, group.block_size, offload_gb, cfg.cluster.tensor_parallel_size,
+            gpu_model(cfg, model), group.block_size, offload_gb,
+            cfg.cluster.tensor_parallel_size,
             draft=speculation.draft_kv if speculation is not None else None)
     return dict(num_blocks=num_blocks,
                 num_host_blocks=num_host_kv_blocks(cfg, model, preemption, speculation), **offload)
@@ -186,7 +189,17 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
 
 def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
     """The run's cost model (`cost_model`); a GPU cost model whose tables cannot cover the
-    hardware (a CPU) falls back to the roofline, and says so in one line (once a process)."""
+    hardware (a CPU) falls back to the roofline, and says so in one line (once a process).
+    With pipeline stages, the pipeline over the whole model's and a stage's (sim/core/pipeline.py)."""
+    stages = pipeline_parallel_size(cfg, model)
+    if stages == 1:
+        return _base_cost_model(cfg, model, hardware, **drafting)
+    return pipeline_cost_model(_base_cost_model(cfg, model, hardware, **drafting),
+                               _base_cost_model(cfg, stage_model(model, stages), hardware,
+                                                **drafting), stages)
+
+
+def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
     from sim.gpu.linear import NoGPUTable
 
     arguments = dict(model=model, hardware=hardware,

@@ -25,11 +25,12 @@ from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
                             policy_config)
+from sim.core.pipeline import pipeline_parallel_size
 from sim.core.specs import HardwareSpec, ModelSpec
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
-             "scheduler", "kv_cache")
+             "pipeline_parallel_size", "scheduler", "kv_cache")
 TOPOLOGIES = ("per_replica", "shared")
 
 
@@ -80,6 +81,8 @@ def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
         roles.add(role)
         num_replicas = positive_int(f"{field}.num_replicas", entry.get("num_replicas"))
         pool_cfg = _pool_config(base, entry, field)
+        if entry.get("pipeline_parallel_size") is not None:
+            pipeline_parallel_size(pool_cfg, model, f"{field}.pipeline_parallel_size")
         hardware = HardwareSpec.from_config(pool_cfg.hardware)
         router_cfg = entry.get("router") or cfg.cluster.router
         router = build_policy(policy_config(router_cfg, "router", f"{field}.router"),
@@ -93,12 +96,12 @@ def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
 
 
 def _pool_config(base: DictConfig, entry, field: str) -> DictConfig:
-    """The run's config with the pool's overrides of hardware, tensor_parallel_size, scheduler
-    and kv_cache."""
+    """The run's config with the pool's overrides of hardware, tensor_parallel_size,
+    pipeline_parallel_size, scheduler and kv_cache."""
     pool_cfg = base.copy()
-    if entry.get("tensor_parallel_size") is not None:
-        pool_cfg.cluster.tensor_parallel_size = positive_int(f"{field}.tensor_parallel_size",
-                                                             entry.tensor_parallel_size)
+    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if entry.get(size) is not None:
+            pool_cfg.cluster[size] = positive_int(f"{field}.{size}", entry[size])
     for group in ("hardware", "scheduler", "kv_cache"):
         override = entry.get(group)
         if override is None:

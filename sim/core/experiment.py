@@ -30,6 +30,7 @@ from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build
 from sim.core.energy.meter import build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.executor import SimExecutor
+from sim.core.pipeline import pipeline_parallel_size
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
@@ -280,8 +281,9 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
-        energy = build_energy_meter(
-            cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
+        energy = build_energy_meter(   # (every GPU of the replica: tp per pipeline stage)
+            cfg.get("power"), model, pool.hardware,
+            cfg.cluster.tensor_parallel_size * pipeline_parallel_size(cfg, model),
             cfg.kv_cache.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,

@@ -1,4 +1,4 @@
-"""Tensor-parallel all-reduces from the NCCL tables.
+"""Tensor-parallel all-reduces and pipeline-parallel stage sends from the NCCL tables.
 
 Two all-reduces per layer (after attention and after the MLP), each of tokens x hidden x dtype
 bytes. The time of a message is the measured NCCL time in one node for that many GPUs,
@@ -16,7 +16,7 @@ import numpy as np
 
 from sim.core.specs import HardwareSpec
 from sim.gpu.linear import interpolate
-from sim.gpu.tables import AllReduceTable, allreduce_tables
+from sim.gpu.tables import AllReduceTable, allreduce_tables, send_recv_tables
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,10 @@ def allreduce_cost(hardware: HardwareSpec, tensor_parallel_size: int,
               f"interconnect bandwidth ({hardware.interconnect_gbps:g} against "
               f"{table.hardware.interconnect_gbps:g} GB/s) and ring traffic")
     return AllReduceCost(table, workers, size_scale, time_scale, source)
+
+
+def send_recv_cost(hardware: HardwareSpec) -> AllReduceCost:
+    """One point-to-point send between two GPUs of a node (a pipeline stage's activations to the
+    next): the measured send/recv curve, carried to `hardware` by interconnect bandwidth as the
+    all-reduce is."""
+    return allreduce_cost(hardware, 2, send_recv_tables())

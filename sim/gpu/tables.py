@@ -6,7 +6,8 @@ Three kinds of table (data/gpu/README.md says where each comes from):
   tensor-parallel shard, for one model shape on one GPU (`OpTable`);
 - attention tables: one attention call's kernels (ms) of a decode batch or a prefill chunk
   (`AttentionRow`s);
-- NCCL all-reduce tables: ms against message bytes, per number of GPUs in one node.
+- NCCL all-reduce and send/recv tables: ms against message bytes, per number of GPUs in one
+  node.
 
 Each table names the GPU it was measured on by a conf/hardware name, so the transfer rules can
 compare spec-sheet rates.
@@ -48,6 +49,10 @@ ATTENTION_TABLE_FILES = (
 ALLREDUCE_TABLE_FILES = (
     ("vidur/network/a100_dgx/all_reduce.csv", "a100-80gb"),
     ("vidur/network/h100_dgx/all_reduce.csv", "h100-80gb"),
+)
+SEND_RECV_TABLE_FILES = (
+    ("vidur/network/a100_dgx/send_recv.csv", "a100-80gb"),
+    ("vidur/network/h100_dgx/send_recv.csv", "h100-80gb"),
 )
 
 
@@ -194,15 +199,26 @@ def allreduce_tables() -> tuple[AllReduceTable, ...]:
     """NCCL all-reduce within one node (devices_per_node = num_workers), rank 0. `size` is in
     bytes: read as fp16 elements, the largest messages would exceed NVLink's 300 GB/s a
     direction on the A100 (data/gpu/README.md)."""
+    return _collective_tables(ALLREDUCE_TABLE_FILES, "all_reduce")
+
+
+@functools.lru_cache(maxsize=None)
+def send_recv_tables() -> tuple[AllReduceTable, ...]:
+    """NCCL send/recv between two GPUs of one node, rank 0, in the all-reduce tables' form (one
+    curve, 2 workers); `size` in bytes as there."""
+    return _collective_tables(SEND_RECV_TABLE_FILES, "send_recv")
+
+
+def _collective_tables(files, collective: str) -> tuple[AllReduceTable, ...]:
     tables = []
-    for path, gpu in ALLREDUCE_TABLE_FILES:
+    for path, gpu in files:
         curves: dict[int, list[tuple[int, float]]] = {}
         for row in _read_rows(path):
             if row["devices_per_node"] == row["num_workers"] and row["rank"] == "0":
                 curves.setdefault(int(row["num_workers"]), []).append(
-                    (int(row["size"]), float(row["time_stats.all_reduce.median"])))
+                    (int(row["size"]), float(row[f"time_stats.{collective}.median"])))
         parts = Path(path).parts
-        tables.append(AllReduceTable(f"{parts[2]} all_reduce", hardware_spec(gpu), {
+        tables.append(AllReduceTable(f"{parts[2]} {collective}", hardware_spec(gpu), {
             workers: (tuple(s for s, _ in sorted(points)), tuple(t for _, t in sorted(points)))
             for workers, points in curves.items()}))
     return tuple(tables)
