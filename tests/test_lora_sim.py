@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -364,6 +365,15 @@ def test_a_moe_model_refuses_adapters_on_its_experts():
     with pytest.raises(ValueError, match="lora.target_modules"):
         RooflineCostModel(model_spec("mixtral-8x7b"), hardware_spec("h100-80gb"),
                           lora=LoRASpec(ranks=(8,), target_modules=("up_proj",)))
+
+
+def test_a_cost_model_that_cannot_cost_adapters_is_named():
+    profile = Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "tiny-llama.json"
+    cfg = make_cfg("lora=multi", "model=tiny-llama", "hardware=cpu", "cost_model=profiled",
+                   f"cost_model.profile={profile}")
+    with pytest.raises(ValueError, match=r"^lora: cost_model=profiled does not cost LoRA "
+                                         r"adapters"):
+        run_experiment(cfg, plots=False)
 
 
 # ---- runs ----------------------------------------------------------------------------------------

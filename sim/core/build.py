@@ -4,10 +4,12 @@ speculation setup and the replica's executor. The engine (`LLM(...)`) names and 
 policies with the same functions, from the same conf/ groups."""
 from __future__ import annotations
 
+import inspect
 import statistics
 import sys
 from collections.abc import Mapping
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
@@ -175,6 +177,10 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
     lora = lora_config(cfg.get("lora"))
     if lora is not None:   # only a LoRA run passes `lora`: a cost model of its own need not know
+        if not _takes_argument(cfg.cost_model, "lora"):
+            raise ValueError(f"lora: cost_model={_group_name(cfg.cost_model)} does not cost LoRA "
+                             f"adapters (it takes no `lora` argument); use cost_model=gpu or "
+                             f"cost_model=roofline, or lora=none")
         drafting["lora"] = lora.spec
     if speculation is not None and drafter_kind(speculation.draft_model).draft_cost == "heads":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
@@ -227,9 +233,22 @@ def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
 _FELL_BACK: set[tuple[str, str]] = set()
 
 
+def _takes_argument(group: DictConfig, name: str) -> bool:
+    """Whether the class the group's `_target_` names takes the keyword argument `name` (True
+    where the target does not import: building it reports that)."""
+    try:
+        parameters = inspect.signature(get_class(str(group.get("_target_")))).parameters
+    except Exception:
+        return True
+    return name in parameters or any(parameter.kind is parameter.VAR_KEYWORD
+                                     for parameter in parameters.values())
+
+
 def _group_name(group: DictConfig) -> str:
     target = str(group.get("_target_", "?"))
-    return {"sim.gpu.cost_model.GPUCostModel": "gpu"}.get(target, target)
+    return {"sim.gpu.cost_model.GPUCostModel": "gpu",
+            "sim.profiled.cost_model.ProfiledCostModel": "profiled",
+            "sim.core.roofline.RooflineCostModel": "roofline"}.get(target, target)
 
 
 def cost_model_summary(cost_models: list) -> dict:
