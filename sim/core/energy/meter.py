@@ -17,12 +17,11 @@ class EnergyMeter:
     """The busy seconds and joules of one replica of `num_boards` GPUs (tensor_parallel_size:
     each board draws the power model's watts), the work of each step from `work`."""
 
-    __slots__ = ("power_model", "work", "num_boards", "busy_s", "busy_j", "_step_work",
+    __slots__ = ("power_model", "num_boards", "busy_s", "busy_j", "_step_work",
                  "_busy_energy_j", "_decode_constants")
 
     def __init__(self, power_model: PowerModel, work: StepWorkCostModel, num_boards: int = 1):
         self.power_model = power_model
-        self.work = work
         self.num_boards = num_boards
         self.busy_s = 0.0
         self.busy_j = 0.0   # all boards' joules during steps, their idle power included
