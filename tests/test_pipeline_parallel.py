@@ -1,5 +1,7 @@
-"""Pipeline parallelism (sim/core/pipeline.py): the stages' split, the per-GPU KV capacity, the
-step's cost over micro-batches and its bubble, the stage sends, and whole runs' invariants."""
+"""Pipeline parallelism (sim/core/pipeline.py, sim/core/pipelined_replica.py): the stages' split,
+the per-GPU KV capacity, each stage's share of a step and the sends, and the replica's virtual
+engines with batches in flight through the stages: the bubble, the overlap and whole runs'
+invariants."""
 from __future__ import annotations
 
 import csv
@@ -7,15 +9,18 @@ import csv
 import numpy as np
 import pytest
 
-from factories import (REPO, assert_same_run, check_outcome, hardware_spec, make_cfg, model_spec,
-                       run_both_ways)
-from policies.types import StepPlan
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
+from policies.types import Request, StepPlan
+from sim.core import pipelined_replica
 from sim.core.assembly import build_preemption
 from sim.core.build import build_cost_model, kv_cache_sizes, num_kv_blocks
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
-from sim.core.pipeline import (PipelineCostModel, pipeline_period_s, send_bytes_per_token,
-                               stage_layers, stage_model)
+from sim.core.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
+                               stage_model)
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import GIB, activation_peak_bytes, step_token_budget
 
@@ -131,128 +136,70 @@ def test_a_pool_sets_its_own_pipeline():
                                                  model, hardware)
 
 
-# ---- the step's cost -----------------------------------------------------------------------------
+# ---- each stage's share of a step ----------------------------------------------------------------
 
-def _event_simulated_period(stage_s: list[float], num_micro_batches: int, rounds: int = 60):
-    """The reference: micro-batches cycling through stages event by event, each stage one at a
-    time in arrival order, each micro-batch re-entering the first stage when it has left the
-    last. The mean time between rounds once the pipeline has filled."""
-    stage_free = [0.0] * len(stage_s)
-    ready = [0.0] * num_micro_batches   # when each micro-batch's tokens are back
-    round_ends = []
-    for _ in range(rounds):
-        for j in range(num_micro_batches):
-            t = ready[j]
-            for s, duration in enumerate(stage_s):
-                t = max(t, stage_free[s]) + duration
-                stage_free[s] = t
-            ready[j] = t
-        round_ends.append(max(ready))
-    half = rounds // 2
-    return (round_ends[-1] - round_ends[half]) / (rounds - 1 - half)
-
-
-@pytest.mark.parametrize("stage_s", [[1.0, 1.0], [1.0, 3.0, 2.0], [0.5, 0.5, 0.5, 2.0],
-                                     [2.0, 1.0, 1.0, 1.0]])
-def test_the_period_is_an_event_simulations(stage_s):
-    for m in range(1, len(stage_s) + 1):
-        assert pipeline_period_s(sum(stage_s), max(stage_s), m) == pytest.approx(
-            _event_simulated_period(stage_s, m), rel=1e-9)
-
-
-def test_a_lone_sequence_gains_nothing_and_pays_the_sends():
-    """The bubble: one sequence is one micro-batch; it crosses every stage in turn, so the step
-    is the whole model's plus a send per stage boundary, whatever pp."""
-    base = _cost_model(1)
-    for pp in (2, 4):
+def test_a_step_through_the_stages_is_the_whole_model_plus_the_sends():
+    """The roofline is linear in layers, so the stages' times add up to the whole model's step
+    (one overhead, one LM head) plus pp - 1 sends."""
+    whole = _cost_model(1)
+    for pp in (2, 3, 4):
         pipeline = _cost_model(pp)
-        for plan in (_decodes(1), _prefills(1, 2048)):
+        for plan in (_decodes(1), _decodes(64), _prefills(1, 2048), _prefills(8, 512)):
             tokens = plan.num_prefill_tokens + plan.num_decode_seqs
-            assert pipeline.step_time(plan) == pytest.approx(
-                base.step_time(plan) + (pp - 1) * pipeline.send_s(tokens), rel=1e-12)
             assert pipeline.send_s(tokens) > 0
+            assert sum(pipeline.stage_times(plan)) == pytest.approx(
+                whole.step_time(plan) + (pp - 1) * pipeline.send_s(tokens), rel=1e-12)
+    assert _cost_model(2).stage_times(StepPlan()) == [0.0, 0.0]
 
 
-def test_micro_batches_overlap_the_stages_when_compute_bound():
-    """Eight 1024-token prompts: compute-bound, so two stages each working on one half of the
-    batch while the other works on the other halve the step (about: overheads and sends)."""
-    base, pipeline = _cost_model(1), _cost_model(2)
-    plan = _prefills(8, 1024)
-    assert 0.45 < pipeline.step_time(plan) / base.step_time(plan) < 0.6
-    # Memory-bound decodes: every micro-batch reads its stage's weights, so no gain.
-    decodes = _decodes(8)
-    assert pipeline.step_time(decodes) >= base.step_time(decodes)
-
-
-def test_the_step_is_the_slower_of_latency_and_the_slowest_stage():
-    pipeline = _cost_model(4)
-    whole, stage = pipeline.whole, pipeline.stage
-    assert stage.model.num_layers == 8
-    for plan in (_decodes(64), _prefills(4, 512), _decodes(3)):
-        m = min(4, plan.num_prefill_seqs + plan.num_decode_seqs)
-        micro = StepPlan(
-            num_prefill_seqs=-(-plan.num_prefill_seqs // m),
-            num_prefill_tokens=-(-plan.num_prefill_tokens // m),
-            prefill_attention_work=-(-plan.prefill_attention_work // m),
-            prefill_context_tokens=-(-plan.prefill_context_tokens // m),
-            sum_squared_prefill_chunks=-(-plan.sum_squared_prefill_chunks // m),
-            num_decode_seqs=-(-plan.num_decode_seqs // m),
-            decode_context_tokens=-(-plan.decode_context_tokens // m))
-        send = pipeline.send_s(micro.num_prefill_tokens + micro.num_decode_seqs)
-        assert pipeline.step_time(plan) == max(whole.step_time(micro) + 3 * send,
-                                               m * (stage.step_time(micro) + send))
+def test_the_first_stage_pays_the_overhead_the_last_the_lm_head_the_others_their_send():
+    """Two stages of 16 layers each: the first's time less the last's is the engine overhead
+    plus the send less the LM head, each by hand."""
+    pipeline = _cost_model(2)
+    first = pipeline.stages[0]
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    flop_rate = hardware.peak_flops * first.compute_efficiency
+    byte_rate = hardware.memory_bandwidth * first.memory_efficiency
+    for plan in (_decodes(4), _decodes(512), _prefills(2, 1024)):
+        seqs = plan.num_prefill_seqs + plan.num_decode_seqs
+        overhead = first.step_overhead_s + first.per_sequence_overhead_s * seqs
+        lm_head = max(seqs * 2 * model.lm_head_parameters / flop_rate,
+                      model.lm_head_parameters * model.dtype_bytes / byte_rate)
+        send = pipeline.send_s(plan.num_prefill_tokens + plan.num_decode_seqs)
+        stage_s = pipeline.stage_times(plan)
+        assert stage_s[0] - stage_s[1] == pytest.approx(overhead + send - lm_head, rel=1e-9)
 
 
 def test_memory_operations_move_a_stages_share_of_each_block():
-    pipeline = _cost_model(2)
+    """Each stage swaps its layers' K/V of a block: 11, 11 and 10 of 32 at pp=3."""
+    whole, pipeline = _cost_model(1), _cost_model(3)
     swaps = [(i, i) for i in range(10)]
-    plan = _decodes(4)
     with_swaps = _decodes(4)
     with_swaps.blocks_to_swap_in = swaps
-    whole = pipeline.whole
     whole_swaps_s = whole.step_time(StepPlan(blocks_to_swap_in=swaps)) - whole.step_overhead_s
-    added = pipeline.step_time(with_swaps) - pipeline.step_time(plan)
-    assert added == pytest.approx(whole_swaps_s / 2, rel=1e-9)
-    # A step of swaps alone costs the stage's overhead and its share.
-    assert pipeline.step_time(StepPlan(blocks_to_swap_in=swaps)) == pytest.approx(
-        whole.step_overhead_s + whole_swaps_s / 2, rel=1e-9)
-    assert pipeline.step_time(StepPlan()) == 0.0
+    added = [a - b for a, b in zip(pipeline.stage_times(with_swaps),
+                                   pipeline.stage_times(_decodes(4)))]
+    assert added == pytest.approx([whole_swaps_s * layers / 32 for layers in (11, 11, 10)],
+                                  rel=1e-9)
 
 
-def test_lora_work_is_shared_and_adapter_loads_move_a_stages_share():
-    """Adapter matmuls split with the tokens, every micro-batch reads the step's adapters, and
-    an adapter load moves the stage's layers of it (half of Llama-2-7B's at pp=2)."""
+def test_lora_adapter_loads_move_a_stages_share():
+    """An adapter load moves the stage's layers of it (half of Llama-2-7B's at pp=2)."""
     lora = {"ranks": (16,), "target_modules": ("q_proj", "v_proj")}
-    cfg = make_cfg("cost_model=roofline", "cluster.pipeline_parallel_size=2")
-    pipeline = build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"),
-                                lora=lora)
-    plan = _decodes(8)
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    pipeline = build_cost_model(make_cfg("cost_model=roofline", "cluster.pipeline_parallel_size=2"),
+                                model, hardware, lora=lora)
+    whole = build_cost_model(make_cfg("cost_model=roofline"), model, hardware, lora=lora)
     with_lora = _decodes(8)
     with_lora.num_loras, with_lora.lora_rank_sum, with_lora.lora_token_rank_sum = 2, 32, 8 * 16
-    assert pipeline.step_time(with_lora) > pipeline.step_time(plan)
     with_load = _decodes(8)
     with_load.num_loras, with_load.lora_rank_sum, with_load.lora_token_rank_sum = 2, 32, 8 * 16
     with_load.lora_to_load, with_load.lora_load_rank_sum = ((1, 0),), 16
-    whole = pipeline.whole
-    whole_load_s = (whole.step_time(with_load) - whole.step_time(with_lora))
+    whole_load_s = whole.step_time(with_load) - whole.step_time(with_lora)
     assert whole_load_s > 0
-    assert pipeline.step_time(with_load) - pipeline.step_time(with_lora) == pytest.approx(
-        whole_load_s / 2, rel=1e-9)
-
-
-def test_energy_counts_every_gpu_and_each_stages_work():
-    """A replica of pp stages is tp x pp boards, each doing its stage's work on every
-    micro-batch; at a light load, mostly idle, twice the boards draw nearly twice the
-    energy."""
-    pipeline = _cost_model(2)
-    plan = _prefills(4, 512)
-    stage_flops, stage_bytes = pipeline.stage.step_work(StepPlan(
-        num_prefill_seqs=2, num_prefill_tokens=1024, prefill_attention_work=2 * 512 * 512,
-        prefill_context_tokens=1024, sum_squared_prefill_chunks=2 * 512 * 512))
-    assert pipeline.step_work(plan) == pytest.approx((2 * stage_flops, 2 * stage_bytes))
-    light = ("workload.num_requests=5", "workload.rate=0.05")
-    one, two = _run(1, *light).summary, _run(2, *light).summary
-    assert 1.5 < two["energy_j"] / one["energy_j"] < 2.0
+    added = [a - b for a, b in zip(pipeline.stage_times(with_load),
+                                   pipeline.stage_times(with_lora))]
+    assert added == pytest.approx([whole_load_s / 2] * 2, rel=1e-9)
 
 
 def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
@@ -271,52 +218,191 @@ def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
         assert gpu.send_s(tokens) == pytest.approx(
             np.interp(tokens * per_token, sizes, ms) * 1e-3, rel=1e-9)
     roofline = _cost_model(2)
+    whole = _cost_model(1)
     assert roofline.send_source.startswith("roofline")
     hardware = hardware_spec("a100-80gb")
-    rate = hardware.interconnect_gbps * 1e9 * roofline.whole.transfer_efficiency
+    rate = hardware.interconnect_gbps * 1e9 * whole.transfer_efficiency
     assert roofline.send_s(100) == pytest.approx(
-        roofline.whole.allreduce_latency_s + 100 * per_token / rate, rel=1e-12)
+        whole.allreduce_latency_s + 100 * per_token / rate, rel=1e-12)
     # Beyond the precomputed counts, linear (the roofline's slope is exact).
     assert roofline.send_s(20000) == pytest.approx(
-        roofline.whole.allreduce_latency_s + 20000 * per_token / rate, rel=1e-9)
+        whole.allreduce_latency_s + 20000 * per_token / rate, rel=1e-9)
     # With tensor parallelism each rank sends its share.
     assert send_bytes_per_token(model, 2) == per_token / 2
 
 
-# ---- whole runs ----------------------------------------------------------------------------------
 
-def _run(pp: int, *overrides: str):
-    cfg = make_cfg("cost_model=roofline", f"cluster.pipeline_parallel_size={pp}", *overrides)
+# ---- batches in flight -------------------------------------------------------------------------
+
+class _TimedReplica(pipelined_replica.PipelinedReplica):
+    """A pipelined replica that keeps its stage timeline."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, stage_timeline=[], **kwargs)
+
+
+def _run(pp: int, *overrides: str, monkeypatch=None, cost_model: str = "roofline"):
+    if monkeypatch is not None:
+        monkeypatch.setattr(pipelined_replica, "PipelinedReplica", _TimedReplica)
+    cfg = make_cfg(f"cost_model={cost_model}", f"cluster.pipeline_parallel_size={pp}",
+                   "cluster.frontend_latency_s=0", *overrides)
     return run_experiment(cfg, plots=False)
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-def test_runs_finish_every_request_once_and_free_every_block(pp):
-    """Under memory pressure (preemption by swap and recompute) and chunked prefill."""
-    for preemption in ("recompute", "swap"):
-        result = _run(pp, "workload.num_requests=120", "workload.rate=40",
-                      "kv_cache.num_blocks=60", f"preemption={preemption}",
-                      "scheduler=chunked_prefill")
-        finished = [r.request_id for r in result.requests if r.finish_time is not None]
-        for replica in result.replicas:
-            check_outcome(replica.scheduler, result.requests, finished)
-        assert result.summary["num_preemptions"] > 0
+def _fixed(prompt_len: int, output_len: int) -> tuple[str, str]:
+    return (f"++workload.prompt_len={{dist: fixed, value: {prompt_len}}}",
+            f"++workload.output_len={{dist: fixed, value: {output_len}}}")
 
 
-def test_repeated_decode_steps_run_as_step_by_step(monkeypatch):
-    """Runs of repeated decode steps cost each step as step_time would (the pipeline's
-    repeated_step_times), so a run with them equals one without."""
-    overrides = ["cost_model=gpu", "cluster.pipeline_parallel_size=2", "workload.num_requests=150",
-                 "workload.rate=20"]
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    assert max(repeated_runs) > 1
+def _steps(timeline: list, pp: int) -> list[list[tuple]]:
+    """The timeline's steps: per engine, its stage entries in order, pp at a time."""
+    by_engine: dict[int, list] = {}
+    for entry in timeline:
+        by_engine.setdefault(entry[1], []).append(entry)
+    steps = []
+    for entries in by_engine.values():
+        assert len(entries) % pp == 0
+        steps += [entries[i:i + pp] for i in range(0, len(entries), pp)]
+    return steps
+
+
+def test_a_lone_sequence_gains_nothing_and_pays_the_sends(monkeypatch):
+    """The bubble: one request's steps cross the stages one after another, each token the
+    whole model's step plus a send per stage boundary, the next step entering the first stage
+    as the last one's tokens come out."""
+    prompt_len, output_len = 300, 6
+    for pp in (2, 4):
+        result = _run(pp, "workload.num_requests=1", *_fixed(prompt_len, output_len),
+                      monkeypatch=monkeypatch)
+        request, = result.requests
+        whole, pipeline = _cost_model(1), result.replicas[0].cost_model
+        send = pipeline.send_s(1)
+        assert request.first_token_time - request.arrival_time == pytest.approx(
+            whole.step_time(_prefills(1, prompt_len)) + (pp - 1) * pipeline.send_s(prompt_len),
+            rel=1e-12)
+        decodes_s = sum(whole.step_time(StepPlan(num_decode_seqs=1,
+                                                 decode_context_tokens=prompt_len + k))
+                        + (pp - 1) * send for k in range(1, output_len))
+        assert request.finish_time - request.first_token_time == pytest.approx(decodes_s,
+                                                                               rel=1e-12)
+        steps = _steps(result.replicas[0].stage_timeline, pp)
+        assert len(steps) == output_len
+        for step in steps:   # (no stage waits for another engine)
+            assert all(a[3] == b[2] for a, b in zip(step, step[1:]))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_busy_engines_keep_the_slowest_stage_busy(pp, monkeypatch):
+    """n equal compute-bound steps (one 1,024-token prompt each, all arriving at once, shared
+    by pp engines): once the first step is through, the slowest stage works without pause, so
+    the last token comes sum(stages) + (n - 1) x the slowest stage after the arrivals, the
+    throughput pp / (pp x slowest stage): pp times one stage-sized step."""
+    n = 8 * pp
+    result = _run(pp, f"workload.num_requests={n}", "workload.rate=inf", *_fixed(1024, 1),
+                  "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=1024",
+                  monkeypatch=monkeypatch)
+    stage_s = result.replicas[0].cost_model.stage_times(_prefills(1, 1024))
+    makespan = max(r.finish_time for r in result.requests)
+    assert makespan == pytest.approx(sum(stage_s) + (n - 1) * max(stage_s), rel=1e-9)
+    # One replica at pp = 1 runs the same steps one at a time, sum(stages) less the sends each.
+    one = _run(1, f"workload.num_requests={n}", "workload.rate=inf", *_fixed(1024, 1),
+               "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=1024")
+    assert max(r.finish_time for r in one.requests) == pytest.approx(
+        n * _cost_model(1).step_time(_prefills(1, 1024)), rel=1e-9)
+
+
+def _check_timeline(timeline: list, pp: int) -> None:
+    """Each stage one step at a time; each engine's step through its stages in order and its
+    next step after it; never more than pp steps in flight."""
+    for stage in range(pp):
+        spans = sorted((start, end) for s, _, start, end in timeline if s == stage)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"stage {stage} overlaps"
+    steps = _steps(timeline, pp)
+    for step in steps:
+        assert [entry[0] for entry in step] == list(range(pp))
+        assert all(a[3] <= b[2] for a, b in zip(step, step[1:]))
+    by_engine: dict[int, list] = {}
+    for step in steps:
+        by_engine.setdefault(step[0][1], []).append((step[0][2], step[-1][3]))
+    for spans in by_engine.values():
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    events = sorted([(start, 1) for start, _ in sum(by_engine.values(), [])]
+                    + [(end, -1) for _, end in sum(by_engine.values(), [])])
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    assert 1 < peak <= pp
+
+
+@settings(max_examples=12, deadline=None)
+@given(pp=st.sampled_from([2, 3]), seed=st.integers(0, 2**16),
+       scheduler=st.sampled_from(["continuous", "chunked_prefill", "sjf predictor=oracle",
+                                  "priority", "vtc"]),
+       preemption=st.sampled_from(["recompute", "swap"]))
+def test_runs_finish_every_request_once_and_free_every_block(pp, seed, scheduler, preemption):
+    """Under memory pressure (each engine a third or half of 90 blocks): every request done
+    once, every engine's blocks free, no engine's blocks past its share, the stages' timeline
+    sound."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        result = _run(pp, "workload.num_requests=60", "workload.rate=30", f"seed={seed}",
+                      "workload.prompt_len.max=300", "workload.output_len.max=200",
+                      "kv_cache.num_blocks=90", f"preemption={preemption}",
+                      *f"scheduler={scheduler}".split(), monkeypatch=monkeypatch)
+    finished = [r.request_id for r in result.requests if r.finish_time is not None]
+    replica, = result.replicas
+    assert len(replica.schedulers) == pp
+    for scheduler_of_engine in replica.schedulers:
+        assert scheduler_of_engine.kv_cache.num_blocks == 90 // pp
+        check_outcome(scheduler_of_engine, result.requests, finished)
+    used = result.metrics.step_column("kv_blocks_used")
+    assert used.max() <= pp * (90 // pp)
+    _check_timeline(replica.stage_timeline, pp)
+
+
+def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
+    """A long request on engine 0, a short one on engine 1; one arriving after the short one
+    finished joins engine 1, the idle one (round robin would put it on engine 0)."""
+    monkeypatch.setattr(pipelined_replica, "PipelinedReplica", _TimedReplica)
+    requests = [Request(request_id=0, arrival_time=0.0, prompt_len=64, output_len=400),
+                Request(request_id=1, arrival_time=0.0, prompt_len=64, output_len=2),
+                Request(request_id=2, arrival_time=1.0, prompt_len=64, output_len=2)]
+    result = run_experiment(make_cfg("cost_model=roofline", "cluster.pipeline_parallel_size=2",
+                                     "cluster.frontend_latency_s=0"),
+                            plots=False, requests=requests)
+    assert result.requests[0].finish_time > 2.0 and result.requests[1].finish_time < 1.0
+    late_engines = {engine for _, engine, start, _ in result.replicas[0].stage_timeline
+                    if 1.0 <= start < result.requests[2].finish_time}
+    assert late_engines == {0, 1}
+
+
+def test_energy_charges_each_stages_boards_for_its_busy_time(monkeypatch):
+    """A stage's boards draw busy power while it works on a step and idle power otherwise:
+    each stage's busy seconds are its timeline's; at a light load, mostly idle, twice the
+    boards draw nearly twice the energy."""
+    light = ("workload.num_requests=5", "workload.rate=0.05")
+    result = _run(2, *light, monkeypatch=monkeypatch)
+    replica, = result.replicas
+    meter = replica.recorder.energy
+    assert meter.num_boards == 2 * make_cfg().cluster.tensor_parallel_size
+    for stage, stage_meter in enumerate(meter.stages):
+        busy = sum(end - start for s, _, start, end in replica.stage_timeline if s == stage)
+        assert stage_meter.busy_s == pytest.approx(busy, rel=1e-9)
+    one = _run(1, *light).summary
+    assert 1.5 < result.summary["energy_j"] / one["energy_j"] < 2.0
+
+
+def test_a_prefill_or_decode_pool_with_stages_is_refused():
+    cfg = make_cfg("cost_model=roofline", "cluster=disaggregated",
+                   "+cluster.pools.1.pipeline_parallel_size=2", "workload.num_requests=3")
+    with pytest.raises(ValueError, match="cluster.pipeline_parallel_size=2 in the decode pool"):
+        run_experiment(cfg, plots=False)
 
 
 def test_light_load_same_throughput_longer_steps_heavy_load_overlaps():
     """The bubble end to end. Light load (one request at a time): pp=2 serves the same requests
     per second as pp=1 with slower tokens (the sends). Heavy compute-bound load at the same KV
-    pool: pp=2's micro-batches overlap its two stages, more than 1.5x the tokens per second."""
+    pool: pp=2's engines overlap its two stages, more than 1.5x the tokens per second."""
     light = ("workload.num_requests=20", "workload.rate=0.2")
     one, two = _run(1, *light).summary, _run(2, *light).summary
     assert two["request_throughput"] == pytest.approx(one["request_throughput"], rel=0.01)

@@ -22,7 +22,7 @@ from sim.core.executor import SimExecutor
 from sim.core.experts import check_expert_parallel_size
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
-                               stage_model)
+                               stage_layers, stage_shape)
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
@@ -196,13 +196,14 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
 def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
     """The run's cost model (`cost_model`); a GPU cost model whose tables cannot cover the
     hardware (a CPU) falls back to the roofline, and says so in one line (once a process).
-    With pipeline stages, the pipeline over the whole model's and a stage's (sim/core/pipeline.py)."""
+    With pipeline stages, the pipeline over each stage's layers (sim/core/pipeline.py)."""
     stages = pipeline_parallel_size(cfg, model)
     if stages == 1:
         return _base_cost_model(cfg, model, hardware, **drafting)
-    return pipeline_cost_model(_base_cost_model(cfg, model, hardware, **drafting),
-                               _base_cost_model(cfg, stage_model(model, stages), hardware,
-                                                **drafting), stages)
+    layers = stage_layers(model.num_layers, stages)
+    by_layers = {num_layers: _base_cost_model(cfg, stage_shape(model, num_layers), hardware,
+                                              **drafting) for num_layers in set(layers)}
+    return pipeline_cost_model([by_layers[num_layers] for num_layers in layers])
 
 
 def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):

@@ -31,6 +31,7 @@ from sim.core.energy.meter import build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.executor import SimExecutor
 from sim.core.pipeline import pipeline_parallel_size
+from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
@@ -267,7 +268,13 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
     replicas = []
+    num_stages = pipeline_parallel_size(cfg, model)
     for replica_id in range(first_id, first_id + pool.num_replicas):
+        if num_stages > 1:   # (virtual engines over pipeline stages)
+            replicas.append(build_pipelined_replica(
+                pool, replica_id, env, metrics, model, num_stages, predictor, on_requests_done,
+                retention_policies, lora_managers))
+            continue
         preemption = build_preemption(cfg.preemption)
         scheduler = assemble_scheduler(
             cfg.scheduler, preemption, kv_cache_policy_config(cfg.kv_cache),
@@ -281,9 +288,8 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         kv_cache = scheduler.kv_cache
         executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
                                           replica_id)
-        energy = build_energy_meter(   # (every GPU of the replica: tp per pipeline stage)
-            cfg.get("power"), model, pool.hardware,
-            cfg.cluster.tensor_parallel_size * pipeline_parallel_size(cfg, model),
+        energy = build_energy_meter(
+            cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
             cfg.kv_cache.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,

@@ -230,6 +230,11 @@ class RooflineCostModel:
                    + after_attention)
             context += num_decodes
 
+    def lm_head_kernels_s(self, num_rows: int) -> float:
+        """Seconds of the LM head over `num_rows` sampling rows (what a pipeline's last stage
+        runs and the others do not)."""
+        return max(num_rows * self._lm_head_s_per_seq, self._lm_head_weights_s)
+
     def _overhead_s(self, plan: StepPlan, num_swapped: int, num_copied: int) -> float:
         """The fixed and per-sequence overheads, `num_swapped` blocks swapped, `num_copied`
         copied, and the plan's blocks stored to and loaded from the prefix cache's host tier."""

@@ -173,6 +173,11 @@ class StepRecorder:
         if self.energy is not None:
             self.energy.add_step(plan, result.duration)
 
+    def record_step_row(self, start_time: float, plan: StepPlan, duration: float,
+                        scheduler: Scheduler) -> None:
+        """The step's row alone (a pipelined replica charges its stages' energy itself)."""
+        self._record_row(start_time, plan, duration, scheduler)
+
     def _record_row(self, start_time: float, plan: StepPlan, duration: float,
                     scheduler: Scheduler, num_accepted_tokens: int = 0) -> None:
         kv_cache = scheduler.kv_cache
