@@ -311,9 +311,10 @@ def test_busy_engines_keep_the_slowest_stage_busy(pp, monkeypatch):
         n * _cost_model(1).step_time(_prefills(1, 1024)), rel=1e-9)
 
 
-def _check_timeline(timeline: list, pp: int) -> None:
+def _check_timeline(timeline: list, pp: int, metrics) -> None:
     """Each stage one step at a time; each engine's step through its stages in order and its
-    next step after it; never more than pp steps in flight."""
+    next step after it; never more than pp steps in flight; each step's row from its entry into
+    the first stage to its exit from the last."""
     for stage in range(pp):
         spans = sorted((start, end) for s, _, start, end in timeline if s == stage)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"stage {stage} overlaps"
@@ -333,6 +334,8 @@ def _check_timeline(timeline: list, pp: int) -> None:
         in_flight += change
         peak = max(peak, in_flight)
     assert 1 < peak <= pp
+    rows = zip(metrics.step_column("start_time").tolist(), metrics.step_column("duration").tolist())
+    assert sorted(rows) == sorted((step[0][2], step[-1][3] - step[0][2]) for step in steps)
 
 
 @settings(max_examples=12, deadline=None)
@@ -357,7 +360,7 @@ def test_runs_finish_every_request_once_and_free_every_block(pp, seed, scheduler
         check_outcome(scheduler_of_engine, result.requests, finished)
     used = result.metrics.step_column("kv_blocks_used")
     assert used.max() <= pp * (90 // pp)
-    _check_timeline(replica.stage_timeline, pp)
+    _check_timeline(replica.stage_timeline, pp, result.metrics)
 
 
 def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
