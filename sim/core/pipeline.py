@@ -3,7 +3,7 @@ each on its own GPUs (tensor_parallel_size of them), and what each stage's share
 
 The stages: vLLM's split (`get_pp_indices`), num_layers // pp layers each and the remainder one
 more each on the stages before the last; the first stage also runs the embedding, the last the
-final norm, the LM head and sampling. Between stages a point-to-point send of the micro-batch's
+final norm, the LM head and sampling. Between stages a point-to-point send of the step's
 activations (hidden states and residual: 2 x tokens x hidden x dtype bytes, each of the tp
 ranks sending its 1/tp share over its own link).
 
