@@ -379,6 +379,19 @@ def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
     assert late_engines == {0, 1}
 
 
+def test_each_engine_has_its_own_adapters_and_a_router_sees_thenext_engines():
+    """With LoRA adapters every engine's scheduler has a LoRA manager of its own, its batches
+    within max_loras; the replica shows a router the manager of the engine a request joins."""
+    result = _run(2, "lora=multi", "scheduler=lora_affinity", "workload.num_requests=60",
+                  "workload.rate=20")
+    replica, = result.replicas
+    managers = [scheduler.lora for scheduler in replica.schedulers]
+    assert len({id(manager) for manager in managers}) == 2
+    assert replica.lora is managers[replica.next_engine().index]
+    assert 0 < result.summary["lora_max_adapters_in_a_step"] <= managers[0].max_loras
+    assert result.summary["lora_loads"] == sum(m.summary()["lora_loads"] for m in managers)
+
+
 def test_energy_charges_each_stages_boards_for_its_busy_time(monkeypatch):
     """A stage's boards draw busy power while it works on a step and idle power otherwise:
     each stage's busy seconds are its timeline's; at a light load, mostly idle, twice the

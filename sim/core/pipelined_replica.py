@@ -65,10 +65,6 @@ class StagesEnergyMeter:
         for meter, duration in zip(self.stages, stage_times):
             meter.add_step(plan, duration)
 
-    @property
-    def busy_j(self) -> float:
-        return sum(meter.busy_j for meter in self.stages)
-
     def energy_j(self, span_s: float) -> float:
         """Every stage's joules over a run of `span_s` seconds, idle time included."""
         return sum(meter.energy_j(span_s) for meter in self.stages)
@@ -188,7 +184,7 @@ class PipelinedReplica:
         self.engines = [VirtualEngine(self, index, scheduler, predictor)
                         for index, scheduler in enumerate(schedulers)]
 
-    def _next_engine(self) -> VirtualEngine:
+    def next_engine(self) -> VirtualEngine:
         """The engine a new request joins: the fewest unfinished requests, then the first."""
         return min(self.engines, key=lambda engine: engine.scheduler.num_outstanding)
 
@@ -200,18 +196,18 @@ class PipelinedReplica:
     def kv_cache(self):
         """The KV manager of the engine a new request would join (a router reads its prefix
         cache)."""
-        return self._next_engine().scheduler.kv_cache
+        return self.next_engine().scheduler.kv_cache
 
     @property
     def lora(self) -> LoRAManager | None:
         """The LoRA manager of the engine a new request would join (None: no adapters)."""
         if not self._lora_managers:
             return None
-        return self._lora_managers[self._next_engine().index]
+        return self._lora_managers[self.next_engine().index]
 
     def submit(self, request: Request) -> None:
         request.replica_id = self.replica_id
-        engine = self._next_engine()
+        engine = self.next_engine()
         engine.scheduler.add_request(request, self.env.now)
         if request.rejected_reason is not None:
             self.finished([request])
