@@ -27,8 +27,9 @@ from sim.core.build import (build_policy, build_predictor, build_replica_executo
                             speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
-from sim.core.energy.meter import build_energy_meter
+from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
+from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
 from sim.core.pipeline import pipeline_parallel_size
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
@@ -186,7 +187,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
                                         predictor, next_arrival, count_done,
-                                        retention_policies, lora_managers)
+                                        retention_policies, lora_managers,
+                                        # (a run that plots keeps each step's joules)
+                                        TracedEnergyMeter if out_dir is not None and plots
+                                        else EnergyMeter)
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
@@ -249,7 +253,9 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if disaggregated:
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
-        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots)
+        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots,
+                          energy_meters={replica.replica_id: replica.recorder.energy
+                                         for replica in replicas})
         if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
             from sim.tools.trace_export import write_trace
             write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
@@ -261,10 +267,11 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                         metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
                         next_arrival: NextArrival, on_requests_done,
                         retention_policies: list | None = None,
-                        lora_managers: list | None = None) -> list[Replica]:
+                        lora_managers: list | None = None,
+                        meter_class: type[EnergyMeter] = EnergyMeter) -> list[Replica]:
     """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
-    config) and executor; the KV retention policies that keep blocks are appended to
-    `retention_policies`, their LoRA managers to `lora_managers`."""
+    config), executor and energy meter (a `meter_class`); the KV retention policies that keep
+    blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
     replicas = []
     for replica_id in range(first_id, first_id + pool.num_replicas):
@@ -285,7 +292,7 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             cfg.get("power"), model, pool.hardware,
             cfg.cluster.tensor_parallel_size * pipeline_parallel_size(cfg, model),
             cfg.kv_cache.block_size,
-            executor.cost_model if isinstance(executor, SimExecutor) else None)
+            executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
         replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
                                 predictor=predictor, pool=pool.name, role=pool.role,
