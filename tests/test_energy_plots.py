@@ -14,7 +14,7 @@ from sim.core.energy.trace import TracedEnergyMeter, power_over_time, step_power
 from sim.core.energy.work import ModelStepWork
 from sim.core.experiment import run_experiment
 from sim.core.metrics import STEP_COLUMNS
-from sim.tools.plots import power_panel_meters
+from sim.tools.plots import joules_text, power_panel_meters
 from sim.tools.report import default_metrics, load_jobs, write_report
 from sim.tools.report_labels import metric_heading, metric_label
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
@@ -153,3 +153,8 @@ def test_a_sweep_without_energy_keeps_the_three_default_panels(tmp_path):
         "request_throughput", "p99_ttft_ms", "p99_tpot_ms"]
     write_report(tmp_path)
     assert (tmp_path / "throughput_vs_load.png").is_file()
+
+
+def test_joules_read_in_their_unit():
+    assert [joules_text(value) for value in (0.138, 35_790.0, 2.5e7)] == [
+        "0.138 J", "35.8 kJ", "25 MJ"]
