@@ -126,6 +126,15 @@ def plot_kv_blocks(ax, steps: np.ndarray, columns: tuple[str, ...],
         ax.legend(loc="lower right", fontsize="small")
 
 
+def joules_text(joules: float) -> str:
+    """`joules` in J, kJ or MJ, three significant figures (a CPU run's fraction of a joule and
+    a cluster's megajoules alike)."""
+    for scale, unit in ((1e6, "MJ"), (1e3, "kJ")):
+        if abs(joules) >= scale:
+            return f"{joules / scale:.3g} {unit}"
+    return f"{joules:.3g} J"
+
+
 def power_panel_meters(energy_meters: Mapping[int, EnergyMeter | None] | None,
                        summary: dict | None) -> dict[int, TracedEnergyMeter]:
     """The replicas' meters that kept each step's joules, where the run has energy to plot
@@ -148,10 +157,10 @@ def plot_power(ax, steps: np.ndarray, columns: tuple[str, ...],
     for replica_id in meters:
         name = (replica_labels or {}).get(replica_id, f"replica {replica_id}")
         numbers = per_replica.get(str(replica_id))
-        labels[replica_id] = (f"{name}: {numbers['energy_j'] / 1e3:,.2f} kJ, "
+        labels[replica_id] = (f"{name}: {joules_text(numbers['energy_j'])}, "
                               f"{numbers['joules_per_output_token']:.3g} J/tok"
                               if numbers else name)
-    ax.set_title(f"Board power (modelled): {summary['energy_j'] / 1e3:,.2f} kJ, "
+    ax.set_title(f"Board power (modelled): {joules_text(summary['energy_j'])}, "
                  f"{summary.get('joules_per_output_token', 0.0):.3g} J per output token")
     _plot_per_replica(ax, power_over_time(steps, columns, meters),
                       ("replica_id", "start_time", "power_w"), "power_w",
