@@ -14,7 +14,7 @@ from sim.core.energy.trace import TracedEnergyMeter, power_over_time, step_power
 from sim.core.energy.work import ModelStepWork
 from sim.core.experiment import run_experiment
 from sim.core.metrics import STEP_COLUMNS
-from sim.tools.plots import joules_text, power_panel_meters
+from sim.tools.plots import joules_text, plot_power, power_panel_meters
 from sim.tools.report import default_metrics, load_jobs, write_report
 from sim.tools.report_labels import metric_heading, metric_label
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
@@ -118,6 +118,27 @@ def test_runs_without_energy_plot_without_the_power_panel(tmp_path):
     plain = EnergyMeter(UtilisationPowerModel(hardware), ModelStepWork(model))
     assert power_panel_meters({0: plain}, {"energy_j": 5.0}) == {}
     assert power_panel_meters(None, None) == {}
+
+
+def test_the_legend_gives_each_replicas_joules_and_the_title_the_runs():
+    """A prefill replica's tokens are its decode replica's: it says so rather than 0 J/tok."""
+    import matplotlib.pyplot as plt
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    meters = {0: TracedEnergyMeter(UtilisationPowerModel(hardware), ModelStepWork(model)),
+              1: TracedEnergyMeter(UtilisationPowerModel(hardware), ModelStepWork(model))}
+    for meter in meters.values():
+        meter.add_step(decode_plan(8, 300), 0.015)
+    summary = {"energy_j": 2500.0, "joules_per_output_token": 0.25, "energy_per_replica": {
+        "0": {"energy_j": 900.0, "joules_per_output_token": 0.0},
+        "1": {"energy_j": 1600.0, "joules_per_output_token": 0.16}}}
+    steps = np.vstack([step_rows(0, [0.0], [0.015]), step_rows(1, [0.0], [0.015])])
+    figure, ax = plt.subplots()
+    plot_power(ax, steps, STEP_COLUMNS, meters, summary, {0: "prefill 0", 1: "decode 1"})
+    assert ax.get_title() == "Board power (modelled): 2.5 kJ, 0.25 J per output token"
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "prefill 0: 900 J, no output tokens", "decode 1: 1.6 kJ, 0.16 J/tok",
+        f"idle draw ({hardware.idle_power_w:,.0f} W)"]
+    plt.close(figure)
 
 
 def write_job(sweep_dir, name: str, rate: float, summary: dict) -> None:

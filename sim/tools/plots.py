@@ -157,9 +157,11 @@ def plot_power(ax, steps: np.ndarray, columns: tuple[str, ...],
     for replica_id in meters:
         name = (replica_labels or {}).get(replica_id, f"replica {replica_id}")
         numbers = per_replica.get(str(replica_id))
-        labels[replica_id] = (f"{name}: {joules_text(numbers['energy_j'])}, "
-                              f"{numbers['joules_per_output_token']:.3g} J/tok"
-                              if numbers else name)
+        if numbers:   # (a prefill replica finishes no request: its tokens are the decode's)
+            per_token = (f"{numbers['joules_per_output_token']:.3g} J/tok"
+                         if numbers["joules_per_output_token"] else "no output tokens")
+            name = f"{name}: {joules_text(numbers['energy_j'])}, {per_token}"
+        labels[replica_id] = name
     ax.set_title(f"Board power (modelled): {joules_text(summary['energy_j'])}, "
                  f"{summary.get('joules_per_output_token', 0.0):.3g} J per output token")
     _plot_per_replica(ax, power_over_time(steps, columns, meters),
