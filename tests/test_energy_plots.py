@@ -108,6 +108,23 @@ def test_a_plotted_run_writes_power_png_and_keeps_the_plain_meters_joules(tmp_pa
         assert joules == pytest.approx(meter.busy_j, rel=1e-9)
 
 
+def test_an_engine_run_plots_the_model_over_its_measured_steps(tmp_path):
+    """backend=engine: the steps' durations are measured, their power modelled (no power
+    reading); every row pairs with a metered step."""
+    import torch
+    torch.set_num_threads(1)
+    result = run_experiment(make_cfg(
+        "backend=engine", "model=tiny-llama", "hardware=cpu", "workload.num_requests=3",
+        "workload.rate=inf", "workload.with_token_ids=true",
+        "++workload.prompt_len={dist: fixed, value: 16}",
+        "++workload.output_len={dist: fixed, value: 4}", "kv_cache.block_size=4"), tmp_path)
+    assert result.summary["energy_model"].startswith("modelled, not measured")
+    meter = result.replicas[0].recorder.energy
+    power = step_power_w(result.metrics.step_array(), STEP_COLUMNS, {0: meter})
+    assert len(power) == len(meter.step_joules) > 0 and np.isfinite(power).all()
+    assert (tmp_path / "power.png").is_file()
+
+
 def test_runs_without_energy_plot_without_the_power_panel(tmp_path):
     """A hardware spec without board power (energy 0) and meters that kept no steps: no
     power.png, the other plots as before."""
