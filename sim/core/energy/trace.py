@@ -1,4 +1,4 @@
-"""Each step's joules, kept for a run's power plot (sim/tools/plots_energy.py): a
+"""Each step's joules, kept for a run's power plot (sim/tools/plots.py, power.png): a
 `TracedEnergyMeter` is an EnergyMeter that also logs what its power model charged every step, in
 the order of its replica's step rows. Only runs that write plots build one; the others keep the
 plain meter, whose hot path this leaves as it was.
