@@ -1,8 +1,9 @@
 """`bash bench/gpu_check.sh --smoke` end to end: every step of the lent-GPU check (engine, with
 mixed LoRA adapters and the tiny MoE; speculative decoding; the 7B-shaped fidelity step at a
 toy shape; bandwidth; throughput; kernels, with the LoRA kernel) at toy sizes on CPU through
-Triton's interpreter, with the goals the interpreter meets (bench/gpu_check_steps/goals.py). Proves the script runs before a GPU is lent: each step
-passes, and the files a lent machine returns are written."""
+Triton's interpreter, with the goals the interpreter meets (bench/gpu_check_steps/goals.py).
+Proves the script runs before a GPU is lent: each step passes, and the files a lent machine
+returns are written."""
 from __future__ import annotations
 
 import json
