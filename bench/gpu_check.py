@@ -5,9 +5,10 @@ experts); speculative decoding (draft model, n-gram, Medusa, lookahead) against 
 alone; the simulator against the engine on a Llama-2-7B-shaped model (profile, validation grid,
 the GPU cost model beside it); decode bandwidth against the device's copy bandwidth and engine
 throughput against HF generate, each gated; every kernel configuration, and the multi-LoRA
-kernel, against the loop oracle. Each step runs in its own process under its budget (what earlier steps
-left unused carries over) and streams its rows; gpu_check.json is rewritten after every row, so
-a step killed at its budget, or the whole call cut off, still returns what was learned.
+kernel, against the loop oracle. Each step runs in its own process under its budget (what
+earlier steps left unused carries over) and streams its rows; gpu_check.json is rewritten after
+every row, so a step killed at its budget, or the whole call cut off, still returns what was
+learned.
 
     python bench/gpu_check.py [--out DIR]   # every step (DIR/gpu_check.json; default gpu_check_out)
     python bench/gpu_check.py --smoke       # every step end to end at toy sizes on CPU, Triton

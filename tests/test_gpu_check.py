@@ -3,7 +3,8 @@ line (no GPU; a GPU that this torch cannot use; TRITON_INTERPRET set; bad argume
 version pin check (peft, the LoRA checks' reference, among the pins), a step that overruns its
 budget, the budgets and their carry-over, the goals' verdicts (each fails when its goal is
 missed), the multi-LoRA kernel check's verdicts on a right and on broken kernels, and the
-tie-aware greedy comparison on constructed logits. tests/test_gpu_check_smoke.py runs the whole check end to end at toy sizes on CPU."""
+tie-aware greedy comparison on constructed logits. tests/test_gpu_check_smoke.py runs the whole
+check end to end at toy sizes on CPU."""
 from __future__ import annotations
 
 import os

@@ -86,8 +86,9 @@ def check_lora_kernel(report: StepReport, smoke: bool, device) -> None:
             num_tokens = sum(tokens for tokens, _ in runs)
             value = (f"{worst:.1e} (worst of {len(shapes)} module shapes), base-model rows "
                      f"{'untouched' if untouched_exact else 'CHANGED'}")
-            report.check(f"{SHORT_DTYPE[dtype_name]}, multi-LoRA kernel: {mix} ({num_tokens} tokens, ranks "
-                         f"{'/'.join(map(str, LORA_KERNEL_RANKS))})", value, ok,
+            ranks = "/".join(map(str, LORA_KERNEL_RANKS))
+            report.check(f"{SHORT_DTYPE[dtype_name]}, multi-LoRA kernel: {mix} ({num_tokens} "
+                         f"tokens, ranks {ranks})", value, ok,
                          rel_error=worst, tolerance=tolerance, shapes=shapes)
 
 
