@@ -150,7 +150,7 @@ def step_engine(report: StepReport, smoke: bool) -> None:
     # smoke run: one prompt each), then the mixture of experts.
     check_lora_engine(report, smoke, device, all_prompts[:4] if smoke else all_prompts,
                       max_tokens)
-    moe = LLM("tiny-moe", num_gpu_blocks=256, **common)
+    moe = LLM("tiny-moe", num_gpu_blocks=256, dtype="float32", **common)
     compare_greedy(report, "tiny-moe fp32 (8 experts, 2 per token), continuous", moe, prompts,
                    GreedyReference(hf_greedy(moe.model, prompts, max_tokens, device)), device,
                    max_tokens)
