@@ -2,6 +2,9 @@
 lasts as long as the slowest rank's, by hand arithmetic on a cost model written here; groups stay
 aligned and lose nothing over random workloads; bad settings are one line naming the key. No
 wall-clock."""
+import copy
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -88,18 +91,25 @@ def check_groups_aligned(result, group_size: int) -> None:
             "a group began a step before its previous one ended"
 
 
+@functools.lru_cache(maxsize=None)
+def four_replicas_cfg(scheduler: str):
+    return make_cfg("model=tiny-moe", f"scheduler={scheduler}", "cluster.num_replicas=4",
+                    "cluster.expert_parallel_size=2", "cluster.router=least_outstanding",
+                    "kv_cache.num_blocks=48")   # (a small pool: some runs preempt)
+
+
 @settings(max_examples=12, deadline=None)
 @given(specs=st.lists(st.tuples(st.floats(0.0, 2.0), st.integers(1, 300), st.integers(1, 40)),
                       min_size=1, max_size=30),
        scheduler=st.sampled_from(["continuous", "chunked_prefill"]))
 def test_groups_step_together_and_lose_nothing(specs, scheduler):
-    """Four replicas in two groups of two (ep 2, tp 1) under the roofline cost model: every
-    request finishes once, each group's ranks stay on one clock, every KV block comes back."""
+    """Four replicas in two groups of two (ep 2, tp 1), each with a 48-block pool, under the
+    default cost model: every request finishes once, each group's ranks stay on one clock, every
+    KV block comes back."""
     requests = [Request(i, arrival, prompt, output)
                 for i, (arrival, prompt, output) in enumerate(sorted(specs))]
-    cfg = make_cfg("model=tiny-moe", f"scheduler={scheduler}", "cluster.num_replicas=4",
-                   "cluster.expert_parallel_size=2", "cluster.router=least_outstanding")
-    result = run_experiment(cfg, plots=False, requests=requests)
+    result = run_experiment(copy.deepcopy(four_replicas_cfg(scheduler)), plots=False,
+                            requests=requests)
     assert sorted(r.request_id for r in result.requests if r.is_finished) == list(range(len(specs)))
     assert result.summary["completed"] == len(specs)
     check_groups_aligned(result, 2)
