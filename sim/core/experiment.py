@@ -31,6 +31,7 @@ from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
+from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
 from sim.core.pipeline import pipeline_parallel_size
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
@@ -273,6 +274,8 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     config), executor and energy meter (a `meter_class`); the KV retention policies that keep
     blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
+    group_size = lockstep_group_size(cfg, model, pool.num_replicas, pool.role)
+    replica_class = Replica if group_size == 1 else LockstepRank
     replicas = []
     for replica_id in range(first_id, first_id + pool.num_replicas):
         preemption = build_preemption(cfg.preemption)
@@ -293,10 +296,12 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             cfg.cluster.tensor_parallel_size * pipeline_parallel_size(cfg, model),
             cfg.kv_cache.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
-        replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
+        replicas.append(replica_class(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
                                 predictor=predictor, pool=pool.name, role=pool.role,
                                 energy=energy))
         if lora_managers:   # the manager just built for this replica's scheduler
             replicas[-1].lora = lora_managers[-1]
+    for first in range(0, len(replicas) if group_size > 1 else 0, group_size):
+        LockstepGroup(env, replicas[first:first + group_size])
     return replicas
