@@ -77,7 +77,9 @@ def test_power_over_time_idles_between_steps_and_its_area_is_the_meters_joules()
     starts, durations = [1.0, 1.02, 1.5], [0.02, 0.03, 0.01]   # back to back, then 0.45 s idle
     for duration in durations:
         meter.add_step(decode_plan(8, 300), duration)
-    series = power_over_time(step_rows(3, starts, durations), STEP_COLUMNS, {3: meter})
+    idle_replica = TracedEnergyMeter(UtilisationPowerModel(hardware), ModelStepWork(model))
+    series = power_over_time(step_rows(3, starts, durations), STEP_COLUMNS,
+                             {3: meter, 4: idle_replica})   # (4 ran no step: no points)
     idle_w = 2 * hardware.idle_power_w
     assert series[:, 0].tolist() == [3.0] * 5
     assert series[:, 1].tolist() == [1.0, 1.02, 1.05, 1.5, 1.51]

@@ -82,9 +82,11 @@ def power_over_time(steps: np.ndarray, columns: tuple[str, ...],
         if not isinstance(meter, TracedEnergyMeter):
             continue
         rows = (steps[:, replica_column] == replica_id) & (steps[:, duration_column] > 0)
+        if not rows.any():   # (a replica the router sent nothing)
+            continue
         start, watts = steps[rows, start_column], power[rows]
         end = start + steps[rows, duration_column]
-        idles_after = np.append(start[1:] > end[:-1] + IDLE_GAP_S, start.size > 0)
+        idles_after = np.append(start[1:] > end[:-1] + IDLE_GAP_S, True)
         times = np.concatenate([start, end[idles_after]])
         order = np.argsort(times, kind="stable")
         values = np.concatenate([watts, np.full(int(idles_after.sum()),
