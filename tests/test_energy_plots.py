@@ -17,6 +17,7 @@ from sim.core.metrics import STEP_COLUMNS
 from sim.tools.plots import joules_text, plot_power, power_panel_meters
 from sim.tools.report import default_metrics, load_jobs, write_report
 from sim.tools.report_labels import metric_heading, metric_label
+from sim.tools.run_outputs import write_run_outputs
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
 from tests.test_energy import reference_decode_work
 
@@ -102,6 +103,9 @@ def test_a_plotted_run_writes_power_png_and_keeps_the_plain_meters_joules(tmp_pa
     assert (tmp_path / "power.png").read_bytes().startswith(b"\x89PNG")
     steps = plotted.metrics.step_array()
     meters = {replica.replica_id: replica.recorder.energy for replica in plotted.replicas}
+    written = write_run_outputs(tmp_path / "again", plotted.metrics, plotted.requests,
+                                plotted.summary, energy_meters=meters)
+    assert [path.name for path in written][-2:] == ["batch_size.png", "power.png"]
     power = step_power_w(steps, STEP_COLUMNS, meters)
     assert np.isfinite(power).all()
     for replica_id, meter in meters.items():
