@@ -1,12 +1,14 @@
 """The check for a lent GPU, in one command (bash bench/gpu_check.sh runs it). Its steps, most
 important answer first (bench/gpu_check_steps/): the engine's greedy outputs against HF generate
-on the Triton kernels; speculative decoding (draft model, n-gram, Medusa, lookahead) against
-the target alone; the simulator against the engine on a Llama-2-7B-shaped model (profile,
-validation grid, the GPU cost model beside it); decode bandwidth against the device's copy
-bandwidth and engine throughput against HF generate, each gated; every kernel configuration
-against the loop oracle. Each step runs in its own process under its budget (what earlier steps
-left unused carries over) and streams its rows; gpu_check.json is rewritten after every row, so
-a step killed at its budget, or the whole call cut off, still returns what was learned.
+on the Triton kernels (with mixed LoRA adapters against HF + PEFT, and the tiny mixture of
+experts); speculative decoding (draft model, n-gram, Medusa, lookahead) against the target
+alone; the simulator against the engine on a Llama-2-7B-shaped model (profile, validation grid,
+the GPU cost model beside it); decode bandwidth against the device's copy bandwidth and engine
+throughput against HF generate, each gated; every kernel configuration, and the multi-LoRA
+kernel, against the loop oracle. Each step runs in its own process under its budget (what
+earlier steps left unused carries over) and streams its rows; gpu_check.json is rewritten after
+every row, so a step killed at its budget, or the whole call cut off, still returns what was
+learned.
 
     python bench/gpu_check.py [--out DIR]   # every step (DIR/gpu_check.json; default gpu_check_out)
     python bench/gpu_check.py --smoke       # every step end to end at toy sizes on CPU, Triton
@@ -58,12 +60,14 @@ class Step:
 
 
 STEPS = (  # the most important answers first
-    Step("engine", 35, 50, "engine greedy outputs vs HF generate (Triton kernels, CUDA graphs)"),
-    Step("speculative", 50, 80, "speculative decoding (draft model, n-gram, Medusa, lookahead)"),
-    Step("fidelity", 160, 210, "Llama-2-7B-shaped: profile, validation grid, GPU cost model"),
+    Step("engine", 50, 65, "engine greedy outputs vs HF generate (Triton kernels, CUDA graphs; "
+                           "mixed LoRA adapters vs HF + PEFT; tiny-moe)"),
+    Step("speculative", 50, 75, "speculative decoding (draft model, n-gram, Medusa, lookahead)"),
+    Step("fidelity", 160, 195, "Llama-2-7B-shaped: profile, validation grid, GPU cost model"),
     Step("bandwidth", 20, 35, "decode attention bandwidth vs device copy bandwidth (gated)"),
     Step("throughput", 20, 35, "engine output tok/s vs HF generate (gated)"),
-    Step("kernels", 90, 110, "kernel configurations vs kernels/naive.py"),
+    Step("kernels", 97, 115, "kernel configurations and the multi-LoRA kernel vs "
+                             "kernels/naive.py"),
 )
 SMOKE_BUDGET_S = 300
 assert sum(step.budget_s for step in STEPS) <= TOTAL_BUDGET_S
@@ -140,7 +144,7 @@ def environment_problem(smoke: bool) -> tuple[int, str] | None:
         return EXIT_ENVIRONMENT, (f"triton does not import ({error}): pip install triton "
                                   f"(it comes with a CUDA build of torch), or {INSTALL_HINT}")
     from importlib import metadata
-    for package in ("transformers",):
+    for package in ("transformers", "peft"):  # peft: the multi-LoRA checks' reference
         requirement = pinned_requirement(package)
         try:
             version = metadata.version(package)

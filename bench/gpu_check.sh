@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command, for a lent GPU: bench/gpu_check.py's steps (the engine against
-# HF generate, speculative decoding, the simulator against the engine on a Llama-2-7B-shaped
-# model, decode bandwidth and throughput against their goals, kernel configurations against the
-# oracle), each under its own budget, the whole within 9 minutes; results stream as a table
+# HF generate, mixed LoRA adapters against HF + PEFT, the tiny MoE; speculative decoding; the
+# simulator against the engine on a Llama-2-7B-shaped model; decode bandwidth and throughput
+# against their goals; kernel configurations and the LoRA kernel against the oracle), each
+# under its own budget, the whole within 9 minutes; results stream as a table
 # and go to $OUT (a lent machine's output folder; else gpu_check_out/): gpu_check.json,
 # gpu_check.log (this output), fidelity.md and fidelity.json, the 7B profile.
 #
@@ -43,7 +44,7 @@ while [ $# -gt 0 ]; do
                   if [ -z "$wheels" ] || [ ! -d "$wheels" ]; then
                       echo "gpu_check: --wheels needs a folder of wheels, got '${wheels}'"; exit 2
                   fi ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (--install, --wheels DIR, --carried DIR, --smoke)"; exit 2 ;;
     esac
     shift
@@ -103,6 +104,10 @@ if [ $install -eq 1 ]; then
     # --no-build-isolation: setuptools comes from the environment, not the network.
     "${pip[@]}" --no-build-isolation -e . || {
         echo "gpu_check: cannot install the project's dependencies${wheels:+ from $wheels} (pip install -e . needs them; see the lines above for which)"; exit 2; }
+    # peft, the multi-LoRA checks' reference, is a test extra: its pin alone, not the extra.
+    peft=$(grep -o '"peft[^"]*"' pyproject.toml | tr -d '"')
+    "${pip[@]}" "$peft" || {
+        echo "gpu_check: cannot install $peft${wheels:+ from $wheels} (the multi-LoRA checks' reference; pip download -d DIR '$peft')"; exit 2; }
     PYTHON=$venv/bin/python
 fi
 

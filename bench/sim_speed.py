@@ -9,7 +9,8 @@ Vidur's shape at a busy and an overloaded rate; the busy one on two pools (one p
 decode replica, `cluster=disaggregated`); and closed-loop chat sessions (`workload=sessions`,
 4,000 sessions of ~5 turns, each turn sent ~15 s after the previous answer finished, prompts
 growing ~190 tokens a turn, no token ids, like the conversation-like one); and the busy
-synthetic one on Mixtral-8x7B at tensor parallel 2 (a mixture of experts: within 2x of the dense
+synthetic one on Mixtral-8x7B at tensor parallel 2 and on two data-parallel replicas with the
+experts split over both, stepping in lockstep (a mixture of experts: within 2x of the dense
 row). Prints wall time, simulated requests per wall-second and simulated seconds per wall-
 second, each beside the same run step by step (`scheduler.coalesce=false`: no repeated decode
 steps run as one event) and against the targets: 10,000 requests/wall-s on the code trace and
@@ -143,6 +144,11 @@ def main():
     workloads.append((f"MoE Mixtral TP2 {args.requests // 1000}k @{args.rates[0]:g}/s",
                       [*synthetic[args.rates[0]], "model=mixtral-8x7b",
                        "cluster.tensor_parallel_size=2"]))
+    # Its experts over two data-parallel replicas, which step in lockstep (sim/core/lockstep.py:
+    # one event per group step, no runs of repeated decode steps): within 2x of the dense row.
+    workloads.append((f"MoE Mixtral DP2+EP2 {args.requests // 1000}k @{args.rates[0]:g}/s",
+                      [*synthetic[args.rates[0]], "model=mixtral-8x7b", "cluster.num_replicas=2",
+                       "cluster.expert_parallel_size=2"]))
     vidur = measure_vidur(args.vidur) if args.vidur else None
     # The GPU cost model (the default) parses its measurement tables once per process: a sweep
     # pays it once, so it is timed apart from the runs.

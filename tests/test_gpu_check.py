@@ -1,8 +1,10 @@
 """bench/gpu_check.py and bench/gpu_check.sh without a GPU: the exit statuses and their one
 line (no GPU; a GPU that this torch cannot use; TRITON_INTERPRET set; bad arguments), the
-version pin check, a step that overruns its budget, the budgets and their carry-over, the goals'
-verdicts (each fails when its goal is missed) and the tie-aware greedy comparison on constructed
-logits. tests/test_gpu_check_smoke.py runs the whole check end to end at toy sizes on CPU."""
+version pin check (peft, the LoRA checks' reference, among the pins), a step that overruns its
+budget, the budgets and their carry-over, the goals' verdicts (each fails when its goal is
+missed), the multi-LoRA kernel check's verdicts on a right and on broken kernels, and the
+tie-aware greedy comparison on constructed logits. tests/test_gpu_check_smoke.py runs the whole
+check end to end at toy sizes on CPU."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402
-from gpu_check_steps import goals, ties  # noqa: E402
+from gpu_check_steps import goals, lora, ties  # noqa: E402
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
 
@@ -86,6 +88,66 @@ def test_version_pins_come_from_pyproject():
     assert not gpu_check.satisfies("5.17.0", ">=5.24,<5.25")
     assert not gpu_check.satisfies("5.25.1", ">=5.24,<5.25")
     assert gpu_check.satisfies("2.11.0+cu130", ">=2.4")
+
+
+def test_a_missing_or_wrong_peft_names_its_pin(monkeypatch):
+    """peft is a test extra, but the LoRA checks' reference: without it the check does not run
+    (it would crash in the engine step), and the one line names its pin."""
+    from importlib import metadata
+    real_version = metadata.version
+
+    def version(package, found=None):
+        if package == "peft":
+            if found is None:
+                raise metadata.PackageNotFoundError(package)
+            return found
+        return real_version(package)
+
+    monkeypatch.setattr(metadata, "version", version)
+    status, line = gpu_check.environment_problem(smoke=True)
+    assert status == gpu_check.EXIT_ENVIRONMENT
+    assert line.startswith("no peft; the project needs peft>=0.13,<0.22: pip install "
+                           "'peft>=0.13,<0.22'")
+    monkeypatch.setattr(metadata, "version", lambda package: version(package, "0.22.1"))
+    status, line = gpu_check.environment_problem(smoke=True)
+    assert status == gpu_check.EXIT_ENVIRONMENT and line.startswith("peft 0.22.1; the project")
+
+
+def lora_kernel_rows(monkeypatch, add_lora) -> list[dict]:
+    """The rows of the kernels step's multi-LoRA check (smoke sizes, CPU) with `add_lora` in
+    place of the Triton launcher."""
+    from gpu_check_steps.common import StepReport
+    from kernels import triton_ops
+    monkeypatch.setattr(triton_ops, "add_lora", add_lora)
+    report = StepReport()
+    lora.check_lora_kernel(report, smoke=True, device=torch.device("cpu"))
+    return report.rows
+
+
+def test_lora_kernel_check_passes_a_right_kernel_and_fails_broken_ones(monkeypatch):
+    """The check's verdicts, with the torch grouped kernel standing in for Triton's: right, it
+    passes every dtype and mix; a delta 5 % off, or one added to base-model rows, fails each."""
+    from kernels import torch_lora
+    rows = lora_kernel_rows(monkeypatch, torch_lora.add_lora)
+    assert len(rows) == len(lora.LORA_DTYPES) * len(lora.LORA_MIXES) == 6
+    assert all(row["ok"] and row["rel_error"] <= row["tolerance"] for row in rows)
+    assert {row["check"].split(",")[0] for row in rows} == {"bf16", "fp16"}
+
+    def scaled_wrong(out, x, lora_a, lora_b, scalings, batch):
+        torch_lora.add_lora(out, x, lora_a, lora_b, scalings * 1.05, batch)
+
+    assert not any(row["ok"] for row in lora_kernel_rows(monkeypatch, scaled_wrong))
+
+    def onto_every_row(out, x, lora_a, lora_b, scalings, batch):
+        from kernels.lora_batch import LoRABatch
+        every = batch.token_slots.clone()
+        every[every < 0] = 0   # base-model tokens given adapter 0
+        torch_lora.add_lora(out, x, lora_a, lora_b, scalings, LoRABatch.build(every.numpy(),
+                                                                               "cpu"))
+
+    broken = lora_kernel_rows(monkeypatch, onto_every_row)
+    assert not any(row["ok"] for row in broken[:2] + broken[3:5])  # the mixes with base rows
+    assert all("base-model rows CHANGED" in row["value"] for row in broken[:2])
 
 
 def test_a_step_over_its_budget_is_killed_and_recorded(tmp_path):

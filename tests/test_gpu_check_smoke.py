@@ -1,8 +1,9 @@
-"""`bash bench/gpu_check.sh --smoke` end to end: every step of the lent-GPU check (engine,
-speculative decoding, the 7B-shaped fidelity step at a toy shape, bandwidth, throughput,
-kernels) at toy sizes on CPU through Triton's interpreter, with the goals the interpreter
-meets (bench/gpu_check_steps/goals.py). Proves the script runs before a GPU is lent: each step
-passes, and the files a lent machine returns are written."""
+"""`bash bench/gpu_check.sh --smoke` end to end: every step of the lent-GPU check (engine, with
+mixed LoRA adapters and the tiny MoE; speculative decoding; the 7B-shaped fidelity step at a
+toy shape; bandwidth; throughput; kernels, with the LoRA kernel) at toy sizes on CPU through
+Triton's interpreter, with the goals the interpreter meets (bench/gpu_check_steps/goals.py).
+Proves the script runs before a GPU is lent: each step passes, and the files a lent machine
+returns are written."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,17 @@ def test_smoke_runs_every_step_and_writes_the_returned_files(tmp_path):
                for row in speculative)
     assert any("lookahead" in row["check"] for row in speculative)
     assert any("Medusa" in row["check"] for row in speculative)
+    # Issue 33's engine paths: mixed adapters against HF + PEFT (each adapter changing its
+    # prompt's output), the tiny mixture of experts, the LoRA kernel in bf16 and fp16.
+    engine = [row["check"] for row in checks("engine")]
+    assert [check for check in engine if "multi-LoRA" in check] == [
+        "tiny-llama fp32, multi-LoRA (ranks 8/16/64): each adapter changes its prompt's HF + "
+        "PEFT output", "tiny-llama fp32, multi-LoRA (ranks 8/16/64): adapters and the base "
+        "model in one batch vs HF + PEFT (each adapter alone)"]
+    assert engine[-1] == "tiny-moe fp32 (8 experts, 2 per token), continuous"
+    lora_kernel = [row for row in checks("kernels") if "multi-LoRA kernel" in row["check"]]
+    assert len(lora_kernel) == 6 and all(row["rel_error"] <= row["tolerance"]
+                                         for row in lora_kernel)
     # The gated measurements are checks with their goal, not bare records.
     assert any("goal" in row for row in checks("bandwidth"))
     assert [row["check"] for row in checks("throughput")] == ["engine / HF generate"]

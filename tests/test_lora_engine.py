@@ -8,14 +8,13 @@ slots than adapters, adapters are loaded and evicted between steps and outputs s
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.lora import LoRAAdapters, adapter_weights, target_shapes
+from engine.lora import LoRAAdapters
 from engine.model_loader import load_model
+from engine.peft_reference import peft_model
 from policies.lora.spec import TARGET_MODULES
 
 from factories import token_ids
@@ -33,23 +32,6 @@ LORA_IDS = [0, None, 1, 2, 1, None, 0, 2]
 def random_prompts(lens, seed):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
-
-
-def peft_model(base: torch.nn.Module, adapters: LoRAAdapters, index: int) -> torch.nn.Module:
-    """A PeftModel on a copy of `base` holding adapter `index` alone, with the engine's A, B."""
-    from peft import LoraConfig, get_peft_model
-
-    rank = adapters.ranks[index]
-    config = LoraConfig(r=rank, lora_alpha=adapters.spec.alpha or rank, lora_dropout=0.0,
-                        target_modules=list(adapters.target_modules))
-    model = get_peft_model(copy.deepcopy(base), config)
-    weights = adapter_weights(adapters, index, target_shapes(base, adapters.target_modules))
-    with torch.no_grad():
-        for name, (lora_a, lora_b) in weights.items():
-            module = model.base_model.model.get_submodule(name)
-            module.lora_A["default"].weight.copy_(lora_a)
-            module.lora_B["default"].weight.copy_(lora_b)
-    return model.eval()
 
 
 def hf_greedy(model, prompts):

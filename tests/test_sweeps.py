@@ -198,4 +198,5 @@ def test_wandb_offline_run_of_a_sweep_job_is_grouped_and_named(tmp_path):
             assert run["summary"][key] == pytest.approx(summary[key]), key
         # One history row per step (a short run), plus the requests table and the plots.
         assert run["num_history_rows"] == summary["num_steps"] + 2
-        assert len(list((run_dir / "files" / "media" / "images").glob("*.png"))) == 3
+        images = (run_dir / "files" / "media" / "images").glob("*.png")
+        assert len(list(images)) == 4   # latency_cdf, kv_blocks, batch_size and power

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from gpu_check_steps.common import dtype_of
 from gpu_check_steps.kernels import DTYPES, KERNEL_MATRIX_NAMES
+from gpu_check_steps.lora import LORA_SHAPES
 
-# The multi-LoRA kernels at Llama-2-7B's target modules (q/k/v/o, gate/up, down) and adapter
-# ranks padded to 16 and 64 (kernels/triton_lora.py): one variant per rank padding and dtype.
-LORA_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]
+# The multi-LoRA kernels at Llama-2-7B's target modules (LORA_SHAPES: q/k/v/o, gate/up, down)
+# and adapter ranks padded to 16 and 64 (kernels/triton_lora.py): one variant per rank padding
+# and dtype.
 LORA_RANKS = (16, 64)
 
 

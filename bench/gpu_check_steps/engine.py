@@ -1,12 +1,15 @@
 """Step: the engine on the Triton kernels against HF generate on the same model object: fp32
 tiny-llama token-identical under continuous batching (CUDA graphs and eager), chunked prefill,
 recompute and swap preemption, prefix caching; the trained tiny pair's target in bf16 compared
-tie-aware (ties.py). Also the greedy comparison the speculative step shares."""
+tie-aware (ties.py); adapters of 3 ranks and the base model in one batch against HF + PEFT
+(lora.py); the tiny mixture of experts (tiny-moe). Also the greedy comparison the speculative
+step shares."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from gpu_check_steps.common import REPO, StepReport
+from gpu_check_steps.lora import check_lora_engine
 from gpu_check_steps.ties import compare_run, reference_gaps
 
 ENGINE_PROMPT_LENS = [1, 7, 16, 17, 33, 64, 100]  # tests/test_engine.py's
@@ -52,18 +55,19 @@ class GreedyReference:
 
 def compare_greedy(report: StepReport, label: str, llm, prompts, reference: GreedyReference,
                    device, max_tokens: int = ENGINE_MAX_TOKENS, kernels: str = "triton",
-                   require_graphs: bool = True, **stats_checks) -> None:
+                   require_graphs: bool = True, lora_id=None, **stats_checks) -> None:
     """The engine's greedy outputs against the reference's: token-identical, or tie-aware when
     the reference has a tie dtype. The engine must have run the `kernels` backend and, with
     require_graphs (a speculating engine's steps verify drafts, which no graph captures), on
     CUDA replayed CUDA graphs for its decode steps unless it was built enforce_eager; every
-    stats_checks name must be > 0 after."""
+    stats_checks name must be > 0 after. lora_id: generate's (each prompt's adapter)."""
     from engine import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     graphs = getattr(llm.executor.runner, "decode_graphs", None)
     replays_before = graphs.num_replays if graphs is not None else 0
     outputs = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params,
-                                                                      use_tqdm=False)]
+                                                                      use_tqdm=False,
+                                                                      lora_id=lora_id)]
     backend = llm.executor.runner.ops.name
     replays = (graphs.num_replays if graphs is not None else 0) - replays_before
     steps = f"{replays} of {llm.last_stats.num_steps} steps as CUDA graphs"
@@ -101,9 +105,10 @@ def step_engine(report: StepReport, smoke: bool) -> None:
     from engine import LLM
     device = torch.device("cpu" if smoke else "cuda")
     gen = torch.Generator().manual_seed(1)
-    lens = ENGINE_PROMPT_LENS[:3] if smoke else ENGINE_PROMPT_LENS
+    all_prompts = [torch.randint(3, 512, (n,), generator=gen).tolist()
+                   for n in ENGINE_PROMPT_LENS]
+    prompts = all_prompts[:3] if smoke else all_prompts
     max_tokens = 6 if smoke else ENGINE_MAX_TOKENS
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
     common = dict(device=str(device), kernel_backend="triton")
     tag = "tiny-llama fp32"
     reference_llm = LLM("tiny-llama", num_gpu_blocks=256, dtype="float32", **common)
@@ -140,3 +145,12 @@ def step_engine(report: StepReport, smoke: bool) -> None:
     reference = GreedyReference(outputs, llm.model, pair_prompts, "bfloat16")
     compare_greedy(report, "tiny-pair target bf16, continuous (vs HF generate bf16)", llm,
                    pair_prompts, reference, device, max_tokens)
+    del llm
+    # Issue 33's engine paths: adapters of 3 ranks and the base model in one batch (the
+    # smoke run: one prompt each), then the mixture of experts.
+    check_lora_engine(report, smoke, device, all_prompts[:4] if smoke else all_prompts,
+                      max_tokens)
+    moe = LLM("tiny-moe", num_gpu_blocks=256, dtype="float32", **common)
+    compare_greedy(report, "tiny-moe fp32 (8 experts, 2 per token), continuous", moe, prompts,
+                   GreedyReference(hf_greedy(moe.model, prompts, max_tokens, device)), device,
+                   max_tokens)

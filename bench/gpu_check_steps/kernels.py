@@ -1,10 +1,12 @@
 """Step: every kernel configuration the engine runs against the loop oracle (kernels/naive.py):
 decode, split-K, the dispatcher, prefill with a cached prefix, chunked prefill with decodes,
-short verification queries and token trees; KV write, block copy and swaps exactly."""
+short verification queries and token trees; KV write, block copy and swaps exactly; the
+multi-LoRA kernel at Llama-2-7B's module shapes (lora.py)."""
 from __future__ import annotations
 
-from gpu_check_steps.common import REL_TOLERANCE, StepReport, dtype_of, make_batch, \
-    relative_error, to_cpu
+from gpu_check_steps.common import REL_TOLERANCE, SHORT_DTYPE, StepReport, dtype_of, \
+    make_batch, relative_error, to_cpu
+from gpu_check_steps.lora import check_lora_kernel
 
 # The kernel configurations checked and compiled: (query heads per KV head, head_dim, dtype
 # name); the engine runs bf16 (2-byte conf/model entries) and fp32 (tiny-llama).
@@ -56,8 +58,7 @@ def step_kernels(report: StepReport, smoke: bool) -> None:
     for heads_per_kv_head, head_dim, dtype_name in matrix:
         dtype = dtype_of(dtype_name)
         tolerance = REL_TOLERANCE[dtype_name]
-        short_dtype = {"bfloat16": "bf16", "float32": "fp32"}[dtype_name]
-        config = f"{short_dtype}, {heads_per_kv_head} q/kv heads, d{head_dim}"
+        config = f"{SHORT_DTYPE[dtype_name]}, {heads_per_kv_head} q/kv heads, d{head_dim}"
         shape = dict(num_kv_heads=2, heads_per_kv_head=heads_per_kv_head, head_dim=head_dim,
                      block_size=block_size, dtype=dtype, device=device)
         for seed, (workload, sizes) in enumerate(KERNEL_WORKLOADS.items()):
@@ -85,6 +86,7 @@ def step_kernels(report: StepReport, smoke: bool) -> None:
                 report.check(f"{config}: {workload}, {kernel}", f"{error:.1e}",
                              error <= tolerance, rel_error=error, tolerance=tolerance)
         check_cache_ops(report, config, triton_ops, naive, shape)
+    check_lora_kernel(report, smoke, device)
 
 
 def check_cache_ops(report: StepReport, config: str, triton_ops, naive, shape: dict) -> None:

@@ -27,9 +27,11 @@ from sim.core.build import (build_policy, build_predictor, build_replica_executo
                             speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
-from sim.core.energy.meter import build_energy_meter
+from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
+from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
+from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
 from sim.core.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
@@ -187,7 +189,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
                                         predictor, next_arrival, count_done,
-                                        retention_policies, lora_managers)
+                                        retention_policies, lora_managers,
+                                        # (a run that plots keeps each step's joules)
+                                        TracedEnergyMeter if out_dir is not None and plots
+                                        else EnergyMeter)
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
@@ -250,7 +255,9 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if disaggregated:
         summary.update(kv_transfer_summary(requests))
     if out_dir is not None:
-        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots)
+        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots,
+                          energy_meters={replica.replica_id: replica.recorder.energy
+                                         for replica in replicas})
         if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
             from sim.tools.trace_export import write_trace
             write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
@@ -262,11 +269,14 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
                         metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
                         next_arrival: NextArrival, on_requests_done,
                         retention_policies: list | None = None,
-                        lora_managers: list | None = None) -> list[Replica]:
+                        lora_managers: list | None = None,
+                        meter_class: type[EnergyMeter] = EnergyMeter) -> list[Replica]:
     """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
-    config) and executor; the KV retention policies that keep blocks are appended to
-    `retention_policies`, their LoRA managers to `lora_managers`."""
+    config), executor and energy meter (a `meter_class`); the KV retention policies that keep
+    blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
+    group_size = lockstep_group_size(cfg, model, pool.num_replicas, pool.role)
+    replica_class = Replica if group_size == 1 else LockstepRank
     replicas = []
     num_stages = pipeline_parallel_size(cfg, model)
     for replica_id in range(first_id, first_id + pool.num_replicas):
@@ -291,11 +301,13 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         energy = build_energy_meter(
             cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
             cfg.kv_cache.block_size,
-            executor.cost_model if isinstance(executor, SimExecutor) else None)
-        replicas.append(Replica(env, replica_id, scheduler, executor, metrics,
+            executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
+        replicas.append(replica_class(env, replica_id, scheduler, executor, metrics,
                                 on_requests_done=on_requests_done, next_arrival=next_arrival,
                                 predictor=predictor, pool=pool.name, role=pool.role,
                                 energy=energy))
         if lora_managers:   # the manager just built for this replica's scheduler
             replicas[-1].lora = lora_managers[-1]
+    for first in range(0, len(replicas) if group_size > 1 else 0, group_size):
+        LockstepGroup(env, replicas[first:first + group_size])
     return replicas

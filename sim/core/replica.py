@@ -80,7 +80,11 @@ class Replica:
         self.last_step_duration = 0.0
         self._idle: simpy.Event | None = None
         self._queued_during_step: list[float] = []   # when requests joined its waiting queue
-        self.process = env.process(self.run())
+        self.process = self.start()
+
+    def start(self) -> simpy.Process | None:
+        """Start the replica's step loop (a lockstep rank's group runs its steps instead)."""
+        return self.env.process(self.run())
 
     @property
     def num_outstanding(self) -> int:

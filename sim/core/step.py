@@ -67,16 +67,9 @@ class StepLoop:
         nothing while it has requests: no later step could differ; unless `may_idle` (a KV
         transfer will change the pool), which returns None."""
         scheduler = self.scheduler
-        plan = scheduler.schedule(now)
-        if plan.is_empty:
-            if may_idle:
-                return None
-            waiting, running, swapped = scheduler.queue_lengths()
-            raise RuntimeError(
-                f"replica {self.recorder.replica_id}: the scheduler planned nothing with "
-                f"{waiting} waiting, {running} running and {swapped} swapped requests and "
-                f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
-                f"progress (a request larger than the pool, or max_num_seqs too small?)")
+        plan = self._schedule(now, may_idle)
+        if plan is None:
+            return None
         # (A refining predictor is asked after every step: its guesses may move a later one.)
         if horizon is not None and plan.decode_run is not None and self.repeats_steps:
             run = plan.decode_run
@@ -88,6 +81,33 @@ class StepLoop:
         self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
         return result
+
+    def begin_unrecorded(self, now: float) -> StepResult:
+        """Plan and execute one step at `now` without recording it: a lockstep group
+        (sim/core/lockstep.py) learns every rank's duration first, then `record`s the step with
+        the group's."""
+        plan = self._schedule(now, False)
+        self.plan, self.result = plan, self.executor.execute(plan)
+        return self.result
+
+    def record(self, now: float, duration: float) -> None:
+        """Record the step begun by `begin_unrecorded` as lasting `duration`."""
+        self.result.duration = duration
+        self.recorder.record_step(now, self.plan, self.result, self.scheduler)
+
+    def _schedule(self, now: float, may_idle: bool) -> StepPlan | None:
+        scheduler = self.scheduler
+        plan = scheduler.schedule(now)
+        if not plan.is_empty:
+            return plan
+        if may_idle:
+            return None
+        waiting, running, swapped = scheduler.queue_lengths()
+        raise RuntimeError(
+            f"replica {self.recorder.replica_id}: the scheduler planned nothing with "
+            f"{waiting} waiting, {running} running and {swapped} swapped requests and "
+            f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
+            f"progress (a request larger than the pool, or max_num_seqs too small?)")
 
     def _run_repeated(self, plan: StepPlan, now: float, horizon: float,
                       finishes_before: float) -> StepResult:

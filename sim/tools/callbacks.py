@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from sim.tools.report import DEFAULT_METRICS, ReportError, report_console, write_report
+from sim.tools.report import ReportError, report_console, write_report
 
 
 class ReportCallback(Callback):
@@ -33,7 +33,7 @@ class ReportCallback(Callback):
             metrics = [metric.strip() for metric in metrics.split(",") if metric.strip()]
         elif metrics is not None and not isinstance(metrics, (list, tuple)):
             metrics = OmegaConf.to_container(metrics)
-        self.metrics = list(metrics) if metrics else list(DEFAULT_METRICS)
+        self.metrics = list(metrics) if metrics else None   # (None: the report's default)
         self.title = title
         self.plot_name = plot_name
 

@@ -1,10 +1,12 @@
-"""PNG plots of a run: latency CDFs, KV blocks in use over time, batch size and queue length.
+"""PNG plots of a run: latency CDFs, KV blocks in use over time, batch size and queue length, and
+(where the run kept each step's joules) its replicas' modelled board power.
 
 Runs headless (Agg backend). Step series are decimated to a few thousand points so a 100k-step
 run plots in about a second; the decimation keeps each bucket's min and max so peaks survive.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +17,8 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 from policies.types import Request  # noqa: E402
+from sim.core.energy.meter import EnergyMeter  # noqa: E402
+from sim.core.energy.trace import TracedEnergyMeter, power_over_time  # noqa: E402
 from sim.core.metrics import latency_arrays_s  # noqa: E402
 
 MAX_POINTS_PER_LINE = 5000
@@ -73,7 +77,8 @@ def _write_latency_cdf(path: Path, requests: list[Request]) -> None:
 
 
 def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: str,
-                      label: str, replica_labels: dict[int, str] | None = None) -> None:
+                      label: str, replica_labels: dict[int, str] | None = None,
+                      drawstyle: str = "default") -> None:
     """One line per replica of `column` against step start time, named by `replica_labels`
     (replica_id -> name) where given."""
     replica_col, time_col, value_col = (columns.index(name)
@@ -89,6 +94,7 @@ def _plot_per_replica(ax, steps: np.ndarray, columns: tuple[str, ...], column: s
         rows = steps[steps[:, replica_col] == replica]
         keep = downsample_indices(rows[:, value_col])
         ax.plot(rows[keep, time_col], rows[keep, value_col], linewidth=0.8,
+                drawstyle=drawstyle,
                 label=(replica_labels or {}).get(int(replica), f"replica {int(replica)}"))
     if len(replicas) > 1:
         ax.legend(loc="upper right", fontsize="small")
@@ -120,14 +126,68 @@ def plot_kv_blocks(ax, steps: np.ndarray, columns: tuple[str, ...],
         ax.legend(loc="lower right", fontsize="small")
 
 
+def joules_text(joules: float) -> str:
+    """`joules` in J, kJ or MJ, three significant figures (a CPU run's fraction of a joule and
+    a cluster's megajoules alike)."""
+    for scale, unit in ((1e6, "MJ"), (1e3, "kJ")):
+        if abs(joules) >= scale:
+            return f"{joules / scale:.3g} {unit}"
+    return f"{joules:.3g} J"
+
+
+def power_panel_meters(energy_meters: Mapping[int, EnergyMeter | None] | None,
+                       summary: dict | None) -> dict[int, TracedEnergyMeter]:
+    """The replicas' meters that kept each step's joules, where the run has energy to plot
+    ({} without them, or when the summary's energy_j is 0: a hardware spec without power
+    figures)."""
+    if not (summary or {}).get("energy_j"):
+        return {}
+    return {replica_id: meter for replica_id, meter in (energy_meters or {}).items()
+            if isinstance(meter, TracedEnergyMeter)}
+
+
+def plot_power(ax, steps: np.ndarray, columns: tuple[str, ...],
+               meters: dict[int, TracedEnergyMeter], summary: dict,
+               replica_labels: dict[int, str] | None = None) -> None:
+    """Each replica's board power over time (power_over_time: each step's, and idle between
+    steps), its joules and J per output token in the legend, the run's in the title, and a
+    dashed line at each idle draw."""
+    per_replica = summary.get("energy_per_replica", {})
+    labels = {}
+    for replica_id in meters:
+        name = (replica_labels or {}).get(replica_id, f"replica {replica_id}")
+        numbers = per_replica.get(str(replica_id))
+        if numbers:   # (a prefill replica finishes no request: its tokens are the decode's)
+            per_token = (f"{numbers['joules_per_output_token']:.3g} J/tok"
+                         if numbers["joules_per_output_token"] else "no output tokens")
+            name = f"{name}: {joules_text(numbers['energy_j'])}, {per_token}"
+        labels[replica_id] = name
+    ax.set_title(f"Board power (modelled): {joules_text(summary['energy_j'])}, "
+                 f"{summary.get('joules_per_output_token', 0.0):.3g} J per output token")
+    _plot_per_replica(ax, power_over_time(steps, columns, meters),
+                      ("replica_id", "start_time", "power_w"), "power_w",
+                      "W (the replica's boards)", labels, drawstyle="steps-post")
+    idle_draws = sorted({meter.num_boards * meter.power_model.idle_power_w
+                         for meter in meters.values()})
+    for watts in idle_draws:
+        ax.axhline(watts, color="black", linestyle="--", linewidth=0.8,
+                   label=f"idle draw ({watts:,.0f} W)")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize="small")
+
+
 def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
                 step_columns: tuple[str, ...],
                 replica_labels: dict[int, str] | None = None,
-                kv_capacities: dict[str, int] | None = None) -> list[Path]:
-    """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir; return their paths.
-    Empty inputs give labelled figures that say "no data" rather than an error. Each replica's
-    line is named by `replica_labels` (replica_id -> name), else "replica <id>"; kv_blocks.png
-    marks each pool's capacity in `kv_capacities` (kv_block_capacities)."""
+                kv_capacities: dict[str, int] | None = None,
+                energy_meters: Mapping[int, EnergyMeter | None] | None = None,
+                summary: dict | None = None) -> list[Path]:
+    """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir, and power.png
+    where `energy_meters` {replica_id: meter} kept each step's joules and `summary` has energy
+    (power_panel_meters); return their paths. Empty inputs give labelled figures that say "no
+    data" rather than an error. Each replica's line is named by `replica_labels` (replica_id ->
+    name), else "replica <id>"; kv_blocks.png marks each pool's capacity in `kv_capacities`
+    (kv_block_capacities)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = tuple(step_columns)
@@ -153,4 +213,13 @@ def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
     fig.savefig(batch_path, dpi=100)
     plt.close(fig)
 
-    return [latency_path, kv_path, batch_path]
+    written = [latency_path, kv_path, batch_path]
+    meters = power_panel_meters(energy_meters, summary)
+    if meters:
+        power_path = out_dir / "power.png"
+        fig, ax = plt.subplots(figsize=(10, 4), constrained_layout=True)
+        plot_power(ax, steps, columns, meters, summary, replica_labels)
+        fig.savefig(power_path, dpi=100)
+        plt.close(fig)
+        written.append(power_path)
+    return written

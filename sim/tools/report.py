@@ -43,6 +43,9 @@ from sim.tools.report_labels import (format_value, metric_heading, metric_label,
 from sim.tools.report_runs import RUNS_NOTE, is_single_run, runs_table
 
 DEFAULT_METRICS: tuple[str, ...] = ("request_throughput", "p99_ttft_ms", "p99_tpot_ms")
+# The default's fourth panel where the runs report energy (docs/energy.md): 0.0 where a hardware
+# spec states no board power, and absent from summaries written before energy was modelled.
+DEFAULT_ENERGY_METRIC = "tokens_per_joule"
 DEFAULT_X_KEY = "workload.rate"
 REPORT_CSV = "report.csv"
 PER_CLASS_PLOT = "per_class.png"   # written when the runs have request classes
@@ -264,6 +267,13 @@ def check_metrics(jobs: list[Job], metrics: Sequence[str]) -> list[str]:
     return list(metrics)
 
 
+def default_metrics(jobs: list[Job]) -> list[str]:
+    """DEFAULT_METRICS, and DEFAULT_ENERGY_METRIC where a finished job reports energy."""
+    reports_energy = any((job.metric(DEFAULT_ENERGY_METRIC) or 0) > 0 for job in jobs
+                         if job.summary is not None)
+    return [*DEFAULT_METRICS, *([DEFAULT_ENERGY_METRIC] if reports_energy else [])]
+
+
 # ---- outputs ------------------------------------------------------------------------------------
 
 def write_csv(jobs: list[Job], path: Path) -> Path:
@@ -433,14 +443,16 @@ def class_metrics(jobs: list[Job]) -> list[str]:
 
 
 def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str | Path | None = None,
-                 metrics: Sequence[str] = DEFAULT_METRICS, title: str | None = None,
+                 metrics: Sequence[str] | None = None, title: str | None = None,
                  plot_name: str | None = None, console: Console | None = None) -> Path:
-    """Write report.csv and the comparison PNG for `sweep_dir` into `out_dir` (default: the sweep
-    folder); print the table to `console` when given. Returns the path of report.csv."""
+    """Write report.csv and the comparison PNG of `metrics` (none: default_metrics) for
+    `sweep_dir` into `out_dir` (default: the sweep folder); print the table to `console` when
+    given. Returns the path of report.csv."""
     sweep_dir = Path(sweep_dir)
     jobs = load_jobs(sweep_dir)
     x_key = choose_x_key(jobs, x_key)
-    metrics = check_metrics(jobs, [str(metric) for metric in metrics] or list(DEFAULT_METRICS))
+    metrics = check_metrics(jobs, [str(metric) for metric in metrics or ()]
+                            or default_metrics(jobs))
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(jobs, out_dir / REPORT_CSV)
@@ -473,9 +485,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--x", dest="x_key", default=None,
                         help="override on the x axis (default: workload.rate if it varies, else "
                              "the first numeric override that varies)")
-    parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+    parser.add_argument("--metrics", default="",
                         help="comma-separated summary keys (or peak_num_seqs, peak_num_running, "
-                             "mean_kv_blocks_used), one panel each; default: %(default)s")
+                             "mean_kv_blocks_used), one panel each; default: "
+                             f"{','.join(DEFAULT_METRICS)}, and {DEFAULT_ENERGY_METRIC} where "
+                             "the runs report energy")
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for report.csv and the plot (default: the sweep folder)")

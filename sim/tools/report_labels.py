@@ -44,8 +44,9 @@ METRIC_HEADINGS: dict[str, str] = {
     "energy_j": "J", "avg_power_w": "W", "joules_per_output_token": "J/tok",
     "tokens_per_joule": "tok/J",
 }
-# A group's key in a sweep's summaries: per_tenant.<name>.<key>, per_priority.<name>.<key>.
-GROUP_KEY = re.compile(r"per_(tenant|priority)\.([^.]+)\.(.+)")
+# A group's key in a sweep's summaries: per_tenant.<name>.<key>, per_priority.<name>.<key>,
+# per_pool.<name>.<key>, and the energy's energy_per_replica.<id>.<key>, energy_per_pool.<...>.
+GROUP_KEY = re.compile(r"(?:energy_)?per_(tenant|priority|replica|pool)\.([^.]+)\.(.+)")
 # A policy named by its class (`scheduler._target_=my_policies.ShortestPromptFirst`,
 # `cluster.router=my_policies.FewestOutstandingRouter`): a dotted path ending in a class name.
 CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
@@ -105,8 +106,9 @@ def metric_label(key: str) -> str:
 
 def metric_heading(key: str) -> str:
     group = GROUP_KEY.fullmatch(key)
-    if group:
-        return f"{group[2]} {metric_heading(group[3])}"
+    if group:   # (a replica by its kind and id: "0 tok/J" would say nothing)
+        name = f"replica {group[2]}" if group[1] == "replica" else group[2]
+        return f"{name} {metric_heading(group[3])}"
     match = LATENCY_KEY.fullmatch(key)
     if match:
         return f"{match[1]} {match[2].upper()} ms"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from policies.types import Request
+from sim.core.energy.meter import EnergyMeter
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, request_latencies_s
 from sim.core.metrics.statistics import ms_or_none
 
@@ -51,9 +53,11 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
 
 
 def write_run_outputs(out_dir: Path, metrics: MetricsCollector, requests: list[Request],
-                      summary: dict, plots: bool = True) -> list[Path]:
+                      summary: dict, plots: bool = True,
+                      energy_meters: Mapping[int, EnergyMeter | None] | None = None) -> list[Path]:
     """Write summary.json, requests.csv, steps.csv of `metrics`' rows and (unless plots=False)
-    the PNG plots into out_dir. Returns the paths written."""
+    the PNG plots into out_dir; `energy_meters` {replica id: its meter} give power.png where
+    they kept each step's joules (sim/core/energy/trace.py). Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary_path = out_dir / "summary.json"
@@ -67,5 +71,6 @@ def write_run_outputs(out_dir: Path, metrics: MetricsCollector, requests: list[R
         # Imported here so that runs that never plot never import matplotlib.
         from sim.tools.plots import kv_block_capacities, write_plots
         written += write_plots(out_dir, requests, metrics.step_rows, STEP_COLUMNS,
-                               metrics.replica_labels, kv_block_capacities(summary))
+                               metrics.replica_labels, kv_block_capacities(summary),
+                               energy_meters, summary)
     return written

@@ -110,13 +110,15 @@ def _checked_keys(fields: dict) -> dict:
 
 def build_energy_meter(power_cfg: DictConfig | None, model: ModelSpec, hardware: HardwareSpec,
                        tensor_parallel_size: int, block_size: int,
-                       cost_model=None) -> EnergyMeter:
-    """A replica's meter: its work from `cost_model` where it says (StepWorkCostModel), else
-    from the model's shape (the engine's executor, a profiled or a user's cost model)."""
+                       cost_model=None,
+                       meter_class: type[EnergyMeter] = EnergyMeter) -> EnergyMeter:
+    """A replica's meter (a `meter_class`): its work from `cost_model` where it says
+    (StepWorkCostModel), else from the model's shape (the engine's executor, a profiled or a
+    user's cost model)."""
     if isinstance(cost_model, RooflineCostModel):   # (and the GPU cost model: its own work)
         work = cost_model.work
     elif cost_model is not None and has_capability(cost_model, StepWorkCostModel, "cost_model"):
         work = cost_model
     else:
         work = ModelStepWork(model, tensor_parallel_size, block_size)
-    return EnergyMeter(build_power_model(power_cfg, hardware), work, tensor_parallel_size)
+    return meter_class(build_power_model(power_cfg, hardware), work, tensor_parallel_size)

@@ -1,0 +1,96 @@
+"""Each step's joules, kept for a run's power plot (sim/tools/plots.py, power.png): a
+`TracedEnergyMeter` is an EnergyMeter that also logs what its power model charged every step, in
+the order of its replica's step rows. Only runs that write plots build one; the others keep the
+plain meter, whose hot path this leaves as it was.
+"""
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping
+
+import numpy as np
+
+from sim.core.energy.meter import EnergyMeter
+from sim.core.energy.power import PowerModel
+from sim.core.energy.work import StepWorkCostModel
+
+# A replica's next step that starts this long after the previous one ended: it idled between
+# (simulated seconds; steps run back to back start at the float sum of the previous one's end).
+IDLE_GAP_S = 1e-9
+
+
+class TracedEnergyMeter(EnergyMeter):
+    """An EnergyMeter whose `step_joules[i]` is one board's joules over its replica's i-th step
+    (the replica draws `num_boards` times that): the very value the meter added, so its totals
+    stay bit for bit the plain meter's."""
+
+    __slots__ = ("step_joules",)
+
+    def __init__(self, power_model: PowerModel, work: StepWorkCostModel, num_boards: int = 1):
+        super().__init__(power_model, work, num_boards)
+        self.step_joules = array.array("d")
+        charge, log = self._busy_energy_j, self.step_joules.append
+
+        def busy_energy_j(duration_s: float, flops: float, bytes_moved: float) -> float:
+            joules = charge(duration_s, flops, bytes_moved)
+            log(joules)
+            return joules
+
+        # Every step goes through the power model's call, logged: a run of repeated decode
+        # steps too (the plain meter's inline arithmetic is the same sums, bit for bit).
+        self._busy_energy_j = busy_energy_j
+        self._decode_constants = None
+
+    def busy_power_w(self, durations: np.ndarray) -> np.ndarray:
+        """The replica's watts over each of its steps, in order, given their `durations` in
+        seconds: its `num_boards` boards' joules over the step's seconds; NaN for a step that
+        took no time."""
+        joules = np.frombuffer(self.step_joules, dtype=np.float64)
+        if len(durations) != len(joules):
+            raise ValueError(f"{len(durations)} step rows for {len(joules)} metered steps")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(durations > 0, self.num_boards * joules / durations, np.nan)
+
+
+def step_power_w(steps: np.ndarray, columns: tuple[str, ...],
+                 meters: Mapping[int, EnergyMeter | None]) -> np.ndarray:
+    """Each step row's replica power in W (TracedEnergyMeter.busy_power_w), for `steps` a
+    (rows, len(columns)) array of a run's step rows, each replica's in the order it ran them
+    (as MetricsCollector keeps them); NaN where the row's replica kept no trace."""
+    replica_column, duration_column = columns.index("replica_id"), columns.index("duration")
+    power = np.full(len(steps), np.nan)
+    for replica_id, meter in meters.items():
+        if isinstance(meter, TracedEnergyMeter):
+            rows = steps[:, replica_column] == replica_id
+            power[rows] = meter.busy_power_w(steps[rows, duration_column])
+    return power
+
+
+def power_over_time(steps: np.ndarray, columns: tuple[str, ...],
+                    meters: Mapping[int, EnergyMeter | None]) -> np.ndarray:
+    """The traced replicas' power as a step function of simulated time: rows (replica_id,
+    time, W), replica by replica, in time order: each step's power (step_power_w) from its
+    start, and the replica's idle draw from the end of each step after which it idled (its next
+    step starts later, or none follows). Drawn as steps-post, its area over a replica's steps
+    and the gaps between them is what the meter charged for that span. Steps of no time have no
+    power and are left out."""
+    replica_column, start_column, duration_column = (
+        columns.index(name) for name in ("replica_id", "start_time", "duration"))
+    power = step_power_w(steps, columns, meters)
+    pieces = [np.empty((0, 3))]
+    for replica_id, meter in meters.items():
+        if not isinstance(meter, TracedEnergyMeter):
+            continue
+        rows = (steps[:, replica_column] == replica_id) & (steps[:, duration_column] > 0)
+        if not rows.any():   # (a replica the router sent nothing)
+            continue
+        start, watts = steps[rows, start_column], power[rows]
+        end = start + steps[rows, duration_column]
+        idles_after = np.append(start[1:] > end[:-1] + IDLE_GAP_S, True)
+        times = np.concatenate([start, end[idles_after]])
+        order = np.argsort(times, kind="stable")
+        values = np.concatenate([watts, np.full(int(idles_after.sum()),
+                                                meter.num_boards * meter.power_model.idle_power_w)])
+        pieces.append(np.column_stack([np.full(times.size, float(replica_id)),
+                                       times[order], values[order]]))
+    return np.concatenate(pieces)
