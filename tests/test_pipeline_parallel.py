@@ -415,6 +415,14 @@ def test_a_prefill_or_decode_pool_with_stages_is_refused():
         run_experiment(cfg, plots=False)
 
 
+def test_stages_beside_an_expert_group_spanning_replicas_are_refused():
+    cfg = make_cfg("cost_model=roofline", "model=mixtral-8x7b", "cluster.num_replicas=2",
+                   "cluster.expert_parallel_size=2", "cluster.pipeline_parallel_size=2",
+                   "workload.num_requests=3")
+    with pytest.raises(ValueError, match="cluster.pipeline_parallel_size=2 with an expert group"):
+        run_experiment(cfg, plots=False)
+
+
 def test_light_load_same_throughput_longer_steps_heavy_load_overlaps():
     """The bubble end to end. Light load (one request at a time): pp=2 serves the same requests
     per second as pp=1 with slower tokens (the sends). Heavy compute-bound load at the same KV

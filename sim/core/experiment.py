@@ -279,6 +279,10 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     replica_class = Replica if group_size == 1 else LockstepRank
     replicas = []
     num_stages = pipeline_parallel_size(cfg, model)
+    if num_stages > 1 and group_size > 1:
+        raise ValueError(f"cluster.pipeline_parallel_size={num_stages} with an expert group "
+                         f"spanning {group_size} replicas (cluster.expert_parallel_size): "
+                         f"pipeline stages and lockstep ranks are not modelled together")
     for replica_id in range(first_id, first_id + pool.num_replicas):
         if num_stages > 1:   # (virtual engines over pipeline stages)
             replicas.append(build_pipelined_replica(

@@ -122,15 +122,8 @@ class VirtualEngine:
             claim = stages[0].request()
             yield claim
             start = env.now
-            plan = scheduler.schedule(start)
-            if plan.is_empty:
-                waiting, running, swapped = scheduler.queue_lengths()
-                raise RuntimeError(
-                    f"replica {replica.replica_id}, virtual engine {self.index}: the scheduler "
-                    f"planned nothing with {waiting} waiting, {running} running and {swapped} "
-                    f"swapped requests and {scheduler.kv_cache.num_free_blocks()} free KV blocks; "
-                    f"the policy cannot make progress (a request larger than the pool, or "
-                    f"max_num_seqs too small?)")
+            result = self.steps.begin_unrecorded(start)   # (the stall error where it plans nothing)
+            plan = self.steps.plan
             row = len(rows)
             replica.recorder.record_step_row(start, plan, 0.0, replica.engines_view)
             stage_times = stage_times_of(plan)
@@ -143,10 +136,9 @@ class VirtualEngine:
                 stage.release(claim)
                 if timeline is not None:
                     timeline.append((index, self.index, entered, env.now))
-            duration = env.now - start
+            result.duration = duration = env.now - start
             rows[row] = rows[row][:_DURATION] + (duration,) + rows[row][_DURATION + 1:]
             replica.energy.add_stages(plan, stage_times)
-            self.steps.plan, self.steps.result = plan, StepResult(duration=duration)
             finished = self.steps.complete(env.now)
             if finished:
                 replica.finished(finished)
