@@ -379,7 +379,7 @@ def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
     assert late_engines == {0, 1}
 
 
-def test_each_engine_has_its_own_adapters_and_a_router_sees_thenext_engines():
+def test_each_engine_has_its_own_adapters_and_a_router_sees_the_next_engines():
     """With LoRA adapters every engine's scheduler has a LoRA manager of its own, its batches
     within max_loras; the replica shows a router the manager of the engine a request joins."""
     result = _run(2, "lora=multi", "scheduler=lora_affinity", "workload.num_requests=60",
@@ -387,7 +387,10 @@ def test_each_engine_has_its_own_adapters_and_a_router_sees_thenext_engines():
     replica, = result.replicas
     managers = [scheduler.lora for scheduler in replica.schedulers]
     assert len({id(manager) for manager in managers}) == 2
-    assert replica.lora is managers[replica.next_engine().index]
+    # One more request joins engine 0 (both idle: the first); the next would join engine 1.
+    replica.submit(Request(request_id=99, arrival_time=0.0, prompt_len=16, output_len=2))
+    assert replica.num_outstanding == replica.schedulers[0].num_outstanding == 1
+    assert replica.lora is managers[1] and replica.kv_cache is replica.schedulers[1].kv_cache
     assert 0 < result.summary["lora_max_adapters_in_a_step"] <= managers[0].max_loras
     assert result.summary["lora_loads"] == sum(m.summary()["lora_loads"] for m in managers)
 
