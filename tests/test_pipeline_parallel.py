@@ -295,8 +295,8 @@ def test_a_lone_sequence_gains_nothing_and_pays_the_sends(monkeypatch):
 def test_busy_engines_keep_the_slowest_stage_busy(pp, monkeypatch):
     """n equal compute-bound steps (one 1,024-token prompt each, all arriving at once, shared
     by pp engines): once the first step is through, the slowest stage works without pause, so
-    the last token comes sum(stages) + (n - 1) x the slowest stage after the arrivals, the
-    throughput pp / (pp x slowest stage): pp times one stage-sized step."""
+    the last token comes sum(stages) + (n - 1) x the slowest stage after the arrivals: one step
+    per slowest stage's time, where pp = 1 takes the whole model's step for each."""
     n = 8 * pp
     result = _run(pp, f"workload.num_requests={n}", "workload.rate=inf", *_fixed(1024, 1),
                   "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=1024",
