@@ -9,11 +9,14 @@ ranks' step loops as one simpy process: at each step every rank with requests pl
 its own batch at the same time, and the step takes the longest of their durations, which every
 rank records as its own (a rank that finishes its work early waits in the collectives, so the
 energy meter sees it busy for its own work and idle for the rest). A rank with nothing to do
-records no step: its dummy batch costs less than the others' real ones.
+records no step: its dummy batch costs less than the others' real ones. The expert cost models
+price a rank's experts with its peers carrying its load (sim/core/experts.py), so the step's
+experts come from the largest rank's batch: vLLM pads every rank's batch to the largest one's
+token count, so this is what its GPUs do.
 
 Runs of repeated decode steps (sim/core/step.py) are not used: a rank's batch changes whenever a
-peer's does. Prefill/decode disaggregation is not combined with lockstep groups (refused in
-sim/core/experiment.py).
+peer's does. Prefill/decode disaggregation and pipeline stages are not combined with lockstep
+groups (refused, `lockstep_group_size` and sim/core/experiment.py).
 """
 from __future__ import annotations
 
