@@ -235,10 +235,11 @@ def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
 # ---- batches in flight -------------------------------------------------------------------------
 
 class _TimedReplica(pipelined_replica.PipelinedReplica):
-    """A pipelined replica that keeps its stage timeline."""
+    """A pipelined replica that keeps its stage timeline (a run that plots keeps one already)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, stage_timeline=[], **kwargs)
+    def __init__(self, *args, stage_timeline=None, **kwargs):
+        super().__init__(*args, stage_timeline=[] if stage_timeline is None else stage_timeline,
+                         **kwargs)
 
 
 def _run(pp: int, *overrides: str, monkeypatch=None, cost_model: str = "roofline"):

@@ -287,7 +287,7 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
         if num_stages > 1:   # (virtual engines over pipeline stages)
             replicas.append(build_pipelined_replica(
                 pool, replica_id, env, metrics, model, num_stages, predictor, on_requests_done,
-                retention_policies, lora_managers))
+                retention_policies, lora_managers, meter_class))
             continue
         preemption = build_preemption(cfg.preemption)
         scheduler = assemble_scheduler(

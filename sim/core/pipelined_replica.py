@@ -29,6 +29,8 @@ Energy: each stage's tp boards are charged the seconds that stage is busy with e
 stage's work (its base cost model's FLOPs and bytes, the LM head counted on every stage: an
 over-count of its weights, ~4% of a Llama-2-7B stage's at pp=2), and idle power the rest of the
 run. Repeated decode steps (policies/decode_run.py) never run here: every step is its own event.
+A run that plots gives the stages traced meters and keeps the stage timeline, from which the
+power plot draws the replica's power as the sum of its stages' (sim/core/energy/trace.py).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import (build_replica_executor, kv_cache_policy_config, kv_cache_sizes,
                             max_num_batched_tokens)
 from sim.core.energy.meter import EnergyMeter, build_energy_meter
+from sim.core.energy.stages import StagesEnergyMeter
+from sim.core.energy.trace import TracedEnergyMeter, TracedStagesEnergyMeter
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder
 from sim.core.pipeline import KEY, PipelineCostModel
 from sim.core.step import StepLoop
@@ -51,23 +55,6 @@ if TYPE_CHECKING:
     from sim.core.executor import SimExecutor
 
 _DURATION = STEP_COLUMNS.index("duration")
-
-
-class StagesEnergyMeter:
-    """A pipelined replica's energy: one EnergyMeter per stage (its tp boards, its work)."""
-
-    def __init__(self, stages: list[EnergyMeter]):
-        self.stages = stages
-        self.power_model = stages[0].power_model
-        self.num_boards = sum(meter.num_boards for meter in stages)
-
-    def add_stages(self, plan: StepPlan, stage_times: list[float]) -> None:
-        for meter, duration in zip(self.stages, stage_times):
-            meter.add_step(plan, duration)
-
-    def energy_j(self, span_s: float) -> float:
-        """Every stage's joules over a run of `span_s` seconds, idle time included."""
-        return sum(meter.energy_j(span_s) for meter in self.stages)
 
 
 class EnginesView:
@@ -216,9 +203,11 @@ class PipelinedReplica:
 def build_pipelined_replica(pool, replica_id: int, env: simpy.Environment,
                             metrics: MetricsCollector, model, num_stages: int, predictor,
                             on_requests_done, retention_policies: list | None = None,
-                            lora_managers: list | None = None) -> PipelinedReplica:
+                            lora_managers: list | None = None,
+                            meter_class: type[EnergyMeter] = EnergyMeter) -> PipelinedReplica:
     """A pool's replica of `num_stages` stages: an engine's policies per stage, each over its
-    share of the pool's KV blocks (the module docstring), the stages' cost and energy meters."""
+    share of the pool's KV blocks (the module docstring), the stages' cost and energy meters
+    (each a `meter_class`; traced ones, for the power plot, with the replica's stage timeline)."""
     cfg = pool.cfg
     if pool.role != "mixed":
         raise ValueError(f"{KEY}={num_stages} in the {pool.role} pool {pool.name!r}: pipelined "
@@ -246,10 +235,15 @@ def build_pipelined_replica(pool, replica_id: int, env: simpy.Environment,
     executor = build_replica_executor(cfg, model, pool.hardware, schedulers[0].kv_cache, None,
                                       replica_id)
     tensor_parallel_size = cfg.cluster.tensor_parallel_size
-    energy = StagesEnergyMeter([
+    stage_meters = [
         build_energy_meter(cfg.get("power"), stage.model, pool.hardware, tensor_parallel_size,
-                           cfg.kv_cache.block_size, stage)
-        for stage in executor.cost_model.stages])
+                           cfg.kv_cache.block_size, stage, meter_class)
+        for stage in executor.cost_model.stages]
+    # (Only a run that plots keeps the timeline: its stages' work intervals for the power plot.)
+    timeline = [] if issubclass(meter_class, TracedEnergyMeter) else None
+    energy = (StagesEnergyMeter(stage_meters) if timeline is None
+              else TracedStagesEnergyMeter(stage_meters, timeline))
     return PipelinedReplica(env, replica_id, schedulers, executor, metrics, energy,
                             on_requests_done=on_requests_done, predictor=predictor,
-                            pool=pool.name, role=pool.role, lora_managers=managers or None)
+                            pool=pool.name, role=pool.role, lora_managers=managers or None,
+                            stage_timeline=timeline)

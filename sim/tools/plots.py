@@ -18,7 +18,9 @@ import numpy as np  # noqa: E402
 
 from policies.types import Request  # noqa: E402
 from sim.core.energy.meter import EnergyMeter  # noqa: E402
-from sim.core.energy.trace import TracedEnergyMeter, power_over_time  # noqa: E402
+from sim.core.energy.stages import StagesEnergyMeter  # noqa: E402
+from sim.core.energy.trace import (TracedEnergyMeter, TracedMeter,  # noqa: E402
+                                   TracedStagesEnergyMeter, power_over_time)
 from sim.core.metrics import latency_arrays_s  # noqa: E402
 
 MAX_POINTS_PER_LINE = 5000
@@ -135,19 +137,20 @@ def joules_text(joules: float) -> str:
     return f"{joules:.3g} J"
 
 
-def power_panel_meters(energy_meters: Mapping[int, EnergyMeter | None] | None,
-                       summary: dict | None) -> dict[int, TracedEnergyMeter]:
-    """The replicas' meters that kept each step's joules, where the run has energy to plot
-    ({} without them, or when the summary's energy_j is 0: a hardware spec without power
-    figures)."""
+def power_panel_meters(
+        energy_meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None] | None,
+        summary: dict | None) -> dict[int, TracedMeter]:
+    """The replicas' meters that kept each step's joules (a pipelined replica's, each stage's),
+    where the run has energy to plot ({} without them, or when the summary's energy_j is 0: a
+    hardware spec without power figures)."""
     if not (summary or {}).get("energy_j"):
         return {}
     return {replica_id: meter for replica_id, meter in (energy_meters or {}).items()
-            if isinstance(meter, TracedEnergyMeter)}
+            if isinstance(meter, (TracedEnergyMeter, TracedStagesEnergyMeter))}
 
 
 def plot_power(ax, steps: np.ndarray, columns: tuple[str, ...],
-               meters: dict[int, TracedEnergyMeter], summary: dict,
+               meters: dict[int, TracedMeter], summary: dict,
                replica_labels: dict[int, str] | None = None) -> None:
     """Each replica's board power over time (power_over_time: each step's, and idle between
     steps), its joules and J per output token in the legend, the run's in the title, and a
@@ -180,7 +183,7 @@ def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
                 step_columns: tuple[str, ...],
                 replica_labels: dict[int, str] | None = None,
                 kv_capacities: dict[str, int] | None = None,
-                energy_meters: Mapping[int, EnergyMeter | None] | None = None,
+                energy_meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None] | None = None,
                 summary: dict | None = None) -> list[Path]:
     """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir, and power.png
     where `energy_meters` {replica_id: meter} kept each step's joules and `summary` has energy

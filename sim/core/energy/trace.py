@@ -1,7 +1,9 @@
 """Each step's joules, kept for a run's power plot (sim/tools/plots.py, power.png): a
 `TracedEnergyMeter` is an EnergyMeter that also logs what its power model charged every step, in
-the order of its replica's step rows. Only runs that write plots build one; the others keep the
-plain meter, whose hot path this leaves as it was.
+the order of its replica's step rows; a `TracedStagesEnergyMeter` is a pipelined replica's
+(sim/core/pipelined_replica.py), its stages' meters traced and the replica's stage timeline kept.
+Only runs that write plots build them; the others keep the plain meters, whose hot path this
+leaves as it was.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from sim.core.energy.meter import EnergyMeter
 from sim.core.energy.power import PowerModel
+from sim.core.energy.stages import StagesEnergyMeter
 from sim.core.energy.work import StepWorkCostModel
 
 # A replica's next step that starts this long after the previous one ended: it idled between
@@ -52,11 +55,53 @@ class TracedEnergyMeter(EnergyMeter):
             return np.where(durations > 0, self.num_boards * joules / durations, np.nan)
 
 
+class TracedStagesEnergyMeter(StagesEnergyMeter):
+    """A pipelined replica's StagesEnergyMeter whose stages are TracedEnergyMeters, with
+    `timeline`, the replica's stage timeline (PipelinedReplica.stage_timeline: each stage's
+    work on a step as (stage, engine, start, end), appended as it ends)."""
+
+    def __init__(self, stages: list[TracedEnergyMeter], timeline: list[tuple]):
+        super().__init__(stages)
+        self.timeline = timeline
+
+    def power_over_time(self) -> np.ndarray:
+        """The replica's power as a step function of simulated time: rows (time, W) at each
+        time a stage starts or ends a step, the sum over its stages of each stage's: its boards'
+        joules for the step over the step's seconds on it while it works (the order a stage
+        ends its steps is the order the replica charges them: a stage takes its steps first in,
+        first out), its idle draw otherwise. From the first step's start to the last's end, the
+        last row all stages' idle draw. Work of no time has no power and is left out."""
+        if not self.timeline:
+            return np.empty((0, 2))
+        entries = np.asarray(self.timeline, dtype=np.float64)
+        stage_of, starts, ends = entries[:, 0], entries[:, 2], entries[:, 3]
+        times = np.unique(np.concatenate([starts, ends]))
+        watts = np.zeros(times.size)
+        for index, meter in enumerate(self.stages):
+            rows = stage_of == index
+            start, end = starts[rows], ends[rows]
+            power = meter.busy_power_w(end - start)   # (in the order the meter charged them)
+            worked = end > start
+            start, end, power = start[worked], end[worked], power[worked]
+            order = np.argsort(start, kind="stable")
+            start, end, power = start[order], end[order], power[order]
+            # Each time's latest step started on this stage, and whether it is still at work.
+            latest = np.searchsorted(start, times, side="right") - 1
+            at_work = (latest >= 0) & (times < end[np.maximum(latest, 0)])
+            idle_w = meter.num_boards * meter.power_model.idle_power_w
+            watts += np.where(at_work, power[np.maximum(latest, 0)], idle_w)
+        return np.column_stack([times, watts])
+
+
+TracedMeter = TracedEnergyMeter | TracedStagesEnergyMeter
+
+
 def step_power_w(steps: np.ndarray, columns: tuple[str, ...],
-                 meters: Mapping[int, EnergyMeter | None]) -> np.ndarray:
+                 meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None]) -> np.ndarray:
     """Each step row's replica power in W (TracedEnergyMeter.busy_power_w), for `steps` a
     (rows, len(columns)) array of a run's step rows, each replica's in the order it ran them
-    (as MetricsCollector keeps them); NaN where the row's replica kept no trace."""
+    (as MetricsCollector keeps them); NaN where the row's replica kept no trace or is pipelined
+    (its rows overlap: no one power per row)."""
     replica_column, duration_column = columns.index("replica_id"), columns.index("duration")
     power = np.full(len(steps), np.nan)
     for replica_id, meter in meters.items():
@@ -67,18 +112,23 @@ def step_power_w(steps: np.ndarray, columns: tuple[str, ...],
 
 
 def power_over_time(steps: np.ndarray, columns: tuple[str, ...],
-                    meters: Mapping[int, EnergyMeter | None]) -> np.ndarray:
+                    meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None]) -> np.ndarray:
     """The traced replicas' power as a step function of simulated time: rows (replica_id,
     time, W), replica by replica, in time order: each step's power (step_power_w) from its
     start, and the replica's idle draw from the end of each step after which it idled (its next
-    step starts later, or none follows). Drawn as steps-post, its area over a replica's steps
-    and the gaps between them is what the meter charged for that span. Steps of no time have no
-    power and are left out."""
+    step starts later, or none follows); a pipelined replica's, the sum of its stages'
+    (TracedStagesEnergyMeter.power_over_time). Drawn as steps-post, its area over a replica's
+    steps and the gaps between them is what the meter charged for that span. Steps of no time
+    have no power and are left out."""
     replica_column, start_column, duration_column = (
         columns.index(name) for name in ("replica_id", "start_time", "duration"))
     power = step_power_w(steps, columns, meters)
     pieces = [np.empty((0, 3))]
     for replica_id, meter in meters.items():
+        if isinstance(meter, TracedStagesEnergyMeter):
+            series = meter.power_over_time()
+            pieces.append(np.column_stack([np.full(len(series), float(replica_id)), series]))
+            continue
         if not isinstance(meter, TracedEnergyMeter):
             continue
         rows = (steps[:, replica_column] == replica_id) & (steps[:, duration_column] > 0)
