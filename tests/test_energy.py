@@ -214,7 +214,7 @@ class NotAPowerModel:
 
 
 def sweep_job(policy: str, rate: float, attainment: float, tokens_per_joule: float):
-    from sim.tools.report import Job
+    from sim.tools.sweep_jobs import Job
     return Job(name=f"{policy}-{rate}", overrides={"policy": policy, "workload.rate": str(rate)},
                values={"policy": policy, "workload.rate": rate},
                summary={"slo_attainment": attainment, "tokens_per_joule": tokens_per_joule,

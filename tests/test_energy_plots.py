@@ -15,9 +15,10 @@ from sim.core.energy.work import ModelStepWork
 from sim.core.experiment import run_experiment
 from sim.core.metrics import STEP_COLUMNS
 from sim.tools.plots import joules_text, plot_power, power_panel_meters
-from sim.tools.report import default_metrics, load_jobs, write_report
+from sim.tools.report import default_metrics, write_report
 from sim.tools.report_labels import metric_heading, metric_label
 from sim.tools.run_outputs import write_run_outputs
+from sim.tools.sweep_jobs import load_jobs
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
 from tests.test_energy import reference_decode_work
 

@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from sim.tools.report import ReportError, flatten_summary, main, write_report
+from sim.tools.report import main, write_report
+from sim.tools.sweep_jobs import ReportError, flatten_summary
 
 from factories import twinserve
 

@@ -15,7 +15,8 @@ from sim.core.experiment import run_experiment
 from sim.core.metrics import GROUP_LATENCY_KEYS, MetricsCollector, jain_fairness
 from sim.tools.console_summary import format_summary_table
 from sim.tools.run_outputs import REQUEST_COLUMNS
-from sim.tools.report import flatten_summary, load_jobs, write_csv
+from sim.tools.report import write_csv
+from sim.tools.sweep_jobs import flatten_summary, load_jobs
 
 TWO_TENANTS = ("workload.num_requests=200", "workload.rate=12", "slo.ttft_ms=80",
                "workload.classes=[{share: 0.5, tenant: a},"

@@ -17,7 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from sim.tools.report import ReportError, report_console, write_report
+from sim.tools.report import report_console, write_report
+from sim.tools.sweep_jobs import ReportError
 
 
 class ReportCallback(Callback):

@@ -27,9 +27,10 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from policies.validators import number_in
-from sim.tools.report import (DEFAULT_X_KEY, Job, ReportError, as_number, load_jobs,
-                              report_console, varying_keys)
+from sim.tools.report import report_console
 from sim.tools.report_labels import format_value, policy_label, value_texts
+from sim.tools.sweep_jobs import (DEFAULT_X_KEY, Job, ReportError, as_number, load_jobs,
+                                  varying_keys)
 
 ENERGY_CSV = "energy_at_slo.csv"
 ENERGY_PLOT = "energy_vs_slo.png"
