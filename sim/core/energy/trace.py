@@ -69,8 +69,8 @@ class TracedStagesEnergyMeter(StagesEnergyMeter):
         time a stage starts or ends a step, the sum over its stages of each stage's: its boards'
         joules for the step over the step's seconds on it while it works (the order a stage
         ends its steps is the order the replica charges them: a stage takes its steps first in,
-        first out), its idle draw otherwise. From the first step's start to the last's end, the
-        last row all stages' idle draw. Work of no time has no power and is left out."""
+        first out), its idle draw otherwise. It runs from the first step's start to the last
+        one's end, where every stage is idle. Work of no time has no power and is left out."""
         if not self.timeline:
             return np.empty((0, 2))
         entries = np.asarray(self.timeline, dtype=np.float64)
