@@ -40,7 +40,7 @@ import simpy
 
 from policies.lora.spec import lora_config
 from policies.protocols import LoRAManager, Scheduler
-from policies.types import Request, StepResult
+from policies.types import Request
 from sim.core.assembly import assemble_scheduler, build_preemption
 from sim.core.build import (build_replica_executor, kv_cache_policy_config, kv_cache_sizes,
                             max_num_batched_tokens)
