@@ -69,11 +69,8 @@ class LockstepGroup:
             duration = max([rank.steps.begin_unrecorded(now).duration for rank in stepping])
             for rank in stepping:
                 rank.steps.record(now, duration)
-                rank.busy_until = now + duration
             yield env.timeout(duration)
             for rank in stepping:
-                rank.busy_until = float("inf")
-                rank.last_step_duration = duration
                 rank._queued_during_step.clear()   # (counted only for repeated steps)
                 finished = rank.steps.complete(env.now)
                 if finished and rank.on_requests_done:
