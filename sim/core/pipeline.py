@@ -101,6 +101,10 @@ class PipelineCostModel:
         self.num_stages = len(stages)
         self._send_s, self._send_slope_s = send_s_per_tokens, send_slope_s
         self.send_source = send_source
+        # The plan step_time costed last and its stage times (a pipelined replica's executor
+        # costs each step once, and the replica's loop runs those times through the stages).
+        self.last_plan: StepPlan | None = None
+        self.last_stage_times: list[float] = []
         first = stages[0]
         # The run's summary states the kernels' expected error where the base model does.
         self.expected_error_pct = (
@@ -139,8 +143,10 @@ class PipelineCostModel:
 
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes through idle stages (its latency alone; a replica's loop
-        runs the stages themselves, sim/core/pipelined_replica.py)."""
-        return sum(self.stage_times(plan))
+        runs the stages themselves, sim/core/pipelined_replica.py, reading the stage times
+        summed here from `last_stage_times` rather than costing the plan again)."""
+        self.last_plan, self.last_stage_times = plan, self.stage_times(plan)
+        return sum(self.last_stage_times)
 
 
 def send_bytes_per_token(model: ModelSpec, tensor_parallel_size: int) -> float:

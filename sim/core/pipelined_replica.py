@@ -100,7 +100,7 @@ class VirtualEngine:
         replica, scheduler = self.replica, self.scheduler
         env, stages, timeline = replica.env, replica.stages, replica.stage_timeline
         rows = replica.metrics.step_rows
-        stage_times_of = replica.cost_model.stage_times
+        cost_model = replica.cost_model
         while True:
             while not scheduler.has_unfinished():
                 self._idle = env.event()
@@ -113,7 +113,9 @@ class VirtualEngine:
             plan = self.steps.plan
             row = len(rows)
             replica.recorder.record_step_row(start, plan, 0.0, replica.engines_view)
-            stage_times = stage_times_of(plan)
+            # (the executor costed this plan just now: its stage times, not a second costing)
+            stage_times = (cost_model.last_stage_times if cost_model.last_plan is plan
+                           else cost_model.stage_times(plan))
             for index, stage in enumerate(stages):
                 if index:
                     claim = stage.request()
