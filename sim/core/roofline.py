@@ -135,7 +135,7 @@ class RooflineCostModel:
                 ExpertLayout.of(m, routing, tp, expert_parallel_size), hw, self.compute_efficiency,
                 self.memory_efficiency, self.transfer_efficiency, self.allreduce_latency_s)
         self._linear_s_per_token = 2 * linear_params / flop_rate
-        self._linear_weights_s = linear_params * m.dtype_bytes / byte_rate
+        self._linear_weights_s = linear_params * m.linear_weight_bytes / byte_rate
         lm_head_params = m.lm_head_parameters / tp
         self._lm_head_s_per_seq = 2 * lm_head_params / flop_rate
         self._lm_head_weights_s = lm_head_params * m.dtype_bytes / byte_rate
@@ -183,8 +183,7 @@ class RooflineCostModel:
         num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
         num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         num_copied = len(plan.blocks_to_copy)
-        if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
-                or plan.blocks_to_load):
+        if plan.is_empty:   # (a step that only preempts is not empty: it costs the overhead)
             return 0, 0.0
         return num_tokens, self._overhead_s(plan, num_swapped, num_copied)
 

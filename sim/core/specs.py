@@ -23,6 +23,8 @@ GB = 1000 ** 3  # bandwidths and FLOP rates on spec sheets are decimal
 MLP_KINDS = ("gated", "plain")
 BOARDS = ("datacenter", "workstation")
 DTYPE_BYTES = (1, 2, 4)  # fp8/int8, fp16/bf16, fp32
+QUANTIZATIONS = (None, "fp8", "fp8_block")   # vLLM --quantization of the linear layers' weights
+KV_CACHE_DTYPES = ("auto", "fp8")            # vLLM --kv-cache-dtype (auto: the model's dtype)
 
 
 def _fields_from_config(cls: type, config: Mapping | DictConfig) -> dict[str, Any]:
@@ -73,6 +75,10 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Quantized serving: fp8 linear-layer weights (one byte each; embeddings, norms and the LM
+    # head keep dtype_bytes) and an fp8 KV cache (one byte a value: twice the blocks).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         owner = f"ModelSpec({self.name!r})"
@@ -93,6 +99,12 @@ class ModelSpec:
         positive_int(f"{owner}.head_dim", self.head_dim)
         if self.dtype_bytes not in DTYPE_BYTES:
             raise ValueError(f"{owner}.dtype_bytes must be one of {DTYPE_BYTES}, got {self.dtype_bytes!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"{owner}.quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{owner}.kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"{owner}.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         for name in ("tie_word_embeddings", "bias"):
@@ -195,15 +207,26 @@ class ModelSpec:
         return embeddings + layers + final_norm + lm_head
 
     @property
+    def linear_weight_bytes(self) -> int:
+        """Bytes of one parameter of a linear layer (q, k, v, o, MLP, experts)."""
+        return 1 if self.quantization else self.dtype_bytes
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return 1 if self.kv_cache_dtype == "fp8" else self.dtype_bytes
+
+    @property
     def weight_bytes(self) -> int:
-        return self.num_parameters * self.dtype_bytes
+        linear = self.num_layers * self.linear_parameters_per_layer
+        return ((self.num_parameters - linear) * self.dtype_bytes
+                + linear * self.linear_weight_bytes)
 
     # --- KV cache -----------------------------------------------------------------------------
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Key and value for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
-        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.kv_dtype_bytes
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         positive_int("block_size", block_size)
@@ -216,7 +239,7 @@ class ModelSpec:
 
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
         return (2 * self.num_layers * self.kv_heads_per_gpu(tensor_parallel_size)
-                * self.head_dim * self.dtype_bytes)
+                * self.head_dim * self.kv_dtype_bytes)
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """vLLM's rule: attention heads split evenly over the GPUs."""
@@ -340,7 +363,7 @@ def weight_bytes_per_gpu(model: ModelSpec, tensor_parallel_size: int = 1,
     if expert_parallel_size == 1 or not model.is_moe:
         return model.weight_bytes / tp
     experts = (model.num_layers * model.num_experts * model.expert_parameters
-               * model.dtype_bytes)
+               * model.linear_weight_bytes)
     return (model.weight_bytes - experts) / tp + experts / max(tp, expert_parallel_size)
 
 

@@ -54,6 +54,7 @@ class AttentionCost:
     prefill_s_per_context_pair: float   # chunk token x cached token
     prefill_s_per_causal_pair: float    # pairs of the chunk's own triangle (c^2 / 2)
     source: str
+    prefill_s_per_token: float = 0.0    # per prompt token of the step's chunks
 
 
 def _heads(shape: LayerShape, tp: int) -> tuple[int, int]:

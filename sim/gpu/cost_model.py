@@ -21,7 +21,11 @@ from; `expected_error_pct` is the leave-one-out error of the kind of transfer th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -38,14 +42,47 @@ from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_m
                             predict_lm_head_ms, predict_step_ops_ms)
 from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
 from sim.gpu.transfer_errors import expected_errors
+from sim.gpu.vllm_kernels import VllmKernels
+from sim.gpu.vllm_tables import (DEFAULT_ENGINE_VERSION, NoKernelTables, nearest_version,
+                                 resolve_version)
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
 
 
+# Where the kernels come from: vLLM's own, per version (aiconfigurator), or Vidur's 2023 profiles.
+KERNEL_TABLES = ("vllm", "vidur")
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Print a fallback's one line once a process (sweeps build many cost models)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
+
+
 # The terms a twinserve-calibrate profile may set on this cost model.
 FITTABLE_TERMS = ("step_overhead_s", "per_sequence_overhead_s",
                   "eager_launch_overhead_s_per_layer", "workstation_bandwidth_efficiency")
+
+
+ENGINE_TERMS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "engine_terms.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_terms_by_version() -> dict:
+    return json.loads(ENGINE_TERMS_FILE.read_text())["versions"]
+
+
+def engine_terms(engine_version: str | None) -> tuple[dict[str, float], str]:
+    """The engine terms fitted for the vLLM version nearest `engine_version` (None: the default
+    version), and a line saying which (data/gpu/engine_terms.json says what each was fitted on)."""
+    by_version = _engine_terms_by_version()
+    asked = DEFAULT_ENGINE_VERSION if engine_version is None else str(engine_version)
+    used = nearest_version(asked, list(by_version))
+    return by_version[used], f"vLLM {used} engine terms (data/gpu/engine_terms.json)"
 
 
 def read_terms_file(path: str, key: str) -> dict[str, float]:
@@ -103,15 +140,23 @@ class GPUCostModel(RooflineCostModel):
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
                  tensor_parallel_size: int = 1,
                  block_size: int = 16,
-                 step_overhead_s: float = 1e-3,
-                 per_sequence_overhead_s: float = 1e-5,
+                 step_overhead_s: float | None = None,
+                 per_sequence_overhead_s: float | None = None,
                  eager_launch_overhead_s_per_layer: float = 6e-5,
                  cuda_graph_max_tokens: int = 512,
                  attention_backend: str = "FLASH_ATTENTION",
                  workstation_bandwidth_efficiency: float = 1.0,
                  terms_file: str | None = None,
+                 engine_version: str | None = None,
+                 kernel_tables: str = "vllm",
                  **roofline_kwargs):
         owner = "GPUCostModel"
+        # The engine's own time: the version's fitted terms unless given (data/gpu/engine_terms.json).
+        version_terms, self.engine_terms_source = engine_terms(engine_version)
+        if step_overhead_s is None:
+            step_overhead_s = version_terms["step_overhead_s"]
+        if per_sequence_overhead_s is None:
+            per_sequence_overhead_s = version_terms["per_sequence_overhead_s"]
         if terms_file is not None:   # a twinserve-calibrate fit: its terms replace these values
             fitted = read_terms_file(terms_file, f"{owner}.terms_file")
             step_overhead_s = fitted.get("step_overhead_s", step_overhead_s)
@@ -154,37 +199,71 @@ class GPUCostModel(RooflineCostModel):
             self._lora = lora_step_cost(roofline_kwargs["lora"], m, tp, hw.peak_flops,
                                         hw.memory_bandwidth,
                                         hw.host_to_device_bandwidth * self.transfer_efficiency)
-        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
-        if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
-            experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
-            forward_ms = layers * (experts.layer_ms(tokens) + predict_layer_ms(
-                self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
-                ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
+        if kernel_tables not in KERNEL_TABLES:
+            raise ValueError(f"{owner}.kernel_tables must be one of {list(KERNEL_TABLES)}, "
+                             f"got {kernel_tables!r}")
+        self.kernels = None
+        if kernel_tables == "vllm":
+            try:
+                system, version, self.kernel_source = resolve_version(self.hardware.name,
+                                                                      engine_version)
+                self.kernels = self._vllm_kernels(system, version)
+            except NoKernelTables as missing:
+                self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
+                _say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
+                          f"tables (cost_model.kernel_tables=vidur)")
         else:
-            forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
-                                                   m.dtype_bytes)
-        forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
-        allreduce_source = "none (tensor_parallel_size 1)"
-        if tp > 1:
-            allreduce = allreduce_cost(hw, tp)
-            allreduce_source = allreduce.source
-            forward_ms += 2 * layers * 1e3 * allreduce.seconds(tokens * m.hidden_size * m.dtype_bytes)
+            self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
+        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
+        if self.kernels is not None:
+            k = self.kernels
+            forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
+                          + k.step_ops_ms(tokens))
+            if m.is_moe and self._experts.layout.expert_parallel_size > 1:
+                forward_ms += layers * ExpertKernels(
+                    self.op_table, hw, self._experts.layout, shape).all_to_all_ms(tokens)
+            lm_head_ms = k.lm_head_ms(tokens)
+            attention, _, _ = k.attention()
+            allreduce_source = ("none (tensor_parallel_size 1)" if tp == 1 else
+                                f"{system} vLLM {version} custom all-reduce (CUDA graph up to "
+                                f"{self.cuda_graph_max_tokens} tokens, eager beyond), NCCL past "
+                                f"8 MiB")
+            linear_source = (f"{self.kernel_source}: QKV, O, gate+up, down GEMMs "
+                             f"({k.gemm_dtype})" + (", router + fused MoE" if m.is_moe else "")
+                             + f" at the tp={tp} shard; norms, rope, act, add from "
+                             f"{self.op_table.name} by bytes")
+        else:
+            if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
+                experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
+                forward_ms = layers * (experts.layer_ms(tokens) + predict_layer_ms(
+                    self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
+                    ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
+            else:
+                forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
+                                                       m.dtype_bytes)
+            forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+            allreduce_source = "none (tensor_parallel_size 1)"
+            if tp > 1:
+                allreduce = allreduce_cost(hw, tp)
+                allreduce_source = allreduce.source
+                forward_ms += 2 * layers * 1e3 * allreduce.seconds(tokens * m.hidden_size * m.dtype_bytes)
+            lm_head_ms = predict_lm_head_ms(self.op_table, tokens, hw, m.hidden_size, m.vocab_size,
+                                            tp, m.dtype_bytes)
+            attention = attention_cost(hw, shape, tp, m.dtype_bytes, attention_backend)
         self._forward_s, self._forward_slope_s = _dense(forward_ms * 1e-3)
         # A batch a CUDA graph covers runs at its capture size.
         for n, padded in enumerate(_padded_index(self.cuda_graph_max_tokens)):
             self._forward_s[n] = self._forward_s[padded]
-        lm_head_ms = predict_lm_head_ms(self.op_table, tokens, hw, m.hidden_size, m.vocab_size,
-                                        tp, m.dtype_bytes)
         self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
 
-        attention = attention_cost(hw, shape, tp, m.dtype_bytes, attention_backend)
         self._decode_fixed_s = layers * (attention.decode_fixed_s)
         self._decode_s_per_token = layers * attention.decode_s_per_context_token
         self._decode_s_per_seq = layers * attention.decode_s_per_seq
         self._prefill_fixed_s = layers * attention.prefill_fixed_s
         self._prefill_s_per_context_pair = layers * attention.prefill_s_per_context_pair
         self._prefill_s_per_causal_pair = layers * attention.prefill_s_per_causal_pair
+        self._prefill_s_per_token = layers * attention.prefill_s_per_token
 
         self.expected_errors = expected_errors()
         self.expected_error_pct = self.expected_errors["linear"][self.linear_transfer_kind]
@@ -193,10 +272,14 @@ class GPUCostModel(RooflineCostModel):
                                       "embedding and final norm per step)"
                       + ("" if self.hardware.compute_efficiency == 1.0 else
                          f"; the board's compute_efficiency {self.hardware.compute_efficiency:g}"),
-            "lm_head": f"predicted from {self.op_table.name} gate+up GEMM by the LM head's roofline ratio",
+            "lm_head": (f"{self.kernel_source}: the hidden x vocab/tp GEMM over the sampling rows"
+                        + (", logits all-gathered (NCCL)" if tp > 1 else "")
+                        if self.kernels is not None else
+                        f"predicted from {self.op_table.name} gate+up GEMM by the LM head's "
+                        f"roofline ratio"),
             "attention": attention.source,
             "allreduce": allreduce_source,
-            "engine": (f"{'fitted: ' + str(terms_file) if terms_file else 'config'}: "
+            "engine": (f"{'fitted: ' + str(terms_file) if terms_file else self.engine_terms_source}: "
                        f"step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
                        f"{per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
                        f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
@@ -207,7 +290,18 @@ class GPUCostModel(RooflineCostModel):
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
         if m.is_moe:
-            self._sources["experts"] = experts.source(self.routing)
+            self._sources["experts"] = (
+                f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
+                f"moe_ep {self.kernels.moe_ep_size}, balanced routing)"
+                if self.kernels is not None else experts.source(self.routing))
+
+    def _vllm_kernels(self, system: str, version: str) -> VllmKernels:
+        m, tp = self.model, self.tensor_parallel_size
+        ep = self._experts.layout.expert_parallel_size if m.is_moe else 1
+        return VllmKernels(m, self.hardware, system, version, tp, self.cuda_graph_max_tokens,
+                           moe_tp_size=max(1, tp // ep), moe_ep_size=ep,
+                           moe_tokens_per_token=(self._experts.layout.group_tokens_per_token
+                                                 if m.is_moe else 1.0))
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
@@ -251,7 +345,8 @@ class GPUCostModel(RooflineCostModel):
         # chunk's own causal triangle sum c^2 / 2 pairs.
         context_pairs = plan.prefill_attention_work - plan.sum_squared_prefill_chunks
         return (self._prefill_fixed_s + context_pairs * self._prefill_s_per_context_pair
-                + plan.sum_squared_prefill_chunks / 2 * self._prefill_s_per_causal_pair)
+                + plan.sum_squared_prefill_chunks / 2 * self._prefill_s_per_causal_pair
+                + plan.num_prefill_tokens * self._prefill_s_per_token)
 
     def step_time(self, plan: StepPlan) -> float:
         """Seconds the step takes. An empty plan takes 0; one with only swaps or copies costs

@@ -1,0 +1,193 @@
+"""One step's kernels assembled from the kernel tables of the vLLM version being predicted
+(sim/gpu/vllm_tables.py), at the model's tensor-parallel shard, per batched token count:
+
+- per layer: the QKV, O, gate+up and down GEMMs looked up at their (tokens, n, k) in the
+  version's GEMM table of the weights' dtype (bf16, fp8, fp8_block), or for a mixture of experts
+  the router GEMM and the fused MoE layer from its table; two all-reduces from vLLM's custom
+  all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond, NCCL past the
+  custom one's 8 MiB); the small kernels (norms, rotary, activation, residual add) from the
+  nearest operator table by bytes moved (sim/gpu/linear.py);
+- per step: embedding and final norm (small kernels), the LM head GEMM over the sampling rows,
+  and at tp > 1 the logits' all-gather;
+- attention: the version's prefill and decode attention tables of the KV cache's dtype, at the
+  heads one GPU holds, fitted by relative least squares to the terms a plan carries (decode:
+  fixed + cached tokens + sequences; prefill: fixed + query-key pairs + tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sim.core.specs import HardwareSpec, ModelSpec
+from sim.gpu.attention import AttentionCost
+from sim.gpu.linear import nearest_op_table, predict_op_ms
+from sim.gpu.tables import LayerShape
+from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, AttentionRows, NoKernelTables,
+                                 attention_rows, curve_ms, custom_allreduce_curve, gemm_grid,
+                                 moe_table, nccl_curve)
+
+GEMM_DTYPES = {None: "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
+SMALL_LAYER_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
+# The decode rows a fit uses: what a serving batch reaches (the tables run to 2,048 x 131k).
+DECODE_FIT_MAX_BATCH, DECODE_FIT_MAX_CONTEXT = 512, 32768
+
+
+def _relative_fit(columns: list[np.ndarray], ms: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative coefficients minimising the relative error of sum(c x column) to `ms`, and
+    the fit's mean relative error (%)."""
+    from scipy.optimize import nnls
+    a = np.column_stack(columns) / ms[:, None]
+    coefficients, _ = nnls(a, np.ones_like(ms))
+    predicted = np.column_stack(columns) @ coefficients
+    return coefficients, float(100 * np.mean(np.abs(predicted - ms) / ms))
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmKernels:
+    """A model's kernels on one GPU of `system` under vLLM `version` (module docstring)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    system: str
+    version: str
+    tensor_parallel_size: int
+    cuda_graph_max_tokens: int
+    moe_tp_size: int = 1
+    moe_ep_size: int = 1
+    moe_tokens_per_token: float = 1.0       # tokens a GPU's experts see per token of the replica
+
+    @property
+    def gemm_dtype(self) -> str:
+        return GEMM_DTYPES[self.model.quantization]
+
+    @property
+    def kv_dtype(self) -> str:
+        return "fp8" if self.model.kv_cache_dtype == "fp8" else "bfloat16"
+
+    def _gemm_ms(self, tokens: np.ndarray, n: int, k: int, dtype: str | None = None) -> np.ndarray:
+        return gemm_grid(self.system, self.version, dtype or self.gemm_dtype).latency_ms(tokens, n, k)
+
+    # --- per layer -----------------------------------------------------------------------------
+
+    def layer_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """One layer's kernels but attention and all-reduces (ms) at each of `tokens`."""
+        m, tp = self.model, self.tensor_parallel_size
+        q = m.num_attention_heads // tp * m.head_dim
+        kv = m.kv_heads_per_gpu(tp) * m.head_dim
+        ms = (self._gemm_ms(tokens, q + 2 * kv, m.hidden_size)
+              + self._gemm_ms(tokens, m.hidden_size, q))
+        if m.is_moe:
+            ms = ms + self._gemm_ms(tokens, m.num_experts, m.hidden_size, "bfloat16") \
+                + self.moe_ms(tokens)
+        else:
+            width = m.intermediate_size // tp
+            ms = ms + self._gemm_ms(tokens, (2 if m.mlp == "gated" else 1) * width, m.hidden_size) \
+                + self._gemm_ms(tokens, m.hidden_size, width)
+        return ms + self._small_ms(tokens, SMALL_LAYER_OPS)
+
+    def _small_ms(self, tokens: np.ndarray, ops: tuple[str, ...]) -> np.ndarray:
+        m, tp = self.model, self.tensor_parallel_size
+        shape = LayerShape.of_model(m)
+        table = nearest_op_table(self.hardware, shape, tp, key=f"hardware={self.hardware.name}")
+        return sum(predict_op_ms(table, op, tokens, self.hardware, shape, tp, m.dtype_bytes)
+                   for op in ops)
+
+    def moe_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """The fused MoE layer (ms): the measured configuration of this model's experts, or the
+        nearest measured one scaled by expert FLOPs and weight bytes."""
+        m = self.model
+        data = moe_table(self.system, self.version)
+        dtype = {"bfloat16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}[self.gemm_dtype]
+        rows = ((data["moe_dtype"] == dtype) & (data["distribution"] == "balanced")
+                & (data["moe_tp_size"] == self.moe_tp_size) & (data["moe_ep_size"] == self.moe_ep_size))
+        if not rows.any():
+            raise NoKernelTables(f"{self.system} vLLM {self.version}: no {dtype} MoE layer at "
+                                 f"moe_tp {self.moe_tp_size}, moe_ep {self.moe_ep_size}")
+        configs = {tuple(int(data[c][i]) for c in ("hidden_size", "inter_size", "topk", "num_experts"))
+                   for i in np.flatnonzero(rows)}
+        want = (m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok, m.num_experts)
+        config = min(configs, key=lambda c: sum(abs(np.log(a / b)) for a, b in zip(c, want)))
+        rows &= ((data["hidden_size"] == config[0]) & (data["inter_size"] == config[1])
+                 & (data["topk"] == config[2]) & (data["num_experts"] == config[3]))
+        order = np.argsort(data["num_tokens"][rows])
+        measured_tokens = data["num_tokens"][rows][order].astype(float)
+        measured_ms = data["latency"][rows][order].astype(float)
+        seen = np.asarray(tokens, dtype=float) * self.moe_tokens_per_token
+        ms = np.interp(seen, measured_tokens, measured_ms)
+        slope = (measured_ms[-1] - measured_ms[-2]) / (measured_tokens[-1] - measured_tokens[-2])
+        ms = np.where(seen > measured_tokens[-1], measured_ms[-1] + (seen - measured_tokens[-1]) * slope, ms)
+        if config != want:   # work per token and weights both scale with hidden x width x experts
+            flops = want[0] * want[1] * want[2] / (config[0] * config[1] * config[2])
+            weights = want[0] * want[1] * want[3] / (config[0] * config[1] * config[3])
+            ms = ms * np.where(seen * want[2] > want[3], flops, weights)
+        return ms
+
+    # --- collectives ---------------------------------------------------------------------------
+
+    def allreduce_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """One tensor-parallel all-reduce of tokens x hidden activations (ms)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return np.zeros_like(np.asarray(tokens, dtype=float))
+        elements = np.asarray(tokens, dtype=float) * self.model.hidden_size
+        nccl = nccl_curve(self.system, "all_reduce", tp)
+        graph = custom_allreduce_curve(self.system, self.version, tp, "vllm_graph")
+        eager = custom_allreduce_curve(self.system, self.version, tp, "vllm_eager")
+        if not len(graph[0]):   # no custom all-reduce on this system (PCIe boards): NCCL
+            return curve_ms(nccl, elements)
+        custom = np.where(np.asarray(tokens) <= self.cuda_graph_max_tokens,
+                          curve_ms(graph, elements), curve_ms(eager, elements))
+        return np.where(elements * 2 <= CUSTOM_ALLREDUCE_MAX_BYTES, custom,
+                        curve_ms(nccl, elements))
+
+    # --- per step ------------------------------------------------------------------------------
+
+    def step_ops_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """The embedding and the final norm (ms)."""
+        return self._small_ms(tokens, ("emb", "input_layernorm"))
+
+    def lm_head_ms(self, rows: np.ndarray) -> np.ndarray:
+        """The LM head over the sampling rows (its weights stay bf16 under fp8), and at tp > 1
+        the logits' all-gather (ms)."""
+        m, tp = self.model, self.tensor_parallel_size
+        ms = self._gemm_ms(rows, -(-m.vocab_size // tp), m.hidden_size, "bfloat16")
+        if tp > 1:
+            ms = ms + curve_ms(nccl_curve(self.system, "all_gather", tp),
+                               np.asarray(rows, dtype=float) * m.vocab_size)
+        return ms
+
+    # --- attention -----------------------------------------------------------------------------
+
+    def _rows(self, kind: str) -> tuple[AttentionRows, float]:
+        """The table rows for the model's heads on one GPU and the factor that carries them
+        there (KV heads for decode, which reads the cache; query heads for prefill)."""
+        m, tp = self.model, self.tensor_parallel_size
+        query, kv = m.num_attention_heads // tp, m.kv_heads_per_gpu(tp)
+        rows = attention_rows(self.system, self.version, kind, query, kv, m.head_dim, self.kv_dtype)
+        scale = (kv / rows.heads[1]) if kind == "generation" else (query / rows.heads[0])
+        return rows, scale * m.head_dim / rows.heads[2]
+
+    def attention(self) -> tuple[AttentionCost, float, float]:
+        """Per-layer attention terms in seconds, and the decode and prefill fits' errors (%)."""
+        decode, decode_scale = self._rows("generation")
+        keep = (decode.batch <= DECODE_FIT_MAX_BATCH) & (decode.context <= DECODE_FIT_MAX_CONTEXT)
+        b, s, ms = decode.batch[keep], decode.context[keep], decode.ms[keep]
+        (d_fixed, d_token, d_seq), decode_error = _relative_fit([np.ones_like(ms), b * s, b], ms)
+        prefill, prefill_scale = self._rows("context")
+        b, s, ms = prefill.batch, prefill.context, prefill.ms
+        (p_fixed, p_pair, p_token), prefill_error = _relative_fit(
+            [np.ones_like(ms), b * s * (s + 1) / 2, b * s], ms)
+        cost = AttentionCost(
+            decode_fixed_s=d_fixed * 1e-3,
+            decode_s_per_context_token=d_token * decode_scale * 1e-3,
+            decode_s_per_seq=d_seq * decode_scale * 1e-3,
+            prefill_fixed_s=p_fixed * 1e-3,
+            prefill_s_per_context_pair=p_pair * prefill_scale * 1e-3,
+            prefill_s_per_causal_pair=p_pair * prefill_scale * 1e-3,
+            prefill_s_per_token=p_token * prefill_scale * 1e-3,
+            source=(f"{self.system} vLLM {self.version} flash attention tables, {self.kv_dtype} KV "
+                    f"cache, measured heads q/kv/d {decode.heads} (decode) {prefill.heads} (prefill) "
+                    f"scaled to this GPU's; fit error decode {decode_error:.0f} %, prefill "
+                    f"{prefill_error:.0f} %"))
+        return cost, decode_error, prefill_error
