@@ -227,7 +227,7 @@ class GPUCostModel(RooflineCostModel):
             allreduce_source = ("none (tensor_parallel_size 1)" if tp == 1 else
                                 f"{system} vLLM {version} custom all-reduce (CUDA graph up to "
                                 f"{self.cuda_graph_max_tokens} tokens, eager beyond), NCCL past "
-                                f"8 MiB")
+                                f"its size limit")
             linear_source = (f"{self.kernel_source}: QKV, O, gate+up, down GEMMs "
                              f"({k.gemm_dtype})" + (", router + fused MoE" if m.is_moe else "")
                              + f" at the tp={tp} shard; norms, rope, act, add from "

@@ -5,7 +5,7 @@
   version's GEMM table of the weights' dtype (bf16, fp8, fp8_block), or for a mixture of experts
   the router GEMM and the fused MoE layer from its table; two all-reduces from vLLM's custom
   all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond, NCCL past the
-  custom one's 8 MiB); the small kernels (norms, rotary, activation, residual add) from the
+  custom one's size limit); the small kernels (norms, rotary, activation, residual add) from the
   nearest operator table by bytes moved (sim/gpu/linear.py);
 - per step: embedding and final norm (small kernels), the LM head GEMM over the sampling rows,
   and at tp > 1 the logits' all-gather;
@@ -138,7 +138,7 @@ class VllmKernels:
             return curve_ms(nccl, elements)
         custom = np.where(np.asarray(tokens) <= self.cuda_graph_max_tokens,
                           curve_ms(graph, elements), curve_ms(eager, elements))
-        return np.where(elements * 2 <= CUSTOM_ALLREDUCE_MAX_BYTES, custom,
+        return np.where(elements * 2 <= CUSTOM_ALLREDUCE_MAX_BYTES.get(tp, 0), custom,
                         curve_ms(nccl, elements))
 
     # --- per step ------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ SYSTEMS = {
 # The version a run without `cost_model.engine_version` predicts (the nearest measured is used).
 DEFAULT_ENGINE_VERSION = "0.19"
 
-# vLLM's custom all-reduce handles messages up to this many bytes; larger ones go to NCCL.
-CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+# The largest message (bytes) vLLM's custom all-reduce takes on Hopper/Ampere NVLink, by GPUs
+# (vLLM's all_reduce_utils); larger ones go to symmetric memory or NCCL, priced by NCCL's table.
+CUSTOM_ALLREDUCE_MAX_BYTES = {2: 64 << 20, 4: 32 << 20, 6: 512 << 10, 8: 256 << 10}
 
 
 class NoKernelTables(ValueError):
@@ -97,6 +98,9 @@ def _newest(folder: Path, name: str) -> Path:
 
 # --- GEMMs -------------------------------------------------------------------------------------
 
+GLITCH_RATIO = 1.3
+
+
 @dataclass(frozen=True)
 class GemmGrid:
     """One dtype's GEMM latencies on a full (m, n, k) grid (ms); holes filled along m."""
@@ -153,6 +157,12 @@ def gemm_grid(system: str, version: str, dtype: str) -> GemmGrid:
             last = np.flatnonzero(known)[-1]
             column[~known] = np.interp(grid_m[~known], grid_m[known], column[known])
             column[last + 1:] = column[last] * grid_m[last + 1:] / grid_m[last]
+    # A GEMM over more tokens is never faster: a point slower than a larger m's is a glitch of
+    # the measurement (e.g. 0.14.0 on H100, m 2048 x n 5120 x k 6144 at a fifth of its
+    # neighbours' rate): a point 30 % slower than some larger m takes that m's time (a
+    # smaller excess is the noise of flat, memory-bound rows, kept).
+    above = np.minimum.accumulate(cube[::-1], axis=0)[::-1]
+    cube = np.where(cube > GLITCH_RATIO * above, above, cube)
     return GemmGrid(grid_m.astype(float), grid_n.astype(float), grid_k.astype(float), cube)
 
 
