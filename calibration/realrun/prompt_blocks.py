@@ -69,10 +69,15 @@ def workload_hash_ids(path: Path, requests: list[dict], requests_path: Path) -> 
                 raise RealRunError(
                     f"{path}: line {number} has {key} {record[key]}, request {number} of "
                     f"{requests_path} {request[key]}: the workload file is not this run's")
+        arrival = record["arrival_time_ns"]
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+            raise RealRunError(f"{path}: line {number}: arrival_time_ns must be a number, got "
+                               f"{arrival!r}")
         ids = record["hash_ids"]
         if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise RealRunError(f"{path}: line {number}: hash_ids must be a list of integers >= 0")
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ids):
+            raise RealRunError(f"{path}: line {number}: hash_ids must be a list of integers in "
+                               f"[0, 2**63)")
         if len(ids) != record["input_toks"] // WORKLOAD_BLOCK_TOKENS:
             raise RealRunError(f"{path}: line {number}: {len(ids)} hash_ids for input_toks "
                                f"{record['input_toks']} (one per full {WORKLOAD_BLOCK_TOKENS}-"
