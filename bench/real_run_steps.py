@@ -31,7 +31,9 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from policies.types import StepPlan
-from calibration.realrun.settings import match_hardware, match_model
+from calibration.realrun.prompt_blocks import seen_before_tokens
+from calibration.realrun.readers import llmservingsim_hash_ids, llmservingsim_settings
+from calibration.realrun.settings import V1_DEFAULTS, is_v1, match_hardware, match_model
 from sim.core.build import CONF_DIR
 from sim.gpu.cost_model import GPUCostModel
 
@@ -133,19 +135,36 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
 CACHED_PROMPT_FIELDS = ("num_cached_tokens", "cached_toks")
 
 
+def cached_prompt_tokens(folder: Path, requests: list[dict]) -> list[int] | None:
+    """Each request's prompt tokens the prefix cache served (vLLM counts a prompt whole, its
+    cache hits included), `requests` being vllm_requests.jsonl's lines in file order: none
+    without prefix caching (as recorded, else vLLM V1's default); else the log's own count, or
+    the blocks an earlier prompt already had by the workload file's hash ids (an unlimited
+    cache: before KV pressure nothing was evicted). None when neither tells."""
+    settings, _ = llmservingsim_settings(folder)
+    caching = settings.get("enable_prefix_caching",
+                           is_v1(settings) and V1_DEFAULTS["enable_prefix_caching"])
+    if not caching:
+        return [0] * len(requests)
+    field = next((name for name in CACHED_PROMPT_FIELDS if name in requests[0]), None)
+    if field is not None:
+        return [int(r[field]) for r in requests]
+    hash_ids = llmservingsim_hash_ids(folder / "vllm_requests.jsonl", requests, [])
+    if hash_ids is None:
+        return None
+    return seen_before_tokens(hash_ids, [r["input_toks"] for r in requests]).tolist()
+
+
 def uncomputed_prompts(folder: Path) -> str | None:
     """Why the run's prompt counts cannot measure compute (None if they can): with prefix caching
     on, vLLM counts a prompt whole, its cache hits included, and a log without a per-request
-    count of cached tokens cannot tell the computed part."""
-    meta = json.loads((folder / "vllm_meta.json").read_text())
-    if not (meta.get("kv_cache") or {}).get("enable_prefix_caching"):
-        return None
-    with open(folder / "vllm_requests.jsonl") as file:
-        first = json.loads(file.readline())
-    if any(name in first for name in CACHED_PROMPT_FIELDS):
+    count of cached tokens or the prompts' hash ids cannot tell the computed part."""
+    requests = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
+    if cached_prompt_tokens(folder, requests) is not None:
         return None
     return ("prefix caching was on and the log has no per-request cached-token count "
-            f"({' or '.join(CACHED_PROMPT_FIELDS)}): its prompt tokens include cache hits")
+            f"({' or '.join(CACHED_PROMPT_FIELDS)}) nor a workload file with the prompts' "
+            "hash_ids: its prompt tokens include cache hits")
 
 
 def saturated_prefill(folder: Path) -> dict | None:
@@ -155,11 +174,16 @@ def saturated_prefill(folder: Path) -> dict | None:
     preempted requests are recomputed and no counter logs that work) or max_num_seqs running.
     None when no stretch lasts MIN_SATURATED_S.
 
-    {"seconds", "prompt_tokens", "decode_tokens", "decodes" (mean decoding requests), "context"
-    (their mean total context)}: what the GPU computed in those seconds."""
+    {"seconds", "prompt_tokens" (those computed: the prefix cache's left out where known),
+    "cached_prompt_tokens", "decode_tokens", "decodes" (mean decoding requests), "context" (their
+    mean total context)}: what the GPU computed in those seconds."""
     meta = json.loads((folder / "vllm_meta.json").read_text())
-    requests = sorted((json.loads(line) for line in (folder / "vllm_requests.jsonl").open()),
-                      key=lambda r: r["first_token_ts"])
+    requests = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
+    # Unknown cached counts (--count-cached-prompts) count whole prompts: an upper bound.
+    cached = cached_prompt_tokens(folder, requests) or [0] * len(requests)
+    for r, served in zip(requests, cached):
+        r["cached_prompt_toks"] = served
+    requests.sort(key=lambda r: r["first_token_ts"])
     start = min(r["queued_ts"] for r in requests)
     max_num_seqs = int(meta["engine_kwargs"]["max_num_seqs"])
     with open(folder / "vllm_timeseries.csv", newline="") as file:
@@ -195,7 +219,9 @@ def saturated_prefill(folder: Path) -> dict | None:
         middle = (max(t0, first) + min(t1, last)) / 2
         context_s += overlap * (r["input_toks"] + rate * (middle - first))
     seconds_ = t1 - t0
-    return {"seconds": seconds_, "prompt_tokens": sum(r["input_toks"] for r in best[1:]),
+    return {"seconds": seconds_,
+            "prompt_tokens": sum(r["input_toks"] - r["cached_prompt_toks"] for r in best[1:]),
+            "cached_prompt_tokens": sum(r["cached_prompt_toks"] for r in best[1:]),
             "decode_tokens": decode_tokens, "decodes": decoding_s / seconds_,
             "context": context_s / seconds_,
             "token_budget": int(meta["engine_kwargs"]["max_num_batched_tokens"])}
@@ -314,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
                       "before KV pressure or max_num_seqs running)")
                 continue
             print(f"{name}: saturated opening {window['seconds']:.2f} s, "
-                  f"{window['prompt_tokens'] / window['seconds']:,.0f} prompt tokens/s beside "
+                  f"{window['prompt_tokens'] / window['seconds']:,.0f} prompt tokens/s computed "
+                  f"({window['cached_prompt_tokens']:,} more from the prefix cache) beside "
                   f"{window['decodes']:.0f} decodes; compute_efficiency "
                   f"{fitted_compute_efficiency(folder, overrides):.3f}")
 

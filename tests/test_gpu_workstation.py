@@ -168,6 +168,24 @@ def test_a_prefix_cached_log_without_cached_counts_measures_no_compute(tmp_path,
     assert real_run_steps.uncomputed_prompts(folder) is None
 
 
+def test_the_opening_counts_only_the_prompt_tokens_the_prefix_cache_did_not_serve(tmp_path):
+    # Requests 1-11 start with 100 of request 0's 125 blocks: 1,600 of their 2,000 tokens
+    # were served by the prefix cache (its workload file's hash_ids say so).
+    folder = backlog_run(tmp_path)
+    meta = json.loads((folder / "vllm_meta.json").read_text())
+    meta.update(kv_cache={"enable_prefix_caching": True}, dataset_path="workloads/w.jsonl")
+    (folder / "vllm_meta.json").write_text(json.dumps(meta))
+    shared = list(range(100))
+    (tmp_path / "w.jsonl").write_text("".join(
+        json.dumps({"input_toks": 2000, "output_toks": 101, "arrival_time_ns": 0,
+                    "hash_ids": shared + [1000 * (i + 1) + k for k in range(25)]}) + "\n"
+        for i in range(12)))
+    assert real_run_steps.uncomputed_prompts(folder) is None
+    window = real_run_steps.saturated_prefill(folder)
+    assert window["prompt_tokens"] == 11 * 400
+    assert window["cached_prompt_tokens"] == 11 * 1600
+
+
 def test_describe_names_a_boards_compute_efficiency():
     board = hardware_spec("rtx-4090")
     assert "compute_efficiency 1.86" in GPUCostModel(

@@ -2,7 +2,8 @@
 runs"):
 
 - LLMServingSim's per-request `vllm_requests.jsonl` (queued, first-token and last-token times),
-  with the engine settings of `vllm_meta.json` and `config.json` beside it when present;
+  with the engine settings of `vllm_meta.json` and `config.json` beside it when present, and the
+  prompts' hash ids from the workload file its dataset_path names, where found (prompt_blocks);
 - `vllm bench serve --save-result --save-detailed` JSON, and `twinserve-bench`'s run file (the
   same keys plus `start_times` relative to the run's start, `e2els` and `engine_settings`);
 - a plain CSV: arrival_s, prompt_len, output_len, ttft_s, e2e_s (optional tpot_s, stage).
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from calibration.realrun.prompt_blocks import (find_workload_file, sharing_note,
+                                               workload_hash_ids)
 from calibration.realrun.run import RealRun, RealRunError, make_run
 
 LLMSERVINGSIM_REQUESTS = "vllm_requests.jsonl"
@@ -66,7 +69,7 @@ def read_llmservingsim(path: Path) -> RealRun:
     """LLMServingSim's vllm_requests.jsonl: TTFT = first_token_ts - queued_ts, E2E =
     last_token_ts - queued_ts, arrival = queued_ts (the engine's own clock)."""
     fields = ("input_toks", "output_toks", "queued_ts", "first_token_ts", "last_token_ts")
-    rows = []
+    rows, records = [], []
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
@@ -82,6 +85,7 @@ def read_llmservingsim(path: Path) -> RealRun:
         if missing:
             raise RealRunError(f"{path}: line {number} lacks field {missing[0]!r}")
         rows.append([record[name] for name in fields])
+        records.append(record)
     if not rows:
         raise RealRunError(f"{path}: no requests")
     try:
@@ -92,14 +96,33 @@ def read_llmservingsim(path: Path) -> RealRun:
         raise RealRunError(f"{path}: field {bad!r} must be a number") from None
     prompt, output, queued, first, last = table.T
     settings, notes = llmservingsim_settings(path.parent)
+    hash_ids = llmservingsim_hash_ids(path, records, notes)
     return make_run(
         name=f"{path.parent.parent.name}/{path.parent.name}",
         source=f"{path} (LLMServingSim per-request JSONL)", where=str(path),
         arrival_s=queued, prompt_len=prompt, output_len=output, ttft_s=first - queued,
-        e2e_s=last - queued, engine_settings=settings, notes=notes,
+        e2e_s=last - queued, engine_settings=settings, notes=notes, prompt_hash_ids=hash_ids,
         field_names={"arrival_s": "queued_ts", "prompt_len": "input_toks",
                      "output_len": "output_toks", "ttft_s": "first_token_ts - queued_ts",
                      "e2e_s": "last_token_ts - queued_ts"})
+
+
+def llmservingsim_hash_ids(path: Path, records: list[dict],
+                           notes: list[str]) -> list[list[int]] | None:
+    """The prompts' hash ids from the workload file vllm_meta.json's dataset_path names, where
+    it is found (prompt_blocks.py), a line on which is added to `notes`; else None."""
+    meta_path = path.parent / "vllm_meta.json"
+    dataset_path = _load_json(meta_path).get("dataset_path") if meta_path.is_file() else None
+    if not dataset_path:
+        return None
+    workload = find_workload_file(path.parent, dataset_path)
+    if workload is None:
+        notes.append(f"workload file {Path(str(dataset_path)).name} (vllm_meta.json "
+                     f"dataset_path) not found beside the run: prompts share no prefix")
+        return None
+    hash_ids = workload_hash_ids(workload, records, path)
+    notes.append(sharing_note(workload, hash_ids, [r["input_toks"] for r in records]))
+    return hash_ids
 
 
 def llmservingsim_settings(folder: Path) -> tuple[dict, list[str]]:

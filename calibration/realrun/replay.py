@@ -1,5 +1,6 @@
 """Replay a measured run through the simulator: the run's own requests (arrival times, prompt and
-output lengths; no token ids, so no prefix-cache hits) on the config its engine settings and the
+output lengths; with prefix caching, token ids that share what the prompts shared where the
+run's workload file gives its hash ids, else none) on the config its engine settings and the
 command line give, and each load stage's metrics, real against simulated.
 
 The simulator replays the whole run (queues carry from one stage into the next); each stage's
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from calibration.realrun.prompt_blocks import prompt_token_ids
 from calibration.realrun.run import RealRun, RealRunError
 from calibration.realrun.settings import CONF_DIR, settings_overrides
 from calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
@@ -56,12 +58,14 @@ def compose_replay_config(run: RealRun, overrides: list[str] = ()):
     return copy.deepcopy(_compose(tuple(all_overrides)))
 
 
-def run_requests(run: RealRun, distinct_prompts_of_vocab: int | None = None) -> list:
+def run_requests(run: RealRun, prompts_of_vocab: int | None = None) -> list:
     """The run's requests as fresh simulator requests, ids in arrival order. With
-    `distinct_prompts_of_vocab`, each prompt gets random token ids of that vocabulary (seeded
-    per request): no two share a prefix, since the run's prompts are unknown, but a request
-    preempted for recompute finds its own blocks in the prefix cache again, as the real engine's
-    prefix cache lets it (vLLM V1 keeps a freed block's contents until the block is reused)."""
+    `prompts_of_vocab`, each prompt gets token ids of that vocabulary: from the run's hash ids
+    where it has them (prompt_blocks.prompt_token_ids: the prompts share what they shared),
+    else random (seeded per request: no two share a prefix, the run's prompts being unknown).
+    Either way a request preempted for recompute finds its own blocks in the prefix cache
+    again, as the real engine's prefix cache lets it (vLLM V1 keeps a freed block's contents
+    until the block is reused)."""
     import numpy as np
 
     from policies.types import Request
@@ -69,11 +73,14 @@ def run_requests(run: RealRun, distinct_prompts_of_vocab: int | None = None) -> 
     requests = [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o)
                 for i, (t, p, o) in enumerate(zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
                                                    run.output_len.tolist()))]
-    if distinct_prompts_of_vocab:
+    if prompts_of_vocab and run.prompt_hash_ids is not None:
+        for request, token_ids in zip(requests, prompt_token_ids(run, prompts_of_vocab)):
+            request.prompt_token_ids = token_ids
+    elif prompts_of_vocab:
         for request in requests:
             rng = np.random.default_rng([PROMPT_IDS_SEED, request.request_id])
             request.prompt_token_ids = rng.integers(
-                0, distinct_prompts_of_vocab, request.prompt_len).tolist()
+                0, prompts_of_vocab, request.prompt_len).tolist()
     return requests
 
 
@@ -115,6 +122,8 @@ def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> Repl
         "cost_model": str(cost_model).rsplit(".", 1)[-1],
         "num_kv_blocks": result.num_kv_blocks,
         "sim_preemptions": result.summary.get("num_preemptions"),
+        # The share of prompt tokens the prefix cache served at the requests' first admission.
+        "sim_prefix_cache_hit_rate": result.summary.get("prefix_cache_hit_rate"),
         "sim_wall_time_s": wall_s, "notes": list(run.notes), "stages": stages,
     }
     return ReplayOutcome(report, real, sim, stage_requests)

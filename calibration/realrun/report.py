@@ -40,7 +40,11 @@ def stage_rows(stage: dict) -> list[tuple[str, str, str, str]]:
 def settings_lines(run: dict) -> list[str]:
     lines = [f"{name}: {info['override'] or info['value']}  ({info['source']})"
              for name, info in run["settings"].items()]
-    return lines + [f"cost model: {run['cost_model']}"] + [f"note: {note}" for note in run["notes"]]
+    hit_rate = run.get("sim_prefix_cache_hit_rate")
+    cache = [] if hit_rate is None else [f"sim prefix cache hit rate: {100 * hit_rate:.1f} % of "
+                                         f"prompt tokens"]
+    return (lines + [f"cost model: {run['cost_model']}"] + cache
+            + [f"note: {note}" for note in run["notes"]])
 
 
 def print_run(run: dict, console: Console) -> None:

@@ -32,6 +32,8 @@ class RealRun:
     stage_labels: list[str] | None = None   # an explicit stage per request, when the file has one
     itls_s: list[list[float]] | None = None
     notes: list[str] = field(default_factory=list)   # what the reader left out or assumed
+    # Each prompt's chained block ids where the run's workload file gives them (prompt_blocks).
+    prompt_hash_ids: list[list[int]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -58,7 +60,8 @@ def _column(values, name: str, where: str, dtype) -> np.ndarray:
 def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, output_len, ttft_s,
              e2e_s, tpot_s=None, engine_settings: dict | None = None,
              stage_labels: list | None = None, itls_s: list | None = None,
-             notes: list[str] | None = None, field_names: dict[str, str] | None = None) -> RealRun:
+             notes: list[str] | None = None, field_names: dict[str, str] | None = None,
+             prompt_hash_ids: list | None = None) -> RealRun:
     """A RealRun from per-request columns, checked (equal lengths, finite, lengths >= 1,
     0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. `where`
     names the file in errors; `field_names` maps a column to the file's own name for it."""
@@ -108,6 +111,9 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
                            f"requests")
     if itls_s is not None and len(itls_s) != count:
         raise RealRunError(f"{where}: field 'itls' has {len(itls_s)} values for {count} requests")
+    if prompt_hash_ids is not None and len(prompt_hash_ids) != count:
+        raise RealRunError(f"{where}: {len(prompt_hash_ids)} prompts' hash_ids for {count} "
+                           f"requests")
     order = np.argsort(columns["arrival_s"], kind="stable")
     arrival = columns["arrival_s"][order]
     return RealRun(
@@ -116,4 +122,6 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
         engine_settings=dict(engine_settings or {}),
         stage_labels=None if stage_labels is None else [str(stage_labels[i]) for i in order],
         itls_s=None if itls_s is None else [list(itls_s[i]) for i in order],
-        notes=list(notes or []))
+        notes=list(notes or []),
+        prompt_hash_ids=None if prompt_hash_ids is None else [list(prompt_hash_ids[i])
+                                                              for i in order])

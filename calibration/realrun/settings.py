@@ -118,6 +118,12 @@ def _version(text) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", str(text))[:2])
 
 
+def is_v1(settings: dict) -> bool:
+    """Whether the run records a vLLM version with the V1 engine only (>= 0.10), whose defaults
+    (V1_DEFAULTS, chunked prefill) hold for what it leaves unrecorded."""
+    return "vllm_version" in settings and _version(settings["vllm_version"]) >= V1_ONLY_VERSION
+
+
 def override_key(override: str) -> str:
     """The config key an override sets: 'scheduler.max_num_seqs=8' -> 'scheduler.max_num_seqs'."""
     return override.split("=", 1)[0].lstrip("+~").strip()
@@ -163,15 +169,13 @@ def settings_overrides(settings: dict, user_overrides: list[str],
 
     chunked = settings.get("enable_chunked_prefill")
     chunked_source = "file"
-    if chunked is None and "vllm_version" in settings and \
-            _version(settings["vllm_version"]) >= V1_ONLY_VERSION:
+    if chunked is None and is_v1(settings):
         chunked, chunked_source = True, f"vLLM {settings['vllm_version']} (V1) default"
     if chunked is not None:
         scheduler = "chunked_prefill" if chunked else "continuous"
         add("enable_chunked_prefill", "scheduler", chunked, f"scheduler={scheduler}",
             chunked_source if chunked_source != "file" else f"file: {chunked}")
-    v1_default = ("vllm_version" in settings
-                  and _version(settings["vllm_version"]) >= V1_ONLY_VERSION)
+    v1_default = is_v1(settings)
     if settings.get("enable_expert_parallel"):
         ep = (int(settings.get("tensor_parallel_size") or 1)
               * int(settings.get("data_parallel_size") or 1))

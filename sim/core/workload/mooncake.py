@@ -89,11 +89,11 @@ def _positive_int(value, key: str, line: int, path: Path) -> int:
     return value
 
 
-def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int],
-                       vocab_size: int) -> list[list[int]]:
-    """Each prompt's token ids: its blocks' tokens (block_token_ids) one after the other, the
-    last block cut to the prompt's length. The int objects are shared between prompts (one per
-    vocabulary entry), so a prompt costs a list pointer per token."""
+def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int], vocab_size: int,
+                       block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[list[int]]:
+    """Each prompt's token ids: its blocks' tokens (block_token_ids, `block_tokens` per id) one
+    after the other, the last block cut to the prompt's length. The int objects are shared
+    between prompts (one per vocabulary entry), so a prompt costs a list pointer per token."""
     unique_ids = np.unique(np.array([hash_id for ids in hash_ids for hash_id in ids],
                                     dtype=np.uint64))
     vocabulary = np.arange(vocab_size).astype(object)   # one int object per token id
@@ -103,7 +103,7 @@ def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int],
     for start in range(0, len(unique_ids), _CHUNK_IDS):
         chunk = unique_ids[start:start + _CHUNK_IDS]
         blocks.update(zip(chunk.tolist(),
-                          vocabulary[block_token_ids(chunk, vocab_size)].tolist()))
+                          vocabulary[block_token_ids(chunk, vocab_size, block_tokens)].tolist()))
     token_ids = []
     for ids, prompt_len in zip(hash_ids, prompt_lens):
         prompt: list[int] = []
@@ -114,12 +114,13 @@ def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int],
     return token_ids
 
 
-def block_token_ids(hash_ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The MOONCAKE_BLOCK_TOKENS token ids in [0, vocab_size) of each hash id (uint64), a row
-    each: SplitMix64 of the id's own SplitMix64 plus the position, so a block's tokens depend on
-    nothing but its id."""
+def block_token_ids(hash_ids: np.ndarray, vocab_size: int,
+                    block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> np.ndarray:
+    """The `block_tokens` token ids in [0, vocab_size) of each hash id (uint64), a row each:
+    SplitMix64 of the id's own SplitMix64 plus the position, so a block's tokens depend on
+    nothing but its id (a shorter block is the first tokens of a longer one)."""
     keys = (_splitmix64(hash_ids.astype(np.uint64))[:, None]
-            + np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64)[None, :])
+            + np.arange(block_tokens, dtype=np.uint64)[None, :])
     return (_splitmix64(keys) % np.uint64(vocab_size)).astype(np.int32 if vocab_size < 2**31
                                                                else np.int64)
 
