@@ -14,8 +14,9 @@ going (a closed population).
 
 - `closed_loop`: a load generator's closed loop (`vllm bench serve --max-concurrency N`, aiperf
   `--concurrency N`): `num_requests` requests of exactly `input_len` prompt and `output_len`
-  output tokens, `concurrency` of them in flight, the next sent the moment one finishes. Each
-  request is a one-turn session with no think time, so the closed population above runs it.
+  output tokens, `concurrency` of them in flight, the next sent the moment one finishes (or
+  `think_time_s` later). Each request is a one-turn session, so the closed population above
+  runs it.
 
 What they build is a `SessionSource` (session_source.py), which the run asks for the next
 request each time one finishes.
@@ -94,8 +95,8 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
 
 def sample_closed_loop(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
     """The `closed_loop` kind: `num_requests` one-turn sessions of fixed lengths, `concurrency`
-    at a time with no gap between one's finish and the next's arrival. Token ids (optional) are
-    random per prompt, from the token stream: no two prompts share a prefix."""
+    at a time, the next arriving a think time (default none) after one finishes. Token ids
+    (optional) are random per prompt, from the token stream: no two prompts share a prefix."""
     fields.reject_unknown(CLOSED_LOOP_FIELDS)
     concurrency = fields.integer("concurrency", minimum=1)
     num_requests = fields.integer("num_requests", minimum=1)
