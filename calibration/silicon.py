@@ -202,7 +202,8 @@ def silicon_overrides(row: SiliconRow, waves: int = DEFAULT_WAVES,
     overrides = [*MODELS[row.model], f"hardware={HARDWARE[row.system]}",
                  f"cluster.tensor_parallel_size={row.tp_size}", "scheduler=chunked_prefill",
                  f"scheduler.max_num_batched_tokens={limits['max_num_batched_tokens']}",
-                 f"scheduler.max_num_seqs={limits['max_num_seqs']}", "workload=closed_loop", f"workload.concurrency={row.concurrency}",
+                 f"scheduler.max_num_seqs={limits['max_num_seqs']}", "workload=closed_loop",
+                 f"workload.concurrency={row.concurrency}",
                  f"workload.num_requests={waves * row.concurrency}",
                  f"workload.input_len={row.isl}", f"workload.output_len={row.osl}"]
     if PASS_ENGINE_VERSION and row.backend_version:
@@ -228,9 +229,11 @@ def row_config(overrides: list[str]):
     deployment = []
     for index, override in enumerate(overrides):
         key = _override_key(override)
-        if key in _ROW_KEYS and last[key] == index and "=" in override \
+        value = override.split("=", 1)[1] if "=" in override else ""
+        # (anything but a plain integer goes through Hydra, which names what is wrong with it)
+        if key in _ROW_KEYS and last[key] == index and value.isdigit() \
                 and not override.startswith(("+", "~")):
-            row_values[key] = int(override.split("=", 1)[1])
+            row_values[key] = int(value)
         else:
             deployment.append(override)
     config = compose_config(deployment)
