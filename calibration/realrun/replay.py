@@ -52,6 +52,12 @@ def _compose(overrides: tuple[str, ...]):
         raise RealRunError(f"bad override: {error}") from None
 
 
+def compose_config(overrides: list[str] | tuple[str, ...]):
+    """conf/ plus `overrides`, composed once per set of overrides (a copy: the caller may change
+    it); a bad override raises RealRunError."""
+    return copy.deepcopy(_compose(tuple(overrides)))
+
+
 def compose_replay_config(run: RealRun, overrides: list[str] = ()):
     """The simulator config the replay of `run` uses (a copy: the caller may change it)."""
     all_overrides, _ = replay_overrides(run, overrides)

@@ -40,6 +40,13 @@ and reports each load stage real against simulated, with no gates (calibration/r
 
     twinserve-validate --real data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B --out out/
 
+`--silicon` replays NVIDIA's measured vLLM deployments (data/gpu/aiconfigurator/silicon_vllm.csv,
+calibration/silicon.py): each row's closed-loop benchmark through the simulator, a table of real
+and simulated mean TTFT and TPOT per row and the mean and worst |error|; `--out FILE.json` keeps
+it:
+
+    twinserve-validate --silicon --system h100_sxm --model Qwen/Qwen3-32B --precision bf16
+
 Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
 an error within the engine's noise but outside its gate fails too, and its line says so),
 2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
@@ -77,8 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides, e.g. model=tiny-llama (with --tabulate: "
                              "validation directories)")
-    parser.add_argument("--out", type=Path, default=Path("validation"),
-                        help="output folder (default: ./validation)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: ./validation); with --silicon a JSON file "
+                             "(default: none written)")
     parser.add_argument("--tabulate", action="store_true",
                         help="run nothing: the arguments are directories of validations run "
                              "before (each with a validation.json); write one table of them, "
@@ -87,6 +95,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="replay these measured runs (files, or folders holding "
                              "vllm_requests.jsonl) through the simulator and compare per load "
                              "stage; the runs' engine settings, then the overrides, configure it")
+    silicon = parser.add_argument_group("--silicon: NVIDIA's measured vLLM rows")
+    silicon.add_argument("--silicon", action="store_true",
+                         help="replay the rows of data/gpu/aiconfigurator/silicon_vllm.csv (agg "
+                              "only) through the simulator; the overrides apply to every row")
+    silicon.add_argument("--system", help="only rows of this system (h100_sxm, h200_sxm, ...)")
+    silicon.add_argument("--model", help="only rows of this HF model (Qwen/Qwen3-32B, ...)")
+    silicon.add_argument("--precision", help="only rows of this weight precision (bf16, fp8)")
+    silicon.add_argument("--limit", type=int, help="at most this many rows (after the filters)")
+    silicon.add_argument("--waves", type=int, default=None,
+                         help="requests per row = waves x the row's concurrency (default: "
+                              "calibration.silicon.DEFAULT_WAVES)")
+    silicon.add_argument("--engine-settings", default=None,
+                         help="the servers' batch limits: aiconfigurator (the generator's "
+                              "flags, default) or vllm-serve (vLLM's defaults)")
+    silicon.add_argument("--silicon-csv", help="another silicon CSV of the same columns")
     parser.add_argument("--profile", help="the profile JSON (same as cost_model.profile=...)")
     parser.add_argument("--wall-clock", action="store_true",
                         help="time the engine's steps as measured, not normalised to the "
@@ -136,8 +159,56 @@ def main_real(args: argparse.Namespace, argv: list[str] | None) -> int:
     return 0
 
 
+def main_silicon(args: argparse.Namespace) -> int:
+    """--silicon: the silicon rows replayed; the table and summary printed, --out JSON written."""
+    import json
+
+    from calibration import silicon
+
+    def refuse(message: str) -> int:
+        print(f"twinserve-validate: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.limit is not None and args.limit < 1:
+        return refuse(f"--limit must be >= 1, got {args.limit}")
+    waves = silicon.DEFAULT_WAVES if args.waves is None else args.waves
+    if waves < 1:
+        return refuse(f"--waves must be >= 1, got {waves}")
+    settings = args.engine_settings or silicon.DEFAULT_ENGINE_SETTINGS
+    if settings not in silicon.ENGINE_SETTINGS:
+        return refuse(f"--engine-settings must be one of {', '.join(silicon.ENGINE_SETTINGS)}, "
+                      f"got {settings!r}")
+    if args.precision is not None and args.precision not in silicon.PRECISIONS:
+        return refuse(f"--precision must be one of {', '.join(silicon.PRECISIONS)}, got "
+                      f"{args.precision!r}")
+    overrides = list(args.overrides) + ([f"cost_model.profile={args.profile}"]
+                                        if args.profile else [])
+    try:
+        rows = silicon.select_rows(silicon.read_silicon_rows(args.silicon_csv),
+                                   system=args.system, model=args.model,
+                                   precision=args.precision, limit=args.limit)
+        if not rows:
+            return refuse("no silicon row matches --system/--model/--precision")
+        report = silicon.compare_rows(rows, overrides, waves, settings)
+    except ValueError as error:   # SiliconDataError, a bad override or config value
+        return refuse(str(error))
+    for line in silicon.table_lines(report):
+        print(line)
+    for skipped in report["skipped"]:
+        print(f"skipped {skipped['id']}: {skipped['reason']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.silicon:
+        return main_silicon(args)
+    if args.out is None:
+        args.out = Path("validation")
     if args.real:
         return main_real(args, argv)
     if args.tabulate:

@@ -3,8 +3,8 @@
 One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
 `conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a file replayed:
 Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) — and the
-closed-loop kinds in `sessions` (`sessions`, `agent`: a turn arrives after the previous one
-finished, so the run decides the arrivals; `build_session_source` builds them) —
+closed-loop kinds in `sessions` (`sessions`, `agent`, `closed_loop`: a turn arrives after the
+previous one finished, so the run decides the arrivals; `build_session_source` builds them) —
 over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
 (typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
 all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,
@@ -32,7 +32,8 @@ from sim.core.workload.distributions import (
 from sim.core.workload.fields import DEFAULT_TENANT, Fields, Streams, as_plain_dict
 from sim.core.workload.lora_ids import assign_lora_ids
 from sim.core.workload.session_source import SessionSource
-from sim.core.workload.sessions import AGENT_FIELDS, SESSIONS_FIELDS, sample_agent, sample_sessions
+from sim.core.workload.sessions import (AGENT_FIELDS, CLOSED_LOOP_FIELDS, SESSIONS_FIELDS,
+                                        sample_agent, sample_closed_loop, sample_sessions)
 from sim.core.workload.synthetic import (
     CLASS_FIELDS, SHARE_SUM_TOLERANCE, SYNTHETIC_FIELDS, sample_synthetic)
 from sim.core.workload.trace import (
@@ -41,13 +42,15 @@ from sim.core.workload.trace import (
 
 KINDS = ("synthetic", "trace", "conversation")
 # Kinds whose arrivals the run decides (each turn after the previous one finished).
-CLOSED_LOOP_KINDS = ("sessions", "agent")
-_CLOSED_LOOP_SAMPLERS = {"sessions": sample_sessions, "agent": sample_agent}
+CLOSED_LOOP_KINDS = ("sessions", "agent", "closed_loop")
+_CLOSED_LOOP_SAMPLERS = {"sessions": sample_sessions, "agent": sample_agent,
+                         "closed_loop": sample_closed_loop}
 _SAMPLERS = {"synthetic": sample_synthetic, "trace": sample_trace,
              "conversation": sample_conversation}
 
 __all__ = [
-    "AGENT_FIELDS", "ARRIVAL_PROCESSES", "AZURE_COLUMNS", "CLASS_FIELDS", "CLOSED_LOOP_KINDS",
+    "AGENT_FIELDS", "ARRIVAL_PROCESSES", "AZURE_COLUMNS", "CLASS_FIELDS", "CLOSED_LOOP_FIELDS",
+    "CLOSED_LOOP_KINDS",
     "CONVERSATION_FIELDS", "DEFAULT_TENANT", "KINDS", "LENGTH_DISTRIBUTIONS", "LENGTH_FIELDS",
     "MAX_ZIPF_SUPPORT", "METADATA_COLUMNS", "PLAIN_COLUMNS", "REPO_ROOT", "SESSIONS_FIELDS",
     "SHARE_SUM_TOLERANCE", "SYNTHETIC_FIELDS", "TIME_DISTRIBUTIONS", "TIME_FIELDS",
@@ -105,7 +108,8 @@ def is_closed_loop(cfg: Mapping[str, Any]) -> bool:
 
 def build_session_source(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
                          lora: LoRAConfig | None = None) -> SessionSource:
-    """The sessions a closed-loop `workload` config describes (kind `sessions` or `agent`),
+    """The sessions a closed-loop `workload` config describes (kind `sessions`, `agent` or
+    `closed_loop`),
     drawn from the same streams as build_workload's, each session on one LoRA adapter when
     `lora` is on. Raises ValueError, naming the config field, for any bad value."""
     fields = Fields(as_plain_dict(cfg), "workload")

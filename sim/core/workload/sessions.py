@@ -10,8 +10,16 @@ session's previous turn *finished*, so a slow server delays the next turn.
   (`output_len`), then the tool's tokens. A session makes `steps` calls.
 
 Both start sessions as a Poisson process at `rate` sessions/s, or keep `concurrency` sessions
-going (a closed population). What they build is a `SessionSource` (session_source.py), which the
-run asks for the next request each time one finishes.
+going (a closed population).
+
+- `closed_loop`: a load generator's closed loop (`vllm bench serve --max-concurrency N`, aiperf
+  `--concurrency N`): `num_requests` requests of exactly `input_len` prompt and `output_len`
+  output tokens, `concurrency` of them in flight, the next sent the moment one finishes (or
+  `think_time_s` later). Each request is a one-turn session, so the closed population above
+  runs it.
+
+What they build is a `SessionSource` (session_source.py), which the run asks for the next
+request each time one finishes.
 """
 from __future__ import annotations
 
@@ -23,14 +31,16 @@ from policies.types import Request
 from sim.core.workload.conversation import (SessionTurns, draw_session_turns, lay_out_sessions,
                                             no_request_left, prompt_settings, session_token_ids)
 from sim.core.workload.distributions import (parse_length_distribution, parse_time_distribution,
-                                             sample_arrival_times)
-from sim.core.workload.fields import Fields, Streams
+                                             sample_arrival_times, sample_prompt_token_ids)
+from sim.core.workload.fields import Fields, Streams, parse_common
 from sim.core.workload.session_source import SessionSource
 
 _COMMON_FIELDS = ("kind", "num_sessions", "rate", "concurrency", "output_len", "max_prompt_len",
                   "n", "with_token_ids", "shared_prefix_len")
 SESSIONS_FIELDS = (*_COMMON_FIELDS, "turns", "think_time_s", "message_len")
 AGENT_FIELDS = (*_COMMON_FIELDS, "steps", "prompt_len", "tool_latency_s", "tool_output_len")
+CLOSED_LOOP_FIELDS = ("kind", "concurrency", "num_requests", "input_len", "output_len",
+                      "think_time_s", "n", "with_token_ids")
 
 
 def sample_sessions(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
@@ -81,6 +91,29 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
                              max_prompt_len)
     return _source(fields, turns, n, token_spec, streams, num_sessions, rate, concurrency,
                    first_len="prompt_len", marks_final_turns=True)
+
+
+def sample_closed_loop(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
+    """The `closed_loop` kind: `num_requests` one-turn sessions of fixed lengths, `concurrency`
+    at a time, the next arriving a think time (default none) after one finishes. Token ids
+    (optional) are random per prompt, from the token stream: no two prompts share a prefix."""
+    fields.reject_unknown(CLOSED_LOOP_FIELDS)
+    concurrency = fields.integer("concurrency", minimum=1)
+    num_requests = fields.integer("num_requests", minimum=1)
+    input_len = fields.integer("input_len", minimum=1)
+    output_len = fields.integer("output_len", minimum=1)
+    think_times = ([0.0] * num_requests if fields.get("think_time_s", None) is None
+                   else parse_time_distribution(fields.section("think_time_s")).sample(
+                       num_requests, streams.think).tolist())
+    n, token_spec = parse_common(fields, vocab_size)
+    token_ids = (sample_prompt_token_ids(np.full(num_requests, input_len), *token_spec,
+                                         streams.token)
+                 if token_spec is not None else [None] * num_requests)
+    sessions = [[Request(request_id=-1, arrival_time=math.nan, prompt_len=input_len,
+                         output_len=output_len, n=n, prompt_token_ids=ids, session_id=session,
+                         turn=0)]
+                for session, ids in enumerate(token_ids)]
+    return SessionSource(sessions, [[gap] for gap in think_times], concurrency=concurrency)
 
 
 def _population(fields: Fields) -> tuple[int, float, int | None]:
