@@ -27,10 +27,10 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
 
 
 def measured(id_, model="Qwen/Qwen3-32B", system="h100_sxm", precision="", conc=8,
-             ttft=100.0, tpot=10.0) -> dict:
+             ttft=100.0, tpot=10.0, max_batch=None) -> dict:
     return {"id": id_, "model_path": model, "system": system, "precision": precision,
             "backend_version": "0.12.0", "isl": 1024, "osl": 128, "tp_size": 2,
-            "batch_size": conc, "silicon_concurrency": conc, "silicon_ttft_ms": ttft,
+            "batch_size": max_batch or conc, "silicon_concurrency": conc, "silicon_ttft_ms": ttft,
             "silicon_tpot_ms": tpot}
 
 
@@ -45,7 +45,7 @@ def rows(tmp_path):
         measured("qwen-a", conc=8, ttft=100.0, tpot=10.0),
         measured("qwen-b", conc=16, ttft=200.0, tpot=20.0),
         measured("llama", model="meta-llama/Llama-3.1-70B", system="h200_sxm",
-                 precision="fp8", ttft=50.0, tpot=5.0)])))
+                 precision="fp8", ttft=50.0, tpot=5.0, max_batch=256)])))
 
 
 def cache_file(path: Path, rows: list, predictions: dict[str, tuple[float, float]]) -> Path:
@@ -145,7 +145,8 @@ def test_tool_python_from_venv_folder_or_console_script(tmp_path):
     venv_python = tmp_path / "venv/bin/python"
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text("")
-    script = tmp_path / "venv/bin/aiconfigurator"
+    script = tmp_path / "elsewhere/aiconfigurator"          # no python beside it: the #! line
+    script.parent.mkdir()
     script.write_text(f"#!{venv_python}\nfrom aiconfigurator.main import main\n")
     assert bench.find_tool_python(str(tmp_path / "venv")) == str(venv_python)
     assert bench.find_tool_python(str(script)) == str(venv_python)
