@@ -34,13 +34,15 @@ h200_sxm), backend vllm, isl, osl, batch_size = the row's closed-loop concurrenc
 (`silicon_concurrency`), tp_size; pp 1. Precision: bf16 rows pass no quant mode (it reads bf16
 from the model's config); fp8 rows pass gemm_quant_mode and moe_quant_mode fp8 (vLLM's dynamic
 per-tensor fp8; KV cache and attention stay bf16 as the config implies). Backend version: 0.12.0
-has vLLM tables for H100 and H200 only at 0.24.0 (its "current" slot; 0.27.0 "next") and rejects
+has vLLM tables for H100 and H200 only at 0.24.0 (its "current" version) and rejects
 any other version, so the rows' 0.12.0 (and the Llama-3.1-70B rows', which record none) run on
 0.24.0: the cache records the version asked for and the one used per row. It runs offline only
 for models whose config it ships: meta-llama/Llama-3.1-70B is asked as its shipped
 meta-llama/Meta-Llama-3.1-70B and nvidia/Llama-3.1-8B-Instruct-FP8 as meta-llama/Meta-Llama-3.1-8B
 (the same architectures; the fp8 is the quant mode above). Its outputs `ttft` and `tpot` (ms)
-are compared with `silicon_ttft_ms` and `silicon_tpot_ms`.
+are compared with `silicon_ttft_ms` and `silicon_tpot_ms`. It refuses a row as out of memory
+when b requests' KV cache does not fit (the rows where the real server queued); such rows show
+its reason and count in no summary of it.
 
 twinserve's side is calibration/silicon.py's `compare_rows` (the simulator run on each row);
 without it the twinserve columns say so and stay empty. Errors are (predicted - real) / real in
