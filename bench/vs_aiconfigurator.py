@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
+    if args.aiconfigurator:
+        find_tool_python(args.aiconfigurator)          # a wrong path is an error even when unused
 
     rows = select_rows(read_rows(args.csv), args.system, args.model, args.precision, args.limit)
     if not rows:
