@@ -334,7 +334,8 @@ def twinserve_predictions(rows: list) -> tuple[dict, list[str]]:
         f"twinserve: {done['id']} {done['wall_s']:.1f} s", file=sys.stderr, flush=True))
     notes = [f"twinserve: the simulator on {len(result['rows'])} rows "
              f"(calibration.silicon.compare_rows, {result['summary']['wall_s']:.0f} s)"]
-    notes += [f"twinserve: skipped {skip['id']}: {skip['reason']}" for skip in result["skipped"]]
+    reasons = Counter(skip["reason"] for skip in result["skipped"])
+    notes += [f"twinserve: skipped {n} rows: {reason}" for reason, n in reasons.items()]
     return {r["id"]: (r["sim_ttft_ms"], r["sim_tpot_ms"]) for r in result["rows"]}, notes
 
 
@@ -378,10 +379,15 @@ def summarise(records: list[dict]) -> dict:
 
 
 def summarise_groups(records: list[dict]) -> dict[str, dict]:
+    """Per group: each tool over the rows it predicted, and under "same_rows" both tools over
+    the rows both predicted (a fair comparison where one tool refuses or skips rows)."""
     groups = {}
     for record in records:
         groups.setdefault(record["group"], []).append(record)
-    return {name: summarise(members) for name, members in groups.items()}
+    return {name: {**summarise(members), "same_rows": summarise(
+        [r for r in members if all(r[f"{tool}_{metric}_err_pct"] is not None
+                                   for tool in TOOLS for metric in ("ttft", "tpot"))])}
+            for name, members in groups.items()}
 
 
 def _ms(value: float | None) -> str:
@@ -408,13 +414,17 @@ def print_report(records: list[dict], groups: dict[str, dict]) -> None:
                   f"{_ms(r['twinserve_tpot_ms'])} {_pct(r['twinserve_tpot_err_pct'])} | {r['id']}"
                   + (f"  [aiconfigurator: {r['aiconfigurator_error'].split('. ')[0]}]"
                      if r["aiconfigurator_error"] else ""))
-    print("\nmean / worst |error| % per group (rows predicted)")
-    print(f"{'group':<58} {'tool':<14} {'n':>3} {'TTFT mean':>9} {'worst':>7} "
+    print("\nmean / worst |error| % per group over the rows each tool predicted "
+          "(*: over the rows both predicted)")
+    print(f"{'group':<58} {'tool':<16} {'n':>3} {'TTFT mean':>9} {'worst':>7} "
           f"{'TPOT mean':>9} {'worst':>7}")
     for name, summary in groups.items():
-        for tool in TOOLS:
-            ttft, tpot = summary[f"{tool}_ttft"], summary[f"{tool}_tpot"]
-            print(f"{name:<58} {tool:<14} {tpot['n']:>3} "
+        lines = [(tool, tool, summary) for tool in TOOLS]
+        if summary["same_rows"]["twinserve_tpot"]["n"]:
+            lines += [(f"{tool}*", tool, summary["same_rows"]) for tool in TOOLS]
+        for label, tool, of in lines:
+            ttft, tpot = of[f"{tool}_ttft"], of[f"{tool}_tpot"]
+            print(f"{name:<58} {label:<16} {tpot['n']:>3} "
                   + " ".join(f"{_fmt(s['mean_abs_err_pct'], 9)} {_fmt(s['worst_abs_err_pct'], 7)}"
                              for s in (ttft, tpot)))
 

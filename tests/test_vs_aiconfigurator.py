@@ -102,6 +102,9 @@ def test_error_arithmetic_and_group_summaries(rows):
                                            "worst_id": "qwen-b"}
     assert qwen["aiconfigurator_tpot"]["mean_abs_err_pct"] == pytest.approx(30.0)
     assert qwen["twinserve_tpot"]["n"] == 1                    # qwen-b has no twinserve value
+    same = qwen["same_rows"]                                   # qwen-a only: both predict it
+    assert same["aiconfigurator_ttft"]["n"] == same["twinserve_ttft"]["n"] == 1
+    assert same["aiconfigurator_ttft"]["mean_abs_err_pct"] == pytest.approx(10.0)
     llama = groups["meta-llama/Llama-3.1-70B h200_sxm fp8 vLLM 0.12.0"]
     assert llama["aiconfigurator_tpot"] == {"n": 0, "mean_abs_err_pct": None,
                                             "worst_abs_err_pct": None, "worst_id": None}
