@@ -65,9 +65,13 @@ def start_value(term: str, value: float) -> float:
     """`value` moved into the term's search range; an overhead a decade inside its bounds (a
     term at 0 starts at a microsecond-scale guess, not at the search's edge)."""
     low, high = term_bounds(term)
+    value = 0.0 if value is None else value
     if (low, high) == BOUNDS:
         low, high = low * 10, high / 10
     return min(max(float(value), low), high)
+
+
+_ABSENT = object()   # (a term set to null, the GPU model's "the version's value", is present)
 
 
 class Calibration:
@@ -79,7 +83,8 @@ class Calibration:
         self.overrides = list(overrides)
         self.configs = [compose_replay_config(run, overrides) for run in runs]
         for config in self.configs:
-            missing = [term for term in terms if OmegaConf.select(config, term_key(term)) is None]
+            missing = [term for term in terms
+                       if OmegaConf.select(config, term_key(term), default=_ABSENT) is _ABSENT]
             if missing:
                 raise RealRunError(
                     f"--terms: cost model {config.cost_model.get('_target_')} has no "
