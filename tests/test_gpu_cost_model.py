@@ -26,6 +26,12 @@ def gpu_model(model: str, hardware, tp: int = 1, **kwargs) -> GPUCostModel:
     return GPUCostModel(model_spec(model), hw, tp, **kwargs)
 
 
+def vidur_model(model: str, hardware, tp: int = 1, **kwargs) -> GPUCostModel:
+    """The Vidur/Frontier operator tables' path (kernel_tables=vidur), whose arithmetic the
+    table-point tests below check against the CSVs."""
+    return gpu_model(model, hardware, tp, kernel_tables="vidur", **kwargs)
+
+
 def csv_row(path: str, num_tokens: int, tp: int) -> dict:
     with open(DATA_DIR / path, newline="") as file:
         return next(r for r in csv.DictReader(file)
@@ -43,7 +49,7 @@ def ms(row: dict, op: str) -> float:
 
 
 def test_exact_table_point_is_the_csv_sum_of_ops_times_layers():
-    model = gpu_model("llama-3-8b", "a100-80gb")
+    model = vidur_model("llama-3-8b", "a100-80gb")
     row = csv_row("vidur/a100/Meta-Llama-3-8B/mlp.csv", 256, 1)  # measured once, a capture size
     by_hand = 32 * sum(ms(row, op) for op in LAYER_OPS) + ms(row, "emb") + ms(row, "input_layernorm")
     assert model.forward_kernels_s(256) == pytest.approx(by_hand * 1e-3, rel=1e-12)
@@ -52,7 +58,7 @@ def test_exact_table_point_is_the_csv_sum_of_ops_times_layers():
 
 
 def test_llama_3_1_8b_reads_the_llama_3_8b_table():
-    assert gpu_model("llama-3.1-8b", "a100-80gb").describe()["linear"].startswith(
+    assert vidur_model("llama-3.1-8b", "a100-80gb").describe()["linear"].startswith(
         "measured: a100/Meta-Llama-3-8B tp1")
 
 
@@ -94,7 +100,7 @@ def test_transfer_scales_by_bandwidth_when_memory_bound():
 
 def test_attention_against_hand_numbers_and_the_measurements():
     # Llama-2-70B TP2 on the A100: the attention table's own GPU, shape and backend.
-    model = gpu_model("llama-2-70b", "a100-80gb", 2, step_overhead_s=0, per_sequence_overhead_s=0)
+    model = vidur_model("llama-2-70b", "a100-80gb", 2, step_overhead_s=0, per_sequence_overhead_s=0)
     fit = fit_table(next(t for t in attention_tables() if t.name == "a100/Llama-2-70b-hf tp2"))
     kv_bytes_per_token, flops_per_pair = 2 * 4 * 128 * 2, 4 * 32 * 128  # 4 KV, 32 q heads a GPU
     decode = decode_plan(64, 1024)
@@ -115,14 +121,14 @@ def test_attention_against_hand_numbers_and_the_measurements():
 
 
 def test_allreduce_only_with_tensor_parallelism():
-    tp2 = gpu_model("llama-2-70b", "a100-80gb", 2)
+    tp2 = vidur_model("llama-2-70b", "a100-80gb", 2)
     row = csv_row("vidur/a100/Llama-2-70b-hf/mlp.csv", 256, 2)
     kernels = (80 * sum(ms(row, op) for op in LAYER_OPS) + ms(row, "emb") + ms(row, "input_layernorm")) * 1e-3
     allreduce = 2 * 80 * allreduce_cost(tp2.hardware, 2).seconds(np.array([256.0 * 8192 * 2]))[0]
     assert allreduce > 0
     assert tp2.forward_kernels_s(256) == pytest.approx(kernels + allreduce, rel=1e-9)
     assert "measured: a100_dgx all_reduce on 2 GPUs" == tp2.describe()["allreduce"]
-    assert gpu_model("llama-2-70b", "a100-80gb", 1).describe()["allreduce"].startswith("none")
+    assert vidur_model("llama-2-70b", "a100-80gb", 1).describe()["allreduce"].startswith("none")
 
 
 def test_step_reads_only_aggregates():
@@ -160,17 +166,17 @@ def test_cuda_graph_pads_and_eager_pays_launches():
 
 
 def test_describe_names_the_sources_of_a_transfer():
-    h200 = gpu_model("llama-2-7b", "h200").describe()
+    h200 = vidur_model("llama-2-7b", "h200").describe()
     assert h200["linear"].startswith("predicted from h100/Llama-2-7b-hf tp1 (h100-80gb) by bandwidth")
     assert "to h200 by bandwidth and FLOP ratios" in h200["attention"]
-    thirteen = gpu_model("llama-2-13b", "a100-80gb")
+    thirteen = vidur_model("llama-2-13b", "a100-80gb")
     assert thirteen.describe()["linear"].startswith("predicted from a100/")
     assert thirteen.linear_transfer_kind == "shape"
     assert thirteen.expected_error_pct == thirteen.expected_errors["linear"]["shape"]
     # The A800 is the A100's chip: its 70B comes from the A100's 70B table, not its own 7B one.
-    a800 = gpu_model("llama-2-70b", "a800-80gb")
+    a800 = vidur_model("llama-2-70b", "a800-80gb")
     assert a800.describe()["linear"].startswith("predicted from a100/Llama-2-70b-hf tp1 (a100-80gb) same chip")
-    assert a800.forward_kernels_s(64) == gpu_model("llama-2-70b", "a100-80gb").forward_kernels_s(64)
+    assert a800.forward_kernels_s(64) == vidur_model("llama-2-70b", "a100-80gb").forward_kernels_s(64)
 
 
 def test_bad_config_names_the_key():
@@ -186,8 +192,17 @@ def test_bad_config_names_the_key():
 
 def test_config_file_builds_it():
     config = OmegaConf.load(CONF / "cost_model" / "gpu.yaml")
-    model = hydra.utils.instantiate(config, model=OmegaConf.load(CONF / "model" / "llama-2-7b.yaml"),
-                                    hardware=OmegaConf.load(CONF / "hardware" / "h100-80gb.yaml"),
-                                    tensor_parallel_size=2)
+
+    def build(**overrides) -> GPUCostModel:
+        return hydra.utils.instantiate(
+            OmegaConf.merge(config, overrides),
+            model=OmegaConf.load(CONF / "model" / "llama-2-7b.yaml"),
+            hardware=OmegaConf.load(CONF / "hardware" / "h100-80gb.yaml"), tensor_parallel_size=2)
+    model = build()
     assert isinstance(model, GPUCostModel) and model.block_size == 16
-    assert model.describe()["linear"].startswith("measured: h100/Llama-2-7b-hf tp2")
+    # The shipped default: vLLM 0.19's own kernels and its fitted engine terms.
+    assert model.describe()["linear"].startswith(
+        "h100_sxm (measured), vLLM 0.19.0 (default engine_version)")
+    assert model.step_overhead_s > 0 and model.per_sequence_overhead_s > 0
+    assert build(kernel_tables="vidur").describe()["linear"].startswith(
+        "measured: h100/Llama-2-7b-hf tp2")

@@ -51,7 +51,8 @@ def workstation(name: str = "a100-80gb") -> HardwareSpec:
 
 def test_workstation_efficiencies_scale_only_workstation_boards():
     plan = decode_plan(8, 500)
-    terms = dict(step_overhead_s=0.0, per_sequence_overhead_s=0.0)
+    # The Vidur tables' path: the workstation efficiency scales their transfer to a board.
+    terms = dict(step_overhead_s=0.0, per_sequence_overhead_s=0.0, kernel_tables="vidur")
     datacenter = GPUCostModel(model_spec("llama-3-8b"), hardware_spec("a100-80gb"), **terms)
     assert GPUCostModel(model_spec("llama-3-8b"), hardware_spec("a100-80gb"),
                         workstation_bandwidth_efficiency=2.0, **terms

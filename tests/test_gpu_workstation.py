@@ -42,11 +42,13 @@ def test_a_boards_compute_efficiency_speeds_its_compute_bound_steps_only():
 
 
 def test_compute_efficiency_applies_to_datacenter_boards_and_defaults_to_the_tables():
+    # The Vidur tables' path, whose transfer to a board the efficiency scales.
     a100 = hardware_spec("a100-80gb")
     assert a100.compute_efficiency == 1.0
-    measured = GPUCostModel(model_spec("llama-3-8b"), a100, **TERMS)
+    measured = GPUCostModel(model_spec("llama-3-8b"), a100, kernel_tables="vidur", **TERMS)
     scaled = GPUCostModel(model_spec("llama-3-8b"),
-                          dataclasses.replace(a100, compute_efficiency=1.5), **TERMS)
+                          dataclasses.replace(a100, compute_efficiency=1.5),
+                          kernel_tables="vidur", **TERMS)
     assert scaled.step_time(prefill_plan(2048)) < 0.8 * measured.step_time(prefill_plan(2048))
 
 

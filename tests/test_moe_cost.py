@@ -211,12 +211,12 @@ def test_roofline_routed_experts_by_hand():
 def test_gpu_one_expert_mixture_is_the_dense_mlp_plus_its_router():
     """A mixture of a single expert (k = 1) routes every token to it: its routed kernels are
     the dense MLP's kernels, and the forward pass differs from the dense model's by the router
-    GEMM alone."""
+    GEMM alone (the Vidur tables' expert kernels, sim/gpu/experts.py)."""
     llama, a100 = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     one_expert = dataclasses.replace(llama, name="one-expert", num_experts=1,
                                      num_experts_per_tok=1,
                                      moe_intermediate_size=llama.intermediate_size)
-    dense, moe = GPUCostModel(llama, a100, 1), GPUCostModel(one_expert, a100, 1)
+    dense, moe = (GPUCostModel(spec, a100, 1, kernel_tables="vidur") for spec in (llama, one_expert))
     tokens = np.array([1.0, 8.0, 64.0, 700.0, 4096.0])   # CUDA-graph sizes, or past them
     shape = LayerShape.of_model(llama)
     hw = moe.achieved_rates(a100)

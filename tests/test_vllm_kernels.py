@@ -1,0 +1,272 @@
+"""The GPU cost model's default kernels, vLLM's own per version (sim/gpu/vllm_tables.py,
+vllm_kernels.py): GEMM table points and their interpolation, which measured version a run gets,
+the fallback where none was measured, the all-reduce's graph/eager/NCCL regimes against the
+tables read here, fp8 weights and KV cache, the engine terms per version, and a step that only
+preempts. No wall-clock."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import sim.gpu.cost_model as cost_model_module
+from policies.types import Request, Sequence, StepPlan
+from sim.core.roofline import RooflineCostModel
+from sim.core.specs import kv_cache_num_blocks
+from sim.gpu.cost_model import GPUCostModel, engine_terms
+from sim.gpu.vllm_tables import (TABLES_DIR, GemmGrid, gemm_grid, nearest_version,
+                                 resolve_version)
+
+from factories import decode_plan, hardware_spec, model_spec
+
+H100_GEMMS = TABLES_DIR / "h100_sxm" / "gemm" / "vllm" / "0.19.0" / "gemm_perf.parquet"
+
+
+def read_table(path) -> dict[str, np.ndarray]:
+    table = pq.read_table(path)
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+def decode_step(num_seqs: int, context_len: int) -> StepPlan:
+    """A decode step of real sequences (plan.seqs set), each `context_len` tokens long."""
+    plan = StepPlan()
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(i, Request(i, 0.0, context_len - 1, 16), num_output_tokens=1)
+        seq.num_computed_tokens = context_len - 1
+        seqs.append(seq)
+    plan.add_decodes(seqs)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return model_spec("llama-2-7b")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return hardware_spec("h100-80gb")
+
+
+@pytest.fixture(scope="module")
+def h100_default(llama, h100):
+    return GPUCostModel(llama, h100)
+
+
+@pytest.fixture(scope="module")
+def h100_tp2(llama, h100):
+    return GPUCostModel(llama, h100, 2)
+
+
+@pytest.fixture(scope="module")
+def gemm_rows():
+    return read_table(H100_GEMMS)
+
+
+# ---- GEMMs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_a_measured_gemm_shape_is_the_tables_latency(gemm_rows, dtype):
+    rows = np.flatnonzero(gemm_rows["gemm_dtype"] == dtype)
+    grid = gemm_grid("h100_sxm", "0.19.0", dtype)
+    for i in np.random.default_rng(7).choice(rows, 8, replace=False):
+        m, n, k = (int(gemm_rows[c][i]) for c in ("m", "n", "k"))
+        assert grid.latency_ms(np.array([m]), n, k)[0] == pytest.approx(
+            gemm_rows["latency"][i], rel=1e-12), (m, n, k)
+
+
+def test_between_two_measured_widths_the_gemm_is_between_their_latencies(gemm_rows):
+    bf16 = gemm_rows["gemm_dtype"] == "bfloat16"
+    measured = {(int(m), int(n), int(k)): float(ms) for m, n, k, ms in zip(
+        gemm_rows["m"][bf16], gemm_rows["n"][bf16], gemm_rows["k"][bf16],
+        gemm_rows["latency"][bf16])}
+    widths = np.unique(gemm_rows["n"][bf16])
+    grid = gemm_grid("h100_sxm", "0.19.0", "bfloat16")
+    rng = np.random.default_rng(11)
+    checked = 0
+    for key in rng.permutation(sorted(measured)):
+        m, n, k = (int(v) for v in key)
+        j = int(np.searchsorted(widths, n))
+        if j + 1 >= len(widths) or (m, int(widths[j + 1]), k) not in measured:
+            continue
+        low, high = measured[(m, n, k)], measured[(m, int(widths[j + 1]), k)]
+        between = grid.latency_ms(np.array([m]), (n + int(widths[j + 1])) // 2, k)[0]
+        assert min(low, high) <= between <= max(low, high), (m, n, k)
+        checked += 1
+        if checked == 10:
+            break
+    assert checked == 10
+
+
+def test_bilinear_interpolation_is_exact_for_time_proportional_to_n_times_k():
+    m, n, k = np.array([1.0, 2.0, 8.0]), np.array([64.0, 128.0, 512.0]), np.array([32.0, 256.0])
+    a = 3e-7
+    grid = GemmGrid(m, n, k, a * m[:, None, None] * n[None, :, None] * k[None, None, :])
+    tokens = np.array([1.0, 3.0, 8.0, 16.0])   # on the grid, between, at its end, past it
+    for width, depth in ((64, 32), (100, 96), (300, 200), (1024, 512)):   # last: past both ends
+        np.testing.assert_allclose(grid.latency_ms(tokens, width, depth),
+                                   a * tokens * width * depth, rtol=1e-12)
+
+
+# ---- which version, which tables -----------------------------------------------------------------
+
+@pytest.mark.parametrize("hardware, asked, used, nearest", [
+    ("h100-80gb", "0.12", "0.14.0", True),
+    ("h100-80gb", None, "0.19.0", False),
+    ("h100-80gb", "0.24", "0.24.0", False),
+    ("a100-80gb", "0.19", "0.14.0", True),
+])
+def test_the_nearest_measured_version_is_used_and_said(hardware, asked, used, nearest):
+    _, version, why = resolve_version(hardware, asked)
+    assert version == used
+    assert ("nearest measured" in why) == nearest
+    assert ("default engine_version" in why) == (asked is None)
+
+
+def test_equally_near_versions_take_the_newer():
+    assert nearest_version("0.9", ["0.8.0", "0.10.0"]) == "0.10.0"
+    assert nearest_version("0.9.1", ["0.8.0", "0.9.0", "0.10.0"]) == "0.9.0"
+
+
+def test_describe_names_the_system_and_version(llama, h100, h100_default):
+    sources = h100_default.describe()
+    for term in ("linear", "lm_head", "attention"):
+        assert "h100_sxm" in sources[term] and "vLLM 0.19.0" in sources[term], term
+    older = GPUCostModel(llama, h100, engine_version="0.12").describe()
+    assert "vLLM 0.14.0" in older["linear"] and "nearest measured to 0.12" in older["linear"]
+    assert "vLLM 0.14.0" in older["attention"]
+
+
+def test_bad_settings_name_their_key(llama, h100):
+    with pytest.raises(ValueError, match="cost_model.engine_version"):
+        GPUCostModel(llama, h100, engine_version="latest")
+    with pytest.raises(ValueError, match="GPUCostModel.kernel_tables.*'bogus'"):
+        GPUCostModel(llama, h100, kernel_tables="bogus")
+
+
+def test_hardware_without_tables_falls_back_to_vidur_saying_so_once(capsys, monkeypatch):
+    monkeypatch.setattr(cost_model_module, "_SAID", set())
+    llama31, rtx = model_spec("llama-3.1-8b"), hardware_spec("rtx-4090")
+    fallen = [GPUCostModel(llama31, rtx) for _ in range(2)]
+    vidur = GPUCostModel(llama31, rtx, kernel_tables="vidur")
+    assert fallen[0].kernels is None
+    assert fallen[0].forward_kernels_s(64) == vidur.forward_kernels_s(64)
+    assert "no vLLM kernel tables for hardware=rtx-4090" in fallen[1].kernel_source
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "hardware=rtx-4090" in lines[0]
+    assert "cost_model.kernel_tables=vidur" in lines[0]
+
+
+# ---- the all-reduce ------------------------------------------------------------------------------
+
+def allreduce_table(backend: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = read_table(TABLES_DIR / "h100_sxm" / "comm" / "vllm" / "0.19.0"
+                      / "custom_allreduce_perf.parquet")
+    keep = (rows["num_gpus"] == 2) & (rows["backend"] == backend)
+    order = np.argsort(rows["message_size"][keep])
+    return rows["message_size"][keep][order].astype(float), rows["latency"][keep][order]
+
+
+def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_8_mib(
+        llama, h100_default, h100_tp2):
+    assert h100_default.kernels.allreduce_ms(np.array([64.0, 600.0])).tolist() == [0.0, 0.0]
+    assert h100_default.describe()["allreduce"].startswith("none")
+    hidden = llama.hidden_size
+    graph, eager = allreduce_table("vllm_graph"), allreduce_table("vllm_eager")
+    assert 64 * hidden in graph[0]   # a measured size: the table's latency itself
+    allreduce = h100_tp2.kernels.allreduce_ms
+    assert allreduce(np.array([64.0]))[0] == pytest.approx(
+        graph[1][graph[0] == 64 * hidden][0], rel=1e-12)
+    # The last token count a CUDA graph covers (512, cuda_graph_max_tokens) and the first past it.
+    for tokens, table in ((512, graph), (513, eager), (600, eager)):
+        assert allreduce(np.array([float(tokens)]))[0] == pytest.approx(
+            np.interp(tokens * hidden, *table), rel=1e-12), tokens
+    # 2,048 tokens x 4,096 bf16 = 16 MiB: past the custom all-reduce's 8 MiB, NCCL's.
+    nccl = read_table(sorted((TABLES_DIR / "h100_sxm" / "comm" / "nccl").glob(
+        "*/nccl_perf.parquet"), key=lambda p: [int(v) for v in p.parent.name.split(".")])[-1])
+    rows = ((nccl["op_name"] == "all_reduce") & (nccl["num_gpus"] == 2)
+            & (nccl["nccl_dtype"] == "half") & (nccl["message_size"] == 2048 * hidden))
+    assert rows.any()
+    assert allreduce(np.array([2048.0]))[0] == pytest.approx(nccl["latency"][rows].mean(),
+                                                             rel=1e-12)
+    assert "vLLM 0.19.0 custom all-reduce" in h100_tp2.describe()["allreduce"]
+
+
+# ---- fp8 -----------------------------------------------------------------------------------------
+
+def test_an_fp8_kv_cache_halves_the_bytes_and_doubles_the_pool(llama, h100):
+    fp8 = dataclasses.replace(llama, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token * 2 == llama.kv_bytes_per_token
+    assert fp8.kv_bytes_per_token_per_gpu(2) * 2 == llama.kv_bytes_per_token_per_gpu(2)
+    assert kv_cache_num_blocks(fp8, h100, 16) == pytest.approx(
+        2 * kv_cache_num_blocks(llama, h100, 16), abs=2)
+
+
+def test_fp8_weights_halve_the_linear_layers_only(llama):
+    fp8 = dataclasses.replace(llama, quantization="fp8")
+    linear = llama.num_layers * llama.linear_parameters_per_layer
+    # Embeddings, norms and the LM head keep their two bytes a parameter.
+    assert fp8.weight_bytes == llama.weight_bytes - linear
+    assert 0.5 < fp8.weight_bytes / llama.weight_bytes < 0.55
+
+
+def test_fp8_weights_make_a_memory_bound_decode_faster(llama, h100, h100_default):
+    fp8 = GPUCostModel(dataclasses.replace(llama, quantization="fp8"), h100)
+    assert "(fp8)" in fp8.describe()["linear"]
+    plan = decode_step(1, 512)
+    assert 0 < fp8.step_time(plan) < 0.8 * h100_default.step_time(plan)
+
+
+def test_an_fp8_kv_cache_reads_the_fp8_attention_rows(llama, h100, h100_default):
+    fp8 = GPUCostModel(dataclasses.replace(llama, kv_cache_dtype="fp8"), h100)
+    assert "fp8 KV cache" in fp8.describe()["attention"]
+    assert "bfloat16 KV cache" in h100_default.describe()["attention"]
+    # A long-context decode batch reads its cache: the fp8 cache's rows are faster.
+    plan = decode_step(64, 4096)
+    assert fp8.step_time(plan) < 0.9 * h100_default.step_time(plan)
+
+
+# ---- engine terms and steps that only preempt ----------------------------------------------------
+
+def test_engine_terms_are_the_nearest_versions_unless_given(llama, h100, h100_default,
+                                                            monkeypatch):
+    shipped = cost_model_module._engine_terms_by_version()
+    assert h100_default.step_overhead_s == shipped["0.19"]["step_overhead_s"] > 0
+    assert h100_default.per_sequence_overhead_s == shipped["0.19"]["per_sequence_overhead_s"] > 0
+    assert "engine_terms.json" in h100_default.describe()["engine"]
+    given = GPUCostModel(llama, h100, step_overhead_s=1e-3, per_sequence_overhead_s=0.0)
+    assert given.step_overhead_s == 1e-3 and given.per_sequence_overhead_s == 0.0
+    versions = {"0.14": {"step_overhead_s": 1e-4, "per_sequence_overhead_s": 1e-6},
+                "0.19": {"step_overhead_s": 2e-4, "per_sequence_overhead_s": 2e-6}}
+    monkeypatch.setattr(cost_model_module, "_engine_terms_by_version", lambda: versions)
+    assert engine_terms("0.12")[0] == versions["0.14"]
+    assert engine_terms(None)[0] == versions["0.19"]
+    older = GPUCostModel(llama, h100, engine_version="0.12")
+    assert older.step_overhead_s == 1e-4 and "vLLM 0.14 engine terms" in older.describe()["engine"]
+
+
+def test_a_step_that_only_preempts_costs_the_overhead(llama, h100, h100_default):
+    plan = StepPlan(preempted_recompute=[Request(0, 0.0, 100, 10)])
+    assert not plan.seqs and not plan.is_empty
+    assert h100_default.step_time(plan) == pytest.approx(h100_default.step_overhead_s)
+    assert h100_default.step_time(plan) > 0
+    roofline = RooflineCostModel(llama, h100)
+    assert roofline.step_time(plan) == pytest.approx(roofline.step_overhead_s)
+    assert roofline.step_time(plan) > 0
+    assert h100_default.step_time(StepPlan()) == 0.0
+
+
+def test_a_plan_of_aggregates_only_costs_its_tokens(h100_default):
+    """draft_time, bench/ and the tests build plans from the aggregates alone (no seqs): the
+    step still runs its tokens."""
+    assert h100_default.step_time(decode_plan(8, 512)) == h100_default.step_time(
+        decode_step(8, 512))
+
+
+def test_a_step_time_is_a_python_float(h100_default):
+    """The simulator's clock and the request times written from it stay plain floats."""
+    for plan in (decode_step(8, 512), StepPlan(preempted_recompute=[Request(0, 0.0, 100, 10)])):
+        assert type(h100_default.step_time(plan)) is float
