@@ -183,8 +183,9 @@ class RooflineCostModel:
         num_tokens = plan.num_prefill_tokens + plan.num_decode_seqs + plan.num_draft_tokens
         num_swapped = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         num_copied = len(plan.blocks_to_copy)
-        if plan.is_empty:   # (a step that only preempts is not empty: it costs the overhead)
-            return 0, 0.0
+        if not (num_tokens or num_swapped or num_copied or plan.blocks_to_offload
+                or plan.blocks_to_load or plan.preempted_recompute):
+            return 0, 0.0   # (a step that only preempts costs the overhead)
         return num_tokens, self._overhead_s(plan, num_swapped, num_copied)
 
     def _repeated_start(self, plan: StepPlan) -> tuple[int, float]:

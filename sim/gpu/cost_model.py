@@ -208,7 +208,10 @@ class GPUCostModel(RooflineCostModel):
                 system, version, self.kernel_source = resolve_version(self.hardware.name,
                                                                       engine_version)
                 self.kernels = self._vllm_kernels(system, version)
+                if m.is_moe:   # (a table without this expert layout falls back here)
+                    self.kernels.moe_ms(np.ones(1))
             except NoKernelTables as missing:
+                self.kernels = None
                 self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
                 _say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
                           f"tables (cost_model.kernel_tables=vidur)")
@@ -257,6 +260,10 @@ class GPUCostModel(RooflineCostModel):
         self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
 
+        # The measured decode table itself where there is one (its linear fit misses cache and
+        # occupancy steps of up to 30 %); the fit's terms otherwise.
+        self._decode_grid = (None if self.kernels is None
+                             else self.kernels.decode_attention_grid(layers))
         self._decode_fixed_s = layers * (attention.decode_fixed_s)
         self._decode_s_per_token = layers * attention.decode_s_per_context_token
         self._decode_s_per_seq = layers * attention.decode_s_per_seq
@@ -270,21 +277,22 @@ class GPUCostModel(RooflineCostModel):
         self._sources = {
             "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
                                       "embedding and final norm per step)"
-                      + ("" if self.hardware.compute_efficiency == 1.0 else
+                      + ("" if self.hardware.compute_efficiency == 1.0 or self.kernels else
                          f"; the board's compute_efficiency {self.hardware.compute_efficiency:g}"),
             "lm_head": (f"{self.kernel_source}: the hidden x vocab/tp GEMM over the sampling rows"
                         + (", logits all-gathered (NCCL)" if tp > 1 else "")
                         if self.kernels is not None else
                         f"predicted from {self.op_table.name} gate+up GEMM by the LM head's "
                         f"roofline ratio"),
-            "attention": attention.source,
+            "attention": (attention.source + "; decode looked up in the table at the batch and "
+                          "its mean context" if self.kernels else attention.source),
             "allreduce": allreduce_source,
             "engine": (f"{'fitted: ' + str(terms_file) if terms_file else self.engine_terms_source}: "
                        f"step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
                        f"{per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
                        f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
                        f"{self.cuda_graph_max_tokens}"
-                       + ("" if self.hardware.board != "workstation" else
+                       + ("" if self.hardware.board != "workstation" or self.kernels else
                           f", workstation_bandwidth_efficiency="
                           f"{self.workstation_bandwidth_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
@@ -292,16 +300,21 @@ class GPUCostModel(RooflineCostModel):
         if m.is_moe:
             self._sources["experts"] = (
                 f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
-                f"moe_ep {self.kernels.moe_ep_size}, balanced routing)"
+                f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
+                f"{self.routing!r})"
                 if self.kernels is not None else experts.source(self.routing))
 
     def _vllm_kernels(self, system: str, version: str) -> VllmKernels:
         m, tp = self.model, self.tensor_parallel_size
         ep = self._experts.layout.expert_parallel_size if m.is_moe else 1
+        routing = self.routing if m.is_moe else "uniform"
+        exponent = ({"uniform": 0.0, "skewed": 1.0}.get(routing, 0.0) if isinstance(routing, str)
+                    else float(routing.get("skewed", 0.0)) if isinstance(routing, Mapping) else 0.0)
         return VllmKernels(m, self.hardware, system, version, tp, self.cuda_graph_max_tokens,
                            moe_tp_size=max(1, tp // ep), moe_ep_size=ep,
                            moe_tokens_per_token=(self._experts.layout.group_tokens_per_token
-                                                 if m.is_moe else 1.0))
+                                                 if m.is_moe else 1.0),
+                           routing_exponent=exponent)
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its
@@ -337,6 +350,8 @@ class GPUCostModel(RooflineCostModel):
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:
         """The decodes' context is read once however many queries (drafts) each has; drafts add
         their own K/V."""
+        if self._decode_grid is not None:
+            return self._decode_grid(num_decodes, context_tokens + num_drafts)
         return (self._decode_fixed_s + (context_tokens + num_drafts) * self._decode_s_per_token
                 + num_decodes * self._decode_s_per_seq)
 

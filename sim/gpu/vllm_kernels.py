@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -40,7 +41,43 @@ def _relative_fit(columns: list[np.ndarray], ms: np.ndarray) -> tuple[np.ndarray
     a = np.column_stack(columns) / ms[:, None]
     coefficients, _ = nnls(a, np.ones_like(ms))
     predicted = np.column_stack(columns) @ coefficients
-    return coefficients, float(100 * np.mean(np.abs(predicted - ms) / ms))
+    return [float(c) for c in coefficients], float(100 * np.mean(np.abs(predicted - ms) / ms))
+
+
+def _exponent(distribution: str) -> float:
+    """A MoE table's routing as a Zipf exponent: balanced 0, power_law_1.2 1.2."""
+    return 0.0 if distribution == "balanced" else float(distribution.rsplit("_", 1)[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionGrid:
+    """A decode batch's attention (s, all layers) measured on a (batch, context) grid: bilinear
+    between measured points (exact where time ~ batch x context), in proportion beyond them.
+    The step looks it up at the batch's size and mean context, O(1)."""
+
+    batch: tuple[float, ...]
+    context: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]      # [batch][context]
+
+    def __call__(self, num_decodes: int, context_tokens: float) -> float:
+        b, c = float(num_decodes), context_tokens / num_decodes
+        bi, bw, bs = _position(self.batch, b)
+        ci, cw, cs = _position(self.context, c)
+        row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
+        c2 = min(ci + 1, len(self.context) - 1)
+        low = row[ci] + cw * (row[c2] - row[ci])
+        high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
+        return (low + bw * (high - low)) * bs * cs
+
+
+def _position(grid: tuple[float, ...], value: float) -> tuple[int, float, float]:
+    """(lower index, weight of the next point, scale beyond the grid's ends) of `value`."""
+    if value <= grid[0]:
+        return 0, 0.0, 1.0
+    if value >= grid[-1]:
+        return len(grid) - 1, 0.0, value / grid[-1]
+    upper = bisect.bisect_left(grid, value)
+    return upper - 1, (value - grid[upper - 1]) / (grid[upper] - grid[upper - 1]), 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +93,7 @@ class VllmKernels:
     moe_tp_size: int = 1
     moe_ep_size: int = 1
     moe_tokens_per_token: float = 1.0       # tokens a GPU's experts see per token of the replica
+    routing_exponent: float = 0.0           # the routing's Zipf exponent (0: balanced)
 
     @property
     def gemm_dtype(self) -> str:
@@ -99,8 +137,12 @@ class VllmKernels:
         m = self.model
         data = moe_table(self.system, self.version)
         dtype = {"bfloat16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}[self.gemm_dtype]
-        rows = ((data["moe_dtype"] == dtype) & (data["distribution"] == "balanced")
-                & (data["moe_tp_size"] == self.moe_tp_size) & (data["moe_ep_size"] == self.moe_ep_size))
+        rows = ((data["moe_dtype"] == dtype) & (data["moe_tp_size"] == self.moe_tp_size)
+                & (data["moe_ep_size"] == self.moe_ep_size))
+        if rows.any():   # the measured routing nearest the run's (balanced is exponent 0)
+            measured = set(data["distribution"][rows].tolist())
+            distribution = min(measured, key=lambda d: abs(_exponent(d) - self.routing_exponent))
+            rows &= data["distribution"] == distribution
         if not rows.any():
             raise NoKernelTables(f"{self.system} vLLM {self.version}: no {dtype} MoE layer at "
                                  f"moe_tp {self.moe_tp_size}, moe_ep {self.moe_ep_size}")
@@ -167,6 +209,23 @@ class VllmKernels:
         rows = attention_rows(self.system, self.version, kind, query, kv, m.head_dim, self.kv_dtype)
         scale = (kv / rows.heads[1]) if kind == "generation" else (query / rows.heads[0])
         return rows, scale * m.head_dim / rows.heads[2]
+
+    def decode_attention_grid(self, num_layers: int) -> DecodeAttentionGrid:
+        """The decode table of the model's heads as a (batch, context) grid, all layers, in
+        seconds; a hole takes its batch row's neighbour in context scaled by context."""
+        rows, scale = self._rows("generation")
+        batches, contexts = np.unique(rows.batch), np.unique(rows.context)
+        grid = np.full((len(batches), len(contexts)), np.nan)
+        grid[np.searchsorted(batches, rows.batch), np.searchsorted(contexts, rows.context)] = rows.ms
+        for i in range(len(batches)):
+            known = ~np.isnan(grid[i])
+            if not known.all():
+                last = np.flatnonzero(known)[-1]
+                grid[i, ~known] = np.interp(contexts[~known], contexts[known], grid[i, known])
+                grid[i, last + 1:] = grid[i, last] * contexts[last + 1:] / contexts[last]
+        seconds = grid * scale * 1e-3 * num_layers
+        return DecodeAttentionGrid(tuple(batches.tolist()), tuple(contexts.tolist()),
+                                   tuple(tuple(row) for row in seconds.tolist()))
 
     def attention(self) -> tuple[AttentionCost, float, float]:
         """Per-layer attention terms in seconds, and the decode and prefill fits' errors (%)."""
