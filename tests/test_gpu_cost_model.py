@@ -162,7 +162,7 @@ def test_cuda_graph_pads_and_eager_pays_launches():
     # 512 tokens replay a graph and pay kernels only.
     assert model.step_time(decode_plan(513, 10)) == pytest.approx(
         model.step_overhead_s + model.per_sequence_overhead_s * 513 + 64e-3)
-    assert model.step_time(decode_plan(512, 10)) < 0.05
+    assert model.step_time(decode_plan(512, 10)) < 0.064   # below the 32 x 2 ms of launches
 
 
 def test_describe_names_the_sources_of_a_transfer():

@@ -235,13 +235,24 @@ def test_gpu_routed_experts_grow_with_touched_experts_then_with_tokens():
     expert costs its weights (a few more tokens cost far less); once all are touched the kernels
     grow slowly with tokens. Skewed routing touches fewer, so small batches cost less."""
     qwen, a100 = model_spec("qwen3-30b-a3b"), hardware_spec("a100-80gb")
-    uniform = GPUCostModel(qwen, a100)
-    skewed = GPUCostModel(qwen, a100, routing={"skewed": 1.0})
+    uniform = GPUCostModel(qwen, a100, kernel_tables="vidur")
+    skewed = GPUCostModel(qwen, a100, routing={"skewed": 1.0}, kernel_tables="vidur")
     for batch in (2, 4, 8, 16):
         assert skewed.forward_kernels_s(batch) < uniform.forward_kernels_s(batch)
     small = uniform.forward_kernels_s(8) - uniform.forward_kernels_s(1)
     large = uniform.forward_kernels_s(512) - uniform.forward_kernels_s(256)
     assert small > 2 * large   # 7 tokens touching ~44 more experts > 256 tokens touching none
+
+
+def test_vllm_moe_table_follows_the_routing():
+    """vLLM's fused MoE layer as measured on an H100 (balanced and power-law routing): a small
+    decode batch under power-law routing touches fewer experts and costs less."""
+    qwen, h100 = model_spec("qwen3-30b-a3b"), hardware_spec("h100-80gb")
+    uniform = GPUCostModel(qwen, h100)
+    skewed = GPUCostModel(qwen, h100, routing={"skewed": 1.2})
+    assert "nearest 'uniform'" in uniform.describe()["experts"]
+    for batch in (2, 4, 8):
+        assert skewed.forward_kernels_s(batch) < uniform.forward_kernels_s(batch)
 
 
 def test_expert_parallel_all_to_all_and_weights_per_gpu():

@@ -170,7 +170,7 @@ def allreduce_table(backend: str) -> tuple[np.ndarray, np.ndarray]:
     return rows["message_size"][keep][order].astype(float), rows["latency"][keep][order]
 
 
-def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_8_mib(
+def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_the_custom_limit(
         llama, h100_default, h100_tp2):
     assert h100_default.kernels.allreduce_ms(np.array([64.0, 600.0])).tolist() == [0.0, 0.0]
     assert h100_default.describe()["allreduce"].startswith("none")
@@ -184,14 +184,17 @@ def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_8_mib(
     for tokens, table in ((512, graph), (513, eager), (600, eager)):
         assert allreduce(np.array([float(tokens)]))[0] == pytest.approx(
             np.interp(tokens * hidden, *table), rel=1e-12), tokens
-    # 2,048 tokens x 4,096 bf16 = 16 MiB: past the custom all-reduce's 8 MiB, NCCL's.
+    # Two GPUs: the custom all-reduce takes up to 64 MiB; 16,384 tokens x 4,096 bf16 = 128 MiB
+    # goes to NCCL, 8,192 tokens (64 MiB) stays custom (eager).
     nccl = read_table(sorted((TABLES_DIR / "h100_sxm" / "comm" / "nccl").glob(
         "*/nccl_perf.parquet"), key=lambda p: [int(v) for v in p.parent.name.split(".")])[-1])
     rows = ((nccl["op_name"] == "all_reduce") & (nccl["num_gpus"] == 2)
-            & (nccl["nccl_dtype"] == "half") & (nccl["message_size"] == 2048 * hidden))
+            & (nccl["nccl_dtype"] == "half") & (nccl["message_size"] == 16384 * hidden))
     assert rows.any()
-    assert allreduce(np.array([2048.0]))[0] == pytest.approx(nccl["latency"][rows].mean(),
-                                                             rel=1e-12)
+    assert allreduce(np.array([16384.0]))[0] == pytest.approx(nccl["latency"][rows].mean(),
+                                                              rel=1e-12)
+    assert allreduce(np.array([8192.0]))[0] == pytest.approx(
+        np.interp(8192 * hidden, *eager), rel=1e-12)
     assert "vLLM 0.19.0 custom all-reduce" in h100_tp2.describe()["allreduce"]
 
 

@@ -302,6 +302,8 @@ class GPUCostModel(RooflineCostModel):
                 f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
                 f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
                 f"{self.routing!r})"
+                + ("" if self.kernels.moe_ep_size == 1 else
+                   "; dispatch + combine all-to-all per layer from the NCCL all-reduce tables")
                 if self.kernels is not None else experts.source(self.routing))
 
     def _vllm_kernels(self, system: str, version: str) -> VllmKernels:
