@@ -35,9 +35,10 @@ def main() -> None:
     for model, hardware, tp, label, plan in CASES:
         cost = GPUCostModel(OmegaConf.load(CONF_DIR / "model" / f"{model}.yaml"),
                             OmegaConf.load(CONF_DIR / "hardware" / f"{hardware}.yaml"), tp)
+        stated = cost.expected_error_pct
         print(f"{model} on {hardware} tp{tp}, {label}: {1e3 * cost.step_time(plan):.2f} ms "
-              f"(linear layers {cost.linear_transfer_kind}, expected error "
-              f"{cost.expected_error_pct:.1f} %)")
+              f"({cost.kernel_source}; a run's expected TPOT error "
+              + (f"±{stated['tpot']:.0f} %)" if stated else "not stated)"))
         print(f"    linear: {cost.describe()['linear']}")
         print(f"    attention: {cost.describe()['attention']}")
 

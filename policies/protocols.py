@@ -301,7 +301,7 @@ class CostModel(Protocol):
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,
     decode_context_tokens, spec_lens, ...); it may draw noise, and is called once per step.
     Optional, each a protocol of its own: `expected_error_pct` (StatesExpectedError, below), the
-    summary's kernel_time_expected_error_pct; `reads_only_aggregates` and
+    summary's expected_{ttft,tpot,e2e}_error_pct; `reads_only_aggregates` and
     `repeated_step_times(plan, num_steps)` (RepeatedStepCostModel, policies/decode_run.py), which
     cost a run of repeated decode steps as one event. The executor wrapping it may report its
     machine's speed (ReportsSpeed, below)."""
@@ -312,9 +312,10 @@ class CostModel(Protocol):
 
 @runtime_checkable
 class StatesExpectedError(Protocol):
-    """A cost model that states the expected error of its kernel times (the GPU cost model)."""
+    """A cost model that states the expected error of a run's latencies (the GPU cost model)."""
 
-    expected_error_pct: float | None   # percent; None: none stated
+    # {"ttft", "tpot", "e2e": percent, "checks": how many, "basis": their kind}; None: none
+    expected_error_pct: dict | None
 
 
 @runtime_checkable

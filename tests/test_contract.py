@@ -40,7 +40,7 @@ class FlatCostModel:
 
 
 class StatedErrorCostModel(FlatCostModel):
-    expected_error_pct = 7.5
+    expected_error_pct = {"ttft": 20.0, "tpot": 7.5, "e2e": 9.0, "checks": 12, "basis": "test"}
 
 
 def with_cost_model(target: str, *overrides: str):
@@ -59,10 +59,12 @@ def test_a_cost_model_from_scratch_runs_a_simulation():
     duration = steps[:, STEP_COLUMNS.index("duration")]
     prefill = steps[:, STEP_COLUMNS.index("num_prefill_tokens")]
     np.testing.assert_allclose(duration, STEP_S + 1e-6 * prefill)   # its times, step by step
-    assert "kernel_time_expected_error_pct" not in result.summary
+    assert "expected_tpot_error_pct" not in result.summary
     stated = run_experiment(with_cost_model("test_contract.StatedErrorCostModel",
                                             "workload.num_requests=5"), plots=False)
-    assert stated.summary["kernel_time_expected_error_pct"] == 7.5
+    assert stated.summary["expected_tpot_error_pct"] == 7.5
+    assert stated.summary["expected_ttft_error_pct"] == 20.0
+    assert stated.summary["expected_error_basis"] == "12 leave-out checks: test"
 
 
 # ---- build-time checks: one line naming the member --------------------------------------------

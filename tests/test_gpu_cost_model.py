@@ -54,7 +54,7 @@ def test_exact_table_point_is_the_csv_sum_of_ops_times_layers():
     by_hand = 32 * sum(ms(row, op) for op in LAYER_OPS) + ms(row, "emb") + ms(row, "input_layernorm")
     assert model.forward_kernels_s(256) == pytest.approx(by_hand * 1e-3, rel=1e-12)
     assert model.linear_transfer_kind == "measured"
-    assert model.expected_error_pct == model.expected_errors["linear"]["measured"] < 5
+    assert model.expected_errors["linear"]["measured"] < 5
 
 
 def test_llama_3_1_8b_reads_the_llama_3_8b_table():
@@ -172,7 +172,7 @@ def test_describe_names_the_sources_of_a_transfer():
     thirteen = vidur_model("llama-2-13b", "a100-80gb")
     assert thirteen.describe()["linear"].startswith("predicted from a100/")
     assert thirteen.linear_transfer_kind == "shape"
-    assert thirteen.expected_error_pct == thirteen.expected_errors["linear"]["shape"]
+    assert thirteen.expected_errors["linear"]["shape"] < thirteen.expected_errors["linear"]["gpu"]
     # The A800 is the A100's chip: its 70B comes from the A100's 70B table, not its own 7B one.
     a800 = vidur_model("llama-2-70b", "a800-80gb")
     assert a800.describe()["linear"].startswith("predicted from a100/Llama-2-70b-hf tp1 (a100-80gb) same chip")

@@ -19,8 +19,10 @@ from factories import decode_plan, hardware_spec, make_cfg, model_spec
 def test_the_default_cost_model_is_the_gpu_one_with_its_expected_error():
     result = run_experiment(make_cfg("workload.num_requests=20"), plots=False)
     assert isinstance(result.replicas[0].executor.cost_model, GPUCostModel)
-    assert result.summary["kernel_time_expected_error_pct"] == pytest.approx(
-        result.replicas[0].executor.cost_model.expected_error_pct)
+    stated = result.replicas[0].executor.cost_model.expected_error_pct
+    for metric in ("ttft", "tpot", "e2e"):
+        assert result.summary[f"expected_{metric}_error_pct"] == pytest.approx(stated[metric])
+    assert str(stated["checks"]) in result.summary["expected_error_basis"]
 
 
 def test_hardware_without_gpu_measurements_falls_back_to_the_roofline_saying_so(capsys,
@@ -31,7 +33,7 @@ def test_hardware_without_gpu_measurements_falls_back_to_the_roofline_saying_so(
     first = run_experiment(make_cfg(*overrides), plots=False)
     cost_model = first.replicas[0].executor.cost_model
     assert type(cost_model) is RooflineCostModel and cost_model.block_size == 8
-    assert "kernel_time_expected_error_pct" not in first.summary
+    assert "expected_tpot_error_pct" not in first.summary
     run_experiment(make_cfg(*overrides), plots=False)
     lines = [line for line in capsys.readouterr().err.splitlines() if "cost_model=roofline" in line]
     assert len(lines) == 1 and "hardware=cpu" in lines[0]   # once a process

@@ -253,14 +253,17 @@ def _group_name(group: DictConfig) -> str:
 
 
 def cost_model_summary(cost_models: list) -> dict:
-    """The expected error of the run's kernel times where its cost model states one: the
-    leave-one-out error of the kind of transfer it made (data/gpu/transfer_errors.json). It is
-    the kernels' error alone; how whole runs compare with real ones is in
-    docs/validation-results.md ("Real GPUs")."""
+    """The expected error of the run's TTFT, TPOT and E2E where its cost model states one: the
+    80th percentile of |error| of leave-out checks of its kind (sim/gpu/expected_errors.py)."""
     for cost_model in cost_models:
         if (has_capability(cost_model, StatesExpectedError, "cost_model")
                 and cost_model.expected_error_pct is not None):
-            return {"kernel_time_expected_error_pct": float(cost_model.expected_error_pct)}
+            stated = cost_model.expected_error_pct
+            summary = {f"expected_{metric}_error_pct": float(stated[metric])
+                       for metric in ("ttft", "tpot", "e2e")}
+            summary["expected_error_basis"] = (f"{stated.get('checks', '?')} leave-out checks: "
+                                               f"{stated.get('basis', '?')}")
+            return summary
     return {}
 
 

@@ -15,7 +15,8 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 
 Everything per token count is precomputed at construction (plain lists indexed by tokens, linear
 beyond), so a step costs O(1) from the plan's aggregates. `describe()` says where each term comes
-from; `expected_error_pct` is the leave-one-out error of the kind of transfer the linear layers
+from; `expected_error_pct` the end-to-end errors of its kind of prediction in leave-out checks
+(sim/gpu/expected_errors.py); `expected_errors` the leave-one-out error of the kind of transfer the linear layers
 (the largest term) needed (data/gpu/transfer_errors.json).
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from sim.gpu.experts import MLP_OPS, ExpertKernels
 from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
                             predict_lm_head_ms, predict_step_ops_ms)
 from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
+from sim.gpu.expected_errors import expected_errors_for, kind_of
 from sim.gpu.transfer_errors import expected_errors
 from sim.gpu.vllm_kernels import VllmKernels
 from sim.gpu.vllm_tables import (DEFAULT_ENGINE_VERSION, NoKernelTables, nearest_version,
@@ -273,7 +275,11 @@ class GPUCostModel(RooflineCostModel):
         self._prefill_s_per_token = layers * attention.prefill_s_per_token
 
         self.expected_errors = expected_errors()
-        self.expected_error_pct = self.expected_errors["linear"][self.linear_transfer_kind]
+        # The end-to-end error of runs of this kind in leave-out checks (TTFT, TPOT, E2E).
+        self.prediction_kind = kind_of(
+            "vllm" if self.kernels is not None else "vidur",
+            "nearest measured" not in self.kernel_source, tp, m.is_moe, m.quantization is not None)
+        self.expected_error_pct = expected_errors_for(self.prediction_kind)
         self._sources = {
             "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
                                       "embedding and final norm per step)"

@@ -56,9 +56,11 @@ def format_summary_table(summary: dict) -> Table:
                        f"({summary['fairness_windows']:,} windows)")
         totals.add_row(f"max gap {window}", f"{summary['max_backlogged_service_diff']:,.0f} tok")
     totals.add_row("steps", f"{summary['num_steps']:,}")
-    if "kernel_time_expected_error_pct" in summary:   # (sim/gpu/transfer_errors.py)
-        totals.add_row("kernel time expected error",
-                       f"±{summary['kernel_time_expected_error_pct']:.1f} %")
+    if "expected_tpot_error_pct" in summary:   # (sim/gpu/expected_errors.py)
+        totals.add_row("expected error TTFT/TPOT/E2E",
+                       f"±{summary['expected_ttft_error_pct']:.0f} / "
+                       f"±{summary['expected_tpot_error_pct']:.0f} / "
+                       f"±{summary['expected_e2e_error_pct']:.0f} %")
     totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
 
     latencies = Table(box=None, pad_edge=False)

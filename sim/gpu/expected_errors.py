@@ -1,0 +1,61 @@
+"""The error a GPU run's TTFT, TPOT and E2E are expected to have, by the kind of prediction it
+makes, from leave-out checks end to end (data/gpu/expected_errors.json, written by
+`python -m calibration.expected_errors`: measured deployments and real runs that no term was
+fitted on).
+
+A kind is (kernels, version, tp, model, precision): vLLM's measured kernels or the Vidur tables
+carried to another GPU; the engine version measured or the nearest one; one GPU or tensor
+parallel; dense or mixture of experts; bf16 or fp8 weights. A run takes the checks of its own
+kind, or where too few share it, those that share its leading keys (the kernels first), and
+states their 80th percentile of |error|: the truth should lie within it 8 times in 10."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+KIND_KEYS = ("kernels", "version", "tp", "model", "precision")
+METRICS = ("ttft", "tpot", "e2e")
+MIN_CHECKS = 5
+EXPECTED_ERRORS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "expected_errors.json"
+
+
+def kind_of(kernels: str, version_exact: bool, tensor_parallel_size: int, is_moe: bool,
+            quantized: bool) -> dict[str, str]:
+    return {"kernels": kernels, "version": "exact" if version_exact else "nearest",
+            "tp": "tp1" if tensor_parallel_size == 1 else "tp>1",
+            "model": "moe" if is_moe else "dense", "precision": "fp8" if quantized else "bf16"}
+
+
+def percentile_abs(errors: list[float], share: float = 0.8) -> float:
+    """The `share` quantile of |errors| (the largest of fewer than five)."""
+    values = sorted(abs(e) for e in errors)
+    if len(values) < MIN_CHECKS:
+        return values[-1]
+    position = share * (len(values) - 1)
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (position - low) * (values[high] - values[low])
+
+
+@functools.lru_cache(maxsize=None)
+def _checks() -> tuple[dict, ...]:
+    if not EXPECTED_ERRORS_FILE.is_file():
+        return ()
+    return tuple(json.loads(EXPECTED_ERRORS_FILE.read_text())["checks"])
+
+
+def expected_errors_for(kind: dict[str, str], checks=None) -> dict | None:
+    """{ttft, tpot, e2e: the 80th percentile of |error| in %, checks: how many, basis: the kind
+    they share} for a run of `kind`; None where no check shares even its kernels."""
+    checks = _checks() if checks is None else checks
+    for depth in range(len(KIND_KEYS), 0, -1):
+        keys = KIND_KEYS[:depth]
+        same = [c for c in checks if all(c["kind"][k] == kind[k] for k in keys)]
+        if len(same) >= MIN_CHECKS or (depth == 1 and same):
+            result = {metric: percentile_abs([c["error_pct"][metric] for c in same])
+                      for metric in METRICS}
+            result["checks"] = len(same)
+            result["basis"] = ", ".join(kind[k] for k in keys)
+            return result
+    return None
