@@ -4,14 +4,17 @@
 - per layer: the QKV, O, gate+up and down GEMMs looked up at their (tokens, n, k) in the
   version's GEMM table of the weights' dtype (bf16, fp8, fp8_block), or for a mixture of experts
   the router GEMM and the fused MoE layer from its table; two all-reduces from vLLM's custom
-  all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond, NCCL past the
-  custom one's size limit); the small kernels (norms, rotary, activation, residual add) from the
-  nearest operator table by bytes moved (sim/gpu/linear.py);
+  all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond), on Hopper the
+  symmetric-memory one past its size limit (unmeasured: the faster of custom and NCCL), NCCL past
+  both; the small kernels (norms, rotary, activation, residual add) from the nearest operator
+  table by bytes moved (sim/gpu/linear.py);
+- attention: decode looked up in the version's measured (batch, context) grid at the batch's
+  size and mean context;
 - per step: embedding and final norm (small kernels), the LM head GEMM over the sampling rows,
   and at tp > 1 the logits' all-gather;
-- attention: the version's prefill and decode attention tables of the KV cache's dtype, at the
-  heads one GPU holds, fitted by relative least squares to the terms a plan carries (decode:
-  fixed + cached tokens + sequences; prefill: fixed + query-key pairs + tokens).
+- prefill attention: the version's table of the KV cache's dtype, at the heads one GPU holds,
+  fitted by relative least squares to the terms a plan carries (fixed + query-key pairs +
+  tokens; the decode terms are fitted too, for a describe() of the fit's error).
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import AttentionCost
 from sim.gpu.linear import nearest_op_table, predict_op_ms
 from sim.gpu.tables import LayerShape
-from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, AttentionRows, NoKernelTables,
+from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, OTHER_CUSTOM_ALLREDUCE_MAX_BYTES,
+                                 SYMM_MEM_ALLREDUCE_MAX_BYTES, SYMM_MEM_SYSTEMS, AttentionRows,
+                                 NoKernelTables,
                                  attention_rows, curve_ms, custom_allreduce_curve, gemm_grid,
                                  moe_table, nccl_curve)
 
@@ -180,8 +185,14 @@ class VllmKernels:
             return curve_ms(nccl, elements)
         custom = np.where(np.asarray(tokens) <= self.cuda_graph_max_tokens,
                           curve_ms(graph, elements), curve_ms(eager, elements))
-        return np.where(elements * 2 <= CUSTOM_ALLREDUCE_MAX_BYTES.get(tp, 0), custom,
-                        curve_ms(nccl, elements))
+        nccl_ms = curve_ms(nccl, elements)
+        message = elements * self.model.dtype_bytes
+        if self.system not in SYMM_MEM_SYSTEMS:
+            return np.where(message <= OTHER_CUSTOM_ALLREDUCE_MAX_BYTES, custom, nccl_ms)
+        # Symmetric memory (unmeasured) at the faster of the two measured NVLink all-reduces.
+        return np.where(message <= CUSTOM_ALLREDUCE_MAX_BYTES.get(tp, 0), custom,
+                        np.where(message <= SYMM_MEM_ALLREDUCE_MAX_BYTES.get(tp, 0),
+                                 np.minimum(custom, nccl_ms), nccl_ms))
 
     # --- per step ------------------------------------------------------------------------------
 

@@ -31,9 +31,13 @@ SYSTEMS = {
 # The version a run without `cost_model.engine_version` predicts (the nearest measured is used).
 DEFAULT_ENGINE_VERSION = "0.19"
 
-# The largest message (bytes) vLLM's custom all-reduce takes on Hopper/Ampere NVLink, by GPUs
-# (vLLM's all_reduce_utils); larger ones go to symmetric memory or NCCL, priced by NCCL's table.
+# The largest message (bytes) vLLM's custom all-reduce takes, by GPUs (vLLM's all_reduce_utils:
+# on Hopper, symmetric memory takes over from it up to the second limit; elsewhere its 8 MiB).
+# Larger messages go to NCCL.
 CUSTOM_ALLREDUCE_MAX_BYTES = {2: 64 << 20, 4: 32 << 20, 6: 512 << 10, 8: 256 << 10}
+SYMM_MEM_ALLREDUCE_MAX_BYTES = {2: 64 << 20, 4: 32 << 20, 6: 64 << 20, 8: 64 << 20}
+SYMM_MEM_SYSTEMS = ("h100_sxm", "h200_sxm")
+OTHER_CUSTOM_ALLREDUCE_MAX_BYTES = 8 << 20
 
 
 class NoKernelTables(ValueError):
