@@ -1,0 +1,57 @@
+"""Stated expected errors come from leave-out checks of the run's kind (sim/gpu/expected_errors.py),
+and a version's engine terms are the ones that close its rows' TPOT gap (calibration/engine_terms.py)."""
+import pytest
+
+import calibration.engine_terms as engine_terms
+from sim.gpu.expected_errors import expected_errors_for, kind_of, percentile_abs
+
+
+def check(errors, **kind):
+    base = kind_of("vllm", True, 2, False, False)
+    base.update(kind)
+    return {"check": "hand-made", "kind": base,
+            "error_pct": {"ttft": errors[0], "tpot": errors[1], "e2e": errors[2]}}
+
+
+def test_the_80th_percentile_of_absolute_errors():
+    assert percentile_abs([1, -2, 3, -4, 5, 6, -7, 8, 9, -10]) == pytest.approx(8.2)
+    assert percentile_abs([-3, 1]) == 3   # fewer than five: the largest
+
+
+def test_a_run_takes_the_checks_of_its_own_kind():
+    checks = ([check((10, 2, 3)) for _ in range(5)]
+              + [check((50, 20, 30), precision="fp8") for _ in range(5)])
+    bf16 = expected_errors_for(kind_of("vllm", True, 2, False, False), checks)
+    fp8 = expected_errors_for(kind_of("vllm", True, 2, False, True), checks)
+    assert (bf16["ttft"], bf16["tpot"], bf16["e2e"], bf16["checks"]) == (10, 2, 3, 5)
+    assert (fp8["ttft"], fp8["tpot"]) == (50, 20)
+    assert fp8["basis"] == "vllm, exact, tp>1, dense, fp8"
+
+
+def test_too_few_of_its_kind_widens_to_the_leading_keys():
+    checks = [check((10, 2, 3)) for _ in range(4)] + [check((40, 8, 9), tp="tp1")]
+    stated = expected_errors_for(kind_of("vllm", True, 2, False, False), checks)
+    assert stated["checks"] == 5 and stated["basis"] == "vllm, exact"
+    assert stated["tpot"] == pytest.approx(3.2)   # 80th percentile of 2, 2, 2, 2 and the tp1 8
+    assert expected_errors_for(kind_of("vidur", True, 1, False, False), checks) is None
+
+
+def test_the_shipped_checks_state_an_error_for_an_h100_run():
+    from factories import hardware_spec, model_spec
+    from sim.gpu.cost_model import GPUCostModel
+    model = GPUCostModel(model_spec("llama-2-70b"), hardware_spec("h100-80gb"), 4)
+    stated = model.expected_error_pct
+    assert stated["checks"] >= 5 and stated["tpot"] > 0 and stated["ttft"] > 0
+    assert model.prediction_kind["kernels"] == "vllm"
+
+
+def test_engine_terms_close_the_tpot_gap(monkeypatch):
+    """Rows whose zero-overhead replay is short of the truth by a + b x concurrency give back
+    a and b."""
+    step_s, per_sequence_s = 1.2e-3, 30e-6
+    rows = [{"concurrency": c, "real_tpot_ms": real, "sim_tpot_ms":
+             real - 1e3 * (step_s + per_sequence_s * c)}
+            for c, real in ((8, 18.0), (16, 20.0), (64, 40.0), (128, 55.0))]
+    monkeypatch.setattr(engine_terms, "compare_rows", lambda _rows, overrides: {"rows": rows})
+    fitted = engine_terms.fit_terms(["four rows"])
+    assert fitted == pytest.approx((step_s, per_sequence_s), rel=1e-9)
