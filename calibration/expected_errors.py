@@ -14,11 +14,13 @@ E2E of a silicon row is TTFT + (osl - 1) x TPOT, on both sides."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
-from sim.gpu.expected_errors import EXPECTED_ERRORS_FILE, METRICS, expected_errors_for, kind_of
+from sim.gpu.expected_errors import (EXPECTED_ERRORS_FILE, KIND_KEYS, METRICS,
+                                     expected_errors_for, kind_of)
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_RUNS = ("data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B",
@@ -87,15 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m calibration.expected_errors",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write {EXPECTED_ERRORS_FILE}")
+    parser.add_argument("--show", action="store_true",
+                        help=f"only state each kind's errors from {EXPECTED_ERRORS_FILE.name}")
     args = parser.parse_args(argv)
-    checks = silicon_checks() + real_run_checks()
-    kinds = sorted({tuple(c["kind"].values()) for c in checks})
-    for values in kinds:
-        kind = dict(zip(checks[0]["kind"], values))
+    if args.show:
+        checks = json.loads(EXPECTED_ERRORS_FILE.read_text())["checks"]
+    else:
+        checks = silicon_checks() + real_run_checks()
+    for values in itertools.product(("vllm", "vidur"), ("bf16", "fp8"), ("dense", "moe"),
+                                    ("exact", "nearest"), ("tp1", "tp>1")):
+        kind = dict(zip(KIND_KEYS, values))
         stated = expected_errors_for(kind, checks)
-        print(f"{', '.join(values):40s} {stated['checks']:4d} checks ({stated['basis']}): "
-              + "  ".join(f"{metric} ±{stated[metric]:.1f} %" for metric in METRICS))
-    if args.write:
+        if stated is not None:
+            print(f"{', '.join(values):36s} {stated['checks']:4d} checks ({stated['basis']}): "
+                  + "  ".join(f"{metric} ±{stated[metric]:.1f} %" for metric in METRICS))
+    if args.write and not args.show:
         EXPECTED_ERRORS_FILE.write_text(json.dumps({
             "about": ("Leave-out checks end to end (python -m calibration.expected_errors "
                       "--write): each a prediction of a measurement no term was fitted on, its "

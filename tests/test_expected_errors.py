@@ -25,13 +25,13 @@ def test_a_run_takes_the_checks_of_its_own_kind():
     fp8 = expected_errors_for(kind_of("vllm", True, 2, False, True), checks)
     assert (bf16["ttft"], bf16["tpot"], bf16["e2e"], bf16["checks"]) == (10, 2, 3, 5)
     assert (fp8["ttft"], fp8["tpot"]) == (50, 20)
-    assert fp8["basis"] == "vllm, exact, tp>1, dense, fp8"
+    assert fp8["basis"] == "vllm, fp8, dense, exact, tp>1"
 
 
 def test_too_few_of_its_kind_widens_to_the_leading_keys():
     checks = [check((10, 2, 3)) for _ in range(4)] + [check((40, 8, 9), tp="tp1")]
     stated = expected_errors_for(kind_of("vllm", True, 2, False, False), checks)
-    assert stated["checks"] == 5 and stated["basis"] == "vllm, exact"
+    assert stated["checks"] == 5 and stated["basis"] == "vllm, bf16, dense, exact"
     assert stated["tpot"] == pytest.approx(3.2)   # 80th percentile of 2, 2, 2, 2 and the tp1 8
     assert expected_errors_for(kind_of("vidur", True, 1, False, False), checks) is None
 

@@ -3,9 +3,9 @@ makes, from leave-out checks end to end (data/gpu/expected_errors.json, written 
 `python -m calibration.expected_errors`: measured deployments and real runs that no term was
 fitted on).
 
-A kind is (kernels, version, tp, model, precision): vLLM's measured kernels or the Vidur tables
-carried to another GPU; the engine version measured or the nearest one; one GPU or tensor
-parallel; dense or mixture of experts; bf16 or fp8 weights. A run takes the checks of its own
+A kind is (kernels, precision, model, version, tp): vLLM's measured kernels or the Vidur tables
+carried to another GPU; bf16 or fp8 weights; dense or mixture of experts; the engine version
+measured or the nearest one; one GPU or tensor parallel. A run takes the checks of its own
 kind, or where too few share it, those that share its leading keys (the kernels first), and
 states their 80th percentile of |error|: the truth should lie within it 8 times in 10."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import json
 from pathlib import Path
 
-KIND_KEYS = ("kernels", "version", "tp", "model", "precision")
+KIND_KEYS = ("kernels", "precision", "model", "version", "tp")
 METRICS = ("ttft", "tpot", "e2e")
 MIN_CHECKS = 5
 EXPECTED_ERRORS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "expected_errors.json"
