@@ -330,7 +330,7 @@ def test_shipped_moe_run_reads_as_published_and_replays_with_expert_parallelism(
     LLMServingSim's own validation_summary.txt (vLLM TTFT mean 1086.0 ms, TPOT mean 47.3,
     latency mean 32344.6), and the replay runs it on two replicas with the experts split over
     both (data parallel 2 + expert parallel), stepping in lockstep: held out, every latency
-    statistic within the real-run limit of 10 % (independent ranks: TPOT −12 %, TTFT −54 %)."""
+    statistic within the real-run limits (independent ranks: TPOT −12 %, TTFT −54 %)."""
     from calibration.realrun.readers import read_run
     from calibration.realrun.replay import replay
 
@@ -347,4 +347,6 @@ def test_shipped_moe_run_reads_as_published_and_replays_with_expert_parallelism(
     latency_errors = {name: error for name, error in stage["error_pct"].items()
                       if name.endswith("_ms")}
     assert len(latency_errors) == 9
-    assert all(abs(error) < 10.0 for error in latency_errors.values()), latency_errors
+    # The real-run limits (issue 40): TPOT and E2E within 10 %, TTFT within 20 %.
+    assert all(abs(error) < (20.0 if "ttft" in name else 10.0)
+               for name, error in latency_errors.items()), latency_errors
