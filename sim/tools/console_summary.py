@@ -57,10 +57,9 @@ def format_summary_table(summary: dict) -> Table:
         totals.add_row(f"max gap {window}", f"{summary['max_backlogged_service_diff']:,.0f} tok")
     totals.add_row("steps", f"{summary['num_steps']:,}")
     if "expected_tpot_error_pct" in summary:   # (sim/gpu/expected_errors.py)
-        totals.add_row("expected error TTFT/TPOT/E2E",
-                       f"±{summary['expected_ttft_error_pct']:.0f} / "
-                       f"±{summary['expected_tpot_error_pct']:.0f} / "
-                       f"±{summary['expected_e2e_error_pct']:.0f} %")
+        for metric in ("ttft", "tpot", "e2e"):
+            totals.add_row(f"expected {metric.upper()} error",
+                           f"±{summary[f'expected_{metric}_error_pct']:.0f} %")
     totals.add_row("wall time", f"{_fmt(summary['wall_time_s'])} s")
 
     latencies = Table(box=None, pad_edge=False)
