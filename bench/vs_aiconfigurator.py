@@ -51,7 +51,6 @@ without it the twinserve columns say so and stay empty. Errors are (predicted - 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib.util
 import json
@@ -82,47 +81,10 @@ TOOL_MODEL_PATH = {"meta-llama/Llama-3.1-70B": "meta-llama/Meta-Llama-3.1-70B",
 TOOL_QUANT_MODE = {"bf16": None, "fp8": "fp8"}
 
 
-@dataclasses.dataclass(frozen=True)
-class SiliconRow:
-    """One measured deployment, as calibration/silicon.py's SiliconRow names its fields."""
-    id: str
-    model: str                  # model_path
-    system: str
-    precision: str              # "bf16" where the file leaves it empty
-    mode: str
-    backend_version: str
-    isl: int
-    osl: int
-    concurrency: int | None     # silicon_concurrency
-    batch_size: int | None
-    tp_size: int
-    ttft_ms: float              # silicon_ttft_ms
-    tpot_ms: float              # silicon_tpot_ms
-
-
 def read_rows(path: Path = SILICON_CSV) -> list:
-    """The CSV's rows: calibration/silicon.py's reader where it is merged, else this one (which
-    keeps the aggregated rows: disaggregated ones have per-phase sizes instead)."""
-    try:
-        from calibration.silicon import read_silicon_rows
-    except ModuleNotFoundError as exc:
-        if exc.name != "calibration.silicon":
-            raise
-    else:
-        return read_silicon_rows(path)
-    import csv
-
-    def silicon_row(record: dict) -> SiliconRow:
-        return SiliconRow(
-            id=record["id"], model=record["model_path"], system=record["system"],
-            precision=record["precision"] or "bf16", mode=record["mode"],
-            backend_version=record["backend_version"], isl=int(record["isl"]),
-            osl=int(record["osl"]), concurrency=int(record["silicon_concurrency"] or 0) or None,
-            batch_size=int(record["batch_size"] or 0) or None, tp_size=int(record["tp_size"]),
-            ttft_ms=float(record["silicon_ttft_ms"]), tpot_ms=float(record["silicon_tpot_ms"]))
-
-    with open(path, newline="") as f:
-        return [silicon_row(record) for record in csv.DictReader(f) if record["mode"] == "agg"]
+    """The CSV's rows (calibration/silicon.py's reader)."""
+    from calibration.silicon import read_silicon_rows
+    return read_silicon_rows(path)
 
 
 def concurrency(row) -> int:
