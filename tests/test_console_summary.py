@@ -38,7 +38,7 @@ def test_a_long_rejection_reason_goes_below_the_tables_on_a_line_of_its_own():
     lines = console_text(summary, 80).splitlines()
     assert lines[0].split()[-4:] == ["ms", "mean", "median", "p99"]
     # Each label on one line: the reason did not squeeze the totals' columns.
-    assert any(line.startswith("kernel time expected error ") for line in lines)
+    assert any(line.startswith("expected TPOT error ") for line in lines)
     assert (f"rejected because: {reason} ({summary['rejected_reason_count']} like it)"
             in " ".join(line.strip() for line in lines))
 

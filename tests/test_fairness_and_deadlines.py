@@ -69,8 +69,8 @@ def test_vtc_keeps_a_heavy_tenant_from_taking_the_server():
         vtc_gaps.append(abs(served["heavy"] - served["light"]))
         served_fcfs = service_by(fcfs, until)
         fcfs_gaps.append(served_fcfs["heavy"] - served_fcfs["light"])
-        assert jain_fairness(list(served.values())) > max(
-            0.97, jain_fairness(list(served_fcfs.values())) + 0.15)
+        assert jain_fairness(list(served.values())) >= min(1.0, max(
+            0.97, jain_fairness(list(served_fcfs.values())) + 0.15))   # (1 is even service)
     assert max(vtc_gaps) <= bound
     assert fcfs_gaps[-1] > 4 * bound   # where FCFS lets the heavy tenant run away
     # Over the whole window the two serve about as much: VTC reorders, it does not idle.

@@ -100,7 +100,8 @@ def test_a_row_becomes_overrides():
         "model=qwen3-32b", "hardware=h100-80gb", "cluster.tensor_parallel_size=2",
         "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=2532",
         "scheduler.max_num_seqs=8", "workload=closed_loop", "workload.concurrency=8",
-        "workload.num_requests=24", "workload.input_len=1024", "workload.output_len=128"]
+        "workload.num_requests=24", "workload.input_len=1024", "workload.output_len=128",
+        f"cluster.frontend_latency_s={silicon.CLIENT_ROUND_TRIP_S}", "cost_model.engine_version=0.12.0"]
     vllm_serve = silicon.silicon_overrides(row, waves=3, engine_settings="vllm-serve")
     assert "scheduler.max_num_batched_tokens=8192" in vllm_serve
     assert "scheduler.max_num_seqs=1024" in vllm_serve
@@ -114,11 +115,12 @@ def test_rows_that_cannot_replay_say_why():
                  and row.system == "b200_sxm")
     assert silicon.skip_reason(llama) == "system b200_sxm has no conf/hardware entry"
     fp8 = next(row for row in rows.values() if row.model == "nvidia/Llama-3.1-8B-Instruct-FP8")
-    assert "model.quantization" in silicon.skip_reason(fp8)
+    assert silicon.skip_reason(fp8) is None
+    assert "model.quantization=fp8" in silicon.silicon_overrides(fp8)
     disagg = next(row for row in rows.values() if row.mode == "disagg")
     assert silicon.skip_reason(disagg).startswith("mode disagg")
-    with pytest.raises(silicon.SkippedRow, match="model.quantization"):
-        silicon.silicon_overrides(fp8)
+    with pytest.raises(silicon.SkippedRow, match="mode disagg"):
+        silicon.silicon_overrides(disagg)
 
 
 def test_predict_row_runs_the_rows_benchmark_and_overrides_win():
