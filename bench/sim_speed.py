@@ -65,12 +65,12 @@ CLOSED_LOOP_SESSIONS = ["workload=sessions", "workload.num_sessions=4000", "work
                         "workload.with_token_ids=false"]
 # The lengths of Vidur's default trace: data/processed_traces/splitwise_conv.csv (the Azure LLM
 # inference trace 2023, conversation; 19,366 requests), the default trace_file of its trace
-# request generator and the trace of its README's example run. Its log-lengths have mean 6.633
-# and deviation 0.985 (prompts), 5.019 and 0.859 (outputs): lognormals of those (the `mean` here
-# is the unclipped arithmetic mean, exp(mu + sigma^2 / 2)), clipped to the trace's outputs' range
-# and to Llama-2's 4,096-token context (Vidur's max_tokens cuts prompt + output to 4,096).
-VIDUR_TRACE_LENGTHS = ["++workload.prompt_len={dist: lognormal, mean: 1234, sigma: 0.985, "
-                       "min: 2, max: 3072}",
+# request generator and the trace of its README's example run. Lognormals with the deviation of
+# its log-lengths (0.985 prompts, 0.859 outputs) and the mean lengths it has once Vidur's
+# max_tokens (4,096) cut them (1,141 and 211), clipped to its outputs' range and to Llama-2's
+# 4,096-token context (`mean` is the unclipped one: 1,350 gives 1,140 clipped).
+VIDUR_TRACE_LENGTHS = ["++workload.prompt_len={dist: lognormal, mean: 1350, sigma: 0.985, "
+                       "min: 2, max: 3096}",
                        "++workload.output_len={dist: lognormal, mean: 219, sigma: 0.859, "
                        "min: 7, max: 1000}"]
 VIDUR_70B = ["model=llama-2-70b", "cluster.tensor_parallel_size=2",
