@@ -33,13 +33,11 @@ class OffloadingKVCache(Protocol):
 class AdmissionCheckingKVCache(Protocol):
     """A KV manager that can tell, cheaply, that an admission's allocation would fail."""
 
-    def may_allocate_new(self, num_tokens: Seq[int], num_free_blocks: int | None = None) -> bool:
+    def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
         """Whether new sequences holding no blocks might get slots for these lengths (their
-        prefill chunks, counted as if nothing were cached) with the watermark, from the pool's
-        free blocks now or, given, `num_free_blocks` (a run of repeated steps asks about its
-        step boundaries ahead). False must be exact (allocate_slots with watermark=True would
-        fail for one of them): BaseScheduler then skips the attempt; without this member it
-        tries the allocation and undoes it."""
+        prefill chunks, counted as if nothing were cached) with the watermark. False must be
+        exact (allocate_slots with watermark=True would fail for one of them): BaseScheduler
+        then skips the attempt; without this member it tries the allocation and undoes it."""
 
 
 @runtime_checkable

@@ -69,10 +69,6 @@ class RepeatingScheduler(Protocol):
         """Whether the next steps after some decodes of a run finish would plan the rest alone:
         nothing waits, is swapped out or arriving, and `update` does nothing per step beyond
         what DecodeRun applies."""
-    def head_stays_refused(self, num_finishing: int, num_free_blocks: int) -> bool:
-        """Whether, with requests waiting, the next step after `num_finishing` decodes of a run
-        finish, the pool holding `num_free_blocks` free, would plan the rest alone (the queue's
-        head refused for want of seats or blocks; otherwise as runs_past_finishes)."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished at `now` and free its blocks; True if its request is done."""
     def rest_of_run(self, plan: StepPlan) -> None:
@@ -253,14 +249,13 @@ class DecodeRun:
         """After the segment `plan` ran its max_repeats steps, the last ending at `now` (the
         simulator, where nothing from outside reaches the replica before then): if some of its
         sequences reached their output length there and the next steps would plan the same
-        batch without them (the scheduler `runs_past_finishes`, or the waiting queue's head
-        stays refused with their blocks freed; the pool holds the rest's growth), finish them as `update` would at `now`, make `plan` the rest's next segment and
+        batch without them (the scheduler `runs_past_finishes`, the pool holds the rest's
+        growth), finish them as `update` would at `now`, make `plan` the rest's next segment and
         return the requests that finished; else None, nothing changed."""
         scheduler = self.scheduler
         kv_cache = scheduler.kv_cache
-        if not kv_cache.frees_in_any_order():
+        if not scheduler.runs_past_finishes() or not kv_cache.frees_in_any_order():
             return None
-        nothing_waits = scheduler.runs_past_finishes()
         seqs = plan.seqs
         num_steps = self.num_steps_before + self.max_repeats   # since the counters stand
         steps_to_last = self.steps_to_last_output
@@ -272,8 +267,6 @@ class DecodeRun:
         finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
         rest = list(compress(seqs, runs_on))
         rest_to_last = list(compress(steps_to_last, runs_on))
-        if not nothing_waits and not self._head_stays_refused(finishing, rest, num_steps):
-            return None
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
         free_blocks = kv_cache.num_blocks_for_repeated_steps()
@@ -306,21 +299,6 @@ class DecodeRun:
         self.max_repeats = max_repeats
         self.num_steps_before = num_steps
         return finished
-
-    def _head_stays_refused(self, finishing: list[Sequence], rest: list[Sequence],
-                            num_steps: int) -> bool:
-        """Whether the scheduler would still refuse the waiting queue's head at the boundary
-        `num_steps` steps after the counters stood, `finishing` gone (requests of one sample:
-        their blocks are theirs alone, all freed) and `rest` holding the blocks they grew into
-        at steps 1 to num_steps - 1, as the step by step pool would."""
-        if any([seq.request.n != 1 for seq in finishing]):
-            return False
-        kv_cache = self.scheduler.kv_cache
-        tables = kv_cache.block_tables
-        num_free_blocks = (kv_cache.num_free_blocks()
-                           + sum([len(tables[seq.seq_id]) for seq in finishing])
-                           - kv_cache.decode_growth(rest).new_blocks_per_step(1, num_steps - 1)[0])
-        return self.scheduler.head_stays_refused(len(finishing), num_free_blocks)
 
     def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
         """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last

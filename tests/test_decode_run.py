@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
-from policies.batching import BaseScheduler, ContinuousBatchingScheduler, PriorityScheduler
+from policies.batching import ContinuousBatchingScheduler, PriorityScheduler
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability, protocol_members
 from policies.decode_run import (DecodeRun, RepeatedStepCostModel, RepeatingExecutor,
@@ -144,19 +144,11 @@ class RestatedOrder(PriorityScheduler):
         return self.waiting[0]
 
 
-class HeldBack(ContinuousBatchingScheduler):
-    def _may_admit(self, request):
-        return len(self.running) < 2
-
-
 def test_an_override_withdraws_the_promise_it_does_not_restate():
     assert ContinuousBatchingScheduler.admits_in_arrival_order
     assert not ShortestPromptFirst.admits_in_arrival_order
     assert ShortestPromptFirst.plain_update
     assert RestatedOrder.admits_in_arrival_order
-    assert ContinuousBatchingScheduler.tries_head_first
-    assert not HeldBack.tries_head_first and not ShortestPromptFirst.tries_head_first
-    assert not BaseScheduler.tries_head_first
 
 
 def test_readmes_reordering_subclass_repeats_as_step_by_step(monkeypatch):

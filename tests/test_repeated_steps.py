@@ -191,37 +191,6 @@ def test_the_clock_wakes_at_the_exact_end_of_repeated_steps():
         env.timeout_at(end - 1)
 
 
-@pytest.mark.parametrize("limit, goes_on", [
-    (["kv_cache.num_blocks=400"], True),
-    # A block a token: the rest's growth up to the boundary counts against the head.
-    (["kv_cache.num_blocks=6400", "kv_cache.block_size=1"], True),
-    # A finish frees a seat, so the head waiting for one is admitted: the run ends there.
-    (["scheduler.max_num_seqs=6"], False),
-    # Samples may share blocks: the run ends at their finishes.
-    (["kv_cache.num_blocks=400", "++workload.n=2"], False)])
-def test_runs_go_on_past_finishes_while_the_head_stays_refused(limit, goes_on, monkeypatch):
-    """Overloaded, the queue's head waits for blocks: where decodes finish inside a run and the
-    head would still be refused with their blocks freed, the run goes on with the rest, as
-    step by step plans it; where the head would fit, the run ends there."""
-    from policies.decode_run import DecodeRun
-
-    past_waiting = []
-    continue_past_finishes = DecodeRun.continue_past_finishes
-
-    def counting(self, plan, now):
-        finished = continue_past_finishes(self, plan, now)
-        if finished is not None and self.scheduler.waiting:
-            past_waiting.append(len(finished))
-        return finished
-
-    monkeypatch.setattr(DecodeRun, "continue_past_finishes", counting)
-    overrides = ["workload.num_requests=300", "workload.rate=40", *limit,
-                 "++workload.output_len={dist: lognormal, mean: 60, sigma: 1.0}"]
-    coalesced, step_by_step, _ = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    assert (len(past_waiting) > 10) if goes_on else not past_waiting, overrides
-
-
 def test_repeated_steps_run_past_arrivals_that_must_wait(monkeypatch):
     """Overloaded, the queue's head waits for memory, so a request arriving during repeated
     steps only joins the queue: the steps run on past it and its rows count it waiting."""

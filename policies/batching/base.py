@@ -53,14 +53,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
     # applies (a run goes on past the steps where some of its decodes finish).
     admits_in_arrival_order: ClassVar[bool] = True
     plain_update: ClassVar[bool] = True
-    # `tries_head_first`: `schedule` tries the waiting queue's head before any decode, with the
-    # whole token budget and unchunked, and plans the running decodes alone when `_admit`
-    # refuses it (continuous batching; a run goes on past finishes while the head stays
-    # refused). Only a class that states it makes it.
-    tries_head_first: ClassVar[bool] = False
-    _HEAD_FIRST_HOOKS: ClassVar[tuple[str, ...]] = (
-        "schedule", "_admit_prefills", "_admit_waiting", "_admit", "_may_admit", "next_waiting",
-        "_schedule_running", "_uncached_chunks", "_chunk")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -70,8 +62,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             cls.admits_in_arrival_order = False
         if "update" in own and "plain_update" not in own:
             cls.plain_update = False
-        if "tries_head_first" not in own and any(hook in own for hook in cls._HEAD_FIRST_HOOKS):
-            cls.tries_head_first = False
 
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -408,24 +398,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
         return (self.plain_update
                 and not (self.waiting or self.swapped or self.receiving))
-
-    def head_stays_refused(self, num_finishing: int, num_free_blocks: int) -> bool:
-        """Whether, once `num_finishing` decodes of a run finished and the pool has
-        `num_free_blocks` free, the next step's `_admit` would refuse the waiting queue's head
-        for want of seats (max_num_seqs) or blocks (`may_allocate_new`, exact when False), so
-        that `schedule` plans the run's other decodes alone: known exactly, else False."""
-        if (not (self.tries_head_first and self.admits_in_arrival_order and self.plain_update
-                 and self.waiting and self._may_allocate_new is not None)
-                or self.swapped or self.receiving or self.kv_retention is not None
-                or self.lora is not None):
-            return False
-        request = self.waiting[0]
-        if (self.num_running_seqs - num_finishing + self._num_live_samples(request)
-                > self.max_num_seqs):
-            return True
-        chunks = self._uncached_chunks(request.unfinished_sequences(),
-                                       self.max_num_batched_tokens, chunked=False)
-        return not self._may_allocate_new(chunks, num_free_blocks)
 
     def rest_of_run(self, plan: StepPlan) -> None:
         """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""

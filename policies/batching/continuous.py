@@ -12,8 +12,6 @@ from policies.types import StepPlan
 
 
 class ContinuousBatchingScheduler(BaseScheduler):
-    tries_head_first = True   # (schedule: the head, then the decodes alone if it is refused)
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.max_num_batched_tokens < self.max_model_len:

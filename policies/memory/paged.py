@@ -99,19 +99,16 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
         num_blocks_needed = num_seqs * -(-num_tokens // self.block_size)
         return num_blocks_needed <= self.num_blocks - self.watermark_blocks
 
-    def may_allocate_new(self, num_tokens: Seq[int], num_free_blocks: int | None = None) -> bool:
+    def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
         """Whether new sequences (holding no blocks) might get slots for these lengths, with
-        the watermark, now (or with `num_free_blocks` free); False is exact: allocate_slots(...,
-        watermark=True) would fail for one of them. A prefix hit never needs more free blocks
-        than it saves, so with prefix caching (where the lengths are those before any hit) the
-        answer is True."""
+        the watermark, now; False is exact: allocate_slots(..., watermark=True) would fail for
+        one of them. A prefix hit never needs more free blocks than it saves, so with prefix
+        caching (where the lengths are those before any hit) the answer is True."""
         if self.enable_prefix_caching:
             return True
         block_size = self.block_size
         num_blocks_needed = sum([-(-length // block_size) for length in num_tokens])
-        if num_free_blocks is None:
-            num_free_blocks = self.num_free_blocks()
-        return num_free_blocks - num_blocks_needed >= self.watermark_blocks
+        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
 
     # ---- growth ----
 
