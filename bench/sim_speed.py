@@ -6,7 +6,8 @@ one replica) with the lengths of Vidur's default trace (`VIDUR_TRACE_LENGTHS`), 
 512-token prompts and 128-token outputs; the Azure code trace (8,819 requests, replayed as
 recorded, Llama-2-7B); a conversation-like one (19,000 requests, prompts ~1,500 tokens, outputs
 ~300, at a busy and an overloaded rate); multi-turn conversations (`workload=conversation`, 4,000
-sessions of 2-8 turns, each turn's prompt the conversation so far); a synthetic 100,000-request
+sessions of 2-8 turns, each turn's prompt the conversation so far); the Mooncake trace's first
+1,000 requests with the prefix cache (Llama-3.1-8B); a synthetic 100,000-request
 Llama-2-7B workload of 512/128 at a busy and an overloaded rate; the busy one on two pools (one
 prefill and one decode replica, `cluster=disaggregated`); and closed-loop chat sessions
 (`workload=sessions`, 4,000 sessions of ~5 turns, each turn sent ~15 s after the previous answer
@@ -77,6 +78,11 @@ VIDUR_70B = ["model=llama-2-70b", "cluster.tensor_parallel_size=2",
              "workload.num_requests=10000", "workload.rate=2"]
 VIDUR_WORKLOAD = [*VIDUR_70B, *VIDUR_TRACE_LENGTHS]
 CONVERSATIONS = ["workload=conversation", "workload.num_sessions=4000"]
+# The Mooncake trace's first 1,000 requests (data/traces/mooncake: prompts of ~15,000 tokens as
+# shared 512-token blocks), replayed with the prefix cache on a long-context model.
+MOONCAKE = ["workload=trace", "workload.trace_path=data/traces/mooncake/synthetic_trace.jsonl",
+            "workload.max_requests=1000", "model=llama-3.1-8b",
+            "kv_cache.enable_prefix_caching=true"]
 # The same workload in Vidur's command line (its vLLM scheduler, an A100, Poisson arrivals, the
 # trace's lengths; run from its checkout, where the trace file lies).
 VIDUR_ARGS = ["--replica_config_device", "a100",
@@ -162,7 +168,8 @@ def main():
                  ("conversation-like 19k @4/s", [*CONVERSATION_LIKE, "workload.rate=4"],
                   TARGET_REQUESTS_PER_WALL_S, False),
                  ("conversations 4k sessions @1/s", CONVERSATIONS, TARGET_REQUESTS_PER_WALL_S,
-                  True)]
+                  True),
+                 ("mooncake trace 1k, prefix cache", MOONCAKE, TARGET_REQUESTS_PER_WALL_S, True)]
     synthetic = {rate: ["workload=synthetic", f"workload.num_requests={args.requests}",
                         f"workload.rate={rate}", *FIXED_512_128] for rate in args.rates}
     for rate in args.rates:
