@@ -259,12 +259,12 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
             table[-1] = private_block
             self._pending_copies.append((shared_block, private_block))
             self._num_tokens_stored += num_in_last_block  # the copy holds the tokens so far
-        if num_new_blocks <= len(self._free_block_ids):
-            # Enough uncached blocks: take them in one go (a long prompt takes hundreds).
-            table.extend(self._take_uncached_blocks(num_new_blocks))
-        else:
-            for _ in range(num_new_blocks):
-                table.append(self._take_free_block())
+        # The uncached blocks in one go (a long prompt takes hundreds), then cached ones evicted,
+        # as _take_free_block would hand them out one by one.
+        num_uncached = min(num_new_blocks, len(self._free_block_ids))
+        table.extend(self._take_uncached_blocks(num_uncached))
+        if num_new_blocks > num_uncached:
+            table.extend(self._evict_blocks(num_new_blocks - num_uncached))
         slots = self._slots.get(seq.seq_id)
         if slots is None:
             slots = self._slots[seq.seq_id] = SeqSlots(num_tokens)
@@ -290,17 +290,32 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
     def _take_free_block(self) -> int:
         """A free block with ref count 1. Uncached blocks go first so cached prefixes live longer;
         otherwise the least recently freed cached block is evicted and forgets its hash."""
-        if self._free_block_ids:
-            block = self._free_block_ids.popleft()
-        else:
-            block, _ = self._evictable_block_ids.popitem(last=False)
-            block_hash = self._block_to_hash.pop(block)
-            del self._hash_to_block[block_hash]
-            if self.num_offload_blocks:
-                self._offload(block, block_hash)
+        if not self._free_block_ids:
+            return self._evict_blocks(1)[0]
+        block = self._free_block_ids.popleft()
         if self._any_block_shared:
             self._ref_counts[block] = 1
         return block
+
+    def _evict_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` cached free blocks, least recently freed first, each forgetting its hash
+        (stored in the host tier, if any), ref count 1 each."""
+        evictable, block_to_hash = self._evictable_block_ids, self._block_to_hash
+        hash_to_block = self._hash_to_block
+        offloads = self.num_offload_blocks
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = evictable.popitem(last=False)
+            block_hash = block_to_hash.pop(block)
+            del hash_to_block[block_hash]
+            if offloads:
+                self._offload(block, block_hash)
+            blocks.append(block)
+        if self._any_block_shared:
+            ref_counts = self._ref_counts
+            for block in blocks:
+                ref_counts[block] = 1
+        return blocks
 
     def _count_refs(self, *unlisted_tables: list[int]) -> None:
         """Before the first share: count every block's references, from the tables and from

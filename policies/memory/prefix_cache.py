@@ -19,6 +19,14 @@ from policies.memory.slots import SeqSlots
 from policies.types import Sequence
 
 
+def _token_ids(seq: Sequence) -> Seq[int] | None:
+    """The seq's token ids as `seq.token_ids()` lists them, its prompt's own list (not copied)
+    while it has no output ids: a hash reads a block's slice, and prompts run to 100k+ tokens."""
+    if seq.output_token_ids:
+        return seq.token_ids()
+    return seq.request.prompt_token_ids
+
+
 class PrefixCache:
     """PagedBlockManager's prefix cache and its host tier, on the pool's blocks and tables."""
 
@@ -46,7 +54,7 @@ class PrefixCache:
             return 0
         if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
             raise ValueError(f"allocate_prefix: seq {seq.seq_id} already holds blocks")
-        token_ids = seq.token_ids()
+        token_ids = _token_ids(seq)
         if token_ids is None:
             return 0
         block_size = self.block_size
@@ -115,10 +123,16 @@ class PrefixCache:
         """Register the seq's full blocks not hashed yet, as far as its token ids are known."""
         hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
         num_full_blocks = num_tokens // self.block_size
-        if len(hashes) >= num_full_blocks or seq.request.prompt_token_ids is None:
+        prompt_token_ids = seq.request.prompt_token_ids
+        if len(hashes) >= num_full_blocks or prompt_token_ids is None:
             return
-        token_ids = seq.token_ids()
-        num_full_blocks = min(num_full_blocks, len(token_ids) // self.block_size)
+        # Counted without listing the ids: a decode filling blocks past the known ids (the
+        # simulator samples none) has nothing new to hash, every block_size steps.
+        num_known_tokens = len(prompt_token_ids) + len(seq.output_token_ids or ())
+        num_full_blocks = min(num_full_blocks, num_known_tokens // self.block_size)
+        if len(hashes) >= num_full_blocks:
+            return
+        token_ids = _token_ids(seq)
         first_block = len(hashes)
         for index, block_hash in enumerate(
                 self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
