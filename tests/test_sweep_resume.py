@@ -17,7 +17,7 @@ from sim.tools.run_outputs import atomic_file, write_run_outputs
 from factories import make_cfg, twinserve
 
 TINY = ["workload.num_requests=20", "progress=false", "hydra.sweep.dir=sweep"]
-OUTPUT_FILES = ("summary.json", "requests.csv", "steps.csv", COMPLETE_FILE)
+OUTPUT_FILES = ("summary.json", "requests.csv", "steps.csv", "latency_cdf.png")
 
 
 def file_identities(job_dir: Path) -> dict[str, tuple[int, int]]:
@@ -86,7 +86,7 @@ def interrupted_sweep(tmp_path_factory) -> Path:
     assert first.returncode == 0, first.stderr
     sweep = folder / "sweep"
     shutil.copytree(sweep / "0", sweep / "2")
-    (sweep / "2" / COMPLETE_FILE).unlink()
+    (sweep / "2" / COMPLETE_FILE).unlink(missing_ok=True)
     (sweep / "2" / "steps.csv").write_text("time,dura")
     return sweep
 
@@ -106,6 +106,10 @@ def test_resumed_sweep_runs_only_the_missing_and_partial_jobs(tmp_path, interrup
     assert sorted(Path(line.split(", ")[1].split()[0]).name for line in skipped) == ["0", "1"]
     for job in ("0", "1"):
         assert file_identities(sweep / job) == finished[job], job
+    for job in ("0", "1", "2", "3"):   # the Hydra files a refused rerun would put back: these
+        done = json.loads((sweep / job / COMPLETE_FILE).read_text())
+        assert done["hydra_files"]["overrides.yaml"] == (
+            sweep / job / ".hydra" / "overrides.yaml").read_text(), job
     for job, rate in (("2", 20), ("3", 40)):
         done = json.loads((sweep / job / COMPLETE_FILE).read_text())
         assert f"workload.rate={rate}" in done["overrides"]

@@ -31,6 +31,8 @@ def main(cfg: DictConfig) -> float:
         summary = complete_summary(out_dir, overrides, hydra_dir) if cfg.resume else None
         if summary is not None:
             print(f"twinserve: resume: skipped, {out_dir} holds this job's complete run")
+            # Hydra has just rewritten the job's .hydra files: keep those, as for a job that ran.
+            mark_complete(out_dir, overrides, hydra_dir)
             return objective_value(cfg, summary, out_dir)
         clear_complete(out_dir)
         result = run_experiment(cfg, out_dir, progress=cfg.progress)
