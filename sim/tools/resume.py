@@ -48,6 +48,8 @@ def complete_summary(out_dir: Path, overrides: Iterable[str],
         summary = json.loads((out_dir / "summary.json").read_text())
     except (OSError, ValueError):   # missing or unreadable: not a complete run
         return None
+    if not isinstance(done, dict):
+        return None
     wanted = simulated_overrides(overrides)
     if done.get("overrides") != wanted:
         if hydra_dir is not None:
