@@ -6,6 +6,7 @@ wrote (steps.csv, requests.csv, the PNG plots), so it needs nothing from the sim
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,9 @@ LEVEL_SERIES: tuple[str, ...] = ("kv_blocks_used", "num_seqs", "num_batched_toke
 EVENT_SERIES: tuple[str, ...] = ("num_preempted_recompute", "num_preempted_swap",
                                  "num_blocks_swapped_out", "num_blocks_swapped_in")
 TIME_KEY = "sim_time_s"
-# Overrides that change how a run is watched, not what it simulates: left out of the run name.
-NAME_EXCLUDED_KEYS = ("progress", "logger")
+# Overrides that change how a run is watched or resumed, not what it simulates: left out of the
+# run name and of what a resumed sweep compares (sim/tools/resume.py).
+NAME_EXCLUDED_KEYS = ("progress", "logger", "resume")
 
 
 def log_run(cfg: DictConfig, summary: dict, out_dir: Path) -> None:
@@ -64,12 +66,17 @@ def job_name(hydra_cfg: DictConfig | None) -> str | None:
     NAME_EXCLUDED_KEYS; None (wandb picks a name) when there are none."""
     if hydra_cfg is None:
         return None
-    overrides = []
-    for override in hydra_cfg.overrides.task:
+    return ",".join(simulated_overrides(hydra_cfg.overrides.task)) or None
+
+
+def simulated_overrides(overrides: Iterable[str]) -> list[str]:
+    """The overrides less those whose key (or config group) is in NAME_EXCLUDED_KEYS."""
+    kept = []
+    for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key.split(".")[0].split("/")[0] not in NAME_EXCLUDED_KEYS:
-            overrides.append(override)
-    return ",".join(overrides) or None
+            kept.append(override)
+    return kept
 
 
 # ---- what is logged ------------------------------------------------------------------------------

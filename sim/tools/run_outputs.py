@@ -1,13 +1,17 @@
 """A run's output files: summary.json, requests.csv (a row per request, REQUEST_COLUMNS),
 steps.csv (a row per step, STEP_COLUMNS) and the PNG plots (sim/tools/plots.py). The experiment
-driver calls `write_run_outputs` once, after the run.
+driver calls `write_run_outputs` once, after the run. summary.json is written last and each file
+whole or not at all (`atomic_file`), so a folder with summary.json holds the run's other files.
 """
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from policies.types import Request
 from sim.core.energy.meter import EnergyMeter
@@ -43,9 +47,24 @@ def request_rows(requests: list[Request]) -> list[tuple]:
     return rows
 
 
+@contextmanager
+def atomic_file(path: Path) -> Iterator[TextIO]:
+    """A text file to write that appears at `path` only once the block finishes: it is written
+    beside `path` under a temporary name and renamed over it, so a process killed mid-write leaves
+    the old file (or none), never a truncated one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", newline="") as file:
+            yield file
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
     """A CSV file of `rows` under a header of `columns`."""
-    with open(path, "w", newline="") as file:
+    with atomic_file(path) as file:
         writer = csv.writer(file)
         writer.writerow(columns)
         writer.writerows(rows)
@@ -60,17 +79,20 @@ def write_run_outputs(out_dir: Path, metrics: MetricsCollector, requests: list[R
     they kept each step's joules (sim/core/energy/trace.py). Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary_path = out_dir / "summary.json"
     # allow_nan=False: fail loudly here rather than write JSON other tools cannot parse.
-    summary_path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    summary_text = json.dumps(summary, indent=2, allow_nan=False) + "\n"
     requests_path = _write_csv(out_dir / "requests.csv", REQUEST_COLUMNS,
                                request_rows(requests))
     steps_path = _write_csv(out_dir / "steps.csv", STEP_COLUMNS, metrics.step_rows)
-    written = [summary_path, requests_path, steps_path]
+    plot_paths = []
     if plots:
         # Imported here so that runs that never plot never import matplotlib.
         from sim.tools.plots import kv_block_capacities, write_plots
-        written += write_plots(out_dir, requests, metrics.step_rows, STEP_COLUMNS,
-                               metrics.replica_labels, kv_block_capacities(summary),
-                               energy_meters, summary)
-    return written
+        plot_paths = write_plots(out_dir, requests, metrics.step_rows, STEP_COLUMNS,
+                                 metrics.replica_labels, kv_block_capacities(summary),
+                                 energy_meters, summary)
+    # Last: the report takes a job with summary.json for a finished one.
+    summary_path = out_dir / "summary.json"
+    with atomic_file(summary_path) as file:
+        file.write(summary_text)
+    return [summary_path, requests_path, steps_path, *plot_paths]

@@ -1,0 +1,63 @@
+"""Resuming an interrupted sweep: `twinserve -m resume=true hydra.sweep.dir=<its folder> ...` with
+the sweep's own overrides skips every job whose folder holds a complete run and reruns the rest.
+
+A job is complete when its folder has COMPLETE_FILE, which the app writes (atomically) after the
+run's last output: results, trace.json and the logger's run. It names the job's overrides, less
+those that only change how a run is watched (NAME_EXCLUDED_KEYS), so a folder that a different
+sweep filled is never taken for this one's. It also keeps the job's Hydra files (.hydra/*.yaml):
+Hydra rewrites them before the job starts, so on such a mismatch they are put back as they were.
+The skip happens in the job itself, so it works with every launcher (basic, joblib, submitit,
+Ray) and keeps Hydra's job numbers and folders.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from sim.tools.loggers import simulated_overrides
+from sim.tools.run_outputs import atomic_file
+
+COMPLETE_FILE = "complete.json"
+
+
+def clear_complete(out_dir: Path) -> None:
+    """Forget that `out_dir` held a complete run, before a run overwrites its files."""
+    (Path(out_dir) / COMPLETE_FILE).unlink(missing_ok=True)
+
+
+def mark_complete(out_dir: Path, overrides: Iterable[str], hydra_dir: Path | None) -> None:
+    """Record that `out_dir` holds the complete run of `overrides`, with the Hydra files in
+    `hydra_dir` (None: Hydra writes none)."""
+    hydra_files = {} if hydra_dir is None else {
+        path.name: path.read_text() for path in sorted(Path(hydra_dir).glob("*.yaml"))}
+    with atomic_file(Path(out_dir) / COMPLETE_FILE) as file:
+        json.dump({"overrides": simulated_overrides(overrides), "hydra_files": hydra_files},
+                  file, indent=2)
+        file.write("\n")
+
+
+def complete_summary(out_dir: Path, overrides: Iterable[str],
+                     hydra_dir: Path | None) -> dict | None:
+    """The summary of the complete run of `overrides` in `out_dir`; None when there is none (the
+    job has to run). Raises ValueError when `out_dir` holds a complete run of other overrides,
+    after putting that run's Hydra files back into `hydra_dir`."""
+    out_dir = Path(out_dir)
+    try:
+        done = json.loads((out_dir / COMPLETE_FILE).read_text())
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):   # missing or unreadable: not a complete run
+        return None
+    if not isinstance(done, dict):
+        return None
+    wanted = simulated_overrides(overrides)
+    if done.get("overrides") != wanted:
+        if hydra_dir is not None:
+            for name, text in done.get("hydra_files", {}).items():
+                with atomic_file(Path(hydra_dir) / name) as file:
+                    file.write(text)
+        raise ValueError(
+            f"resume=true: {out_dir} holds a run of {done.get('overrides')}, not of this job's "
+            f"{wanted}; resume with the interrupted sweep's own overrides, or give a new "
+            f"hydra.sweep.dir")
+    return summary
