@@ -3,7 +3,7 @@ submit and steps while requests are pending, and hands each request's events to 
 queue of the handler that waits for them.
 
     loop = ServingLoop(llm); loop.start()
-    events = loop.submit(prompt, params)     # in the event loop: an asyncio.Queue of Events
+    events, submission = loop.submit(prompt, params)   # in the event loop: its Events, a handle
     event = await events.get()               # QUEUED first (or ERROR), then TOKENS..., DONE
     loop.abort(submission)                   # its client went away: stop it within a step
     loop.stop()
