@@ -112,10 +112,11 @@ class ServingStats:
                    [f"vllm:num_preemptions_total{{{labels}}} {self.num_preemptions}"])
             metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
                    [f"vllm:prompt_tokens_total{{{labels}}} {self.num_prompt_tokens}"])
-            metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+            metric("vllm:generation_tokens_total", "counter",
+                   "Number of generation tokens processed.",
                    [f"vllm:generation_tokens_total{{{labels}}} {self.num_generation_tokens}"])
-            metric("vllm:request_success_total", "counter", "Count of successfully processed requests "
-                   "(samples), by finish reason.",
+            metric("vllm:request_success_total", "counter",
+                   "Count of successfully processed requests (samples), by finish reason.",
                    [f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {count}'
                     for reason, count in sorted(self.num_finished.items())])
             metric("vllm:time_to_first_token_seconds", "histogram",
