@@ -370,6 +370,27 @@ def test_abort_request_frees_running_and_waiting_requests(reference_llm):
     assert finished.outputs[0].token_ids == reference_tokens(reference_llm, PROMPT, 5)
 
 
+def test_aborting_a_preempted_member_of_a_static_batch_does_not_stall_it():
+    llm = LLM("tiny-llama", num_gpu_blocks=4, seed=0, scheduler="static", preemption="recompute")
+    params = SamplingParams(max_tokens=50, **GREEDY)   # two fit 4 blocks only at first
+    outputs = [llm.add_request(prompt, params) for prompt in (PROMPT, [1, 2, 3])]
+    for _ in range(100):
+        llm.step()
+        if llm.scheduler.waiting:
+            break
+    [preempted] = llm.scheduler.waiting
+    assert llm.abort_request(preempted.request_id)
+    later = llm.add_request([4, 5], SamplingParams(max_tokens=3, **GREEDY))
+    finished = []
+    for _ in range(200):   # (bounded: the rest of one request, then the next batch)
+        finished += [out.request_id for out in llm.step() if out.finished]
+        if not llm.has_unfinished_requests():
+            break
+    survivor = next(out for out in outputs if out.request_id != preempted.request_id)
+    assert finished == [survivor.request_id, later.request_id]
+    assert engine_is_idle(llm)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_that_disconnects_aborts_its_request(server_app, server_url, stream):
     serving = server_app.state.serving
