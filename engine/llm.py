@@ -274,6 +274,8 @@ class LLM:
                 scheduler.kv_cache.free(seq)
                 seq.status = SequenceStatus.FINISHED
             request.finish_time = now
+            # (static batching waits for every member of its batch, a preempted one too)
+            scheduler._on_request_finished(request)
         if not self._live:
             self._live_steps = None
             self._live_stopped = set()
