@@ -18,6 +18,7 @@ import uvicorn
 from engine import LLM, SamplingParams
 from engine import server as server_module
 from engine.server import API_KEY_ENV, create_app
+from engine.serving_loop import ServingLoop, _Submission
 from sim.tools.bench_client import bench, workload_requests
 from sim.tools.bench_run_file import RequestRecord, build_run_file
 
@@ -389,6 +390,28 @@ def test_aborting_a_preempted_member_of_a_static_batch_does_not_stall_it():
     survivor = next(out for out in outputs if out.request_id != preempted.request_id)
     assert finished == [survivor.request_id, later.request_id]
     assert engine_is_idle(llm)
+
+
+@pytest.mark.parametrize("abort_before_added", [True, False])
+def test_serving_loop_aborts_before_and_after_adding(abort_before_added):
+    """The engine thread's side, driven here step by step (its thread not started): a request
+    aborted before the engine took it is never added; one aborted after leaves it."""
+    serving = ServingLoop(LLM("tiny-llama", **ENGINE_ARGS))
+    event_loop = asyncio.new_event_loop()
+    try:
+        submission = _Submission(PROMPT, SamplingParams(max_tokens=500, **GREEDY), event_loop,
+                                 asyncio.Queue())
+        serving._submissions.put(submission)
+        if abort_before_added:
+            serving.abort(submission)
+        serving._add_submissions(block=False)
+        assert serving.llm.has_unfinished_requests() != abort_before_added
+        serving.abort(submission)
+        serving._apply_aborts()
+        assert engine_is_idle(serving.llm)
+        assert serving.num_aborted == (0 if abort_before_added else 1)
+    finally:
+        event_loop.close()
 
 
 @pytest.mark.parametrize("stream", [True, False])
