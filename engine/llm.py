@@ -22,7 +22,7 @@ from engine.builder import LOOKAHEAD, build_engine
 from engine.config import EngineConfig
 from engine.lookahead import GREEDY_ONLY
 from engine.sampling_params import SamplingParams, as_sampling_params
-from policies.types import Request, Sequence
+from policies.types import Request, Sequence, SequenceStatus
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
 
@@ -250,6 +250,36 @@ class LLM:
             self._live_steps = None
             self._live_stopped = set()
         return step_outputs
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request from `add_request` at once (its client went away): it leaves the
+        scheduler's queues, its blocks go back to the pool, and later steps report nothing for
+        it. Call it between steps. False when no such request is unfinished."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        request, scheduler, now = live.request, self.scheduler, self._now()
+        if request in scheduler.running:
+            # An unforked request with n > 1 holds seats for all its samples (num_running_seqs).
+            unstarted_samples = request.n - len(request.sequences)
+            for seq in request.unfinished_sequences():
+                scheduler.finish_sequence(seq, now)   # frees its blocks, gives its seat back
+            scheduler.num_running_seqs -= unstarted_samples
+        else:
+            # Waiting (no blocks) or swapped out (host blocks): it only leaves its queue.
+            queue = scheduler.swapped if request in scheduler.swapped else scheduler.waiting
+            if request in queue:
+                queue.remove(request)
+            for seq in request.unfinished_sequences():
+                scheduler.kv_cache.free(seq)
+                seq.status = SequenceStatus.FINISHED
+            request.finish_time = now
+            # (static batching waits for every member of its batch, a preempted one too)
+            scheduler._on_request_finished(request)
+        if not self._live:
+            self._live_steps = None
+            self._live_stopped = set()
+        return True
 
     def _checked_lora_id(self, lora_id, name: str) -> int | None:
         """`lora_id` when it names one of the engine's adapters (or is None); else a ValueError

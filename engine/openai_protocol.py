@@ -19,17 +19,24 @@ DEFAULT_MAX_TOKENS = 16   # OpenAI's
 
 
 class BadRequest(ValueError):
-    """A request the server will not run; its message names the field (HTTP 400)."""
+    """A request the server will not run; its message names the field `param` (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions; unknown fields are ignored, as OpenAI's servers do."""
+    """The body of POST /v1/completions; unknown fields are ignored, as OpenAI's servers do.
+    Types are strict: "5" or true is not an integer, 1 is not a boolean (a float takes an int)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     # One prompt: a string (needs a tokenizer) or token ids; a one-element batch is unwrapped.
@@ -63,21 +70,22 @@ def engine_request(body: CompletionRequest) -> tuple[Any, SamplingParams]:
         unsupported.append("best_of")
     if unsupported:
         raise BadRequest(f"{', '.join(unsupported)}: not supported by twinserve-serve (leave "
-                         f"unset)")
+                         f"unset)", unsupported[0])
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise BadRequest(f"prompt: give one prompt per request, got a batch of {len(prompt)}")
+            raise BadRequest(f"prompt: give one prompt per request, got a batch of {len(prompt)}",
+                             "prompt")
         prompt = prompt[0]
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     ignore_eos = body.ignore_eos
     if body.min_tokens and body.min_tokens != max_tokens:
         if not 0 <= body.min_tokens <= max_tokens:
             raise BadRequest(f"min_tokens must be in [0, max_tokens={max_tokens}], got "
-                             f"{body.min_tokens}")
+                             f"{body.min_tokens}", "min_tokens")
         if not ignore_eos:
             raise BadRequest(f"min_tokens={body.min_tokens}: the engine takes 0 or max_tokens "
-                             f"(={max_tokens}), or ignore_eos=true")
+                             f"(={max_tokens}), or ignore_eos=true", "min_tokens")
     elif body.min_tokens == max_tokens:
         ignore_eos = True   # (the output cannot stop before max_tokens)
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
@@ -86,7 +94,7 @@ def engine_request(body: CompletionRequest) -> tuple[Any, SamplingParams]:
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, n=body.n,
                                 seed=body.seed)
     except ValueError as error:
-        raise BadRequest(str(error)) from None
+        raise BadRequest(str(error), sampling_param(str(error))) from None
     return prompt, params
 
 
@@ -145,10 +153,35 @@ def usage(output: RequestOutput) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def error_body(message: str, status: int) -> dict:
-    """OpenAI's error body."""
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "ServiceUnavailableError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+# SamplingParams' fields, under the request's names, that its error messages start with.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "n", "seed", "ignore_eos")
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               500: "InternalServerError"}
+
+
+def sampling_param(message: str) -> str | None:
+    """The request field an engine's error message is about: a SamplingParams field it starts
+    with, else `prompt` for the prompt's own errors, else None."""
+    field = next((name for name in SAMPLING_FIELDS if message.startswith(f"{name} ")), None)
+    if field is None and (message.startswith("token ") or "prompt" in message):
+        return "prompt"
+    return field
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error body; `param` names the offending request field, if one is."""
+    kind = ERROR_TYPES.get(status, "ServiceUnavailableError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def validation_param(errors: list[dict]) -> str | None:
+    """The first field pydantic's errors name (None: the body itself)."""
+    for error in errors:
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if location:
+            return location[0]
+    return None
 
 
 def validation_message(errors: list[dict]) -> str:

@@ -1,33 +1,46 @@
 """`twinserve-serve`: the engine behind an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 Routes: POST /v1/completions (streamed as server-sent events when `stream` is true), GET
-/v1/models, GET /v1/engine_settings (what a benchmark client records with its run), GET /health.
-One thread steps the engine (engine/serving_loop.py); the handlers only wait on its events.
+/v1/models, GET /v1/engine_settings (what a benchmark client records with its run), GET /health,
+GET /metrics (Prometheus, engine/server_metrics.py). One thread steps the engine
+(engine/serving_loop.py); the handlers only wait on its events, and a request whose client goes
+away is aborted.
 
     twinserve-serve --model tiny-llama --port 8000 --scheduler chunked_prefill --num-gpu-blocks 512
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
 import json
+import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from engine.llm import LLM
 from engine.openai_protocol import (BadRequest, CompletionRequest, CompletionStream, error_body,
-                                    engine_request, validation_message)
+                                    engine_request, sampling_param, validation_message,
+                                    validation_param)
+from engine.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.serving_loop import DONE, ERROR, QUEUED, TOKENS, ServingLoop
 from policies.batching import ChunkedPrefillScheduler
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "TWINSERVE_API_KEY"
+# A completions body is a prompt of token ids and a few fields; far larger is a mistake or abuse.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Hosts that only this machine reaches: serving them without an API key is not worth a warning.
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The engine's options on the command line: flag -> (LLM keyword, type).
 ENGINE_OPTIONS = {
     "--block-size": ("block_size", int),
@@ -76,16 +89,19 @@ def engine_settings(llm: LLM) -> dict:
     }
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(error_body(message, status), status_code=status)
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
 
 
 def _sse(body: dict | str) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
 
-def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
-    """The server's app; its lifespan starts and stops the thread that steps `llm`."""
+def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server's app; its lifespan starts and stops the thread that steps `llm`. With
+    `api_key`, the /v1 routes answer 401 unless the request carries `Authorization: Bearer
+    <api_key>`; a body over `max_body_bytes` gets 413."""
     served = served_model_name or llm.config.model
     settings = engine_settings(llm)
     serving = ServingLoop(llm)
@@ -101,10 +117,28 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
 
     app = FastAPI(title="twinserve", lifespan=lifespan)
     app.state.serving = serving
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        return _error(validation_message(error.errors()), 400)
+        errors = error.errors()
+        return _error(validation_message(errors), 400, validation_param(errors))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # Unknown routes (404) and methods (405) in OpenAI's shape, not FastAPI's {"detail"}.
+        message = (f"{request.method} {request.url.path}: {error.detail}"
+                   if error.status_code in (404, 405) else str(error.detail))
+        return JSONResponse(error_body(message, error.status_code), status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        return _error(f"internal error: {type(error).__name__}: {error}", 500)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(serving.stats.render(served), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health():
@@ -124,24 +158,34 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         return settings
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         if body.model is not None and body.model != served:
             return _error(f"model: {body.model!r} is not served here; this server serves "
-                          f"{served!r}", 404)
+                          f"{served!r}", 404, "model")
         try:
             prompt, params = engine_request(body)
         except BadRequest as error:
-            return _error(str(error), 400)
-        events = serving.submit(prompt, params)
+            return _error(str(error), 400, error.param)
+        events, submission = serving.submit(prompt, params)
+        response = None
+        try:
+            response = await _unless_disconnected(request, respond(body, events, submission))
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):   # (a stream aborts when it ends)
+                serving.abort(submission)
+
+    async def respond(body: CompletionRequest, events, submission):
         first = await events.get()
         if first.kind == ERROR:
             status = 400 if serving.is_alive else 503
-            return _error(first.value, status)
+            return _error(first.value, status, sampling_param(first.value))
         assert first.kind == QUEUED, first
         stream = CompletionStream(served, decode)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream_events(events, stream, include_usage),
+            return StreamingResponse(_stream_events(serving, events, submission, stream,
+                                                    include_usage),
                                      media_type="text/event-stream")
         while True:
             event = await events.get()
@@ -156,10 +200,95 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     return app
 
 
-async def _stream_events(events, stream: CompletionStream,
+class RequestGuard:
+    """ASGI middleware run before any route: the API key (401) and the body's size (413). The
+    body is read here and handed on whole, so later reads of `receive` see the disconnect."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if (self.expected is not None and scope["path"].startswith("/v1")
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
+            return await _send_error(send, "invalid or missing API key: send the header "
+                                     "'Authorization: Bearer <key>'", 401)
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(send)
+        body = bytearray()
+        while True:   # (the whole body, at most max_body_bytes, whatever Content-Length said)
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay([{"type": "http.request", "body": bytes(body),
+                                        "more_body": False}], receive), send)
+
+    async def _too_large(self, send):
+        await _send_error(send, f"the request body is larger than {self.max_body_bytes} bytes",
+                          413)
+
+
+def _replay(messages: list[dict], receive):
+    """A `receive` that returns `messages` first, then what `receive` returns."""
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+async def _send_error(send, message: str, status: int) -> None:
+    body = json.dumps(error_body(message, status)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """`work`'s result, or None once the client disconnected (`work` is then cancelled)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    return work_task.result() if not work_task.cancelled() else None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body was read: receive waits for that alone)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:   # (a server that cannot tell: never report a disconnect)
+        await asyncio.Future()
+
+
+async def _stream_events(serving: ServingLoop, events, submission, stream: CompletionStream,
                          include_usage: bool) -> AsyncIterator[bytes]:
     """A request's events as SSE chunks: one per step that gave it tokens, then the finish
-    reasons, the usage (when asked) and [DONE]."""
+    reasons, the usage (when asked) and [DONE]. Closed early (its client went away), it aborts
+    the request."""
+    try:
+        async for chunk in _stream_chunks(events, stream, include_usage):
+            yield chunk
+    finally:
+        serving.abort(submission)
+
+
+async def _stream_chunks(events, stream: CompletionStream,
+                         include_usage: bool) -> AsyncIterator[bytes]:
     while True:
         event = await events.get()
         if event.kind == TOKENS:
@@ -188,6 +317,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the name clients give as `model` (default: --model)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default: {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"answer /v1 requests only with 'Authorization: Bearer KEY' "
+                             f"(default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"a larger request body gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -215,8 +349,16 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError) as error:   # a bad option: one line, no traceback
         print(f"twinserve-serve: error: {error}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.run(create_app(llm, args.served_model_name), host=args.host, port=args.port,
-                log_level=args.log_level)
+    if args.max_body_bytes <= 0:
+        print(f"twinserve-serve: error: --max-body-bytes must be positive, got "
+              f"{args.max_body_bytes}", file=sys.stderr)
+        sys.exit(2)
+    if not args.api_key and args.host not in LOCAL_HOSTS:
+        print(f"twinserve-serve: warning: listening on {args.host} without an API key: anyone "
+              f"who reaches it can use the engine (--api-key or ${API_KEY_ENV})", file=sys.stderr)
+    uvicorn.run(create_app(llm, args.served_model_name, args.api_key or None,
+                           args.max_body_bytes),
+                host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

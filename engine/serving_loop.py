@@ -3,8 +3,9 @@ submit and steps while requests are pending, and hands each request's events to 
 queue of the handler that waits for them.
 
     loop = ServingLoop(llm); loop.start()
-    events = loop.submit(prompt, params)     # in the event loop: an asyncio.Queue of Events
+    events, submission = loop.submit(prompt, params)   # in the event loop: its Events, a handle
     event = await events.get()               # QUEUED first (or ERROR), then TOKENS..., DONE
+    loop.abort(submission)                   # its client went away: stop it within a step
     loop.stop()
 """
 from __future__ import annotations
@@ -13,11 +14,13 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.llm import LLM, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server_metrics import ServingStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,10 @@ class _Submission:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    submitted_at: float = field(default_factory=time.perf_counter)
+    request_id: int | None = None      # set once the engine added it
+    first_token_at: float | None = None
+    cancelled: bool = False            # its client went away (abort)
 
 
 class ServingLoop:
@@ -52,6 +59,10 @@ class ServingLoop:
         self.llm = llm
         self._submissions: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._streams: dict[int, _Submission] = {}
+        self._aborts: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
+        self.num_steps = 0       # engine steps run (a request that is aborted stops adding to it)
+        self.num_aborted = 0     # requests stopped because their client went away
+        self.stats = ServingStats()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
         # Why the engine stopped stepping, once a step raised: the server reports unhealthy.
@@ -70,14 +81,23 @@ class ServingLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
-    def submit(self, prompt, params: SamplingParams) -> asyncio.Queue:
-        """Queue a request from the running event loop; returns the queue its Events arrive on."""
+    def submit(self, prompt, params: SamplingParams) -> tuple[asyncio.Queue, _Submission | None]:
+        """Queue a request from the running event loop; returns the queue its Events arrive on
+        and the handle `abort` takes (None when the engine is not running)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.is_alive:
             events.put_nowait(Event(ERROR, self.failure or "the engine is not running"))
-            return events
-        self._submissions.put(_Submission(prompt, params, asyncio.get_running_loop(), events))
-        return events
+            return events, None
+        submission = _Submission(prompt, params, asyncio.get_running_loop(), events)
+        self._submissions.put(submission)
+        return events, submission
+
+    def abort(self, submission: _Submission) -> None:
+        """Stop a submitted request (from the event loop): it is never added, or it leaves the
+        engine before its next step, its blocks freed."""
+        if not submission.cancelled:
+            submission.cancelled = True
+            self._aborts.put(submission)
 
     # ---- the engine thread ---------------------------------------------------------------------
 
@@ -86,10 +106,13 @@ class ServingLoop:
         while not self._stopping.is_set():
             # Block only while idle; with requests in flight, take what came and step at once.
             self._add_submissions(block=not llm.has_unfinished_requests())
+            self._apply_aborts()
+            self.stats.observe_engine(llm.scheduler)
             if self._stopping.is_set() or not llm.has_unfinished_requests():
                 continue
             try:
                 step_outputs = llm.step()
+                self.num_steps += 1
             except Exception as error:   # (a policy bug must not hang every client)
                 logger.exception("the engine's step failed")
                 self.failure = f"the engine's step failed: {error}"
@@ -99,10 +122,14 @@ class ServingLoop:
                 if stream is None:
                     continue
                 if any(step_output.new_token_ids):
+                    if stream.first_token_at is None:
+                        stream.first_token_at = time.perf_counter()
                     self._deliver(stream, Event(TOKENS, step_output.new_token_ids))
                 if step_output.finished is not None:
                     del self._streams[step_output.request_id]
+                    self.stats.observe_finished(stream, step_output.finished)
                     self._deliver(stream, Event(DONE, step_output.finished))
+        self.stats.observe_engine(llm.scheduler)
         reason = self.failure or "the server is shutting down"
         for stream in self._streams.values():
             self._deliver(stream, Event(ERROR, reason))
@@ -122,16 +149,33 @@ class ServingLoop:
         except queue.Empty:
             return
         while submission is not None:
+            if submission.cancelled:   # its client left before the engine saw it
+                submission = self._next_submission()
+                continue
             output: RequestOutput = self.llm.add_request(submission.prompt, submission.params)
             if output.error is not None:
                 self._deliver(submission, Event(ERROR, output.error))
             else:
+                submission.request_id = output.request_id
                 self._streams[output.request_id] = submission
                 self._deliver(submission, Event(QUEUED, output.request_id))
+            submission = self._next_submission()
+
+    def _next_submission(self) -> _Submission | None:
+        try:
+            return self._submissions.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply_aborts(self) -> None:
+        while True:
             try:
-                submission = self._submissions.get_nowait()
+                submission = self._aborts.get_nowait()
             except queue.Empty:
                 return
+            if self._streams.pop(submission.request_id, None) is not None:
+                self.llm.abort_request(submission.request_id)
+                self.num_aborted += 1
 
     @staticmethod
     def _deliver(submission: _Submission, event: Event) -> None:

@@ -3,6 +3,7 @@ OpenAI-compatible server (started here on 127.0.0.1, tiny-llama with small pools
 engine's own outputs, its bad-request answers, and the benchmark client's run file."""
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -15,7 +16,9 @@ import torch
 import uvicorn
 
 from engine import LLM, SamplingParams
-from engine.server import create_app
+from engine import server as server_module
+from engine.server import API_KEY_ENV, create_app
+from engine.serving_loop import ServingLoop, _Submission
 from sim.tools.bench_client import bench, workload_requests
 from sim.tools.bench_run_file import RequestRecord, build_run_file
 
@@ -41,11 +44,10 @@ def reference_tokens(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     return output.outputs[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def server_url():
-    """The server in a thread of this process, on a free port of 127.0.0.1; stopped after."""
-    torch.set_num_threads(1)
-    app = create_app(LLM("tiny-llama", **ENGINE_ARGS))
+@contextlib.contextmanager
+def running(app):
+    """`app` served in a thread of this process, on a free port of 127.0.0.1: its base URL;
+    stopped after."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -55,10 +57,24 @@ def server_url():
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started, "the server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(STARTUP_TIMEOUT_S)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(STARTUP_TIMEOUT_S)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server_app():
+    torch.set_num_threads(1)
+    return create_app(LLM("tiny-llama", **ENGINE_ARGS))
+
+
+@pytest.fixture(scope="module")
+def server_url(server_app):
+    with running(server_app) as url:
+        yield url
 
 
 @pytest.fixture()
@@ -303,3 +319,242 @@ def test_failed_warm_up_is_named():
 
     with pytest.raises(ValueError, match="--warmup: warm-up request 0 failed: HTTP 503: busy"):
         asyncio.run(run())
+
+
+# ---- a client that goes away; /metrics; error bodies; the API key and the body cap ----------
+
+# Far more tokens than the test waits for: a request that is not aborted runs for many seconds.
+LONG_REQUEST = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+ABORT_TIMEOUT_S = 30.0
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def engine_is_idle(llm: LLM) -> bool:
+    """No request left anywhere in the engine, every KV block back in the pool."""
+    scheduler = llm.scheduler
+    return (not llm.has_unfinished_requests() and not scheduler.has_unfinished()
+            and scheduler.num_running_seqs == 0
+            and scheduler.kv_cache.num_free_blocks() == scheduler.kv_cache.num_blocks)
+
+
+def test_abort_request_frees_running_and_waiting_requests(reference_llm):
+    llm = LLM("tiny-llama", **{**ENGINE_ARGS, "max_num_seqs": 3, "scheduler": "chunked_prefill",
+                               "max_num_batched_tokens": 16})
+    long = SamplingParams(max_tokens=500, **GREEDY)
+    running = llm.add_request(PROMPT, long)
+    # n=2 with a prompt longer than a step's budget: mid-prefill, unforked, it holds two seats.
+    forking = llm.add_request(list(range(40)), SamplingParams(max_tokens=500, n=2, **GREEDY))
+    waiting = llm.add_request([7, 8], long)   # max_num_seqs=3: no seat left, it waits
+    llm.step()
+    assert llm.scheduler.queue_lengths() == (1, 2, 0)
+    assert all(llm.abort_request(output.request_id) for output in (waiting, forking))
+    assert not llm.abort_request(forking.request_id)   # (already gone)
+    for _ in range(3):
+        step_outputs = llm.step()
+        assert {out.request_id for out in step_outputs} == {running.request_id}
+    assert llm.abort_request(running.request_id)
+    assert engine_is_idle(llm)
+    # The engine serves on as before.
+    kept = llm.add_request(PROMPT, SamplingParams(max_tokens=5, **GREEDY))
+    finished = None
+    for _ in range(50):
+        finished = finished or next((out.finished for out in llm.step() if out.finished), None)
+        if not llm.has_unfinished_requests():
+            break
+    assert finished.request_id == kept.request_id
+    assert finished.outputs[0].token_ids == reference_tokens(reference_llm, PROMPT, 5)
+
+
+def test_aborting_a_preempted_member_of_a_static_batch_does_not_stall_it():
+    llm = LLM("tiny-llama", num_gpu_blocks=4, seed=0, scheduler="static", preemption="recompute")
+    params = SamplingParams(max_tokens=50, **GREEDY)   # two fit 4 blocks only at first
+    outputs = [llm.add_request(prompt, params) for prompt in (PROMPT, [1, 2, 3])]
+    for _ in range(100):
+        llm.step()
+        if llm.scheduler.waiting:
+            break
+    [preempted] = llm.scheduler.waiting
+    assert llm.abort_request(preempted.request_id)
+    later = llm.add_request([4, 5], SamplingParams(max_tokens=3, **GREEDY))
+    finished = []
+    for _ in range(200):   # (bounded: the rest of one request, then the next batch)
+        finished += [out.request_id for out in llm.step() if out.finished]
+        if not llm.has_unfinished_requests():
+            break
+    survivor = next(out for out in outputs if out.request_id != preempted.request_id)
+    assert finished == [survivor.request_id, later.request_id]
+    assert engine_is_idle(llm)
+
+
+@pytest.mark.parametrize("abort_before_added", [True, False])
+def test_serving_loop_aborts_before_and_after_adding(abort_before_added):
+    """The engine thread's side, driven here step by step (its thread not started): a request
+    aborted before the engine took it is never added; one aborted after leaves it."""
+    serving = ServingLoop(LLM("tiny-llama", **ENGINE_ARGS))
+    event_loop = asyncio.new_event_loop()
+    try:
+        submission = _Submission(PROMPT, SamplingParams(max_tokens=500, **GREEDY), event_loop,
+                                 asyncio.Queue())
+        serving._submissions.put(submission)
+        if abort_before_added:
+            serving.abort(submission)
+        serving._add_submissions(block=False)
+        assert serving.llm.has_unfinished_requests() != abort_before_added
+        serving.abort(submission)
+        serving._apply_aborts()
+        assert engine_is_idle(serving.llm)
+        assert serving.num_aborted == (0 if abort_before_added else 1)
+    finally:
+        event_loop.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_disconnects_aborts_its_request(server_app, server_url, stream):
+    serving = server_app.state.serving
+    llm = serving.llm
+    assert wait_until(lambda: engine_is_idle(llm), ABORT_TIMEOUT_S)
+    steps_before, aborted_before = serving.num_steps, serving.num_aborted
+    body = json.dumps({**LONG_REQUEST, "stream": stream}).encode()
+    host, port = server_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                       b"Content-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_until(lambda: serving.num_steps > steps_before + 2, ABORT_TIMEOUT_S)
+    # The connection is closed: within a step the request is gone and its blocks are back.
+    assert wait_until(lambda: engine_is_idle(llm), ABORT_TIMEOUT_S)
+    assert serving.num_aborted == aborted_before + 1
+    assert serving.num_steps - steps_before < LONG_REQUEST["max_tokens"] // 2
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text: sample name with labels -> value; checks every line's shape."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+def test_metrics_in_prometheus_text_under_vllm_names(client):
+    labels = '{model_name="tiny-llama"}'
+    before = metric_samples(client.get("/metrics").text)
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                                **GREEDY}).status_code == 200
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in response.text
+    assert "# TYPE vllm:num_preemptions_total counter" in response.text
+    after = metric_samples(response.text)
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert 0 <= after[f"vllm:{gauge}{labels}"] <= (1 if gauge == "kv_cache_usage_perc"
+                                                         else ENGINE_ARGS["max_num_seqs"])
+    assert after[f"vllm:num_preemptions_total{labels}"] >= 0
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds"):
+        count = f"vllm:{histogram}_count{labels}"
+        assert after[count] == before[count] + 1
+        assert after[f'vllm:{histogram}_bucket{{model_name="tiny-llama",le="+Inf"}}'] == (
+            after[count])
+        assert after[f"vllm:{histogram}_sum{labels}"] > before[f"vllm:{histogram}_sum{labels}"]
+    assert (after[f"vllm:generation_tokens_total{labels}"]
+            == before[f"vllm:generation_tokens_total{labels}"] + 4)
+
+
+def assert_openai_error(response, status: int, param=None, phrase: str = "") -> None:
+    assert response.status_code == status
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and body["error"]["code"] == status
+    assert phrase in body["error"]["message"]
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/chat", 404), ("POST", "/nowhere", 404), ("GET", "/v1/completions", 405)])
+def test_every_route_answers_openai_errors(client, method, path, status):
+    assert_openai_error(client.request(method, path), status, None, path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 5.0), ("temperature", "0.5"),
+    ("temperature", True), ("n", "1"), ("n", True), ("stream", "true"), ("stream", 1),
+    ("top_p", "1"), ("top_k", "1"), ("seed", "1"), ("ignore_eos", 1), ("min_tokens", "0"),
+    ("stream_options", {"include_usage": "yes"}), ("model", 1)])
+def test_wrong_field_types_are_named(client, field, value):
+    response = client.post("/v1/completions", json={"prompt": PROMPT, field: value})
+    assert_openai_error(response, 400, field, f"{field}:")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 512]}, 400, "prompt"),
+    ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": PROMPT, "max_tokens": 8, "min_tokens": 3}, 400, "min_tokens"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model")])
+def test_bad_values_name_their_param(client, body, status, param):
+    assert_openai_error(client.post("/v1/completions", json=body), status, param)
+
+
+API_KEY = "test-key"
+MAX_BODY_BYTES = 2048
+
+
+@pytest.fixture(scope="module")
+def guarded_url(reference_llm):
+    with running(create_app(reference_llm, api_key=API_KEY,
+                            max_body_bytes=MAX_BODY_BYTES)) as url:
+        yield url
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": API_KEY}])
+def test_api_key_is_required_on_v1_routes(guarded_url, headers):
+    with httpx.Client(base_url=guarded_url, timeout=60) as guarded:
+        assert_openai_error(guarded.get("/v1/models", headers=headers), 401, None, "API key")
+        assert_openai_error(guarded.post("/v1/completions", headers=headers,
+                                         json={"prompt": PROMPT}), 401)
+        assert guarded.get("/health").status_code == 200
+        good = {"Authorization": f"Bearer {API_KEY}"}
+        assert guarded.get("/v1/models", headers=good).status_code == 200
+        assert guarded.post("/v1/completions", headers=good, json={
+            "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_body_over_the_cap_is_413(guarded_url):
+    body = json.dumps({"prompt": list(range(1000))}).encode()
+    assert len(body) > MAX_BODY_BYTES
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=guarded_url, timeout=60) as guarded:
+        assert_openai_error(guarded.post("/v1/completions", headers=headers, content=body), 413)
+        # Chunked, without a Content-Length: counted as it arrives.
+        chunks = (body[start:start + 512] for start in range(0, len(body), 512))
+        assert_openai_error(guarded.post("/v1/completions", headers=headers, content=chunks),
+                            413)
+
+
+@pytest.mark.parametrize("host, env_key, warned", [
+    ("0.0.0.0", None, True), ("0.0.0.0", "from-env", False), ("127.0.0.1", None, False)])
+def test_serving_beyond_localhost_without_a_key_warns(monkeypatch, capsys, host, env_key,
+                                                      warned):
+    apps = []
+    monkeypatch.setattr(server_module, "build_llm", lambda args: None)
+    monkeypatch.setattr(server_module, "create_app", lambda *args: apps.append(args))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    if env_key is None:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(API_KEY_ENV, env_key)
+    server_module.main(["--host", host])
+    assert ("without an API key" in capsys.readouterr().err) == warned
+    assert apps[0][2] == env_key
