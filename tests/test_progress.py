@@ -58,11 +58,23 @@ class PreemptEverything(ChunkedPrefillScheduler):
         return self._finish_plan(plan)
 
 
+class CappedSteps:
+    """The executor, failing the test past `cap` steps: a detector that misses fails, not hangs."""
+
+    def __init__(self, executor, cap: int = 5_000):
+        self.executor, self.cap, self.num_steps = executor, cap, 0
+
+    def execute(self, plan):
+        self.num_steps += 1
+        assert self.num_steps <= self.cap, f"{self.cap} steps and the run goes on: a hang"
+        return self.executor.execute(plan)
+
+
 def run_replica(scheduler, requests, executor):
     """One replica's run of the requests on the simulator's step loop: the number of steps."""
     env = simpy.Environment()
     metrics = MetricsCollector()
-    replica = Replica(env, 0, scheduler, executor, metrics)
+    replica = Replica(env, 0, scheduler, CappedSteps(executor), metrics)
     env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
     env.run()
     return len(metrics.step_rows)
