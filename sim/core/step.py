@@ -164,7 +164,8 @@ class StepLoop:
 
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the
-        inter-token latencies it produced. Returns the requests that finished."""
+        inter-token latencies it produced. Returns the requests that finished. Raises NoProgress
+        when MAX_STEPS_WITHOUT_PROGRESS steps in a row gave no sequence a token."""
         plan = self.plan
         seqs = plan.seqs
         if self.step_end_times is None:
