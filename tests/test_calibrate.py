@@ -64,6 +64,26 @@ def test_fit_recovers_the_terms_a_run_was_made_with(tmp_path):
     assert loss < 1e-3 and both["step_overhead_s"] == pytest.approx(3e-3, rel=0.2)
 
 
+def test_a_term_that_moves_no_metric_fails_the_fit_naming_it(tmp_path, capsys):
+    """The front end's latency adds to TTFT only: fitted to TPOT it cannot move, and the
+    command says so and exits 1 instead of printing a fit."""
+    run = measured_run(tmp_path, TRUE_TERMS, "made")
+    out = tmp_path / "profile.json"
+    assert main(["--real", str(run), "--terms", "cluster.frontend_latency_s", "--out", str(out),
+                 *SETTINGS, *(f"cost_model.{k}={v!r}" for k, v in TRUE_TERMS.items())]) == 1
+    printed = capsys.readouterr().out
+    assert "cluster.frontend_latency_s stayed at its start value" in printed
+    assert "move none of the metrics mean_tpot_ms, median_tpot_ms" in printed
+    assert "GPUCostModel" in printed and not out.exists()
+
+
+def test_a_term_the_runs_want_beyond_its_bound_fails_the_fit_naming_it(tmp_path, capsys):
+    run = measured_run(tmp_path, {**TRUE_TERMS, "step_overhead_s": 0.4}, "slow")
+    per_sequence = f"cost_model.per_sequence_overhead_s={TRUE_TERMS['per_sequence_overhead_s']}"
+    assert main(["--real", str(run), "--terms", "step_overhead_s", *SETTINGS, per_sequence]) == 1
+    assert "ended on its search's bound 0.1" in capsys.readouterr().out
+
+
 def test_cli_reports_held_out_runs_and_writes_the_profile(tmp_path, capsys):
     fit_on = measured_run(tmp_path, TRUE_TERMS, "fit", rate=5.0, seed=2)
     held_out = measured_run(tmp_path, TRUE_TERMS, "held", rate=9.0, seed=3)

@@ -46,6 +46,35 @@ def test_a_named_roofline_says_nothing(capsys, monkeypatch):
     assert "roofline" not in capsys.readouterr().err
 
 
+def test_the_fallback_carries_the_settings_the_roofline_takes(monkeypatch, tmp_path):
+    """cost_model.* overrides of the GPU model reach the roofline it falls back to, a terms
+    file's terms among them, as they reach a named roofline."""
+    monkeypatch.setattr(build, "_FELL_BACK", set())
+    run = ("model=tiny-llama", "hardware=cpu", "workload.num_requests=5")
+    named = run_experiment(make_cfg(*run, "cost_model=roofline", "cost_model.step_overhead_s=0.02",
+                                    "cost_model.compute_efficiency=0.3"), plots=False)
+    fell_back = run_experiment(make_cfg(*run, "cost_model.step_overhead_s=0.02",
+                                        "+cost_model.compute_efficiency=0.3"), plots=False)
+    cost_model = fell_back.replicas[0].executor.cost_model
+    assert type(cost_model) is RooflineCostModel and cost_model.step_overhead_s == 0.02
+    assert fell_back.summary["mean_ttft_ms"] == named.summary["mean_ttft_ms"]
+    terms = tmp_path / "fit.json"
+    terms.write_text(json.dumps({"terms": {"per_sequence_overhead_s": 0.001}}))
+    from_file = run_experiment(make_cfg(*run, f"cost_model.terms_file={terms}"), plots=False)
+    assert from_file.replicas[0].executor.cost_model.per_sequence_overhead_s == 0.001
+
+
+def test_the_fallback_refuses_in_one_line_the_settings_the_roofline_does_not_take():
+    with pytest.raises(ValueError) as refused:
+        run_experiment(make_cfg("model=tiny-llama", "hardware=cpu", "workload.num_requests=5",
+                                "cost_model.kernel_tables=vidur", "cost_model.step_overhead_s=0.02",
+                                "cost_model.cuda_graph_max_tokens=0"), plots=False)
+    message = str(refused.value)
+    assert message.startswith("cost_model.kernel_tables, cost_model.cuda_graph_max_tokens: not "
+                              "a setting of cost_model=roofline") and "\n" not in message
+    assert "step_overhead_s" not in message and "hardware=cpu" in message
+
+
 def workstation(name: str = "a100-80gb") -> HardwareSpec:
     return dataclasses.replace(hardware_spec(name), name="a100-as-workstation",
                                board="workstation")

@@ -316,6 +316,16 @@ def test_cli_writes_the_report_and_bad_input_exits_2(tmp_path, capsys):
     assert "the run does not record the hardware" in capsys.readouterr().err
 
 
+def test_the_report_names_the_cost_model_that_ran(tmp_path):
+    """On hardware no GPU measurement covers, the default GPU model falls back to the roofline:
+    the report names the roofline, not the config's GPU model."""
+    rows = [{"arrival_s": 0.1 * i, "prompt_len": 30, "output_len": 5, "ttft_s": 0.05,
+             "e2e_s": 0.5} for i in range(5)]
+    run = read_run(write_csv(tmp_path / "run.csv", rows))
+    assert replay(run, ["model=tiny-llama", "hardware=cpu"])["cost_model"] == "RooflineCostModel"
+    assert replay(run, SMALL)["cost_model"] == "GPUCostModel"
+
+
 def test_command_line_wins_in_the_composed_config(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(vllm_result(

@@ -14,6 +14,10 @@ checks, not targets. The search is term_fit.fit_terms: coordinate passes until o
 nothing (--passes at most; terms that trade off, as a step overhead and a compute efficiency do
 in TTFT, take three or four), a few dozen replays each.
 
+A fit that cannot move a term (it stays at its start, or ends on its search's bound) or that
+moves none of the chosen metrics exits 1 naming them, writing nothing: its terms would fit
+nothing.
+
 Held-out runs (`--held-out`) are replayed with the fitted terms and reported beside the fit;
 `--leave-one-out` fits on all runs but one, for each run in turn, and reports each run as
 predicted by the others' fit.
@@ -46,6 +50,13 @@ EFFICIENCY_BOUNDS = (1e-3, 1.0)
 # A workstation board's share relative to the measured datacenter boards' (GPUCostModel): it may
 # exceed them.
 RELATIVE_EFFICIENCY_BOUNDS = (0.25, 4.0)
+# A fitted term within this many natural-log units of a bound sits on it (the search resolves
+# 0.02, term_fit.fit_terms).
+AT_BOUND_LOG = 0.05
+
+
+class FitFailed(Exception):
+    """The fit could not move a term or moved none of the metrics: one line saying which."""
 
 
 def term_bounds(term: str) -> tuple[float, float]:
@@ -122,12 +133,45 @@ class Calibration:
 
 
 def fit(runs: list[RealRun], overrides: list[str], terms=DEFAULT_TERMS, metrics=DEFAULT_METRICS,
-        passes: int = DEFAULT_PASSES) -> tuple[dict[str, float], float, int]:
-    """(fitted terms, loss, number of replays) over `runs`."""
+        passes: int = DEFAULT_PASSES, *, check: bool = False) -> tuple[dict[str, float], float, int]:
+    """(fitted terms, loss, number of replays) over `runs`. With `check`, FitFailed where the
+    fit could not move a term or moved none of the metrics."""
     calibration = Calibration(runs, overrides, tuple(terms), tuple(metrics))
-    fitted, loss = fit_terms(calibration.loss, calibration.initial(),
+    initial = calibration.initial()
+    fitted, loss = fit_terms(calibration.loss, initial,
                              {term: term_bounds(term) for term in terms}, passes=passes)
-    return fitted, loss, calibration.num_replays
+    num_replays = calibration.num_replays
+    if check:
+        check_fit(calibration, initial, fitted)
+    return fitted, loss, num_replays
+
+
+def check_fit(calibration: Calibration, initial: dict[str, float],
+              fitted: dict[str, float]) -> None:
+    """FitFailed, in one line, naming each term the fit left at its start or put on a bound of
+    its search, and saying so where the fitted terms move none of the metrics."""
+    problems = []
+    for term, value in fitted.items():
+        low, high = term_bounds(term)
+        if value == initial[term]:
+            problems.append(f"{term} stayed at its start value {value:.4g}")
+        elif math.log(value / low) <= AT_BOUND_LOG or math.log(high / value) <= AT_BOUND_LOG:
+            bound = low if math.log(value / low) <= AT_BOUND_LOG else high
+            problems.append(f"{term}={value:.4g} ended on its search's bound {bound:g} (range "
+                            f"[{low:g}, {high:g}]): the runs want a value beyond it")
+    start, end = calibration.replays(initial), calibration.replays(fitted)
+    def sim_metrics(results):
+        return [{metric: stage["sim"][metric] for metric in calibration.metrics}
+                for result in results for stage in result["stages"]]
+    if sim_metrics(start) == sim_metrics(end):
+        cost_models = sorted({result["cost_model"] for result in start})
+        problems.append(
+            f"the fitted terms move none of the metrics {', '.join(calibration.metrics)} (the "
+            f"replays at the start and fitted values are the same; does {', '.join(cost_models)}, "
+            f"the cost model that ran, read {', '.join(map(term_key, fitted))}, and do they set "
+            f"those metrics?)")
+    if problems:
+        raise FitFailed(f"the fit failed: {'; '.join(problems)}")
 
 
 def errors_with(run: RealRun, overrides: list[str], terms: dict[str, float]) -> list[dict]:
@@ -184,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--passes must be >= 1, got {args.passes}")
         runs = [read_run(path) for path in args.real]
         held_out = [read_run(path) for path in args.held_out]
-        fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics, args.passes)
+        fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics, args.passes,
+                                        check=True)
         console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
                       f"rms log error {math.sqrt(loss):.3f}): "
                       + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
@@ -209,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RealRunError, ValueError) as error:
         console.print(f"twinserve-calibrate: {error}", style="red", highlight=False)
         return 2
+    except FitFailed as error:
+        console.print(f"twinserve-calibrate: {error}", style="red", highlight=False,
+                      soft_wrap=True)   # (one line, however wide the terminal)
+        return 1
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -104,6 +104,14 @@ def simulate(run: RealRun, config):
         raise RealRunError(f"{run.source}: bad config value: {error}") from None
 
 
+def cost_model_that_ran(result) -> str:
+    """The class name of the cost model the run's replicas used: the one that ran, which is
+    not the config's where the GPU model fell back to the roofline."""
+    names = sorted({type(replica.executor.cost_model).__name__ for replica in result.replicas
+                    if hasattr(replica.executor, "cost_model")})
+    return ", ".join(names) or "?"
+
+
 def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> ReplayOutcome:
     """replay() with both sides' per-request latencies (for the CDF figure)."""
     if config is None:
@@ -121,11 +129,10 @@ def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> Repl
         comparison = compare_stage(stage_metrics(real, stage.requests),
                                    stage_metrics(sim, stage.requests))
         stages.append({**stage.describe(), **comparison})
-    cost_model = config.cost_model.get("_target_", "?")
     report = {
         "name": run.name, "source": run.source, "num_requests": run.num_requests,
         "overrides": all_overrides, "settings": provenance,
-        "cost_model": str(cost_model).rsplit(".", 1)[-1],
+        "cost_model": cost_model_that_ran(result),
         "num_kv_blocks": result.num_kv_blocks,
         "sim_preemptions": result.summary.get("num_preemptions"),
         # The share of prompt tokens the prefix cache served at the requests' first admission.

@@ -216,15 +216,14 @@ def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
     try:
         cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
     except NoGPUTable:
-        fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
-        for key in ("block_size", "offload_bandwidth_gbps"):   # the run's, as the group had them
-            if key in cfg.cost_model:
-                fallback[key] = cfg.cost_model[key]
+        fallback, carried = _roofline_fallback(cfg.cost_model, hardware)
         if (model.name, hardware.name) not in _FELL_BACK:
             _FELL_BACK.add((model.name, hardware.name))
+            kept = "".join(f" cost_model.{key}={value}" for key, value in carried.items())
             print(f"twinserve: no GPU measurement covers hardware={hardware.name} "
                   f"(cost_model={_group_name(cfg.cost_model)}); using cost_model=roofline, an "
-                  f"uncalibrated spec-sheet estimate", file=sys.stderr)
+                  f"uncalibrated spec-sheet estimate{' with' + kept if kept else ''}",
+                  file=sys.stderr)
         cost_model = build_policy(fallback, "cost_model", **arguments)
     check_policy(cost_model, CostModel, "cost_model")
     return cost_model
@@ -232,6 +231,47 @@ def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
 
 # (model, hardware) pairs whose fallback to the roofline has been said.
 _FELL_BACK: set[tuple[str, str]] = set()
+
+# Settings every cost model group carries from the run (kv_cache's), not the user's choice.
+_RUN_SETTINGS = ("block_size", "offload_bandwidth_gbps")
+
+
+def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictConfig, dict]:
+    """The roofline's config for a run whose cost model `group` covers no GPU near `hardware`,
+    and the settings carried into it: the run's block size and host-tier bandwidth, and every
+    setting the user changed from the group's conf file (a terms_file's terms among them) that
+    the roofline takes. ValueError, in one line, naming those it does not take."""
+    from sim.gpu.cost_model import read_terms_file
+
+    fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
+    for key in _RUN_SETTINGS:   # the run's, as the group had them
+        if key in group:
+            fallback[key] = group[key]
+    changed = _changed_settings(group)
+    terms_file = changed.pop("terms_file", None)
+    if terms_file is not None:
+        changed.update(read_terms_file(terms_file, "cost_model.terms_file"))
+    refused = [key for key in changed if not _takes_argument(fallback, key)]
+    if refused:
+        raise ValueError(
+            f"{', '.join('cost_model.' + key for key in refused)}: not a setting of "
+            f"cost_model=roofline, which the run falls back to (no GPU measurement covers "
+            f"hardware={hardware.name}); drop {'it' if len(refused) == 1 else 'them'}, or set "
+            f"cost_model=roofline and its own settings (conf/cost_model/roofline.yaml)")
+    for key, value in changed.items():
+        fallback[key] = value
+    return fallback, changed
+
+
+def _changed_settings(group: DictConfig) -> dict:
+    """The settings of a cost model group that differ from its conf file's (all of them for a
+    group without one), as given: interpolations unresolved, so the run's own are not counted."""
+    path = CONF_DIR / "cost_model" / f"{_group_name(group)}.yaml"
+    defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
+    given = OmegaConf.to_container(group, resolve=False)
+    return {key: value for key, value in given.items()
+            if key not in ("_target_", "_convert_", *_RUN_SETTINGS)
+            and (key not in defaults or defaults[key] != value)}
 
 
 def _takes_argument(group: DictConfig, name: str) -> bool:

@@ -31,12 +31,22 @@ from policies.protocols import Executor, OnlineLengthPredictor, Scheduler
 from policies.types import Request, StepPlan, StepResult
 from sim.core.metrics import StepRecorder
 
+# Consecutive steps in which no sequence gains a token and no request finishes before the run
+# stops: far more than any real prompt's chunked prefill needs, few enough to stop in seconds.
+MAX_STEPS_WITHOUT_PROGRESS = 10_000
+
+
+class NoProgress(RuntimeError):
+    """The policy cannot make progress (it plans nothing, or its steps gain no token): the run
+    stops, and the command line prints this one line."""
+
 
 class StepLoop:
     """One replica's steps, one at a time."""
 
     __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
-                 "refining_predictor", "finished_in_run", "repeats_steps")
+                 "refining_predictor", "finished_in_run", "repeats_steps",
+                 "steps_without_progress", "stalled_since")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
                  predictor=None):
@@ -55,6 +65,8 @@ class StepLoop:
         self.result: StepResult | None = None
         self.step_end_times: list[float] | None = None   # of repeated steps, in flight
         self.finished_in_run: list[Request] = []   # finished in the repeated steps in flight
+        self.steps_without_progress = 0   # consecutive steps that gained no token
+        self.stalled_since = 0.0          # the clock when the first of them completed
 
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
               may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
@@ -63,7 +75,7 @@ class StepLoop:
         ends at or past it; with `queued_arrivals` false (what arrives skips the waiting queue:
         KV transfers to a decode replica) even when the queue's head is blocked; with
         `past_finishes` (nothing outside the replica reacts to its steps until the horizon) on
-        past the steps where sequences finish. Raises RuntimeError when the scheduler plans
+        past the steps where sequences finish. Raises NoProgress when the scheduler plans
         nothing while it has requests: no later step could differ; unless `may_idle` (a KV
         transfer will change the pool), which returns None."""
         scheduler = self.scheduler
@@ -103,7 +115,7 @@ class StepLoop:
         if may_idle:
             return None
         waiting, running, swapped = scheduler.queue_lengths()
-        raise RuntimeError(
+        raise NoProgress(
             f"replica {self.recorder.replica_id}: the scheduler planned nothing with "
             f"{waiting} waiting, {running} running and {swapped} swapped requests and "
             f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
@@ -152,7 +164,8 @@ class StepLoop:
 
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the
-        inter-token latencies it produced. Returns the requests that finished."""
+        inter-token latencies it produced. Returns the requests that finished. Raises NoProgress
+        when MAX_STEPS_WITHOUT_PROGRESS steps in a row gave no sequence a token."""
         plan = self.plan
         seqs = plan.seqs
         if self.step_end_times is None:
@@ -162,16 +175,45 @@ class StepLoop:
             outputs_before = [seq.num_output_tokens for seq in seqs]
             finished = self.scheduler.update(plan, self.result, now)
             self.recorder.record_itls(seqs, outputs_before, times_before, now)
+            # (A decode always gains a token: only steps without one compare the counts.)
+            if finished or plan.num_decode_seqs or any(
+                    seq.num_output_tokens != before for seq, before in zip(seqs, outputs_before)):
+                self.steps_without_progress = 0
+            else:
+                self._count_step_without_progress(plan, now)
         else:   # (repeated steps recorded their latencies as they ran)
             finished = self.scheduler.update(plan, self.result, now)
             if self.finished_in_run:
                 finished = self.finished_in_run + finished
                 self.finished_in_run = []
             self.step_end_times = None
+            self.steps_without_progress = 0   # (repeated steps are decodes)
         if self.refining_predictor is not None:
             self._refine_predictions(seqs)
         self.plan = self.result = None
         return finished
+
+    def _count_step_without_progress(self, plan: StepPlan, now: float) -> None:
+        """Count a step in which no sequence gained a token and no request finished; raise
+        NoProgress, naming the scheduler and what it planned, when MAX_STEPS_WITHOUT_PROGRESS
+        of them ran in a row."""
+        if not self.steps_without_progress:
+            self.stalled_since = now
+        self.steps_without_progress += 1
+        if self.steps_without_progress < MAX_STEPS_WITHOUT_PROGRESS:
+            return
+        scheduler = self.scheduler
+        waiting, running, swapped = scheduler.queue_lengths()
+        clock = (f"simulated time stood still at {now:.6g} s" if now == self.stalled_since else
+                 f"simulated time moved {now - self.stalled_since:.6g} s")
+        raise NoProgress(
+            f"scheduler {type(scheduler).__name__} made no progress for "
+            f"{self.steps_without_progress} steps on replica {self.recorder.replica_id}: its "
+            f"last step preempted {len(plan.preempted_recompute) + len(plan.preempted_swap)}, "
+            f"swapped {len(plan.blocks_to_swap_out)} blocks out and "
+            f"{len(plan.blocks_to_swap_in)} in and computed {plan.num_batched_tokens} tokens, "
+            f"none of them a sequence's next token, and no request finished ({clock}; "
+            f"{waiting} waiting, {running} running, {swapped} swapped)")
 
     def _refine_predictions(self, seqs) -> None:
         requests = {seq.request.request_id: seq.request for seq in seqs}

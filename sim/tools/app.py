@@ -14,6 +14,7 @@ from sim.tools.loggers import log_run
 from sim.tools.console_summary import print_summary
 from sim.tools.resume import clear_complete, complete_summary, mark_complete
 from sim.core.experiment import run_experiment
+from sim.core.step import NoProgress
 
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="config")
@@ -39,6 +40,9 @@ def main(cfg: DictConfig) -> float:
     except (ValueError, OmegaConfBaseException) as error:  # a bad setting: one line, no traceback
         print(f"twinserve: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except NoProgress as error:   # a policy that cannot progress: its reason, one line
+        print(f"twinserve: error: {error}", file=sys.stderr)
+        sys.exit(1)
     print_summary(result.summary)
     print(f"results in {out_dir}")
     log_run(cfg, result.summary, out_dir)
