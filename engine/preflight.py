@@ -121,6 +121,11 @@ def check_engine_run(model, hardware, device=None, dtype=None,
     resolved = requested_device(device)
     spec = ModelSpec.from_config(model)
     preset = HardwareSpec.from_config(hardware)
+    if spec.quantization is not None or spec.kv_cache_dtype != "auto":
+        key = ("model.quantization" if spec.quantization is not None
+               else "model.kv_cache_dtype")
+        raise ValueError(f"{key}: the engine runs the model's own dtype only; fp8 weights and "
+                         f"KV cache are simulator settings (backend=sim, the default)")
     if allow_slow:
         return
     on_cpu = resolved.type == "cpu"

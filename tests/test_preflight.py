@@ -109,3 +109,13 @@ def test_weights_that_do_not_fit_the_machine_stop_the_run(monkeypatch):
                                          r"not fit\)"):
         check_engine_run(conf_entry("model", "llama-2-7b"), conf_entry("hardware", "cpu"),
                          device="cpu", max_num_batched_tokens=128)
+
+
+def test_fp8_is_a_simulator_setting_the_engine_refuses_in_one_line():
+    cpu = conf_entry("hardware", "cpu")
+    for key, value in (("quantization", "fp8"), ("kv_cache_dtype", "fp8")):
+        model = conf_entry("model", "tiny-llama")
+        model[key] = value
+        with pytest.raises(ValueError, match=rf"^model\.{key}: the engine runs") as error:
+            check_engine_run(model, cpu, device="cpu", allow_slow=True)
+        assert "\n" not in str(error.value)
