@@ -23,6 +23,7 @@ def test_the_default_cost_model_is_the_gpu_one_with_its_expected_error():
     for metric in ("ttft", "tpot", "e2e"):
         assert result.summary[f"expected_{metric}_error_pct"] == pytest.approx(stated[metric])
     assert str(stated["checks"]) in result.summary["expected_error_basis"]
+    assert result.summary["cost_model_kernels"] == "vLLM 0.14.0 on a100_sxm"   # the default A100
 
 
 def test_hardware_without_gpu_measurements_falls_back_to_the_roofline_saying_so(capsys,

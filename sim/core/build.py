@@ -303,6 +303,8 @@ def cost_model_summary(cost_models: list) -> dict:
                        for metric in ("ttft", "tpot", "e2e")}
             summary["expected_error_basis"] = (f"{stated.get('checks', '?')} leave-out checks: "
                                                f"{stated.get('basis', '?')}")
+            if getattr(cost_model, "kernels_used", None):
+                summary["cost_model_kernels"] = cost_model.kernels_used
             return summary
     return {}
 

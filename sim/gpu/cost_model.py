@@ -219,6 +219,9 @@ class GPUCostModel(RooflineCostModel):
                           f"tables (cost_model.kernel_tables=vidur)")
         else:
             self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
+        # What a run's summary names as the kernels it used.
+        self.kernels_used = (f"vLLM {version} on {system}" if self.kernels is not None
+                             else "Vidur/Frontier tables")
         tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
         if self.kernels is not None:
             k = self.kernels

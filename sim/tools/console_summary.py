@@ -56,6 +56,8 @@ def format_summary_table(summary: dict) -> Table:
                        f"({summary['fairness_windows']:,} windows)")
         totals.add_row(f"max gap {window}", f"{summary['max_backlogged_service_diff']:,.0f} tok")
     totals.add_row("steps", f"{summary['num_steps']:,}")
+    if "cost_model_kernels" in summary:
+        totals.add_row("kernels", summary["cost_model_kernels"].split(" on ")[0])
     if "expected_tpot_error_pct" in summary:   # (sim/gpu/expected_errors.py)
         for metric in ("ttft", "tpot", "e2e"):
             totals.add_row(f"expected {metric.upper()} error",
