@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
-from policies.batching import ContinuousBatchingScheduler, PriorityScheduler
+from policies.batching import (BaseScheduler, ContinuousBatchingScheduler,
+                                PriorityScheduler)
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability, protocol_members
 from policies.decode_run import (DecodeRun, RepeatedStepCostModel, RepeatingExecutor,
@@ -160,3 +161,74 @@ def test_readmes_reordering_subclass_repeats_as_step_by_step(monkeypatch):
     coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
     assert_same_run(coalesced, step_by_step)
     assert max(repeated_runs) > 1
+
+
+class ClockCapped(ContinuousBatchingScheduler):
+    """Issue 41's plug-in: its schedule caps the batch by the clock and states no promise."""
+
+    def schedule(self, now):
+        self.max_num_seqs = 2 if int(now) % 2 else 64
+        return super().schedule(now)
+
+
+class PromisedPassThrough(ContinuousBatchingScheduler):
+    """Overrides schedule without changing what it plans, and says so."""
+
+    plain_schedule = True
+
+    def schedule(self, now):
+        return super().schedule(now)
+
+
+class InheritsThePromise(PromisedPassThrough):
+    """Overrides a hook schedule reaches; its base's promise does not cover it."""
+
+    def _admit_prefills(self, plan):
+        super()._admit_prefills(plan)
+
+
+class OwnSchedule(BaseScheduler):
+    """Defines schedule, which BaseScheduler leaves to its subclasses, and states nothing."""
+
+    def schedule(self, now):
+        return self._finish_plan(self._new_plan(now))
+
+
+CLOCK_CAPPED_LOAD = ["workload.num_requests=200", "workload.rate=10"]
+
+
+def test_a_schedule_override_repeats_steps_only_where_its_class_promises():
+    assert not ClockCapped.plain_schedule
+    assert PromisedPassThrough.plain_schedule
+    assert not InheritsThePromise.plain_schedule
+    assert not OwnSchedule.plain_schedule
+    assert ClockCapped.admits_in_arrival_order and ClockCapped.plain_update   # (untouched)
+
+
+def test_a_clock_capped_schedule_runs_every_step_by_default(monkeypatch):
+    """With no flag, the clock rule runs at every step, as `scheduler.coalesce=false` (and the
+    engine) run it."""
+    coalesced, step_by_step, repeated_runs = run_both_ways(
+        ["scheduler._target_=test_decode_run.ClockCapped", *CLOCK_CAPPED_LOAD], monkeypatch)
+    assert_same_run(coalesced, step_by_step)
+    assert repeated_runs == []
+
+
+def test_a_schedule_override_that_states_the_promise_keeps_repeated_steps(monkeypatch):
+    coalesced, step_by_step, repeated_runs = run_both_ways(
+        ["scheduler._target_=test_decode_run.PromisedPassThrough", *CLOCK_CAPPED_LOAD],
+        monkeypatch)
+    assert max(repeated_runs) > 1
+    assert_same_run(coalesced, step_by_step)
+
+
+def test_every_shipped_scheduler_states_the_promise_of_its_schedule():
+    """(Their runs repeat steps and match step by step: test_repeated_steps.py.)"""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from sim.core.build import config_names
+
+    for name in config_names("scheduler"):
+        target = OmegaConf.load(REPO / "conf" / "scheduler" / f"{name}.yaml")["_target_"]
+        assert get_class(target).plain_schedule, name

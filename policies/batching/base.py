@@ -23,9 +23,9 @@ scheduler does with the blocks it keeps is in kept_turns.py.
 
 Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
 batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.
-That rests on two promises of the class, `admits_in_arrival_order` and `plain_update`; a
-subclass that overrides the hook a promise is about without restating it withdraws it, and one
-whose `schedule` decides by anything else (the clock, a per-step policy) passes `coalesce=False`.
+That rests on three promises of the class, `plain_schedule`, `admits_in_arrival_order` and
+`plain_update`; a subclass that overrides a hook a promise is about without stating the promise
+in its own body withdraws it, so a plug-in repeats steps only where it said it may.
 """
 from __future__ import annotations
 
@@ -46,22 +46,46 @@ from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResu
 from policies.validators import boolean, positive_int
 
 
+# The hooks with a promise of their own: overriding one withdraws only that promise.
+_PROMISE_OF_HOOK = {"next_waiting": "admits_in_arrival_order", "update": "plain_update"}
+
+
+def _overrides_a_planning_hook(cls: type) -> bool:
+    """Whether `cls` defines `schedule` in its own body, or a method (or property) that a base
+    class defines too, other than a constructor and the hooks with promises of their own: any
+    such override (a hook `schedule` reaches, `add_request` read mid-run) may plan by what a
+    run skips."""
+    for name, value in vars(cls).items():
+        if (name.startswith("__") or name in _PROMISE_OF_HOOK
+                or not (callable(value) or isinstance(value, (staticmethod, classmethod,
+                                                              property)))):
+            continue
+        if name == "schedule" or any(name in vars(base) for base in cls.__mro__[1:]):
+            return True
+    return False
+
+
 class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap):
-    # The promises repeated decode steps rest on. `admits_in_arrival_order`: next_waiting takes
-    # the queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
+    # The promises repeated decode steps rest on. `plain_schedule`: `schedule` and every hook it
+    # reaches plan from the queues, the batch and the pool alone (not the clock, not a count of
+    # steps), so with those unchanged the next step plans the same decode batch (without it, no
+    # run at all: a run skips those calls). `admits_in_arrival_order`: next_waiting takes the
+    # queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
     # while requests wait). `plain_update`: `update` does per step only what a DecodeRun
     # applies (a run goes on past the steps where some of its decodes finish).
+    plain_schedule: ClassVar[bool] = True
     admits_in_arrival_order: ClassVar[bool] = True
     plain_update: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # An override that does not restate the promise about it withdraws that promise.
+        # An override whose class does not state the promise about it withdraws that promise.
         own = vars(cls)
-        if "next_waiting" in own and "admits_in_arrival_order" not in own:
-            cls.admits_in_arrival_order = False
-        if "update" in own and "plain_update" not in own:
-            cls.plain_update = False
+        for hook, promise in _PROMISE_OF_HOOK.items():
+            if hook in own and promise not in own:
+                setattr(cls, promise, False)
+        if "plain_schedule" not in own and _overrides_a_planning_hook(cls):
+            cls.plain_schedule = False
 
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -90,7 +114,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
         # Speculation decides per step (and learns from each), so its steps never repeat.
-        self.coalesce = (boolean("scheduler.coalesce", coalesce) and not self._speculates
+        self.coalesce = (boolean("scheduler.coalesce", coalesce) and self.plain_schedule
+                         and not self._speculates
                          and has_capability(kv_cache, RepeatingKVCache, "kv_cache"))
 
         self.waiting: deque[Request] = deque()

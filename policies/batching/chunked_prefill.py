@@ -12,6 +12,9 @@ from policies.types import StepPlan
 
 
 class ChunkedPrefillScheduler(BaseScheduler):
+    # (policies/decode_run.py) it plans from the queues, the batch and the pool alone
+    plain_schedule = True
+
     def schedule(self, now: float) -> StepPlan:
         plan = self._new_plan(now)
         budget, preempted = self._schedule_running(plan, self.max_num_batched_tokens,

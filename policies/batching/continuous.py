@@ -12,6 +12,9 @@ from policies.types import StepPlan
 
 
 class ContinuousBatchingScheduler(BaseScheduler):
+    # (policies/decode_run.py) it plans from the queues, the batch and the pool alone
+    plain_schedule = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.max_num_batched_tokens < self.max_model_len:

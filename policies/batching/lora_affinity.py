@@ -19,6 +19,7 @@ class LoRAAffinityScheduler(ContinuousBatchingScheduler):
     # and the queue stay as they are, until the head ages past max_wait_s; an arrival may go
     # ahead of it, so a run of repeated steps ends at the next arrival and at that age.
     admits_in_arrival_order = True
+    plain_schedule = True   # its _finish_plan ends runs where its choice could change
 
     def __init__(self, *args, max_wait_s: float = 60.0, **kwargs):
         super().__init__(*args, **kwargs)

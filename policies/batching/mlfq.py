@@ -12,6 +12,10 @@ from policies.validators import positive_int
 
 
 class MLFQScheduler(PriorityScheduler):
+    # (policies/decode_run.py) rank reads a request's tokens, which matter only while requests
+    # wait, and no run is planned then (admits_in_arrival_order is False)
+    plain_schedule = True
+
     def __init__(self, *args, num_levels: int = 6, base_quantum: int = 8,
                  prefill_tokens_per_quantum_token: int = 64, **kwargs):
         super().__init__(*args, **kwargs)

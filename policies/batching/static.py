@@ -12,6 +12,9 @@ from policies.types import Request, StepPlan
 
 
 class StaticBatchingScheduler(ContinuousBatchingScheduler):
+    # (policies/decode_run.py) it plans from the queues, the pool and the batch's members alone
+    plain_schedule = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch: set[int] = set()  # request ids of the current batch

@@ -32,6 +32,9 @@ class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
     # (policies/decode_run.py) its order moves with service, and its update charges each step
     admits_in_arrival_order = False
     plain_update = False
+    # (add_request reads counters a run has not charged yet: tests/test_repeated_steps.py's
+    # xfail; it no longer reproduces)
+    plain_schedule = True
 
     def __init__(self, *args, tenant_weights: Mapping | None = None, **kwargs):
         super().__init__(*args, **kwargs)
