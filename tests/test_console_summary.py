@@ -64,3 +64,10 @@ def test_pools_of_their_own_size_have_a_capacity_each():
     assert kv_block_capacities(per_pool) == {"prefill pool": 100, "decode pool": 400}
     assert kv_block_capacities({"num_kv_blocks": 7}) == {"pool": 7}
     assert kv_block_capacities({}) == {}
+
+
+def test_the_progress_bar_stays_off_a_log_that_is_not_a_terminal(capsys):
+    """Piped into a log, the bar's last frame ran into the summary table: it draws on a terminal
+    only."""
+    run_experiment(make_cfg("workload.num_requests=20"), progress=True, plots=False)
+    assert "requests:" not in capsys.readouterr().err

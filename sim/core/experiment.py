@@ -203,8 +203,9 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                              frontend_latency(cfg)))
     else:
         sessions.start(router, replicas)
-    bar = tqdm(total=num_planned, desc="requests", unit="req", disable=not progress,
-               mininterval=0.5, leave=False)
+    # (None: only on a terminal, where erasing the bar leaves the line clean for the summary.)
+    bar = tqdm(total=num_planned, desc="requests", unit="req",
+               disable=None if progress else True, mininterval=0.5, leave=False)
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
     # every collection (a 100k-request run spends a good part of its time there otherwise); and
     # collect the young objects less often: most that a step keeps (its row) are never garbage.
