@@ -160,6 +160,16 @@ def test_hardware_without_tables_falls_back_to_vidur_saying_so_once(capsys, monk
     assert "cost_model.kernel_tables=vidur" in lines[0]
 
 
+def test_a_kernel_the_tables_lack_falls_back_too(capsys, monkeypatch):
+    """The A100's tables measure no fp8 KV cache: the run takes the Vidur tables, saying so,
+    instead of failing."""
+    monkeypatch.setattr(cost_model_module, "_SAID", set())
+    fp8_kv = dataclasses.replace(model_spec("llama-2-7b"), kv_cache_dtype="fp8")
+    model = GPUCostModel(fp8_kv, hardware_spec("a100-80gb"))
+    assert model.kernels is None and model.kernels_used == "Vidur/Frontier tables"
+    assert "no context attention with a fp8 KV cache" in capsys.readouterr().err
+
+
 # ---- the all-reduce ------------------------------------------------------------------------------
 
 def allreduce_table(backend: str) -> tuple[np.ndarray, np.ndarray]:

@@ -87,6 +87,15 @@ def engine_terms(engine_version: str | None) -> tuple[dict[str, float], str]:
     return by_version[used], f"vLLM {used} engine terms (data/gpu/engine_terms.json)"
 
 
+def _routing_exponent(routing) -> float:
+    """cost_model.routing as a Zipf exponent (uniform or a histogram: 0, balanced)."""
+    if routing == "skewed":
+        return 1.0
+    if isinstance(routing, Mapping):
+        return float(routing.get("skewed", 0.0))
+    return 0.0
+
+
 def read_terms_file(path: str, key: str) -> dict[str, float]:
     """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}}); a term this
     cost model does not take is an error, not silently dropped."""
@@ -204,14 +213,14 @@ class GPUCostModel(RooflineCostModel):
         if kernel_tables not in KERNEL_TABLES:
             raise ValueError(f"{owner}.kernel_tables must be one of {list(KERNEL_TABLES)}, "
                              f"got {kernel_tables!r}")
-        self.kernels = None
+        self.kernels, vllm_terms = None, None
+        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
         if kernel_tables == "vllm":
-            try:
+            try:   # (any kernel a table lacks, e.g. an fp8 KV cache on the A100, falls back)
                 system, version, self.kernel_source = resolve_version(self.hardware.name,
                                                                       engine_version)
                 self.kernels = self._vllm_kernels(system, version)
-                if m.is_moe:   # (a table without this expert layout falls back here)
-                    self.kernels.moe_ms(np.ones(1))
+                vllm_terms = self._vllm_terms(tokens, hw, shape)
             except NoKernelTables as missing:
                 self.kernels = None
                 self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
@@ -222,16 +231,10 @@ class GPUCostModel(RooflineCostModel):
         # What a run's summary names as the kernels it used.
         self.kernels_used = (f"vLLM {version} on {system}" if self.kernels is not None
                              else "Vidur/Frontier tables")
-        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
-        if self.kernels is not None:
+        self._decode_grid = None
+        if vllm_terms is not None:
+            forward_ms, lm_head_ms, attention, self._decode_grid = vllm_terms
             k = self.kernels
-            forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
-                          + k.step_ops_ms(tokens))
-            if m.is_moe and self._experts.layout.expert_parallel_size > 1:
-                forward_ms += layers * ExpertKernels(
-                    self.op_table, hw, self._experts.layout, shape).all_to_all_ms(tokens)
-            lm_head_ms = k.lm_head_ms(tokens)
-            attention, _, _ = k.attention()
             allreduce_source = ("none (tensor_parallel_size 1)" if tp == 1 else
                                 f"{system} vLLM {version} custom all-reduce (CUDA graph up to "
                                 f"{self.cuda_graph_max_tokens} tokens, eager beyond), NCCL past "
@@ -265,10 +268,6 @@ class GPUCostModel(RooflineCostModel):
         self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
 
-        # The measured decode table itself where there is one (its linear fit misses cache and
-        # occupancy steps of up to 30 %); the fit's terms otherwise.
-        self._decode_grid = (None if self.kernels is None
-                             else self.kernels.decode_attention_grid(layers))
         self._decode_fixed_s = layers * (attention.decode_fixed_s)
         self._decode_s_per_token = layers * attention.decode_s_per_context_token
         self._decode_s_per_seq = layers * attention.decode_s_per_seq
@@ -293,8 +292,9 @@ class GPUCostModel(RooflineCostModel):
                         if self.kernels is not None else
                         f"predicted from {self.op_table.name} gate+up GEMM by the LM head's "
                         f"roofline ratio"),
-            "attention": (attention.source + "; decode looked up in the table at the batch and "
-                          "its mean context" if self.kernels else attention.source),
+            "attention": (attention.source + f"; decode: the measured (batch, context) grid of "
+                          f"heads q/kv/d {self._decode_grid.heads}, looked up at the batch and its "
+                          f"mean context" if self._decode_grid else attention.source),
             "allreduce": allreduce_source,
             "engine": (f"{'fitted: ' + str(terms_file) if terms_file else self.engine_terms_source}: "
                        f"step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
@@ -318,14 +318,25 @@ class GPUCostModel(RooflineCostModel):
     def _vllm_kernels(self, system: str, version: str) -> VllmKernels:
         m, tp = self.model, self.tensor_parallel_size
         ep = self._experts.layout.expert_parallel_size if m.is_moe else 1
-        routing = self.routing if m.is_moe else "uniform"
-        exponent = ({"uniform": 0.0, "skewed": 1.0}.get(routing, 0.0) if isinstance(routing, str)
-                    else float(routing.get("skewed", 0.0)) if isinstance(routing, Mapping) else 0.0)
         return VllmKernels(m, self.hardware, system, version, tp, self.cuda_graph_max_tokens,
                            moe_tp_size=max(1, tp // ep), moe_ep_size=ep,
                            moe_tokens_per_token=(self._experts.layout.group_tokens_per_token
                                                  if m.is_moe else 1.0),
-                           routing_exponent=exponent)
+                           routing_exponent=_routing_exponent(self.routing) if m.is_moe else 0.0)
+
+    def _vllm_terms(self, tokens: np.ndarray, hw: HardwareSpec, shape: LayerShape):
+        """(forward ms, LM head ms per token count, the prefill attention terms, the decode
+        grid) from vLLM's kernel tables; NoKernelTables where a table lacks one."""
+        m, k, layers = self.model, self.kernels, self.model.num_layers
+        forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
+                      + k.step_ops_ms(tokens))
+        if m.is_moe and self._experts.layout.expert_parallel_size > 1:
+            forward_ms += layers * ExpertKernels(
+                self.op_table, hw, self._experts.layout, shape).all_to_all_ms(tokens)
+        # The measured decode table itself (a linear fit misses its cache and occupancy steps
+        # by up to 30 %).
+        return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),
+                k.decode_attention_grid(layers))
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its

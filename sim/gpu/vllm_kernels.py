@@ -14,7 +14,7 @@
   and at tp > 1 the logits' all-gather;
 - prefill attention: the version's table of the KV cache's dtype, at the heads one GPU holds,
   fitted by relative least squares to the terms a plan carries (fixed + query-key pairs +
-  tokens; the decode terms are fitted too, for a describe() of the fit's error).
+  tokens).
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, OTHER_CUSTOM_ALLRED
 
 GEMM_DTYPES = {None: "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block"}
 SMALL_LAYER_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
-# The decode rows a fit uses: what a serving batch reaches (the tables run to 2,048 x 131k).
-DECODE_FIT_MAX_BATCH, DECODE_FIT_MAX_CONTEXT = 512, 32768
 
 
 def _relative_fit(columns: list[np.ndarray], ms: np.ndarray) -> tuple[np.ndarray, float]:
@@ -60,6 +58,7 @@ class DecodeAttentionGrid:
     between measured points (exact where time ~ batch x context), in proportion beyond them.
     The step looks it up at the batch's size and mean context, O(1)."""
 
+    heads: tuple[int, int, int]                 # the measured (query, KV heads, head_dim)
     batch: tuple[float, ...]
     context: tuple[float, ...]
     seconds: tuple[tuple[float, ...], ...]      # [batch][context]
@@ -235,29 +234,22 @@ class VllmKernels:
                 grid[i, ~known] = np.interp(contexts[~known], contexts[known], grid[i, known])
                 grid[i, last + 1:] = grid[i, last] * contexts[last + 1:] / contexts[last]
         seconds = grid * scale * 1e-3 * num_layers
-        return DecodeAttentionGrid(tuple(batches.tolist()), tuple(contexts.tolist()),
+        return DecodeAttentionGrid(rows.heads, tuple(batches.tolist()), tuple(contexts.tolist()),
                                    tuple(tuple(row) for row in seconds.tolist()))
 
-    def attention(self) -> tuple[AttentionCost, float, float]:
-        """Per-layer attention terms in seconds, and the decode and prefill fits' errors (%)."""
-        decode, decode_scale = self._rows("generation")
-        keep = (decode.batch <= DECODE_FIT_MAX_BATCH) & (decode.context <= DECODE_FIT_MAX_CONTEXT)
-        b, s, ms = decode.batch[keep], decode.context[keep], decode.ms[keep]
-        (d_fixed, d_token, d_seq), decode_error = _relative_fit([np.ones_like(ms), b * s, b], ms)
-        prefill, prefill_scale = self._rows("context")
+    def prefill_attention(self) -> AttentionCost:
+        """Per-layer prefill attention terms in seconds (decode is looked up in
+        decode_attention_grid, so its terms here are 0)."""
+        prefill, scale = self._rows("context")
         b, s, ms = prefill.batch, prefill.context, prefill.ms
-        (p_fixed, p_pair, p_token), prefill_error = _relative_fit(
+        (fixed, per_pair, per_token), error = _relative_fit(
             [np.ones_like(ms), b * s * (s + 1) / 2, b * s], ms)
-        cost = AttentionCost(
-            decode_fixed_s=d_fixed * 1e-3,
-            decode_s_per_context_token=d_token * decode_scale * 1e-3,
-            decode_s_per_seq=d_seq * decode_scale * 1e-3,
-            prefill_fixed_s=p_fixed * 1e-3,
-            prefill_s_per_context_pair=p_pair * prefill_scale * 1e-3,
-            prefill_s_per_causal_pair=p_pair * prefill_scale * 1e-3,
-            prefill_s_per_token=p_token * prefill_scale * 1e-3,
+        return AttentionCost(
+            decode_fixed_s=0.0, decode_s_per_context_token=0.0, decode_s_per_seq=0.0,
+            prefill_fixed_s=fixed * 1e-3,
+            prefill_s_per_context_pair=per_pair * scale * 1e-3,
+            prefill_s_per_causal_pair=per_pair * scale * 1e-3,
+            prefill_s_per_token=per_token * scale * 1e-3,
             source=(f"{self.system} vLLM {self.version} flash attention tables, {self.kv_dtype} KV "
-                    f"cache, measured heads q/kv/d {decode.heads} (decode) {prefill.heads} (prefill) "
-                    f"scaled to this GPU's; fit error decode {decode_error:.0f} %, prefill "
-                    f"{prefill_error:.0f} %"))
-        return cost, decode_error, prefill_error
+                    f"cache; prefill: measured heads q/kv/d {prefill.heads} scaled to this GPU's, "
+                    f"fit error {error:.0f} %"))
