@@ -15,7 +15,9 @@ import sim.gpu.cost_model as cost_model_module
 from policies.types import Request, Sequence, StepPlan
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import kv_cache_num_blocks
-from sim.gpu.cost_model import GPUCostModel, engine_terms
+import sim.gpu.engine_terms as engine_terms_module
+from sim.gpu.cost_model import GPUCostModel
+from sim.gpu.engine_terms import engine_terms
 from sim.gpu.vllm_tables import (TABLES_DIR, GemmGrid, gemm_grid, nearest_version,
                                  resolve_version)
 
@@ -246,7 +248,7 @@ def test_an_fp8_kv_cache_reads_the_fp8_attention_rows(llama, h100, h100_default)
 
 def test_engine_terms_are_the_nearest_versions_unless_given(llama, h100, h100_default,
                                                             monkeypatch):
-    shipped = cost_model_module._engine_terms_by_version()
+    shipped = engine_terms_module._engine_terms_by_version()
     assert h100_default.step_overhead_s == shipped["0.19"]["step_overhead_s"] > 0
     assert h100_default.per_sequence_overhead_s == shipped["0.19"]["per_sequence_overhead_s"] > 0
     assert "engine_terms.json" in h100_default.describe()["engine"]
@@ -254,7 +256,7 @@ def test_engine_terms_are_the_nearest_versions_unless_given(llama, h100, h100_de
     assert given.step_overhead_s == 1e-3 and given.per_sequence_overhead_s == 0.0
     versions = {"0.14": {"step_overhead_s": 1e-4, "per_sequence_overhead_s": 1e-6},
                 "0.19": {"step_overhead_s": 2e-4, "per_sequence_overhead_s": 2e-6}}
-    monkeypatch.setattr(cost_model_module, "_engine_terms_by_version", lambda: versions)
+    monkeypatch.setattr(engine_terms_module, "_engine_terms_by_version", lambda: versions)
     assert engine_terms("0.12")[0] == versions["0.14"]
     assert engine_terms(None)[0] == versions["0.19"]
     older = GPUCostModel(llama, h100, engine_version="0.12")

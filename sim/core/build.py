@@ -241,7 +241,7 @@ def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictC
     and the settings carried into it: the run's block size and host-tier bandwidth, and every
     setting the user changed from the group's conf file (a terms_file's terms among them) that
     the roofline takes. ValueError, in one line, naming those it does not take."""
-    from sim.gpu.cost_model import read_terms_file
+    from sim.gpu.engine_terms import read_terms_file
 
     fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
     for key in _RUN_SETTINGS:   # the run's, as the group had them

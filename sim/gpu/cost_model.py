@@ -22,17 +22,13 @@ from; `expected_error_pct` the end-to-end errors of its kind of prediction in le
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
 from policies import validators
 from policies.types import StepPlan
-from sim.core.json_files import read_json_object
 from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec, ModelSpec
@@ -42,11 +38,11 @@ from sim.gpu.experts import MLP_OPS, ExpertKernels
 from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
                             predict_lm_head_ms, predict_step_ops_ms)
 from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
+from sim.gpu.engine_terms import engine_terms, read_terms_file
 from sim.gpu.expected_errors import expected_errors_for, kind_of
 from sim.gpu.transfer_errors import expected_errors
 from sim.gpu.vllm_kernels import VllmKernels
-from sim.gpu.vllm_tables import (DEFAULT_ENGINE_VERSION, NoKernelTables, nearest_version,
-                                 resolve_version)
+from sim.gpu.vllm_tables import NoKernelTables, resolve_version
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
@@ -65,28 +61,6 @@ def _say_once(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-# The terms a twinserve-calibrate profile may set on this cost model.
-FITTABLE_TERMS = ("step_overhead_s", "per_sequence_overhead_s",
-                  "eager_launch_overhead_s_per_layer", "workstation_bandwidth_efficiency")
-
-
-ENGINE_TERMS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "engine_terms.json"
-
-
-@functools.lru_cache(maxsize=None)
-def _engine_terms_by_version() -> dict:
-    return json.loads(ENGINE_TERMS_FILE.read_text())["versions"]
-
-
-def engine_terms(engine_version: str | None) -> tuple[dict[str, float], str]:
-    """The engine terms fitted for the vLLM version nearest `engine_version` (None: the default
-    version), and a line saying which (data/gpu/engine_terms.json says what each was fitted on)."""
-    by_version = _engine_terms_by_version()
-    asked = DEFAULT_ENGINE_VERSION if engine_version is None else str(engine_version)
-    used = nearest_version(asked, list(by_version))
-    return by_version[used], f"vLLM {used} engine terms (data/gpu/engine_terms.json)"
-
-
 def _routing_exponent(routing) -> float:
     """cost_model.routing as a Zipf exponent (uniform or a histogram: 0, balanced)."""
     if routing == "skewed":
@@ -94,24 +68,6 @@ def _routing_exponent(routing) -> float:
     if isinstance(routing, Mapping):
         return float(routing.get("skewed", 0.0))
     return 0.0
-
-
-def read_terms_file(path: str, key: str) -> dict[str, float]:
-    """The fitted terms of a twinserve-calibrate profile ({"terms": {name: value}}); a term this
-    cost model does not take is an error, not silently dropped."""
-    where = f"{key}={path}"
-    terms = read_json_object(path, where).get("terms")
-    if not isinstance(terms, dict) or not all(
-            isinstance(value, (int, float)) for value in terms.values()):
-        raise ValueError(f"{where}: not a twinserve-calibrate profile (a JSON object with "
-                         f"numeric 'terms')")
-    unknown = [name for name in terms if name not in FITTABLE_TERMS]
-    if unknown:
-        settings = " ".join(f"{name}={terms[name]!r}" for name in unknown)
-        raise ValueError(f"{where}: {', '.join(unknown)} not a term of the GPU cost model "
-                         f"({', '.join(FITTABLE_TERMS)}); give it on the command line instead: "
-                         f"{settings}")
-    return {name: float(value) for name, value in terms.items()}
 
 
 def cuda_graph_capture_sizes(max_tokens: int) -> list[int]:
