@@ -680,7 +680,8 @@ def test_shutdown_drains_running_requests_and_answers_each(draining_server):
     assert_openai_error(long_plain["response"], 503, None, "shutdown timeout")
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGTERM", "SIGINT"])
 def test_shutdown_signal_is_not_raised_again(draining_server, signal_number):
     """uvicorn raises a signal again once it shut down (SIGTERM's default kills the process,
     status 143): a drained twinserve-serve exits 0 instead."""
