@@ -4,7 +4,8 @@ Routes: POST /v1/completions (streamed as server-sent events when `stream` is tr
 /v1/models, GET /v1/engine_settings (what a benchmark client records with its run), GET /health,
 GET /metrics (Prometheus, engine/server_metrics.py). One thread steps the engine
 (engine/serving_loop.py); the handlers only wait on its events, and a request whose client goes
-away is aborted.
+away is aborted. Past a bound on waiting requests a new one gets 503; SIGTERM drains
+(DrainingServer).
 
     twinserve-serve --model tiny-llama --port 8000 --scheduler chunked_prefill --num-gpu-blocks 512
 """
@@ -49,8 +50,9 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 # A refused client's Retry-After (s): a seat frees whenever any running request ends, which on a
 # loaded engine is within a second or so, and 1 is the header's smallest non-zero value.
 RETRY_AFTER_S = 1
-# How long SIGTERM lets the running requests finish before it aborts the rest (as vLLM's
-# default drain); then clients get this much longer to take their last bytes.
+# How long SIGTERM lets the running requests finish before it aborts the rest (Kubernetes'
+# default grace period before it kills a pod); then clients get this much longer to take their
+# last bytes.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 SHUTDOWN_GRACE_S = 5.0
 # Hosts that only this machine reaches: serving them without an API key is not worth a warning.
