@@ -4,7 +4,8 @@ Routes: POST /v1/completions (streamed as server-sent events when `stream` is tr
 /v1/models, GET /v1/engine_settings (what a benchmark client records with its run), GET /health,
 GET /metrics (Prometheus, engine/server_metrics.py). One thread steps the engine
 (engine/serving_loop.py); the handlers only wait on its events, and a request whose client goes
-away is aborted.
+away is aborted. Past a bound on waiting requests a new one gets 503; SIGTERM drains
+(DrainingServer).
 
     twinserve-serve --model tiny-llama --port 8000 --scheduler chunked_prefill --num-gpu-blocks 512
 """
@@ -15,12 +16,15 @@ import asyncio
 import hmac
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -39,6 +43,18 @@ DEFAULT_PORT = 8000
 API_KEY_ENV = "TWINSERVE_API_KEY"
 # A completions body is a prompt of token ids and a few fields; far larger is a mistake or abuse.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Past this many waiting requests a new one gets 503: enough for a benchmark's 256 concurrent
+# streams behind a full batch, while a flood holds at most this many prompts (a few hundred MB
+# at a 4k-token context) instead of growing without limit.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+# A refused client's Retry-After (s): a seat frees whenever any running request ends, which on a
+# loaded engine is within a second or so, and 1 is the header's smallest non-zero value.
+RETRY_AFTER_S = 1
+# How long SIGTERM lets the running requests finish before it aborts the rest (Kubernetes'
+# default grace period before it kills a pod); then clients get this much longer to take their
+# last bytes.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+SHUTDOWN_GRACE_S = 5.0
 # Hosts that only this machine reaches: serving them without an API key is not worth a warning.
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The engine's options on the command line: flag -> (LLM keyword, type).
@@ -89,8 +105,9 @@ def engine_settings(llm: LLM) -> dict:
     }
 
 
-def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def _error(message: str, status: int, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def _sse(body: dict | str) -> bytes:
@@ -98,10 +115,13 @@ def _sse(body: dict | str) -> bytes:
 
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FastAPI:
     """The server's app; its lifespan starts and stops the thread that steps `llm`. With
     `api_key`, the /v1 routes answer 401 unless the request carries `Authorization: Bearer
-    <api_key>`; a body over `max_body_bytes` gets 413."""
+    <api_key>`; a body over `max_body_bytes` gets 413; a completion that finds
+    `max_waiting_requests` requests waiting (0: no bound) gets 503 with Retry-After, as does
+    one that comes while the server drains (`ServingLoop.drain`, `DrainingServer`)."""
     served = served_model_name or llm.config.model
     settings = engine_settings(llm)
     serving = ServingLoop(llm)
@@ -166,6 +186,12 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
             prompt, params = engine_request(body)
         except BadRequest as error:
             return _error(str(error), 400, error.param)
+        if serving.draining:
+            return _error("the server is shutting down: it takes no new requests", 503)
+        if max_waiting_requests and serving.num_waiting >= max_waiting_requests:
+            return _error(f"the server is busy: {serving.num_waiting} requests are waiting "
+                          f"(--max-waiting-requests {max_waiting_requests}); retry later", 503,
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
         events, submission = serving.submit(prompt, params)
         response = None
         try:
@@ -306,6 +332,46 @@ async def _stream_chunks(events, stream: CompletionStream,
         return
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or Ctrl-C closes its listener and waits for the open
+    connections, with the engine drained meanwhile: the requests it runs may finish for
+    `shutdown_timeout_s`, then the rest are aborted, each client answered (a stream: an error
+    event and [DONE]; otherwise a 503 body). The process then exits 0 (a second Ctrl-C quits
+    at once)."""
+
+    def __init__(self, config: uvicorn.Config, serving: ServingLoop, shutdown_timeout_s: float):
+        # (a backstop for a client that never reads its last bytes)
+        config.timeout_graceful_shutdown = shutdown_timeout_s + SHUTDOWN_GRACE_S
+        super().__init__(config)
+        self.serving = serving
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.serving.drain(self.shutdown_timeout_s)
+        await super().shutdown(sockets)
+
+    @contextmanager
+    def capture_signals(self):
+        # uvicorn's own raises the signal again once shut down, which kills a drained server
+        # with SIGTERM's status instead of 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str, shutdown_timeout_s: float) -> None:
+    """Serve `app` (create_app's) until SIGTERM or Ctrl-C, then drain it."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    DrainingServer(config, app.state.serving, shutdown_timeout_s).run()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="twinserve-serve", description="Serve the twinserve engine over an "
@@ -322,6 +388,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"(default: ${API_KEY_ENV}, else no key)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help=f"a larger request body gets 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help=f"past this many waiting requests a new one gets 503 with "
+                             f"Retry-After; 0: no bound (default: "
+                             f"{DEFAULT_MAX_WAITING_REQUESTS})")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help=f"s that SIGTERM or Ctrl-C lets the running requests finish before "
+                             f"it aborts them (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -340,25 +413,35 @@ def build_llm(args: argparse.Namespace) -> LLM:
     return LLM(args.model, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+def _argument_error(args: argparse.Namespace) -> str | None:
+    """One line naming the first server option (not the engine's) out of its range."""
+    if args.max_body_bytes <= 0:
+        return f"--max-body-bytes must be positive, got {args.max_body_bytes}"
+    if args.max_waiting_requests < 0:
+        return (f"--max-waiting-requests must be 0 (no bound) or positive, got "
+                f"{args.max_waiting_requests}")
+    if not args.shutdown_timeout >= 0:
+        return f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}"
+    return None
 
+
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    error = _argument_error(args)
+    if error is not None:
+        print(f"twinserve-serve: error: {error}", file=sys.stderr)
+        sys.exit(2)
     try:
         llm = build_llm(args)
     except (ValueError, TypeError) as error:   # a bad option: one line, no traceback
         print(f"twinserve-serve: error: {error}", file=sys.stderr)
         sys.exit(2)
-    if args.max_body_bytes <= 0:
-        print(f"twinserve-serve: error: --max-body-bytes must be positive, got "
-              f"{args.max_body_bytes}", file=sys.stderr)
-        sys.exit(2)
     if not args.api_key and args.host not in LOCAL_HOSTS:
         print(f"twinserve-serve: warning: listening on {args.host} without an API key: anyone "
               f"who reaches it can use the engine (--api-key or ${API_KEY_ENV})", file=sys.stderr)
-    uvicorn.run(create_app(llm, args.served_model_name, args.api_key or None,
-                           args.max_body_bytes),
-                host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(llm, args.served_model_name, args.api_key or None, args.max_body_bytes,
+                     args.max_waiting_requests)
+    serve(app, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
 if __name__ == "__main__":

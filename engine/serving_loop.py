@@ -5,7 +5,8 @@ queue of the handler that waits for them.
     loop = ServingLoop(llm); loop.start()
     events, submission = loop.submit(prompt, params)   # in the event loop: its Events, a handle
     event = await events.get()               # QUEUED first (or ERROR), then TOKENS..., DONE
-    loop.abort(submission)                   # its client went away: stop it within a step
+    loop.abort(submission)                   # its handler is done (or its client went away)
+    loop.drain(timeout_s)                    # SIGTERM: finish what was taken, then stop
     loop.stop()
 """
 from __future__ import annotations
@@ -62,6 +63,12 @@ class ServingLoop:
         self._aborts: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
         self.num_steps = 0       # engine steps run (a request that is aborted stops adding to it)
         self.num_aborted = 0     # requests stopped because their client went away
+        # Submitted and not yet released by their handler's `abort` (read and written only on
+        # the event loop's thread, so the bound on waiting requests needs no lock).
+        self.num_in_flight = 0
+        self.draining = False    # `drain` was called: the handlers take no new request
+        self._drain_deadline: float | None = None
+        self._stop_reason = "the server is shutting down"
         self.stats = ServingStats()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
@@ -70,6 +77,16 @@ class ServingLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop once every request already submitted has finished, or after `timeout_s`, when
+        those still pending get an ERROR event (the server's handlers refuse new ones while
+        `draining`)."""
+        self.draining = True
+        self._drain_deadline = time.monotonic() + timeout_s
+        self._stop_reason = (f"the server is shutting down and the request did not finish "
+                             f"within its shutdown timeout ({timeout_s:g} s)")
+        self._submissions.put(None)   # wakes an idle loop
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop after the step in flight; pending requests get an ERROR event."""
@@ -81,6 +98,12 @@ class ServingLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests that do not run: queued for the engine thread, or waiting or
+        swapped out in its scheduler (running as the engine thread last saw it)."""
+        return self.num_in_flight - self.stats.num_running
+
     def submit(self, prompt, params: SamplingParams) -> tuple[asyncio.Queue, _Submission | None]:
         """Queue a request from the running event loop; returns the queue its Events arrive on
         and the handle `abort` takes (None when the engine is not running)."""
@@ -89,21 +112,24 @@ class ServingLoop:
             events.put_nowait(Event(ERROR, self.failure or "the engine is not running"))
             return events, None
         submission = _Submission(prompt, params, asyncio.get_running_loop(), events)
+        self.num_in_flight += 1
         self._submissions.put(submission)
         return events, submission
 
-    def abort(self, submission: _Submission) -> None:
-        """Stop a submitted request (from the event loop): it is never added, or it leaves the
-        engine before its next step, its blocks freed."""
-        if not submission.cancelled:
+    def abort(self, submission: _Submission | None) -> None:
+        """Release a submitted request (from the event loop), once its handler answered or its
+        client went away: unless finished, it is never added, or it leaves the engine before
+        its next step, its blocks freed. None (nothing was submitted) is ignored."""
+        if submission is not None and not submission.cancelled:
             submission.cancelled = True
+            self.num_in_flight -= 1
             self._aborts.put(submission)
 
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
         llm = self.llm
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._drained():
             # Block only while idle; with requests in flight, take what came and step at once.
             self._add_submissions(block=not llm.has_unfinished_requests())
             self._apply_aborts()
@@ -130,7 +156,7 @@ class ServingLoop:
                     self.stats.observe_finished(stream, step_output.finished)
                     self._deliver(stream, Event(DONE, step_output.finished))
         self.stats.observe_engine(llm.scheduler)
-        reason = self.failure or "the server is shutting down"
+        reason = self.failure or self._stop_reason
         for stream in self._streams.values():
             self._deliver(stream, Event(ERROR, reason))
         self._streams.clear()
@@ -141,6 +167,13 @@ class ServingLoop:
                 break
             if submission is not None:
                 self._deliver(submission, Event(ERROR, reason))
+
+    def _drained(self) -> bool:
+        """Draining, and every request taken has finished (or the drain's time is up)."""
+        if self._drain_deadline is None:
+            return False
+        return time.monotonic() >= self._drain_deadline or (not self._streams
+                                                            and self._submissions.empty())
 
     def _add_submissions(self, block: bool) -> None:
         try:

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import uvicorn
 
 from engine import LLM, SamplingParams
 from engine import server as server_module
-from engine.server import API_KEY_ENV, create_app
+from engine.server import API_KEY_ENV, DrainingServer, create_app
 from engine.serving_loop import ServingLoop, _Submission
 from sim.tools.bench_client import bench, workload_requests
 from sim.tools.bench_run_file import RequestRecord, build_run_file
@@ -44,13 +45,18 @@ def reference_tokens(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     return output.outputs[0].token_ids
 
 
-@contextlib.contextmanager
 def running(app):
     """`app` served in a thread of this process, on a free port of 127.0.0.1: its base URL;
     stopped after."""
+    return serving_in_thread(uvicorn.Server(uvicorn.Config(app, log_level="warning")))
+
+
+@contextlib.contextmanager
+def serving_in_thread(server: uvicorn.Server):
+    """`server` run in a thread of this process, on a free port of 127.0.0.1: its base URL;
+    stopped after (it must end)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -63,6 +69,7 @@ def running(app):
         server.should_exit = True
         thread.join(STARTUP_TIMEOUT_S)
         sock.close()
+    assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -550,7 +557,7 @@ def test_serving_beyond_localhost_without_a_key_warns(monkeypatch, capsys, host,
     apps = []
     monkeypatch.setattr(server_module, "build_llm", lambda args: None)
     monkeypatch.setattr(server_module, "create_app", lambda *args: apps.append(args))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(server_module, "serve", lambda *args: None)
     if env_key is None:
         monkeypatch.delenv(API_KEY_ENV, raising=False)
     else:
@@ -558,3 +565,150 @@ def test_serving_beyond_localhost_without_a_key_warns(monkeypatch, capsys, host,
     server_module.main(["--host", host])
     assert ("without an API key" in capsys.readouterr().err) == warned
     assert apps[0][2] == env_key
+
+
+@pytest.mark.parametrize("flag, value", [("--max-body-bytes", "0"),
+                                         ("--max-waiting-requests", "-1"),
+                                         ("--shutdown-timeout", "-2")])
+def test_server_options_out_of_range_are_named(monkeypatch, capsys, flag, value):
+    monkeypatch.setattr(server_module, "build_llm", lambda args: pytest.fail("built an engine"))
+    with pytest.raises(SystemExit) as exit_info:
+        server_module.main([flag, value])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"twinserve-serve: error: {flag} must be")
+
+
+# ---- the bound on waiting requests; draining on SIGTERM -------------------------------------
+
+class StreamReader(threading.Thread):
+    """A streamed completion read in a thread: `answered` is set once its headers came (the
+    engine took it), `started` once a chunk carried tokens; `lines` are its data lines."""
+
+    def __init__(self, url: str, max_tokens: int, headers: dict | None = None):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens, self.headers = url, max_tokens, headers or {}
+        self.answered, self.started = threading.Event(), threading.Event()
+        self.status, self.lines = None, []
+
+    def run(self):
+        payload = {"prompt": PROMPT, "max_tokens": self.max_tokens, "stream": True, **GREEDY}
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=payload,
+                               headers=self.headers) as response:
+                self.status = response.status_code
+                self.answered.set()
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+
+    def chunks(self) -> list[dict]:
+        assert self.lines[-1] == "data: [DONE]"
+        return [json.loads(line[len("data: "):]) for line in self.lines[:-1]]
+
+    def finished_whole(self) -> bool:
+        """Its every token came, then the finish reason "length" and [DONE]."""
+        chunks = self.chunks()
+        tokens = sum(len(chunk["choices"][0]["token_ids"]) for chunk in chunks)
+        return (tokens == self.max_tokens
+                and chunks[-1]["choices"][0]["finish_reason"] == "length")
+
+
+@pytest.fixture(scope="module")
+def one_seat_url():
+    """A server that runs one request at a time and lets one more wait."""
+    torch.set_num_threads(1)
+    llm = LLM("tiny-llama", **{**ENGINE_ARGS, "max_num_seqs": 1})
+    with running(create_app(llm, max_waiting_requests=1)) as url:
+        yield url
+
+
+def test_requests_past_the_waiting_bound_get_503_with_retry_after(one_seat_url):
+    # Long enough to outlast the next three requests; it must still finish whole.
+    running_stream = StreamReader(one_seat_url, max_tokens=400)
+    running_stream.start()
+    assert running_stream.started.wait(STARTUP_TIMEOUT_S)
+    waiting_stream = StreamReader(one_seat_url, max_tokens=3)   # no seat: the one waiting
+    waiting_stream.start()
+    assert waiting_stream.answered.wait(STARTUP_TIMEOUT_S) and waiting_stream.status == 200
+    with httpx.Client(base_url=one_seat_url, timeout=60) as client:
+        refused = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert_openai_error(refused, 503, None, "--max-waiting-requests 1")
+        assert refused.headers["Retry-After"] == str(server_module.RETRY_AFTER_S)
+        running_stream.join(ABORT_TIMEOUT_S)
+        waiting_stream.join(ABORT_TIMEOUT_S)
+        assert running_stream.finished_whole() and waiting_stream.finished_whole()
+        # Both gone: the bound lets the next one in.
+        assert client.post("/v1/completions", json={"prompt": PROMPT,
+                                                    "max_tokens": 2}).status_code == 200
+
+
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+@pytest.fixture()
+def draining_server():
+    """A server as twinserve-serve runs it (DrainingServer), with a 2 s shutdown timeout."""
+    torch.set_num_threads(1)
+    app = create_app(LLM("tiny-llama", **ENGINE_ARGS))
+    return DrainingServer(uvicorn.Config(app, log_level="warning"), app.state.serving,
+                          SHUTDOWN_TIMEOUT_S)
+
+
+def test_shutdown_drains_running_requests_and_answers_each(draining_server):
+    with serving_in_thread(draining_server) as url:
+        # Thousands of steps: still running when the drain's time is up.
+        long_stream = StreamReader(url, max_tokens=2000)
+        long_stream.start()
+        long_plain = {}
+        long_plain_thread = threading.Thread(target=lambda: long_plain.update(
+            response=httpx.post(f"{url}/v1/completions", timeout=60, json=LONG_REQUEST)))
+        long_plain_thread.start()
+        assert long_stream.started.wait(STARTUP_TIMEOUT_S)
+        short_stream = StreamReader(url, max_tokens=5)   # a few steps: it finishes in the drain
+        short_stream.start()
+        assert short_stream.started.wait(STARTUP_TIMEOUT_S)
+        draining_server.handle_exit(signal.SIGTERM, None)   # (what the signal's handler does)
+        assert wait_until(lambda: is_refused(url), ABORT_TIMEOUT_S)   # new ones: no more
+        for thread in (long_stream, long_plain_thread, short_stream):
+            thread.join(ABORT_TIMEOUT_S)
+    assert short_stream.finished_whole()
+    # Each aborted client is answered: a stream's last event is an error, then [DONE].
+    last = long_stream.chunks()[-1]
+    assert last["error"]["code"] == 503 and "shutdown timeout" in last["error"]["message"]
+    assert_openai_error(long_plain["response"], 503, None, "shutdown timeout")
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGTERM", "SIGINT"])
+def test_shutdown_signal_is_not_raised_again(draining_server, signal_number):
+    """uvicorn raises a signal again once it shut down (SIGTERM's default kills the process,
+    status 143): a drained twinserve-serve exits 0 instead."""
+    raised_again = []
+    previous = signal.signal(signal_number, lambda number, frame: raised_again.append(number))
+    try:
+        with draining_server.capture_signals():
+            signal.raise_signal(signal_number)
+            assert draining_server.should_exit
+    finally:
+        signal.signal(signal_number, previous)
+    assert raised_again == []
+
+
+def is_refused(url: str) -> bool:
+    """Whether a new completion is refused: its connection (a closed listener), or a 503."""
+    try:
+        return httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 1}).status_code == 503
+    except httpx.ConnectError:
+        return True
+
+
+def test_a_draining_server_refuses_new_requests():
+    torch.set_num_threads(1)
+    app = create_app(LLM("tiny-llama", **ENGINE_ARGS))
+    with running(app) as url:
+        app.state.serving.drain(timeout_s=60)
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}, timeout=60)
+        assert_openai_error(response, 503, None, "shutting down: it takes no new requests")
