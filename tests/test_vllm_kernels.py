@@ -210,6 +210,31 @@ def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_the_custo
     assert "vLLM 0.19.0 custom all-reduce" in h100_tp2.describe()["allreduce"]
 
 
+# ---- decode attention ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [8, 16, 64])
+def test_few_heads_decode_at_least_as_fast_as_more_heads_over_a_split_context(h100, batch):
+    """Qwen3-32B at TP8 holds 8 query heads and 1 KV head: split-KV runs it like 8m/m heads over
+    a context m times shorter (the same bytes), so the grid takes the fastest measured split."""
+    from sim.gpu.vllm_kernels import VllmKernels
+    qwen = model_spec("qwen3-32b")
+    kernels = VllmKernels(qwen, h100, "h100_sxm", "0.14.0", 8, 512)
+    rows = read_table(TABLES_DIR / "h100_sxm" / "attention" / "vllm" / "0.14.0"
+                      / "generation_attention_perf.parquet")
+
+    def measured_ms(query, kv, context):
+        at = ((rows["num_heads"] == query) & (rows["num_key_value_heads"] == kv)
+              & (rows["head_dim"] == 128) & (rows["kv_cache_dtype"] == "bfloat16")
+              & (rows["batch_size"] == batch) & (rows["step"] + rows["isl"] == context))
+        return float(rows["latency"][at][0])
+
+    own = measured_ms(8, 1, 4096)
+    fastest = min(measured_ms(8 * m, m, 4096 // m) for m in (1, 2, 4, 8))
+    assert fastest < own
+    grid = kernels.decode_attention_grid(qwen.num_layers)
+    assert grid(batch, batch * 4096.0) == pytest.approx(fastest * 1e-3 * qwen.num_layers, rel=1e-9)
+
+
 # ---- fp8 -----------------------------------------------------------------------------------------
 
 def test_an_fp8_kv_cache_halves_the_bytes_and_doubles_the_pool(llama, h100):
