@@ -151,3 +151,12 @@ def test_deadlines_need_a_scheduler_that_aborts_and_replicas_that_keep_requests(
                                 *IMPATIENT), plots=False)
     with pytest.raises(ValueError, match=r"not modelled with prefill and decode pools"):
         run_experiment(make_cfg("cluster=disaggregated", *IMPATIENT), plots=False)
+
+
+def test_the_console_summary_shows_the_abandoned_requests():
+    from test_console_summary import console_text
+
+    summary = run_experiment(make_cfg(*IMPATIENT), plots=False).summary
+    words = " ".join(console_text(summary, 100).split())
+    assert f"abandoned {summary['abandoned']:,} ({summary['abandoned_fraction']:.1%})" in words
+    assert summary["abandoned"] > 0
