@@ -4,6 +4,7 @@ or running, gives back every block it held, ends it once, counts it in the summa
 the same with repeated decode steps as step by step."""
 from __future__ import annotations
 
+import csv
 import math
 import random
 
@@ -160,3 +161,13 @@ def test_the_console_summary_shows_the_abandoned_requests():
     words = " ".join(console_text(summary, 100).split())
     assert f"abandoned {summary['abandoned']:,} ({summary['abandoned_fraction']:.1%})" in words
     assert summary["abandoned"] > 0
+
+
+def test_requests_csv_says_which_requests_were_abandoned(tmp_path):
+    result = run_experiment(make_cfg(*IMPATIENT), tmp_path, plots=False)
+    with open(tmp_path / "requests.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["abandoned_time"] != "" for row in rows] == \
+           [request.abandoned_time is not None for request in result.requests]
+    assert {row["timeout_s"] for row in rows} == {"3.0"}
+    assert any(row["abandoned_time"] for row in rows)
