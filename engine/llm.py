@@ -8,7 +8,9 @@ scheduler=edf's hopeless requests) gets an output carrying its `error`; the othe
 
 A server drives the same loop step by step (engine/serving_loop.py): `add_request` queues one
 prompt, `step` runs one step and returns what it gave each request (`StepOutput`), and
-`has_unfinished_requests` says whether to step again.
+`has_unfinished_requests` says whether to step again. A request added with a `timeout_s` is
+abandoned by the first step at or after its deadline (as the simulator's are): its blocks go
+back and its output carries the error, with `abandoned` set.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from engine.builder import LOOKAHEAD, build_engine
 from engine.config import EngineConfig
 from engine.lookahead import GREEDY_ONLY
 from engine.sampling_params import SamplingParams, as_sampling_params
-from policies.types import Request, Sequence, SequenceStatus
+from policies.types import Request, Sequence
+from policies.validators import positive_number
+from sim.core.deadlines import Deadlines
 from sim.core.metrics import MetricsCollector, StepRecorder
 from sim.core.step import StepLoop
 
@@ -44,6 +48,7 @@ class RequestOutput:
     error: str | None = None        # why the request did not run; outputs is then empty
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    abandoned: bool = False         # its timeout_s passed before it finished (error says so)
 
 
 @dataclass
@@ -143,6 +148,7 @@ class LLM:
         self._live: dict[int, _LiveRequest] = {}
         self._live_steps: StepLoop | None = None
         self._live_stopped: set[Sequence] = set()
+        self._deadlines = Deadlines()   # of add_request's requests with a timeout_s
         self._clock_start = time.perf_counter()
 
     def _now(self) -> float:
@@ -203,17 +209,22 @@ class LLM:
     # ---- step by step, for a server ------------------------------------------------------------
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, lora_id: int | None = None) -> RequestOutput:
+                    priority: int = 0, lora_id: int | None = None,
+                    timeout_s: float | None = None) -> RequestOutput:
         """Queue one prompt (token ids, or a string with a tokenizer) for `step`, with adapter
-        `lora_id` (None: the base model). Returns its
+        `lora_id` (None: the base model), abandoned if unfinished `timeout_s` seconds from now
+        (None: never). Returns its
         output: `error` says why it will not run; otherwise `request_id` names it in the
         StepOutputs of later steps, the last of which carries the finished output."""
         params = SamplingParams() if sampling_params is None else as_sampling_params(
             sampling_params)
+        if timeout_s is not None:
+            positive_number("timeout_s", timeout_s)
         output, request = self._queue(prompt, params, priority,
-                                      self._checked_lora_id(lora_id, "lora_id"))
+                                      self._checked_lora_id(lora_id, "lora_id"), timeout_s)
         if request is not None:
             self._live[request.request_id] = _LiveRequest(request, output, [0] * request.n)
+            self._deadlines.add(request)
         return output
 
     def has_unfinished_requests(self) -> bool:
@@ -228,9 +239,10 @@ class LLM:
             # One loop per busy period: its step rows are dropped when the engine goes idle.
             self._live_steps = StepLoop(self.scheduler, self.executor,
                                         StepRecorder(MetricsCollector()), self.predictor)
+        step_outputs = [self._abandoned_output(request)
+                        for request in self._deadlines.abandon_due(self.scheduler, self._now())]
         if self.scheduler.has_unfinished():
             self._step(self._live_steps, self._live_stopped)
-        step_outputs = []
         for request_id, live in list(self._live.items()):
             request = live.request
             new_token_ids = []
@@ -251,31 +263,23 @@ class LLM:
             self._live_stopped = set()
         return step_outputs
 
+    def _abandoned_output(self, request: Request) -> StepOutput:
+        """The StepOutput of a request its deadline just aborted: no tokens, the error."""
+        live = self._live.pop(request.request_id)
+        live.output.abandoned = True
+        live.output.error = (f"timeout_s={request.timeout_s:g}: the request was abandoned "
+                             f"unfinished after {request.num_output_tokens} output tokens")
+        return StepOutput(request.request_id, [[] for _ in request.sequences], live.output)
+
     def abort_request(self, request_id: int) -> bool:
         """Stop a request from `add_request` at once (its client went away): it leaves the
-        scheduler's queues, its blocks go back to the pool, and later steps report nothing for
-        it. Call it between steps. False when no such request is unfinished."""
+        scheduler's queues, its blocks go back to the pool (`scheduler.abort`), and later steps
+        report nothing for it. Call it between steps. False when no such request is
+        unfinished."""
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        request, scheduler, now = live.request, self.scheduler, self._now()
-        if request in scheduler.running:
-            # An unforked request with n > 1 holds seats for all its samples (num_running_seqs).
-            unstarted_samples = request.n - len(request.sequences)
-            for seq in request.unfinished_sequences():
-                scheduler.finish_sequence(seq, now)   # frees its blocks, gives its seat back
-            scheduler.num_running_seqs -= unstarted_samples
-        else:
-            # Waiting (no blocks) or swapped out (host blocks): it only leaves its queue.
-            queue = scheduler.swapped if request in scheduler.swapped else scheduler.waiting
-            if request in queue:
-                queue.remove(request)
-            for seq in request.unfinished_sequences():
-                scheduler.kv_cache.free(seq)
-                seq.status = SequenceStatus.FINISHED
-            request.finish_time = now
-            # (static batching waits for every member of its batch, a preempted one too)
-            scheduler._on_request_finished(request)
+        self.scheduler.abort(live.request, self._now())
         if not self._live:
             self._live_steps = None
             self._live_stopped = set()
@@ -294,11 +298,11 @@ class LLM:
             raise ValueError(f"{name} must be None or {served}; got {lora_id!r}")
         return lora_id
 
-    def _queue(self, prompt, params, priority: int,
-               lora_id: int | None = None) -> tuple[RequestOutput, Request | None]:
+    def _queue(self, prompt, params, priority: int, lora_id: int | None = None,
+               timeout_s: float | None = None) -> tuple[RequestOutput, Request | None]:
         """Make the prompt's request and hand it to the scheduler; the request is None when it
         will not run (the output's error says why)."""
-        output, request = self._make_request(prompt, params, priority, lora_id)
+        output, request = self._make_request(prompt, params, priority, lora_id, timeout_s)
         if request is not None:
             self.scheduler.add_request(request, self._now())
             if request.rejected_reason is not None:
@@ -306,8 +310,8 @@ class LLM:
                 request = None
         return output, request
 
-    def _make_request(self, prompt, params, priority: int = 0,
-                      lora_id: int | None = None) -> tuple[RequestOutput, Request | None]:
+    def _make_request(self, prompt, params, priority: int = 0, lora_id: int | None = None,
+                      timeout_s: float | None = None) -> tuple[RequestOutput, Request | None]:
         request_id = self._next_request_id
         self._next_request_id += 1
         text = prompt if isinstance(prompt, str) else None
@@ -334,7 +338,7 @@ class LLM:
         request = Request(request_id=request_id, arrival_time=self._now(),
                           prompt_len=len(token_ids), output_len=params.max_tokens, n=params.n,
                           prompt_token_ids=token_ids, sampling_params=params, priority=priority,
-                          lora_id=lora_id)
+                          lora_id=lora_id, timeout_s=timeout_s)
         if self.predictor is not None:
             request.predicted_output_len = self.predictor.predict(request)
         return output, request

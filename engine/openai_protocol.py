@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, PositiveFloat, StrictInt
 
 from engine.llm import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -51,6 +51,9 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False     # (vLLM's extension)
     min_tokens: int = 0          # (vLLM's extension) 0, or max_tokens (then EOS is ignored)
+    # (twinserve's) seconds after which the client gives up: the engine aborts the request then
+    # and answers 408; None: it waits for the end.
+    timeout_s: PositiveFloat | None = None
     # Not supported; rejected when set to anything but their defaults.
     echo: bool = False
     logprobs: int | None = None
@@ -156,7 +159,8 @@ def usage(output: RequestOutput) -> dict:
 # SamplingParams' fields, under the request's names, that its error messages start with.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "n", "seed", "ignore_eos")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError",
                500: "InternalServerError"}
 
 

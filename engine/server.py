@@ -192,7 +192,7 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
             return _error(f"the server is busy: {serving.num_waiting} requests are waiting "
                           f"(--max-waiting-requests {max_waiting_requests}); retry later", 503,
                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        events, submission = serving.submit(prompt, params)
+        events, submission = serving.submit(prompt, params, body.timeout_s)
         response = None
         try:
             response = await _unless_disconnected(request, respond(body, events, submission))
@@ -219,6 +219,8 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
                 return _error(event.value, 503)
             if event.kind == DONE:
                 output = event.value
+                if output.abandoned:   # its timeout_s passed
+                    return _error(output.error, 408, "timeout_s")
                 if output.error is not None:   # rejected by the scheduler while it waited
                     return _error(f"rejected by the scheduler: {output.error}", 503)
                 return stream.completion(output)
@@ -322,6 +324,8 @@ async def _stream_chunks(events, stream: CompletionStream,
             continue
         if event.kind == ERROR:
             yield _sse(error_body(event.value, 503))
+        elif event.value.abandoned:
+            yield _sse(error_body(event.value.error, 408, "timeout_s"))
         elif event.value.error is not None:
             yield _sse(error_body(f"rejected by the scheduler: {event.value.error}", 503))
         else:

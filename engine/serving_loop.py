@@ -4,6 +4,7 @@ queue of the handler that waits for them.
 
     loop = ServingLoop(llm); loop.start()
     events, submission = loop.submit(prompt, params)   # in the event loop: its Events, a handle
+                                             # (timeout_s=...: abandoned by the engine then)
     event = await events.get()               # QUEUED first (or ERROR), then TOKENS..., DONE
     loop.abort(submission)                   # its handler is done (or its client went away)
     loop.drain(timeout_s)                    # SIGTERM: finish what was taken, then stop
@@ -51,6 +52,7 @@ class _Submission:
     request_id: int | None = None      # set once the engine added it
     first_token_at: float | None = None
     cancelled: bool = False            # its client went away (abort)
+    timeout_s: float | None = None     # when the engine abandons it (None: never)
 
 
 class ServingLoop:
@@ -104,14 +106,17 @@ class ServingLoop:
         swapped out in its scheduler (running as the engine thread last saw it)."""
         return self.num_in_flight - self.stats.num_running
 
-    def submit(self, prompt, params: SamplingParams) -> tuple[asyncio.Queue, _Submission | None]:
-        """Queue a request from the running event loop; returns the queue its Events arrive on
-        and the handle `abort` takes (None when the engine is not running)."""
+    def submit(self, prompt, params: SamplingParams,
+               timeout_s: float | None = None) -> tuple[asyncio.Queue, _Submission | None]:
+        """Queue a request from the running event loop, abandoned by the engine if unfinished
+        `timeout_s` seconds after it adds it; returns the queue its Events arrive on and the
+        handle `abort` takes (None when the engine is not running)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.is_alive:
             events.put_nowait(Event(ERROR, self.failure or "the engine is not running"))
             return events, None
-        submission = _Submission(prompt, params, asyncio.get_running_loop(), events)
+        submission = _Submission(prompt, params, asyncio.get_running_loop(), events,
+                                 timeout_s=timeout_s)
         self.num_in_flight += 1
         self._submissions.put(submission)
         return events, submission
@@ -185,7 +190,8 @@ class ServingLoop:
             if submission.cancelled:   # its client left before the engine saw it
                 submission = self._next_submission()
                 continue
-            output: RequestOutput = self.llm.add_request(submission.prompt, submission.params)
+            output: RequestOutput = self.llm.add_request(submission.prompt, submission.params,
+                                                         timeout_s=submission.timeout_s)
             if output.error is not None:
                 self._deliver(submission, Event(ERROR, output.error))
             else:

@@ -172,6 +172,18 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
+class AbortingScheduler(Protocol):
+    """A scheduler that drops a request before it finishes: its client gave up (a request's
+    `timeout_s` passed, in both backends) or went away (the engine's disconnects). Needed by a
+    run whose requests carry a `timeout_s`; BaseScheduler has it. The step loop calls it between
+    steps; a policy that wants to act on deadlines itself reads `Request.deadline`."""
+
+    def abort(self, request: Request, now: float) -> None:
+        """Take unfinished `request` out of its queue at `now` and give back every block it holds
+        (as a finish does); stamp `request.abandoned_time`, leaving `finish_time` None."""
+
+
+@runtime_checkable
 class KVRetentionPolicy(Protocol):
     """What happens to a session's KV blocks between its turns (conf/kv_retention: evict, pin,
     offload). Built once per replica with the keyword argument `kv_cache` (the replica's KV

@@ -103,6 +103,9 @@ class Request:
     # The LoRA adapter the request runs with: an index into the run's adapters (0 .. N-1);
     # None: the base model alone.
     lora_id: int | None = None
+    # Seconds after its arrival at which its client gives up (None: never): both backends abort
+    # it at the first step boundary at or after its `deadline`, waiting or running.
+    timeout_s: float | None = None
 
     sequences: list[Sequence] = field(default_factory=list)
     replica_id: int = -1
@@ -113,6 +116,9 @@ class Request:
     num_cached_tokens: int = 0   # prompt tokens the prefix cache served at its first admission
     num_host_cached_tokens: int = 0   # of those, the ones loaded back from the host tier
     rejected_reason: str | None = None
+    # When it was aborted unfinished (its deadline passed, or the engine's client went away);
+    # it then has no finish_time and counts as abandoned, not completed.
+    abandoned_time: float | None = None
     # Prefill/decode disaggregation (sim/core/cluster.py), set by the cluster. `handoff`: its
     # scheduler stops the request after its first token and keeps its blocks for the KV transfer
     # (Scheduler.take_handoffs); the decode replica is then `replica_id`. The times: hand-off
@@ -131,7 +137,14 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_time is not None or self.rejected_reason is not None
+        return (self.finish_time is not None or self.rejected_reason is not None
+                or self.abandoned_time is not None)
+
+    @property
+    def deadline(self) -> float | None:
+        """When its client gives up (arrival_time + timeout_s, on the arrival clock); None:
+        never."""
+        return None if self.timeout_s is None else self.arrival_time + self.timeout_s
 
     @property
     def num_output_tokens(self) -> int:

@@ -510,6 +510,28 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             return True
         return False
 
+    def abort(self, request: Request, now: float) -> None:
+        """Drop unfinished `request` at `now` (policies.protocols.AbortingScheduler): a running
+        one through `finish_sequence`, so its blocks and seats go back as at a finish; a waiting
+        (no blocks) or swapped (host blocks) one leaves its queue."""
+        if request in self.running:
+            # An unforked request with n > 1 holds seats for all its samples (num_running_seqs).
+            unstarted_samples = request.n - len(request.sequences)
+            for seq in request.unfinished_sequences():
+                self.finish_sequence(seq, now)
+            self.num_running_seqs -= unstarted_samples
+            request.finish_time = None   # (finish_sequence stamped it: it did not finish)
+        else:
+            queue = self.swapped if request in self.swapped else self.waiting
+            if request in queue:
+                queue.remove(request)
+            for seq in request.unfinished_sequences():
+                self.kv_cache.free(seq)
+                seq.status = SequenceStatus.FINISHED
+            # (static batching waits for every member of its batch, a preempted one too)
+            self._on_request_finished(request)
+        request.abandoned_time = now
+
     def _on_request_finished(self, request: Request) -> None:
         """Hook for schedulers that track batches."""
 

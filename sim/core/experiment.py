@@ -27,6 +27,7 @@ from sim.core.build import (build_policy, build_predictor, build_replica_executo
                             speed_summary)
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
+from sim.core.deadlines import abandonment_summary, check_deadlines
 from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
@@ -193,6 +194,13 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                         # (a run that plots keeps each step's joules)
                                         TracedEnergyMeter if out_dir is not None and plots
                                         else EnergyMeter)
+    if check_deadlines(requests if sessions is None else sessions.source.all_requests(),
+                       [scheduler for replica in replicas
+                        for scheduler in getattr(replica, "schedulers", [replica.scheduler])],
+                       "prefill and decode pools" if disaggregated else None):
+        for replica in replicas:
+            if isinstance(replica, Replica):   # (the others never repeat steps)
+                replica.steps.deadlines.expected = True
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
@@ -234,6 +242,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                               slos_ms=slos_ms(cfg), fairness_window_s=fairness_window_s(cfg))
     summary["num_kv_blocks"] = num_blocks
     summary.update(rejection_summary(requests))
+    summary.update(abandonment_summary(requests))
     summary.update(energy_summary({replica.replica_id: replica.recorder.energy
                                    for replica in replicas},
                                   {replica.replica_id: replica.pool for replica in replicas},

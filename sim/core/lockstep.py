@@ -59,6 +59,10 @@ class LockstepGroup:
     def run(self):
         env, ranks = self.env, self.ranks
         while True:
+            for rank in ranks:
+                abandoned = rank.steps.abandon_due(env.now)
+                if abandoned:
+                    rank.ended(abandoned)
             stepping = [rank for rank in ranks if rank.scheduler.has_unfinished()]
             if not stepping:
                 self._idle = env.event()
@@ -73,10 +77,8 @@ class LockstepGroup:
             for rank in stepping:
                 rank._queued_during_step.clear()   # (counted only for repeated steps)
                 finished = rank.steps.complete(env.now)
-                if finished and rank.on_requests_done:
-                    rank.on_requests_done(len(finished))
-                if finished and rank.on_finished is not None:
-                    rank.on_finished(finished)
+                if finished:
+                    rank.ended(finished)
 
 
 def lockstep_group_size(cfg: DictConfig, model: ModelSpec, num_replicas: int,

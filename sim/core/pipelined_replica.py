@@ -108,6 +108,12 @@ class VirtualEngine:
                 self._idle = None
             claim = stages[0].request()
             yield claim
+            abandoned = self.steps.abandon_due(env.now)   # (after the wait for the stage)
+            if abandoned:
+                replica.finished(abandoned)
+                if not scheduler.has_unfinished():
+                    stages[0].release(claim)
+                    continue
             start = env.now
             result = self.steps.begin_unrecorded(start)   # (the stall error where it plans nothing)
             plan = self.steps.plan
@@ -193,6 +199,7 @@ class PipelinedReplica:
         if request.rejected_reason is not None:
             self.finished([request])
             return
+        engine.steps.deadlines.add(request)
         engine.wake()
 
     def finished(self, requests: list[Request]) -> None:

@@ -2,8 +2,10 @@
 
 A replica's loop is the step loop of sim/core/step.py and nothing else: begin a step, let its
 duration pass on the simulated clock, complete it. One simpy event per step, never per token, and
-one per run of repeated decode steps, which end at the next arrival (`NextArrival`). A closed-loop
-workload's arrivals (sim/core/session_arrivals.py) hear of finishes through `Replica.on_finished`.
+one per run of repeated decode steps, which end at the next arrival (`NextArrival`) or deadline.
+Between steps it aborts the requests whose clients gave up (`Request.timeout_s`). A closed-loop
+workload's arrivals (sim/core/session_arrivals.py) hear of finishes, rejections and abandoned
+requests through `Replica.on_finished`.
 """
 from __future__ import annotations
 
@@ -99,13 +101,18 @@ class Replica:
         request.replica_id = self.replica_id
         self.scheduler.add_request(request, self.env.now)
         if request.rejected_reason is not None:
-            if self.on_requests_done:
-                self.on_requests_done(1)
-            if self.on_finished is not None:
-                self.on_finished([request])
+            self.ended([request])
             return
+        self.steps.deadlines.add(request)
         self._queued_during_step.append(self.env.now)
         self.wake()
+
+    def ended(self, requests: list[Request]) -> None:
+        """Tell who listens that `requests` finished, were rejected or were abandoned."""
+        if self.on_requests_done:
+            self.on_requests_done(len(requests))
+        if self.on_finished is not None:
+            self.on_finished(requests)
 
     def wake(self) -> None:
         """Let an idle replica plan again: a request joined it, or a KV transfer moved blocks."""
@@ -126,6 +133,11 @@ class Replica:
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
+            abandoned = steps.abandon_due(env.now)
+            if abandoned:
+                self.ended(abandoned)
+                if not scheduler.has_unfinished():
+                    continue
             queued = self._queued_during_step
             queued.clear()
             first_row = len(self.metrics.step_rows)
@@ -156,10 +168,8 @@ class Replica:
             if result.step_durations and queued:
                 # Requests that arrived while the run's blocked queue kept them waiting.
                 self.recorder.count_arrivals(first_row, result.num_steps, queued)
-            if finished and self.on_requests_done:
-                self.on_requests_done(len(finished))
-            if finished and self.on_finished is not None:
-                self.on_finished(finished)
+            if finished:
+                self.ended(finished)
             if self.on_step_done is not None:
                 self.on_step_done(self)
 

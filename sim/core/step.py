@@ -15,7 +15,8 @@ Repeated decode steps (simulator only, policies/decode_run.py): when the plan ca
 and the executor can cost its steps from the plan alone, `begin(now, horizon)` runs them as one:
 step by step until the batch changes or a step ends at or after `horizon`, the next arrival,
 which the scheduler must see at the following step boundary (or the run's own `until`, when the
-scheduler's pool changes by itself: a kv_retention pin expiring). Where the batch changes because
+scheduler's pool changes by itself: a kv_retention pin expiring; or a request's deadline
+passing, after which `abandon_due` aborts it). Where the batch changes because
 sequences finish before the horizon, the run may go on with the rest (`past_finishes`): nothing
 outside the replica can see it before then. Rows, latencies and the clock come out as if each
 step had run on its own.
@@ -29,6 +30,7 @@ from policies.decode_run import RepeatingExecutor
 from policies.prediction import refine
 from policies.protocols import Executor, OnlineLengthPredictor, Scheduler
 from policies.types import Request, StepPlan, StepResult
+from sim.core.deadlines import Deadlines
 from sim.core.metrics import StepRecorder
 
 # Consecutive steps in which no sequence gains a token and no request finishes before the run
@@ -46,7 +48,7 @@ class StepLoop:
 
     __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
                  "refining_predictor", "finished_in_run", "repeats_steps",
-                 "steps_without_progress", "stalled_since")
+                 "steps_without_progress", "stalled_since", "deadlines")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
                  predictor=None):
@@ -67,6 +69,8 @@ class StepLoop:
         self.finished_in_run: list[Request] = []   # finished in the repeated steps in flight
         self.steps_without_progress = 0   # consecutive steps that gained no token
         self.stalled_since = 0.0          # the clock when the first of them completed
+        # Its requests' deadlines (Request.timeout_s): whoever queues a request adds it.
+        self.deadlines = Deadlines()
 
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
               may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
@@ -85,14 +89,19 @@ class StepLoop:
         # (A refining predictor is asked after every step: its guesses may move a later one.)
         if horizon is not None and plan.decode_run is not None and self.repeats_steps:
             run = plan.decode_run
-            return self._run_repeated(
-                plan, now, min(math.inf if run.past_arrivals and queued_arrivals else horizon,
-                               run.until),
-                horizon if past_finishes else now)
+            past_arrivals = (run.past_arrivals and queued_arrivals
+                             and not self.deadlines.expected)
+            end = min(math.inf if past_arrivals else horizon, run.until,
+                      self.deadlines.earliest())
+            return self._run_repeated(plan, now, end, min(end, horizon) if past_finishes else now)
         result = self.executor.execute(plan)
         self.recorder.record_step(now, plan, result, scheduler)
         self.plan, self.result = plan, result
         return result
+
+    def abandon_due(self, now: float) -> list[Request]:
+        """Abort the requests whose deadline passed by `now` (a step boundary); returns them."""
+        return self.deadlines.abandon_due(self.scheduler, now)
 
     def begin_unrecorded(self, now: float) -> StepResult:
         """Plan and execute one step at `now` without recording it: a lockstep group

@@ -20,6 +20,9 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_column(style="bold")
     totals.add_column(justify="right")
     totals.add_row("completed / rejected", f"{summary['completed']:,} / {summary['rejected']:,}")
+    if "abandoned" in summary:   # (requests with a timeout_s: sim/core/deadlines.py)
+        totals.add_row("abandoned", f"{summary['abandoned']:,} "
+                                    f"({summary['abandoned_fraction']:.1%})")
     totals.add_row("duration (sim)", f"{_fmt(summary['duration_s'])} s")
     totals.add_row("requests/s", _fmt(summary["request_throughput"]))
     totals.add_row("output tok/s", _fmt(summary["output_throughput"], 1))

@@ -24,7 +24,7 @@ REQUEST_COLUMNS: tuple[str, ...] = (
     "ttft_ms", "tpot_ms", "e2el_ms", "num_preemptions", "rejected_reason",
     "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "predicted_output_len",
     "prefill_replica_id", "kv_handoff_time", "kv_transfer_start_time", "kv_transfer_end_time",
-    "kv_transfer_bytes", "session_id", "turn", "lora_id",
+    "kv_transfer_bytes", "session_id", "turn", "lora_id", "timeout_s", "abandoned_time",
 )
 
 
@@ -43,6 +43,7 @@ def request_rows(requests: list[Request]) -> list[tuple]:
             request.predicted_output_len, request.prefill_replica_id, request.kv_handoff_time,
             request.kv_transfer_start_time, request.kv_transfer_end_time,
             request.kv_transfer_bytes, request.session_id, request.turn, request.lora_id,
+            request.timeout_s, request.abandoned_time,
         ))
     return rows
 

@@ -66,7 +66,8 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         request.slo_ttft_ms is not None or request.slo_tpot_ms is not None
         for request in requests)
     if has_slos:
-        result.update(_goodput(completed, slos_ms or {}, duration_s))
+        num_abandoned = len(requests) - list(map(attribute("abandoned_time"), requests)).count(None)
+        result.update(_goodput(completed, slos_ms or {}, duration_s, num_abandoned))
 
     column, total = metrics.step_column, metrics.step_column_total
     allocated = column("kv_slots_allocated")
@@ -122,12 +123,14 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     return result
 
 
-def _goodput(completed: list[Request], slos_ms: dict[str, float],
-             duration_s: float) -> dict[str, float]:
-    """`goodput` (req/s of completed requests meeting every SLO) and `slo_attainment`."""
+def _goodput(completed: list[Request], slos_ms: dict[str, float], duration_s: float,
+             num_abandoned: int = 0) -> dict[str, float]:
+    """`goodput` (req/s of completed requests meeting every SLO) and `slo_attainment` (their
+    share of the completed and the `num_abandoned` requests: one its client gave up on missed)."""
     unknown = set(slos_ms) - {"ttft", "tpot", "e2el"}
     if unknown:
         raise ValueError(f"unknown SLO metrics {sorted(unknown)}; use ttft, tpot, e2el")
     num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
     return {"goodput": per_second(num_good, duration_s),
-            "slo_attainment": num_good / len(completed) if completed else 0.0}
+            "slo_attainment": (num_good / (len(completed) + num_abandoned)
+                               if completed or num_abandoned else 0.0)}

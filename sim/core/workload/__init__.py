@@ -98,6 +98,12 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None 
         for request, value in zip(requests, values):
             setattr(request, name, value)
     assign_lora_ids(requests, lora, seed)
+    # When the clients give up: a trace row's own timeout_s, else the workload's (None: never).
+    timeout_s = fields.number("timeout_s", default=None, greater_than=0.0)
+    if timeout_s is not None:
+        for request in requests:
+            if request.timeout_s is None:
+                request.timeout_s = timeout_s
     return requests
 
 

@@ -16,7 +16,8 @@ from sim.core.workload.distributions import (
 from sim.core.workload.fields import Fields, RequestArrays, Streams, parse_common
 
 CONVERSATION_FIELDS = ("kind", "num_sessions", "rate", "turns", "think_time_s", "message_len",
-                       "output_len", "max_prompt_len", "n", "with_token_ids", "shared_prefix_len")
+                       "output_len", "max_prompt_len", "n", "with_token_ids", "shared_prefix_len",
+                       "timeout_s")
 
 
 def prompt_settings(fields: Fields, vocab_size: int | None):

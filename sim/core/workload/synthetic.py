@@ -16,7 +16,8 @@ from sim.core.workload.fields import (
     DEFAULT_TENANT, Fields, RequestArrays, Streams, parse_common)
 
 SYNTHETIC_FIELDS = ("kind", "num_requests", "rate", "arrival", "burstiness", "prompt_len",
-                    "output_len", "n", "with_token_ids", "shared_prefix_len", "classes")
+                    "output_len", "n", "with_token_ids", "shared_prefix_len", "classes",
+                    "timeout_s")
 CLASS_FIELDS = ("share", "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "prompt_len",
                 "output_len")
 # Within this of 1, shares sum to 1: 1/3 + 1/3 + 1/3 written as decimals may not add up exactly.

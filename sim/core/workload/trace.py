@@ -5,7 +5,7 @@ BurstGPT `Timestamp,...,Request tokens,Response tokens,...`, plain
 `arrival_time,prompt_len,output_len`, and Mooncake (mooncake.py: prompts as 512-token blocks of
 content ids, turned into token ids). A CSV may carry the prompts themselves (a `prompt_token_ids`
 column of space-separated ids) and each request's `priority`, `tenant`, `slo_ttft_ms`,
-`slo_tpot_ms`, `session_id` (an empty cell: the default)."""
+`slo_tpot_ms`, `session_id`, `timeout_s` (an empty cell: the default)."""
 from __future__ import annotations
 
 import csv
@@ -22,7 +22,7 @@ from sim.core.workload.fields import DEFAULT_TENANT, Fields, RequestArrays, Stre
 from sim.core.workload.mooncake import hash_ids_token_ids, read_mooncake
 
 TRACE_FIELDS = ("kind", "trace_path", "format", "time_scale", "max_requests", "n",
-                "with_token_ids", "shared_prefix_len")
+                "with_token_ids", "shared_prefix_len", "timeout_s")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 # BurstGPT's time (seconds), prompt and output columns; its Model, Total tokens and Log Type
 # columns are not needed.
@@ -34,7 +34,8 @@ CSV_SCHEMAS = {"azure": AZURE_COLUMNS, "burstgpt": BURSTGPT_COLUMNS, "plain": PL
 TRACE_FORMATS = ("auto", *CSV_SCHEMAS, "mooncake")
 TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
 # Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
-METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id", "lora_id")
+METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id", "lora_id",
+                    "timeout_s")
 
 # A relative trace_path is looked up in the working directory, then here (the repo root), so the
 # default config works whether or not Hydra changed the working directory.
@@ -127,8 +128,9 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
     (space-separated ids, as many as the row's prompt length) and the metadata: `priority` (an
     integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms` (positive numbers),
     `session_id` (integers, or names if any cell is not one), `lora_id` (a LoRA adapter's index,
-    an integer >= 0; read only with the `lora` group on), each defaulting (0, "default", none)
-    where its cell is empty.
+    an integer >= 0; read only with the `lora` group on), `timeout_s` (seconds after its
+    arrival at which its client gives up, positive), each defaulting (0, "default", none) where
+    its cell is empty.
     """
     path = Path(path)
     try:
@@ -245,8 +247,9 @@ def _parse_metadata(cells: list[str], column: str, line_numbers: list[int], path
             values.append(int(number))
         else:
             if not (math.isfinite(number) and number > 0):
+                unit = "seconds" if column == "timeout_s" else "ms"
                 raise _bad_row_error(path, line_numbers, index, column,
-                                     "a positive number of ms or empty", cell)
+                                     f"a positive number of {unit} or empty", cell)
             values.append(number)
     return values
 
