@@ -86,7 +86,12 @@ class DisaggregatedLLM(LLM):
                                                         self.decode_scheduler, self.device)
         self.last_transfers: list[KVTransfer] = []
 
-    def _make_request(self, prompt, params, priority: int = 0, lora_id: int | None = None):
+    def _make_request(self, prompt, params, priority: int = 0, lora_id: int | None = None,
+                      timeout_s: float | None = None):
+        if timeout_s is not None:   # (the simulator refuses deadlines with pools too)
+            output, _ = super()._make_request(prompt, params, priority, lora_id)
+            output.error = "timeout_s: a prefill/decode pair does not abandon requests"
+            return output, None
         output, request = super()._make_request(prompt, params, priority, lora_id)
         if request is not None and request.n == 1:
             request.handoff = True   # n > 1 runs whole on the prefill replica

@@ -95,3 +95,10 @@ def test_copy_kv_blocks_moves_every_layers_blocks_through_both_tables():
     assert num_bytes == 3 * sum(cache[:, 0].numel() * 4 for cache in source.device_caches)
     with pytest.raises(ValueError, match="2 source blocks for 1 destination blocks"):
         copy_kv_blocks(source, [0, 1], destination, [0])
+
+
+def test_a_deadline_is_refused_in_one_line_naming_timeout_s():
+    llm = DisaggregatedLLM("tiny-llama", num_gpu_blocks=64, seed=0)
+    output = llm.add_request([1, 2, 3], GREEDY, timeout_s=1.0)
+    assert output.error is not None and output.error.startswith("timeout_s")
+    assert not llm.has_unfinished_requests()
