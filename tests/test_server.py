@@ -417,6 +417,10 @@ def test_serving_loop_aborts_before_and_after_adding(abort_before_added):
         serving._apply_aborts()
         assert engine_is_idle(serving.llm)
         assert serving.num_aborted == (0 if abort_before_added else 1)
+        # /metrics counts it as vLLM counts a request its client aborted.
+        assert serving.stats.num_finished["abort"] == serving.num_aborted
+        assert ('vllm:request_success_total{model_name="m",finished_reason="abort"} '
+                f'{serving.num_aborted}') in serving.stats.render("m")
     finally:
         event_loop.close()
 
