@@ -1,7 +1,8 @@
 """A serving run someone measured, in memory: one row per completed request (arrival, lengths,
 TTFT, E2E, TPOT and ITLs where recorded) and per request its client abandoned at its deadline
 (latencies NaN: it loaded the server, so the replay sends it too), the engine settings its file
-records and where it came from. Every reader (readers.py) builds one with `make_run`, which checks and orders the rows."""
+records and where it came from. Every reader (readers.py) builds one with `make_run`, which
+checks and orders the rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -8,9 +8,10 @@ server serves when it is a conf/model name (its vocabulary bounds the ids). Each
 at its arrival time after the run's start, streamed, with max_tokens = min_tokens = its output
 length and ignore_eos, so the output has the workload's length, and with its `timeout_s` where
 the workload gives one (a server that answers 408 abandoned it: recorded as abandoned, not
-failed). The client records when it sent each request and when each chunk of tokens arrived. `--warmup N` first sends the workload's first
-N requests together and waits for them, unrecorded (a server's first requests pay for its lazy
-start-up: compiled graphs, allocator, caches).
+failed). The client records when it sent each request and when each chunk of tokens arrived.
+`--warmup N` first sends the workload's first N requests together, without deadlines, and
+waits for them, unrecorded (a server's first requests pay for its lazy start-up: compiled
+graphs, allocator, caches).
 
     twinserve-bench --endpoint http://127.0.0.1:8000 workload.num_requests=50 workload.rate=4
 """
