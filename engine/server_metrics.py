@@ -56,7 +56,9 @@ class ServingStats:
         self.num_preemptions = 0        # of the finished requests, counted when each ends
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.num_finished = {"stop": 0, "length": 0}
+        # Samples by vLLM's finish reason; "abort": a client that went away or a timeout_s that
+        # passed (vLLM counts a request its client aborted there, and has no deadline of its own).
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.tpot = Histogram(TPOT_BUCKETS_S)
         self.e2e = Histogram(E2E_BUCKETS_S)
@@ -70,9 +72,18 @@ class ServingStats:
             self.num_waiting = num_waiting + num_swapped
             self.kv_cache_usage = kv_cache.num_used_blocks() / kv_cache.num_blocks
 
+    def observe_aborted(self, submission) -> None:
+        """A request the engine stopped before its end: its client went away, or its timeout_s
+        passed (its samples count as finished_reason="abort"; no latency is recorded)."""
+        with self._lock:
+            self.num_finished["abort"] += submission.params.n
+
     def observe_finished(self, submission, output) -> None:
         """A request that ran to its end (not rejected, not aborted): its latencies from when
-        the server received it."""
+        the server received it. One abandoned (its timeout_s passed) counts as aborted."""
+        if output.abandoned:
+            self.observe_aborted(submission)
+            return
         if output.error is not None:
             return
         now = time.perf_counter()

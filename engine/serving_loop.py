@@ -215,6 +215,7 @@ class ServingLoop:
             if self._streams.pop(submission.request_id, None) is not None:
                 self.llm.abort_request(submission.request_id)
                 self.num_aborted += 1
+                self.stats.observe_aborted(submission)
 
     @staticmethod
     def _deliver(submission: _Submission, event: Event) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.server import create_app
-from test_server import ENGINE_ARGS, GREEDY, PROMPT, engine_is_idle, reference_tokens, running
+from test_server import (ENGINE_ARGS, GREEDY, PROMPT, engine_is_idle, metric_samples,
+                         reference_tokens, running)
 
 LONG = SamplingParams(max_tokens=500, **GREEDY)
 
@@ -74,8 +75,14 @@ def test_the_api_answers_408_when_timeout_s_passes(server_url, stream):
     # 2000 tokens take far longer than a millisecond on any machine: the deadline passes first.
     body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0,
             "timeout_s": 0.001, "stream": stream}
+    aborted = '{model_name="tiny-llama",finished_reason="abort"}'
     with httpx.Client(base_url=server_url, timeout=60) as client:
+        aborted_before = metric_samples(client.get("/metrics").text)[
+            f"vllm:request_success_total{aborted}"]
         response = client.post("/v1/completions", json=body)
+        # /metrics counts it under vLLM's finish reason for a request stopped before its end.
+        assert metric_samples(client.get("/metrics").text)[
+            f"vllm:request_success_total{aborted}"] == aborted_before + 1
         if stream:
             assert response.status_code == 200
             assert '"type": "RequestTimeoutError", "param": "timeout_s", "code": 408' in \

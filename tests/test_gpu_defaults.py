@@ -8,6 +8,7 @@ import json
 import pytest
 
 import sim.core.build as build
+import sim.core.say_once as say_once_module
 from sim.core.experiment import run_experiment
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import HardwareSpec
@@ -28,7 +29,7 @@ def test_the_default_cost_model_is_the_gpu_one_with_its_expected_error():
 
 def test_hardware_without_gpu_measurements_falls_back_to_the_roofline_saying_so(capsys,
                                                                                 monkeypatch):
-    monkeypatch.setattr(build, "_FELL_BACK", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     overrides = ("model=tiny-llama", "hardware=cpu", "workload.num_requests=5",
                  "kv_cache.block_size=8")
     first = run_experiment(make_cfg(*overrides), plots=False)
@@ -41,7 +42,7 @@ def test_hardware_without_gpu_measurements_falls_back_to_the_roofline_saying_so(
 
 
 def test_a_named_roofline_says_nothing(capsys, monkeypatch):
-    monkeypatch.setattr(build, "_FELL_BACK", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     run_experiment(make_cfg("cost_model=roofline", "model=tiny-llama", "hardware=cpu",
                             "workload.num_requests=5"), plots=False)
     assert "roofline" not in capsys.readouterr().err
@@ -50,7 +51,7 @@ def test_a_named_roofline_says_nothing(capsys, monkeypatch):
 def test_the_fallback_carries_the_settings_the_roofline_takes(monkeypatch, tmp_path):
     """cost_model.* overrides of the GPU model reach the roofline it falls back to, a terms
     file's terms among them, as they reach a named roofline."""
-    monkeypatch.setattr(build, "_FELL_BACK", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     run = ("model=tiny-llama", "hardware=cpu", "workload.num_requests=5")
     named = run_experiment(make_cfg(*run, "cost_model=roofline", "cost_model.step_overhead_s=0.02",
                                     "cost_model.compute_efficiency=0.3"), plots=False)

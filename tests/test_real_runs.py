@@ -112,6 +112,36 @@ def test_twinserve_bench_json(tmp_path):
     assert "twinserve-bench" in run.source
 
 
+def test_a_bench_run_with_deadlines_replays_them_abandoned_requests_included(tmp_path):
+    """twinserve-bench's run file keeps each request's timeout_s and which were abandoned (408):
+    the replay sends every request with its deadline, the abandoned ones too (they loaded the
+    server), and compares latencies over the completed ones."""
+    from calibration.realrun.cli import write_replayed_requests
+    from calibration.realrun.replay import run_requests
+    from sim.tools.bench_run_file import RequestRecord, build_run_file
+
+    records = [RequestRecord(prompt_len=30, expected_output_len=4, start_time=0.0,
+                             token_times=[0.1, 0.2, 0.3, 0.4], num_tokens=4, timeout_s=5.0),
+               RequestRecord(prompt_len=40, expected_output_len=50, start_time=0.2,
+                             timeout_s=0.5, abandoned_time=0.7),
+               RequestRecord(prompt_len=20, expected_output_len=3, start_time=0.3,
+                             token_times=[0.5, 0.6, 0.7], num_tokens=3)]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(build_run_file(records, 1.0, info={"engine_settings": {}})))
+    run = read_run(path)
+    assert run.num_requests == 3 and run.output_len.tolist() == [4, 50, 3]
+    assert np.isnan(run.ttft_s[1]) and np.isnan(run.e2e_s[1])
+    assert any("1 requests abandoned at their timeout_s" in note for note in run.notes)
+    assert [r.timeout_s for r in run_requests(run)] == [5.0, 0.5, None]
+    assert Latencies.of_run(run).e2e_s[[0, 2]] == pytest.approx([0.4, 0.4])
+    assert stage_metrics(Latencies.of_run(run), np.arange(3))["completed"] == 2
+    trace = write_replayed_requests(run, tmp_path / "replayed.csv").read_text().splitlines()
+    assert trace[0].endswith(",timeout_s") and trace[1].endswith(",5.0")
+    assert trace[3].endswith(",")   # (no deadline: an empty cell)
+    [stage] = replay(run, ["model=tiny-llama", "hardware=cpu"])["stages"]
+    assert stage["real"]["completed"] == 2 and stage["num_requests"] == 3
+
+
 def test_llmservingsim_folder_with_meta(tmp_path):
     folder = tmp_path / "GPU" / "model"
     folder.mkdir(parents=True)

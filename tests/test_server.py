@@ -254,6 +254,45 @@ def test_stream_parsing_counts_tokens(chunks, output_len, num_itls):
     assert record.output_len == output_len and len(record.itls) == num_itls
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_bench_sends_timeout_s_and_records_a_408_as_abandoned(streamed):
+    """twinserve-serve answers a request whose timeout_s passed with 408: as a status before
+    the stream, or as an error chunk in it. The client sent the deadline and records either as
+    an abandoned request, not a failure."""
+    from engine.openai_protocol import error_body
+    from policies.types import Request
+    from sim.tools.bench_client import completion_payload, stream_completion
+
+    abandoned = error_body("timeout_s=2.5: the request was abandoned", 408, "timeout_s")
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        if not streamed:
+            return httpx.Response(408, json=abandoned)
+        return httpx.Response(200, text=f"data: {json.dumps(abandoned)}\n\ndata: [DONE]\n\n")
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await stream_completion(client, "http://server/v1/completions",
+                                    completion_payload(request, "m"), record, 0.0)
+
+    request = Request(request_id=0, arrival_time=0.0, prompt_len=2, output_len=3,
+                      prompt_token_ids=[1, 2], timeout_s=2.5)
+    record = RequestRecord(prompt_len=2, expected_output_len=3, start_time=0.0, timeout_s=2.5)
+    asyncio.run(run())
+    assert sent[0]["timeout_s"] == 2.5
+    assert record.error == "" and record.abandoned_time is not None and not record.success
+    run_file = build_run_file([record], duration_s=1.0, info={})
+    assert (run_file["failed"], run_file["abandoned"], run_file["completed"]) == (0, 1, 0)
+    assert run_file["timeout_s"] == [2.5] and run_file["abandoned_times"] == [
+        record.abandoned_time]
+    # Without a deadline the payload carries none (a server without deadlines never sees it).
+    assert "timeout_s" not in completion_payload(
+        Request(request_id=1, arrival_time=0.0, prompt_len=1, output_len=1,
+                prompt_token_ids=[1]), "m")
+
+
 def test_min_tokens_equal_to_max_tokens_ignores_eos():
     from engine.openai_protocol import CompletionRequest, engine_request
 
@@ -417,6 +456,10 @@ def test_serving_loop_aborts_before_and_after_adding(abort_before_added):
         serving._apply_aborts()
         assert engine_is_idle(serving.llm)
         assert serving.num_aborted == (0 if abort_before_added else 1)
+        # /metrics counts it as vLLM counts a request its client aborted.
+        assert serving.stats.num_finished["abort"] == serving.num_aborted
+        assert ('vllm:request_success_total{model_name="m",finished_reason="abort"} '
+                f'{serving.num_aborted}') in serving.stats.render("m")
     finally:
         event_loop.close()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-import sim.gpu.cost_model as cost_model_module
+import sim.core.say_once as say_once_module
 from policies.types import Request, Sequence, StepPlan
 from sim.core.roofline import RooflineCostModel
 from sim.core.specs import kv_cache_num_blocks
@@ -150,7 +150,7 @@ def test_bad_settings_name_their_key(llama, h100):
 
 
 def test_hardware_without_tables_falls_back_to_vidur_saying_so_once(capsys, monkeypatch):
-    monkeypatch.setattr(cost_model_module, "_SAID", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     llama31, rtx = model_spec("llama-3.1-8b"), hardware_spec("rtx-4090")
     fallen = [GPUCostModel(llama31, rtx) for _ in range(2)]
     vidur = GPUCostModel(llama31, rtx, kernel_tables="vidur")
@@ -165,7 +165,7 @@ def test_hardware_without_tables_falls_back_to_vidur_saying_so_once(capsys, monk
 def test_a_kernel_the_tables_lack_falls_back_too(capsys, monkeypatch):
     """The A100's tables measure no fp8 KV cache: the run takes the Vidur tables, saying so,
     instead of failing."""
-    monkeypatch.setattr(cost_model_module, "_SAID", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     fp8_kv = dataclasses.replace(model_spec("llama-2-7b"), kv_cache_dtype="fp8")
     model = GPUCostModel(fp8_kv, hardware_spec("a100-80gb"))
     assert model.kernels is None and model.kernels_used == "Vidur/Frontier tables"

@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from calibration.realrun.readers import read_run
-from calibration.realrun.replay import replay_details
+from calibration.realrun.replay import replay_deadlines, replay_details
 from calibration.realrun.report import (markdown_report, plot_cdfs, print_combined,
                                             print_run)
 from calibration.realrun.run import RealRun
@@ -29,13 +29,19 @@ def is_override(argument: str) -> bool:
 
 
 def write_replayed_requests(run: RealRun, path: Path) -> Path:
-    """The run's requests as a plain trace CSV (arrival_time, prompt_len, output_len)."""
+    """The run's requests as a plain trace CSV (arrival_time, prompt_len, output_len, and
+    timeout_s where the run has deadlines: an empty cell, none)."""
+    columns = ["arrival_time", "prompt_len", "output_len"]
+    rows = zip(run.arrival_s.tolist(), run.prompt_len.tolist(), run.output_len.tolist())
+    if run.timeout_s is not None:
+        columns.append("timeout_s")
+        rows = ((*row, "" if deadline is None else repr(deadline))
+                for row, deadline in zip(rows, replay_deadlines(run)))
     with open(path, "w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["arrival_time", "prompt_len", "output_len"])
-        for arrival, prompt, output in zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
-                                           run.output_len.tolist()):
-            writer.writerow([repr(arrival), prompt, output])
+        writer.writerow(columns)
+        for arrival, *rest in rows:
+            writer.writerow([repr(arrival), *rest])
     return path
 
 

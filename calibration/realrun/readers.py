@@ -189,7 +189,9 @@ def read_bench_json(path: Path) -> RealRun:
     """`vllm bench serve --save-result --save-detailed` JSON or twinserve-bench's: per-request
     input_lens, output_lens, ttfts (s), start_times (send times, s; any origin), E2E from
     e2els or latencies (s) or else ttft + sum(itls) (equal for a streamed response: vLLM's
-    latency is the last chunk's time); failed requests (a non-empty `errors` entry) are left out."""
+    latency is the last chunk's time); failed requests (a non-empty `errors` entry) are left out.
+    twinserve-bench's requests abandoned at their `timeout_s` (an `abandoned_times` entry) stay,
+    with their deadlines and NaN latencies: the replay sends them with the same deadlines."""
     result = _load_json(path)
     if not isinstance(result, dict):
         raise RealRunError(f"{path}: expected a JSON object (a vllm bench serve result)")
@@ -224,7 +226,22 @@ def read_bench_json(path: Path) -> RealRun:
     settings = dict(settings)
     if "model" not in settings and result.get("model_id"):
         settings["model"] = result["model_id"]
+    deadlines = ([math.nan if value is None else value
+                  for value in _per_request(result, "timeout_s", path, count)]
+                 if "timeout_s" in result else [math.nan] * count)
+    abandoned_times = (_per_request(result, "abandoned_times", path, count)
+                       if "abandoned_times" in result else [None] * count)
+    abandoned = {i for i, when in enumerate(abandoned_times) if when is not None}
+    if abandoned:
+        notes.append(f"{len(abandoned)} requests abandoned at their timeout_s: replayed with "
+                     f"their deadlines, their latencies left out")
+        # The file holds placeholders (vLLM's 0 and 0.0): the length asked for, no latencies.
+        expected = _per_request(result, "expected_output_lens", path, count)
+        output = [expected[i] if i in abandoned else n for i, n in enumerate(output)]
+        ttft = [math.nan if i in abandoned else t for i, t in enumerate(ttft)]
+        e2e = [math.nan if i in abandoned else t for i, t in enumerate(e2e)]
     pick = lambda values: [values[i] for i in keep]   # noqa: E731
+    deadlines = _numbers(pick(deadlines), "timeout_s", path)
     fmt = "twinserve-bench" if "engine_settings" in result else "vllm bench serve detailed"
     return make_run(
         name=path.stem, source=f"{path} ({fmt} JSON)", where=str(path),
@@ -237,6 +254,7 @@ def read_bench_json(path: Path) -> RealRun:
         stage_labels=pick(_per_request(result, "stages", path, count)) if stages is not None
         else None,
         itls_s=pick(itls) if itls is not None else None,
+        timeout_s=deadlines if np.isfinite(deadlines).any() else None,
         field_names={"arrival_s": "start_times", "prompt_len": "input_lens",
                      "output_len": "output_lens", "ttft_s": "ttfts", "e2e_s": e2e_key or "itls"})
 

@@ -1,7 +1,8 @@
 """Replay a measured run through the simulator: the run's own requests (arrival times, prompt and
-output lengths; with prefix caching, token ids that share what the prompts shared where the
-run's workload file gives its hash ids, else none) on the config its engine settings and the
-command line give, and each load stage's metrics, real against simulated.
+output lengths, the deadlines their clients gave; with prefix caching, token ids that share
+what the prompts shared where the run's workload file gives its hash ids, else none) on the
+config its engine settings and the command line give, and each load stage's metrics, real
+against simulated.
 
 The simulator replays the whole run (queues carry from one stage into the next); each stage's
 metrics are over the requests that arrived in it. `replay(run, overrides)` writes nothing and
@@ -10,6 +11,7 @@ calibration loop pays Hydra's compose once (or passes its own `config`)."""
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -64,6 +66,13 @@ def compose_replay_config(run: RealRun, overrides: list[str] = ()):
     return copy.deepcopy(_compose(tuple(all_overrides)))
 
 
+def replay_deadlines(run: RealRun) -> list[float | None]:
+    """Each request's timeout_s as the simulator takes it (None: none)."""
+    if run.timeout_s is None:
+        return [None] * run.num_requests
+    return [None if math.isnan(value) else value for value in run.timeout_s.tolist()]
+
+
 def run_requests(run: RealRun, prompts_of_vocab: int | None = None) -> list:
     """The run's requests as fresh simulator requests, ids in arrival order. With
     `prompts_of_vocab`, each prompt gets token ids of that vocabulary: from the run's hash ids
@@ -76,9 +85,11 @@ def run_requests(run: RealRun, prompts_of_vocab: int | None = None) -> list:
 
     from policies.types import Request
 
-    requests = [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o)
-                for i, (t, p, o) in enumerate(zip(run.arrival_s.tolist(), run.prompt_len.tolist(),
-                                                   run.output_len.tolist()))]
+    requests = [Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o,
+                        timeout_s=deadline)
+                for i, (t, p, o, deadline) in enumerate(zip(
+                    run.arrival_s.tolist(), run.prompt_len.tolist(), run.output_len.tolist(),
+                    replay_deadlines(run)))]
     if prompts_of_vocab and run.prompt_hash_ids is not None:
         for request, token_ids in zip(requests, prompt_token_ids(run, prompts_of_vocab)):
             request.prompt_token_ids = token_ids

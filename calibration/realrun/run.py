@@ -1,6 +1,8 @@
 """A serving run someone measured, in memory: one row per completed request (arrival, lengths,
-TTFT, E2E, TPOT and ITLs where recorded), the engine settings its file records and where it came
-from. Every reader (readers.py) builds one with `make_run`, which checks and orders the rows."""
+TTFT, E2E, TPOT and ITLs where recorded) and per request its client abandoned at its deadline
+(latencies NaN: it loaded the server, so the replay sends it too), the engine settings its file
+records and where it came from. Every reader (readers.py) builds one with `make_run`, which
+checks and orders the rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ class RealRun:
     notes: list[str] = field(default_factory=list)   # what the reader left out or assumed
     # Each prompt's chained block ids where the run's workload file gives them (prompt_blocks).
     prompt_hash_ids: list[list[int]] | None = None
+    # Each request's deadline, s after its arrival (NaN: none), where the file records them.
+    timeout_s: np.ndarray | None = None
 
     @property
     def num_requests(self) -> int:
@@ -61,10 +65,11 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
              e2e_s, tpot_s=None, engine_settings: dict | None = None,
              stage_labels: list | None = None, itls_s: list | None = None,
              notes: list[str] | None = None, field_names: dict[str, str] | None = None,
-             prompt_hash_ids: list | None = None) -> RealRun:
+             prompt_hash_ids: list | None = None, timeout_s=None) -> RealRun:
     """A RealRun from per-request columns, checked (equal lengths, finite, lengths >= 1,
-    0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. `where`
-    names the file in errors; `field_names` maps a column to the file's own name for it."""
+    0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. A request
+    abandoned at its deadline (`timeout_s`, NaN: none) has NaN TTFT and E2E. `where` names the
+    file in errors; `field_names` maps a column to the file's own name for it."""
     names = {"arrival_s": "arrival_s", "prompt_len": "prompt_len", "output_len": "output_len",
              "ttft_s": "ttft_s", "e2e_s": "e2e_s", "tpot_s": "tpot_s", **(field_names or {})}
     columns = {
@@ -74,14 +79,27 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
         "ttft_s": _column(ttft_s, names["ttft_s"], where, np.float64),
         "e2e_s": _column(e2e_s, names["e2e_s"], where, np.float64),
     }
+    if timeout_s is not None:
+        columns["timeout_s"] = _column(timeout_s, "timeout_s", where, np.float64)
     count = columns["arrival_s"].size
-    if count == 0:
-        raise RealRunError(f"{where}: no completed requests")
     for key, values in columns.items():
         if values.size != count:
-            raise RealRunError(f"{where}: field {names[key]!r} has {values.size} values for "
-                               f"{count} requests")
-        bad = np.flatnonzero(~np.isfinite(values))
+            raise RealRunError(f"{where}: field {names.get(key, key)!r} has {values.size} values "
+                               f"for {count} requests")
+    deadlines = columns.pop("timeout_s", None)
+    # Only a request with a deadline may lack latencies: its client abandoned it.
+    abandoned = (np.zeros(count, dtype=bool) if deadlines is None
+                 else np.isnan(columns["e2e_s"]) & np.isfinite(deadlines))
+    if count == 0 or abandoned.all():
+        raise RealRunError(f"{where}: no completed requests")
+    if deadlines is not None:
+        bad = np.flatnonzero(deadlines <= 0)
+        if bad.size:
+            raise RealRunError(f"{where}: field 'timeout_s' of request {bad[0]} must be a "
+                               f"positive number or none, got {deadlines[bad[0]]:g}")
+    for key, values in columns.items():
+        may_lack = abandoned if key in ("ttft_s", "e2e_s") else np.zeros_like(abandoned)
+        bad = np.flatnonzero(~np.isfinite(values) & ~may_lack)
         if bad.size:
             raise RealRunError(f"{where}: field {names[key]!r} of request {bad[0]} is not a "
                                f"finite number")
@@ -124,4 +142,5 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
         itls_s=None if itls_s is None else [list(itls_s[i]) for i in order],
         notes=list(notes or []),
         prompt_hash_ids=None if prompt_hash_ids is None else [list(prompt_hash_ids[i])
-                                                              for i in order])
+                                                              for i in order],
+        timeout_s=None if deadlines is None else deadlines[order])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import statistics
-import sys
 from collections.abc import Mapping
 
 from hydra.utils import get_class
@@ -24,6 +23,7 @@ from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
                                stage_layers, stage_shape)
 from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
+from sim.core.say_once import say_once
 from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
 from sim.core.speculation_setup import SpeculationSetup, speculation_setup
@@ -217,20 +217,16 @@ def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, 
         cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
     except NoGPUTable:
         fallback, carried = _roofline_fallback(cfg.cost_model, hardware)
-        if (model.name, hardware.name) not in _FELL_BACK:
-            _FELL_BACK.add((model.name, hardware.name))
-            kept = "".join(f" cost_model.{key}={value}" for key, value in carried.items())
-            print(f"twinserve: no GPU measurement covers hardware={hardware.name} "
-                  f"(cost_model={_group_name(cfg.cost_model)}); using cost_model=roofline, an "
-                  f"uncalibrated spec-sheet estimate{' with' + kept if kept else ''}",
-                  file=sys.stderr)
+        kept = "".join(f" cost_model.{key}={value}" for key, value in carried.items())
+        # Said once per (model, hardware) pair, whatever overrides the later runs carry.
+        say_once(f"twinserve: no GPU measurement covers hardware={hardware.name} "
+                 f"(cost_model={_group_name(cfg.cost_model)}); using cost_model=roofline, an "
+                 f"uncalibrated spec-sheet estimate{' with' + kept if kept else ''}",
+                 key=("roofline fallback", model.name, hardware.name))
         cost_model = build_policy(fallback, "cost_model", **arguments)
     check_policy(cost_model, CostModel, "cost_model")
     return cost_model
 
-
-# (model, hardware) pairs whose fallback to the roofline has been said.
-_FELL_BACK: set[tuple[str, str]] = set()
 
 # Settings every cost model group carries from the run (kv_cache's), not the user's choice.
 _RUN_SETTINGS = ("block_size", "offload_bandwidth_gbps")

@@ -22,7 +22,6 @@ from; `expected_error_pct` the end-to-end errors of its kind of prediction in le
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -31,6 +30,7 @@ from policies import validators
 from policies.types import StepPlan
 from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
+from sim.core.say_once import say_once
 from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost
@@ -50,15 +50,6 @@ DENSE_TOKENS = 8192
 
 # Where the kernels come from: vLLM's own, per version (aiconfigurator), or Vidur's 2023 profiles.
 KERNEL_TABLES = ("vllm", "vidur")
-
-_SAID: set[str] = set()
-
-
-def _say_once(line: str) -> None:
-    """Print a fallback's one line once a process (sweeps build many cost models)."""
-    if line not in _SAID:
-        _SAID.add(line)
-        print(line, file=sys.stderr)
 
 
 def _routing_exponent(routing) -> float:
@@ -180,8 +171,8 @@ class GPUCostModel(RooflineCostModel):
             except NoKernelTables as missing:
                 self.kernels = None
                 self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
-                _say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
-                          f"tables (cost_model.kernel_tables=vidur)")
+                say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
+                         f"tables (cost_model.kernel_tables=vidur)")
         else:
             self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
         # What a run's summary names as the kernels it used.

@@ -6,10 +6,12 @@ The workload is the one `twinserve` would run with the same overrides (conf/conf
 as the app composes it), with prompt token ids drawn (workload.with_token_ids), and the model the
 server serves when it is a conf/model name (its vocabulary bounds the ids). Each request is sent
 at its arrival time after the run's start, streamed, with max_tokens = min_tokens = its output
-length and ignore_eos, so the output has the workload's length. The client records when it sent
-each request and when each chunk of tokens arrived. `--warmup N` first sends the workload's first
-N requests together and waits for them, unrecorded (a server's first requests pay for its lazy
-start-up: compiled graphs, allocator, caches).
+length and ignore_eos, so the output has the workload's length, and with its `timeout_s` where
+the workload gives one (a server that answers 408 abandoned it: recorded as abandoned, not
+failed). The client records when it sent each request and when each chunk of tokens arrived.
+`--warmup N` first sends the workload's first N requests together, without deadlines, and
+waits for them, unrecorded (a server's first requests pay for its lazy start-up: compiled
+graphs, allocator, caches).
 
     twinserve-bench --endpoint http://127.0.0.1:8000 workload.num_requests=50 workload.rate=4
 """
@@ -37,6 +39,8 @@ from sim.tools.bench_run_file import RequestRecord, build_run_file, print_summar
 from sim.tools.capacity import compose_config
 
 COMPLETIONS_PATH = "/v1/completions"
+# The status twinserve-serve answers a request with when its timeout_s passed (Request Timeout).
+ABANDONED_STATUS = 408
 MODEL_CONFIGS = REPO_ROOT / "conf" / "model"
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_TIMEOUT_S = 3600.0
@@ -101,11 +105,23 @@ def workload_requests(overrides: list[str], served_model: str | None):
 
 
 def completion_payload(request: Request, model: str) -> dict:
-    return {"model": model, "prompt": list(request.prompt_token_ids),
-            "max_tokens": request.output_len, "min_tokens": request.output_len,
-            "ignore_eos": True, "temperature": 0.0, "n": request.n, "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True}   # (vLLM's switch for token_ids in its chunks)
+    payload = {"model": model, "prompt": list(request.prompt_token_ids),
+               "max_tokens": request.output_len, "min_tokens": request.output_len,
+               "ignore_eos": True, "temperature": 0.0, "n": request.n, "stream": True,
+               "stream_options": {"include_usage": True},
+               "return_token_ids": True}   # (vLLM's switch for token_ids in its chunks)
+    if request.timeout_s is not None:   # (twinserve-serve's deadline; sent only when set)
+        payload["timeout_s"] = request.timeout_s
+    return payload
+
+
+def _abandoned(record: RequestRecord, status: int, run_start: float) -> bool:
+    """Whether `status` is the server's answer to a request whose timeout_s passed (408), which
+    `record` then notes as abandoned."""
+    if status != ABANDONED_STATUS:
+        return False
+    record.abandoned_time = time.perf_counter() - run_start
+    return True
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict,
@@ -114,6 +130,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict,
     async with client.stream("POST", url, json=payload) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")
+            if _abandoned(record, response.status_code, run_start):
+                return
             try:
                 message = json.loads(body)["error"]["message"]
             except (ValueError, KeyError, TypeError):
@@ -130,6 +148,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict,
             chunk = json.loads(data)
             if chunk.get("error"):
                 error = chunk["error"]
+                if isinstance(error, dict) and _abandoned(record, error.get("code"), run_start):
+                    return
                 record.error = error.get("message", str(error)) if isinstance(error, dict) else (
                     str(error))
                 return
@@ -154,7 +174,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict,
 async def send_at_arrival(client: httpx.AsyncClient, url: str, model: str, request: Request,
                           run_start: float, deadline: float,
                           request_timeout_s: float) -> RequestRecord:
-    record = RequestRecord(prompt_len=request.prompt_len, expected_output_len=request.output_len)
+    record = RequestRecord(prompt_len=request.prompt_len, expected_output_len=request.output_len,
+                           timeout_s=request.timeout_s)
     await asyncio.sleep(max(0.0, run_start + request.arrival_time - time.perf_counter()))
     now = time.perf_counter()
     if now >= deadline:
@@ -175,13 +196,14 @@ async def send_at_arrival(client: httpx.AsyncClient, url: str, model: str, reque
 
 async def warm_up(client: httpx.AsyncClient, url: str, model: str, requests: list[Request],
                   request_timeout_s: float) -> None:
-    """Send `requests` all at once and wait for them; raises ValueError naming the first that
-    failed (a server that cannot answer the warm-up would spoil the run)."""
+    """Send `requests` all at once, without deadlines, and wait for them; raises ValueError
+    naming the first that failed (a server that cannot answer the warm-up would spoil the run)."""
     now = time.perf_counter()
+    undated = [replace(request, arrival_time=0.0, timeout_s=None) for request in requests]
     records = await asyncio.gather(*(
-        send_at_arrival(client, url, model, replace(request, arrival_time=0.0), now,
-                        now + request_timeout_s, request_timeout_s)
-        for request in requests))
+        send_at_arrival(client, url, model, request, now, now + request_timeout_s,
+                        request_timeout_s)
+        for request in undated))
     for index, record in enumerate(records):
         if not record.success:
             raise ValueError(f"--warmup: warm-up request {index} failed: "

@@ -1,11 +1,15 @@
 """The run file `twinserve-bench` writes: the keys of vLLM's `bench serve --save-result
 --save-detailed` JSON (aggregates in ms, per-request lists in s), plus twinserve's own:
 `start_times` (s since the run began, when each request was sent), `e2els` (s),
-`expected_output_lens`, `engine_settings` and the workload that was replayed.
+`expected_output_lens`, `timeout_s` (each request's deadline, s after it was sent; None: none),
+`abandoned_times` (s since the run began, when the server answered that its timeout_s passed;
+None: it was not abandoned), `abandoned` (how many were), `engine_settings` and the workload
+that was replayed.
 
-Per-request lists are in request order (the workload's arrival order). A failed request keeps
-vLLM's placeholders (ttft and e2el 0.0, output_len 0, no itls) and its message in `errors`; the
-aggregates are over the completed requests only, as vLLM's are."""
+Per-request lists are in request order (the workload's arrival order). A failed or abandoned
+request keeps vLLM's placeholders (ttft and e2el 0.0, output_len 0, no itls); a failed one has
+its message in `errors` (an abandoned one is not a failure: its entry is empty). The aggregates
+are over the completed requests only, as vLLM's are."""
 from __future__ import annotations
 
 import math
@@ -32,6 +36,8 @@ class RequestRecord:
     usage_output_tokens: int | None = None   # the server's count, when it sent usage
     generated_text: str = ""
     error: str = ""
+    timeout_s: float | None = None           # the deadline it was sent with (None: none)
+    abandoned_time: float | None = None      # when the server said its timeout_s passed
 
     def add_tokens(self, now: float, num_tokens: int) -> None:
         self.token_times.append(now)
@@ -46,7 +52,8 @@ class RequestRecord:
 
     @property
     def success(self) -> bool:
-        return not self.error and self.start_time is not None and self.output_len > 0
+        return (not self.error and self.abandoned_time is None and self.start_time is not None
+                and self.output_len > 0)
 
     @property
     def ttft(self) -> float:
@@ -85,6 +92,7 @@ def build_run_file(records: list[RequestRecord], duration_s: float, *, info: dic
     """The run file's body: `info`'s keys (date, backend, model_id, request_rate,
     engine_settings, ...) then the results of `records` over a run of `duration_s`."""
     completed = [record for record in records if record.success]
+    num_abandoned = sum(record.abandoned_time is not None for record in records)
     total_input = sum(record.prompt_len for record in completed)
     total_output = sum(record.output_len for record in completed)
     result = dict(info)
@@ -92,7 +100,8 @@ def build_run_file(records: list[RequestRecord], duration_s: float, *, info: dic
         "num_prompts": len(records),
         "duration": duration_s,
         "completed": len(completed),
-        "failed": len(records) - len(completed),
+        "failed": len(records) - len(completed) - num_abandoned,
+        "abandoned": num_abandoned,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": len(completed) / duration_s,
@@ -114,6 +123,8 @@ def build_run_file(records: list[RequestRecord], duration_s: float, *, info: dic
         "start_times": [record.start_time for record in records],
         "e2els": [record.e2el for record in records],
         "expected_output_lens": [record.expected_output_len for record in records],
+        "timeout_s": [record.timeout_s for record in records],
+        "abandoned_times": [record.abandoned_time for record in records],
     })
     return result
 
@@ -123,6 +134,8 @@ def print_summary(result: dict) -> None:
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
     rows = [("Successful requests:", result["completed"]),
             ("Failed requests:", result["failed"]),
+            *((("Abandoned requests (timeout_s):", result["abandoned"]),)
+              if any(timeout is not None for timeout in result["timeout_s"]) else ()),
             ("Benchmark duration (s):", result["duration"]),
             ("Total input tokens:", result["total_input_tokens"]),
             ("Total generated tokens:", result["total_output_tokens"]),
