@@ -74,7 +74,7 @@ class LockstepGroup:
                 rank._queued_during_step.clear()   # (counted only for repeated steps)
                 finished = rank.steps.complete(env.now)
                 if finished and rank.on_requests_done:
-                    rank.on_requests_done(len(finished))
+                    rank.on_requests_done(finished)
                 if finished and rank.on_finished is not None:
                     rank.on_finished(finished)
 

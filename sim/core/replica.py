@@ -50,7 +50,7 @@ class NextArrival:
 class Replica:
     def __init__(self, env: simpy.Environment, replica_id: int, scheduler: Scheduler,
                  executor: Executor, metrics: MetricsCollector,
-                 on_requests_done: Callable[[int], None] | None = None,
+                 on_requests_done: Callable[[list[Request]], None] | None = None,
                  next_arrival: NextArrival | None = None, predictor=None,
                  pool: str = "main", role: str = "mixed", energy: EnergyMeter | None = None):
         self.env = env
@@ -100,7 +100,7 @@ class Replica:
         self.scheduler.add_request(request, self.env.now)
         if request.rejected_reason is not None:
             if self.on_requests_done:
-                self.on_requests_done(1)
+                self.on_requests_done([request])
             if self.on_finished is not None:
                 self.on_finished([request])
             return
@@ -128,7 +128,7 @@ class Replica:
                 self._idle = None
             queued = self._queued_during_step
             queued.clear()
-            first_row = len(self.metrics.step_rows)
+            first_row = self.metrics.num_steps
             # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
             # out of a prefill replica, whose blocks it frees.
             transfers = self.role == "decode" or self.num_pending_transfers > 0
@@ -157,7 +157,7 @@ class Replica:
                 # Requests that arrived while the run's blocked queue kept them waiting.
                 self.recorder.count_arrivals(first_row, result.num_steps, queued)
             if finished and self.on_requests_done:
-                self.on_requests_done(len(finished))
+                self.on_requests_done(finished)
             if finished and self.on_finished is not None:
                 self.on_finished(finished)
             if self.on_step_done is not None:

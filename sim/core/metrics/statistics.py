@@ -150,15 +150,30 @@ def per_second(amount: float, duration_s: float) -> float:
     return amount / duration_s if duration_s > 0 else 0.0
 
 
+def rejection_kind(reason: str) -> str:
+    """A rejection reason with its numbers written #: reasons alike but for them are one kind."""
+    return re.sub(r"\d+", "#", reason)
+
+
+def count_rejections(requests: list[Request], kinds: dict[str, list]) -> None:
+    """Count the rejected `requests` into `kinds` {kind: [its first reason, count]}."""
+    for request in requests:
+        if request.rejected_reason is not None:
+            kinds.setdefault(rejection_kind(request.rejected_reason),
+                             [request.rejected_reason, 0])[1] += 1
+
+
 def rejection_summary(requests: list[Request]) -> dict:
     """For a run that rejected requests, why: the most common kind of rejection (reasons alike
     but for their numbers), the first such request's reason and how many requests it covers;
     and `rejected_by_reason`, every kind (its numbers written #) with its count, most first."""
     kinds: dict[str, list] = {}
-    for request in requests:
-        if request.rejected_reason is not None:
-            kind = re.sub(r"\d+", "#", request.rejected_reason)
-            kinds.setdefault(kind, [request.rejected_reason, 0])[1] += 1
+    count_rejections(requests, kinds)
+    return rejection_kinds_summary(kinds)
+
+
+def rejection_kinds_summary(kinds: dict[str, list]) -> dict:
+    """rejection_summary's keys from count_rejections' {kind: [first reason, count]}."""
     if not kinds:
         return {}
     reason, count = max(kinds.values(), key=lambda example_count: example_count[1])
