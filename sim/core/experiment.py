@@ -37,7 +37,6 @@ from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
                                streamed_summary)
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
-from sim.core.metrics.recorder import SPILL_AT_ROWS
 from sim.core.metrics.streaming import RequestLedger
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
@@ -197,8 +196,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 
     def count_done(finished: list[Request]) -> None:
         ledger.add(finished)
-        if streamed and len(metrics.step_rows) >= SPILL_AT_ROWS:
-            metrics.spill_steps()
+        if streamed:
+            metrics.spill_steps_if_many()
         bar.update(len(finished))
 
     replicas = []

@@ -84,13 +84,18 @@ class MetricsCollector:
         held = index - self.num_spilled_rows
         if held < 0:
             raise RuntimeError(f"step row {index} was already spilled (a step in flight over "
-                               f"more than {SPILL_KEEP_ROWS} later rows)")
+                               f"more than {len(self.step_rows)} later rows)")
         return held
 
-    def spill_steps(self, keep: int = SPILL_KEEP_ROWS) -> None:
-        """Fold all but the newest `keep` held rows into the totals, write them out and drop
-        them (a streamed run; after its last step with keep=0)."""
-        num_rows = len(self.step_rows) - keep
+    def spill_steps_if_many(self) -> None:
+        """spill_steps once SPILL_AT_ROWS rows are held (called as requests finish)."""
+        if len(self.step_rows) >= SPILL_AT_ROWS:
+            self.spill_steps()
+
+    def spill_steps(self, keep: int | None = None) -> None:
+        """Fold all but the newest `keep` (default SPILL_KEEP_ROWS) held rows into the totals,
+        write them out and drop them (a streamed run; after its last step with keep=0)."""
+        num_rows = len(self.step_rows) - (SPILL_KEEP_ROWS if keep is None else keep)
         if num_rows <= 0:
             return
         rows = self.step_rows[:num_rows]
