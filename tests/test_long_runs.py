@@ -72,11 +72,26 @@ def csv_rows(path) -> list:
         return sorted(map(tuple, csv.reader(file)))
 
 
-def test_a_streamed_runs_summary_and_files_equal_the_exact_ones(tmp_path, small_chunks):
-    exact = run_experiment(make_cfg(*WORKLOAD), out_dir=tmp_path / "exact", plots=False)
-    streamed = run_experiment(make_cfg(*WORKLOAD, "++metrics.max_kept_requests=100"),
+def late_second_tenant_trace(path) -> list[str]:
+    """A trace whose second tenant and priority first come after a few folded chunks."""
+    rows = ["arrival_time,prompt_len,output_len,tenant,priority"]
+    for index in range(800):
+        late = index >= 300 and index % 2
+        rows.append(f"{index * 0.05:.2f},{64 + index % 200},{8 + index % 50},"
+                    f"{'b' if late else 'a'},{1 if late else 0}")
+    path.write_text("\n".join(rows) + "\n")
+    return ["workload=trace", f"workload.trace_path={path}", "cluster.num_replicas=2"]
+
+
+@pytest.mark.parametrize("workload", ["classes", "late second tenant"])
+def test_a_streamed_runs_summary_and_files_equal_the_exact_ones(tmp_path, small_chunks, workload):
+    overrides = (WORKLOAD if workload == "classes"
+                 else late_second_tenant_trace(tmp_path / "trace.csv"))
+    exact = run_experiment(make_cfg(*overrides), out_dir=tmp_path / "exact", plots=False)
+    streamed = run_experiment(make_cfg(*overrides, "++metrics.max_kept_requests=100"),
                               out_dir=tmp_path / "streamed", plots=False)
-    assert len(exact.requests) == 1200 and streamed.requests == []
+    assert exact.requests and streamed.requests == []
+    assert set(exact.summary["per_tenant"]) == {"a", "b"}
     exact_keys, streamed_keys = flat(exact.summary), flat(streamed.summary)
     assert {key for key in exact_keys if key.rsplit(".", 1)[-1] not in EXACT_ONLY} == {
         key for key in streamed_keys if key not in STREAMED_ONLY}

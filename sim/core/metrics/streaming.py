@@ -16,6 +16,7 @@ log(gamma): about 12,000 for latencies from a microsecond to three hours), not t
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from collections import defaultdict
@@ -138,13 +139,15 @@ class RequestTotals:
             return   # (the run stops with check_first_tokens' error)
         self.last_finish = max(self.last_finish, *map(attribute("finish_time"), completed))
         self.total_input += sum(map(attribute("prompt_len"), completed))
-        self.total_output += sum(map(attribute("num_output_tokens"), completed))
+        outputs = list(map(attribute("num_output_tokens"), completed))
+        self.total_output += sum(outputs)
+        by_replica = self.output_tokens_by_replica
+        for replica_id, num_tokens in zip(map(attribute("replica_id"), completed), outputs):
+            by_replica[replica_id] += num_tokens
         if any(request.prompt_token_ids is not None for request in requests):
             self.has_token_ids = True
         self.cached_tokens += sum(map(attribute("num_cached_tokens"), completed))
         self.host_cached_tokens += sum(map(attribute("num_host_cached_tokens"), completed))
-        for request in completed:
-            self.output_tokens_by_replica[request.replica_id] += request.num_output_tokens
         for name, values in latency_arrays_s(completed).items():
             self.latencies[name].add(values)
         limits = slos_ms or {}
@@ -177,8 +180,11 @@ class RequestLedger:
         self.kept: list[Request] = []   # with keep: every finished request
         self.pending: list[Request] = []
         self.totals = RequestTotals(relative_accuracy)
+        # Per tenant and per priority, once a second one appears: until then, the one group
+        # seen (`_sole`) has the run's totals, and folding them twice more would cost as much.
         self.by_tenant: dict[str, RequestTotals] = {}
         self.by_priority: dict[int, RequestTotals] = {}
+        self._sole: dict[str, object] = {}
 
     def add(self, requests: list[Request]) -> None:
         if self.keep:
@@ -194,12 +200,17 @@ class RequestLedger:
             return
         if self.write_rows is not None:
             self.write_rows(chunk)
+        members = {key: _members(chunk, key) for key in ("tenant", "priority")}
+        grouped = {"tenant": self.by_tenant, "priority": self.by_priority}
+        for key, groups in grouped.items():
+            sole = self._sole.setdefault(key, next(iter(members[key])))
+            if not groups and (len(members[key]) > 1 or sole not in members[key]):
+                # A second group: the requests folded so far were all the first one's.
+                groups[sole] = (copy.deepcopy(self.totals) if self.totals.num_requests
+                                else RequestTotals(self.relative_accuracy))
         self.totals.fold(chunk, self.slos_ms)
-        for groups, key in ((self.by_tenant, "tenant"), (self.by_priority, "priority")):
-            members: dict = defaultdict(list)
-            for request in chunk:
-                members[getattr(request, key)].append(request)
-            for value, group in members.items():
+        for key, groups in grouped.items():
+            for value, group in (members[key].items() if groups else ()):
                 if value not in groups:
                     groups[value] = RequestTotals(self.relative_accuracy)
                 groups[value].fold(group, self.slos_ms)
@@ -207,3 +218,11 @@ class RequestLedger:
             # A request and its sequences refer to each other: without the cycle they are freed
             # as the chunk goes, not at the cyclic GC's next full collection.
             request.sequences.clear()
+
+
+def _members(requests: list[Request], key: str) -> dict:
+    """The requests by their value of the attribute `key`."""
+    members: dict = defaultdict(list)
+    for request in requests:
+        members[getattr(request, key)].append(request)
+    return members
