@@ -40,7 +40,8 @@ def main() -> None:
     summary = run_experiment(cfg, out_dir=args.out, plots=False).summary
     wall_s = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{args.requests:,} requests ({'kept' if args.keep else 'streamed' if summary.get('streamed_requests') else 'kept'}): "
+    how = "streamed" if summary.get("streamed_requests") else "kept"
+    print(f"{args.requests:,} requests ({how}): "
           f"{summary['num_steps']:,} steps, {wall_s:.1f} wall-s, "
           f"{args.requests / wall_s:,.0f} req/wall-s, peak RSS {peak_mb:,.0f} MB, "
           f"p99 TTFT {summary['p99_ttft_ms']:.2f} ms", flush=True)
