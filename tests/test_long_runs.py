@@ -147,3 +147,15 @@ def test_a_run_under_the_limit_keeps_every_request_and_says_nothing_streamed():
     result = run_experiment(make_cfg("workload.num_requests=200",
                                      "++metrics.max_kept_requests=200"))
     assert len(result.requests) == 200 and "streamed_requests" not in result.summary
+
+
+def test_a_run_that_needs_every_request_keeps_them_and_says_why(capsys):
+    result = run_experiment(make_cfg("workload.num_requests=300", "trace_export=true",
+                                     "++metrics.max_kept_requests=100"))
+    assert len(result.requests) == 300 and "streamed_requests" not in result.summary
+    assert "because of trace_export=true" in capsys.readouterr().err
+
+
+def test_a_bad_limit_is_refused_naming_its_key():
+    with pytest.raises(ValueError, match="metrics.max_kept_requests"):
+        run_experiment(make_cfg("workload.num_requests=10", "++metrics.max_kept_requests=0"))

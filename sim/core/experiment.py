@@ -181,7 +181,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         num_planned = len(requests)
     # A long open-loop run folds its requests into running totals as they finish and drops
     # them (long_run.py); any other keeps them all, made now.
-    streamed = is_streamed(cfg, requests, disaggregated)
+    streamed = is_streamed(cfg, requests, num_planned, disaggregated)
     if not streamed and isinstance(requests, RequestStream):
         requests = list(requests)
     ledger = RequestLedger(keep=not streamed, slos_ms=slos_ms(cfg))

@@ -29,19 +29,23 @@ def max_kept_requests(cfg: DictConfig) -> int:
     return positive_int("metrics.max_kept_requests", value)
 
 
-def is_streamed(cfg: DictConfig, requests, disaggregated: bool) -> bool:
-    """Whether the run streams its requests: an open-loop workload of more than
-    metrics.max_kept_requests, unless a part of the run needs every request (said on stderr)."""
+def is_streamed(cfg: DictConfig, requests, num_planned: int, disaggregated: bool) -> bool:
+    """Whether the run streams its `requests` (None: a closed-loop workload's, made by the run):
+    an open-loop workload of more than metrics.max_kept_requests, unless a part of the run needs
+    every request (said on stderr)."""
     limit = max_kept_requests(cfg)
-    if not isinstance(requests, RequestStream) or len(requests) <= limit:
+    if num_planned <= limit:
         return False
+    streamable = isinstance(requests, RequestStream)
     needs = [why for why, needed in (
+        ("a closed-loop workload (the run makes its turns)", requests is None),
+        ("requests handed to run_experiment", requests is not None and not streamable),
         ("cluster=disaggregated (its KV-transfer percentiles)", disaggregated),
         ("cluster.pools (per-pool step counts)", cfg.cluster.get("pools") is not None),
         ("trace_export=true", bool(cfg.get("trace_export"))),
-        ("sessions (their KV summary)", requests.has_sessions())) if needed]
+        ("sessions (their KV summary)", streamable and requests.has_sessions())) if needed]
     if needs:
-        print(f"twinserve: all {len(requests):,} requests are kept to the end (memory grows "
+        print(f"twinserve: all {num_planned:,} requests are kept to the end (memory grows "
               f"with them) because of {', '.join(needs)}; above metrics.max_kept_requests="
               f"{limit:,} a run without these streams them", file=sys.stderr)
         return False
