@@ -256,7 +256,7 @@ def predict_row(row: SiliconRow, overrides: list[str] | tuple[str, ...] = (),
     wall_s = time.perf_counter() - start
     summary = result.summary
     return {"id": row.id, "sim_ttft_ms": summary["mean_ttft_ms"],
-            "sim_tpot_ms": summary["mean_tpot_ms"], "num_requests": len(result.requests),
+            "sim_tpot_ms": summary["mean_tpot_ms"], "num_requests": summary["num_requests"],
             "num_preemptions": summary["num_preemptions"], "overrides": all_overrides,
             "wall_s": wall_s}
 

@@ -331,7 +331,7 @@ class DisaggregatedCluster:
                 queue.popleft()   # it can never run there
                 self._release_source(pending)
                 if self.on_requests_done:
-                    self.on_requests_done(1)
+                    self.on_requests_done([request])
                 if decode.on_finished is not None:
                     decode.on_finished([request])
                 continue

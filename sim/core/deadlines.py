@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 
 from policies.checks import has_capability
 from policies.protocols import AbortingScheduler
@@ -53,18 +54,30 @@ class Deadlines:
         return abandoned
 
 
-def abandonment_summary(requests: list[Request]) -> dict:
-    """A run's abandoned requests, when any request has a deadline (else {}): how many, their
-    fraction of the run, how many never had a first token, and the output tokens computed for
-    them and thrown away (the summary's output_throughput counts finished requests' alone)."""
-    if all(request.timeout_s is None for request in requests):
-        return {}
+def abandonment_counts(requests: list[Request]) -> Counter:
+    """The counts abandonment_summary needs of `requests`, summable over chunks of a run."""
     abandoned = [request for request in requests if request.abandoned_time is not None]
-    return {"abandoned": len(abandoned),
-            "abandoned_fraction": len(abandoned) / len(requests),
-            "abandoned_before_first_token": sum(1 for request in abandoned
-                                                if request.first_token_time is None),
-            "abandoned_output_tokens": sum(request.num_output_tokens for request in abandoned)}
+    return Counter(requests=len(requests),
+                   with_deadline=sum(request.timeout_s is not None for request in requests),
+                   abandoned=len(abandoned),
+                   abandoned_before_first_token=sum(request.first_token_time is None
+                                                    for request in abandoned),
+                   abandoned_output_tokens=sum(request.num_output_tokens
+                                               for request in abandoned))
+
+
+def abandonment_summary(requests: list[Request] | Counter) -> dict:
+    """A run's abandoned requests (from the requests or their abandonment_counts), when any
+    request has a deadline (else {}): how many, their fraction of the run, how many never had a
+    first token, and the output tokens computed for them and thrown away (the summary's
+    output_throughput counts finished requests' alone)."""
+    counts = requests if isinstance(requests, Counter) else abandonment_counts(requests)
+    if not counts["with_deadline"]:
+        return {}
+    return {"abandoned": counts["abandoned"],
+            "abandoned_fraction": counts["abandoned"] / counts["requests"],
+            "abandoned_before_first_token": counts["abandoned_before_first_token"],
+            "abandoned_output_tokens": counts["abandoned_output_tokens"]}
 
 
 def check_deadlines(requests: list[Request], schedulers: list, where: str | None) -> bool:

@@ -35,13 +35,17 @@ from sim.core.executor import SimExecutor
 from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
 from sim.core.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
+from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
+                               streamed_summary)
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
+from sim.core.metrics.streaming import RequestLedger
 from sim.core.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.session_arrivals import ClosedLoopArrivals
 from sim.core.specs import ModelSpec
-from sim.core.workload import build_session_source, build_workload, is_closed_loop
-from sim.tools.run_outputs import write_run_outputs
+from sim.core.workload import (RequestStream, build_session_source, is_closed_loop,
+                               workload_stream)
+from sim.tools.run_outputs import StreamedOutputs, write_run_outputs
 
 # Allocations between the cyclic GC's young collections while the simulation runs (Python's
 # default is 700: a collection every few steps).
@@ -63,13 +67,13 @@ class RunResult:
     replicas: list[Replica] = field(default_factory=list)   # as the run left them
 
 
-def check_tenant_weights(scheduler_cfg, requests: list[Request]) -> None:
+def check_tenant_weights(scheduler_cfg, tenants: set[str]) -> None:
     """A scheduler's `tenant_weights` (scheduler=vtc) may weigh only tenants the run's requests
-    have: a name that none has is a typo, not a tenant to wait for."""
+    have (`tenants`): a name that none has is a typo, not a tenant to wait for."""
     weights = scheduler_cfg.get("tenant_weights") if hasattr(scheduler_cfg, "get") else None
     if not weights or not hasattr(weights, "keys"):
         return   # none, or not a mapping: the scheduler itself says what it takes
-    tenants = sorted({request.tenant for request in requests})
+    tenants = sorted(tenants)
     for tenant in weights.keys():
         if tenant not in tenants:
             raise ValueError(f"scheduler.tenant_weights.{tenant}: no request of the run has "
@@ -166,22 +170,36 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
         source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
                                       lora=lora)
         sessions = ClosedLoopArrivals(env, source, predictor, frontend_latency(cfg))
-        check_tenant_weights(cfg.scheduler, source.all_requests())
+        check_tenant_weights(cfg.scheduler,
+                             {request.tenant for request in source.all_requests()})
         num_planned = source.num_planned_requests
     else:
         if requests is None:
-            requests = build_workload(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
-                                      lora=lora)
-        check_tenant_weights(cfg.scheduler, requests)
+            requests = workload_stream(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
+                                       lora=lora)
+        check_tenant_weights(cfg.scheduler, requests.tenants() if isinstance(
+            requests, RequestStream) else {request.tenant for request in requests})
         num_planned = len(requests)
-
-    metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block)
+    # A long open-loop run folds its requests into running totals as they finish and drops
+    # them (long_run.py); any other keeps them all, made now.
+    streamed = is_streamed(cfg, requests, num_planned, disaggregated)
+    if not streamed and isinstance(requests, RequestStream):
+        requests = list(requests)
+    ledger = RequestLedger(keep=not streamed, slos_ms=slos_ms(cfg))
+    metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block, streamed=streamed)
+    outputs = None
+    if streamed and out_dir is not None:
+        outputs = StreamedOutputs(Path(out_dir))
+        ledger.write_rows, metrics.write_step_rows = outputs.write_requests, outputs.write_steps
     # The bar is drawn once everything is built, so a setting the build refuses prints its one
     # line alone; the replicas report to it through this name.
     bar = None
 
-    def count_done(num_requests: int) -> None:
-        bar.update(num_requests)
+    def count_done(finished: list[Request]) -> None:
+        ledger.add(finished)
+        if streamed:
+            metrics.spill_steps_if_many()
+        bar.update(len(finished))
 
     replicas = []
     retention_policies = []   # the replicas' KV retention policies that keep blocks
@@ -233,6 +251,12 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 
     for replica in replicas:
         metrics.add_itl_counts(replica.recorder.itl_counts)
+    if streamed:
+        summary = streamed_summary(metrics, ledger, num_planned,
+                                   time.perf_counter() - wall_start, slos_ms(cfg) is not None,
+                                   replicas)
+        return finish_streamed_run(summary, metrics, ledger, num_blocks, replicas, cfg,
+                                   lora_managers, outputs, plots)
     unfinished = [r for r in requests if not r.is_finished]
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (first: "
@@ -273,6 +297,30 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
             write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
                         metrics.replica_labels)
     return RunResult(summary, requests, metrics, num_blocks, replicas)
+
+
+def finish_streamed_run(summary: dict, metrics: MetricsCollector, ledger: RequestLedger,
+                        num_blocks: int, replicas: list[Replica], cfg: DictConfig,
+                        lora_managers: list, outputs: StreamedOutputs | None,
+                        plots: bool) -> RunResult:
+    """A streamed run's summary keys beyond its requests' (in run_experiment's order) and its
+    files; its RunResult holds no requests."""
+    summary["num_kv_blocks"] = num_blocks
+    summary.update(streamed_rejection_summary(ledger))
+    summary.update(abandonment_summary(ledger.totals.abandonment))
+    summary.update(streamed_energy_summary(ledger, replicas, summary))
+    summary.update(speed_summary([replica.executor for replica in replicas]))
+    summary.update(lora_summary(lora_managers))
+    summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
+                                       if isinstance(replica.executor, SimExecutor)]))
+    warn_unused_features(cfg, [], summary, replicas)
+    warn_rejections(summary)
+    if outputs is not None:
+        if plots:
+            print("twinserve: no plots for a streamed run (they draw every request and step); "
+                  "requests.csv and steps.csv have them all", file=sys.stderr)
+        outputs.finish(summary)
+    return RunResult(summary, [], metrics, num_blocks, replicas)
 
 
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,

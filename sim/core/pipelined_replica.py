@@ -99,7 +99,7 @@ class VirtualEngine:
     def run(self):
         replica, scheduler = self.replica, self.scheduler
         env, stages, timeline = replica.env, replica.stages, replica.stage_timeline
-        rows = replica.metrics.step_rows
+        metrics = replica.metrics
         cost_model = replica.cost_model
         while True:
             while not scheduler.has_unfinished():
@@ -117,7 +117,7 @@ class VirtualEngine:
             start = env.now
             result = self.steps.begin_unrecorded(start)   # (the stall error where it plans nothing)
             plan = self.steps.plan
-            row = len(rows)
+            row = metrics.num_steps
             replica.recorder.record_step_row(start, plan, 0.0, replica.engines_view)
             # (the executor costed this plan just now: its stage times, not a second costing)
             stage_times = (cost_model.last_stage_times if cost_model.last_plan is plan
@@ -132,7 +132,9 @@ class VirtualEngine:
                 if timeline is not None:
                     timeline.append((index, self.index, entered, env.now))
             result.duration = duration = env.now - start
-            rows[row] = rows[row][:_DURATION] + (duration,) + rows[row][_DURATION + 1:]
+            recorded = metrics.step_row(row)
+            metrics.set_step_row(
+                row, recorded[:_DURATION] + (duration,) + recorded[_DURATION + 1:])
             replica.energy.add_stages(plan, stage_times)
             finished = self.steps.complete(env.now)
             if finished:
@@ -147,7 +149,7 @@ class PipelinedReplica:
 
     def __init__(self, env: simpy.Environment, replica_id: int, schedulers: list[Scheduler],
                  executor: SimExecutor, metrics: MetricsCollector, energy: StagesEnergyMeter,
-                 on_requests_done: Callable[[int], None] | None = None, predictor=None,
+                 on_requests_done: Callable[[list[Request]], None] | None = None, predictor=None,
                  pool: str = "main", role: str = "mixed",
                  lora_managers: list[LoRAManager] | None = None,
                  stage_timeline: list | None = None):
@@ -204,7 +206,7 @@ class PipelinedReplica:
 
     def finished(self, requests: list[Request]) -> None:
         if self.on_requests_done:
-            self.on_requests_done(len(requests))
+            self.on_requests_done(requests)
         if self.on_finished is not None:
             self.on_finished(requests)
 

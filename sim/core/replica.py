@@ -52,7 +52,7 @@ class NextArrival:
 class Replica:
     def __init__(self, env: simpy.Environment, replica_id: int, scheduler: Scheduler,
                  executor: Executor, metrics: MetricsCollector,
-                 on_requests_done: Callable[[int], None] | None = None,
+                 on_requests_done: Callable[[list[Request]], None] | None = None,
                  next_arrival: NextArrival | None = None, predictor=None,
                  pool: str = "main", role: str = "mixed", energy: EnergyMeter | None = None):
         self.env = env
@@ -110,7 +110,7 @@ class Replica:
     def ended(self, requests: list[Request]) -> None:
         """Tell who listens that `requests` finished, were rejected or were abandoned."""
         if self.on_requests_done:
-            self.on_requests_done(len(requests))
+            self.on_requests_done(requests)
         if self.on_finished is not None:
             self.on_finished(requests)
 
@@ -140,7 +140,7 @@ class Replica:
                     continue
             queued = self._queued_during_step
             queued.clear()
-            first_row = len(self.metrics.step_rows)
+            first_row = self.metrics.num_steps
             # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
             # out of a prefill replica, whose blocks it frees.
             transfers = self.role == "decode" or self.num_pending_transfers > 0

@@ -40,6 +40,8 @@ PROG = "twinserve-capacity"
 # Each doubling of --high (or halving of --low) costs a probe; past this many the bracket is
 # surely wrong by orders of magnitude.
 MAX_EXPANSIONS = 10
+# metrics.max_kept_requests of a probe: more than any workload has.
+KEEP_EVERY_REQUEST = 2 ** 62
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,9 @@ def find_capacity(cfg_overrides: Sequence[str], slo: SLO, *, low: float = 1.0,
                          "use a synthetic workload (workload=synthetic or sharegpt_like)")
 
     def measure(rate: float) -> dict:
-        probe_cfg = OmegaConf.merge(cfg, {"workload": {"rate": float(rate)}})
+        # (Every request kept, however many: the summary below is made again from them.)
+        probe_cfg = OmegaConf.merge(cfg, {"workload": {"rate": float(rate)},
+                                          "metrics": {"max_kept_requests": KEEP_EVERY_REQUEST}})
         wall_start = time.perf_counter()
         result = run_experiment(probe_cfg)
         # The same summary with the SLO as per-request goodput: how many requests met it.

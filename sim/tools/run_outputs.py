@@ -1,7 +1,9 @@
 """A run's output files: summary.json, requests.csv (a row per request, REQUEST_COLUMNS),
 steps.csv (a row per step, STEP_COLUMNS) and the PNG plots (sim/tools/plots.py). The experiment
-driver calls `write_run_outputs` once, after the run. summary.json is written last and each file
-whole or not at all (`atomic_file`), so a folder with summary.json holds the run's other files.
+driver calls `write_run_outputs` once, after the run; a streamed run (sim/core/long_run.py) writes
+its rows as it drops them instead (`StreamedOutputs`: requests in the order they finished, steps
+in the order recorded, no plots). summary.json is written last and each file whole or not at all
+(`atomic_file`), so a folder with summary.json holds the run's other files.
 """
 from __future__ import annotations
 
@@ -54,13 +56,52 @@ def atomic_file(path: Path) -> Iterator[TextIO]:
     beside `path` under a temporary name and renamed over it, so a process killed mid-write leaves
     the old file (or none), never a truncated one."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary_path(path)
     try:
         with open(temporary, "w", newline="") as file:
             yield file
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _temporary_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+class StreamedOutputs:
+    """A streamed run's requests.csv and steps.csv, written a chunk of rows at a time under
+    temporary names and renamed into place by `finish`, which writes summary.json last."""
+
+    def __init__(self, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self._files = {}
+        self._writers = {}
+        for name, columns in (("requests.csv", REQUEST_COLUMNS), ("steps.csv", STEP_COLUMNS)):
+            file = open(_temporary_path(out_dir / name), "w", newline="")
+            self._files[name], self._writers[name] = file, csv.writer(file)
+            self._writers[name].writerow(columns)
+
+    def write_requests(self, requests: list[Request]) -> None:
+        self._writers["requests.csv"].writerows(request_rows(requests))
+
+    def write_steps(self, rows: list[tuple]) -> None:
+        self._writers["steps.csv"].writerows(rows)
+
+    def finish(self, summary: dict) -> list[Path]:
+        """Put the CSVs in place, then summary.json; returns the paths written."""
+        summary_text = json.dumps(summary, indent=2, allow_nan=False) + "\n"
+        paths = []
+        for name, file in self._files.items():
+            file.close()
+            os.replace(_temporary_path(self.out_dir / name), self.out_dir / name)
+            paths.append(self.out_dir / name)
+        summary_path = self.out_dir / "summary.json"
+        with atomic_file(summary_path) as file:
+            file.write(summary_text)
+        return [summary_path, *paths]
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:

@@ -25,13 +25,19 @@ def energy_numbers(energy_j: float, output_tokens: int, span_s: float) -> dict[s
 
 
 def energy_summary(meters: Mapping[int, EnergyMeter], pools: Mapping[int, str],
-                   requests: list[Request], span_s: float, total_output_tokens: int) -> dict:
+                   requests: list[Request], span_s: float, total_output_tokens: int,
+                   output_tokens_by_replica: Mapping[int, int] | None = None) -> dict:
     """The run's energy numbers (energy_numbers) at the top level, `energy_per_replica`
     {replica id: numbers} and `energy_per_pool` {pool: numbers}, and `energy_model`: how they
     were worked out (modelled from each step's work, not measured, on either backend).
-    `total_output_tokens`: the completed requests' (the run summary's)."""
+    `total_output_tokens`: the completed requests' (the run summary's);
+    `output_tokens_by_replica`: theirs by the replica that finished them, counted already (a
+    streamed run's, whose `requests` are gone)."""
     if len(meters) == 1:   # (every request's tokens are the one replica's)
         tokens_by_replica = dict.fromkeys(meters, total_output_tokens)
+    elif output_tokens_by_replica is not None:
+        tokens_by_replica = {replica_id: output_tokens_by_replica.get(replica_id, 0)
+                             for replica_id in meters}
     else:
         tokens_by_replica = dict.fromkeys(meters, 0)
         for request in requests:

@@ -2,7 +2,8 @@
 in ms; throughputs per second of simulated time).
 
 `recorder`: what a run records on the hot path (StepRecorder, MetricsCollector, STEP_COLUMNS);
-`summary`: the run's headline numbers from it; `statistics`: the per-request arithmetic both use.
+`summary`: the run's headline numbers from it; `statistics`: the per-request arithmetic both use;
+`streaming`: a long run's running totals and quantile sketches, its requests dropped as they go.
 Writing the files and plots and printing the table are sim/tools' (run_outputs, plots,
 console_summary): nothing here imports sim/tools.
 """

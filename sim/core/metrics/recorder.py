@@ -8,14 +8,18 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
+import math
 import operator
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
 from policies.protocols import Scheduler
 from policies.types import Request, Sequence, StepPlan, StepResult
+from sim.core.metrics.statistics import histogram_stats_ms
+from sim.core.metrics.streaming import QuantileSketch
 from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S, run_summary
 
 if TYPE_CHECKING:
@@ -33,18 +37,78 @@ STEP_COLUMNS: tuple[str, ...] = (
 )
 
 _COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
+# A streamed run's step rows: folded and written out once this many are held, the newest
+# SPILL_KEEP_ROWS kept (a step in flight still amends its own rows: repeated steps' arrivals, a
+# pipelined step's duration).
+SPILL_AT_ROWS = 1 << 17
+SPILL_KEEP_ROWS = 1 << 16
+# A streamed run's inter-token latencies logged before they are sketched (16 bytes each).
+STREAMED_LOGGED_ITLS = 1 << 16
 
 
 class MetricsCollector:
     """Collects step rows and ITL histograms from every replica of a run, and turns them plus the
     run's requests into a summary (sim/tools/run_outputs.py writes them to files)."""
 
-    def __init__(self, kv_bytes_per_block: int = 0):
+    def __init__(self, kv_bytes_per_block: int = 0, streamed: bool = False):
         self.kv_bytes_per_block = kv_bytes_per_block
         # replica_id -> its name in the plots' legends (a cluster of pools names its pool).
         self.replica_labels: dict[int, str] = {}
         self.step_rows: list[tuple] = []
         self.itl_counts: dict[float, int] = {}
+        # Streamed (a long run): step rows are folded into `spilled` and handed to
+        # `write_step_rows` (the run's steps.csv, if any) as they pile up, and inter-token
+        # latencies go into a sketch (streaming.py) instead of the histogram.
+        self.streamed = streamed
+        self.itl_sketch = QuantileSketch() if streamed else None
+        self.write_step_rows: Callable[[list[tuple]], None] | None = None
+        self.num_spilled_rows = 0
+        self._spilled_totals = np.zeros(len(STEP_COLUMNS), dtype=np.float64)
+        self._spilled_peaks = np.zeros(len(STEP_COLUMNS), dtype=np.float64)
+        self._spilled_waste: list[float] = []   # each spilled chunk's fsum of its steps' waste
+        self._spilled_waste_steps = 0
+
+    @property
+    def num_steps(self) -> int:
+        """Steps recorded so far, spilled ones included: the index the next row will have."""
+        return self.num_spilled_rows + len(self.step_rows)
+
+    def step_row(self, index: int) -> tuple:
+        """The row of step `index` (counted from the run's first), still held."""
+        return self.step_rows[self._held_index(index)]
+
+    def set_step_row(self, index: int, row: tuple) -> None:
+        self.step_rows[self._held_index(index)] = row
+
+    def _held_index(self, index: int) -> int:
+        held = index - self.num_spilled_rows
+        if held < 0:
+            raise RuntimeError(f"step row {index} was already spilled (a step in flight over "
+                               f"more than {len(self.step_rows)} later rows)")
+        return held
+
+    def spill_steps_if_many(self) -> None:
+        """spill_steps once SPILL_AT_ROWS rows are held (called as requests finish)."""
+        if len(self.step_rows) >= SPILL_AT_ROWS:
+            self.spill_steps()
+
+    def spill_steps(self, keep: int | None = None) -> None:
+        """Fold all but the newest `keep` (default SPILL_KEEP_ROWS) held rows into the totals,
+        write them out and drop them (a streamed run; after its last step with keep=0)."""
+        num_rows = len(self.step_rows) - (SPILL_KEEP_ROWS if keep is None else keep)
+        if num_rows <= 0:
+            return
+        rows = self.step_rows[:num_rows]
+        del self.step_rows[:num_rows]
+        self.num_spilled_rows += num_rows
+        if self.write_step_rows is not None:
+            self.write_step_rows(rows)
+        steps = np.asarray(rows, dtype=np.float64)
+        self._spilled_totals += steps.sum(axis=0)
+        np.maximum(self._spilled_peaks, steps.max(axis=0), out=self._spilled_peaks)
+        waste = _waste(steps[:, _COL["kv_slots_allocated"]], steps[:, _COL["kv_tokens_stored"]])
+        self._spilled_waste.append(math.fsum(waste))
+        self._spilled_waste_steps += waste.size
 
     def record_step(self, replica_id: int, start_time: float, plan: StepPlan, duration: float, *,
                     kv_blocks_used: int, kv_slots_allocated: int, kv_tokens_stored: int,
@@ -67,6 +131,10 @@ class MetricsCollector:
 
     def add_itl_counts(self, itl_counts: dict[float, int]) -> None:
         """Merge one scheduler's ITL histogram {seconds: number of tokens}."""
+        if self.itl_sketch is not None:
+            self.itl_sketch.add(np.fromiter(itl_counts.keys(), np.float64, len(itl_counts)),
+                                np.fromiter(itl_counts.values(), np.int64, len(itl_counts)))
+            return
         merged = self.itl_counts
         if not merged:
             merged.update(itl_counts)   # the first (or only) replica's: in one C call
@@ -100,13 +168,30 @@ class MetricsCollector:
     def step_column_total(self, name: str) -> int:
         """The sum of one of STEP_COLUMNS' counts over the steps (an integer: no float array
         is built for it)."""
-        return int(sum(map(operator.itemgetter(_COL[name]), self.step_rows)))
+        return (int(self._spilled_totals[_COL[name]])
+                + int(sum(map(operator.itemgetter(_COL[name]), self.step_rows))))
 
     def step_column_peak(self, name: str) -> int:
         """The largest of one of STEP_COLUMNS' counts over the steps; 0 without steps."""
-        if not self.step_rows:
-            return 0
-        return int(max(map(operator.itemgetter(_COL[name]), self.step_rows)))
+        held = max(map(operator.itemgetter(_COL[name]), self.step_rows), default=0)
+        return int(max(held, self._spilled_peaks[_COL[name]]))
+
+    def kv_waste_fraction(self) -> float:
+        """The mean over steps holding KV slots of the share of those slots not storing a
+        token; fsum: the same whatever order the replicas' steps were recorded in."""
+        waste = _waste(self.step_column("kv_slots_allocated"), self.step_column("kv_tokens_stored"))
+        num_steps = waste.size + self._spilled_waste_steps
+        if not num_steps:
+            return 0.0
+        if not self._spilled_waste:
+            return math.fsum(waste) / num_steps
+        return math.fsum([*self._spilled_waste, *waste.tolist()]) / num_steps
+
+    def itl_stats_ms(self) -> dict[str, float]:
+        """mean/median/p90/p99 of the inter-token latencies in ms (streamed: from the sketch)."""
+        if self.itl_sketch is not None:
+            return self.itl_sketch.stats_ms("itl")
+        return histogram_stats_ms(self.itl_counts, "itl")
 
     def summary(self, requests: list[Request], wall_time_s: float,
                 slos_ms: dict[str, float] | None = None,
@@ -115,6 +200,12 @@ class MetricsCollector:
         {"ttft": 200, "tpot": 50, "e2el": 10_000}, adds goodput and SLO attainment;
         `fairness_window_s` is the windowed fairness's window (with tenants)."""
         return run_summary(self, requests, wall_time_s, slos_ms, fairness_window_s)
+
+
+def _waste(allocated: np.ndarray, stored: np.ndarray) -> np.ndarray:
+    """Each step's share of its allocated KV slots storing no token (steps with slots)."""
+    has_slots = allocated > 0
+    return 1.0 - stored[has_slots] / allocated[has_slots]
 
 
 class StepRecorder:
@@ -137,6 +228,8 @@ class StepRecorder:
         self._itl_counts: dict[float, int] = {}
         self._logged_itls = array.array("d")
         self._logged_tokens = array.array("q")
+        self.max_logged_itls = (STREAMED_LOGGED_ITLS if metrics.itl_sketch is not None
+                                else self.MAX_LOGGED_ITLS)
 
     @property
     def itl_counts(self) -> dict[float, int]:
@@ -150,6 +243,10 @@ class StepRecorder:
         """Add the logged pairs to the histogram as one dict update per pair, in order, would."""
         latencies = np.frombuffer(self._logged_itls, dtype=np.float64)
         tokens = np.frombuffer(self._logged_tokens, dtype=np.int64)
+        if self.metrics.itl_sketch is not None:   # (a streamed run keeps no histogram)
+            self.metrics.itl_sketch.add(latencies, tokens)
+            self._logged_itls, self._logged_tokens = array.array("d"), array.array("q")
+            return
         values, first_index, inverse = np.unique(latencies, return_index=True,
                                                  return_inverse=True)
         totals = np.zeros(values.size, dtype=np.int64)
@@ -229,12 +326,13 @@ class StepRecorder:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
         time order): each step row from `first_row` on that started after one counts it waiting,
         as the row of a separate step would."""
-        rows, column = self.metrics.step_rows, _COL["num_waiting"]
+        metrics, column = self.metrics, _COL["num_waiting"]
         for index in range(first_row, first_row + num_rows):
-            row = rows[index]
+            row = metrics.step_row(index)
             num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
             if num_arrived:
-                rows[index] = row[:column] + (row[column] + num_arrived,) + row[column + 1:]
+                metrics.set_step_row(
+                    index, row[:column] + (row[column] + num_arrived,) + row[column + 1:])
 
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
@@ -242,7 +340,7 @@ class StepRecorder:
         self._add_one_token_each(times_before, step_end_times[0])
         self._logged_itls.extend(map(operator.sub, step_end_times[1:], step_end_times[:-1]))
         self._logged_tokens.extend(itertools.repeat(len(times_before), len(step_end_times) - 1))
-        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+        if len(self._logged_itls) > self.max_logged_itls:
             self._count_logged_itls()
 
     def _add_one_token_each(self, times_before: list[float], end: float) -> None:
@@ -273,6 +371,6 @@ class StepRecorder:
                 if before and num_gained:
                     self._logged_itls.append(now - last_time)
                     self._logged_tokens.append(num_gained)
-        if len(self._logged_itls) > self.MAX_LOGGED_ITLS:
+        if len(self._logged_itls) > self.max_logged_itls:
             self._count_logged_itls()
 

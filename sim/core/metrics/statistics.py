@@ -150,15 +150,30 @@ def per_second(amount: float, duration_s: float) -> float:
     return amount / duration_s if duration_s > 0 else 0.0
 
 
+def rejection_kind(reason: str) -> str:
+    """A rejection reason with its numbers written #: reasons alike but for them are one kind."""
+    return re.sub(r"\d+", "#", reason)
+
+
+def count_rejections(requests: list[Request], kinds: dict[str, list]) -> None:
+    """Count the rejected `requests` into `kinds` {kind: [its first reason, count]}."""
+    for request in requests:
+        if request.rejected_reason is not None:
+            kinds.setdefault(rejection_kind(request.rejected_reason),
+                             [request.rejected_reason, 0])[1] += 1
+
+
 def rejection_summary(requests: list[Request]) -> dict:
     """For a run that rejected requests, why: the most common kind of rejection (reasons alike
     but for their numbers), the first such request's reason and how many requests it covers;
     and `rejected_by_reason`, every kind (its numbers written #) with its count, most first."""
     kinds: dict[str, list] = {}
-    for request in requests:
-        if request.rejected_reason is not None:
-            kind = re.sub(r"\d+", "#", request.rejected_reason)
-            kinds.setdefault(kind, [request.rejected_reason, 0])[1] += 1
+    count_rejections(requests, kinds)
+    return rejection_kinds_summary(kinds)
+
+
+def rejection_kinds_summary(kinds: dict[str, list]) -> dict:
+    """rejection_summary's keys from count_rejections' {kind: [first reason, count]}."""
     if not kinds:
         return {}
     reason, count = max(kinds.values(), key=lambda example_count: example_count[1])
@@ -218,8 +233,10 @@ def _group_summary(requests: list[Request], duration_s: float,
         stats.update(stats_ms(latencies[name], name))
     result.update({key: stats[key] for key in GROUP_LATENCY_KEYS})
     if has_slos:
+        # A request its client gave up on (sim/core/deadlines.py) missed, as in the run's.
+        counted = len(completed) + sum(request.abandoned_time is not None for request in requests)
         num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
-        result["slo_attainment"] = num_good / len(completed) if completed else 0.0
+        result["slo_attainment"] = num_good / counted if counted else 0.0
     return result
 
 

@@ -4,18 +4,18 @@ requests and what its MetricsCollector recorded; the value of `MetricsCollector.
 """
 from __future__ import annotations
 
-import math
 import operator
 from typing import TYPE_CHECKING
 
 from policies.types import Request
 from sim.core.metrics.fairness import decode_step_ends, windowed_fairness
-from sim.core.metrics.statistics import (LATENCY_METRICS, group_summaries, histogram_stats_ms,
-                                         is_completed, latency_arrays_s, meets_slos, per_second,
-                                         stats_ms)
+from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS, group_summaries,
+                                         is_completed, jain_fairness, latency_arrays_s,
+                                         meets_slos, per_second, stats_ms)
 
 if TYPE_CHECKING:
     from sim.core.metrics.recorder import MetricsCollector
+    from sim.core.metrics.streaming import RequestLedger, RequestTotals
 
 # The windows of the windowed fairness (metrics.fairness_window_s): long enough for several
 # requests of each tenant, short enough to see who was served while both waited.
@@ -59,7 +59,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     latencies = latency_arrays_s(completed)
     for name in LATENCY_METRICS:
         if name == "itl":
-            result.update(histogram_stats_ms(metrics.itl_counts, name))
+            result.update(metrics.itl_stats_ms())
         else:
             result.update(stats_ms(latencies[name], name))
     has_slos = slos_ms is not None or any(
@@ -69,33 +69,8 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         num_abandoned = len(requests) - list(map(attribute("abandoned_time"), requests)).count(None)
         result.update(_goodput(completed, slos_ms or {}, duration_s, num_abandoned))
 
-    column, total = metrics.step_column, metrics.step_column_total
-    allocated = column("kv_slots_allocated")
-    stored = column("kv_tokens_stored")
-    has_slots = allocated > 0
-    waste = 1.0 - stored[has_slots] / allocated[has_slots]
-    blocks_swapped = total("num_blocks_swapped_out") + total("num_blocks_swapped_in")
-    num_drafts = total("num_draft_tokens")
-    num_accepted = total("num_accepted_tokens")
-    num_decodes = total("num_decode_seqs")
-    result.update({
-        "num_preemptions": sum(map(attribute("num_preemptions"), requests)),
-        "peak_kv_blocks": metrics.step_column_peak("kv_blocks_used"),
-        # fsum: the same whatever order the replicas' steps were recorded in.
-        "kv_waste_fraction": math.fsum(waste) / waste.size if waste.size else 0.0,
-        "swap_bytes": int(blocks_swapped) * metrics.kv_bytes_per_block,
-        "num_steps": len(metrics.step_rows),
-        "wall_time_s": float(wall_time_s),
-        # Simulated seconds per wall second: how much faster than real time the run went.
-        "sim_speedup": per_second(duration_s, wall_time_s),
-        # Speculative decoding: drafts proposed and accepted, their ratio, and the tokens a
-        # decoding sequence gains per step (1 + accepted drafts per decode; 1.0 without).
-        "num_draft_tokens": num_drafts,
-        "num_accepted_tokens": num_accepted,
-        "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
-        "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
-                                        if num_decodes else 0.0),
-    })
+    result.update(_step_numbers(metrics, sum(map(attribute("num_preemptions"), requests)),
+                                duration_s, wall_time_s))
     if any(request.prompt_token_ids is not None for request in requests):
         # Prefix caching needs token ids: the share of completed prompts' tokens it served,
         # and of those the device's cache and the host tier's.
@@ -107,12 +82,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
             (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
         result["prefix_cache_host_hit_rate"] = (
             host_cached / prompt_tokens if prompt_tokens else 0.0)
-    blocks_offloaded = total("num_blocks_offloaded")
-    blocks_loaded = total("num_blocks_loaded")
-    if blocks_offloaded or blocks_loaded:
-        # The prefix cache's host tier: K/V bytes stored there and loaded back.
-        result["offload_bytes"] = blocks_offloaded * metrics.kv_bytes_per_block
-        result["reload_bytes"] = blocks_loaded * metrics.kv_bytes_per_block
+    result.update(_offload_numbers(metrics))
     result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
     if "per_tenant" in result:
         fairness, per_tenant = windowed_fairness(requests, decode_step_ends(metrics),
@@ -121,6 +91,112 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         for tenant, part in per_tenant.items():
             result["per_tenant"][tenant].update(part)
     return result
+
+
+def streamed_run_summary(metrics: MetricsCollector, ledger: RequestLedger, wall_time_s: float,
+                         has_slos: bool) -> dict:
+    """run_summary's numbers from a ledger that folded the requests as they finished
+    (streaming.py: percentiles from its sketches, the rest exact); `has_slos`: whether the run
+    has SLOs of its own (run_summary's slos_ms). With more than one tenant, the windowed
+    fairness (which needs every request's times) is left out."""
+    totals = ledger.totals
+    duration_s = totals.last_finish - totals.first_arrival if totals.completed else 0.0
+    total_input, total_output = totals.total_input, totals.total_output
+    result: dict = {
+        "completed": totals.completed,
+        "rejected": totals.rejected,
+        "num_requests": totals.num_requests,
+        "duration_s": float(duration_s),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": per_second(totals.completed, duration_s),
+        "output_throughput": per_second(total_output, duration_s),
+        "total_token_throughput": per_second(total_input + total_output, duration_s),
+    }
+    for name in LATENCY_METRICS:
+        result.update(metrics.itl_stats_ms() if name == "itl"
+                      else totals.latency_stats_ms(name))
+    has_slos = has_slos or totals.has_request_slos
+    if has_slos:
+        result.update(_streamed_goodput(totals, duration_s))
+    result.update(_step_numbers(metrics, totals.num_preemptions, duration_s, wall_time_s))
+    if totals.has_token_ids:
+        prompt_tokens, cached = total_input, totals.cached_tokens
+        host_cached = totals.host_cached_tokens
+        result["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0
+        result["prefix_cache_device_hit_rate"] = (
+            (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
+        result["prefix_cache_host_hit_rate"] = (
+            host_cached / prompt_tokens if prompt_tokens else 0.0)
+    result.update(_offload_numbers(metrics))
+    for key, groups in (("per_tenant", ledger.by_tenant), ("per_priority", ledger.by_priority)):
+        if len(groups) > 1:
+            result[key] = {str(value): _streamed_group(groups[value], duration_s, has_slos)
+                           for value in sorted(groups, key=str if key == "per_tenant" else None)}
+    if len(ledger.by_tenant) > 1:
+        result["jain_fairness"] = jain_fairness(
+            [float(group.service_tokens) for group in ledger.by_tenant.values()])
+    return result
+
+
+def _streamed_goodput(totals: RequestTotals, duration_s: float) -> dict[str, float]:
+    """_goodput's numbers from a ledger's totals."""
+    counted = totals.completed + totals.abandonment["abandoned"]
+    return {"goodput": per_second(totals.num_good, duration_s),
+            "slo_attainment": totals.num_good / counted if counted else 0.0}
+
+
+def _streamed_group(totals: RequestTotals, duration_s: float, has_slos: bool) -> dict:
+    """statistics._group_summary's numbers from one group's totals."""
+    result: dict = {
+        "completed": totals.completed,
+        "request_throughput": per_second(totals.completed, duration_s),
+        "output_throughput": per_second(totals.total_output, duration_s),
+    }
+    stats = {}
+    for name in ("ttft", "tpot", "e2el"):
+        stats.update(totals.latency_stats_ms(name))
+    result.update({key: stats[key] for key in GROUP_LATENCY_KEYS})
+    if has_slos:
+        result["slo_attainment"] = _streamed_goodput(totals, duration_s)["slo_attainment"]
+    return result
+
+
+def _step_numbers(metrics: MetricsCollector, num_preemptions: int, duration_s: float,
+                  wall_time_s: float) -> dict:
+    """The summary's numbers from the step rows (and the requests' preemptions, in key order)."""
+    total = metrics.step_column_total
+    blocks_swapped = total("num_blocks_swapped_out") + total("num_blocks_swapped_in")
+    num_drafts = total("num_draft_tokens")
+    num_accepted = total("num_accepted_tokens")
+    num_decodes = total("num_decode_seqs")
+    return {
+        "num_preemptions": num_preemptions,
+        "peak_kv_blocks": metrics.step_column_peak("kv_blocks_used"),
+        "kv_waste_fraction": metrics.kv_waste_fraction(),
+        "swap_bytes": int(blocks_swapped) * metrics.kv_bytes_per_block,
+        "num_steps": metrics.num_steps,
+        "wall_time_s": float(wall_time_s),
+        # Simulated seconds per wall second: how much faster than real time the run went.
+        "sim_speedup": per_second(duration_s, wall_time_s),
+        # Speculative decoding: drafts proposed and accepted, their ratio, and the tokens a
+        # decoding sequence gains per step (1 + accepted drafts per decode; 1.0 without).
+        "num_draft_tokens": num_drafts,
+        "num_accepted_tokens": num_accepted,
+        "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
+        "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
+                                        if num_decodes else 0.0),
+    }
+
+
+def _offload_numbers(metrics: MetricsCollector) -> dict:
+    """The prefix cache's host tier: K/V bytes stored there and loaded back (none without)."""
+    blocks_offloaded = metrics.step_column_total("num_blocks_offloaded")
+    blocks_loaded = metrics.step_column_total("num_blocks_loaded")
+    if not (blocks_offloaded or blocks_loaded):
+        return {}
+    return {"offload_bytes": blocks_offloaded * metrics.kv_bytes_per_block,
+            "reload_bytes": blocks_loaded * metrics.kv_bytes_per_block}
 
 
 def _goodput(completed: list[Request], slos_ms: dict[str, float], duration_s: float,

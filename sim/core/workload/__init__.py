@@ -18,7 +18,7 @@ of everything else (common random numbers).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ from sim.core.workload.conversation import CONVERSATION_FIELDS, sample_conversat
 from sim.core.workload.distributions import (
     ARRIVAL_PROCESSES, LENGTH_DISTRIBUTIONS, LENGTH_FIELDS, MAX_ZIPF_SUPPORT, TIME_DISTRIBUTIONS,
     TIME_FIELDS, sample_prompt_token_ids)
-from sim.core.workload.fields import DEFAULT_TENANT, Fields, Streams, as_plain_dict
-from sim.core.workload.lora_ids import assign_lora_ids
+from sim.core.workload.fields import (DEFAULT_TENANT, Fields, RequestArrays, Streams,
+                                      as_plain_dict)
+from sim.core.workload.lora_ids import assign_lora_ids, draw_lora_ids
 from sim.core.workload.session_source import SessionSource
 from sim.core.workload.sessions import (AGENT_FIELDS, CLOSED_LOOP_FIELDS, SESSIONS_FIELDS,
                                         sample_agent, sample_closed_loop, sample_sessions)
@@ -54,8 +55,8 @@ __all__ = [
     "CONVERSATION_FIELDS", "DEFAULT_TENANT", "KINDS", "LENGTH_DISTRIBUTIONS", "LENGTH_FIELDS",
     "MAX_ZIPF_SUPPORT", "METADATA_COLUMNS", "PLAIN_COLUMNS", "REPO_ROOT", "SESSIONS_FIELDS",
     "SHARE_SUM_TOLERANCE", "SYNTHETIC_FIELDS", "TIME_DISTRIBUTIONS", "TIME_FIELDS",
-    "TOKEN_IDS_COLUMN", "TRACE_FIELDS", "SessionSource", "build_session_source", "build_workload",
-    "is_closed_loop", "read_trace", "resolve_trace_path",
+    "TOKEN_IDS_COLUMN", "TRACE_FIELDS", "RequestStream", "SessionSource", "build_session_source",
+    "build_workload", "is_closed_loop", "read_trace", "resolve_trace_path", "workload_stream",
 ]
 
 
@@ -68,6 +69,13 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None 
     Returns them sorted by arrival time with request_id 0..N-1. Raises ValueError, naming the
     config field, for any bad value.
     """
+    return list(workload_stream(cfg, seed=seed, vocab_size=vocab_size, lora=lora))
+
+
+def workload_stream(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
+                    lora: LoRAConfig | None = None) -> RequestStream:
+    """build_workload's requests as a RequestStream: drawn now, made one by one as they are
+    iterated (a long run never holds them all)."""
     fields = Fields(as_plain_dict(cfg), "workload")
     if fields.get("kind", None) in CLOSED_LOOP_KINDS:
         raise ValueError(f"workload.kind={fields.get('kind', None)} is closed-loop: its arrivals "
@@ -81,30 +89,62 @@ def build_workload(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None 
     drawn = _SAMPLERS[kind](fields, vocab_size, streams)
 
     token_ids = drawn.token_ids
-    if token_ids is None:
-        token_ids = (sample_prompt_token_ids(drawn.prompt_lens, *drawn.token_spec, streams.token)
-                     if drawn.token_spec is not None else [None] * len(drawn.prompt_lens))
-    # .tolist() turns the arrays into Python floats/ints in one pass (much faster than per item).
-    requests = [
-        Request(request_id=i, arrival_time=t, prompt_len=p, output_len=o, n=drawn.n,
-                prompt_token_ids=ids)
-        for i, (t, p, o, ids) in enumerate(zip(drawn.arrival_times.tolist(),
-                                               drawn.prompt_lens.tolist(),
-                                               drawn.output_lens.tolist(), token_ids))
-    ]
-    for name, values in drawn.metadata.items():
-        if name == "lora_id" and lora is None:
-            continue
-        for request, value in zip(requests, values):
-            setattr(request, name, value)
-    assign_lora_ids(requests, lora, seed)
+    if token_ids is None and drawn.token_spec is not None:
+        token_ids = sample_prompt_token_ids(drawn.prompt_lens, *drawn.token_spec, streams.token)
+    metadata = {name: values for name, values in drawn.metadata.items()
+                if name != "lora_id" or lora is not None}
+    if lora is not None:
+        num_requests = len(drawn.prompt_lens)
+        metadata["lora_id"] = draw_lora_ids(
+            metadata.get("lora_id", [None] * num_requests),
+            metadata.get("session_id", [None] * num_requests), lora, seed)
     # When the clients give up: a trace row's own timeout_s, else the workload's (None: never).
     timeout_s = fields.number("timeout_s", default=None, greater_than=0.0)
     if timeout_s is not None:
-        for request in requests:
-            if request.timeout_s is None:
-                request.timeout_s = timeout_s
-    return requests
+        metadata["timeout_s"] = [timeout_s if value is None else value for value in
+                                 metadata.get("timeout_s", [None] * len(drawn.prompt_lens))]
+    return RequestStream(drawn, token_ids, metadata)
+
+
+class RequestStream:
+    """A workload's requests, arrival-sorted with request_id 0..N-1, each made (a Request) only
+    when iterating reaches it: the draws are arrays, a few bytes a request, where a Request is
+    a couple of KB until its run drops it."""
+
+    CHUNK = 4096   # requests whose draws are turned into Python numbers at a time
+
+    def __init__(self, drawn: RequestArrays, token_ids: list | None,
+                 metadata: dict[str, list]):
+        self.drawn, self.token_ids, self.metadata = drawn, token_ids, metadata
+
+    def __len__(self) -> int:
+        return len(self.drawn.prompt_lens)
+
+    def tenants(self) -> set:
+        """The requests' tenants."""
+        return set(self.metadata.get("tenant", [DEFAULT_TENANT]))
+
+    def has_sessions(self) -> bool:
+        """Whether any request belongs to a session (a conversation's turns)."""
+        return any(value is not None for value in self.metadata.get("session_id", ()))
+
+    def __iter__(self) -> Iterator[Request]:
+        drawn, n, metadata = self.drawn, self.drawn.n, self.metadata
+        for start in range(0, len(self), self.CHUNK):
+            end = start + self.CHUNK
+            # .tolist() turns a chunk of the arrays into Python floats/ints in one pass.
+            token_ids = (self.token_ids[start:end] if self.token_ids is not None
+                         else [None] * len(drawn.prompt_lens[start:end]))
+            chunk_metadata = [(name, values[start:end]) for name, values in metadata.items()]
+            for offset, (t, p, o, ids) in enumerate(zip(drawn.arrival_times[start:end].tolist(),
+                                                        drawn.prompt_lens[start:end].tolist(),
+                                                        drawn.output_lens[start:end].tolist(),
+                                                        token_ids)):
+                request = Request(request_id=start + offset, arrival_time=t, prompt_len=p,
+                                  output_len=o, n=n, prompt_token_ids=ids)
+                for name, values in chunk_metadata:
+                    setattr(request, name, values[offset])
+                yield request
 
 
 def is_closed_loop(cfg: Mapping[str, Any]) -> bool:

@@ -22,19 +22,31 @@ def assign_lora_ids(requests: Iterable[Request], lora: LoRAConfig | None, seed: 
     if lora is None:
         return
     requests = list(requests)
-    for request in requests:
-        if request.lora_id is not None and not 0 <= request.lora_id < lora.num_adapters:
-            raise ValueError(f"request {request.request_id}: lora_id={request.lora_id} is not "
+    ids = draw_lora_ids([request.lora_id for request in requests],
+                        [request.session_id for request in requests], lora, seed,
+                        [request.request_id for request in requests])
+    for request, adapter in zip(requests, ids):
+        request.lora_id = adapter
+
+
+def draw_lora_ids(lora_ids: list, session_ids: list, lora: LoRAConfig, seed: int,
+                  request_ids: list | None = None) -> list[int]:
+    """assign_lora_ids on requests' `lora_ids` (None: none yet) and `session_ids`, given as
+    lists: each request's adapter. `request_ids` name them in errors (default: their index)."""
+    for index, lora_id in enumerate(lora_ids):
+        if lora_id is not None and not 0 <= lora_id < lora.num_adapters:
+            request_id = index if request_ids is None else request_ids[index]
+            raise ValueError(f"request {request_id}: lora_id={lora_id} is not "
                              f"one of lora.num_adapters={lora.num_adapters} adapters (0 .. "
                              f"{lora.num_adapters - 1})")
     bounds = np.cumsum(lora.popularity_weights())
-    uniforms = np.random.default_rng([seed, LORA_STREAM_KEY]).random(len(requests))
+    uniforms = np.random.default_rng([seed, LORA_STREAM_KEY]).random(len(lora_ids))
     drawn = np.minimum(np.searchsorted(bounds, uniforms, side="right"),
                        lora.num_adapters - 1).tolist()
     by_session: dict = {}
-    for request, adapter in zip(requests, drawn):
-        if request.lora_id is not None:
-            continue
-        if request.session_id is not None:
-            adapter = by_session.setdefault(request.session_id, adapter)
-        request.lora_id = adapter
+    ids = []
+    for lora_id, session_id, adapter in zip(lora_ids, session_ids, drawn):
+        if lora_id is None and session_id is not None:
+            adapter = by_session.setdefault(session_id, adapter)
+        ids.append(adapter if lora_id is None else lora_id)
+    return ids
