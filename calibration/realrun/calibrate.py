@@ -174,6 +174,17 @@ def check_fit(calibration: Calibration, initial: dict[str, float],
         raise FitFailed(f"the fit failed: {'; '.join(problems)}")
 
 
+def fitted_cost_model(runs: list[RealRun], overrides: list[str]) -> str:
+    """The conf/cost_model name of the cost model the runs replayed on (the one that ran, the
+    roofline where the GPU model fell back to it), which the terms file names; RealRunError
+    where the runs replayed on different ones (their terms would fit none)."""
+    groups = sorted({replay(run, overrides)["cost_model_group"] for run in runs})
+    if len(groups) != 1:
+        raise RealRunError(f"--real: the runs replay on different cost models ({', '.join(groups)}"
+                           f"): give cost_model= on the command line")
+    return groups[0]
+
+
 def errors_with(run: RealRun, overrides: list[str], terms: dict[str, float]) -> list[dict]:
     """Per stage, the reported metrics' real, sim and signed error % with `terms` set."""
     result = replay(run, [*overrides, *(f"{term_key(k)}={v!r}" for k, v in terms.items())])
@@ -213,7 +224,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="most coordinate passes of the search; it stops at one that "
                              "improves nothing (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="the profile file to write (JSON: terms, runs, errors)")
+                        help="the terms file to write (JSON: the cost model fitted on, terms, "
+                             "runs, errors), for cost_model.terms_file=")
     parser.add_argument("overrides", nargs="*", help="simulator overrides (key=value)")
     return parser.parse_args(argv)
 
@@ -233,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
                       f"rms log error {math.sqrt(loss):.3f}): "
                       + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
-        report = {"terms": fitted, "fitted_on": [r.source for r in runs],
+        report = {"cost_model": fitted_cost_model(runs, args.overrides),
+                  "terms": fitted, "fitted_on": [r.source for r in runs],
                   "metrics": list(metrics), "overrides": list(args.overrides),
                   "fit": {}, "held_out": {}, "leave_one_out": {}}
         for run in runs:
