@@ -128,12 +128,14 @@ def is_v1(settings: dict) -> bool:
     return "vllm_version" in settings and _version(settings["vllm_version"]) >= V1_ONLY_VERSION
 
 
-def add_engine_profile(settings: dict, given: set[str], overrides: list[str],
-                       provenance: dict[str, dict]) -> None:
+def add_engine_profile(settings: dict, given: set[str], user_cost_model: str | None,
+                       overrides: list[str], provenance: dict[str, dict]) -> None:
     """A run of twinserve's own engine on a CPU replays on that engine's shipped profile of its
     model (profiles/cpu/<model>.json: its steps timed on a CPU), unless the command line gives
-    a cost model; without a profile, the provenance says in one line what to give."""
-    if (settings.get("engine") != "twinserve" or "cost_model" in given
+    another cost model or a profile; without a profile, the provenance says in one line what to
+    give."""
+    if (settings.get("engine") != "twinserve" or "cost_model.profile" in given
+            or (user_cost_model or "profiled") != "profiled"
             or str(settings.get("hardware", "")).lower() != "cpu"
             or match_model(settings.get("model", "")) is None):
         return
@@ -146,7 +148,8 @@ def add_engine_profile(settings: dict, given: set[str], overrides: list[str],
                       f"roofline, uncalibrated) replays it; profile the engine (twinserve-profile "
                       f"--model {model}) and give cost_model=profiled cost_model.profile=PATH"}
         return
-    chosen = ["cost_model=profiled", f"cost_model.profile={profile}"]
+    chosen = [*([] if user_cost_model else ["cost_model=profiled"]),
+              f"cost_model.profile={profile}"]
     overrides.extend(chosen)
     provenance["cost_model"] = {"value": "profiled", "override": " ".join(chosen),
                                 "source": "file: engine twinserve on cpu, its shipped profile"}
@@ -195,7 +198,9 @@ def settings_overrides(settings: dict, user_overrides: list[str],
                                f"give it on the command line: {setting}=<name>")
         add(setting, setting, value, f"{setting}={conf}", f"file: {value}")
 
-    add_engine_profile(settings, given, overrides, provenance)
+    user_cost_model = next((override.split("=", 1)[1].strip() for override in user_overrides
+                            if override_key(override) == "cost_model"), None)
+    add_engine_profile(settings, given, user_cost_model, overrides, provenance)
     chunked = settings.get("enable_chunked_prefill")
     chunked_source = "file"
     if chunked is None and is_v1(settings):

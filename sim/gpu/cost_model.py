@@ -36,8 +36,8 @@ from sim.core.terms_file import with_fitted_terms
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost
 from sim.gpu.experts import MLP_OPS, ExpertKernels
-from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
-                            predict_lm_head_ms, predict_step_ops_ms)
+from sim.gpu.linear import (covering_tables, describe_transfer, nearest_op_table,
+                            predict_layer_ms, predict_lm_head_ms, predict_step_ops_ms)
 from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
 from sim.gpu.engine_terms import engine_terms
 from sim.gpu.expected_errors import expected_errors_for, kind_of
@@ -119,6 +119,11 @@ class GPUCostModel(RooflineCostModel):
                  kernel_tables: str = "vllm",
                  **roofline_kwargs):
         owner = "GPUCostModel"
+        # Hardware no table covers fails first: the roofline the run falls back to reads the
+        # terms file, which may be the roofline's.
+        hardware = (hardware if isinstance(hardware, HardwareSpec)
+                    else HardwareSpec.from_config(hardware))
+        covering_tables(hardware, key=f"hardware={hardware.name}")
         # The engine's own time: the version's fitted terms unless given (data/gpu/engine_terms.json).
         version_terms, self.engine_terms_source = engine_terms(engine_version)
         if step_overhead_s is None:

@@ -137,8 +137,8 @@ class ProfiledCostModel:
                  model=None, hardware=None, tensor_parallel_size: int = 1,
                  block_size: int | None = None, draft_model=None,
                  medusa_num_heads: int | None = None, offload_bandwidth_gbps: float | None = None,
-                 step_overhead_s: float = 0.0, per_sequence_overhead_s: float = 0.0,
-                 terms_file: str | None = None):
+                 step_time_scale: float = 1.0, step_overhead_s: float = 0.0,
+                 per_sequence_overhead_s: float = 0.0, terms_file: str | None = None):
         if isinstance(profile, dict):
             data, where, self.profile_path = check_profile(profile), "profile", "a profile"
         else:
@@ -213,11 +213,15 @@ class ProfiledCostModel:
                         else HardwareSpec.from_config(hardware))
             self._offload_s_per_block = offload_seconds_per_block(
                 model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
-        # A serving front end's work beyond the profiled engine step (twinserve-calibrate fits
-        # them to a served run): per step, and per scheduled sequence (each one's tokens streamed).
-        terms = with_fitted_terms("profiled", terms_file, step_overhead_s=step_overhead_s,
+        # What a served run costs beyond the profiled steps (twinserve-calibrate fits them): the
+        # machine's speed then relative to the profile's, a server's work per step and per
+        # scheduled sequence (each one's tokens streamed).
+        terms = with_fitted_terms("profiled", terms_file, step_time_scale=step_time_scale,
+                                  step_overhead_s=step_overhead_s,
                                   per_sequence_overhead_s=per_sequence_overhead_s)
         self.terms_file = terms_file
+        self.step_time_scale = validators.positive_number(
+            "ProfiledCostModel.step_time_scale", terms["step_time_scale"])
         self.step_overhead_s = validators.non_negative_number(
             "ProfiledCostModel.step_overhead_s", terms["step_overhead_s"])
         self.per_sequence_overhead_s = validators.non_negative_number(
@@ -273,7 +277,7 @@ class ProfiledCostModel:
         time = self.predict_mean(features)
         if self.sample_residuals:
             time *= 1.0 + self._residual()
-        time = max(time, 0.0)
+        time = max(time, 0.0) * self.step_time_scale
         if self.step_overhead_s or self.per_sequence_overhead_s:
             prefills, decodes = (features[index] for index in self._sequence_indices)
             time += self.step_overhead_s + self.per_sequence_overhead_s * (prefills + decodes)
