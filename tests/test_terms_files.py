@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import sim.core.build as build
+from calibration.realrun.calibrate import (DEFAULT_METRICS, DEFAULT_TERMS, PROFILED_METRICS,
+                                           PROFILED_TERMS, parse_args, terms_and_metrics)
 from calibration.realrun.calibrate import main as calibrate
 from calibration.realrun.run import make_run
 from calibration.realrun.replay import replay
@@ -59,14 +61,14 @@ def test_a_file_of_another_cost_model_is_refused_in_one_line(tmp_path):
                       f"cost_model.terms_file={roofline_file}")
 
 
-def test_the_profiled_model_adds_a_servers_step_and_sequence_overheads(tmp_path):
+def test_the_profiled_model_scales_its_steps_and_adds_a_servers_overheads(tmp_path):
     plan = decode_plan(4, 100)
     plain = ProfiledCostModel(PROFILE, sample_residuals=False, block_size=16)
-    path = terms_file(tmp_path / "fit.json", "profiled", step_overhead_s=0.001,
-                      per_sequence_overhead_s=0.0005)
+    path = terms_file(tmp_path / "fit.json", "profiled", step_time_scale=2.0,
+                      step_overhead_s=0.001, per_sequence_overhead_s=0.0005)
     served = ProfiledCostModel(PROFILE, sample_residuals=False, block_size=16,
                                terms_file=str(path))
-    assert served.step_time(plan) == pytest.approx(plain.step_time(plan) + 0.001 + 4 * 0.0005)
+    assert served.step_time(plan) == pytest.approx(2 * plain.step_time(plan) + 0.001 + 4 * 0.0005)
 
 
 def cpu_run(engine: str | None, model: str = "tiny-llama"):
@@ -86,6 +88,18 @@ def test_a_twinserve_cpu_run_replays_on_its_models_profile():
                                         "hardware": "cpu"}, [], "run")
     assert "no profiles/cpu/llama-2-7b.json" in provenance["cost_model"]["source"]
     assert "cost_model=profiled cost_model.profile=" in provenance["cost_model"]["source"]
+
+
+def test_calibrate_fits_the_profiled_models_own_terms_by_default():
+    """On the profiled model (a twinserve CPU run's) the speed and the front end's latency, to
+    TPOT and TTFT; on the others the overheads, to TPOT; --terms alone keeps TPOT."""
+    def chosen(run, *argv):
+        return terms_and_metrics(parse_args(["--real", "run.json", *argv]), [run])
+
+    assert chosen(cpu_run("twinserve")) == (PROFILED_TERMS, PROFILED_METRICS)
+    assert chosen(cpu_run(None)) == (DEFAULT_TERMS, DEFAULT_METRICS)
+    assert chosen(cpu_run("twinserve"), "--terms", "step_time_scale") == (
+        ("step_time_scale",), DEFAULT_METRICS)
 
 
 def test_calibrate_names_the_cost_model_that_ran_in_its_file(tmp_path, monkeypatch):

@@ -227,7 +227,7 @@ def terms_and_metrics(args: argparse.Namespace,
     terms = (tuple(t for t in args.terms.split(",") if t) if args.terms is not None
              else defaults[0])
     metrics = (tuple(m for m in args.metrics.split(",") if m) if args.metrics is not None
-               else defaults[1] if args.terms is None else DEFAULT_METRICS)
+               else defaults[1])
     return terms, metrics
 
 
