@@ -10,7 +10,9 @@ a load benched in one block would be compared with the other at another speed); 
 then, for each direction, fits the cost model's terms with `twinserve-calibrate` on one load's
 runs and replays the other load's runs with `twinserve-validate --real`, and prints
 
-    metric | vLLM (mean of repeats ± spread) | simulated | error | within 10 %?
+    metric | vLLM (mean of repeats ± spread) | simulated | error | within 10 % or the spread?
+
+(the steps shared with bench/cpu_serving_loop.py are in bench/serving_loop.py).
 
 The cost model is the roofline with `hardware=cpu` (conf/hardware/cpu.yaml): the model's
 arithmetic on this machine's spec, with two terms fitted per direction, each to the measurement
