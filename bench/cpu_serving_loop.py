@@ -11,11 +11,8 @@ twinserve-calibrate's default fit on that model adds what serving costs beyond t
 term fitted to the measurement that sets it: `step_time_scale` (the machine's speed while
 serving over the profile's: other tenants' load on a shared box, the server's own threads;
 TPOT) and `cluster.frontend_latency_s` (HTTP and the hand-over to the engine thread, once per
-request: TTFT). Fitted on the heavy load, whose steps run several sequences, the fit also takes
-`per_sequence_overhead_s` (first: the server streams each scheduled sequence's tokens every step
-from an event loop that shares the engine's process and lock, so a step costs more the more
-sequences it runs); at the light load nearly every step runs one sequence, where that term cannot
-be told from the speed, so the light fit leaves it out. Prints, per direction,
+request: TTFT). Both directions fit those two (docs/serving.md says why not a per-sequence
+overhead too). Prints, per direction,
 
     metric | twinserve-serve (mean of repeats ± spread) | simulated | error | within 10 % or the spread?
 
@@ -44,8 +41,6 @@ from serving_loop import (Load, ServerProcess, bench_loads, drift_line, free_por
 from calibration.realrun.calibrate import PROFILED_METRICS, PROFILED_TERMS  # noqa: E402
 
 MODEL = "tiny-llama"
-# A load whose steps run several sequences also tells a per-sequence cost from the speed.
-HEAVY_LOAD_TERMS = ("per_sequence_overhead_s", *PROFILED_TERMS)
 
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -97,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         runs = bench_loads(server.url, loads, args.repeats, args.warmup, out / "runs")
     # No cost model given: the run files say engine twinserve on cpu, which picks the profile.
     results, failures = [], []
-    for fit_on, check_on, terms in (("heavy", "light", HEAVY_LOAD_TERMS),
-                                    ("light", "heavy", PROFILED_TERMS)):
+    for fit_on, check_on in (("heavy", "light"), ("light", "heavy")):
         try:
-            results.append(predict(fit_on, check_on, runs, [], terms, PROFILED_METRICS, out))
+            results.append(predict(fit_on, check_on, runs, [], PROFILED_TERMS, PROFILED_METRICS,
+                                   out))
         except RuntimeError as error:   # (a fit that moves nothing: calibrate said why above)
             failures.append(f"Fitted on the {fit_on} load: {error}.")
     lines = [f"# twinserve-serve on this CPU serving {MODEL}: calibrated on one load, predicting "
