@@ -156,7 +156,8 @@ def predict(fit_on: str, check_on: str, runs: dict[str, list[Path]], overrides: 
     print(f"\n$ twinserve-calibrate {' '.join(argv)}", flush=True)
     if calibrate.main(argv) != 0:
         raise RuntimeError(f"twinserve-calibrate on the {fit_on} load failed")
-    fitted = json.loads(fit_path.read_text())["terms"]
+    fit_file = json.loads(fit_path.read_text())
+    fitted = {**fit_file["terms"], **fit_file["config"]}
     fitted_overrides = [f"{calibrate.term_key(term)}={value!r}" for term, value in fitted.items()]
     command = (f"twinserve-validate --real {' '.join(map(str, runs[check_on]))} "
                f"{' '.join(overrides + fitted_overrides)}")

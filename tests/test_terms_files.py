@@ -114,6 +114,6 @@ def test_calibrate_names_the_cost_model_that_ran_in_its_file(tmp_path, monkeypat
     assert calibrate(["--real", str(run), "--terms", "step_overhead_s", "--out", str(out),
                       "model=tiny-llama", "hardware=cpu"]) == 0
     fitted = json.loads(out.read_text())
-    assert fitted["cost_model"] == "roofline"
+    assert fitted["cost_model"] == "roofline" and fitted["config"] == {}
     model = cost_model_of("cost_model=roofline", f"cost_model.terms_file={out}")
     assert model.step_overhead_s == pytest.approx(fitted["terms"]["step_overhead_s"])

@@ -276,8 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
                       f"rms log error {math.sqrt(loss):.3f}): "
                       + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+        # "terms": the cost model's (what cost_model.terms_file loads); "config": whole config
+        # keys (cluster.frontend_latency_s), which go on the command line.
         report = {"cost_model": fitted_cost_model(runs, args.overrides),
-                  "terms": fitted, "fitted_on": [r.source for r in runs],
+                  "terms": {k: v for k, v in fitted.items() if "." not in k},
+                  "config": {k: v for k, v in fitted.items() if "." in k},
+                  "fitted_on": [r.source for r in runs],
                   "metrics": list(metrics), "overrides": list(args.overrides),
                   "fit": {}, "held_out": {}, "leave_one_out": {}}
         for run in runs:
