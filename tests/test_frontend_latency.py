@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from calibration.realrun.calibrate import fit, main
+from sim.core.terms_file import read_terms_file
 from calibration.realrun.readers import read_run
 from sim.core.build import CONF_DIR
 from sim.core.experiment import run_experiment
@@ -94,7 +95,10 @@ def test_calibrate_cli_fits_the_latency_beside_a_cost_model_term(tmp_path):
                  f"cost_model.per_sequence_overhead_s={TRUE_TERMS['per_sequence_overhead_s']}"]
                 ) == 0
     profile = json.loads(out.read_text())
-    assert profile["terms"]["cluster.frontend_latency_s"] == pytest.approx(PLANTED, rel=0.05)
+    assert profile["config"]["cluster.frontend_latency_s"] == pytest.approx(PLANTED, rel=0.05)
+    # The file loads as cost_model.terms_file: the whole config key is kept apart from its terms.
+    assert read_terms_file(str(out), profile["cost_model"], ("step_overhead_s",)) == (
+        profile["terms"])
     assert profile["terms"]["step_overhead_s"] == pytest.approx(
         TRUE_TERMS["step_overhead_s"], rel=0.05)
     (stage,) = profile["fit"]["made"]

@@ -47,6 +47,22 @@ def test_csv_run_sorted_rebased_and_tpot_from_e2e(tmp_path):
     assert run.engine_settings == {}
 
 
+def test_csv_run_reads_a_traces_arrival_time_column_too(tmp_path):
+    """A trace's `arrival_time` is a --real CSV's `arrival_s` (sim/core/column_aliases.py)."""
+    row = {"prompt_len": 10, "output_len": 5, "ttft_s": 0.2, "e2e_s": 1.0}
+    run = read_run(write_csv(tmp_path / "trace.csv", [{"arrival_time": 3.0, **row},
+                                                      {"arrival_time": 1.0, **row}]))
+    assert run.arrival_s.tolist() == [0.0, 2.0]
+    agree = write_csv(tmp_path / "agree.csv", [{"arrival_s": 1.0, "arrival_time": "1", **row}])
+    assert read_run(agree).num_requests == 1
+    disagree = write_csv(tmp_path / "disagree.csv",
+                         [{"arrival_s": 1.0, "arrival_time": 1.0, **row},
+                          {"arrival_s": 2.0, "arrival_time": 2.5, **row}])
+    with pytest.raises(RealRunError, match=r"disagree.csv: line 3: columns arrival_s and "
+                                           r"arrival_time are the same column under two names"):
+        read_run(disagree)
+
+
 def test_csv_run_errors_name_the_field(tmp_path):
     row = {"arrival_s": 0.0, "prompt_len": 10, "output_len": 5, "ttft_s": 0.2, "e2e_s": 1.0}
     missing = write_csv(tmp_path / "a.csv", [{k: v for k, v in row.items() if k != "e2e_s"}])

@@ -166,3 +166,20 @@ def test_one_shared_timezone_offset_is_parsed_vectorised(monkeypatch):
     monkeypatch.setattr(trace, "datetime", real_datetime)
     assert list(trace._parse_datetimes(["2024-05-10T00:00:00Z", "2024-05-10T00:00:02.25Z"],
                                        "TIMESTAMP", [2, 3], Path("t.csv"))) == [0.0, 2.25]
+
+
+def test_a_trace_reads_a_real_runs_arrival_s_column_too(tmp_path):
+    """A --real CSV's `arrival_s` is a trace's `arrival_time` (sim/core/column_aliases.py)."""
+    path = write(tmp_path, "run.csv", "arrival_s,prompt_len,output_len,ttft_s\n"
+                                      "0.5,10,3,0.1\n0.0,20,4,0.1\n")
+    assert [(r.arrival_time, r.prompt_len) for r in replay(path)] == [(0.0, 20), (0.5, 10)]
+    both = write(tmp_path, "both.csv", "arrival_time,arrival_s,prompt_len,output_len\n"
+                                       "0.0,0,10,3\n1.0,1.0,20,4\n")
+    assert [r.arrival_time for r in replay(both)] == [0.0, 1.0]
+    disagree = write(tmp_path, "disagree.csv", "arrival_time,arrival_s,prompt_len,output_len\n"
+                                               "0.0,0.0,10,3\n1.0,2.0,20,4\n")
+    with pytest.raises(ValueError) as error:
+        replay(disagree)
+    message = str(error.value)
+    assert ("line 3: columns arrival_time and arrival_s are the same column under two names and "
+            "disagree ('1.0' against '2.0')") in message and "\n" not in message

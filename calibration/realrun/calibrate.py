@@ -2,8 +2,9 @@
 serving runs, keep the fit in a profile file, and report the error on runs it did not use.
 
 The terms are the cost model's own config keys (`cost_model.<term>`: per-step and per-sequence
-overheads in seconds, for instance, or a roofline's `*_efficiency` shares of its peak rates,
-searched in (0.001, 1]), so the same fit works for any cost model that has them; a term with a
+overheads in seconds, for instance, a roofline's `*_efficiency` shares of its peak rates, searched
+in (0.001, 1], or the profiled model's `step_time_scale`, a multiplier searched in [0.1, 10]),
+so the same fit works for any cost model that has them; a term with a
 dot is a whole config key in seconds (`cluster.frontend_latency_s`, the serving front end's
 per-request latency, which TTFT measures: fit it with `--metrics mean_ttft_ms,...`). Each candidate
 replays every fitting run through the simulator (replay.py); the loss is the mean over runs and
@@ -40,6 +41,10 @@ from calibration.term_fit import fit_terms
 
 DEFAULT_TERMS = ("step_overhead_s", "per_sequence_overhead_s")
 DEFAULT_METRICS = ("mean_tpot_ms", "median_tpot_ms")
+# The profiled model's default fit (a served run of the engine it profiled): the machine's speed
+# then, which TPOT measures, and the server's per-request latency, which TTFT measures.
+PROFILED_TERMS = ("step_time_scale", "cluster.frontend_latency_s")
+PROFILED_METRICS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "median_ttft_ms")
 REPORTED = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
             "median_e2el_ms", "request_throughput")
 DEFAULT_PASSES = 6
@@ -50,6 +55,10 @@ EFFICIENCY_BOUNDS = (1e-3, 1.0)
 # A workstation board's share relative to the measured datacenter boards' (GPUCostModel): it may
 # exceed them.
 RELATIVE_EFFICIENCY_BOUNDS = (0.25, 4.0)
+PROFILED_TARGET = "sim.profiled.cost_model.ProfiledCostModel"
+# A multiplier of a cost model's step times (the profiled model's step_time_scale: a machine's
+# speed relative to its profile's).
+SCALE_BOUNDS = (0.1, 10.0)
 # A fitted term within this many natural-log units of a bound sits on it (the search resolves
 # 0.02, term_fit.fit_terms).
 AT_BOUND_LOG = 0.05
@@ -61,9 +70,11 @@ class FitFailed(Exception):
 
 def term_bounds(term: str) -> tuple[float, float]:
     """The search's (low, high) for a cost-model term: a share for *_efficiency (a relative one
-    for workstation_*), else seconds."""
+    for workstation_*), a multiplier for *_scale, else seconds."""
     if term.startswith("workstation_") and term.endswith("_efficiency"):
         return RELATIVE_EFFICIENCY_BOUNDS
+    if term.endswith("_scale"):
+        return SCALE_BOUNDS
     return EFFICIENCY_BOUNDS if term.endswith("_efficiency") else BOUNDS
 
 
@@ -174,6 +185,17 @@ def check_fit(calibration: Calibration, initial: dict[str, float],
         raise FitFailed(f"the fit failed: {'; '.join(problems)}")
 
 
+def fitted_cost_model(runs: list[RealRun], overrides: list[str]) -> str:
+    """The conf/cost_model name of the cost model the runs replayed on (the one that ran, the
+    roofline where the GPU model fell back to it), which the terms file names; RealRunError
+    where the runs replayed on different ones (their terms would fit none)."""
+    groups = sorted({replay(run, overrides)["cost_model_group"] for run in runs})
+    if len(groups) != 1:
+        raise RealRunError(f"--real: the runs replay on different cost models ({', '.join(groups)}"
+                           f"): give cost_model= on the command line")
+    return groups[0]
+
+
 def errors_with(run: RealRun, overrides: list[str], terms: dict[str, float]) -> list[dict]:
     """Per stage, the reported metrics' real, sim and signed error % with `terms` set."""
     result = replay(run, [*overrides, *(f"{term_key(k)}={v!r}" for k, v in terms.items())])
@@ -193,6 +215,22 @@ def _print_errors(console: Console, title: str, run: RealRun, stages: list[dict]
         console.print(f"  stage {stage['stage']}: {cells}")
 
 
+def terms_and_metrics(args: argparse.Namespace,
+                      runs: list[RealRun]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--terms and --metrics, where not given the defaults of the cost model the first run's
+    replay config names (the profiled model's own; the overheads and TPOT otherwise)."""
+    defaults = (DEFAULT_TERMS, DEFAULT_METRICS)
+    if args.terms is None:
+        target = compose_replay_config(runs[0], args.overrides).cost_model.get("_target_")
+        if target == PROFILED_TARGET:
+            defaults = (PROFILED_TERMS, PROFILED_METRICS)
+    terms = (tuple(t for t in args.terms.split(",") if t) if args.terms is not None
+             else defaults[0])
+    metrics = (tuple(m for m in args.metrics.split(",") if m) if args.metrics is not None
+               else defaults[1])
+    return terms, metrics
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="twinserve-calibrate",
@@ -203,17 +241,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="runs replayed with the fitted terms and reported, never fitted")
     parser.add_argument("--leave-one-out", action="store_true",
                         help="also fit on all --real runs but one, for each, and report it")
-    parser.add_argument("--terms", default=",".join(DEFAULT_TERMS),
-                        help="comma-separated cost_model keys to fit (seconds; *_efficiency "
-                             "keys are shares in (0.001, 1]), or whole config keys in seconds "
+    parser.add_argument("--terms", default=None,
+                        help="comma-separated cost_model keys to fit (default: "
+                             f"{','.join(DEFAULT_TERMS)}; on cost_model=profiled "
+                             f"{','.join(PROFILED_TERMS)}; seconds; *_efficiency "
+                             "keys are shares in (0.001, 1], *_scale keys multipliers in [0.1, "
+                             "10]), or whole config keys in seconds "
                              "(cluster.frontend_latency_s)")
-    parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
-                        help="comma-separated stage metrics the loss compares")
+    parser.add_argument("--metrics", default=None,
+                        help="comma-separated stage metrics the loss compares (default: "
+                             f"{','.join(DEFAULT_METRICS)}; with the profiled model's default "
+                             f"terms {','.join(PROFILED_METRICS)})")
     parser.add_argument("--passes", type=int, default=DEFAULT_PASSES,
                         help="most coordinate passes of the search; it stops at one that "
                              "improves nothing (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="the profile file to write (JSON: terms, runs, errors)")
+                        help="the terms file to write (JSON: the cost model fitted on, terms, "
+                             "runs, errors), for cost_model.terms_file=")
     parser.add_argument("overrides", nargs="*", help="simulator overrides (key=value)")
     return parser.parse_args(argv)
 
@@ -221,19 +265,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
-    terms = tuple(t for t in args.terms.split(",") if t)
-    metrics = tuple(m for m in args.metrics.split(",") if m)
     try:
         if args.passes < 1:
             raise ValueError(f"--passes must be >= 1, got {args.passes}")
         runs = [read_run(path) for path in args.real]
         held_out = [read_run(path) for path in args.held_out]
+        terms, metrics = terms_and_metrics(args, runs)
         fitted, loss, num_replays = fit(runs, args.overrides, terms, metrics, args.passes,
                                         check=True)
         console.print(f"fitted on {', '.join(r.name for r in runs)} ({num_replays} replays, "
                       f"rms log error {math.sqrt(loss):.3f}): "
                       + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
-        report = {"terms": fitted, "fitted_on": [r.source for r in runs],
+        # "terms": the cost model's (what cost_model.terms_file loads); "config": whole config
+        # keys (cluster.frontend_latency_s), which go on the command line.
+        report = {"cost_model": fitted_cost_model(runs, args.overrides),
+                  "terms": {k: v for k, v in fitted.items() if "." not in k},
+                  "config": {k: v for k, v in fitted.items() if "." in k},
+                  "fitted_on": [r.source for r in runs],
                   "metrics": list(metrics), "overrides": list(args.overrides),
                   "fit": {}, "held_out": {}, "leave_one_out": {}}
         for run in runs:
@@ -261,7 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {args.out}")
+        # The file holds the cost model's terms; a whole config key goes on the command line.
+        use = [*args.overrides, f"cost_model.terms_file={args.out}",
+               *(f"{term}={value:.6g}" for term, value in fitted.items() if "." in term)]
+        console.print(f"wrote {args.out}; predict another run of this server with: "
+                      f"twinserve-validate --real RUN {' '.join(use)}", soft_wrap=True,
+                      highlight=False)
     return 0
 
 

@@ -6,7 +6,8 @@ runs"):
   prompts' hash ids from the workload file its dataset_path names, where found (prompt_blocks);
 - `vllm bench serve --save-result --save-detailed` JSON, and `twinserve-bench`'s run file (the
   same keys plus `start_times` relative to the run's start, `e2els` and `engine_settings`);
-- a plain CSV: arrival_s, prompt_len, output_len, ttft_s, e2e_s (optional tpot_s, stage).
+- a plain CSV: arrival_s (or a trace's arrival_time), prompt_len, output_len, ttft_s, e2e_s
+  (optional tpot_s, stage).
 
 `read_run(path)` picks the reader by the path: a folder (its vllm_requests.jsonl), .jsonl, .json
 or .csv. Bad or missing fields raise RealRunError, one line naming the file and the field."""
@@ -22,6 +23,7 @@ import numpy as np
 from calibration.realrun.prompt_blocks import (find_workload_file, sharing_note,
                                                workload_hash_ids)
 from calibration.realrun.run import RealRun, RealRunError, make_run
+from sim.core.column_aliases import unify_columns
 
 LLMSERVINGSIM_REQUESTS = "vllm_requests.jsonl"
 CSV_REQUIRED = ("arrival_s", "prompt_len", "output_len", "ttft_s", "e2e_s")
@@ -270,16 +272,24 @@ def _numbers(values: list, key: str, path: Path) -> np.ndarray:
 # ---- CSV ----------------------------------------------------------------------------------------
 
 def read_csv_run(path: Path) -> RealRun:
-    """A CSV with a header: arrival_s, prompt_len, output_len, ttft_s, e2e_s (seconds, whole
-    tokens), optional tpot_s and stage (a label: the request's load stage); other columns are
-    ignored. The engine settings come from the command line."""
+    """A CSV with a header: arrival_s (or a trace's arrival_time), prompt_len, output_len, ttft_s,
+    e2e_s (seconds, whole tokens), optional tpot_s and stage (a label: the request's load stage);
+    other columns are ignored. The engine settings come from the command line."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as file:
-            reader = csv.DictReader(file)
-            header = [name.strip() for name in (reader.fieldnames or [])]
-            rows = [(reader.line_num, row) for row in reader if any(row.values())]
+            reader = csv.reader(file)
+            header = [name.strip() for name in next(reader, [])]
+            rows, line_numbers = [], []
+            for row in reader:
+                if any(cell.strip() for cell in row):
+                    rows.append(row)
+                    line_numbers.append(reader.line_num)
     except OSError as error:
         raise RealRunError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        header = unify_columns(header, rows, line_numbers, CSV_REQUIRED, str(path))
+    except ValueError as error:
+        raise RealRunError(str(error)) from None
     missing = [name for name in CSV_REQUIRED if name not in header]
     if missing:
         raise RealRunError(f"{path}: missing column {missing[0]!r}; a CSV run has columns "
@@ -290,8 +300,8 @@ def read_csv_run(path: Path) -> RealRun:
     has_tpot = "tpot_s" in header
     if has_tpot:
         columns["tpot_s"] = []
-    for line, row in rows:
-        row = {(key or "").strip(): value for key, value in row.items()}
+    for line, cells in zip(line_numbers, rows):
+        row = dict(zip(header, cells))
         for name in columns:
             cell = (row.get(name) or "").strip()
             try:
@@ -299,7 +309,8 @@ def read_csv_run(path: Path) -> RealRun:
             except ValueError:
                 raise RealRunError(f"{path}: line {line}: column {name!r} must be a number, got "
                                    f"{cell!r}") from None
-    stages = ([(row.get("stage") or "").strip() for _, row in rows]
-              if "stage" in header else None)
+    stage = header.index("stage") if "stage" in header else None
+    stages = (None if stage is None else
+              [(cells[stage] if stage < len(cells) else "").strip() for cells in rows])
     return make_run(name=path.stem, source=f"{path} (CSV run)", where=str(path),
                     stage_labels=stages, **columns)

@@ -21,6 +21,7 @@ from calibration.realrun.run import RealRun, RealRunError
 from calibration.realrun.settings import CONF_DIR, settings_overrides
 from calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
 from calibration.realrun.stages import find_stages
+from sim.core.build import cost_model_group
 
 # Seeds the replayed prompts' random token ids (with prefix caching), with each request's index.
 PROMPT_IDS_SEED = 2029
@@ -115,12 +116,16 @@ def simulate(run: RealRun, config):
         raise RealRunError(f"{run.source}: bad config value: {error}") from None
 
 
+def cost_models_that_ran(result) -> list:
+    """The cost models the run's replicas used: the ones that ran, which are not the config's
+    where the GPU model fell back to the roofline."""
+    return [replica.executor.cost_model for replica in result.replicas
+            if hasattr(replica.executor, "cost_model")]
+
+
 def cost_model_that_ran(result) -> str:
-    """The class name of the cost model the run's replicas used: the one that ran, which is
-    not the config's where the GPU model fell back to the roofline."""
-    names = sorted({type(replica.executor.cost_model).__name__ for replica in result.replicas
-                    if hasattr(replica.executor, "cost_model")})
-    return ", ".join(names) or "?"
+    """The class name of the cost model the run's replicas used."""
+    return ", ".join(sorted({type(model).__name__ for model in cost_models_that_ran(result)})) or "?"
 
 
 def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> ReplayOutcome:
@@ -144,6 +149,9 @@ def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> Repl
         "name": run.name, "source": run.source, "num_requests": run.num_requests,
         "overrides": all_overrides, "settings": provenance,
         "cost_model": cost_model_that_ran(result),
+        # (its conf/cost_model name: the one a terms file fitted on this replay names)
+        "cost_model_group": ", ".join(sorted({cost_model_group(model)
+                                              for model in cost_models_that_ran(result)})) or "?",
         "num_kv_blocks": result.num_kv_blocks,
         "sim_preemptions": result.summary.get("num_preemptions"),
         # The share of prompt tokens the prefix cache served at the requests' first admission.

@@ -14,6 +14,10 @@
     enable_prefix_caching    -> kv_cache.enable_prefix_caching
     gpu_memory_utilization   -> gpu_memory_utilization
 
+A run of twinserve's own engine on a CPU (`engine: twinserve`, hardware cpu, twinserve-serve's) replays
+on cost_model=profiled with the engine's shipped profile of its model (profiles/cpu/<model>.json),
+unless the command line gives cost_model=.
+
 A vLLM >= 0.10 run (the V1 engine only) that does not record chunked prefill or prefix caching
 had them: they are V1's defaults. Model and hardware are required: a run that records neither, with no override, is an
 error naming them; any other setting left out keeps the simulator's conf/ default, and the
@@ -124,6 +128,33 @@ def is_v1(settings: dict) -> bool:
     return "vllm_version" in settings and _version(settings["vllm_version"]) >= V1_ONLY_VERSION
 
 
+def add_engine_profile(settings: dict, given: set[str], user_cost_model: str | None,
+                       overrides: list[str], provenance: dict[str, dict]) -> None:
+    """A run of twinserve's own engine on a CPU replays on that engine's shipped profile of its
+    model (profiles/cpu/<model>.json: its steps timed on a CPU), unless the command line gives
+    another cost model or a profile; without a profile, the provenance says in one line what to
+    give."""
+    if (settings.get("engine") != "twinserve" or "cost_model.profile" in given
+            or (user_cost_model or "profiled") != "profiled"
+            or str(settings.get("hardware", "")).lower() != "cpu"
+            or match_model(settings.get("model", "")) is None):
+        return
+    model = match_model(settings["model"])
+    profile = f"profiles/cpu/{model}.json"
+    if not (CONF_DIR.parent / profile).is_file():
+        provenance["cost_model"] = {
+            "value": None, "override": None,
+            "source": f"no {profile} for twinserve's CPU engine: the default cost model (the "
+                      f"roofline, uncalibrated) replays it; profile the engine (twinserve-profile "
+                      f"--model {model}) and give cost_model=profiled cost_model.profile=PATH"}
+        return
+    chosen = [*([] if user_cost_model else ["cost_model=profiled"]),
+              f"cost_model.profile={profile}"]
+    overrides.extend(chosen)
+    provenance["cost_model"] = {"value": "profiled", "override": " ".join(chosen),
+                                "source": "file: engine twinserve on cpu, its shipped profile"}
+
+
 def override_key(override: str) -> str:
     """The config key an override sets: 'scheduler.max_num_seqs=8' -> 'scheduler.max_num_seqs'."""
     return override.split("=", 1)[0].lstrip("+~").strip()
@@ -167,6 +198,9 @@ def settings_overrides(settings: dict, user_overrides: list[str],
                                f"give it on the command line: {setting}=<name>")
         add(setting, setting, value, f"{setting}={conf}", f"file: {value}")
 
+    user_cost_model = next((override.split("=", 1)[1].strip() for override in user_overrides
+                            if override_key(override) == "cost_model"), None)
+    add_engine_profile(settings, given, user_cost_model, overrides, provenance)
     chunked = settings.get("enable_chunked_prefill")
     chunked_source = "file"
     if chunked is None and is_v1(settings):

@@ -235,18 +235,14 @@ _RUN_SETTINGS = ("block_size", "offload_bandwidth_gbps")
 def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictConfig, dict]:
     """The roofline's config for a run whose cost model `group` covers no GPU near `hardware`,
     and the settings carried into it: the run's block size and host-tier bandwidth, and every
-    setting the user changed from the group's conf file (a terms_file's terms among them) that
-    the roofline takes. ValueError, in one line, naming those it does not take."""
-    from sim.gpu.engine_terms import read_terms_file
-
+    setting the user changed from the group's conf file that the roofline takes (a terms_file
+    too, which the roofline loads if it was fitted on the roofline or names no cost model).
+    ValueError, in one line, naming those it does not take."""
     fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
     for key in _RUN_SETTINGS:   # the run's, as the group had them
         if key in group:
             fallback[key] = group[key]
-    changed = _changed_settings(group)
-    terms_file = changed.pop("terms_file", None)
-    if terms_file is not None:
-        changed.update(read_terms_file(terms_file, "cost_model.terms_file"))
+    changed = _changed_settings(group)   # (a terms_file too: the roofline reads its own)
     refused = [key for key in changed if not _takes_argument(fallback, key)]
     if refused:
         raise ValueError(
@@ -281,11 +277,21 @@ def _takes_argument(group: DictConfig, name: str) -> bool:
                                      for parameter in parameters.values())
 
 
+# The conf/cost_model group of each shipped cost model class.
+_COST_MODEL_GROUPS = {"sim.gpu.cost_model.GPUCostModel": "gpu",
+                      "sim.profiled.cost_model.ProfiledCostModel": "profiled",
+                      "sim.core.roofline.RooflineCostModel": "roofline"}
+
+
 def _group_name(group: DictConfig) -> str:
     target = str(group.get("_target_", "?"))
-    return {"sim.gpu.cost_model.GPUCostModel": "gpu",
-            "sim.profiled.cost_model.ProfiledCostModel": "profiled",
-            "sim.core.roofline.RooflineCostModel": "roofline"}.get(target, target)
+    return _COST_MODEL_GROUPS.get(target, target)
+
+
+def cost_model_group(cost_model) -> str:
+    """The conf/cost_model name of a built cost model (its class path where none ships it)."""
+    target = f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"
+    return _COST_MODEL_GROUPS.get(target, target)
 
 
 def cost_model_summary(cost_models: list) -> dict:

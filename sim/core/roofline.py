@@ -32,6 +32,7 @@ from sim.core.energy.work import ModelStepWork
 from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.core.lora_cost import lora_step_cost
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from sim.core.terms_file import with_fitted_terms
 
 
 def _efficiency(name: str, value) -> float:
@@ -71,25 +72,32 @@ class RooflineCostModel:
                  offload_bandwidth_gbps: float | None = None,
                  routing="uniform",
                  expert_parallel_size: int = 1,
-                 lora: LoRASpec | Mapping | None = None):
+                 lora: LoRASpec | Mapping | None = None,
+                 terms_file: str | None = None):
         self.model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
         self.hardware = hardware if isinstance(hardware, HardwareSpec) else HardwareSpec.from_config(hardware)
         self.model.check_tensor_parallel_size(tensor_parallel_size)
         self.tensor_parallel_size = tp = tensor_parallel_size
         # Swaps and copies move whole blocks; the plan lists them, the KV manager knows their size.
         self.block_size = validators.positive_int("RooflineCostModel.block_size", block_size)
+        terms = with_fitted_terms(   # a twinserve-calibrate fit: its terms replace these values
+            "roofline", terms_file, compute_efficiency=compute_efficiency,
+            memory_efficiency=memory_efficiency, transfer_efficiency=transfer_efficiency,
+            step_overhead_s=step_overhead_s, per_sequence_overhead_s=per_sequence_overhead_s,
+            allreduce_latency_s=allreduce_latency_s)
+        self.terms_file = terms_file
         # Large fp16 GEMMs and flash attention reach ~50-70% of tensor-core peak on A100/H100.
-        self.compute_efficiency = _efficiency("compute_efficiency", compute_efficiency)
+        self.compute_efficiency = _efficiency("compute_efficiency", terms["compute_efficiency"])
         # Streaming weights/KV from HBM reaches ~80-90% of the spec bandwidth.
-        self.memory_efficiency = _efficiency("memory_efficiency", memory_efficiency)
+        self.memory_efficiency = _efficiency("memory_efficiency", terms["memory_efficiency"])
         # Pinned PCIe copies get ~25 of 32 GB/s; NCCL all-reduce bus bandwidth ~230 of 300 on A100.
-        self.transfer_efficiency = _efficiency("transfer_efficiency", transfer_efficiency)
+        self.transfer_efficiency = _efficiency("transfer_efficiency", terms["transfer_efficiency"])
         # Scheduling, input preparation and kernel launches: a few ms per step in vLLM (v0).
-        self.step_overhead_s = _non_negative("step_overhead_s", step_overhead_s)
+        self.step_overhead_s = _non_negative("step_overhead_s", terms["step_overhead_s"])
         # Per-sequence Python work (block tables, sampling metadata, output processing).
-        self.per_sequence_overhead_s = _non_negative("per_sequence_overhead_s", per_sequence_overhead_s)
+        self.per_sequence_overhead_s = _non_negative("per_sequence_overhead_s", terms["per_sequence_overhead_s"])
         # Fixed cost of one small NCCL/custom all-reduce over NVLink.
-        self.allreduce_latency_s = _non_negative("allreduce_latency_s", allreduce_latency_s)
+        self.allreduce_latency_s = _non_negative("allreduce_latency_s", terms["allreduce_latency_s"])
         # Speculative decoding's drafter: "ngram" (a lookup in the sequence's own tokens, CPU
         # work per sequence), a small model (its own roofline on one GPU, its launches cheaper
         # than a full step's), "medusa" (medusa_num_heads heads on the last hidden state: a

@@ -32,13 +32,14 @@ from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.say_once import say_once
 from sim.core.specs import HardwareSpec, ModelSpec
+from sim.core.terms_file import with_fitted_terms
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost
 from sim.gpu.experts import MLP_OPS, ExpertKernels
-from sim.gpu.linear import (describe_transfer, nearest_op_table, predict_layer_ms,
-                            predict_lm_head_ms, predict_step_ops_ms)
+from sim.gpu.linear import (covering_tables, describe_transfer, nearest_op_table,
+                            predict_layer_ms, predict_lm_head_ms, predict_step_ops_ms)
 from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
-from sim.gpu.engine_terms import engine_terms, read_terms_file
+from sim.gpu.engine_terms import engine_terms
 from sim.gpu.expected_errors import expected_errors_for, kind_of
 from sim.gpu.transfer_errors import expected_errors
 from sim.gpu.vllm_kernels import VllmKernels
@@ -109,22 +110,26 @@ class GPUCostModel(RooflineCostModel):
                  kernel_tables: str = "vllm",
                  **roofline_kwargs):
         owner = "GPUCostModel"
+        # Hardware no table covers fails first: the roofline the run falls back to reads the
+        # terms file, which may be the roofline's.
+        hardware = (hardware if isinstance(hardware, HardwareSpec)
+                    else HardwareSpec.from_config(hardware))
+        covering_tables(hardware, key=f"hardware={hardware.name}")
         # The engine's own time: the version's fitted terms unless given (data/gpu/engine_terms.json).
         version_terms, self.engine_terms_source = engine_terms(engine_version)
         if step_overhead_s is None:
             step_overhead_s = version_terms["step_overhead_s"]
         if per_sequence_overhead_s is None:
             per_sequence_overhead_s = version_terms["per_sequence_overhead_s"]
-        if terms_file is not None:   # a twinserve-calibrate fit: its terms replace these values
-            fitted = read_terms_file(terms_file, f"{owner}.terms_file")
-            step_overhead_s = fitted.get("step_overhead_s", step_overhead_s)
-            per_sequence_overhead_s = fitted.get("per_sequence_overhead_s",
-                                                 per_sequence_overhead_s)
-            eager_launch_overhead_s_per_layer = fitted.get(
-                "eager_launch_overhead_s_per_layer", eager_launch_overhead_s_per_layer)
-            workstation_bandwidth_efficiency = fitted.get("workstation_bandwidth_efficiency",
-                                                          workstation_bandwidth_efficiency)
-        self.terms_file = terms_file
+        terms = with_fitted_terms(   # a twinserve-calibrate fit: its terms replace these values
+            "gpu", terms_file, step_overhead_s=step_overhead_s,
+            per_sequence_overhead_s=per_sequence_overhead_s,
+            eager_launch_overhead_s_per_layer=eager_launch_overhead_s_per_layer,
+            workstation_bandwidth_efficiency=workstation_bandwidth_efficiency)
+        step_overhead_s, per_sequence_overhead_s = (terms["step_overhead_s"],
+                                                    terms["per_sequence_overhead_s"])
+        eager_launch_overhead_s_per_layer = terms["eager_launch_overhead_s_per_layer"]
+        workstation_bandwidth_efficiency = terms["workstation_bandwidth_efficiency"]
         self.workstation_bandwidth_efficiency = float(validators.positive_number(
             f"{owner}.workstation_bandwidth_efficiency", workstation_bandwidth_efficiency))
         validators.non_negative_number(f"{owner}.step_overhead_s", step_overhead_s)
@@ -142,6 +147,7 @@ class GPUCostModel(RooflineCostModel):
         super().__init__(model, hardware, tensor_parallel_size, block_size=block_size,
                          step_overhead_s=step_overhead_s,
                          per_sequence_overhead_s=per_sequence_overhead_s, **roofline_kwargs)
+        self.terms_file = terms_file   # (the roofline's own, None, set above)
         m, tp = self.model, self.tensor_parallel_size
         shape = LayerShape.of_model(m)
         layers = m.num_layers

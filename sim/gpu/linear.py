@@ -29,8 +29,17 @@ class NoGPUTable(ValueError):
 
 def nearest_op_table(hardware: HardwareSpec, shape: LayerShape, tensor_parallel_size: int,
                      tables: tuple[OpTable, ...] | None = None, key: str = "hardware") -> OpTable:
-    """The table closest to the target by GPU rates plus per-GPU GEMM widths. ValueError naming
+    """The table closest to the target by GPU rates plus per-GPU GEMM widths. NoGPUTable naming
     `key` when no table's GPU is within reach of `hardware`'s rates."""
+    return min(covering_tables(hardware, tables, key), key=lambda t: (
+        gpu_distance(hardware, t.hardware)
+        + shape_distance(shape, tensor_parallel_size, t.shape, t.tensor_parallel_size)))
+
+
+def covering_tables(hardware: HardwareSpec, tables: tuple[OpTable, ...] | None = None,
+                    key: str = "hardware") -> list[OpTable]:
+    """The tables whose GPU is within reach of `hardware`'s rates; NoGPUTable naming `key` when
+    none is."""
     tables = op_tables() if tables is None else tables
     covered = [t for t in tables if rates_covered(hardware, t.hardware)]
     if not covered:
@@ -39,9 +48,7 @@ def nearest_op_table(hardware: HardwareSpec, shape: LayerShape, tensor_parallel_
                          f"(peak_tflops={hardware.peak_tflops:g}, memory_bandwidth_gbps="
                          f"{hardware.memory_bandwidth_gbps:g}); measured GPUs: {', '.join(gpus)}. "
                          f"Use cost_model=roofline for it")
-    return min(covered, key=lambda t: (
-        gpu_distance(hardware, t.hardware)
-        + shape_distance(shape, tensor_parallel_size, t.shape, t.tensor_parallel_size)))
+    return covered
 
 
 def is_exact_shape(table: OpTable, shape: LayerShape, tensor_parallel_size: int) -> bool:

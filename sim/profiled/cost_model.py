@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from policies import validators
 from policies.decode_run import step_times_one_by_one
 from policies.types import StepPlan
 from sim.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
@@ -35,6 +36,7 @@ from sim.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_featu
 from sim.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
 from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from sim.core.terms_file import with_fitted_terms
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,9 @@ class ProfiledCostModel:
     def __init__(self, profile: str | Path | dict, seed: int = 0, sample_residuals: bool = True,
                  model=None, hardware=None, tensor_parallel_size: int = 1,
                  block_size: int | None = None, draft_model=None,
-                 medusa_num_heads: int | None = None, offload_bandwidth_gbps: float | None = None):
+                 medusa_num_heads: int | None = None, offload_bandwidth_gbps: float | None = None,
+                 step_time_scale: float = 1.0, step_overhead_s: float = 0.0,
+                 per_sequence_overhead_s: float = 0.0, terms_file: str | None = None):
         if isinstance(profile, dict):
             data, where, self.profile_path = check_profile(profile), "profile", "a profile"
         else:
@@ -209,6 +213,21 @@ class ProfiledCostModel:
                         else HardwareSpec.from_config(hardware))
             self._offload_s_per_block = offload_seconds_per_block(
                 model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
+        # What a served run costs beyond the profiled steps (twinserve-calibrate fits them): the
+        # machine's speed then relative to the profile's, a server's work per step and per
+        # scheduled sequence (each one's tokens streamed).
+        terms = with_fitted_terms("profiled", terms_file, step_time_scale=step_time_scale,
+                                  step_overhead_s=step_overhead_s,
+                                  per_sequence_overhead_s=per_sequence_overhead_s)
+        self.terms_file = terms_file
+        self.step_time_scale = validators.positive_number(
+            "ProfiledCostModel.step_time_scale", terms["step_time_scale"])
+        self.step_overhead_s = validators.non_negative_number(
+            "ProfiledCostModel.step_overhead_s", terms["step_overhead_s"])
+        self.per_sequence_overhead_s = validators.non_negative_number(
+            "ProfiledCostModel.per_sequence_overhead_s", terms["per_sequence_overhead_s"])
+        self._sequence_indices = (self.feature_names.index("num_prefill_seqs"),
+                                  self.feature_names.index("num_decode_seqs"))
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._draws: list[float] = []
@@ -258,7 +277,10 @@ class ProfiledCostModel:
         time = self.predict_mean(features)
         if self.sample_residuals:
             time *= 1.0 + self._residual()
-        time = max(time, 0.0)
+        time = max(time, 0.0) * self.step_time_scale
+        if self.step_overhead_s or self.per_sequence_overhead_s:
+            prefills, decodes = (features[index] for index in self._sequence_indices)
+            time += self.step_overhead_s + self.per_sequence_overhead_s * (prefills + decodes)
         return time + offload_s if offload_s else time
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):

@@ -2,7 +2,8 @@
 behind it. Formats (`workload.format`, or told apart by the file: a JSONL file is Mooncake, a
 CSV by its header): the Azure LLM traces 2023 and 2024 `TIMESTAMP,ContextTokens,GeneratedTokens`,
 BurstGPT `Timestamp,...,Request tokens,Response tokens,...`, plain
-`arrival_time,prompt_len,output_len`, and Mooncake (mooncake.py: prompts as 512-token blocks of
+`arrival_time,prompt_len,output_len` (`arrival_s`, a `--real` CSV's name, also reads as
+`arrival_time`), and Mooncake (mooncake.py: prompts as 512-token blocks of
 content ids, turned into token ids). A CSV may carry the prompts themselves (a `prompt_token_ids`
 column of space-separated ids) and each request's `priority`, `tenant`, `slo_ttft_ms`,
 `slo_tpot_ms`, `session_id`, `timeout_s` (an empty cell: the default)."""
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.core.column_aliases import unify_columns
 from sim.core.workload.fields import DEFAULT_TENANT, Fields, RequestArrays, Streams, parse_common
 from sim.core.workload.mooncake import hash_ids_token_ids, read_mooncake
 
@@ -146,6 +148,7 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
     except OSError as error:
         raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
 
+    header = unify_columns(header, rows, line_numbers, PLAIN_COLUMNS, f"trace {path}")
     schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
     columns = CSV_SCHEMAS[schema]
     missing = [name for name in columns if name not in header]

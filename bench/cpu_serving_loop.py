@@ -1,0 +1,119 @@
+"""The serving loop without a GPU, in one command: twinserve-serve on this CPU, two loads benched
+with twinserve-bench, terms fitted with twinserve-calibrate on one load, the other predicted.
+
+Starts `twinserve-serve --model tiny-llama` (one torch thread: OMP_NUM_THREADS=1, as the shipped
+profile was measured) on 127.0.0.1; benches a light and a heavier Poisson load (token-id
+prompts, a warm-up each), each `--repeats` times, alternating, for the server's own spread;
+stops the server; then, for each direction, fits on one load's runs and replays the other's.
+The replay takes its cost model from the run files (engine twinserve on cpu:
+cost_model=profiled with profiles/cpu/tiny-llama.json, the engine's steps timed in process), and
+twinserve-calibrate's default fit on that model adds what serving costs beyond those steps, each
+term fitted to the measurement that sets it: `step_time_scale` (the machine's speed while
+serving over the profile's: other tenants' load on a shared box, the server's own threads;
+TPOT) and `cluster.frontend_latency_s` (HTTP and the hand-over to the engine thread, once per
+request: TTFT). Both directions fit those two (docs/serving.md says why not a per-sequence
+overhead too). Prints, per direction,
+
+    metric | twinserve-serve (mean of repeats ± spread) | simulated | error | within 10 % or the spread?
+
+and writes the run files, the server's log, the fits, the validations and the table (loop.md,
+loop.json) under --out.
+
+    python bench/cpu_serving_loop.py [--out DIR] [--repeats 4] [--light-rate 2] [--heavy-rate 6]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+from serving_loop import (Load, ServerProcess, bench_loads, drift_line, free_port,  # noqa: E402
+                          markdown_table, predict)
+
+from calibration.realrun.calibrate import PROFILED_METRICS, PROFILED_TERMS  # noqa: E402
+
+MODEL = "tiny-llama"
+
+
+def serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    return [sys.executable, "-m", "engine.server", "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--num-gpu-blocks", str(args.num_gpu_blocks),
+            "--log-level", "warning"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "outputs" / "cpu-serving-loop" /
+                        datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each load (>= 2)")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="unrecorded requests before each run (twinserve-bench --warmup)")
+    parser.add_argument("--light-rate", type=float, default=2.0)
+    parser.add_argument("--light-requests", type=int, default=40)
+    parser.add_argument("--heavy-rate", type=float, default=6.0,
+                        help="req/s; on 2 shared cores the server falls behind from ~12")
+    parser.add_argument("--heavy-requests", type=int, default=60)
+    parser.add_argument("--num-gpu-blocks", type=int, default=512)
+    parser.add_argument("--startup-timeout", type=float, default=120.0,
+                        help="seconds the server may take to answer /health")
+    args = parser.parse_args(argv)
+    for name in ("light_requests", "heavy_requests", "num_gpu_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("light_rate", "heavy_rate"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.repeats < 2:
+        parser.error("--repeats must be >= 2: the spread needs two runs of each load")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = args.out.resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    loads = [Load("light", args.light_rate, args.light_requests, seed=0),
+             Load("heavy", args.heavy_rate, args.heavy_requests, seed=1)]
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with ServerProcess(serve_command(args, port), env, port, out / "serve.log",
+                       args.startup_timeout, "twinserve-serve") as server:
+        runs = bench_loads(server.url, loads, args.repeats, args.warmup, out / "runs")
+    # No cost model given: the run files say engine twinserve on cpu, which picks the profile.
+    results, failures = [], []
+    for fit_on, check_on in (("heavy", "light"), ("light", "heavy")):
+        try:
+            results.append(predict(fit_on, check_on, runs, [], PROFILED_TERMS, PROFILED_METRICS,
+                                   out))
+        except RuntimeError as error:   # (a fit that moves nothing: calibrate said why above)
+            failures.append(f"Fitted on the {fit_on} load: {error}.")
+    lines = [f"# twinserve-serve on this CPU serving {MODEL}: calibrated on one load, predicting "
+             f"the other", "",
+             f"`python bench/cpu_serving_loop.py {' '.join(argv or sys.argv[1:])}` "
+             f"({datetime.now():%Y-%m-%d %H:%M}, {time.monotonic() - start:.0f} s). Loads: "
+             + "; ".join(f"{load.name}: {' '.join(load.overrides()[:3])}" for load in loads)
+             + f", {args.repeats} runs each. Spread: half the range of the repeats over their "
+               "mean.", ""]
+    for result in results:
+        lines += markdown_table(result, "twinserve-serve") + [""]
+    lines += [*failures, drift_line(runs, args.repeats), ""]
+    text = "\n".join(lines)
+    (out / "loop.md").write_text(text)
+    (out / "loop.json").write_text(json.dumps({"results": results}, indent=2) + "\n")
+    print("\n" + text)
+    print(f"written under {out}")
+
+
+if __name__ == "__main__":
+    main()
