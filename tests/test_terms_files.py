@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-import sim.core.build as build
+import sim.core.say_once as say_once_module
 from calibration.realrun.calibrate import (DEFAULT_METRICS, DEFAULT_TERMS, PROFILED_METRICS,
                                            PROFILED_TERMS, parse_args, terms_and_metrics)
 from calibration.realrun.calibrate import main as calibrate
@@ -37,7 +37,7 @@ def cost_model_of(*overrides):
 
 
 def test_the_roofline_takes_a_terms_file_fitted_on_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(build, "_FELL_BACK", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     path = terms_file(tmp_path / "fit.json", "roofline", step_overhead_s=0.02,
                       compute_efficiency=0.3)
     named = cost_model_of("cost_model=roofline", f"cost_model.terms_file={path}")
@@ -105,7 +105,7 @@ def test_calibrate_fits_the_profiled_models_own_terms_by_default():
 def test_calibrate_names_the_cost_model_that_ran_in_its_file(tmp_path, monkeypatch):
     """Fitted with the default (GPU) cost model on a CPU run, the roofline ran: the file says
     roofline and loads into cost_model=roofline."""
-    monkeypatch.setattr(build, "_FELL_BACK", set())
+    monkeypatch.setattr(say_once_module, "_SAID", set())
     rows = ["arrival_s,prompt_len,output_len,ttft_s,e2e_s"] + [
         f"{0.5 * i},64,16,0.03,{0.03 + 15 * 0.004}" for i in range(12)]
     run = tmp_path / "run.csv"
