@@ -18,8 +18,8 @@ from sim.core.specs import kv_cache_num_blocks
 import sim.gpu.engine_terms as engine_terms_module
 from sim.gpu.cost_model import GPUCostModel
 from sim.gpu.engine_terms import engine_terms
-from sim.gpu.vllm_tables import (TABLES_DIR, GemmGrid, gemm_grid, nearest_version,
-                                 resolve_version)
+from sim.gpu.vllm_tables import (TABLES_DIR, GemmGrid, _repair_isolated_slow_points, gemm_grid,
+                                 nearest_version, resolve_version)
 
 from factories import decode_plan, hardware_spec, model_spec
 
@@ -112,6 +112,28 @@ def test_bilinear_interpolation_is_exact_for_time_proportional_to_n_times_k():
         np.testing.assert_allclose(grid.latency_ms(tokens, width, depth),
                                    a * tokens * width * depth, rtol=1e-12)
 
+
+
+def test_a_lone_point_far_slower_than_its_width_neighbours_takes_their_rate():
+    m, n, k = np.array([1.0, 8.0]), np.array([64.0, 128.0, 256.0, 512.0]), np.array([32.0, 64.0, 128.0])
+    ms = 3e-7 * m[:, None, None] * n[None, :, None] * k[None, None, :]
+    slow = ms.copy()
+    slow[1, 1, 1] *= 2.0          # an interior point at half its neighbours' rate: a glitch
+    slow[0, 2, 1] *= 1.2          # within GLITCH_RATIO of its neighbours: kept as measured
+    slow[1, 3, 1] *= 2.0          # on the grid's edge in n (no neighbour past it): kept
+    repaired = _repair_isolated_slow_points(m, n, k, slow)
+    assert repaired[1, 1, 1] == pytest.approx(ms[1, 1, 1], rel=1e-12)
+    assert repaired[0, 2, 1] == slow[0, 2, 1]
+    assert repaired[1, 3, 1] == slow[1, 3, 1]
+
+
+def test_the_h100_0_14_glitch_does_not_reach_qwen3_32b_tp8_gate_up():
+    """0.14.0 measured m 4,096 x n 6,144 x k 5,120 at 377 TFLOP/s beside 795-880 at its four
+    (n, k) neighbours; Qwen3-32B's gate+up at TP8 (n 6,400) lies between n 6,144 and 7,168."""
+    grid = gemm_grid("h100_sxm", "0.14.0", "bfloat16")
+    rate = {n: 2 * 4096 * n * 5120 / grid.latency_ms(np.array([4096.0]), n, 5120)[0] / 1e9
+            for n in (5120, 6144, 6400, 7168)}
+    assert min(rate[5120], rate[7168]) / 1.3 < rate[6144] and rate[6400] > 700, rate
 
 # ---- which version, which tables -----------------------------------------------------------------
 
