@@ -65,10 +65,11 @@ class RepeatingScheduler(Protocol):
 
     kv_cache: RepeatingKVCache
 
-    def runs_past_finishes(self) -> bool:
-        """Whether the next steps after some decodes of a run finish would plan the rest alone:
-        nothing waits, is swapped out or arriving, and `update` does nothing per step beyond
-        what DecodeRun applies."""
+    def runs_past_finishes(self, num_finishing: int, max_free_blocks: int) -> bool:
+        """Whether the next steps after `num_finishing` decodes of a run finish, leaving at most
+        `max_free_blocks` blocks free, would plan the rest alone: nothing is swapped out or
+        arriving, nothing waits or the queue's head would surely be refused again, and `update`
+        does nothing per step beyond what DecodeRun applies."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished at `now` and free its blocks; True if its request is done."""
     def rest_of_run(self, plan: StepPlan) -> None:
@@ -254,7 +255,7 @@ class DecodeRun:
         return the requests that finished; else None, nothing changed."""
         scheduler = self.scheduler
         kv_cache = scheduler.kv_cache
-        if not scheduler.runs_past_finishes() or not kv_cache.frees_in_any_order():
+        if not kv_cache.frees_in_any_order():
             return None
         seqs = plan.seqs
         num_steps = self.num_steps_before + self.max_repeats   # since the counters stand
@@ -263,13 +264,23 @@ class DecodeRun:
         num_finishing = steps_to_last.count(num_steps)
         if not num_finishing or num_finishing == len(seqs):
             return None   # the pool ended the steps, or the whole batch finished
-        runs_on = list(map(num_steps.__ne__, steps_to_last))
         finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
+        # Once they finished, at most their blocks are free besides (what they grew into came
+        # off the free ones and goes back), less what the rest grew into by then.
+        block_tables = plan.block_tables
+        max_free_blocks = free_blocks + sum([len(block_tables[seq.seq_id]) for seq in finishing])
+        if self._growth is not None and num_steps > 1:
+            grown = self._growth.new_blocks_per_step(1, num_steps - 1)[0]
+            max_free_blocks -= grown - kv_cache.decode_growth(finishing).new_blocks_per_step(
+                1, num_steps - 1)[0]
+        if not scheduler.runs_past_finishes(num_finishing, max_free_blocks):
+            return None
+        runs_on = list(map(num_steps.__ne__, steps_to_last))
         rest = list(compress(seqs, runs_on))
         rest_to_last = list(compress(steps_to_last, runs_on))
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
         num_more_steps = min(rest_to_last) - num_steps
         most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
         max_repeats = _num_steps_the_pool_holds(kv_cache, rest, num_steps, num_more_steps,
