@@ -13,7 +13,7 @@ The engine runs every step for real and never repeats one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import compress
 from typing import Protocol, runtime_checkable
 
@@ -65,11 +65,12 @@ class RepeatingScheduler(Protocol):
 
     kv_cache: RepeatingKVCache
 
-    def runs_past_finishes(self, num_finishing: int, max_free_blocks: int) -> bool:
+    def runs_past_finishes(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
         """Whether the next steps after `num_finishing` decodes of a run finish, leaving at most
-        `max_free_blocks` blocks free, would plan the rest alone: nothing is swapped out or
-        arriving, nothing waits or the queue's head would surely be refused again, and `update`
-        does nothing per step beyond what DecodeRun applies."""
+        `max_free_blocks()` blocks free (asked only where it matters), would plan the rest
+        alone: nothing is swapped out or arriving, nothing waits or the queue's head would
+        surely be refused again, and `update` does nothing per step beyond what DecodeRun
+        applies."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished at `now` and free its blocks; True if its request is done."""
     def rest_of_run(self, plan: StepPlan) -> None:
@@ -260,25 +261,23 @@ class DecodeRun:
         seqs = plan.seqs
         num_steps = self.num_steps_before + self.max_repeats   # since the counters stand
         steps_to_last = self.steps_to_last_output
-        # Passes in C over the batch: which finish at `num_steps` and which run on.
-        num_finishing = steps_to_last.count(num_steps)
+        num_finishing = steps_to_last.count(num_steps)   # (in C)
         if not num_finishing or num_finishing == len(seqs):
             return None   # the pool ended the steps, or the whole batch finished
-        finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
+        # Usually one or two finish: found by index and taken out of copies (memmoves in C, not
+        # a pass over the batch per list).
+        indices = [steps_to_last.index(num_steps)]
+        while len(indices) < num_finishing:
+            indices.append(steps_to_last.index(num_steps, indices[-1] + 1))
+        finishing = [seqs[index] for index in indices]
         free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        # Once they finished, at most their blocks are free besides (what they grew into came
-        # off the free ones and goes back), less what the rest grew into by then.
-        block_tables = plan.block_tables
-        max_free_blocks = free_blocks + sum([len(block_tables[seq.seq_id]) for seq in finishing])
-        if self._growth is not None and num_steps > 1:
-            grown = self._growth.new_blocks_per_step(1, num_steps - 1)[0]
-            max_free_blocks -= grown - kv_cache.decode_growth(finishing).new_blocks_per_step(
-                1, num_steps - 1)[0]
-        if not scheduler.runs_past_finishes(num_finishing, max_free_blocks):
+        if not scheduler.runs_past_finishes(
+                num_finishing, lambda: self._max_free_blocks(plan, finishing, num_steps,
+                                                             free_blocks)):
             return None
-        runs_on = list(map(num_steps.__ne__, steps_to_last))
-        rest = list(compress(seqs, runs_on))
-        rest_to_last = list(compress(steps_to_last, runs_on))
+        rest, rest_to_last = seqs.copy(), steps_to_last.copy()
+        for index in reversed(indices):
+            del rest[index], rest_to_last[index]
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
         num_more_steps = min(rest_to_last) - num_steps
@@ -310,6 +309,19 @@ class DecodeRun:
         self.max_repeats = max_repeats
         self.num_steps_before = num_steps
         return finished
+
+    def _max_free_blocks(self, plan: StepPlan, finishing: list[Sequence], num_steps: int,
+                         free_blocks: int) -> int:
+        """At most how many blocks are free once `finishing` finished at `num_steps` since the
+        counters stood, `free_blocks` free now: also theirs (what they grew into came off the
+        free ones and goes back), less what the rest grew into by then."""
+        block_tables = plan.block_tables
+        max_free_blocks = free_blocks + sum([len(block_tables[seq.seq_id]) for seq in finishing])
+        if self._growth is not None and num_steps > 1:
+            grown = self._growth.new_blocks_per_step(1, num_steps - 1)[0]
+            max_free_blocks -= grown - self.scheduler.kv_cache.decode_growth(
+                finishing).new_blocks_per_step(1, num_steps - 1)[0]
+        return max_free_blocks
 
     def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
         """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last

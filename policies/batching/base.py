@@ -30,6 +30,7 @@ in its own body withdraws it, so a plug-in repeats steps only where it said it m
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import ClassVar
 
 from policies.batching.handoff import KVHandoff
@@ -424,16 +425,16 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                     or self._released_for_running
                     or (self.waiting and not self.admits_in_arrival_order))
 
-    def runs_past_finishes(self, num_finishing: int, max_free_blocks: int) -> bool:
+    def runs_past_finishes(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
         """Whether a run's `num_finishing` decodes that finish may leave at their step and the
         rest run on: nothing is swapped out or arriving, `update` keeps the promise, and nothing
         waits or the queue's head would surely be refused again at that step, with
-        `num_finishing` fewer running sequences and at most `max_free_blocks` free blocks."""
+        `num_finishing` fewer running sequences and at most `max_free_blocks()` free blocks."""
         return (self.plain_update and not (self.swapped or self.receiving)
                 and (not self.waiting
                      or self._refuses_head_again(num_finishing, max_free_blocks)))
 
-    def _refuses_head_again(self, num_finishing: int, max_free_blocks: int) -> bool:
+    def _refuses_head_again(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
         """Whether `_admit` would surely refuse the queue's head (the next to admit, in arrival
         order) at a step with `num_finishing` fewer running sequences and at most
         `max_free_blocks` free blocks: too few seats, or too few blocks for its prefill as the
@@ -451,7 +452,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         token_budget, chunked = budget
         return (self._may_allocate_new_from is not None and not self._may_allocate_new_from(
             self._uncached_chunks(head.unfinished_sequences(), token_budget, chunked),
-            max_free_blocks))
+            max_free_blocks()))
 
     def _admission_budget(self, num_decodes: int) -> tuple[int, bool] | None:
         """The token budget the queue's head is admitted with in a step after `num_decodes`
