@@ -41,16 +41,6 @@ class AdmissionCheckingKVCache(Protocol):
 
 
 @runtime_checkable
-class AdmissionForecastingKVCache(Protocol):
-    """A KV manager that can tell an admission's allocation would fail with a given number of
-    free blocks (a run of repeated decode steps asks about one of its later steps)."""
-
-    def may_allocate_new_from(self, num_tokens: Seq[int], num_free_blocks: int) -> bool:
-        """may_allocate_new, were `num_free_blocks` blocks free: False must be exact for any
-        pool with at most that many free."""
-
-
-@runtime_checkable
 class PinningKVCache(Protocol):
     """A KV manager that can keep a finished sequence's cached blocks held, unevictable, under a
     key, until released (kv_retention=pin)."""

@@ -13,7 +13,7 @@ The engine runs every step for real and never repeats one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import compress
 from typing import Protocol, runtime_checkable
 
@@ -65,12 +65,10 @@ class RepeatingScheduler(Protocol):
 
     kv_cache: RepeatingKVCache
 
-    def runs_past_finishes(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
-        """Whether the next steps after `num_finishing` decodes of a run finish, leaving at most
-        `max_free_blocks()` blocks free (asked only where it matters), would plan the rest
-        alone: nothing is swapped out or arriving, nothing waits or the queue's head would
-        surely be refused again, and `update` does nothing per step beyond what DecodeRun
-        applies."""
+    def runs_past_finishes(self) -> bool:
+        """Whether the next steps after some decodes of a run finish would plan the rest alone:
+        nothing waits, is swapped out or arriving, and `update` does nothing per step beyond
+        what DecodeRun applies."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
         """Mark a sequence finished at `now` and free its blocks; True if its request is done."""
     def rest_of_run(self, plan: StepPlan) -> None:
@@ -256,7 +254,7 @@ class DecodeRun:
         return the requests that finished; else None, nothing changed."""
         scheduler = self.scheduler
         kv_cache = scheduler.kv_cache
-        if not kv_cache.frees_in_any_order():
+        if not scheduler.runs_past_finishes() or not kv_cache.frees_in_any_order():
             return None
         seqs = plan.seqs
         num_steps = self.num_steps_before + self.max_repeats   # since the counters stand
@@ -270,16 +268,12 @@ class DecodeRun:
         while len(indices) < num_finishing:
             indices.append(steps_to_last.index(num_steps, indices[-1] + 1))
         finishing = [seqs[index] for index in indices]
-        free_blocks = kv_cache.num_blocks_for_repeated_steps()
-        if not scheduler.runs_past_finishes(
-                num_finishing, lambda: self._max_free_blocks(plan, finishing, num_steps,
-                                                             free_blocks)):
-            return None
         rest, rest_to_last = seqs.copy(), steps_to_last.copy()
         for index in reversed(indices):
             del rest[index], rest_to_last[index]
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
+        free_blocks = kv_cache.num_blocks_for_repeated_steps()
         num_more_steps = min(rest_to_last) - num_steps
         most_taken = num_finishing * -(-(num_steps - 1) // kv_cache.block_size)
         max_repeats = _num_steps_the_pool_holds(kv_cache, rest, num_steps, num_more_steps,
@@ -309,19 +303,6 @@ class DecodeRun:
         self.max_repeats = max_repeats
         self.num_steps_before = num_steps
         return finished
-
-    def _max_free_blocks(self, plan: StepPlan, finishing: list[Sequence], num_steps: int,
-                         free_blocks: int) -> int:
-        """At most how many blocks are free once `finishing` finished at `num_steps` since the
-        counters stood, `free_blocks` free now: also theirs (what they grew into came off the
-        free ones and goes back), less what the rest grew into by then."""
-        block_tables = plan.block_tables
-        max_free_blocks = free_blocks + sum([len(block_tables[seq.seq_id]) for seq in finishing])
-        if self._growth is not None and num_steps > 1:
-            grown = self._growth.new_blocks_per_step(1, num_steps - 1)[0]
-            max_free_blocks -= grown - self.scheduler.kv_cache.decode_growth(
-                finishing).new_blocks_per_step(1, num_steps - 1)[0]
-        return max_free_blocks
 
     def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
         """Each of the decoding `seqs` gained a token at each of `num_steps` steps, the last

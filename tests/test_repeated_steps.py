@@ -211,35 +211,3 @@ def test_repeated_steps_run_past_arrivals_that_must_wait(monkeypatch):
                                   plots=False)
     assert sum(counted) > 10
     assert_same_run(coalesced, step_by_step)
-
-
-@pytest.mark.parametrize("scheduler", ["continuous", "chunked_prefill"])
-@pytest.mark.parametrize("seed", range(3))
-def test_runs_go_on_past_finishes_while_the_head_is_refused(scheduler, seed, monkeypatch):
-    """Overloaded on a tight pool, the queue's head waits for blocks or seats: where decodes
-    finish inside a run and the head would still be refused at that step (the blocks they free
-    and the seats they leave are too few), the run goes on with the rest, and every row,
-    latency and request time comes out as step by step."""
-    from policies.decode_run import DecodeRun
-
-    rng = random.Random(seed)
-    block_size = rng.choice([8, 16])
-    overrides = [*scheduler_overrides(scheduler), f"seed={seed}", "workload.num_requests=200",
-                 "workload.rate=8", "++workload.prompt_len={dist: uniform, low: 8, high: 400}",
-                 "++workload.output_len={dist: lognormal, mean: 100, sigma: 1.0}",
-                 f"kv_cache.block_size={block_size}",
-                 f"kv_cache.num_blocks={200 * 16 // block_size}",
-                 f"scheduler.max_num_seqs={rng.choice([12, 256])}"]
-    past_refused_head = []
-    continue_past_finishes = DecodeRun.continue_past_finishes
-
-    def counting(self, plan, now):
-        finished = continue_past_finishes(self, plan, now)
-        if finished is not None and self.scheduler.waiting:
-            past_refused_head.append(len(finished))
-        return finished
-
-    monkeypatch.setattr(DecodeRun, "continue_past_finishes", counting)
-    coalesced, step_by_step, _ = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    assert past_refused_head, overrides   # not vacuous: runs went on while requests waited

@@ -30,15 +30,13 @@ in its own body withdraws it, so a plug-in repeats steps only where it said it m
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import ClassVar
 
 from policies.batching.handoff import KVHandoff
 from policies.batching.kept_turns import KeptTurns
 from policies.batching.preempting import PreemptionAndSwap
 from policies.batching.speculative import SpeculativeDecodes
-from policies.capabilities import (AdmissionCheckingKVCache, AdmissionForecastingKVCache,
-                                   OffloadingKVCache)
+from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability
 from policies.decode_run import DecodeRun, RepeatingKVCache
 from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager,
@@ -141,11 +139,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         self._may_allocate_new = (
             kv_cache.may_allocate_new
             if has_capability(kv_cache, AdmissionCheckingKVCache, "kv_cache") else None)
-        # ... and with a later step's free blocks (a run goes on past finishes while the queue's
-        # head would still be refused).
-        self._may_allocate_new_from = (
-            kv_cache.may_allocate_new_from
-            if has_capability(kv_cache, AdmissionForecastingKVCache, "kv_cache") else None)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -425,40 +418,11 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                     or self._released_for_running
                     or (self.waiting and not self.admits_in_arrival_order))
 
-    def runs_past_finishes(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
-        """Whether a run's `num_finishing` decodes that finish may leave at their step and the
-        rest run on: nothing is swapped out or arriving, `update` keeps the promise, and nothing
-        waits or the queue's head would surely be refused again at that step, with
-        `num_finishing` fewer running sequences and at most `max_free_blocks()` free blocks."""
-        return (self.plain_update and not (self.swapped or self.receiving)
-                and (not self.waiting
-                     or self._refuses_head_again(num_finishing, max_free_blocks)))
-
-    def _refuses_head_again(self, num_finishing: int, max_free_blocks: Callable[[], int]) -> bool:
-        """Whether `_admit` would surely refuse the queue's head (the next to admit, in arrival
-        order) at a step with `num_finishing` fewer running sequences and at most
-        `max_free_blocks` free blocks: too few seats, or too few blocks for its prefill as the
-        KV manager can tell with that many free. False where this scheduler's admission step
-        is not known (`_admission_budget`) or other state may let the head in (adapters, kept
-        blocks)."""
-        budget = self._admission_budget(self.num_running_seqs - num_finishing)
-        if (budget is None or not self.admits_in_arrival_order or self.lora is not None
-                or self.kv_retention is not None):
-            return False
-        head = self.waiting[0]
-        if (self.num_running_seqs - num_finishing + self._num_live_samples(head)
-                > self.max_num_seqs):
-            return True
-        token_budget, chunked = budget
-        return (self._may_allocate_new_from is not None and not self._may_allocate_new_from(
-            self._uncached_chunks(head.unfinished_sequences(), token_budget, chunked),
-            max_free_blocks()))
-
-    def _admission_budget(self, num_decodes: int) -> tuple[int, bool] | None:
-        """The token budget the queue's head is admitted with in a step after `num_decodes`
-        decodes, and whether its prefill may be chunked; None: not known (no run goes on past
-        finishes while requests wait)."""
-        return None
+    def runs_past_finishes(self) -> bool:
+        """Whether a run's decodes that finish may leave at their step and the rest run on:
+        nothing waits, is swapped out or arriving, and `update` keeps the promise."""
+        return (self.plain_update
+                and not (self.waiting or self.swapped or self.receiving))
 
     def rest_of_run(self, plan: StepPlan) -> None:
         """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""

@@ -24,7 +24,3 @@ class ChunkedPrefillScheduler(BaseScheduler):
             if not self.swapped:
                 self._admit_waiting(plan, budget, chunked=True)
         return self._finish_plan(plan)
-
-    def _admission_budget(self, num_decodes: int) -> tuple[int, bool]:
-        """(What the decodes, scheduled first, leave of the budget, chunked.)"""
-        return self.max_num_batched_tokens - num_decodes, True

@@ -34,10 +34,6 @@ class ContinuousBatchingScheduler(BaseScheduler):
             self._swap_in(plan, budget, chunked=False)
         return self._finish_plan(plan)
 
-    def _admission_budget(self, num_decodes: int) -> tuple[int, bool]:
-        """(A prefill step admits with the whole budget, unchunked, whatever decodes run.)"""
-        return self.max_num_batched_tokens, False
-
     def _admit_prefills(self, plan: StepPlan) -> None:
         """A prefill step's admissions: waiting requests, none while one is swapped out (those
         came first)."""

@@ -104,16 +104,11 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
         the watermark, now; False is exact: allocate_slots(..., watermark=True) would fail for
         one of them. A prefix hit never needs more free blocks than it saves, so with prefix
         caching (where the lengths are those before any hit) the answer is True."""
-        return self.may_allocate_new_from(num_tokens, self.num_free_blocks())
-
-    def may_allocate_new_from(self, num_tokens: Seq[int], num_free_blocks: int) -> bool:
-        """`may_allocate_new` with `num_free_blocks` free blocks (False exact for any pool with
-        at most that many)."""
         if self.enable_prefix_caching:
             return True
         block_size = self.block_size
         num_blocks_needed = sum([-(-length // block_size) for length in num_tokens])
-        return num_free_blocks - num_blocks_needed >= self.watermark_blocks
+        return self.num_free_blocks() - num_blocks_needed >= self.watermark_blocks
 
     # ---- growth ----
 
