@@ -259,14 +259,18 @@ class DecodeRun:
         seqs = plan.seqs
         num_steps = self.num_steps_before + self.max_repeats   # since the counters stand
         steps_to_last = self.steps_to_last_output
-        # Passes in C over the batch: which finish at `num_steps` and which run on.
-        num_finishing = steps_to_last.count(num_steps)
+        num_finishing = steps_to_last.count(num_steps)   # (in C)
         if not num_finishing or num_finishing == len(seqs):
             return None   # the pool ended the steps, or the whole batch finished
-        runs_on = list(map(num_steps.__ne__, steps_to_last))
-        finishing = list(compress(seqs, map(num_steps.__eq__, steps_to_last)))
-        rest = list(compress(seqs, runs_on))
-        rest_to_last = list(compress(steps_to_last, runs_on))
+        # Usually one or two finish: found by index and taken out of copies (memmoves in C, not
+        # a pass over the batch per list).
+        indices = [steps_to_last.index(num_steps)]
+        while len(indices) < num_finishing:
+            indices.append(steps_to_last.index(num_steps, indices[-1] + 1))
+        finishing = [seqs[index] for index in indices]
+        rest, rest_to_last = seqs.copy(), steps_to_last.copy()
+        for index in reversed(indices):
+            del rest[index], rest_to_last[index]
         # The finishing ones take their growth before they free it all: not counted as free
         # (at most a block every block_size steps each; exactly where that is too many).
         free_blocks = kv_cache.num_blocks_for_repeated_steps()

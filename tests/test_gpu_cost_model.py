@@ -206,3 +206,35 @@ def test_config_file_builds_it():
     assert model.step_overhead_s > 0 and model.per_sequence_overhead_s > 0
     assert build(kernel_tables="vidur").describe()["linear"].startswith(
         "measured: h100/Llama-2-7b-hf tp2")
+
+
+def test_decode_attention_grid_along_a_run_is_the_lookup_at_each_step():
+    """A run of repeated decode steps reads the grid along the batch's row: each step's seconds
+    are bilinear between the measured (batch, mean context) points, in proportion past the
+    grid's last context, the same floats a lookup per step gives."""
+    from itertools import islice
+
+    from sim.gpu.vllm_kernels import DecodeAttentionGrid
+
+    grid = DecodeAttentionGrid(heads=(8, 8, 128), batch=(1.0, 4.0, 16.0),
+                               context=(128.0, 1024.0, 4096.0),
+                               seconds=((1.0, 3.0, 9.0), (2.0, 7.0, 20.0), (5.0, 15.0, 50.0)))
+
+    def by_hand(num_decodes, context_tokens):
+        # batch 8 lies a third of the way from 4 to 16; the mean context as given
+        mean = context_tokens / num_decodes
+        low_row, high_row = grid.seconds[1], grid.seconds[2]
+        if mean >= 4096.0:
+            return (low_row[2] + (8.0 - 4.0) / 12.0 * (high_row[2] - low_row[2])) * mean / 4096.0
+        upper = 1 if mean <= 1024.0 else 2
+        weight = (mean - grid.context[upper - 1]) / (grid.context[upper] - grid.context[upper - 1])
+        low = low_row[upper - 1] + weight * (low_row[upper] - low_row[upper - 1])
+        high = high_row[upper - 1] + weight * (high_row[upper] - high_row[upper - 1])
+        return low + (8.0 - 4.0) / 12.0 * (high - low)
+
+    start = 8 * 1000   # mean context 1,000, then 1,001, ... past 1,024 and past 4,096
+    contexts = [start + step * 8 for step in range(0, 3200, 97)]
+    along = list(islice(grid.along_run(8, start), 0, 3200, 97))
+    assert along == [by_hand(8, context) for context in contexts]
+    assert along == [grid(8, context) for context in contexts]
+    assert grid(1, 128) == 1.0 and grid(16, 16 * 4096) == 50.0   # measured points

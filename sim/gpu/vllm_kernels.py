@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -64,14 +65,22 @@ class DecodeAttentionGrid:
     seconds: tuple[tuple[float, ...], ...]      # [batch][context]
 
     def __call__(self, num_decodes: int, context_tokens: float) -> float:
-        b, c = float(num_decodes), context_tokens / num_decodes
-        bi, bw, bs = _position(self.batch, b)
-        ci, cw, cs = _position(self.context, c)
+        return next(self.along_run(num_decodes, context_tokens))
+
+    def along_run(self, num_decodes: int, context_tokens: float) -> Iterator[float]:
+        """The seconds at `context_tokens`, then at each next step of the same batch, every
+        decode a token further (context_tokens + num_decodes, ...): the batch's row is looked
+        up once for the whole run of repeated steps."""
+        bi, bw, bs = _position(self.batch, float(num_decodes))
         row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
-        c2 = min(ci + 1, len(self.context) - 1)
-        low = row[ci] + cw * (row[c2] - row[ci])
-        high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
-        return (low + bw * (high - low)) * bs * cs
+        grid, last = self.context, len(self.context) - 1
+        while True:
+            ci, cw, cs = _position(grid, context_tokens / num_decodes)
+            c2 = min(ci + 1, last)
+            low = row[ci] + cw * (row[c2] - row[ci])
+            high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
+            yield (low + bw * (high - low)) * bs * cs
+            context_tokens += num_decodes
 
 
 def _position(grid: tuple[float, ...], value: float) -> tuple[int, float, float]:

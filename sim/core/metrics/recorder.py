@@ -44,6 +44,9 @@ SPILL_AT_ROWS = 1 << 17
 SPILL_KEEP_ROWS = 1 << 16
 # A streamed run's inter-token latencies logged before they are sketched (16 bytes each).
 STREAMED_LOGGED_ITLS = 1 << 16
+# The columns a run of repeated steps moves (record_repeated_steps builds its rows by position:
+# replica_id, start_time and duration lead, the memory columns stand side by side).
+_DURATION, _BLOCKS, _TOKENS = _COL["duration"], _COL["kv_blocks_used"], _COL["kv_tokens_stored"]
 
 
 class MetricsCollector:
@@ -301,26 +304,29 @@ class StepRecorder:
             self.energy.add_repeated_steps(plan, durations)
         rows = self.metrics.step_rows
         row = list(rows[-1])
-        start_column, duration_column = _COL["start_time"], _COL["duration"]
-        blocks_column = _COL["kv_blocks_used"]
-        slots_column, tokens_column = _COL["kv_slots_allocated"], _COL["kv_tokens_stored"]
         block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
         run = plan.decode_run
         first_step = run.num_steps_before
         new_blocks = run.new_blocks_per_step(plan, len(durations))
+        blocks, slots, tokens = row[_BLOCKS:_TOKENS + 1]
         if first_step:
-            row[tokens_column] += num_decodes * first_step
-            row[blocks_column] += new_blocks[0]
-            row[slots_column] += new_blocks[0] * block_size
+            tokens += num_decodes * first_step
+            blocks += new_blocks[0]
+            slots += new_blocks[0] * block_size
+            row[_BLOCKS:_TOKENS + 1] = blocks, slots, tokens
             rows[-1] = tuple(row)
-        for step in range(1, len(durations)):
-            start_time += durations[step - 1]
-            row[start_column], row[duration_column] = start_time, durations[step]
-            row[tokens_column] += num_decodes
-            if new_blocks[step]:
-                row[blocks_column] += new_blocks[step]
-                row[slots_column] += new_blocks[step] * block_size
-            rows.append(tuple(row))
+        # Each later row built whole from the columns that stay (one tuple display a step).
+        replica_id, middle, rest = row[0], row[_DURATION + 1:_BLOCKS], row[_TOKENS + 1:]
+        append = rows.append
+        previous = durations[0]
+        for duration, added in zip(itertools.islice(durations, 1, None), itertools.islice(new_blocks, 1, None)):
+            start_time += previous
+            previous = duration
+            tokens += num_decodes
+            if added:
+                blocks += added
+                slots += added * block_size
+            append((replica_id, start_time, duration, *middle, blocks, slots, tokens, *rest))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
