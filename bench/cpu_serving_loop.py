@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from serving_loop import (Load, ServerProcess, bench_loads, drift_line, free_port,  # noqa: E402
-                          markdown_table, predict)
+from serving_loop import (Load, ServerProcess, bench_loads, check_loop_arguments,  # noqa: E402
+                          drift_line, free_port, loop_arguments, markdown_table, predict)
 
 from calibration.realrun.calibrate import PROFILED_METRICS, PROFILED_TERMS  # noqa: E402
 
@@ -50,31 +50,12 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path,
-                        default=REPO / "outputs" / "cpu-serving-loop" /
-                        datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each load (>= 2)")
-    parser.add_argument("--warmup", type=int, default=8,
-                        help="unrecorded requests before each run (twinserve-bench --warmup)")
-    parser.add_argument("--light-rate", type=float, default=2.0)
-    parser.add_argument("--light-requests", type=int, default=40)
-    parser.add_argument("--heavy-rate", type=float, default=6.0,
-                        help="req/s; on 2 shared cores the server falls behind from ~12")
-    parser.add_argument("--heavy-requests", type=int, default=60)
+    parser = loop_arguments(__doc__.splitlines()[0], REPO / "outputs" / "cpu-serving-loop", 40,
+                            60, "req/s; on 2 shared cores the server falls behind from ~12")
     parser.add_argument("--num-gpu-blocks", type=int, default=512)
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds the server may take to answer /health")
-    args = parser.parse_args(argv)
-    for name in ("light_requests", "heavy_requests", "num_gpu_blocks"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("light_rate", "heavy_rate"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.repeats < 2:
-        parser.error("--repeats must be >= 2: the spread needs two runs of each load")
-    return args
+    return check_loop_arguments(parser, parser.parse_args(argv), ("num_gpu_blocks",))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ terms fitted with twinserve-calibrate on one load and the other load replayed wi
 table (bench/cpu_serving_loop.py: twinserve-serve; bench/vllm_cpu_loop.py: vLLM's CPU build)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,38 @@ LENGTHS = ["workload.prompt_len.mean=128", "workload.prompt_len.sigma=0.5",
            "workload.output_len.mean=64", "workload.output_len.sigma=0.5",
            "workload.output_len.min=8", "workload.output_len.max=256"]
 HEALTH_POLL_S = 1.0
+
+
+def loop_arguments(description: str, out: Path, light_requests: int, heavy_requests: int,
+                   heavy_help: str) -> argparse.ArgumentParser:
+    """The two loop scripts' shared options (output folder, repeats, warm-up, the two loads);
+    each adds its server's own; check_loop_arguments checks them after parsing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path,
+                        default=out / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each load (>= 2)")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="unrecorded requests before each run (twinserve-bench --warmup)")
+    parser.add_argument("--light-rate", type=float, default=2.0)
+    parser.add_argument("--light-requests", type=int, default=light_requests)
+    parser.add_argument("--heavy-rate", type=float, default=6.0, help=heavy_help)
+    parser.add_argument("--heavy-requests", type=int, default=heavy_requests)
+    return parser
+
+
+def check_loop_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                         counts: tuple[str, ...] = ()) -> argparse.Namespace:
+    """`args` with the shared options (and the `counts` named) in range, else the parser's
+    one-line error naming the flag."""
+    for name in ("light_requests", "heavy_requests", *counts):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("light_rate", "heavy_rate"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.repeats < 2:
+        parser.error("--repeats must be >= 2: the spread needs two runs of each load")
+    return args
 
 
 def free_port() -> int:

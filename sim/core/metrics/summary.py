@@ -72,16 +72,10 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     result.update(_step_numbers(metrics, sum(map(attribute("num_preemptions"), requests)),
                                 duration_s, wall_time_s))
     if any(request.prompt_token_ids is not None for request in requests):
-        # Prefix caching needs token ids: the share of completed prompts' tokens it served,
-        # and of those the device's cache and the host tier's.
-        prompt_tokens = sum(request.prompt_len for request in completed)
-        cached = sum(request.num_cached_tokens for request in completed)
-        host_cached = sum(request.num_host_cached_tokens for request in completed)
-        result["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0
-        result["prefix_cache_device_hit_rate"] = (
-            (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
-        result["prefix_cache_host_hit_rate"] = (
-            host_cached / prompt_tokens if prompt_tokens else 0.0)
+        result.update(_prefix_cache_numbers(   # (prefix caching needs token ids)
+            sum(request.prompt_len for request in completed),
+            sum(request.num_cached_tokens for request in completed),
+            sum(request.num_host_cached_tokens for request in completed)))
     result.update(_offload_numbers(metrics))
     result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
     if "per_tenant" in result:
@@ -121,13 +115,8 @@ def streamed_run_summary(metrics: MetricsCollector, ledger: RequestLedger, wall_
         result.update(_streamed_goodput(totals, duration_s))
     result.update(_step_numbers(metrics, totals.num_preemptions, duration_s, wall_time_s))
     if totals.has_token_ids:
-        prompt_tokens, cached = total_input, totals.cached_tokens
-        host_cached = totals.host_cached_tokens
-        result["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0
-        result["prefix_cache_device_hit_rate"] = (
-            (cached - host_cached) / prompt_tokens if prompt_tokens else 0.0)
-        result["prefix_cache_host_hit_rate"] = (
-            host_cached / prompt_tokens if prompt_tokens else 0.0)
+        result.update(_prefix_cache_numbers(total_input, totals.cached_tokens,
+                                            totals.host_cached_tokens))
     result.update(_offload_numbers(metrics))
     for key, groups in (("per_tenant", ledger.by_tenant), ("per_priority", ledger.by_priority)):
         if len(groups) > 1:
@@ -187,6 +176,16 @@ def _step_numbers(metrics: MetricsCollector, num_preemptions: int, duration_s: f
         "mean_tokens_per_decode_step": ((num_decodes + num_accepted) / num_decodes
                                         if num_decodes else 0.0),
     }
+
+
+def _prefix_cache_numbers(prompt_tokens: int, cached: int, host_cached: int) -> dict:
+    """The share of completed prompts' tokens the prefix cache served, and of those the
+    device's cache and the host tier's."""
+    def share(tokens: int) -> float:
+        return tokens / prompt_tokens if prompt_tokens else 0.0
+    return {"prefix_cache_hit_rate": share(cached),
+            "prefix_cache_device_hit_rate": share(cached - host_cached),
+            "prefix_cache_host_hit_rate": share(host_cached)}
 
 
 def _offload_numbers(metrics: MetricsCollector) -> dict:
