@@ -31,12 +31,13 @@ FITTED = {("Qwen/Qwen3-32B", "0.12.0", 1024)}
 LEFT_OUT_MODELS = {"nvidia/Llama-3.1-8B-Instruct-FP8"}
 
 
-def _kind(cost_model) -> dict[str, str]:
+def _kind(cost_model, closed_loop: bool) -> dict[str, str]:
     """The kind of prediction a built GPU cost model makes."""
     m = cost_model.model
     return kind_of("vllm" if cost_model.kernels is not None else "vidur",
                    "nearest measured" not in cost_model.kernel_source,
-                   cost_model.tensor_parallel_size, m.is_moe, m.quantization is not None)
+                   cost_model.tensor_parallel_size, m.is_moe, m.quantization is not None,
+                   closed_loop)
 
 
 def silicon_checks() -> list[dict]:
@@ -58,7 +59,7 @@ def silicon_checks() -> list[dict]:
         cost_model = build_cost_model(config, model, HardwareSpec.from_config(config.hardware))
         real_e2e = result["real_ttft_ms"] + (row.osl - 1) * result["real_tpot_ms"]
         sim_e2e = result["sim_ttft_ms"] + (row.osl - 1) * result["sim_tpot_ms"]
-        checks.append({"check": f"silicon {row.id}", "kind": _kind(cost_model), "error_pct": {
+        checks.append({"check": f"silicon {row.id}", "kind": _kind(cost_model, True), "error_pct": {
             "ttft": result["ttft_error_pct"], "tpot": result["tpot_error_pct"],
             "e2e": 100 * (sim_e2e - real_e2e) / real_e2e}})
     return checks
@@ -78,7 +79,7 @@ def real_run_checks() -> list[dict]:
                                       HardwareSpec.from_config(config.hardware))
         for stage in replay(run, config=config)["stages"]:
             error = stage["error_pct"]
-            checks.append({"check": f"{path} {stage['label']}", "kind": _kind(cost_model),
+            checks.append({"check": f"{path} {stage['label']}", "kind": _kind(cost_model, False),
                            "error_pct": {"ttft": error["mean_ttft_ms"],
                                          "tpot": error["mean_tpot_ms"],
                                          "e2e": error["mean_e2el_ms"]}})
@@ -96,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         checks = json.loads(EXPECTED_ERRORS_FILE.read_text())["checks"]
     else:
         checks = silicon_checks() + real_run_checks()
-    for values in itertools.product(("vllm", "vidur"), ("bf16", "fp8"), ("dense", "moe"),
-                                    ("exact", "nearest"), ("tp1", "tp>1")):
+    for values in itertools.product(("vllm", "vidur"), ("open", "closed"), ("bf16", "fp8"),
+                                    ("dense", "moe"), ("exact", "nearest"), ("tp1", "tp>1")):
         kind = dict(zip(KIND_KEYS, values))
         stated = expected_errors_for(kind, checks)
         if stated is not None:
-            print(f"{', '.join(values):36s} {stated['checks']:4d} checks ({stated['basis']}): "
+            print(f"{', '.join(values):44s} {stated['checks']:4d} checks ({stated['basis']}): "
                   + "  ".join(f"{metric} ±{stated[metric]:.1f} %" for metric in METRICS))
     if args.write and not args.show:
         EXPECTED_ERRORS_FILE.write_text(json.dumps({

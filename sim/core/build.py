@@ -294,13 +294,19 @@ def cost_model_group(cost_model) -> str:
     return _COST_MODEL_GROUPS.get(target, target)
 
 
-def cost_model_summary(cost_models: list) -> dict:
+def cost_model_summary(cost_models: list, fixed_in_flight: bool = False) -> dict:
     """The expected error of the run's TTFT, TPOT and E2E where its cost model states one: the
-    80th percentile of |error| of leave-out checks of its kind (sim/gpu/expected_errors.py)."""
+    80th percentile of |error| of leave-out checks of its kind (sim/gpu/expected_errors.py),
+    of a closed loop's checks where a fixed number of requests is in flight
+    (`fixed_in_flight`: workload=closed_loop), else of open arrivals'."""
+    from sim.gpu.expected_errors import expected_errors_for
     for cost_model in cost_models:
         if (has_capability(cost_model, StatesExpectedError, "cost_model")
                 and cost_model.expected_error_pct is not None):
             stated = cost_model.expected_error_pct
+            kind = getattr(cost_model, "prediction_kind", None)
+            if fixed_in_flight and kind is not None:
+                stated = expected_errors_for({**kind, "arrivals": "closed"}) or stated
             summary = {f"expected_{metric}_error_pct": float(stated[metric])
                        for metric in ("ttft", "tpot", "e2e")}
             summary["expected_error_basis"] = (f"{stated.get('checks', '?')} leave-out checks: "

@@ -275,7 +275,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(lora_summary(lora_managers))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
-                                       if isinstance(replica.executor, SimExecutor)]))
+                                       if isinstance(replica.executor, SimExecutor)],
+                                      cfg.workload.get("kind") == "closed_loop"))
     if has_sessions(requests):
         summary.update(session_kv_summary(requests, [
             retention.held_blocks_log() for retention in retention_policies]))
@@ -312,7 +313,8 @@ def finish_streamed_run(summary: dict, metrics: MetricsCollector, ledger: Reques
     summary.update(speed_summary([replica.executor for replica in replicas]))
     summary.update(lora_summary(lora_managers))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
-                                       if isinstance(replica.executor, SimExecutor)]))
+                                       if isinstance(replica.executor, SimExecutor)],
+                                      cfg.workload.get("kind") == "closed_loop"))
     warn_unused_features(cfg, [], summary, replicas)
     warn_rejections(summary)
     if outputs is not None:

@@ -3,26 +3,31 @@ makes, from leave-out checks end to end (data/gpu/expected_errors.json, written 
 `python -m calibration.expected_errors`: measured deployments and real runs that no term was
 fitted on).
 
-A kind is (kernels, precision, model, version, tp): vLLM's measured kernels or the Vidur tables
-carried to another GPU; bf16 or fp8 weights; dense or mixture of experts; the engine version
-measured or the nearest one; one GPU or tensor parallel. A run takes the checks of its own
-kind, or where too few share it, those that share its leading keys (the kernels first), and
-states their 80th percentile of |error|: the truth should lie within it 8 times in 10."""
+A kind is (kernels, arrivals, precision, model, version, tp): vLLM's measured kernels or the
+Vidur tables carried to another GPU; a closed loop (a fixed number of requests in flight, as in
+NVIDIA's benchmark rows) or open arrivals (traffic on its own clock, as in the real runs, whose
+queues amplify a step's error); bf16 or fp8 weights; dense or mixture of experts; the engine
+version measured or the nearest one; one GPU or tensor parallel. A run takes the checks of its
+own kind, or where too few share it, those that share its leading keys (kernels and arrivals
+kept while any check shares them), and states their 80th percentile of |error| (the largest of
+fewer than five): the truth should lie within it 8 times in 10."""
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
 
-KIND_KEYS = ("kernels", "precision", "model", "version", "tp")
+KIND_KEYS = ("kernels", "arrivals", "precision", "model", "version", "tp")
+ALWAYS_KEPT = 2   # the leading keys a run is judged by while any check shares them
 METRICS = ("ttft", "tpot", "e2e")
 MIN_CHECKS = 5
 EXPECTED_ERRORS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "expected_errors.json"
 
 
 def kind_of(kernels: str, version_exact: bool, tensor_parallel_size: int, is_moe: bool,
-            quantized: bool) -> dict[str, str]:
-    return {"kernels": kernels, "version": "exact" if version_exact else "nearest",
+            quantized: bool, closed_loop: bool = False) -> dict[str, str]:
+    return {"kernels": kernels, "arrivals": "closed" if closed_loop else "open",
+            "version": "exact" if version_exact else "nearest",
             "tp": "tp1" if tensor_parallel_size == 1 else "tp>1",
             "model": "moe" if is_moe else "dense", "precision": "fp8" if quantized else "bf16"}
 
@@ -52,7 +57,7 @@ def expected_errors_for(kind: dict[str, str], checks=None) -> dict | None:
     for depth in range(len(KIND_KEYS), 0, -1):
         keys = KIND_KEYS[:depth]
         same = [c for c in checks if all(c["kind"][k] == kind[k] for k in keys)]
-        if len(same) >= MIN_CHECKS or (depth == 1 and same):
+        if len(same) >= MIN_CHECKS or (depth <= ALWAYS_KEPT and same):
             result = {metric: percentile_abs([c["error_pct"][metric] for c in same])
                       for metric in METRICS}
             result["checks"] = len(same)
