@@ -171,7 +171,7 @@ def llmservingsim_settings(folder: Path) -> tuple[dict, list[str]]:
                 if value is not None and key not in settings:
                     settings[key] = value
     if not meta_path.is_file():
-        notes.append(f"no vllm_meta.json beside the run: engine settings from the command line")
+        notes.append("no vllm_meta.json beside the run: engine settings from the command line")
     return settings, notes
 
 
