@@ -5,7 +5,7 @@ Routes: POST /v1/completions (streamed as server-sent events when `stream` is tr
 GET /metrics (Prometheus, engine/server_metrics.py). One thread steps the engine
 (engine/serving_loop.py); the handlers only wait on its events, and a request whose client goes
 away is aborted. Past a bound on waiting requests a new one gets 503; SIGTERM drains
-(DrainingServer).
+(engine/server_guard.py).
 
     twinserve-serve --model tiny-llama --port 8000 --scheduler chunked_prefill --num-gpu-blocks 512
 """
@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -34,6 +30,7 @@ from engine.llm import LLM
 from engine.openai_protocol import (BadRequest, CompletionRequest, CompletionStream, error_body,
                                     engine_request, sampling_param, validation_message,
                                     validation_param)
+from engine.server_guard import RequestGuard, serve
 from engine.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.serving_loop import DONE, ERROR, QUEUED, TOKENS, ServingLoop
 from policies.batching import ChunkedPrefillScheduler
@@ -51,10 +48,8 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 # loaded engine is within a second or so, and 1 is the header's smallest non-zero value.
 RETRY_AFTER_S = 1
 # How long SIGTERM lets the running requests finish before it aborts the rest (Kubernetes'
-# default grace period before it kills a pod); then clients get this much longer to take their
-# last bytes.
+# default grace period before it kills a pod).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-SHUTDOWN_GRACE_S = 5.0
 # Hosts that only this machine reaches: serving them without an API key is not worth a warning.
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The engine's options on the command line: flag -> (LLM keyword, type).
@@ -228,59 +223,6 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     return app
 
 
-class RequestGuard:
-    """ASGI middleware run before any route: the API key (401) and the body's size (413). The
-    body is read here and handed on whole, so later reads of `receive` see the disconnect."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if (self.expected is not None and scope["path"].startswith("/v1")
-                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
-            return await _send_error(send, "invalid or missing API key: send the header "
-                                     "'Authorization: Bearer <key>'", 401)
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await self._too_large(send)
-        body = bytearray()
-        while True:   # (the whole body, at most max_body_bytes, whatever Content-Length said)
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message], receive), send)
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                return await self._too_large(send)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay([{"type": "http.request", "body": bytes(body),
-                                        "more_body": False}], receive), send)
-
-    async def _too_large(self, send):
-        await _send_error(send, f"the request body is larger than {self.max_body_bytes} bytes",
-                          413)
-
-
-def _replay(messages: list[dict], receive):
-    """A `receive` that returns `messages` first, then what `receive` returns."""
-    async def replayed():
-        return messages.pop(0) if messages else await receive()
-    return replayed
-
-
-async def _send_error(send, message: str, status: int) -> None:
-    body = json.dumps(error_body(message, status)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
 async def _unless_disconnected(request: Request, work: Awaitable):
     """`work`'s result, or None once the client disconnected (`work` is then cancelled)."""
     work_task = asyncio.ensure_future(work)
@@ -334,46 +276,6 @@ async def _stream_chunks(events, stream: CompletionStream,
                 yield _sse(stream.usage_chunk(event.value))
         yield _sse("[DONE]")
         return
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, which on SIGTERM or Ctrl-C closes its listener and waits for the open
-    connections, with the engine drained meanwhile: the requests it runs may finish for
-    `shutdown_timeout_s`, then the rest are aborted, each client answered (a stream: an error
-    event and [DONE]; otherwise a 503 body). The process then exits 0 (a second Ctrl-C quits
-    at once)."""
-
-    def __init__(self, config: uvicorn.Config, serving: ServingLoop, shutdown_timeout_s: float):
-        # (a backstop for a client that never reads its last bytes)
-        config.timeout_graceful_shutdown = shutdown_timeout_s + SHUTDOWN_GRACE_S
-        super().__init__(config)
-        self.serving = serving
-        self.shutdown_timeout_s = shutdown_timeout_s
-
-    async def shutdown(self, sockets=None) -> None:
-        self.serving.drain(self.shutdown_timeout_s)
-        await super().shutdown(sockets)
-
-    @contextmanager
-    def capture_signals(self):
-        # uvicorn's own raises the signal again once shut down, which kills a drained server
-        # with SIGTERM's status instead of 0.
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
-def serve(app: FastAPI, host: str, port: int, log_level: str, shutdown_timeout_s: float) -> None:
-    """Serve `app` (create_app's) until SIGTERM or Ctrl-C, then drain it."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
-    DrainingServer(config, app.state.serving, shutdown_timeout_s).run()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,7 +18,8 @@ import uvicorn
 
 from engine import LLM, SamplingParams
 from engine import server as server_module
-from engine.server import API_KEY_ENV, DrainingServer, create_app
+from engine.server import API_KEY_ENV, create_app
+from engine.server_guard import DrainingServer
 from engine.serving_loop import ServingLoop, _Submission
 from sim.tools.bench_client import bench, workload_requests
 from sim.tools.bench_run_file import RequestRecord, build_run_file
