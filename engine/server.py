@@ -50,6 +50,9 @@ RETRY_AFTER_S = 1
 # How long SIGTERM lets the running requests finish before it aborts the rest (Kubernetes'
 # default grace period before it kills a pod).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# Torch's CPU threads: the CPU profiles in profiles/cpu/ were taken with one, so a replay of a CPU
+# server's run prices its steps at the speed the server ran.
+DEFAULT_THREADS = 1
 # Hosts that only this machine reaches: serving them without an API key is not worth a warning.
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The engine's options on the command line: flag -> (LLM keyword, type).
@@ -301,6 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help=f"s that SIGTERM or Ctrl-C lets the running requests finish before "
                              f"it aborts them (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch CPU threads (default: {DEFAULT_THREADS}, as the CPU "
+                             f"profiles were taken)")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -328,6 +334,8 @@ def _argument_error(args: argparse.Namespace) -> str | None:
                 f"{args.max_waiting_requests}")
     if not args.shutdown_timeout >= 0:
         return f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}"
+    if args.threads < 1:
+        return f"--threads must be at least 1, got {args.threads}"
     return None
 
 
@@ -337,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     if error is not None:
         print(f"twinserve-serve: error: {error}", file=sys.stderr)
         sys.exit(2)
+    torch.set_num_threads(args.threads)
     try:
         llm = build_llm(args)
     except (ValueError, TypeError) as error:   # a bad option: one line, no traceback

@@ -613,7 +613,8 @@ def test_serving_beyond_localhost_without_a_key_warns(monkeypatch, capsys, host,
 
 @pytest.mark.parametrize("flag, value", [("--max-body-bytes", "0"),
                                          ("--max-waiting-requests", "-1"),
-                                         ("--shutdown-timeout", "-2")])
+                                         ("--shutdown-timeout", "-2"),
+                                         ("--threads", "0")])
 def test_server_options_out_of_range_are_named(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(server_module, "build_llm", lambda args: pytest.fail("built an engine"))
     with pytest.raises(SystemExit) as exit_info:
@@ -621,6 +622,21 @@ def test_server_options_out_of_range_are_named(monkeypatch, capsys, flag, value)
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"twinserve-serve: error: {flag} must be")
+
+
+@pytest.mark.parametrize("argv, threads", [([], 1), (["--threads", "2"], 2)])
+def test_server_runs_torch_on_the_threads_the_cpu_profiles_were_taken_with(monkeypatch, argv,
+                                                                         threads):
+    monkeypatch.setattr(server_module, "build_llm", lambda args: None)
+    monkeypatch.setattr(server_module, "create_app", lambda *args: None)
+    monkeypatch.setattr(server_module, "serve", lambda *args: None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        server_module.main(argv)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- the bound on waiting requests; draining on SIGTERM -------------------------------------
