@@ -11,12 +11,14 @@ import pytest
 
 from calibration.realrun.readers import read_run
 from calibration.realrun.replay import compose_replay_config, replay, simulate
+from calibration.realrun.report import stage_rows
 from calibration.realrun.run import RealRunError
 from calibration.realrun.settings import (match_hardware, match_model, settings_overrides)
 from calibration.realrun.stage_metrics import (Latencies, compare_stage, stage_metrics,
                                                    ttft_slope)
 from calibration.realrun.stages import detect_boundaries, find_stages
 from calibration.validate.cli import main
+from calibration.validate.report import format_error, format_value
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "real-runs" / "llmservingsim"
@@ -156,6 +158,9 @@ def test_a_bench_run_with_deadlines_replays_them_abandoned_requests_included(tmp
     assert trace[3].endswith(",")   # (no deadline: an empty cell)
     [stage] = replay(run, ["model=tiny-llama", "hardware=cpu"])["stages"]
     assert stage["real"]["completed"] == 2 and stage["num_requests"] == 3
+    completed_row = [row for row in stage_rows(stage) if row[0] == "completed"]
+    assert completed_row == [("completed", "2", format_value(stage["sim"]["completed"]),
+                              format_error(stage["error_pct"]["completed"]))]
 
 
 def test_llmservingsim_folder_with_meta(tmp_path):

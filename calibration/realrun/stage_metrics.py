@@ -3,7 +3,8 @@
 A stage's metrics are over the requests that arrived in it: mean, median and p99 of TTFT, TPOT
 and E2E in ms (`vllm bench serve`'s names: mean_ttft_ms, ..., p99_e2el_ms), and throughput over
 the stage's own window, from its first arrival to its last completion: request_throughput (req/s)
-and output_throughput (output tok/s).
+and output_throughput (output tok/s); `completed`, the requests that finished (a client abandons
+a request at its deadline, and a simulated one may be rejected).
 
 **Overloaded**: the stage's queueing keeps growing: the least-squares slope of TTFT against
 arrival time over the stage's requests is at least OVERLOAD_SLOPE (TTFT grows by 0.1 s or more
@@ -22,7 +23,7 @@ from calibration.validate.compare import error_pct
 LATENCIES = ("ttft", "tpot", "e2el")
 STATS = ("mean", "median", "p99")
 METRICS = (*(f"{stat}_{name}_ms" for name in LATENCIES for stat in STATS),
-           "request_throughput", "output_throughput")
+           "request_throughput", "output_throughput", "completed")
 OVERLOAD_SLOPE = 0.1
 
 
@@ -77,7 +78,7 @@ def ttft_slope(arrival_s: np.ndarray, ttft_s: np.ndarray) -> float:
 
 
 def stage_metrics(latencies: Latencies, requests: np.ndarray) -> dict:
-    """METRICS of the requests `requests` (indices) plus completed, ttft_slope and overloaded."""
+    """METRICS of the requests `requests` (indices) plus ttft_slope and overloaded."""
     arrival = latencies.arrival_s[requests]
     e2e = latencies.e2e_s[requests]
     done = np.isfinite(e2e)
