@@ -2,6 +2,7 @@
 GPU cost model's stated expected error: sim/gpu/expected_errors.py).
 
     python -m calibration.expected_errors [--write]
+    python -m calibration.expected_errors --show      # the shipped file's statements and coverage
 
 The checks are predictions of measurements no term was fitted on:
 - NVIDIA's measured vLLM deployments (data/gpu/aiconfigurator/silicon_vllm.csv) that replay,
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from sim.gpu.expected_errors import (EXPECTED_ERRORS_FILE, KIND_KEYS, METRICS,
-                                     expected_errors_for, kind_of)
+                                     expected_errors_for, kind_of, leave_one_out_coverage)
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_RUNS = ("data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B",
@@ -104,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         if stated is not None:
             print(f"{', '.join(values):44s} {stated['checks']:4d} checks ({stated['basis']}): "
                   + "  ".join(f"{metric} ±{stated[metric]:.1f} %" for metric in METRICS))
+    for arrivals in ("closed", "open"):
+        same = [check for check in checks if check["kind"]["arrivals"] == arrivals]
+        if same:
+            coverage = leave_one_out_coverage(same)
+            print(f"{arrivals} arrivals, {len(same)} checks: each within what the others state "
+                  f"for its kind: " + "  ".join(f"{metric} {coverage[metric]:.0%}"
+                                                for metric in METRICS))
     if args.write and not args.show:
         EXPECTED_ERRORS_FILE.write_text(json.dumps({
             "about": ("Leave-out checks end to end (python -m calibration.expected_errors "

@@ -3,7 +3,8 @@ and a version's engine terms are the ones that close its rows' TPOT gap (calibra
 import pytest
 
 import calibration.engine_terms as engine_terms
-from sim.gpu.expected_errors import expected_errors_for, kind_of, percentile_abs
+from sim.gpu.expected_errors import (expected_errors_for, kind_of, leave_one_out_coverage,
+                                     percentile_abs)
 
 
 def check(errors, **kind):
@@ -16,6 +17,15 @@ def check(errors, **kind):
 def test_the_80th_percentile_of_absolute_errors():
     assert percentile_abs([1, -2, 3, -4, 5, 6, -7, 8, 9, -10]) == pytest.approx(8.2)
     assert percentile_abs([-3, 1]) == 3   # fewer than five: the largest
+
+
+def test_coverage_judges_each_check_on_what_the_others_state():
+    # Each of five is judged on the other four's largest |error|: all but the largest within.
+    checks = [check((e, -e, 2 * e)) for e in (1, 2, 3, 4, 5)]
+    assert leave_one_out_coverage(checks) == {"ttft": 0.8, "tpot": 0.8, "e2e": 0.8}
+    # A check whose kernels no other shares has nothing stated for it: not covered.
+    alone = check((0.1, 0.1, 0.1), kernels="vidur")
+    assert leave_one_out_coverage([*checks, alone])["ttft"] == pytest.approx(4 / 6)
 
 
 def test_a_run_takes_the_checks_of_its_own_kind():

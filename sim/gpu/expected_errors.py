@@ -64,3 +64,17 @@ def expected_errors_for(kind: dict[str, str], checks=None) -> dict | None:
             result["basis"] = ", ".join(kind[k] for k in keys)
             return result
     return None
+
+
+def leave_one_out_coverage(checks) -> dict[str, float]:
+    """{metric: the share of checks whose |error| is within what the others state for their
+    kind}: how often the stated expected error held on a measurement it was not taken from (the
+    promise is 0.8); a check no other shares a kind with counts as not covered."""
+    covered = dict.fromkeys(METRICS, 0)
+    for index, check in enumerate(checks):
+        stated = expected_errors_for(check["kind"], checks[:index] + checks[index + 1:])
+        for metric in METRICS:
+            covered[metric] += (stated is not None
+                                and abs(check["error_pct"][metric]) <= stated[metric])
+    return {metric: covered[metric] / len(checks) for metric in METRICS}
+
