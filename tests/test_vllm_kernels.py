@@ -377,3 +377,26 @@ def test_a_step_time_is_a_python_float(h100_default):
     for plan in (decode_step(8, 512), StepPlan(preempted_recompute=[Request(0, 0.0, 100, 10)])):
         assert type(h100_default.step_time(plan)) is float
 
+
+# ---- expert parallelism --------------------------------------------------------------------------
+
+def nccl_latency_ms(system: str, op: str, gpus: int, elements: int) -> float:
+    nccl = read_table(sorted((TABLES_DIR / system / "comm" / "nccl").glob("*/nccl_perf.parquet"),
+                             key=lambda p: [int(v) for v in p.parent.name.split(".")])[-1])
+    rows = ((nccl["op_name"] == op) & (nccl["num_gpus"] == gpus) & (nccl["nccl_dtype"] == "half")
+            & (nccl["message_size"] == elements))
+    assert rows.any(), (op, elements)
+    return float(nccl["latency"][rows].mean())
+
+
+def test_data_parallel_experts_gather_and_scatter_every_ranks_tokens_on_the_boards_nccl():
+    """vLLM's default all2all backend with data parallel + expert parallel: an all-gather of both
+    ranks' hidden states and a reduce-scatter back; one replica's experts (ep <= tp) need none."""
+    qwen, pro = model_spec("qwen3-30b-a3b"), hardware_spec("rtx-pro-6000")
+    data_parallel = GPUCostModel(qwen, pro, 1, expert_parallel_size=2).kernels
+    gathered = 64 * 2 * qwen.hidden_size   # 64 tokens a rank, two ranks
+    assert data_parallel.expert_dispatch_ms(np.array([64.0]))[0] == pytest.approx(
+        nccl_latency_ms("rtx_pro_6000_server", "all_gather", 2, gathered)
+        + nccl_latency_ms("rtx_pro_6000_server", "reduce_scatter", 2, gathered), rel=1e-12)
+    one_replica = GPUCostModel(qwen, pro, 2, expert_parallel_size=2).kernels
+    assert one_replica.expert_dispatch_ms(np.array([64.0, 2048.0])).tolist() == [0.0, 0.0]

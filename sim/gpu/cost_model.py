@@ -173,7 +173,7 @@ class GPUCostModel(RooflineCostModel):
                 system, version, self.kernel_source = resolve_version(self.hardware.name,
                                                                       engine_version)
                 self.kernels = self._vllm_kernels(system, version, runs_v1_engine(engine_version))
-                vllm_terms = self._vllm_terms(tokens, hw, shape)
+                vllm_terms = self._vllm_terms(tokens)
             except NoKernelTables as missing:
                 self.kernels = None
                 self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
@@ -265,8 +265,9 @@ class GPUCostModel(RooflineCostModel):
                 f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
                 f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
                 f"{self.routing!r})"
-                + ("" if self.kernels.moe_ep_size == 1 else
-                   "; dispatch + combine all-to-all per layer from the NCCL all-reduce tables")
+                + ("" if self.kernels.moe_ep_size <= tp else
+                   f"; dispatch + combine per layer: vLLM's all-gather and reduce-scatter over the "
+                   f"data-parallel group, {self.kernels.system} NCCL tables")
                 if self.kernels is not None else experts.source(self.routing))
 
     def _vllm_kernels(self, system: str, version: str, v1_engine: bool) -> VllmKernels:
@@ -280,15 +281,14 @@ class GPUCostModel(RooflineCostModel):
                            one_varlen_attention_call=(
                                v1_engine and self.attention_backend == "FLASH_ATTENTION"))
 
-    def _vllm_terms(self, tokens: np.ndarray, hw: HardwareSpec, shape: LayerShape):
+    def _vllm_terms(self, tokens: np.ndarray):
         """(forward ms, LM head ms per token count, the prefill attention terms, the decode
         grid) from vLLM's kernel tables; NoKernelTables where a table lacks one."""
         m, k, layers = self.model, self.kernels, self.model.num_layers
         forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
                       + k.step_ops_ms(tokens))
         if m.is_moe and self._experts.layout.expert_parallel_size > 1:
-            forward_ms += layers * ExpertKernels(
-                self.op_table, hw, self._experts.layout, shape).all_to_all_ms(tokens)
+            forward_ms += layers * k.expert_dispatch_ms(tokens)
         # The measured decode table itself (a linear fit misses its cache and occupancy steps
         # by up to 30 %).
         return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),

@@ -225,6 +225,21 @@ class VllmKernels:
                         np.where(message <= SYMM_MEM_ALLREDUCE_MAX_BYTES.get(tp, 0),
                                  np.minimum(custom, nccl_ms), nccl_ms))
 
+    def expert_dispatch_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """A MoE layer's dispatch and combine (ms). With data parallelism (the expert group spans
+        replicas) vLLM's default all2all backend (allgather_reducescatter) all-gathers every
+        rank's hidden states over the data-parallel group and reduce-scatters the experts'
+        output back: the board's NCCL tables at the gathered size (the top-k ids and weights
+        gathered beside add under 2 %). Within one replica every GPU already holds the tokens
+        (the tensor-parallel all-reduce combines): none."""
+        group = self.moe_ep_size // self.tensor_parallel_size
+        if group <= 1:
+            return np.zeros_like(np.asarray(tokens, dtype=float))
+        elements = (np.asarray(tokens, dtype=float) * self.moe_tokens_per_token
+                    * self.model.hidden_size)
+        return sum(curve_ms(nccl_curve(self.system, op, group), elements)
+                   for op in ("all_gather", "reduce_scatter"))
+
     # --- per step ------------------------------------------------------------------------------
 
     def step_ops_ms(self, tokens: np.ndarray) -> np.ndarray:
