@@ -8,9 +8,10 @@ in it); its context per request in the middle of that second comes from the per-
 and last-token times (tokens spread evenly between them). The cost model predicts the same
 decode step from these aggregates; the ratio model / real, second by second, measures the decode
 kernels and the per-step terms alone, without scheduling, preemption or prefill in the way.
-Seconds with prompt tokens are reported too, as predicted busy time (steps x predicted step, the
-prompt tokens spread over the steps; about 1 s when the GPU was busy all the second), a coarser
-check of prefill. The run's saturated opening (prompts queued, every step a full token budget)
+Seconds with prompt tokens are reported too, as predicted busy time (about 1 s when the GPU was
+busy all the second), a coarser check of prefill: the second's prompt tokens spread over as many
+steps as its prompts took (one each, more for a prompt past the token budget the decodes leave),
+its other steps decodes only. The run's saturated opening (prompts queued, every step a full token budget)
 measures the board's prefill rate: `--fit-compute` gives the hardware compute_efficiency that
 reproduces it.
 
@@ -94,12 +95,14 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
     start = datetime.datetime.fromisoformat(meta["started_at"].replace("Z", "+00:00")).timestamp()
     requests = [json.loads(line) for line in (folder / "vllm_requests.jsonl").open()]
     offset = float(np.median([r["arrival_time"] - r["queued_ts"] for r in requests]))
+    budget = int(meta["engine_kwargs"]["max_num_batched_tokens"])
     rows = []
     with open(folder / "vllm_timeseries.csv", newline="") as file:
         ticks = list(csv.DictReader(file))
     for before, tick in zip([None, *ticks], ticks):
         prompt, generated = float(tick["prompt_throughput"]), float(tick["gen_throughput"])
-        decoding, context = batch_at(requests, offset, start + float(tick["t"]) - 0.5)
+        end = start + float(tick["t"])
+        decoding, context = batch_at(requests, offset, end - 0.5)
         # The log's running count excludes requests preempted and waiting for their recompute,
         # which the per-request times would count as decoding from first to last token.
         running = (float(tick["running"]) + float(before["running"] if before else 0)) / 2
@@ -109,17 +112,25 @@ def seconds(folder: Path, cost_model: GPUCostModel) -> list[dict]:
         context *= num / decoding
         steps = generated / num
         ranks = data_parallel_size(meta)
-        chunk = int(prompt / steps / ranks)
-        plan = StepPlan(num_decode_seqs=max(1, round(num / ranks)),
-                        decode_context_tokens=int(context / ranks),
+        decodes = max(1, round(num / ranks))
+        # The steps that carried the prompt tokens: the log counts a prompt in the second of its
+        # first token, and a prompt takes one step, or several where it exceeds the token budget
+        # the decodes leave; the second's other steps were decodes only.
+        room = max(1, budget - decodes)
+        prompt_steps = sum(-(-r["input_toks"] // room) for r in requests
+                           if end - 1 <= r["first_token_ts"] + offset < end) / ranks
+        mixed = min(steps, max(1.0, prompt_steps)) if prompt else 0.0
+        chunk = int(prompt / mixed / ranks) if prompt else 0
+        plan = StepPlan(num_decode_seqs=decodes, decode_context_tokens=int(context / ranks),
                         num_prefill_tokens=chunk, num_prefill_seqs=1 if chunk else 0,
                         prefill_attention_work=chunk * (chunk + PREFILL_CONTEXT),
                         prefill_context_tokens=chunk + PREFILL_CONTEXT if chunk else 0,
                         sum_squared_prefill_chunks=chunk * chunk)
-        predicted = cost_model.step_time(plan)
+        busy = mixed * cost_model.step_time(plan) + (steps - mixed) * cost_model.step_time(
+            StepPlan(num_decode_seqs=decodes, decode_context_tokens=int(context / ranks)))
         rows.append({"t": float(tick["t"]), "decodes": num, "context": int(context),
                      "prompt_tokens": prompt, "real_step_ms": 1e3 / steps,
-                     "model_step_ms": 1e3 * predicted, "busy_s": steps * predicted,
+                     "model_step_ms": 1e3 * busy / steps, "busy_s": busy,
                      # Requests waited all second (the GPU never idled); at KV pressure the
                      # engine may have recomputed preempted requests, which no counter logs.
                      "saturated": bool(before) and min(float(before["waiting"]),

@@ -106,6 +106,24 @@ def test_a_decode_second_counts_the_logs_running_not_the_preempted(tmp_path):
     assert rows[7.0]["decodes"] == 6 and rows[7.0]["real_step_ms"] == pytest.approx(20.0)
 
 
+def test_a_seconds_prompt_tokens_go_into_as_many_steps_as_it_had_prompts(tmp_path):
+    # Ten requests decode all along; one more prompt of 1,000 tokens got its first token in the
+    # third second: of that second's 50 steps one carried the prompt, 49 were decodes only.
+    requests = [request(0, 0, 0, 20) for _ in range(10)] + [request(2.1, 2.2, 2.5, 20)]
+    ticks = [tick(t, 10, gen=500, prompt=1000.0 if t == 3 else 0.0) for t in range(1, 5)]
+    write_run(tmp_path / "run", requests, ticks)
+    model = real_run_steps.cost_model_of(tmp_path / "run", {})
+    row = {row["t"]: row for row in real_run_steps.seconds(tmp_path / "run", model)}[3.0]
+    context = row["context"]
+    prompt = StepPlan(num_decode_seqs=10, decode_context_tokens=context, num_prefill_tokens=1000,
+                      num_prefill_seqs=1,
+                      prefill_attention_work=1000 * (1000 + real_run_steps.PREFILL_CONTEXT),
+                      prefill_context_tokens=1000 + real_run_steps.PREFILL_CONTEXT,
+                      sum_squared_prefill_chunks=1000 * 1000)
+    decodes = StepPlan(num_decode_seqs=10, decode_context_tokens=context)
+    assert row["busy_s"] == pytest.approx(model.step_time(prompt) + 49 * model.step_time(decodes))
+
+
 def backlog_run(folder: Path, pressure_at: float | None = None, spacing: float = 0.2) -> Path:
     """Requests of 2,000 prompt tokens queued at once, each waiting to be scheduled, prefilled
     `spacing` seconds apart (10,000 prompt tokens a second at 0.2 s)."""

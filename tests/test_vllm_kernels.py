@@ -234,6 +234,50 @@ def test_allreduce_graph_up_to_the_capture_size_eager_beyond_nccl_past_the_custo
 
 # ---- decode attention ----------------------------------------------------------------------------
 
+def mixed_step(num_decodes: int, context_per_decode: int, chunk: int = 256) -> StepPlan:
+    """A prompt chunk beside `num_decodes` decodes of `context_per_decode` tokens each."""
+    return StepPlan(num_prefill_tokens=chunk, num_prefill_seqs=1,
+                    prefill_attention_work=chunk * chunk, sum_squared_prefill_chunks=chunk * chunk,
+                    prefill_context_tokens=chunk, num_decode_seqs=num_decodes,
+                    decode_context_tokens=num_decodes * context_per_decode)
+
+
+def context_cost_s(cost_model: GPUCostModel, plan_of) -> float:
+    """Seconds 1,024 more tokens of each of 128 decodes' context add to the step `plan_of` makes."""
+    return cost_model.step_time(plan_of(128, 2048)) - cost_model.step_time(plan_of(128, 1024))
+
+
+@pytest.fixture(scope="module")
+def qwen3_32b():
+    return model_spec("qwen3-32b")
+
+
+def test_decodes_beside_prompts_take_a_64_row_tile_per_query_head_under_flash_attention_2(
+        qwen3_32b):
+    """vLLM V1's FLASH_ATTN backend runs a step's prompts and decodes in one FlashAttention 2
+    call, which packs a KV head's query heads only when every query is one token: beside a
+    prompt chunk a decode costs a 64-row query tile per query head over its context, at the
+    prefill rate, several times what the decode-only kernel reads (8 query heads a KV head)."""
+    rtx = GPUCostModel(qwen3_32b, hardware_spec("rtx-pro-6000"), 2)
+    prefill = rtx.kernels.prefill_attention()
+    mixed = context_cost_s(rtx, mixed_step)
+    assert mixed == pytest.approx(qwen3_32b.num_layers * 64 * 128 * 1024
+                                  * prefill.prefill_s_per_context_pair, rel=1e-9)
+    assert mixed > 2 * context_cost_s(rtx, decode_plan)
+    assert "64-row query tile" in rtx.describe()["attention"]
+
+
+@pytest.mark.parametrize("hardware, settings", [
+    ("h100-80gb", {}),                                        # FlashAttention 3 packs them
+    ("rtx-pro-6000", {"engine_version": "0.5.5"}),            # V0 ran decodes apart
+    ("rtx-pro-6000", {"attention_backend": "FLASHINFER"}),    # a decode wrapper of their own
+])
+def test_decodes_beside_prompts_cost_what_they_cost_alone_elsewhere(qwen3_32b, hardware,
+                                                                    settings):
+    cost_model = GPUCostModel(qwen3_32b, hardware_spec(hardware), 2, **settings)
+    assert context_cost_s(cost_model, mixed_step) == pytest.approx(
+        context_cost_s(cost_model, decode_plan), rel=1e-9)
+
 @pytest.mark.parametrize("batch", [8, 16, 64])
 def test_few_heads_decode_at_least_as_fast_as_more_heads_over_a_split_context(h100, batch):
     """Qwen3-32B at TP8 holds 8 query heads and 1 KV head: split-KV runs it like 8m/m heads over
@@ -332,3 +376,27 @@ def test_a_step_time_is_a_python_float(h100_default):
     """The simulator's clock and the request times written from it stay plain floats."""
     for plan in (decode_step(8, 512), StepPlan(preempted_recompute=[Request(0, 0.0, 100, 10)])):
         assert type(h100_default.step_time(plan)) is float
+
+
+# ---- expert parallelism --------------------------------------------------------------------------
+
+def nccl_latency_ms(system: str, op: str, gpus: int, elements: int) -> float:
+    nccl = read_table(sorted((TABLES_DIR / system / "comm" / "nccl").glob("*/nccl_perf.parquet"),
+                             key=lambda p: [int(v) for v in p.parent.name.split(".")])[-1])
+    rows = ((nccl["op_name"] == op) & (nccl["num_gpus"] == gpus) & (nccl["nccl_dtype"] == "half")
+            & (nccl["message_size"] == elements))
+    assert rows.any(), (op, elements)
+    return float(nccl["latency"][rows].mean())
+
+
+def test_data_parallel_experts_gather_and_scatter_every_ranks_tokens_on_the_boards_nccl():
+    """vLLM's default all2all backend with data parallel + expert parallel: an all-gather of both
+    ranks' hidden states and a reduce-scatter back; one replica's experts (ep <= tp) need none."""
+    qwen, pro = model_spec("qwen3-30b-a3b"), hardware_spec("rtx-pro-6000")
+    data_parallel = GPUCostModel(qwen, pro, 1, expert_parallel_size=2).kernels
+    gathered = 64 * 2 * qwen.hidden_size   # 64 tokens a rank, two ranks
+    assert data_parallel.expert_dispatch_ms(np.array([64.0]))[0] == pytest.approx(
+        nccl_latency_ms("rtx_pro_6000_server", "all_gather", 2, gathered)
+        + nccl_latency_ms("rtx_pro_6000_server", "reduce_scatter", 2, gathered), rel=1e-12)
+    one_replica = GPUCostModel(qwen, pro, 2, expert_parallel_size=2).kernels
+    assert one_replica.expert_dispatch_ms(np.array([64.0, 2048.0])).tolist() == [0.0, 0.0]

@@ -55,6 +55,9 @@ class AttentionCost:
     prefill_s_per_causal_pair: float    # pairs of the chunk's own triangle (c^2 / 2)
     source: str
     prefill_s_per_token: float = 0.0    # per prompt token of the step's chunks
+    # A decode's attention in a step with prompt tokens, per token of its context (0: priced as
+    # in a decode-only step).
+    mixed_decode_s_per_context_token: float = 0.0
 
 
 def _heads(shape: LayerShape, tp: int) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from sim.gpu.engine_terms import engine_terms
 from sim.gpu.expected_errors import expected_errors_for, kind_of
 from sim.gpu.transfer_errors import expected_errors
 from sim.gpu.vllm_kernels import VllmKernels
-from sim.gpu.vllm_tables import NoKernelTables, resolve_version
+from sim.gpu.vllm_tables import NoKernelTables, resolve_version, runs_v1_engine
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
@@ -172,8 +172,8 @@ class GPUCostModel(RooflineCostModel):
             try:   # (any kernel a table lacks, e.g. an fp8 KV cache on the A100, falls back)
                 system, version, self.kernel_source = resolve_version(self.hardware.name,
                                                                       engine_version)
-                self.kernels = self._vllm_kernels(system, version)
-                vllm_terms = self._vllm_terms(tokens, hw, shape)
+                self.kernels = self._vllm_kernels(system, version, runs_v1_engine(engine_version))
+                vllm_terms = self._vllm_terms(tokens)
             except NoKernelTables as missing:
                 self.kernels = None
                 self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
@@ -228,6 +228,7 @@ class GPUCostModel(RooflineCostModel):
         self._prefill_s_per_context_pair = layers * attention.prefill_s_per_context_pair
         self._prefill_s_per_causal_pair = layers * attention.prefill_s_per_causal_pair
         self._prefill_s_per_token = layers * attention.prefill_s_per_token
+        self._mixed_decode_s_per_token = layers * attention.mixed_decode_s_per_context_token
 
         self.expected_errors = expected_errors()
         # The end-to-end error of runs of this kind in leave-out checks (TTFT, TPOT, E2E).
@@ -264,28 +265,30 @@ class GPUCostModel(RooflineCostModel):
                 f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
                 f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
                 f"{self.routing!r})"
-                + ("" if self.kernels.moe_ep_size == 1 else
-                   "; dispatch + combine all-to-all per layer from the NCCL all-reduce tables")
+                + ("" if self.kernels.moe_ep_size <= tp else
+                   f"; dispatch + combine per layer: vLLM's all-gather and reduce-scatter over the "
+                   f"data-parallel group, {self.kernels.system} NCCL tables")
                 if self.kernels is not None else experts.source(self.routing))
 
-    def _vllm_kernels(self, system: str, version: str) -> VllmKernels:
+    def _vllm_kernels(self, system: str, version: str, v1_engine: bool) -> VllmKernels:
         m, tp = self.model, self.tensor_parallel_size
         ep = self._experts.layout.expert_parallel_size if m.is_moe else 1
         return VllmKernels(m, self.hardware, system, version, tp, self.cuda_graph_max_tokens,
                            moe_tp_size=max(1, tp // ep), moe_ep_size=ep,
                            moe_tokens_per_token=(self._experts.layout.group_tokens_per_token
                                                  if m.is_moe else 1.0),
-                           routing_exponent=_routing_exponent(self.routing) if m.is_moe else 0.0)
+                           routing_exponent=_routing_exponent(self.routing) if m.is_moe else 0.0,
+                           one_varlen_attention_call=(
+                               v1_engine and self.attention_backend == "FLASH_ATTENTION"))
 
-    def _vllm_terms(self, tokens: np.ndarray, hw: HardwareSpec, shape: LayerShape):
+    def _vllm_terms(self, tokens: np.ndarray):
         """(forward ms, LM head ms per token count, the prefill attention terms, the decode
         grid) from vLLM's kernel tables; NoKernelTables where a table lacks one."""
         m, k, layers = self.model, self.kernels, self.model.num_layers
         forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
                       + k.step_ops_ms(tokens))
         if m.is_moe and self._experts.layout.expert_parallel_size > 1:
-            forward_ms += layers * ExpertKernels(
-                self.op_table, hw, self._experts.layout, shape).all_to_all_ms(tokens)
+            forward_ms += layers * k.expert_dispatch_ms(tokens)
         # The measured decode table itself (a linear fit misses its cache and occupancy steps
         # by up to 30 %).
         return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),
@@ -349,8 +352,12 @@ class GPUCostModel(RooflineCostModel):
         if plan.num_prefill_tokens:
             gpu += self._prefill_attention_s(plan)
         if plan.num_decode_seqs:
-            gpu += self._decode_attention_s(plan.decode_context_tokens, plan.num_decode_seqs,
-                                            plan.num_draft_tokens)
+            decode_s = self._decode_attention_s(plan.decode_context_tokens, plan.num_decode_seqs,
+                                                plan.num_draft_tokens)
+            if plan.num_prefill_tokens:   # (decodes in the prompts' attention call)
+                decode_s = max(decode_s, self._mixed_decode_s_per_token
+                               * (plan.decode_context_tokens + plan.num_draft_tokens))
+            gpu += decode_s
         if num_tokens > self.cuda_graph_max_tokens and self._eager_launch_s > gpu:
             gpu = self._eager_launch_s
         time += gpu

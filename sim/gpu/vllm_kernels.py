@@ -14,7 +14,13 @@
   and at tp > 1 the logits' all-gather;
 - prefill attention: the version's table of the KV cache's dtype, at the heads one GPU holds,
   fitted by relative least squares to the terms a plan carries (fixed + query-key pairs +
-  tokens).
+  tokens);
+- decodes beside prompt tokens, where vLLM V1's FLASH_ATTN backend runs FlashAttention 2 (one
+  varlen call for the whole batch, flash_attn.py): that call packs a KV head's query heads and
+  splits the context only when every query is one token (flash_api.cpp, mha_varlen_fwd), so in
+  a mixed step each decode takes a whole 64-row query tile per query head over its context:
+  priced at the prefill table's rate per query-key pair, 64 pairs per context token (never
+  below the decode table).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from sim.core.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import AttentionCost
 from sim.gpu.linear import nearest_op_table, predict_op_ms
 from sim.gpu.tables import LayerShape
-from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, OTHER_CUSTOM_ALLREDUCE_MAX_BYTES,
+from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, FA2_QUERY_TILE_ROWS, FA2_SYSTEMS,
+                                 OTHER_CUSTOM_ALLREDUCE_MAX_BYTES,
                                  SYMM_MEM_ALLREDUCE_MAX_BYTES, SYMM_MEM_SYSTEMS, AttentionRows,
                                  NoKernelTables,
                                  attention_rows, curve_ms, custom_allreduce_curve, gemm_grid,
@@ -122,6 +129,7 @@ class VllmKernels:
     moe_ep_size: int = 1
     moe_tokens_per_token: float = 1.0       # tokens a GPU's experts see per token of the replica
     routing_exponent: float = 0.0           # the routing's Zipf exponent (0: balanced)
+    one_varlen_attention_call: bool = True  # V1's FLASH_ATTN backend (V0 ran decodes apart)
 
     @property
     def gemm_dtype(self) -> str:
@@ -217,6 +225,21 @@ class VllmKernels:
                         np.where(message <= SYMM_MEM_ALLREDUCE_MAX_BYTES.get(tp, 0),
                                  np.minimum(custom, nccl_ms), nccl_ms))
 
+    def expert_dispatch_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """A MoE layer's dispatch and combine (ms). With data parallelism (the expert group spans
+        replicas) vLLM's default all2all backend (allgather_reducescatter) all-gathers every
+        rank's hidden states over the data-parallel group and reduce-scatters the experts'
+        output back: the board's NCCL tables at the gathered size (the top-k ids and weights
+        gathered beside add under 2 %). Within one replica every GPU already holds the tokens
+        (the tensor-parallel all-reduce combines): none."""
+        group = self.moe_ep_size // self.tensor_parallel_size
+        if group <= 1:
+            return np.zeros_like(np.asarray(tokens, dtype=float))
+        elements = (np.asarray(tokens, dtype=float) * self.moe_tokens_per_token
+                    * self.model.hidden_size)
+        return sum(curve_ms(nccl_curve(self.system, op, group), elements)
+                   for op in ("all_gather", "reduce_scatter"))
+
     # --- per step ------------------------------------------------------------------------------
 
     def step_ops_ms(self, tokens: np.ndarray) -> np.ndarray:
@@ -274,12 +297,18 @@ class VllmKernels:
         b, s, ms = prefill.batch, prefill.context, prefill.ms
         (fixed, per_pair, per_token), error = _relative_fit(
             [np.ones_like(ms), b * s * (s + 1) / 2, b * s], ms)
+        unpacked_decodes = self.one_varlen_attention_call and self.system in FA2_SYSTEMS
         return AttentionCost(
             decode_fixed_s=0.0, decode_s_per_context_token=0.0, decode_s_per_seq=0.0,
             prefill_fixed_s=fixed * 1e-3,
             prefill_s_per_context_pair=per_pair * scale * 1e-3,
             prefill_s_per_causal_pair=per_pair * scale * 1e-3,
             prefill_s_per_token=per_token * scale * 1e-3,
+            mixed_decode_s_per_context_token=(FA2_QUERY_TILE_ROWS * per_pair * scale * 1e-3
+                                              if unpacked_decodes else 0.0),
             source=(f"{self.system} vLLM {self.version} flash attention tables, {self.kv_dtype} KV "
                     f"cache; prefill: measured heads q/kv/d {prefill.heads} scaled to this GPU's, "
-                    f"fit error {error:.0f} %"))
+                    f"fit error {error:.0f} %"
+                    + ("; decodes beside prompt tokens: FlashAttention 2's 64-row query tile per "
+                       "query head over each context, at the prefill rate" if unpacked_decodes
+                       else "")))

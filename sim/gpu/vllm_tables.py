@@ -39,6 +39,13 @@ SYMM_MEM_ALLREDUCE_MAX_BYTES = {2: 64 << 20, 4: 32 << 20, 6: 64 << 20, 8: 64 << 
 SYMM_MEM_SYSTEMS = ("h100_sxm", "h200_sxm")
 OTHER_CUSTOM_ALLREDUCE_MAX_BYTES = 8 << 20
 
+# Systems whose vLLM FLASH_ATTN backend runs FlashAttention 2 (vLLM's fa_utils.py: FA3 on sm90,
+# FA4 on sm100, FA2 elsewhere: the A100's sm80, the RTX PRO 6000's sm120).
+FA2_SYSTEMS = ("a100_sxm", "rtx_pro_6000_server")
+# FA2 on a paged KV cache runs its split-KV kernel, whose query tile is 64 rows for every head_dim
+# (vllm-project/flash-attention, flash_fwd_launch_template.h, run_mha_fwd_splitkv_dispatch).
+FA2_QUERY_TILE_ROWS = 64
+
 
 class NoKernelTables(ValueError):
     """No aiconfigurator measurement covers this hardware (the caller falls back, and says so)."""
@@ -59,6 +66,13 @@ def nearest_version(asked: str, versions: list[str]) -> str:
         key = (_version_key(version) + (0, 0, 0))[:3]
         return tuple(abs(a - b) for a, b in zip(key, target)) + (-key[1], -key[2])
     return min(versions, key=distance)
+
+
+def runs_v1_engine(engine_version: str | None) -> bool:
+    """Whether vLLM `engine_version` (None: DEFAULT_ENGINE_VERSION) runs the V1 engine by
+    default (from 0.8.0)."""
+    asked = DEFAULT_ENGINE_VERSION if engine_version is None else str(engine_version)
+    return (_version_key(asked) + (0, 0))[:2] >= (0, 8)
 
 
 def measured_versions(system: str) -> list[str]:
