@@ -431,7 +431,8 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
             f"Raise tensor_parallel_size or gpu_memory_utilization, use a larger device, or "
             f"shrink the activations: they grow with the step's token budget "
             f"({max_num_batched_tokens:,} tokens; scheduler=chunked_prefill or a smaller "
-            f"model.max_model_len lowers it).")
+            f"model.max_model_len lowers it) and with the sequences the sampler is profiled "
+            f"over (max_num_seqs={max_num_seqs}).")
     if draft is not None:
         block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp, draft)
         num_blocks = int((free_for_kv - draft.weight_bytes) // block_bytes)
