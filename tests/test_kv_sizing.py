@@ -3,6 +3,7 @@ host KV pools both backends size with (a draft model's K/V counted), the policie
 conf/ alone, sim/ never importing the engine, and the shared argument validators."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -56,6 +57,37 @@ def test_the_simulator_counts_a_draft_models_kv_and_ngram_has_none():
     result = run_experiment(make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
                                      "preemption=swap", "workload.num_requests=20"))
     assert result.summary["num_kv_blocks"] == num_kv_blocks(drafted, llama, a100)
+
+
+# vLLM's own KV memory on an H100 (79.18 GiB) at `vllm serve`'s defaults (8,192 tokens, 1,024
+# sequences, utilisation 0.9): llm-d-benchmark's logs of vLLM 0.11 (docs/gpu-cost-model.md,
+# "The KV pool"), the model's quantization, its tensor parallel size and the GiB logged.
+@pytest.mark.parametrize("model, quantization, tp, logged_gib", [
+    ("qwen3-32b", None, 1, 4.45),
+    ("qwen3-32b", None, 2, 34.49),
+    ("llama-3.1-8b", None, 1, 51.38),
+    ("llama-3-70b", "fp8", 2, 32.0),      # Llama-3.3-70B-Instruct-FP8-dynamic: Llama-3's shape
+])
+def test_the_pool_is_the_kv_memory_vllm_logs_on_an_h100(model, quantization, tp, logged_gib):
+    spec = dataclasses.replace(model_spec(model), quantization=quantization)
+    blocks = kv_cache_num_blocks(spec, hardware_spec("h100-80gb"), 16, tensor_parallel_size=tp,
+                                 max_num_batched_tokens=8192, max_num_seqs=1024)
+    # 0.15 GiB: our weights differ from vLLM's loaded bytes by up to 0.08 GiB.
+    assert blocks * 16 * spec.kv_bytes_per_token_per_gpu(tp) / GIB == pytest.approx(
+        logged_gib, abs=0.15)
+
+
+def test_the_simulator_sizes_the_pool_for_the_runs_max_num_seqs():
+    """vLLM's profile run warms the sampler up over max_num_seqs sequences, so fewer sequences
+    leave more of the memory to the pool."""
+    qwen, h100 = model_spec("qwen3-32b"), hardware_spec("h100-80gb")
+    base = ["model=qwen3-32b", "hardware=h100-80gb", "cluster.tensor_parallel_size=2",
+            "scheduler=chunked_prefill"]
+    few, many = (num_kv_blocks(make_cfg(*base, f"scheduler.max_num_seqs={n}"), qwen, h100)
+                 for n in (64, 1024))
+    assert few == kv_cache_num_blocks(qwen, h100, 16, tensor_parallel_size=2,
+                                      max_num_batched_tokens=2048, max_num_seqs=64)
+    assert many < few
 
 
 def test_the_engine_backend_sizes_the_pool_with_the_engines_cap():

@@ -79,13 +79,16 @@ def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
 def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> int:
     """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic, with a
     draft model's K/V in every block and the backend's own sizing (`backend.kv_cache_sizing`:
-    the engine's activations for the run's max_num_seqs and its cap on a CPU)."""
+    the run's max_num_seqs, and the engine's cap on a CPU)."""
     block_size = positive_int("kv_cache.block_size", cfg.kv_cache.block_size)
     if cfg.kv_cache.get("num_blocks") is not None:
         return positive_int("kv_cache.num_blocks", cfg.kv_cache.num_blocks)
     sizing = cfg.backend.get("kv_cache_sizing")
     sizing = {} if sizing is None else build_policy(sizing, "backend.kv_cache_sizing",
                                                     _convert_="all")
+    if "max_num_seqs" in sizing:
+        # The backends size with the scheduler's setting: a bad one is named as the user set it.
+        positive_int("scheduler.max_num_seqs", sizing["max_num_seqs"])
     speculation = speculation_setup(cfg)
     return kv_cache_num_blocks(
         gpu_model(cfg, model), hardware, block_size,

@@ -25,6 +25,10 @@ BOARDS = ("datacenter", "workstation")
 DTYPE_BYTES = (1, 2, 4)  # fp8/int8, fp16/bf16, fp32
 QUANTIZATIONS = (None, "fp8", "fp8_block")   # vLLM --quantization of the linear layers' weights
 KV_CACHE_DTYPES = ("auto", "fp8")            # vLLM --kv-cache-dtype (auto: the model's dtype)
+# Bytes per sequence and vocabulary entry that vLLM V1's profile run holds while it warms its
+# sampler up with top-k and top-p on: fitted to llm-d-benchmark's measured H100 peaks
+# (docs/gpu-cost-model.md, "The KV pool").
+SAMPLER_PROFILE_BYTES_PER_LOGIT = 38.4
 
 
 def _fields_from_config(cls: type, config: Mapping | DictConfig) -> dict[str, Any]:
@@ -259,8 +263,12 @@ class HardwareSpec:
     memory_bandwidth_gbps: float  # device memory bandwidth, GB/s
     host_to_device_gbps: float    # one direction of the host link (PCIe), GB/s: swap traffic
     interconnect_gbps: float      # one direction of the GPU-GPU link (NVLink), GB/s: TP all-reduce
-    reserved_memory_gb: float = 0.0  # GiB the runtime holds outside the model (CUDA context,
-                                     # cuBLAS/NCCL workspaces); vLLM counts it against utilisation
+    # GiB vLLM's profile run finds held outside torch on one GPU (cuBLAS workspaces), which it
+    # takes off the pool; not the CUDA context, nor (vLLM < 0.21) the CUDA graphs.
+    reserved_memory_gb: float = 0.0
+    # GiB more outside torch per GPU when tensor_parallel_size > 1: NCCL's and the custom
+    # all-reduce's buffers.
+    collective_memory_gb: float = 0.0
     # "datacenter" (HBM, fixed clocks: A100, H100, ...) or "workstation" (GDDR, boost clocks:
     # RTX cards): the GPU cost model's tables are all datacenter boards, and a workstation board
     # reaches a different share of its spec-sheet rates (a fitted term of that model).
@@ -284,6 +292,8 @@ class HardwareSpec:
         # What the runtime holds must leave some memory: [0, memory_gb).
         number_in(f"{owner}.reserved_memory_gb", self.reserved_memory_gb, 0, self.memory_gb,
                   high_open=True)
+        number_in(f"{owner}.collective_memory_gb", self.collective_memory_gb, 0,
+                  self.memory_gb - self.reserved_memory_gb, high_open=True)
         if self.board not in BOARDS:
             raise ValueError(f"{owner}.board must be one of {BOARDS}, got {self.board!r}")
 
@@ -294,6 +304,11 @@ class HardwareSpec:
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * GIB
+
+    def reserved_bytes(self, tensor_parallel_size: int = 1) -> float:
+        """What vLLM takes off one GPU's pool for memory held outside torch at this tp."""
+        collective = self.collective_memory_gb if tensor_parallel_size > 1 else 0.0
+        return (self.reserved_memory_gb + collective) * GIB
 
     @property
     def peak_flops(self) -> float:
@@ -314,13 +329,15 @@ class HardwareSpec:
 
 def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
                           tensor_parallel_size: int = 1) -> int:
-    """Peak activation memory of one forward pass over `max_num_batched_tokens` tokens, per GPU.
+    """Peak activation memory of vLLM's profile run, per GPU: the larger of its forward pass over
+    `max_num_batched_tokens` tokens and its sampler warm-up over min(`max_num_seqs`,
+    `max_num_batched_tokens`) sequences, beside the hidden states that pass returned.
 
-    vLLM measures this with a dummy forward at its largest batch; we estimate what is alive at
-    the widest point, the MLP: the residual stream and its normed copy (2 × hidden), the
-    attention projections still referenced (q + k + v + o), the up/gate output and the activated
-    intermediate. Plus the fp32 logits of `max_num_seqs` sampled sequences (the sampler's peak).
-    Flash attention keeps no score matrix, so nothing grows with the square of the length.
+    Forward: what is alive at the widest point, the MLP: the residual stream and its normed copy
+    (2 × hidden), the attention projections still referenced (q + k + v + o), the up/gate
+    output and the activated intermediate. Flash attention keeps no score matrix, so nothing
+    grows with the square of the length. Sampler: SAMPLER_PROFILE_BYTES_PER_LOGIT per sequence
+    and vocabulary entry, the whole vocabulary on every GPU (the logits are gathered first).
     """
     tp = tensor_parallel_size
     num_mlp_outputs = 2 if model.mlp == "gated" else 1
@@ -329,8 +346,11 @@ def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num
         + (model.q_size + 2 * model.kv_size) // tp + model.hidden_size
         + (num_mlp_outputs + 1) * model.intermediate_size // tp
     ) * model.dtype_bytes
-    logits = max_num_seqs * model.vocab_size * 4
-    return max_num_batched_tokens * per_token + logits
+    forward = max_num_batched_tokens * per_token
+    hidden_states = max_num_batched_tokens * model.hidden_size * model.dtype_bytes
+    sampled_sequences = min(max_num_seqs, max_num_batched_tokens)
+    sampler = sampled_sequences * model.vocab_size * SAMPLER_PROFILE_BYTES_PER_LOGIT
+    return math.ceil(max(forward, hidden_states + sampler))
 
 
 def step_token_budget(max_num_batched_tokens: int | None, max_model_len: int,
@@ -376,8 +396,9 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
 
         (memory × utilisation − reserved − weights per GPU − activation peak) / (KV bytes per block / tp)
 
-    (weights per GPU: weight_bytes_per_gpu, the experts of a mixture split over
-    max(tp, `expert_parallel_size`) GPUs.)
+    (reserved: HardwareSpec.reserved_bytes, its collective_memory_gb counted at tp > 1; weights
+    per GPU: weight_bytes_per_gpu, the experts of a mixture split over
+    max(tp, `expert_parallel_size`) GPUs; activation peak: activation_peak_bytes.)
 
     `max_num_batched_tokens` defaults to step_token_budget's and `max_num_seqs` to 256, as
     vLLM's scheduler config does without chunked prefill. A `draft` model's weights come off the
@@ -393,7 +414,8 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
     positive_int("max_num_seqs", max_num_seqs)
 
     tp = tensor_parallel_size
-    budget = hardware.memory_bytes * gpu_memory_utilization - hardware.reserved_memory_gb * GIB
+    reserved = hardware.reserved_bytes(tp)
+    budget = hardware.memory_bytes * gpu_memory_utilization - reserved
     weights = weight_bytes_per_gpu(model, tp, expert_parallel_size)
     activations = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     free_for_kv = budget - weights - activations
@@ -403,13 +425,14 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
         raise ValueError(
             f"{model.name} does not fit on {hardware.name} at tensor_parallel_size={tp}: "
             f"{gpu_memory_utilization:.0%} of {hardware.memory_gb:g} GiB minus "
-            f"{hardware.reserved_memory_gb:g} GiB reserved leaves {budget / GIB:.1f} GiB per GPU, "
+            f"{reserved / GIB:g} GiB reserved leaves {budget / GIB:.1f} GiB per GPU, "
             f"weights need {weights / GIB:.1f} GiB and activations {activations / GIB:.1f} GiB, "
             f"leaving no room for one {block_bytes / 2**20:.1f} MiB KV block. "
             f"Raise tensor_parallel_size or gpu_memory_utilization, use a larger device, or "
             f"shrink the activations: they grow with the step's token budget "
             f"({max_num_batched_tokens:,} tokens; scheduler=chunked_prefill or a smaller "
-            f"model.max_model_len lowers it).")
+            f"model.max_model_len lowers it) and with the sequences the sampler is profiled "
+            f"over (max_num_seqs={max_num_seqs}).")
     if draft is not None:
         block_bytes = kv_bytes_per_block_per_gpu(model, block_size, tp, draft)
         num_blocks = int((free_for_kv - draft.weight_bytes) // block_bytes)
