@@ -111,9 +111,9 @@ class DecodeGrowth:
     """The blocks a batch of paged decodes takes as it runs repeated steps, a token further each:
     at step t >= 1 of the run (step 0, the one planned, holds its slots), `cycle[(t - 1) %
     block_size]` of them take one, those with that many slots left in their last blocks. Counted
-    by slots left, which take at most block_size values: as bytes (block_size <= 256), each
-    count is one C pass over the batch. Kept for a whole run: decodes that finish leave it
-    (`leave`) without a pass over the rest."""
+    by slots left, which take at most block_size values (from bytes, each count is one C pass).
+    Kept for a whole run: decodes that finish leave it (`leave`) without a pass over the
+    rest."""
 
     __slots__ = ("block_size", "cycle")
 
@@ -129,8 +129,14 @@ class DecodeGrowth:
     @classmethod
     def of(cls, seqs: list[Sequence], block_size: int) -> DecodeGrowth:
         """The growth of decodes that hold exactly the blocks their tokens fill."""
-        left = slots_left(seqs, block_size)
-        return cls(bytes(left) if block_size <= 256 else left, block_size)
+        # Counted in one pass over the batch: faster than building bytes to count, up to
+        # hundreds of decodes.
+        cycle = [0] * block_size
+        for seq in seqs:
+            cycle[-seq.num_tokens % block_size] += 1
+        growth = cls.__new__(cls)
+        growth.block_size, growth.cycle = block_size, cycle
+        return growth
 
     def remove(self, slots_left: list[int]) -> None:
         """Decodes with these slots left leave the batch."""
@@ -214,11 +220,15 @@ class DecodeRun:
         seqs = plan.seqs
         steps_to_last = [seq.request.output_len - seq.num_output_tokens for seq in seqs]
         kv_cache = scheduler.kv_cache
+        growth = []   # (the growth it makes, kept for the run's rows: the same counters)
         max_repeats = _num_steps_the_pool_holds(kv_cache, seqs, 0, min(steps_to_last),
-                                                kv_cache.num_blocks_for_repeated_steps())
+                                                kv_cache.num_blocks_for_repeated_steps(), growth)
         if max_repeats <= 1:
             return None
-        return cls(scheduler, max_repeats, steps_to_last, past_arrivals)
+        run = cls(scheduler, max_repeats, steps_to_last, past_arrivals)
+        if growth:
+            run._growth = growth[0]
+        return run
 
     def new_blocks_per_step(self, plan: StepPlan, num_steps: int) -> list[int]:
         """The blocks the decodes of this segment take at each of its first `num_steps` steps,
@@ -324,15 +334,19 @@ class DecodeRun:
 
 
 def _num_steps_the_pool_holds(kv_cache: RepeatingKVCache, seqs: list[Sequence], first_step: int,
-                              num_steps: int, free_blocks: int) -> int:
+                              num_steps: int, free_blocks: int,
+                              made_growth: list[DecodeGrowth] | None = None) -> int:
     """How many of the `num_steps` repeated steps from step `first_step` of a run (where the
     decoding `seqs`' counters stand at its start) can take the blocks the decodes grow into,
-    by then and at each, from `free_blocks` (0 to num_steps)."""
+    by then and at each, from `free_blocks` (0 to num_steps). The decodes' growth, where it
+    was made, is appended to `made_growth`."""
     if len(seqs) * -(-(first_step + num_steps - 1) // kv_cache.block_size) <= free_blocks:
         return num_steps   # even a block every block_size steps for each fits
+    growth = kv_cache.decode_growth(seqs)
+    if made_growth is not None:
+        made_growth.append(growth)
     taken = 0
-    for step, num_blocks in enumerate(
-            kv_cache.decode_growth(seqs).new_blocks_per_step(num_steps, first_step)):
+    for step, num_blocks in enumerate(growth.new_blocks_per_step(num_steps, first_step)):
         taken += num_blocks
         if taken > free_blocks:
             return step

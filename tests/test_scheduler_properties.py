@@ -49,6 +49,31 @@ def test_preemption_happens_in_both_modes():
         assert sum(r.num_preemptions for r in requests) > 0
 
 
+def test_a_readmitted_request_holds_seats_for_its_unfinished_samples_only():
+    """A request preempted after one of its samples stopped early (an engine's EOS) comes back
+    holding a seat for its other sample alone, and every seat is given back at the end."""
+    scheduler = build_scheduler("continuous", "paged", "recompute", block_size=4,
+                                num_blocks=14, num_host_blocks=0, max_num_seqs=8,
+                                chunk_budget=64)
+    first, sampled = Request(0, 0.0, 30, 18), Request(1, 0.0, 6, 20, n=2)
+    for request in (first, sampled):
+        scheduler.add_request(request, 0.0)
+    now, stopped = 0.0, None
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule(now)
+        now += 0.01
+        if stopped is None and len(sampled.sequences) == 2:
+            stopped = {sampled.sequences[1].seq_id}   # the forked sample stops at once
+            scheduler.update(plan, StepResult(0.01, stopped_seq_ids=stopped), now)
+        else:
+            scheduler.update(plan, StepResult(0.01), now)
+        assert scheduler.num_running_seqs == sum(
+            request.n - sum(seq.is_finished for seq in request.sequences)
+            for request in scheduler.running)
+    assert sampled.num_preemptions and sampled.finish_time is not None
+    assert scheduler.num_running_seqs == 0
+
+
 def test_too_long_request_is_rejected_and_the_run_goes_on():
     scheduler = build_scheduler("continuous", "paged", "recompute", 16, 64, 0, 8, 64)
     requests = [Request(0, 0.0, 100, 10), Request(1, 0.0, 120, 20), Request(2, 0.1, 20, 5)]

@@ -132,7 +132,9 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         self._now = 0.0  # the time of the step being planned
         # A KV manager with a host tier for its prefix cache: its stores and loads go into each
         # plan, its loaded tokens into the request.
-        offloads = has_capability(kv_cache, OffloadingKVCache, "kv_cache")
+        # (Without tier slots it never stores or loads: no call each step.)
+        offloads = (has_capability(kv_cache, OffloadingKVCache, "kv_cache")
+                    and kv_cache.num_offload_blocks > 0)
         self._take_pending_offload = kv_cache.take_pending_offload if offloads else None
         self._num_loaded_prefix_tokens = kv_cache.num_loaded_prefix_tokens if offloads else None
         # A KV manager that can tell an admission's allocation fails before it is tried.
@@ -216,7 +218,9 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         if self.lora is not None and not self.lora.fits(request.lora_id):
             return None   # the batch holds max_loras other adapters: it waits, as for memory
         seqs = request.unfinished_sequences()
-        if self.num_running_seqs + self._num_live_samples(request) > self.max_num_seqs:
+        # _num_live_samples without a second pass: n less the finished, those not in `seqs`.
+        num_live_samples = request.n - len(request.sequences) + len(seqs)
+        if self.num_running_seqs + num_live_samples > self.max_num_seqs:
             return None
         if (self._may_allocate_new is not None and not self._may_allocate_new(
                 self._uncached_chunks(seqs, token_budget, chunked))):
@@ -244,7 +248,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             if chunk > 0:
                 plan.add(seq, chunk)
         self.running.append(request)
-        self.num_running_seqs += self._num_live_samples(request)
+        self.num_running_seqs += num_live_samples
         if self.lora is not None:
             self.lora.admitted(request.lora_id)
         if request.first_scheduled_time is None:

@@ -167,8 +167,11 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
         num_stored_added = 0
         for seq in seqs[start:] if start else seqs:
             num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
-            slots = seq_slots.get(seq.seq_id)
-            if slots is not None:
+            try:   # (a subscript costs less than .get, and a decode always holds slots)
+                slots = seq_slots[seq.seq_id]
+            except KeyError:
+                pass
+            else:
                 num_exclusive = slots.num_exclusive
                 if num_tokens <= num_exclusive:   # inside its own last block: counts move
                     num_new_tokens = num_tokens - slots.num_allocated
