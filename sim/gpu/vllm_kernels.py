@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterator
+from itertools import repeat
 
 import numpy as np
 
@@ -67,19 +68,34 @@ class DecodeAttentionGrid:
     def __call__(self, num_decodes: int, context_tokens: float) -> float:
         return next(self.along_run(num_decodes, context_tokens))
 
-    def along_run(self, num_decodes: int, context_tokens: float) -> Iterator[float]:
+    def along_run(self, num_decodes: int, context_tokens: float, num_steps: int | None = None,
+                  kernels_s: float = 0.0, floor_s: float = 0.0,
+                  overhead_s: float = 0.0) -> Iterator[float]:
         """The seconds at `context_tokens`, then at each next step of the same batch, every
         decode a token further (context_tokens + num_decodes, ...): the batch's row is looked
-        up once for the whole run of repeated steps."""
+        up once for the whole run of repeated steps; `num_steps` of them (None: no end). A
+        step's other terms folded in, each as `overhead_s + max(floor_s, kernels_s +
+        attention)` (the defaults leave the attention)."""
         bi, bw, bs = _position(self.batch, float(num_decodes))
         row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
         grid, last = self.context, len(self.context) - 1
-        while True:
-            ci, cw, cs = _position(grid, context_tokens / num_decodes)
-            c2 = min(ci + 1, last)
+        lowest, highest = grid[0], grid[last]
+        upper = 1   # (the mean context only grows along a run: _position's bisect resumed)
+        for _ in repeat(None) if num_steps is None else repeat(None, num_steps):
+            value = context_tokens / num_decodes
+            if value <= lowest:
+                ci, c2, cw, cs = 0, min(1, last), 0.0, 1.0
+            elif value >= highest:
+                ci, c2, cw, cs = last, last, 0.0, value / highest
+            else:
+                while grid[upper] < value:
+                    upper += 1
+                ci, c2, cs = upper - 1, upper, 1.0
+                cw = (value - grid[ci]) / (grid[upper] - grid[ci])
             low = row[ci] + cw * (row[c2] - row[ci])
             high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
-            yield (low + bw * (high - low)) * bs * cs
+            gpu = kernels_s + (low + bw * (high - low)) * bs * cs
+            yield overhead_s + (floor_s if floor_s > gpu else gpu)
             context_tokens += num_decodes
 
 
