@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from collections.abc import Iterator
 from itertools import repeat
 
@@ -80,21 +81,31 @@ class DecodeAttentionGrid:
         row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
         grid, last = self.context, len(self.context) - 1
         lowest, highest = grid[0], grid[last]
-        upper = 1   # (the mean context only grows along a run: _position's bisect resumed)
+        # The mean context only grows along a run: the bracketing points and their differences
+        # are found again only when it passes the upper one (_position's arithmetic otherwise).
+        upper, top = 0, -math.inf
         for _ in repeat(None) if num_steps is None else repeat(None, num_steps):
             value = context_tokens / num_decodes
             if value <= lowest:
-                ci, c2, cw, cs = 0, min(1, last), 0.0, 1.0
+                c2 = min(1, last)
+                low = row[0] + 0.0 * (row[c2] - row[0])
+                high = nxt[0] + 0.0 * (nxt[c2] - nxt[0])
+                attention = (low + bw * (high - low)) * bs
             elif value >= highest:
-                ci, c2, cw, cs = last, last, 0.0, value / highest
+                attention = (row[last] + bw * (nxt[last] - row[last])) * bs * (value / highest)
             else:
-                while grid[upper] < value:
-                    upper += 1
-                ci, c2, cs = upper - 1, upper, 1.0
-                cw = (value - grid[ci]) / (grid[upper] - grid[ci])
-            low = row[ci] + cw * (row[c2] - row[ci])
-            high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
-            gpu = kernels_s + (low + bw * (high - low)) * bs * cs
+                if value > top:
+                    while grid[upper] < value:
+                        upper += 1
+                    bottom, top = grid[upper - 1], grid[upper]
+                    width = top - bottom
+                    row_low, row_rise = row[upper - 1], row[upper] - row[upper - 1]
+                    nxt_low, nxt_rise = nxt[upper - 1], nxt[upper] - nxt[upper - 1]
+                weight = (value - bottom) / width
+                low = row_low + weight * row_rise
+                high = nxt_low + weight * nxt_rise
+                attention = (low + bw * (high - low)) * bs
+            gpu = kernels_s + attention
             yield overhead_s + (floor_s if floor_s > gpu else gpu)
             context_tokens += num_decodes
 
