@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import functools
 import itertools
 import math
 import operator
@@ -48,6 +49,7 @@ STREAMED_LOGGED_ITLS = 1 << 16
 # The columns a run of repeated steps moves (record_repeated_steps builds its rows by position:
 # replica_id, start_time and duration lead, the memory columns stand side by side).
 _DURATION, _BLOCKS, _TOKENS = _COL["duration"], _COL["kv_blocks_used"], _COL["kv_tokens_stored"]
+_START_TIME = operator.itemgetter(_COL["start_time"])
 
 
 class MetricsCollector:
@@ -333,13 +335,16 @@ class StepRecorder:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
         time order): each step row from `first_row` on that started after one counts it waiting,
         as the row of a separate step would."""
+        if not arrival_times:
+            return
         metrics, column = self.metrics, _COL["num_waiting"]
-        for index in range(first_row, first_row + num_rows):
-            row = metrics.step_row(index)
-            num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
-            if num_arrived:
-                metrics.set_step_row(
-                    index, row[:column] + (row[column] + num_arrived,) + row[column + 1:])
+        rows, first = metrics.step_rows, metrics._held_index(first_row)
+        end = first + num_rows
+        # The rows that started by the first arrival count none (their starts are in order).
+        first = bisect.bisect_right(rows, arrival_times[0], first, end, key=_START_TIME)
+        count_before = functools.partial(bisect.bisect_left, arrival_times)
+        rows[first:end] = [row[:column] + (row[column] + count_before(row[1]),) + row[column + 1:]
+                           for row in rows[first:end]]
 
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
