@@ -11,7 +11,6 @@ import functools
 import itertools
 import math
 import operator
-from itertools import accumulate, islice, repeat
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -306,30 +305,35 @@ class StepRecorder:
         if self.energy is not None:
             self.energy.add_repeated_steps(plan, durations)
         rows = self.metrics.step_rows
-        row = rows[-1]
+        row = list(rows[-1])
         block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
         run = plan.decode_run
         first_step = run.num_steps_before
-        num_steps = len(durations)
-        new_blocks = run.new_blocks_per_step(plan, num_steps)
+        new_blocks = run.new_blocks_per_step(plan, len(durations))
         blocks, slots, tokens = row[_BLOCKS:_TOKENS + 1]
         if first_step:
             tokens += num_decodes * first_step
             blocks += new_blocks[0]
             slots += new_blocks[0] * block_size
-            row = rows[-1] = (*row[:_BLOCKS], blocks, slots, tokens, *row[_TOKENS + 1:])
-        if num_steps == 1:
-            return
-        # The later rows zipped column by column in C, one tuple a step: the starts add the
-        # durations one by one as the clock does, the memory columns grow step by step.
-        added = new_blocks[1:]
-        rows.extend(zip(
-            repeat(row[0]), islice(accumulate(durations[:-1], initial=start_time), 1, None),
-            islice(durations, 1, None), *map(repeat, row[_DURATION + 1:_BLOCKS]),
-            islice(accumulate(added, initial=blocks), 1, None),
-            islice(accumulate(map(block_size.__mul__, added), initial=slots), 1, None),
-            range(tokens + num_decodes, tokens + num_decodes * num_steps, num_decodes),
-            *map(repeat, row[_TOKENS + 1:])))
+            row[_BLOCKS:_TOKENS + 1] = blocks, slots, tokens
+            rows[-1] = tuple(row)
+        # Each later row a copy of the list `row` with what moved set in it (fewer operations
+        # a step than a tuple display).
+        start, duration_at, blocks_at, slots_at, tokens_at = (
+            _COL["start_time"], _DURATION, _BLOCKS, _COL["kv_slots_allocated"], _TOKENS)
+        append = rows.append
+        previous = durations[0]
+        for duration, added in zip(itertools.islice(durations, 1, None),
+                                   itertools.islice(new_blocks, 1, None)):
+            start_time += previous
+            previous = duration
+            tokens += num_decodes
+            if added:
+                blocks += added
+                slots += added * block_size
+                row[blocks_at], row[slots_at] = blocks, slots
+            row[start], row[duration_at], row[tokens_at] = start_time, duration, tokens
+            append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
