@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from itertools import repeat
@@ -271,6 +272,8 @@ class VllmKernels:
         scale = (kv / rows.heads[1]) if kind == "generation" else (query / rows.heads[0])
         return rows, scale * m.head_dim / rows.heads[2]
 
+    # (Cached, as the tables are: every run of a sweep builds its cost model from the same.)
+    @functools.lru_cache(maxsize=None)
     def decode_attention_grid(self, num_layers: int) -> DecodeAttentionGrid:
         """The decode table of the model's heads as a (batch, context) grid, all layers, in
         seconds. Where the heads times m were measured too, the faster of the two: split-KV cuts
@@ -294,6 +297,7 @@ class VllmKernels:
         return DecodeAttentionGrid(rows.heads, tuple(batches.tolist()), tuple(contexts.tolist()),
                                    tuple(tuple(row) for row in seconds.tolist()))
 
+    @functools.lru_cache(maxsize=None)
     def prefill_attention(self) -> AttentionCost:
         """Per-layer prefill attention terms in seconds (decode is looked up in
         decode_attention_grid, so its terms here are 0)."""
