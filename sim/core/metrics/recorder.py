@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import array
 import bisect
-import functools
 import itertools
 import math
 import operator
@@ -346,9 +345,11 @@ class StepRecorder:
         end = first + num_rows
         # The rows that started by the first arrival count none (their starts are in order).
         first = bisect.bisect_right(rows, arrival_times[0], first, end, key=_START_TIME)
-        count_before = functools.partial(bisect.bisect_left, arrival_times)
-        rows[first:end] = [row[:column] + (row[column] + count_before(row[1]),) + row[column + 1:]
-                           for row in rows[first:end]]
+        bisect_left = bisect.bisect_left
+        for index in range(first, end):
+            row = list(rows[index])
+            row[column] += bisect_left(arrival_times, row[1])
+            rows[index] = tuple(row)
 
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
