@@ -126,52 +126,55 @@ class Replica:
         self.wake()
 
     def run(self):
-        env, scheduler, steps = self.env, self.scheduler, self.steps
+        env, scheduler, steps, metrics = self.env, self.scheduler, self.steps, self.metrics
+        has_unfinished, begin, complete = scheduler.has_unfinished, steps.begin, steps.complete
         next_arrival = self.next_arrival
+        queued = self._queued_during_step
         while True:
-            while not scheduler.has_unfinished():   # a wake by a transfer may bring nothing
+            while not has_unfinished():   # a wake by a transfer may bring nothing
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
-            abandoned = steps.abandon_due(env.now)
+            now = env.now
+            abandoned = steps.abandon_due(now)
             if abandoned:
                 self.ended(abandoned)
-                if not scheduler.has_unfinished():
+                if not has_unfinished():
                     continue
-            queued = self._queued_during_step
             queued.clear()
-            first_row = self.metrics.num_steps
+            first_row = metrics.num_steps
             # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or
             # out of a prefill replica, whose blocks it frees.
-            transfers = self.role == "decode" or self.num_pending_transfers > 0
+            num_pending_transfers = self.num_pending_transfers
+            on_step_done = self.on_step_done
             # Past finishes unless a cluster reacts to each step (`on_step_done`) or a finish
             # sends a session's next turn (`on_finished`).
-            result = steps.begin(env.now, next_arrival.time if next_arrival else None,
-                                 queued_arrivals=not transfers,
-                                 may_idle=self.num_pending_transfers > 0,
-                                 past_finishes=self.on_step_done is None
-                                 and self.on_finished is None)
+            result = begin(now, next_arrival.time if next_arrival else None,
+                           queued_arrivals=not (self.role == "decode" or num_pending_transfers),
+                           may_idle=num_pending_transfers > 0,
+                           past_finishes=on_step_done is None and self.on_finished is None)
             if result is None:   # nothing can run until a KV transfer frees or brings blocks
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
                 continue
-            if result.step_durations:
+            step_durations = result.step_durations
+            if step_durations:
                 self.busy_until = steps.step_end_times[-1]
                 yield env.timeout_at(self.busy_until)
             else:
-                self.busy_until = env.now + result.duration
+                self.busy_until = now + result.duration
                 yield env.timeout(result.duration)
             self.busy_until = math.inf
             self.last_step_duration = result.duration
-            finished = steps.complete(env.now)
-            if result.step_durations and queued:
+            finished = complete(env.now)
+            if step_durations and queued:
                 # Requests that arrived while the run's blocked queue kept them waiting.
-                self.recorder.count_arrivals(first_row, result.num_steps, queued)
+                self.recorder.count_arrivals(first_row, len(step_durations), queued)
             if finished:
                 self.ended(finished)
-            if self.on_step_done is not None:
-                self.on_step_done(self)
+            if on_step_done is not None:
+                on_step_done(self)
 
 
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,

@@ -168,8 +168,11 @@ class StepLoop:
             times_before = [end] * len(plan.seqs)
         self.step_end_times = end_times
         self.plan = plan
-        self.result = StepResult(duration=end - segment_start, step_durations=segment_durations)
-        return StepResult(duration=end - now, step_durations=durations)
+        result = StepResult(duration=end - now, step_durations=durations)
+        # (One segment: the run's result is the segment's.)
+        self.result = result if not first else StepResult(duration=end - segment_start,
+                                                          step_durations=segment_durations)
+        return result
 
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the

@@ -373,13 +373,17 @@ class GPUCostModel(RooflineCostModel):
         kernels = self.forward_kernels_s(num_decodes) + self.lm_head_kernels_s(num_decodes)
         eager_floor = self._eager_launch_s if num_decodes > self.cuda_graph_max_tokens else 0.0
         context = plan.decode_context_tokens
-        if self._decode_grid is None:
-            attention = (self._decode_attention_s(context + step * num_decodes, num_decodes, 0)
-                         for step in range(num_steps))
-        else:   # (the batch's row of the grid looked up once)
-            attention = self._decode_grid.along_run(num_decodes, context)
-        for _, attention_s in zip(range(num_steps), attention):
-            gpu = kernels + attention_s
+        if self._decode_grid is not None:   # (one generator: the grid's, the step's sums in it)
+            return self._decode_grid.along_run(num_decodes, context, num_steps, kernels,
+                                               eager_floor, overhead)
+        return self._step_times_from_terms(num_decodes, context, num_steps, kernels,
+                                           eager_floor, overhead)
+
+    def _step_times_from_terms(self, num_decodes: int, context: int, num_steps: int,
+                               kernels: float, eager_floor: float, overhead: float):
+        """repeated_step_times with the decode attention's fitted terms (no measured grid)."""
+        for step in range(num_steps):
+            gpu = kernels + self._decode_attention_s(context + step * num_decodes, num_decodes, 0)
             if eager_floor > gpu:
                 gpu = eager_floor
             yield overhead + gpu

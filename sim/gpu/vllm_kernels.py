@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import math
 from collections.abc import Iterator
+from itertools import repeat
 
 import numpy as np
 
@@ -74,19 +77,44 @@ class DecodeAttentionGrid:
     def __call__(self, num_decodes: int, context_tokens: float) -> float:
         return next(self.along_run(num_decodes, context_tokens))
 
-    def along_run(self, num_decodes: int, context_tokens: float) -> Iterator[float]:
+    def along_run(self, num_decodes: int, context_tokens: float, num_steps: int | None = None,
+                  kernels_s: float = 0.0, floor_s: float = 0.0,
+                  overhead_s: float = 0.0) -> Iterator[float]:
         """The seconds at `context_tokens`, then at each next step of the same batch, every
         decode a token further (context_tokens + num_decodes, ...): the batch's row is looked
-        up once for the whole run of repeated steps."""
+        up once for the whole run of repeated steps; `num_steps` of them (None: no end). A
+        step's other terms folded in, each as `overhead_s + max(floor_s, kernels_s +
+        attention)` (the defaults leave the attention)."""
         bi, bw, bs = _position(self.batch, float(num_decodes))
         row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
         grid, last = self.context, len(self.context) - 1
-        while True:
-            ci, cw, cs = _position(grid, context_tokens / num_decodes)
-            c2 = min(ci + 1, last)
-            low = row[ci] + cw * (row[c2] - row[ci])
-            high = nxt[ci] + cw * (nxt[c2] - nxt[ci])
-            yield (low + bw * (high - low)) * bs * cs
+        lowest, highest = grid[0], grid[last]
+        # The mean context only grows along a run: the bracketing points and their differences
+        # are found again only when it passes the upper one (_position's arithmetic otherwise).
+        upper, top = 0, -math.inf
+        for _ in repeat(None) if num_steps is None else repeat(None, num_steps):
+            value = context_tokens / num_decodes
+            if value <= lowest:
+                c2 = min(1, last)
+                low = row[0] + 0.0 * (row[c2] - row[0])
+                high = nxt[0] + 0.0 * (nxt[c2] - nxt[0])
+                attention = (low + bw * (high - low)) * bs
+            elif value >= highest:
+                attention = (row[last] + bw * (nxt[last] - row[last])) * bs * (value / highest)
+            else:
+                if value > top:
+                    while grid[upper] < value:
+                        upper += 1
+                    bottom, top = grid[upper - 1], grid[upper]
+                    width = top - bottom
+                    row_low, row_rise = row[upper - 1], row[upper] - row[upper - 1]
+                    nxt_low, nxt_rise = nxt[upper - 1], nxt[upper] - nxt[upper - 1]
+                weight = (value - bottom) / width
+                low = row_low + weight * row_rise
+                high = nxt_low + weight * nxt_rise
+                attention = (low + bw * (high - low)) * bs
+            gpu = kernels_s + attention
+            yield overhead_s + (floor_s if floor_s > gpu else gpu)
             context_tokens += num_decodes
 
 
@@ -267,6 +295,8 @@ class VllmKernels:
         scale = (kv / rows.heads[1]) if kind == "generation" else (query / rows.heads[0])
         return rows, scale * m.head_dim / rows.heads[2]
 
+    # (Cached, as the tables are: every run of a sweep builds its cost model from the same.)
+    @functools.lru_cache(maxsize=None)
     def decode_attention_grid(self, num_layers: int) -> DecodeAttentionGrid:
         """The decode table of the model's heads as a (batch, context) grid, all layers, in
         seconds. Where the heads times m were measured too, the faster of the two: split-KV cuts
@@ -290,6 +320,7 @@ class VllmKernels:
         return DecodeAttentionGrid(rows.heads, tuple(batches.tolist()), tuple(contexts.tolist()),
                                    tuple(tuple(row) for row in seconds.tolist()))
 
+    @functools.lru_cache(maxsize=None)
     def prefill_attention(self) -> AttentionCost:
         """Per-layer prefill attention terms in seconds (decode is looked up in
         decode_attention_grid, so its terms here are 0)."""

@@ -237,9 +237,9 @@ def attention_rows(system: str, version: str, kind: str, query_heads: int, kv_he
     if not dtype_rows.any():
         raise NoKernelTables(f"{system} vLLM {version}: no {kind} attention with a {kv_dtype} KV "
                              f"cache measured")
-    combos = {(int(q), int(kv), int(d)) for q, kv, d in zip(
-        data["num_heads"][dtype_rows], data["num_key_value_heads"][dtype_rows],
-        data["head_dim"][dtype_rows])}
+    # (As Python ints in one conversion a column, not one numpy scalar at a time.)
+    combos = set(zip(*(data[column][dtype_rows].astype(np.int64).tolist()
+                       for column in ("num_heads", "num_key_value_heads", "head_dim"))))
 
     def distance(combo):
         q, kv, d = combo

@@ -54,6 +54,9 @@ class EnergyMeter:
              idle_w, dynamic_w, s_per_flop, s_per_byte) = self._decode_constants
             decode_flops = num_decodes * flops_per_seq
             busy_s, busy_j = self.busy_s, self.busy_j
+            # As floats (exact: counts far below 2**53), sparing each step's products
+            # the int-to-float conversions.
+            context, num_decodes, num_boards = float(context), float(num_decodes), float(num_boards)
             for duration in durations:   # ModelStepWork.step_work, busy_energy_j, add_step
                 work_s = ((decode_flops + context * flops_per_context) * s_per_flop
                           + (weight_bytes + (context + num_decodes) * bytes_per_token) * s_per_byte)

@@ -47,6 +47,7 @@ STREAMED_LOGGED_ITLS = 1 << 16
 # The columns a run of repeated steps moves (record_repeated_steps builds its rows by position:
 # replica_id, start_time and duration lead, the memory columns stand side by side).
 _DURATION, _BLOCKS, _TOKENS = _COL["duration"], _COL["kv_blocks_used"], _COL["kv_tokens_stored"]
+_START_TIME = operator.itemgetter(_COL["start_time"])
 
 
 class MetricsCollector:
@@ -315,30 +316,40 @@ class StepRecorder:
             slots += new_blocks[0] * block_size
             row[_BLOCKS:_TOKENS + 1] = blocks, slots, tokens
             rows[-1] = tuple(row)
-        # Each later row built whole from the columns that stay (one tuple display a step).
-        replica_id, middle, rest = row[0], row[_DURATION + 1:_BLOCKS], row[_TOKENS + 1:]
+        # Each later row a copy of the list `row` with what moved set in it (fewer operations
+        # a step than a tuple display).
+        start, duration_at, blocks_at, slots_at, tokens_at = (
+            _COL["start_time"], _DURATION, _BLOCKS, _COL["kv_slots_allocated"], _TOKENS)
         append = rows.append
         previous = durations[0]
-        for duration, added in zip(itertools.islice(durations, 1, None), itertools.islice(new_blocks, 1, None)):
+        for duration, added in zip(itertools.islice(durations, 1, None),
+                                   itertools.islice(new_blocks, 1, None)):
             start_time += previous
             previous = duration
             tokens += num_decodes
             if added:
                 blocks += added
                 slots += added * block_size
-            append((replica_id, start_time, duration, *middle, blocks, slots, tokens, *rest))
+                row[blocks_at], row[slots_at] = blocks, slots
+            row[start], row[duration_at], row[tokens_at] = start_time, duration, tokens
+            append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
         """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
         time order): each step row from `first_row` on that started after one counts it waiting,
         as the row of a separate step would."""
+        if not arrival_times:
+            return
         metrics, column = self.metrics, _COL["num_waiting"]
-        for index in range(first_row, first_row + num_rows):
-            row = metrics.step_row(index)
-            num_arrived = bisect.bisect_left(arrival_times, row[1])   # they are in time order
-            if num_arrived:
-                metrics.set_step_row(
-                    index, row[:column] + (row[column] + num_arrived,) + row[column + 1:])
+        rows, first = metrics.step_rows, metrics._held_index(first_row)
+        end = first + num_rows
+        # The rows that started by the first arrival count none (their starts are in order).
+        first = bisect.bisect_right(rows, arrival_times[0], first, end, key=_START_TIME)
+        bisect_left = bisect.bisect_left
+        for index in range(first, end):
+            row = list(rows[index])
+            row[column] += bisect_left(arrival_times, row[1])
+            rows[index] = tuple(row)
 
     def record_repeated_itls(self, times_before: list[float], step_end_times: list[float]) -> None:
         """Inter-token latencies of a decode batch's repeated steps: in the first, each
