@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 
 from policies.types import Request
 from sim.core.metrics.fairness import decode_step_ends, windowed_fairness
-from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS, group_summaries,
-                                         is_completed, jain_fairness, latency_arrays_s,
-                                         meets_slos, per_second, stats_ms)
+from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS,
+                                         completed_requests, group_summaries, jain_fairness,
+                                         latency_arrays_s, meets_slos, output_tokens,
+                                         per_second, stats_ms)
 
 if TYPE_CHECKING:
     from sim.core.metrics.recorder import MetricsCollector
@@ -34,7 +35,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     fairness over windows of `fairness_window_s` (fairness.py) joins `jain_fairness`."""
     # (Sums over the requests in C passes: a big run's summary is a share of its time.)
     attribute = operator.attrgetter
-    completed = [request for request in requests if is_completed(request)]
+    completed = completed_requests(requests)
     num_rejected = len(requests) - list(map(attribute("rejected_reason"), requests)).count(None)
     if completed:
         first_arrival = min(map(attribute("arrival_time"), requests))
@@ -43,7 +44,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     else:
         duration_s = 0.0
     total_input = sum(map(attribute("prompt_len"), completed))
-    total_output = sum(map(attribute("num_output_tokens"), completed))
+    total_output = sum(output_tokens(completed))
 
     result: dict = {
         "completed": len(completed),
