@@ -137,6 +137,15 @@ def test_goodput(run):
         collector.summary(requests, 1.0, slos_ms={"itl": 10})
 
 
+@pytest.mark.parametrize("slo", ["slo_ttft_ms", "slo_tpot_ms"])
+def test_a_request_slo_alone_adds_goodput(run, slo):
+    """One request's own TTFT or TPOT SLO, without run SLOs, is enough for goodput."""
+    collector, requests = run
+    assert "goodput" not in collector.summary(requests, 1.0)
+    setattr(requests[3], slo, 250)   # its TTFT is 300 ms, its TPOT 500 ms: it misses
+    assert collector.summary(requests, 1.0)["slo_attainment"] == pytest.approx(4 / 5)
+
+
 def test_record_step_row(run):
     collector, _ = run
     assert len(collector.step_rows[0]) == len(STEP_COLUMNS)

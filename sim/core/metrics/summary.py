@@ -63,16 +63,15 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
             result.update(metrics.itl_stats_ms())
         else:
             result.update(stats_ms(latencies[name], name))
-    has_slos = slos_ms is not None or any(
-        request.slo_ttft_ms is not None or request.slo_tpot_ms is not None
-        for request in requests)
+    has_slos = slos_ms is not None or not (_all_none(requests, "slo_ttft_ms")
+                                           and _all_none(requests, "slo_tpot_ms"))
     if has_slos:
         num_abandoned = len(requests) - list(map(attribute("abandoned_time"), requests)).count(None)
         result.update(_goodput(completed, slos_ms or {}, duration_s, num_abandoned))
 
     result.update(_step_numbers(metrics, sum(map(attribute("num_preemptions"), requests)),
                                 duration_s, wall_time_s))
-    if any(request.prompt_token_ids is not None for request in requests):
+    if not _all_none(requests, "prompt_token_ids"):
         result.update(_prefix_cache_numbers(   # (prefix caching needs token ids)
             sum(request.prompt_len for request in completed),
             sum(request.num_cached_tokens for request in completed),
@@ -86,6 +85,11 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         for tenant, part in per_tenant.items():
             result["per_tenant"][tenant].update(part)
     return result
+
+
+def _all_none(requests: list[Request], name: str) -> bool:
+    """Whether every request's attribute `name` is None (in C passes: a big run's summary)."""
+    return list(map(operator.attrgetter(name), requests)).count(None) == len(requests)
 
 
 def streamed_run_summary(metrics: MetricsCollector, ledger: RequestLedger, wall_time_s: float,
