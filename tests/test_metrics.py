@@ -14,6 +14,7 @@ from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
 from sim.core.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder, weighted_percentiles
+from sim.core.metrics.statistics import completed_requests, is_completed, output_tokens
 from sim.tools.console_summary import format_summary_table, print_summary
 from sim.tools.plots import downsample_indices, write_plots
 from sim.tools.run_outputs import REQUEST_COLUMNS, write_run_outputs
@@ -136,6 +137,15 @@ def test_goodput(run):
         collector.summary(requests, 1.0, slos_ms={"itl": 10})
 
 
+@pytest.mark.parametrize("slo", ["slo_ttft_ms", "slo_tpot_ms"])
+def test_a_request_slo_alone_adds_goodput(run, slo):
+    """One request's own TTFT or TPOT SLO, without run SLOs, is enough for goodput."""
+    collector, requests = run
+    assert "goodput" not in collector.summary(requests, 1.0)
+    setattr(requests[3], slo, 250)   # its TTFT is 300 ms, its TPOT 500 ms: it misses
+    assert collector.summary(requests, 1.0)["slo_attainment"] == pytest.approx(4 / 5)
+
+
 def test_record_step_row(run):
     collector, _ = run
     assert len(collector.step_rows[0]) == len(STEP_COLUMNS)
@@ -155,6 +165,24 @@ def test_step_column_total_is_the_column_sum_as_an_integer(run):
         total = collector.step_column_total(name)
         assert type(total) is int and total == totals[name], name
     assert collector.step_column_total("num_blocks_swapped_in") == 5
+
+
+@pytest.mark.parametrize("not_completed", [None, "finish_time", "rejected_reason"])
+@pytest.mark.parametrize("samples", [[[5], [1], [0], [9]], [[5], [2, 7], [1], [3, 3, 1]]])
+def test_completed_and_output_tokens_match_each_request(samples, not_completed):
+    """The summary's C-pass helpers give what the per-request definitions give, whether all
+    requests completed and have one sample (their fast path) or not."""
+    requests = [make_request(index, 0.1 * index, 4, tokens, first_token=1.0, finish=2.0)
+                for index, tokens in enumerate(samples)]
+    if not_completed == "finish_time":
+        requests[1].finish_time = None
+    elif not_completed == "rejected_reason":
+        requests[2].rejected_reason = "too long"
+    completed = completed_requests(requests)
+    assert completed == [request for request in requests if is_completed(request)]
+    assert output_tokens(completed) == [request.num_output_tokens for request in completed]
+    assert output_tokens(completed, per_sample=True) == [
+        request.num_output_tokens_per_sample for request in completed]
 
 
 @settings(max_examples=60, deadline=None)

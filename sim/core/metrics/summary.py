@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 
 from policies.types import Request
 from sim.core.metrics.fairness import decode_step_ends, windowed_fairness
-from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS, group_summaries,
-                                         is_completed, jain_fairness, latency_arrays_s,
-                                         meets_slos, per_second, stats_ms)
+from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS,
+                                         completed_requests, group_summaries, jain_fairness,
+                                         latency_arrays_s, meets_slos, output_tokens,
+                                         per_second, stats_ms)
 
 if TYPE_CHECKING:
     from sim.core.metrics.recorder import MetricsCollector
@@ -34,7 +35,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     fairness over windows of `fairness_window_s` (fairness.py) joins `jain_fairness`."""
     # (Sums over the requests in C passes: a big run's summary is a share of its time.)
     attribute = operator.attrgetter
-    completed = [request for request in requests if is_completed(request)]
+    completed = completed_requests(requests)
     num_rejected = len(requests) - list(map(attribute("rejected_reason"), requests)).count(None)
     if completed:
         first_arrival = min(map(attribute("arrival_time"), requests))
@@ -43,7 +44,7 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
     else:
         duration_s = 0.0
     total_input = sum(map(attribute("prompt_len"), completed))
-    total_output = sum(map(attribute("num_output_tokens"), completed))
+    total_output = sum(output_tokens(completed))
 
     result: dict = {
         "completed": len(completed),
@@ -62,16 +63,15 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
             result.update(metrics.itl_stats_ms())
         else:
             result.update(stats_ms(latencies[name], name))
-    has_slos = slos_ms is not None or any(
-        request.slo_ttft_ms is not None or request.slo_tpot_ms is not None
-        for request in requests)
+    has_slos = slos_ms is not None or not (_all_none(requests, "slo_ttft_ms")
+                                           and _all_none(requests, "slo_tpot_ms"))
     if has_slos:
         num_abandoned = len(requests) - list(map(attribute("abandoned_time"), requests)).count(None)
         result.update(_goodput(completed, slos_ms or {}, duration_s, num_abandoned))
 
     result.update(_step_numbers(metrics, sum(map(attribute("num_preemptions"), requests)),
                                 duration_s, wall_time_s))
-    if any(request.prompt_token_ids is not None for request in requests):
+    if not _all_none(requests, "prompt_token_ids"):
         result.update(_prefix_cache_numbers(   # (prefix caching needs token ids)
             sum(request.prompt_len for request in completed),
             sum(request.num_cached_tokens for request in completed),
@@ -85,6 +85,11 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
         for tenant, part in per_tenant.items():
             result["per_tenant"][tenant].update(part)
     return result
+
+
+def _all_none(requests: list[Request], name: str) -> bool:
+    """Whether every request's attribute `name` is None (in C passes: a big run's summary)."""
+    return list(map(operator.attrgetter(name), requests)).count(None) == len(requests)
 
 
 def streamed_run_summary(metrics: MetricsCollector, ledger: RequestLedger, wall_time_s: float,
