@@ -95,10 +95,7 @@ class DecodeAttentionGrid:
         for _ in repeat(None) if num_steps is None else repeat(None, num_steps):
             value = context_tokens / num_decodes
             if value <= lowest:
-                c2 = min(1, last)
-                low = row[0] + 0.0 * (row[c2] - row[0])
-                high = nxt[0] + 0.0 * (nxt[c2] - nxt[0])
-                attention = (low + bw * (high - low)) * bs
+                attention = (row[0] + bw * (nxt[0] - row[0])) * bs
             elif value >= highest:
                 attention = (row[last] + bw * (nxt[last] - row[last])) * bs * (value / highest)
             else:
