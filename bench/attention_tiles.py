@@ -25,7 +25,7 @@ import kernels.tiling as tiling  # noqa: E402
 from engine.builder import resolve_device  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from calibration.profiler.cli import executor_factory  # noqa: E402
-from sim.core.step_shapes import GridPoint, build_plan  # noqa: E402
+from runtime.step_shapes import GridPoint, build_plan  # noqa: E402
 
 
 def main() -> None:

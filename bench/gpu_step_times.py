@@ -8,7 +8,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from policies.types import StepPlan
-from sim.core.build import CONF_DIR
+from runtime.policy_config import CONF_DIR
 from sim.gpu.cost_model import GPUCostModel
 
 

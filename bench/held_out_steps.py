@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.core.step_shapes import GridPoint  # noqa: E402
+from runtime.step_shapes import GridPoint  # noqa: E402
 
 
 def held_out_shapes(block_size: int) -> list[GridPoint]:

@@ -18,9 +18,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from policies.types import StepPlan
-from sim.core.build import CONF_DIR, build_cost_model
+from sim.core.build import build_cost_model
+from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 LIGHT = ("workload.num_requests=20", "workload.rate=0.2")
 HEAVY = ("workload.num_requests=200", "workload.rate=1000", "kv_cache.num_blocks=4000",

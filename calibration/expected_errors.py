@@ -45,7 +45,7 @@ def silicon_checks() -> list[dict]:
     from calibration.silicon import compare_rows, read_silicon_rows, row_config, \
         silicon_overrides, skip_reason
     from sim.core.build import build_cost_model
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from runtime.specs import HardwareSpec, ModelSpec
 
     rows = [row for row in read_silicon_rows() if skip_reason(row) is None
             and row.model not in LEFT_OUT_MODELS
@@ -70,7 +70,7 @@ def real_run_checks() -> list[dict]:
     from calibration.realrun.readers import read_run
     from calibration.realrun.replay import compose_replay_config, replay
     from sim.core.build import build_cost_model
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from runtime.specs import HardwareSpec, ModelSpec
 
     checks = []
     for path in REAL_RUNS:

@@ -31,12 +31,12 @@ from policies.lora.spec import lora_config
 from policies.protocols import BoundedScheduler, Scheduler
 from policies.speculation import drafters
 from policies.speculation.drafters import Drafter, TreeSpec
-from sim.core.assembly import assemble_scheduler, build_preemption
-from sim.core.build import build_predictor, kv_cache_policy_config
-from sim.core.policy_config import names_a_policy, policy_config
-from sim.core.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
-from sim.core.speculation_setup import sized_policy_config, speculation_policy_config, tree_spec
-from sim.core.step_shapes import GridPoint, build_plan
+from runtime.assembly import (assemble_scheduler, build_predictor, build_preemption,
+                              kv_cache_policy_config)
+from runtime.policy_config import names_a_policy, policy_config
+from runtime.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+from runtime.speculation import sized_policy_config, speculation_policy_config, tree_spec
+from runtime.step_shapes import GridPoint, build_plan
 
 # The drafters LLM(speculative_model=...) names (any other name is a draft model).
 NGRAM, MEDUSA, LOOKAHEAD = drafters.NGRAM.name, drafters.MEDUSA.name, drafters.LOOKAHEAD.name
@@ -215,7 +215,7 @@ def build_speculation(config: EngineConfig, tree: TreeSpec | None = None):
 def build_scheduler(config: EngineConfig, loaded: LoadedModel, device: torch.device,
                     max_model_len: int, draft: LoadedModel | TreeSpec | str | None = None):
     """The config's scheduler, its preemption policy and KV manager, assembled as the
-    simulator's (sim/core/assembly.py), the engine's settings over the groups' defaults."""
+    simulator's (runtime/assembly.py), the engine's settings over the groups' defaults."""
     scheduler_cfg = policy_config(config.scheduler, "scheduler")
     preemption = build_preemption(config.preemption, config.swap_space_gb)
     budget = config.max_num_batched_tokens

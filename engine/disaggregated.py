@@ -25,8 +25,8 @@ from engine.builder import build_scheduler, build_scheduler_executor, names_a_po
 from engine.kv_cache import KVCachePool
 from engine.llm import LLM, RequestOutput
 from policies.types import Request, Sequence
-from sim.core.metrics import MetricsCollector, StepRecorder
-from sim.core.step import StepLoop
+from runtime.metrics import MetricsCollector, StepRecorder
+from runtime.step import StepLoop
 
 PREFILL_REPLICA, DECODE_REPLICA = 0, 1
 

@@ -1,5 +1,5 @@
 """The KV block pools the policies' block ids index: one device tensor per layer, a host pool for
-swapped-out blocks and a host pool for the prefix cache's host tier (evicted cached blocks). Sized by the simulator's memory arithmetic (sim/core/specs.py) so both
+swapped-out blocks and a host pool for the prefix cache's host tier (evicted cached blocks). Sized by the simulator's memory arithmetic (runtime/specs.py) so both
 backends agree."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 import conf
 from kernels import KernelOps
-from sim.core.specs import GIB, HardwareSpec, ModelSpec
+from runtime.specs import GIB, HardwareSpec, ModelSpec
 
 HARDWARE_CONFIG_DIR = Path(conf.__file__).parent / "hardware"
 

@@ -1,6 +1,6 @@
 """The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
-`generate` runs the simulator's step loop (sim/core/step.py: schedule, execute, update) on the
+`generate` runs the simulator's step loop (runtime/step.py: schedule, execute, update) on the
 engine's executor until every request is done, and reports its totals from the same step rows.
 A request that cannot run (bad parameters, an empty prompt, a token outside the vocabulary, a
 prompt longer than the model allows, or one the scheduler rejects while it waits, such as
@@ -26,9 +26,9 @@ from engine.lookahead import GREEDY_ONLY
 from engine.sampling_params import SamplingParams, as_sampling_params
 from policies.types import Request, Sequence
 from policies.validators import positive_number
-from sim.core.deadlines import Deadlines
-from sim.core.metrics import MetricsCollector, StepRecorder
-from sim.core.step import StepLoop
+from runtime.deadlines import Deadlines
+from runtime.metrics import MetricsCollector, StepRecorder
+from runtime.step import StepLoop
 
 
 @dataclass

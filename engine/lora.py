@@ -81,7 +81,7 @@ def lora_group(setting) -> Mapping | None:
     or a conf/lora name."""
     from omegaconf import OmegaConf
 
-    from sim.core.policy_config import CONF_DIR, config_names
+    from runtime.policy_config import CONF_DIR, config_names
 
     if setting is None or isinstance(setting, Mapping):
         return setting

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 import conf
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 
 MODEL_CONFIG_DIR = Path(conf.__file__).parent / "model"
 REPO_ROOT = MODEL_CONFIG_DIR.parent.parent

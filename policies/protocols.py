@@ -1,5 +1,5 @@
 """The contract a plug-in satisfies: every method and attribute that the step loop
-(`sim/core/step.py`), the simulator, the engine and the tools use on a policy. A policy is any
+(`runtime/step.py`), the simulator, the engine and the tools use on a policy. A policy is any
 class with these members; the built-in ones in batching/, memory/, preemption/, speculation/ and
 routing/ are ordinary examples, and `BaseScheduler` is a convenience, not a requirement.
 Pure Python: no torch, no simpy.
@@ -142,7 +142,7 @@ class Scheduler(Protocol):
     """Moves requests between its queues and writes one StepPlan per step. Everything it needs
     arrives as arguments; measurement (step rows, inter-token latencies) is the step loop's.
 
-    Built (sim/core/assembly.py, for both backends) with the keyword arguments `kv_cache`,
+    Built (runtime/assembly.py, for both backends) with the keyword arguments `kv_cache`,
     `preemption`, `max_num_batched_tokens` (resolved: an int), `max_model_len`, `max_num_seqs`
     (the engine's setting, or the scheduler group's own when it has one) and, only when the run
     speculates, `speculation`; the config group's other keys come as they are written.
@@ -304,7 +304,7 @@ class DecodePoolScheduler(Protocol):
 @runtime_checkable
 class CostModel(Protocol):
     """How long a simulated step takes (conf/cost_model: any `_target_` class with `step_time`).
-    Built once per replica with the keyword arguments `model` (sim.core.specs.ModelSpec),
+    Built once per replica with the keyword arguments `model` (runtime.specs.ModelSpec),
     `hardware` (HardwareSpec), `tensor_parallel_size` and the group's own keys (and
     `expert_parallel_size` when cluster.expert_parallel_size > 1: a cost model that does not
     take it cannot cost that cluster, and the run says so); when the run

@@ -26,14 +26,14 @@ from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResu
 from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 from sim.profiled.cost_model import ProfiledCostModel
 from sim.profiled.step_features import STEP_FEATURES, step_features
-from sim.core.build import (CONF_DIR, build_policy, config_names, kv_cache_policy_config,
-                            policy_config)
-from sim.core.metrics import MetricsCollector
+from runtime.assembly import kv_cache_policy_config
+from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
+from runtime.metrics import MetricsCollector
 from sim.core.replica import Replica, arrivals
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 if TYPE_CHECKING:
-    from sim.core.step_shapes import GridPoint
+    from runtime.step_shapes import GridPoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def true_cost(features) -> float:
 
 def held_out_points() -> list[GridPoint]:
     """Grid points (step shapes) not in the profiler's grid, inside its ranges."""
-    from sim.core.step_shapes import GridPoint
+    from runtime.step_shapes import GridPoint
 
     return [
         GridPoint(1000, "prefill", 16, prefills=((200, 300),)),
@@ -347,7 +347,7 @@ def run_both_ways(overrides, monkeypatch):
     step (scheduler.coalesce=false); returns both and the length of each run of repeated steps
     the first made."""
     from sim.core.experiment import run_experiment
-    from sim.core.step import StepLoop
+    from runtime.step import StepLoop
 
     repeated_runs = []
     run_repeated = StepLoop._run_repeated

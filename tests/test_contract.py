@@ -20,7 +20,7 @@ from policies.protocols import CostModel, KVCacheManager, PreemptionPolicy, Sche
 from policies.speculation import drafters
 from policies.speculation.drafters import DRAFTER_KINDS, TREE_DRAFTERS, Drafter, drafter_kind
 from sim.core.experiment import run_experiment
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 from test_protocol_scheduler import FCFSScheduler
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from policies.protocols import Executor
 from policies.types import StepPlan
 from sim.core.roofline import RooflineCostModel
 from sim.core.executor import SimExecutor
-from sim.core.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from runtime.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
 
 from factories import decode_plan, hardware_spec, model_spec
 

@@ -12,7 +12,7 @@ import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
 from policies.types import Request
-from sim.core.build import config_names
+from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
 from sim.core.pipelined_replica import PipelinedReplica
 from sim.core.replica import Replica

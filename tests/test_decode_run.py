@@ -16,8 +16,8 @@ from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
-from sim.core.metrics import MetricsCollector, StepRecorder
-from sim.core.step import StepLoop
+from runtime.metrics import MetricsCollector, StepRecorder
+from runtime.step import StepLoop
 from test_protocol_scheduler import REPO, FCFSScheduler
 
 PROTOCOLS = [RepeatingKVCache, RepeatingExecutor, RepeatedStepCostModel, OffloadingKVCache,
@@ -227,7 +227,7 @@ def test_every_shipped_scheduler_states_the_promise_of_its_schedule():
     from hydra.utils import get_class
     from omegaconf import OmegaConf
 
-    from sim.core.build import config_names
+    from runtime.policy_config import config_names
 
     for name in config_names("scheduler"):
         target = OmegaConf.load(REPO / "conf" / "scheduler" / f"{name}.yaml")["_target_"]

@@ -15,7 +15,7 @@ from sim.core.energy.summary import energy_summary
 from sim.core.energy.work import ModelStepWork
 from sim.core.experiment import run_experiment
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
 
 ENERGY_KEYS = ("energy_j", "avg_power_w", "joules_per_output_token", "tokens_per_joule")

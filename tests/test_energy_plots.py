@@ -13,7 +13,7 @@ from sim.core.energy.power import UtilisationPowerModel
 from sim.core.energy.trace import TracedEnergyMeter, power_over_time, step_power_w
 from sim.core.energy.work import ModelStepWork
 from sim.core.experiment import run_experiment
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 from sim.tools.plots import joules_text, plot_power, power_panel_meters
 from sim.tools.report import default_metrics, write_report
 from sim.tools.report_labels import metric_heading, metric_label

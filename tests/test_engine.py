@@ -315,7 +315,7 @@ def test_policies_are_named_as_the_simulator_names_them():
     engine's own settings override the defaults."""
     from policies.batching import ChunkedPrefillScheduler, StaticBatchingScheduler
     from policies.preemption import SwapPreemption
-    from sim.core.specs import GIB
+    from runtime.specs import GIB
 
     llm = LLM("tiny-llama", scheduler="chunked_prefill", preemption="swap", num_gpu_blocks=64)
     scheduler = llm.scheduler
@@ -344,8 +344,8 @@ def test_default_pool_is_the_simulators_arithmetic():
     cap: max_num_seqs sequences of max_model_len tokens, and cpu_kv_cache_gb."""
     from omegaconf import OmegaConf
 
-    from sim.core.build import CONF_DIR
-    from sim.core.specs import HardwareSpec, kv_cache_num_blocks
+    from runtime.policy_config import CONF_DIR
+    from runtime.specs import HardwareSpec, kv_cache_num_blocks
 
     llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=512, device="cpu")
     cpu = HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / "cpu.yaml"))

@@ -12,7 +12,7 @@ import pytest
 
 from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile
-from sim.core.step_shapes import GridPoint, build_plan
+from runtime.step_shapes import GridPoint, build_plan
 from sim.profiled.cost_model import ProfiledCostModel, ProfileError
 from sim.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, expert_features,
                                           profile_routing)

@@ -21,7 +21,7 @@ from policies.preemption import RecomputePreemption
 from policies.routing import RoundRobinRouter
 from policies.types import Request, StepResult
 from sim.core.experiment import run_experiment
-from sim.core.metrics import MetricsCollector, jain_fairness, rejection_summary
+from runtime.metrics import MetricsCollector, jain_fairness, rejection_summary
 from sim.core.replica import Replica, arrivals
 
 # A server of 8 sequences with fixed lengths (each request 128 + 2 x 128 = 384 weighted

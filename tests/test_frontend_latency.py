@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from calibration.realrun.calibrate import fit, main
 from sim.core.terms_file import read_terms_file
 from calibration.realrun.readers import read_run
-from sim.core.build import CONF_DIR
+from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment
 from tests.test_calibrate import SETTINGS, TRUE_TERMS, measured_run
 

@@ -11,7 +11,7 @@ import sim.core.build as build
 import sim.core.say_once as say_once_module
 from sim.core.experiment import run_experiment
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.cost_model import GPUCostModel
 
 from factories import decode_plan, hardware_spec, make_cfg, model_spec

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from policies.types import StepPlan
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.cost_model import GPUCostModel
 
 from factories import decode_plan, hardware_spec, model_spec

@@ -1,6 +1,6 @@
 """Tests for the KV retention policies (policies/memory/retention.py, conf/kv_retention): what a
 session's finished turn keeps between turns (evict, pin, offload), their blocks in the paged KV
-manager (policies/memory/retained.py) and the session summary (sim/core/metrics/session_kv.py)."""
+manager (policies/memory/retained.py) and the session summary (runtime/metrics/session_kv.py)."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from policies.memory.retention import Evict, Offload, Pin
 from policies.preemption import RecomputePreemption
 from policies.types import Request, StepResult
 from sim.core.experiment import run_experiment
-from sim.core.metrics.session_kv import held_blocks_over_time
+from runtime.metrics.session_kv import held_blocks_over_time
 from sim.core.workload import build_workload
 
 BLOCK = 4

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from policies import validators
-from sim.core.build import build_router, num_kv_blocks, policy_config
+from sim.core.build import build_router, num_kv_blocks
+from runtime.policy_config import policy_config
 from sim.core.experiment import run_experiment
-from sim.core.specs import GIB, kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+from runtime.specs import GIB, kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 from factories import hardware_spec, make_cfg, model_spec
 

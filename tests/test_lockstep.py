@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from policies.types import Request
 from sim.core.experiment import run_experiment
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 
 from factories import make_cfg
 

@@ -11,8 +11,8 @@ from factories import make_cfg
 from policies.routing import RoundRobinRouter
 from policies.types import Request
 from sim.core.experiment import run_experiment
-from sim.core.metrics import recorder, streaming
-from sim.core.metrics.streaming import RELATIVE_ACCURACY, QuantileSketch
+from runtime.metrics import recorder, streaming
+from runtime.metrics.streaming import RELATIVE_ACCURACY, QuantileSketch
 
 WORKLOAD = ["workload.num_requests=1200", "workload.rate=40", "cluster.num_replicas=2",
             "++workload.classes=[{share: 0.5, tenant: a, priority: 1}, "

@@ -16,10 +16,10 @@ from policies.lora.manager import LRULoRAManager
 from policies.lora.spec import LoRASpec, lora_config
 from policies.routing import LoRAAffinityRouter
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
-from sim.core.assembly import build_lora_manager
+from runtime.assembly import build_lora_manager
 from sim.core.experiment import run_experiment
 from sim.core.lora_cost import lora_adapter_bytes
-from sim.core.policy_config import CONF_DIR
+from runtime.policy_config import CONF_DIR
 from sim.core.roofline import RooflineCostModel
 from sim.core.workload import build_session_source, build_workload
 from sim.gpu.cost_model import GPUCostModel

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
-from sim.core.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder, weighted_percentiles
-from sim.core.metrics.statistics import completed_requests, is_completed, output_tokens
+from runtime.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder, weighted_percentiles
+from runtime.metrics.statistics import completed_requests, is_completed, output_tokens
 from sim.tools.console_summary import format_summary_table, print_summary
 from sim.tools.plots import downsample_indices, write_plots
 from sim.tools.run_outputs import REQUEST_COLUMNS, write_run_outputs

@@ -14,7 +14,7 @@ from policies.types import StepPlan
 from sim.core.experts import (ExpertLayout, expected_experts_touched, inclusion_probabilities,
                               routing_shares)
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import kv_cache_num_blocks, weight_bytes_per_gpu
+from runtime.specs import kv_cache_num_blocks, weight_bytes_per_gpu
 from sim.gpu.collectives import allreduce_cost
 from sim.gpu.cost_model import GPUCostModel
 from sim.gpu.experts import MLP_OPS, ExpertKernels

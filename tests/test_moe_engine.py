@@ -15,7 +15,7 @@ import torch
 from engine import LLM
 from engine.model_loader import (_load_named_checkpoint, load_model, random_config,
                                  spec_from_hf_config)
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 
 from factories import model_spec, token_ids
 from test_engine import GREEDY, MAX_TOKENS, PROMPT_LENS, hf_greedy, random_prompts

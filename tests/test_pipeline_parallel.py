@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
 from policies.types import Request, StepPlan
 from sim.core import pipelined_replica
-from sim.core.assembly import build_preemption
+from runtime.assembly import build_preemption
 from sim.core.build import build_cost_model, kv_cache_sizes, num_kv_blocks
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
 from sim.core.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
                                stage_model)
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import GIB, activation_peak_bytes, step_token_budget
+from runtime.specs import GIB, activation_peak_bytes, step_token_budget
 
 
 def _cost_model(pp: int, cost_model: str = "roofline"):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from policies.prediction import (BucketPredictor, LengthPredictor, NoisyPredictor, NoPredictor,
                                  OnlineLengthPredictor, OraclePredictor, refine)
 from policies.types import Request
-from sim.core.build import build_predictor
+from runtime.assembly import build_predictor
 from sim.core.experiment import run_experiment
 
 from factories import make_cfg, summary_without_wall_time
@@ -113,8 +113,8 @@ def test_bucket_confuses_adjacent_classes_at_the_asked_rate():
 
 
 def test_only_a_predictor_with_update_refines():
-    from sim.core.metrics import MetricsCollector, StepRecorder
-    from sim.core.step import StepLoop
+    from runtime.metrics import MetricsCollector, StepRecorder
+    from runtime.step import StepLoop
 
     (request,) = requests_with_lengths([300])
     request.predicted_output_len = BucketPredictor().predict(request)

@@ -16,10 +16,10 @@ from policies.routing import PrefixAffinityRouter
 from policies.types import Request, StepPlan, StepResult
 from sim.profiled.cost_model import ProfiledCostModel
 from sim.profiled.step_features import STEP_FEATURES
-from sim.core.build import config_names
+from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import GB, offload_seconds_per_block
+from runtime.specs import GB, offload_seconds_per_block
 
 from factories import (MAX_MODEL_LEN, build_scheduler, check_outcome, drive, hardware_spec,
                        make_cfg, make_seq, model_spec)

@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.preflight import (MAX_STEP_S, check_engine_run, engine_run_cost, requested_device)
-from sim.core.build import CONF_DIR
+from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 from factories import hardware_spec, make_cfg, model_spec
 

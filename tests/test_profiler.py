@@ -13,7 +13,7 @@ import torch
 from calibration.profiler.cli import main, read_samples, write_profile
 from calibration.profiler.fit import fit_profile, nnls
 from calibration.profiler.grid import make_grid, profile
-from sim.core.step_shapes import GridPoint, build_plan
+from runtime.step_shapes import GridPoint, build_plan
 from kernels.tiling import query_class
 from policies.memory import PagedBlockManager
 from policies.types import Request, Sequence, StepResult
@@ -21,7 +21,7 @@ from sim.profiled.tile_features import (TILE_FEATURES, AttentionTiling,
                                                      attention_lengths, tile_features)
 from sim.profiled.cost_model import ProfiledCostModel
 from sim.profiled.step_features import STEP_FEATURES, step_features
-from sim.core.step_shapes import age_pool
+from runtime.step_shapes import age_pool
 
 from factories import (ALL_FEATURES, KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,
                        true_cost)

@@ -17,9 +17,9 @@ from policies.routing import RoundRobinRouter
 from policies.types import Request, StepResult
 from sim.core import step
 from sim.core.experiment import run_experiment
-from sim.core.metrics import MetricsCollector
+from runtime.metrics import MetricsCollector
 from sim.core.replica import Replica, arrivals
-from sim.core.step import NoProgress
+from runtime.step import NoProgress
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome,
                        make_cfg, requests_from_specs, twinserve)

@@ -11,7 +11,7 @@ import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
 from sim.profiled.tile_features import TILE_FEATURES
-from sim.core.build import config_names
+from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
 from sim.core.replica import SimEnvironment
 
@@ -194,7 +194,7 @@ def test_the_clock_wakes_at_the_exact_end_of_repeated_steps():
 def test_repeated_steps_run_past_arrivals_that_must_wait(monkeypatch):
     """Overloaded, the queue's head waits for memory, so a request arriving during repeated
     steps only joins the queue: the steps run on past it and its rows count it waiting."""
-    from sim.core.metrics import StepRecorder
+    from runtime.metrics import StepRecorder
 
     counted = []
     count_arrivals = StepRecorder.count_arrivals

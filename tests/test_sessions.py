@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from factories import assert_same_run, make_cfg, model_spec, run_both_ways
 from sim.core.experiment import run_experiment
-from sim.core.metrics.session_kv import session_kv_summary
+from runtime.metrics.session_kv import session_kv_summary
 from sim.core.workload import build_session_source, build_workload
 from sim.core.workload.distributions import parse_length_distribution
 from sim.core.workload.fields import Fields, Streams

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 from sim.core.experiment import run_experiment
 
 from factories import make_cfg, summary_without_wall_time, twinserve

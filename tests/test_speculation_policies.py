@@ -17,7 +17,7 @@ from policies.protocols import KVCacheManager, SpeculationPolicy
 from policies.speculation import (AcceptanceCounts, AdaptiveSpeculation, FixedSpeculation,
                                   NoSpeculation, expected_tokens_per_step)
 from policies.types import Request, StepResult
-from sim.core.metrics import MetricsCollector, StepRecorder
+from runtime.metrics import MetricsCollector, StepRecorder
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome, drive,
                        make_seq, requests_from_specs)

@@ -388,7 +388,7 @@ def test_draft_kv_layers_share_the_block_budget():
     from engine.kv_cache import KVCachePool
     from kernels import get_kernel_ops
     from engine.model_loader import load_model
-    from sim.core.specs import HardwareSpec, kv_cache_num_blocks
+    from runtime.specs import HardwareSpec, kv_cache_num_blocks
 
     device = torch.device("cpu")
     target = load_model("tiny-llama", device).spec
@@ -485,7 +485,7 @@ def test_draft_model_runs_its_lagging_token_again():
     step features count as draft_catch_up_tokens."""
     from engine.model_loader import load_model
     from calibration.profiler.cli import executor_factory
-    from sim.core.step_shapes import GridPoint, build_plan
+    from runtime.step_shapes import GridPoint, build_plan
     from sim.profiled.step_features import STEP_FEATURES, step_features
 
     device = torch.device("cpu")

@@ -15,7 +15,7 @@ import pytest
 from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile
 from policies.types import StepResult
-from sim.core.step_shapes import build_plan
+from runtime.step_shapes import build_plan
 from calibration.cpu_noise.speed import (EXPONENT_KNOTS, PREFILL_PROBE_POINTS, PROBE_KNOTS,
                                              PROBE_POINT,
                                              SpeedNormalizedExecutor, SpeedProbe, SpeedReference,

@@ -13,7 +13,7 @@ import yaml
 
 from sim.tools.loggers import (EVENT_SERIES, LEVEL_SERIES, MAX_SERIES_POINTS, TIME_KEY,
                          read_requests_table, step_series_rows)
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 
 from factories import twinserve
 

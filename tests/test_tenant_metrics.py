@@ -12,7 +12,7 @@ from rich.console import Console
 
 from policies.types import Request, Sequence, SequenceStatus
 from sim.core.experiment import run_experiment
-from sim.core.metrics import GROUP_LATENCY_KEYS, MetricsCollector, jain_fairness
+from runtime.metrics import GROUP_LATENCY_KEYS, MetricsCollector, jain_fairness
 from sim.tools.console_summary import format_summary_table
 from sim.tools.run_outputs import REQUEST_COLUMNS
 from sim.tools.report import write_csv

@@ -253,7 +253,7 @@ def test_simulated_tree_speculation(drafter, k, size, depth):
     from policies.types import StepPlan
     from sim.core.build import build_replica_executor, speculation_setup
     from sim.core.experiment import run_experiment
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from runtime.specs import HardwareSpec, ModelSpec
 
     overrides = ["speculation=fixed", f"speculation.draft_model={drafter}",
                  f"speculation.num_speculative_tokens={k}", "speculation.acceptance_rate=1.0",
@@ -286,8 +286,9 @@ def test_tree_drafters_run_under_the_simulator_clock(drafter, prompts, expected)
     from policies.batching import ContinuousBatchingScheduler
     from policies.memory import PagedBlockManager
     from policies.preemption import RecomputePreemption
-    from sim.core.build import build_policy, build_replica_executor, speculation_setup
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from sim.core.build import build_replica_executor, speculation_setup
+    from runtime.policy_config import build_policy
+    from runtime.specs import HardwareSpec, ModelSpec
 
     cfg = make_cfg("backend=engine", "model=tiny-pair", "hardware=cpu", "speculation=fixed",
                    f"speculation.draft_model={drafter}", "speculation.num_speculative_tokens=3",

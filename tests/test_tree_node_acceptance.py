@@ -193,7 +193,7 @@ def test_simulated_medusa_run_walks_the_tree(tmp_path):
     from factories import make_cfg
     from policies.types import StepPlan
     from sim.core.build import build_replica_executor, speculation_setup
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from runtime.specs import HardwareSpec, ModelSpec
 
     counts = AcceptanceCounts(2, [(0,), (1,), (0, 0)])
     counts.record([2], [2])

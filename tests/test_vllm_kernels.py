@@ -14,7 +14,7 @@ import pytest
 import sim.core.say_once as say_once_module
 from policies.types import Request, Sequence, StepPlan
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import kv_cache_num_blocks
+from runtime.specs import kv_cache_num_blocks
 import sim.gpu.engine_terms as engine_terms_module
 from sim.gpu.cost_model import GPUCostModel
 from sim.gpu.engine_terms import engine_terms

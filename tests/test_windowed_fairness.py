@@ -1,4 +1,4 @@
-"""The windowed fairness of the summary (sim/core/metrics/fairness.py): its per-window service is
+"""The windowed fairness of the summary (runtime/metrics/fairness.py): its per-window service is
 what VTC's own counters charged, window by window; it separates FCFS from VTC where the
 whole-run Jain index cannot, with VTC inside the bound of its paper and FCFS outside it; its
 backlog test, keys, console rows, report labels and config check."""
@@ -13,8 +13,8 @@ from policies.batching import VirtualTokenCounterScheduler
 from policies.batching.vtc import INPUT_WEIGHT, OUTPUT_WEIGHT
 from policies.types import Request, Sequence, SequenceStatus
 from sim.core.experiment import run_experiment
-from sim.core.metrics import MetricsCollector
-from sim.core.metrics.fairness import (backlogged_by_window, decode_step_ends, service_by_window,
+from runtime.metrics import MetricsCollector
+from runtime.metrics.fairness import (backlogged_by_window, decode_step_ends, service_by_window,
                                        window_edges)
 from sim.tools.console_summary import format_summary_table
 from sim.tools.report_labels import metric_heading, metric_label

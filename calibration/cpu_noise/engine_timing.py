@@ -11,7 +11,7 @@ from calibration.cpu_noise.speed import (DEFAULT_INTERVAL_S, DEFAULT_PREFILL_INT
                                          SpeedNormalizedExecutor, SpeedProbe, SpeedReference,
                                          load_reference)
 from engine.builder import NewExecutor
-from sim.core.step_shapes import GridPoint
+from runtime.step_shapes import GridPoint
 
 
 def build_speed_probe(new_executor: NewExecutor, seed: int = 0,

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.core.step_shapes import GridPoint, build_plan
+from runtime.step_shapes import GridPoint, build_plan
 
 # Small and quick, so that probing often costs little: a decode batch of 4 over 128 tokens.
 PROBE_POINT = GridPoint(0, "decode", 16, decodes=(128,) * 4)

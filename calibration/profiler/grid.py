@@ -4,7 +4,7 @@ combination: prefill chunks of several lengths over several cached-context lengt
 prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
 batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
 decode batch, since a real step always runs a forward), over a couple of block sizes. Every plan
-is built for real through a `PagedBlockManager` (sim/core/step_shapes.py: valid block tables,
+is built for real through a `PagedBlockManager` (runtime/step_shapes.py: valid block tables,
 copy and swap pairs, blocks scattered over an aged pool); the KV contents are whatever the pool
 holds, which is all that timing needs. `profile`/`profile_together` time the grid on executors,
 normalised by the speed probe (calibration/cpu_noise/speed.py) when one is given.
@@ -21,7 +21,7 @@ import numpy as np
 from calibration.cpu_noise.speed import SpeedProbe, normalize_samples, take_due_readings
 from calibration.profiler.fit import fit_profile
 from policies import validators
-from sim.core.step_shapes import GridPoint, build_plan, spread, spread_chunks
+from runtime.step_shapes import GridPoint, build_plan, spread, spread_chunks
 from sim.profiled.step_features import STEP_FEATURES, step_features
 from sim.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
 from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features

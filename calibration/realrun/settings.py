@@ -31,7 +31,7 @@ import yaml
 
 from calibration.realrun.run import RealRunError
 from sim.core.experts import EP_KEY
-from sim.core.policy_config import CONF_DIR
+from runtime.policy_config import CONF_DIR
 
 REQUIRED = ("model", "hardware")
 # setting -> the override key it sets (the scheduler group and model/hardware are special).

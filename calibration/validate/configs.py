@@ -3,7 +3,7 @@ the backend (`engine`, and `sim` with the profiled cost model), over the same KV
 from __future__ import annotations
 
 from calibration.validate.compare import ValidationInputError
-from sim.core.policy_config import CONF_DIR
+from runtime.policy_config import CONF_DIR
 
 
 
@@ -42,7 +42,7 @@ def pin_kv_pool(engine_cfg, sim_cfg) -> int:
     from omegaconf import open_dict
 
     from sim.core.build import num_kv_blocks
-    from sim.core.specs import HardwareSpec, ModelSpec
+    from runtime.specs import HardwareSpec, ModelSpec
 
     model = ModelSpec.from_config(engine_cfg.model)
     hardware = HardwareSpec.from_config(engine_cfg.hardware)

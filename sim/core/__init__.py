@@ -1,2 +1,2 @@
-"""The simulator: the simpy replica loop and its step, the experiment runner, the roofline cost
-model, specs, workloads and metrics. Nothing here imports the engine."""
+"""The simulator's core: the simpy replica loop, the experiment runner, workloads, energy and the
+cost-model builders. It runs the shared runtime (runtime/) and never imports the engine."""

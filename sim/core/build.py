@@ -6,51 +6,31 @@ from __future__ import annotations
 
 import inspect
 import statistics
-from collections.abc import Mapping
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
 from policies.lora.spec import lora_config
-from policies.protocols import CostModel, LengthPredictor, ReportsSpeed, StatesExpectedError
+from policies.protocols import CostModel, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
 from policies.validators import (finite_number, non_negative_int, non_negative_number,
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
 from sim.core.experts import check_expert_parallel_size
-from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
+from runtime.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
                                stage_layers, stage_shape)
-from sim.core.policy_config import CONF_DIR, build_policy, config_names, policy_config
+from runtime.policy_config import CONF_DIR, build_policy, policy_config
 from sim.core.say_once import say_once
-from sim.core.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
+from runtime.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
 from sim.core.speculation_setup import SpeculationSetup, speculation_setup
-
-# Keys of the kv_cache group that the run turns into the manager's arguments (offload_gb into
-# num_offload_blocks) or that the cost models read (offload_bandwidth_gbps).
-KV_CACHE_RUN_KEYS = ("offload_gb", "offload_bandwidth_gbps")
 
 
 def build_router(router_cfg):
     """`cluster.router`: a conf/router name, a dotted class path, or a {_target_: ...} mapping."""
     return build_policy(policy_config(router_cfg, "router", "cluster.router"), "cluster.router")
-
-
-def build_predictor(choice, seed: int, field: str = "predictor"):
-    """The run's length predictor (built once per run): None for none, else a conf/predictor
-    name, a dotted class path, a {_target_: ...} mapping or an object with predict(request). A
-    config's `seed: null` becomes the run's `seed`."""
-    if choice is None:
-        return None
-    if isinstance(choice, (str, Mapping, DictConfig)):
-        config = policy_config(choice, "predictor", field)
-        # Only a predictor that asks for a seed gets one: a user's own need not take it.
-        seeded = {"seed": seed} if "seed" in config and config.seed is None else {}
-        choice = build_policy(config, field, **seeded)
-    check_policy(choice, LengthPredictor, field)
-    return choice
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -107,17 +87,6 @@ def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
         gpu_model(cfg, model), cfg.kv_cache.block_size, preemption.swap_space_gb,
         cfg.cluster.tensor_parallel_size,
         draft=speculation.draft_kv if speculation is not None else None)
-
-
-def kv_cache_policy_config(group: DictConfig) -> DictConfig:
-    """A kv_cache group's policy config: the group less KV_CACHE_RUN_KEYS."""
-    if not any(key in group for key in KV_CACHE_RUN_KEYS):
-        return group
-    # Resolved first: the copy has no root to resolve interpolations such as
-    # ${model.max_model_len} against.
-    return OmegaConf.create({key: value
-                             for key, value in OmegaConf.to_container(group, resolve=True).items()
-                             if key not in KV_CACHE_RUN_KEYS})
 
 
 def kv_cache_sizes(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemption,

@@ -23,10 +23,10 @@ from policies.checks import check_policy
 from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler
 from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
-from sim.core.build import (CONF_DIR, build_policy, build_router, config_names, num_kv_blocks,
-                            policy_config)
+from sim.core.build import build_router, num_kv_blocks
+from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from sim.core.pipeline import pipeline_parallel_size
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",

@@ -19,15 +19,13 @@ from tqdm import tqdm
 from policies.lora.spec import lora_config
 from policies.types import Request
 from policies.validators import finite_number, non_negative_number
-from sim.core.assembly import assemble_scheduler, build_preemption
-from sim.core.build import (build_policy, build_predictor, build_replica_executor,
-                            check_run_settings, cost_model_summary, kv_cache_policy_config,
-                            fairness_window_s, kv_cache_sizes, max_num_batched_tokens,
-                            lora_summary, policy_config, slos_ms, speculation_setup,
-                            speed_summary)
+from runtime.assembly import assemble_scheduler, build_preemption
+from runtime.assembly import build_predictor, kv_cache_policy_config
+from sim.core.build import (build_replica_executor, check_run_settings, cost_model_summary, fairness_window_s, kv_cache_sizes, max_num_batched_tokens, lora_summary, slos_ms, speculation_setup, speed_summary)
+from runtime.policy_config import build_policy, policy_config
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
-from sim.core.deadlines import abandonment_summary, check_deadlines
+from runtime.deadlines import abandonment_summary, check_deadlines
 from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
@@ -37,12 +35,12 @@ from sim.core.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
                                streamed_summary)
-from sim.core.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
-from sim.core.metrics.streaming import RequestLedger
-from sim.core.metrics.session_kv import has_sessions, session_kv_summary
+from runtime.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
+from runtime.metrics.streaming import RequestLedger
+from runtime.metrics.session_kv import has_sessions, session_kv_summary
 from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
 from sim.core.session_arrivals import ClosedLoopArrivals
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 from sim.core.workload import (RequestStream, build_session_source, is_closed_loop,
                                workload_stream)
 from sim.tools.run_outputs import StreamedOutputs, write_run_outputs

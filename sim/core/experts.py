@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from policies import validators
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 ROUTING_KEY = "cost_model.routing"
 EP_KEY = "cluster.expert_parallel_size"

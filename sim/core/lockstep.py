@@ -14,7 +14,7 @@ price a rank's experts with its peers carrying its load (sim/core/experts.py), s
 experts come from the largest rank's batch: vLLM pads every rank's batch to the largest one's
 token count, so this is what its GPUs do.
 
-Runs of repeated decode steps (sim/core/step.py) are not used: a rank's batch changes whenever a
+Runs of repeated decode steps (runtime/step.py) are not used: a rank's batch changes whenever a
 peer's does. Prefill/decode disaggregation and pipeline stages are not combined with lockstep
 groups (refused, `lockstep_group_size` and sim/core/experiment.py).
 """
@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from sim.core.build import expert_parallel_size
 from sim.core.experts import EP_KEY
 from sim.core.replica import Replica
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 
 
 class LockstepRank(Replica):

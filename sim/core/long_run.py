@@ -1,5 +1,5 @@
 """Long runs in bounded memory: whether a run is streamed (its finished requests folded into
-running totals and dropped, its step rows spilled: sim/core/metrics/streaming.py), and a streamed
+running totals and dropped, its step rows spilled: runtime/metrics/streaming.py), and a streamed
 run's checks and summary. docs/architecture.md ("Long runs in bounded memory") says what is
 exact and what is sketched.
 """
@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 
 from policies.validators import positive_int
 from sim.core.energy.summary import energy_summary
-from sim.core.metrics import MetricsCollector
-from sim.core.metrics.statistics import rejection_kinds_summary
-from sim.core.metrics.streaming import RequestLedger
-from sim.core.metrics.summary import streamed_run_summary
+from runtime.metrics import MetricsCollector
+from runtime.metrics.statistics import rejection_kinds_summary
+from runtime.metrics.streaming import RequestLedger
+from runtime.metrics.summary import streamed_run_summary
 from sim.core.workload import RequestStream
 
 # Runs of up to this many requests keep every request: exact percentiles, plots and trace.json.

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from policies.lora.spec import MLP_MODULES, LoRASpec
 from policies.types import StepPlan
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 
 
 def lora_parameters_per_rank(spec: LoRASpec, model: ModelSpec) -> int:

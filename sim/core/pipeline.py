@@ -33,7 +33,7 @@ from policies.protocols import StatesExpectedError
 from policies.types import StepPlan
 from policies.validators import positive_int
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 from sim.core.speculation_setup import speculation_setup
 
 KEY = "cluster.pipeline_parallel_size"

@@ -41,15 +41,16 @@ import simpy
 from policies.lora.spec import lora_config
 from policies.protocols import LoRAManager, Scheduler
 from policies.types import Request
-from sim.core.assembly import assemble_scheduler, build_preemption
-from sim.core.build import (build_replica_executor, kv_cache_policy_config, kv_cache_sizes,
+from runtime.assembly import assemble_scheduler, build_preemption
+from runtime.assembly import kv_cache_policy_config
+from sim.core.build import (build_replica_executor, kv_cache_sizes,
                             max_num_batched_tokens)
 from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.stages import StagesEnergyMeter
 from sim.core.energy.trace import TracedEnergyMeter, TracedStagesEnergyMeter
-from sim.core.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder
+from runtime.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder
 from sim.core.pipeline import KEY, PipelineCostModel
-from sim.core.step import StepLoop
+from runtime.step import StepLoop
 
 if TYPE_CHECKING:
     from sim.core.executor import SimExecutor

@@ -1,6 +1,6 @@
 """The simpy processes: one loop per replica, and the arrivals that a router hands to them.
 
-A replica's loop is the step loop of sim/core/step.py and nothing else: begin a step, let its
+A replica's loop is the step loop of runtime/step.py and nothing else: begin a step, let its
 duration pass on the simulated clock, complete it. One simpy event per step, never per token, and
 one per run of repeated decode steps, which end at the next arrival (`NextArrival`) or deadline.
 Between steps it aborts the requests whose clients gave up (`Request.timeout_s`). A closed-loop
@@ -18,8 +18,8 @@ from simpy.events import NORMAL
 
 from policies.protocols import Executor, LoRAManager, Router, Scheduler
 from policies.types import Request
-from sim.core.metrics import MetricsCollector, StepRecorder
-from sim.core.step import StepLoop
+from runtime.metrics import MetricsCollector, StepRecorder
+from runtime.step import StepLoop
 
 if TYPE_CHECKING:
     from sim.core.energy.meter import EnergyMeter

@@ -31,7 +31,7 @@ from policies.types import StepPlan
 from sim.core.energy.work import ModelStepWork
 from sim.core.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.core.lora_cost import lora_step_cost
-from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 from sim.core.terms_file import with_fitted_terms
 
 

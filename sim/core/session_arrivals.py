@@ -4,7 +4,7 @@ and each request that finishes or is rejected, on any replica, is handed to the 
 whose answer (the session's next turn) is scheduled in turn. The replicas call `on_finished`
 (their one hook, `Replica.on_finished`), so a run without sessions never meets this module.
 
-Repeated decode steps (sim/core/step.py) run up to the next arrival, which a closed loop does not
+Repeated decode steps (runtime/step.py) run up to the next arrival, which a closed loop does not
 know in advance: `time` (a `NextArrival` look-alike) is the earliest any request could reach a
 replica, the next scheduled arrival or, sooner, now plus the least gap after a request in flight
 (none of them can finish before now). Runs of repeated steps also end at their first finish

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.tables import AttentionTable, LayerShape, attention_tables
 from sim.gpu.transfer import gpu_distance, kv_heads_per_gpu
 

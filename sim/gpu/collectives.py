@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.linear import interpolate
 from sim.gpu.tables import AllReduceTable, allreduce_tables, send_recv_tables
 

@@ -31,7 +31,7 @@ from policies.types import StepPlan
 from sim.core.lora_cost import lora_step_cost
 from sim.core.roofline import RooflineCostModel
 from sim.core.say_once import say_once
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 from sim.core.terms_file import with_fitted_terms
 from sim.gpu.attention import attention_cost
 from sim.gpu.collectives import allreduce_cost

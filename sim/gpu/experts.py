@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 
 from sim.core.experts import ExpertLayout
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.collectives import allreduce_cost
 from sim.gpu.linear import TABLE_DTYPE_BYTES, interpolate, kernel_floor_ms, predict_op_ms
 from sim.gpu.tables import LayerShape, OpTable

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.tables import LAYER_OPS, STEP_OPS, LayerShape, OpTable, op_tables
 from sim.gpu.transfer import (elementwise_bytes_per_token, gemm_dims, gemm_roofline_s,
                               gpu_distance, rates_covered, shape_distance, transfer_kind)

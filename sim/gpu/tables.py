@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import conf
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "gpu"
 HARDWARE_DIR = Path(conf.__file__).parent / "hardware"

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 from sim.gpu.tables import LayerShape
 
 # Another board of the same chip (same peak FLOP/s and HBM bandwidth) ranks just after the board

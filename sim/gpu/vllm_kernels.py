@@ -33,7 +33,7 @@ from itertools import repeat
 
 import numpy as np
 
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 from sim.gpu.attention import AttentionCost
 from sim.gpu.linear import nearest_op_table, predict_op_ms
 from sim.gpu.tables import LayerShape

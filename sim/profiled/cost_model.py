@@ -35,7 +35,7 @@ from sim.profiled.local_correction import LocalCorrection
 from sim.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
 from sim.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
-from sim.core.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
 from sim.core.terms_file import with_fitted_terms
 
 log = logging.getLogger(__name__)

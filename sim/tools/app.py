@@ -14,7 +14,7 @@ from sim.tools.loggers import log_run
 from sim.tools.console_summary import print_summary
 from sim.tools.resume import clear_complete, complete_summary, mark_complete
 from sim.core.experiment import run_experiment
-from sim.core.step import NoProgress
+from runtime.step import NoProgress
 
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="config")

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from policies.types import Request
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 from sim.core.workload import REPO_ROOT, build_workload
 from sim.tools.bench_run_file import RequestRecord, build_run_file, print_summary, rate_for_json
 from sim.tools.capacity import compose_config

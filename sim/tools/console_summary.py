@@ -20,7 +20,7 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_column(style="bold")
     totals.add_column(justify="right")
     totals.add_row("completed / rejected", f"{summary['completed']:,} / {summary['rejected']:,}")
-    if "abandoned" in summary:   # (requests with a timeout_s: sim/core/deadlines.py)
+    if "abandoned" in summary:   # (requests with a timeout_s: runtime/deadlines.py)
         totals.add_row("abandoned", f"{summary['abandoned']:,} "
                                     f"({summary['abandoned_fraction']:.1%})")
     totals.add_row("duration (sim)", f"{_fmt(summary['duration_s'])} s")
@@ -52,7 +52,7 @@ def format_summary_table(summary: dict) -> Table:
     if "jain_fairness" in summary:
         totals.add_row("Jain fairness (tenants)", _fmt(summary["jain_fairness"], 3))
     if summary.get("fairness_windows"):
-        # (Among the tenants backlogged all window long: sim/core/metrics/fairness.py.)
+        # (Among the tenants backlogged all window long: runtime/metrics/fairness.py.)
         window = f"{summary['fairness_window_s']:g} s"
         totals.add_row(f"windowed Jain {window}",
                        f"{_fmt(summary['windowed_jain_fairness'], 3)} "

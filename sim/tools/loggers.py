@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from sim.core.metrics import STEP_COLUMNS
+from runtime.metrics import STEP_COLUMNS
 
 # A wandb chart stays responsive up to a few thousand points; a long run has 100k+ steps.
 MAX_SERIES_POINTS = 5000

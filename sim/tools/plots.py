@@ -21,7 +21,7 @@ from sim.core.energy.meter import EnergyMeter  # noqa: E402
 from sim.core.energy.stages import StagesEnergyMeter  # noqa: E402
 from sim.core.energy.trace import (TracedEnergyMeter, TracedMeter,  # noqa: E402
                                    TracedStagesEnergyMeter, power_over_time)
-from sim.core.metrics import latency_arrays_s  # noqa: E402
+from runtime.metrics import latency_arrays_s  # noqa: E402
 
 MAX_POINTS_PER_LINE = 5000
 

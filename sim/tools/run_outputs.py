@@ -17,8 +17,8 @@ from typing import TextIO
 
 from policies.types import Request
 from sim.core.energy.meter import EnergyMeter
-from sim.core.metrics import STEP_COLUMNS, MetricsCollector, request_latencies_s
-from sim.core.metrics.statistics import ms_or_none
+from runtime.metrics import STEP_COLUMNS, MetricsCollector, request_latencies_s
+from runtime.metrics.statistics import ms_or_none
 
 REQUEST_COLUMNS: tuple[str, ...] = (
     "request_id", "replica_id", "arrival_time", "prompt_len", "output_len", "n",

@@ -1,4 +1,4 @@
-"""Each replica's energy as its steps go: the step recorder (sim/core/metrics/recorder.py) hands
+"""Each replica's energy as its steps go: the step recorder (runtime/metrics/recorder.py) hands
 every step, or run of repeated decode steps, to the replica's `EnergyMeter`, which adds the busy
 joules in O(1); the idle time between steps is charged once, at the summary."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from policies.types import StepPlan
 from sim.core.energy.power import PowerModel, UtilisationPowerModel
 from sim.core.energy.work import ModelStepWork, StepWorkCostModel
 from sim.core.roofline import RooflineCostModel
-from sim.core.specs import HardwareSpec, ModelSpec
+from runtime.specs import HardwareSpec, ModelSpec
 
 
 class EnergyMeter:

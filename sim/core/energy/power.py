@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from policies import validators
-from sim.core.specs import HardwareSpec
+from runtime.specs import HardwareSpec
 
 # The share of its peak FLOP/s at which a board reaches its power limit: the GEMM share the
 # roofline reaches (its compute_efficiency), as a prefill-saturated board runs at its limit

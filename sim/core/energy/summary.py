@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from policies.types import Request
 from sim.core.energy.meter import EnergyMeter
-from sim.core.metrics.statistics import is_completed
+from runtime.metrics.statistics import is_completed
 
 
 def energy_numbers(energy_j: float, output_tokens: int, span_s: float) -> dict[str, float]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from policies.types import StepPlan
 from sim.core.experts import TABLE_TOKENS, ExpertLayout, per_token_table
-from sim.core.specs import ModelSpec
+from runtime.specs import ModelSpec
 
 
 @runtime_checkable

@@ -7,12 +7,12 @@ in ms; throughputs per second of simulated time).
 Writing the files and plots and printing the table are sim/tools' (run_outputs, plots,
 console_summary): nothing here imports sim/tools.
 """
-from sim.core.metrics.recorder import STEP_COLUMNS, MetricsCollector, StepRecorder
-from sim.core.metrics.statistics import (
+from runtime.metrics.recorder import STEP_COLUMNS, MetricsCollector, StepRecorder
+from runtime.metrics.statistics import (
     GROUP_LATENCY_KEYS, LATENCY_METRICS, PERCENTILES, group_summaries, is_completed, jain_fairness,
     latency_arrays_s, meets_slos, rejection_summary, request_latencies_s, request_slos_ms,
     service_tokens, weighted_percentiles)
-from sim.core.metrics.summary import run_summary
+from runtime.metrics.summary import run_summary
 
 __all__ = ["GROUP_LATENCY_KEYS", "LATENCY_METRICS", "PERCENTILES", "STEP_COLUMNS",
            "MetricsCollector", "StepRecorder", "group_summaries", "is_completed", "jain_fairness",

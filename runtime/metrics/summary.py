@@ -8,15 +8,15 @@ import operator
 from typing import TYPE_CHECKING
 
 from policies.types import Request
-from sim.core.metrics.fairness import decode_step_ends, windowed_fairness
-from sim.core.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS,
+from runtime.metrics.fairness import decode_step_ends, windowed_fairness
+from runtime.metrics.statistics import (GROUP_LATENCY_KEYS, LATENCY_METRICS,
                                          completed_requests, group_summaries, jain_fairness,
                                          latency_arrays_s, meets_slos, output_tokens,
                                          per_second, stats_ms)
 
 if TYPE_CHECKING:
-    from sim.core.metrics.recorder import MetricsCollector
-    from sim.core.metrics.streaming import RequestLedger, RequestTotals
+    from runtime.metrics.recorder import MetricsCollector
+    from runtime.metrics.streaming import RequestLedger, RequestTotals
 
 # The windows of the windowed fairness (metrics.fairness_window_s): long enough for several
 # requests of each tenant, short enough to see who was served while both waited.

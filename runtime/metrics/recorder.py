@@ -1,6 +1,6 @@
 """What a run records while it goes, on the hot path of both backends: one row per step (in
 STEP_COLUMNS order) and each replica's inter-token latencies as a histogram. `StepRecorder` is a
-replica's recorder, called by the step loop (sim/core/step.py); `MetricsCollector` holds every
+replica's recorder, called by the step loop (runtime/step.py); `MetricsCollector` holds every
 replica's rows and histogram for the run and reads them back (columns, totals, the summary).
 """
 from __future__ import annotations
@@ -12,18 +12,24 @@ import math
 import operator
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from policies.protocols import Scheduler
 from policies.types import Request, Sequence, StepPlan, StepResult
-from sim.core.metrics.statistics import histogram_stats_ms
-from sim.core.metrics.streaming import QuantileSketch
-from sim.core.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S, run_summary
+from runtime.metrics.statistics import histogram_stats_ms
+from runtime.metrics.streaming import QuantileSketch
+from runtime.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S, run_summary
 
-if TYPE_CHECKING:
-    from sim.core.energy.meter import EnergyMeter
+
+
+class StepEnergy(Protocol):
+    """What the recorder charges each step's joules to (the simulator's sim/core/energy/meter.py)."""
+
+    def add_step(self, plan: StepPlan, duration: float) -> None: ...
+
+    def add_repeated_steps(self, plan: StepPlan, durations) -> None: ...
 
 STEP_COLUMNS: tuple[str, ...] = (
     "replica_id", "start_time", "duration",
@@ -214,7 +220,7 @@ def _waste(allocated: np.ndarray, stored: np.ndarray) -> np.ndarray:
 
 class StepRecorder:
     """What one replica's steps leave in a run's metrics, recorded by the step loop
-    (sim/core/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
+    (runtime/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
     inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
     for a 100k-request run, and most tokens of a step share one value).
 
@@ -225,7 +231,7 @@ class StepRecorder:
     MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
 
     def __init__(self, metrics: MetricsCollector, replica_id: int = 0,
-                 energy: EnergyMeter | None = None):
+                 energy: StepEnergy | None = None):
         self.metrics = metrics
         self.replica_id = replica_id
         self.energy = energy   # the replica's joules, step by step (sim/core/energy/meter.py)

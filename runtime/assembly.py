@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy
 from policies.lora.manager import LRULoRAManager
 from policies.lora.spec import LoRAConfig
-from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager, PreemptionPolicy,
-                                Scheduler, SpeculationPolicy)
-from sim.core.policy_config import build_policy, names_a_policy, policy_config
+from policies.protocols import (KVCacheManager, KVRetentionPolicy, LengthPredictor, LoRAManager,
+                                PreemptionPolicy, Scheduler, SpeculationPolicy)
+from runtime.policy_config import build_policy, names_a_policy, policy_config
 
 
 def build_preemption(choice, swap_space_gb: float | None = None):
@@ -100,3 +100,34 @@ def build_lora_manager(lora: LoRAConfig) -> LoRAManager:
                          f"mapping; got {lora.policy!r}")
     check_policy(manager, LoRAManager, "lora.policy")
     return manager
+
+
+# Keys of the kv_cache group that the run turns into the manager's arguments (offload_gb into
+# num_offload_blocks) or that the cost models read (offload_bandwidth_gbps).
+KV_CACHE_RUN_KEYS = ("offload_gb", "offload_bandwidth_gbps")
+
+
+def build_predictor(choice, seed: int, field: str = "predictor"):
+    """The run's length predictor (built once per run): None for none, else a conf/predictor
+    name, a dotted class path, a {_target_: ...} mapping or an object with predict(request). A
+    config's `seed: null` becomes the run's `seed`."""
+    if choice is None:
+        return None
+    if isinstance(choice, (str, Mapping, DictConfig)):
+        config = policy_config(choice, "predictor", field)
+        # Only a predictor that asks for a seed gets one: a user's own need not take it.
+        seeded = {"seed": seed} if "seed" in config and config.seed is None else {}
+        choice = build_policy(config, field, **seeded)
+    check_policy(choice, LengthPredictor, field)
+    return choice
+
+
+def kv_cache_policy_config(group: DictConfig) -> DictConfig:
+    """A kv_cache group's policy config: the group less KV_CACHE_RUN_KEYS."""
+    if not any(key in group for key in KV_CACHE_RUN_KEYS):
+        return group
+    # Resolved first: the copy has no root to resolve interpolations such as
+    # ${model.max_model_len} against.
+    return OmegaConf.create({key: value
+                             for key, value in OmegaConf.to_container(group, resolve=True).items()
+                             if key not in KV_CACHE_RUN_KEYS})

@@ -255,7 +255,7 @@ def _group_summary(requests: list[Request], duration_s: float,
         stats.update(stats_ms(latencies[name], name))
     result.update({key: stats[key] for key in GROUP_LATENCY_KEYS})
     if has_slos:
-        # A request its client gave up on (sim/core/deadlines.py) missed, as in the run's.
+        # A request its client gave up on (runtime/deadlines.py) missed, as in the run's.
         counted = len(completed) + sum(request.abandoned_time is not None for request in requests)
         num_good = sum(1 for request in completed if meets_slos(request, slos_ms))
         result["slo_attainment"] = num_good / counted if counted else 0.0

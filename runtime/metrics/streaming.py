@@ -25,8 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from policies.types import Request
-from sim.core.deadlines import abandonment_counts
-from sim.core.metrics.statistics import (PERCENTILES, SERVICE_INPUT_WEIGHT,
+from runtime.deadlines import abandonment_counts
+from runtime.metrics.statistics import (PERCENTILES, SERVICE_INPUT_WEIGHT,
                                          SERVICE_OUTPUT_WEIGHT, count_rejections, is_completed,
                                          latency_arrays_s, meets_slos)
 
@@ -110,7 +110,7 @@ class RequestTotals:
         self.cached_tokens = self.host_cached_tokens = 0
         self.has_token_ids = self.has_request_slos = False
         self.num_good = 0
-        self.abandonment: Counter = Counter()   # (sim/core/deadlines.py)
+        self.abandonment: Counter = Counter()   # (runtime/deadlines.py)
         self.latencies = {name: QuantileSketch(relative_accuracy)
                           for name in ("ttft", "tpot", "e2el")}
         self.output_tokens_by_replica: dict[int, int] = defaultdict(int)

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policies.types import Request
-from sim.core.metrics.statistics import (SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT,
+from runtime.metrics.statistics import (SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT,
                                          is_completed, jain_fairness)
 
 if TYPE_CHECKING:
-    from sim.core.metrics.recorder import MetricsCollector
+    from runtime.metrics.recorder import MetricsCollector
 
 # (A finish time and the end of the step that produced it are the same sum of durations; this
 # keeps a step ending at a request's first token or finish on the right side of it anyway.)

@@ -30,8 +30,8 @@ from policies.decode_run import RepeatingExecutor
 from policies.prediction import refine
 from policies.protocols import Executor, OnlineLengthPredictor, Scheduler
 from policies.types import Request, StepPlan, StepResult
-from sim.core.deadlines import Deadlines
-from sim.core.metrics import StepRecorder
+from runtime.deadlines import Deadlines
+from runtime.metrics import StepRecorder
 
 # Consecutive steps in which no sequence gains a token and no request finishes before the run
 # stops: far more than any real prompt's chunked prefill needs, few enough to stop in seconds.

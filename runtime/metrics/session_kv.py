@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from itertools import groupby
 
 from policies.types import Request
-from sim.core.metrics.statistics import is_completed, latency_arrays_s, stats_ms
+from runtime.metrics.statistics import is_completed, latency_arrays_s, stats_ms
 
 
 def has_sessions(requests: list[Request]) -> bool:
