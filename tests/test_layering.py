@@ -1,15 +1,19 @@
 """Dependencies run one way: policies <- runtime <- simulator and engine side by side, and
 calibration (calibration/: profiler, fitting, speed normalisation, validation, real-run replay)
-above them all. A module of a
-lower layer imports nothing of a layer above it, at the top of a file or inside a function."""
+above them all. A module of a lower layer imports nothing of a layer above it, at the top of a
+file or inside a function; docs/architecture.md's diagram is what scripts/layers.py draws from
+the imports now."""
 from __future__ import annotations
 
-import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import layers  # noqa: E402  (scripts/layers.py: the same import reading draws the docs' diagram)
+from layers import imported_modules  # noqa: E402
 
 # Each package, and the packages above it that it may not import.
 FORBIDDEN_ABOVE = {
@@ -19,24 +23,6 @@ FORBIDDEN_ABOVE = {
     "sim": ("engine", "calibration"),
     "engine": ("sim", "calibration"),
 }
-
-
-def imported_modules(source: str) -> list[str]:
-    """Every module a source names in an import statement or a literal importlib.import_module
-    / __import__ call (relative imports stay inside their package and are left out)."""
-    modules = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            modules += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            modules.append(node.module or "")
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                   or (isinstance(node.func, ast.Name)
-                       and node.func.id in ("import_module", "__import__")))):
-            modules.append(node.args[0].value)
-    return modules
 
 
 def upward_imports(package: str, source: str) -> list[str]:
@@ -62,3 +48,31 @@ def test_every_kind_of_upward_import_is_caught():
     assert upward_imports("engine", source) == ["calibration.validate",
                                                 "calibration.cpu_noise.speed",
                                                 "calibration.profiler.cli"]
+
+
+def test_the_imports_put_policies_at_the_bottom_runtime_above_and_sim_beside_engine():
+    by_layer = layers.layers(layers.package_imports())
+    assert by_layer == [["kernels", "policies"], ["runtime"], ["engine", "sim"], ["calibration"]]
+
+
+def test_the_architecture_diagram_is_the_one_the_imports_draw_now():
+    page = (REPO / "docs" / "architecture.md").read_text()
+    assert layers.documented_block(page) == layers.diagram_block(), (
+        "docs/architecture.md's layer diagram is stale: "
+        "python scripts/layers.py --write docs/architecture.md")
+
+
+def write_package(repo: Path, package: str, source: str) -> None:
+    (repo / package).mkdir()
+    (repo / package / "__init__.py").write_text("")
+    (repo / package / "module.py").write_text(source)
+
+
+def test_an_upward_import_redraws_the_diagram_or_names_the_cycle(tmp_path):
+    write_package(tmp_path, "low", "import os\n")
+    write_package(tmp_path, "mid", "from low import module\n")
+    write_package(tmp_path, "top", "import mid.module\n")
+    assert layers.layers(layers.package_imports(tmp_path)) == [["low"], ["mid"], ["top"]]
+    (tmp_path / "low" / "module.py").write_text("def f():\n    import top\n")
+    with pytest.raises(ValueError, match="low -> top -> mid -> low"):
+        layers.layers(layers.package_imports(tmp_path))
