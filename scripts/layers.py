@@ -48,7 +48,7 @@ def packages(repo: Path = REPO) -> list[str]:
 def subfolders(package: str, repo: Path = REPO) -> list[str]:
     """The package's first-level folders that hold Python modules."""
     return sorted(folder.name for folder in (repo / package).iterdir()
-                  if folder.is_dir() and folder.name != "__pycache__"
+                  if folder.is_dir() and not folder.name.startswith((".", "__"))
                   and any(folder.rglob("*.py")))
 
 
