@@ -68,7 +68,7 @@ def write_package(repo: Path, package: str, source: str) -> None:
     (repo / package / "module.py").write_text(source)
 
 
-def test_an_upward_import_redraws_the_diagram_or_names_the_cycle(tmp_path):
+def test_an_upward_import_that_closes_a_cycle_is_named(tmp_path):
     write_package(tmp_path, "low", "import os\n")
     write_package(tmp_path, "mid", "from low import module\n")
     write_package(tmp_path, "top", "import mid.module\n")
