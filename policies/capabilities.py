@@ -1,13 +1,6 @@
-"""Optional parts of the KV manager's contract, each a typed protocol that an object has whole or
-not at all, asked once where the object is built (`policies.checks.has_capability`): a host tier
-for its prefix cache (`OffloadingKVCache`), a cheap refusal of an admission before trying it
-(`AdmissionCheckingKVCache`), keeping a finished turn's cached blocks for its session
-(`PinningKVCache`) or moving them to the host tier at once (`TierRetainingKVCache`), which the
-kv_retention policies pin and offload need. The other optional capabilities sit beside what they extend: an
-online length predictor, a bounded scheduler, prefill/decode pool schedulers, a cost model that
-states its error and an executor that reports its speed in `policies/protocols.py`; the repeated
-decode steps' protocols in `policies/decode_run.py`.
-"""
+"""Optional parts of the KV manager's contract, each had whole or not at all and asked once where
+the object is built (`policies.checks.has_capability`); other optional capabilities sit beside
+what they extend in `policies/protocols.py`."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence as Seq, runtime_checkable
@@ -34,10 +27,8 @@ class AdmissionCheckingKVCache(Protocol):
     """A KV manager that can tell, cheaply, that an admission's allocation would fail."""
 
     def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
-        """Whether new sequences holding no blocks might get slots for these lengths (their
-        prefill chunks, counted as if nothing were cached) with the watermark. False must be
-        exact (allocate_slots with watermark=True would fail for one of them): BaseScheduler
-        then skips the attempt; without this member it tries the allocation and undoes it."""
+        """Whether new sequences might get slots for these prefill chunks under the watermark;
+        False must be exact, since BaseScheduler then skips the attempt."""
 
 
 @runtime_checkable

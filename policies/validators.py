@@ -1,6 +1,5 @@
-"""Argument checks shared by the policies, the simulator and the engine. Each takes the argument's
-name as the user wrote it (`kv_cache.block_size` in a config, `block_size` for `LLM(...)`) and
-its value, raises a ValueError naming it when the value is bad, and returns the value."""
+"""Argument checks shared by both backends: each raises a ValueError naming the argument as the
+user wrote it, and returns the value."""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,5 @@
-"""Clients that give up: the deadlines (`Request.deadline`, arrival + timeout_s) of one step
-loop's requests, earliest first. Both backends ask at every step boundary which have passed and
-abort those requests through their scheduler (policies.protocols.AbortingScheduler); the
-simulator also ends a run of repeated decode steps at the step during which the earliest passes,
-as steps one by one would see it.
-"""
+"""Clients that give up: one step loop's request deadlines, earliest first, aborted at each step
+boundary through the scheduler."""
 from __future__ import annotations
 
 import heapq
@@ -23,9 +19,8 @@ class Deadlines:
 
     def __init__(self):
         self._heap: list[tuple[float, int, Request]] = []
-        self._order = itertools.count()   # ties in arrival order (requests do not compare)
-        # Whether requests yet to arrive may carry deadlines (the run's workload has some): a
-        # request that arrives during a run of repeated steps may give up before it ends.
+        self._order = itertools.count()   # requests do not compare
+        # A request arriving during repeated steps may give up before they end.
         self.expected = False
 
     def add(self, request: Request) -> None:
@@ -42,8 +37,7 @@ class Deadlines:
         return heap[0][0] if heap else math.inf
 
     def abandon_due(self, scheduler, now: float) -> list[Request]:
-        """Abort (`scheduler.abort`) every unfinished request whose deadline is at or before
-        `now`; returns them, in deadline order."""
+        """Abort and return, in deadline order, every unfinished request due by `now`."""
         heap = self._heap
         abandoned = []
         while heap and heap[0][0] <= now:
@@ -67,10 +61,8 @@ def abandonment_counts(requests: list[Request]) -> Counter:
 
 
 def abandonment_summary(requests: list[Request] | Counter) -> dict:
-    """A run's abandoned requests (from the requests or their abandonment_counts), when any
-    request has a deadline (else {}): how many, their fraction of the run, how many never had a
-    first token, and the output tokens computed for them and thrown away (the summary's
-    output_throughput counts finished requests' alone)."""
+    """A run's abandoned requests and the output tokens thrown away on them, which the summary's
+    output_throughput leaves out; {} when no request has a deadline."""
     counts = requests if isinstance(requests, Counter) else abandonment_counts(requests)
     if not counts["with_deadline"]:
         return {}
@@ -81,10 +73,8 @@ def abandonment_summary(requests: list[Request] | Counter) -> dict:
 
 
 def check_deadlines(requests: list[Request], schedulers: list, where: str | None) -> bool:
-    """Whether any of `requests` has a timeout_s. Those need schedulers that can abort them
-    (AbortingScheduler) and a cluster whose replicas each keep their requests to the end
-    (`where`: what moves them otherwise, e.g. disaggregation's KV hand-offs; None: nothing).
-    Raises one ValueError line."""
+    """Whether any request has a timeout_s; raises one line unless every scheduler can abort and
+    nothing (`where`) moves requests between replicas."""
     timed = next((request for request in requests if request.timeout_s is not None), None)
     if timed is None:
         return False

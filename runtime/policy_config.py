@@ -1,6 +1,5 @@
-"""Policies named in config, as a user names them (a conf/ group name, a dotted class path or a
-{_target_: ...} mapping), and built with `hydra.utils.instantiate`: a bad name, `_target_` or
-argument is one clear line. Used by every builder of both backends."""
+"""Policies named in config (a conf/ group name, a dotted class path or a {_target_: ...}
+mapping), built so a bad name or argument is one clear line."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -22,9 +21,7 @@ def config_names(group: str) -> list[str]:
 
 
 def policy_config(choice, group: str, field: str | None = None) -> DictConfig:
-    """The config of a policy as a user names it: a conf/<group> name (that file: its `_target_`
-    and defaults), a dotted class path, or a {_target_: ...} mapping. `field` is the setting as
-    the user wrote it (default: the group), for the error."""
+    """The config of a policy as a user names it; `field` names the setting in errors."""
     field = field or group
     if isinstance(choice, (DictConfig, Mapping)):
         config = choice if isinstance(choice, DictConfig) else OmegaConf.create(dict(choice))
@@ -58,6 +55,5 @@ def build_policy(cfg: DictConfig, group: str, **kwargs):
 
 
 def names_a_policy(choice) -> bool:
-    """Whether a policy setting names its policy (a conf/ name, a dotted class path or a
-    mapping) rather than being the policy object itself."""
+    """Whether a policy setting names its policy rather than being the object itself."""
     return isinstance(choice, (str, Mapping, DictConfig))

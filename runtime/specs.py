@@ -1,9 +1,5 @@
-"""Model and hardware specs, and the KV-capacity arithmetic both cost models share.
-
-A `ModelSpec` is the shape of a decoder-only transformer as its Hugging Face config states it; a
-`HardwareSpec` is one accelerator as its spec sheet states it. Each loads from a flat mapping
-(`conf/model/*.yaml`, `conf/hardware/*.yaml`) and rejects unknown or missing fields by name.
-"""
+"""Model and hardware specs as HF configs and spec sheets state them (conf/model, conf/hardware),
+and the KV-capacity arithmetic both cost models share."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +21,7 @@ BOARDS = ("datacenter", "workstation")
 DTYPE_BYTES = (1, 2, 4)  # fp8/int8, fp16/bf16, fp32
 QUANTIZATIONS = (None, "fp8", "fp8_block")   # vLLM --quantization of the linear layers' weights
 KV_CACHE_DTYPES = ("auto", "fp8")            # vLLM --kv-cache-dtype (auto: the model's dtype)
-# Bytes per sequence and vocabulary entry that vLLM V1's profile run holds while it warms its
-# sampler up with top-k and top-p on: fitted to llm-d-benchmark's measured H100 peaks
+# vLLM V1's sampler warm-up bytes per sequence and vocabulary entry, fitted to measured H100 peaks
 # (docs/gpu-cost-model.md, "The KV pool").
 SAMPLER_PROFILE_BYTES_PER_LOGIT = 38.4
 
@@ -68,20 +63,13 @@ class ModelSpec:
     bias: bool = False                      # biases on every linear layer and LayerNorm (OPT)
     num_position_embeddings: int = 0        # rows of a learned position table (OPT: 2050); 0 = RoPE
     hf_repo: str | None = None              # where the engine finds the weights; unused here
-    # A local HF checkpoint folder (absolute, or relative to the repo root) the engine loads
-    # instead of building seeded random weights; its shape must be this one.
-    checkpoint: str | None = None
-    # Mixture of experts (HF's Mixtral / Qwen3-MoE names): 0 experts is a dense model. Each layer's
-    # MLP is `num_experts` gated experts of `moe_intermediate_size` of which a router picks
-    # `num_experts_per_tok` per token, plus (Qwen2-MoE, DeepSeek) always-on shared experts of
-    # `shared_expert_intermediate_size` in all; `intermediate_size` is then unused by the layers.
+    checkpoint: str | None = None           # a local HF folder the engine loads, else seeded weights
+    # Mixture of experts, HF's Mixtral / Qwen-MoE names; 0 experts is a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    # Quantized serving: fp8 linear-layer weights (one byte each; embeddings, norms and the LM
-    # head keep dtype_bytes) and an fp8 KV cache (one byte a value: twice the blocks).
-    quantization: str | None = None
+    quantization: str | None = None         # fp8 linear layers; embeddings and LM head keep dtype
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
@@ -164,8 +152,7 @@ class ModelSpec:
 
     @property
     def always_active_mlp_parameters_per_layer(self) -> int:
-        """The MLP weights every token runs through: the whole MLP of a dense layer; the router
-        and the shared experts of a mixture-of-experts layer."""
+        """The MLP weights every token runs through (a mixture's router and shared experts)."""
         h = self.hidden_size
         if self.is_moe:
             return h * self.num_experts + 3 * h * self.shared_expert_intermediate_size
@@ -177,16 +164,13 @@ class ModelSpec:
 
     @property
     def linear_parameters_per_layer(self) -> int:
-        """Weights of the matrix multiplies in one layer (q, k, v, o and the MLP, every expert of
-        a mixture counted), biases included: what the layer holds in memory."""
+        """What one layer's matrix multiplies hold in memory, every expert counted."""
         return (self.attention_parameters_per_layer + self.always_active_mlp_parameters_per_layer
                 + self.num_experts * self.expert_parameters)
 
     @property
     def active_linear_parameters_per_layer(self) -> int:
-        """The weights one token's matrix multiplies run through: a mixture's routed experts
-        count `num_experts_per_tok` times, not `num_experts` (= linear_parameters_per_layer for
-        a dense model)."""
+        """The weights one token's matrix multiplies run through (`num_experts_per_tok` experts)."""
         return (self.attention_parameters_per_layer + self.always_active_mlp_parameters_per_layer
                 + self.num_experts_per_tok * self.expert_parameters)
 
@@ -197,8 +181,7 @@ class ModelSpec:
 
     @property
     def lm_head_parameters(self) -> int:
-        """The output projection's size, read every step whether or not it is tied to the input
-        embedding."""
+        """The output projection's size, read every step even when tied to the embedding."""
         return self.vocab_size * self.hidden_size
 
     @property
@@ -237,8 +220,8 @@ class ModelSpec:
         return block_size * self.kv_bytes_per_token
 
     def kv_heads_per_gpu(self, tensor_parallel_size: int) -> int:
-        """KV heads each GPU stores. vLLM replicates KV heads when tp exceeds their number
-        (GQA models such as Llama-2-70B at tp=16), so a GPU never holds less than one."""
+        """KV heads each GPU stores, at least one since vLLM replicates them when tp exceeds their
+        number."""
         return max(1, math.ceil(self.num_key_value_heads / tensor_parallel_size))
 
     def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> int:
@@ -263,21 +246,13 @@ class HardwareSpec:
     memory_bandwidth_gbps: float  # device memory bandwidth, GB/s
     host_to_device_gbps: float    # one direction of the host link (PCIe), GB/s: swap traffic
     interconnect_gbps: float      # one direction of the GPU-GPU link (NVLink), GB/s: TP all-reduce
-    # GiB vLLM's profile run finds held outside torch on one GPU (cuBLAS workspaces), which it
-    # takes off the pool; not the CUDA context, nor (vLLM < 0.21) the CUDA graphs.
-    reserved_memory_gb: float = 0.0
-    # GiB more outside torch per GPU when tensor_parallel_size > 1: NCCL's and the custom
-    # all-reduce's buffers.
-    collective_memory_gb: float = 0.0
-    # "datacenter" (HBM, fixed clocks: A100, H100, ...) or "workstation" (GDDR, boost clocks:
-    # RTX cards): the GPU cost model's tables are all datacenter boards, and a workstation board
-    # reaches a different share of its spec-sheet rates (a fitted term of that model).
+    reserved_memory_gb: float = 0.0    # held outside torch (cuBLAS), off vLLM's pool
+    collective_memory_gb: float = 0.0  # more outside torch at tp > 1 (NCCL, custom all-reduce)
+    # A workstation board (GDDR, boost clocks) reaches a different share of its spec-sheet rates
+    # than the datacenter boards the GPU cost model's tables come from.
     board: str = "datacenter"
-    # The board's dense GEMMs against its spec FLOP/s, relative to the measured tables' boards
-    # (1.0: the same share); measured from the board's own saturated prefill where one exists.
-    compute_efficiency: float = 1.0
-    # Board power in watts (docs/energy.md): idle (powered, no kernel running; a published
-    # measurement) and maximum (the spec sheet's TDP/TBP). 0 and 0: not stated, energy reads 0.
+    compute_efficiency: float = 1.0    # GEMM share of spec FLOP/s, relative to the tables' boards
+    # Watts (docs/energy.md); 0 and 0: not stated, energy reads 0.
     idle_power_w: float = 0.0
     max_power_w: float = 0.0
 
@@ -289,7 +264,7 @@ class HardwareSpec:
         for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "host_to_device_gbps",
                      "interconnect_gbps"):
             positive_number(f"{owner}.{name}", getattr(self, name))
-        # What the runtime holds must leave some memory: [0, memory_gb).
+        # What the runtime holds must leave some memory.
         number_in(f"{owner}.reserved_memory_gb", self.reserved_memory_gb, 0, self.memory_gb,
                   high_open=True)
         number_in(f"{owner}.collective_memory_gb", self.collective_memory_gb, 0,
@@ -329,16 +304,9 @@ class HardwareSpec:
 
 def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
                           tensor_parallel_size: int = 1) -> int:
-    """Peak activation memory of vLLM's profile run, per GPU: the larger of its forward pass over
-    `max_num_batched_tokens` tokens and its sampler warm-up over min(`max_num_seqs`,
-    `max_num_batched_tokens`) sequences, beside the hidden states that pass returned.
-
-    Forward: what is alive at the widest point, the MLP: the residual stream and its normed copy
-    (2 × hidden), the attention projections still referenced (q + k + v + o), the up/gate
-    output and the activated intermediate. Flash attention keeps no score matrix, so nothing
-    grows with the square of the length. Sampler: SAMPLER_PROFILE_BYTES_PER_LOGIT per sequence
-    and vocabulary entry, the whole vocabulary on every GPU (the logits are gathered first).
-    """
+    """Peak activation memory of vLLM's profile run per GPU: the larger of its forward pass
+    (alive at the MLP, its widest point; flash attention keeps no score matrix) and its sampler
+    warm-up over the whole vocabulary, since the logits are gathered first."""
     tp = tensor_parallel_size
     num_mlp_outputs = 2 if model.mlp == "gated" else 1
     per_token = (
@@ -355,9 +323,8 @@ def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num
 
 def step_token_budget(max_num_batched_tokens: int | None, max_model_len: int,
                       name: str = "max_num_batched_tokens") -> int:
-    """Tokens one step may compute: `max_num_batched_tokens` when set, else vLLM's default
-    without chunked prefill, max(max_model_len, 2048), so that any prompt the model allows fits
-    one step. `name` is the setting as the user wrote it, for the error."""
+    """Tokens one step may compute: `max_num_batched_tokens`, else vLLM's default without chunked
+    prefill, max(max_model_len, 2048), so any allowed prompt fits one step."""
     if max_num_batched_tokens is None:
         return max(max_model_len, 2048)
     return positive_int(name, max_num_batched_tokens)
@@ -365,9 +332,8 @@ def step_token_budget(max_num_batched_tokens: int | None, max_model_len: int,
 
 def kv_bytes_per_block_per_gpu(model: ModelSpec, block_size: int, tensor_parallel_size: int = 1,
                                draft: ModelSpec | None = None) -> int:
-    """Bytes of one block of the pool on one GPU: the target's K/V layers (its KV heads split
-    over the GPUs) and, with a draft model, the draft's, whole (it runs unsplit, as the
-    roofline costs it)."""
+    """Bytes of one block of the pool on one GPU: the target's K/V split over the GPUs, and a
+    draft model's whole, since it runs unsplit."""
     block_bytes = block_size * model.kv_bytes_per_token_per_gpu(tensor_parallel_size)
     if draft is not None:
         block_bytes += draft.kv_bytes_per_block(block_size)
@@ -376,9 +342,8 @@ def kv_bytes_per_block_per_gpu(model: ModelSpec, block_size: int, tensor_paralle
 
 def weight_bytes_per_gpu(model: ModelSpec, tensor_parallel_size: int = 1,
                          expert_parallel_size: int = 1) -> float:
-    """The weights one GPU holds: all of them over tp, except that a mixture's routed experts
-    are split over max(tp, expert_parallel_size) GPUs (ep > tp: the expert group spans ep / tp
-    replicas, each GPU holding num_experts / ep whole experts)."""
+    """The weights one GPU holds: all over tp, a mixture's routed experts over
+    max(tp, expert_parallel_size)."""
     tp = tensor_parallel_size
     if expert_parallel_size == 1 or not model.is_moe:
         return model.weight_bytes / tp
@@ -396,16 +361,8 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
 
         (memory × utilisation − reserved − weights per GPU − activation peak) / (KV bytes per block / tp)
 
-    (reserved: HardwareSpec.reserved_bytes, its collective_memory_gb counted at tp > 1; weights
-    per GPU: weight_bytes_per_gpu, the experts of a mixture split over
-    max(tp, `expert_parallel_size`) GPUs; activation peak: activation_peak_bytes.)
-
-    `max_num_batched_tokens` defaults to step_token_budget's and `max_num_seqs` to 256, as
-    vLLM's scheduler config does without chunked prefill. A `draft` model's weights come off the
-    memory and its K/V layers are part of every block. With `kv_cache_limit_gb` (the engine on
-    a CPU, where the arithmetic would claim most of host RAM) the pool is capped at that many GiB
-    and at what max_num_seqs sequences of max_model_len (default the model's) tokens need.
-    Raises ValueError when the weights and activations leave no room for a single block.
+    `kv_cache_limit_gb` caps it for the engine on a CPU, where the arithmetic would claim most of
+    host RAM.
     """
     positive_int("block_size", block_size)
     number_in("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
@@ -449,8 +406,7 @@ def kv_cache_num_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: in
 
 def kv_cache_num_host_blocks(model: ModelSpec, block_size: int, swap_space_gb: float,
                              tensor_parallel_size: int = 1, draft: ModelSpec | None = None) -> int:
-    """How many blocks each GPU's host swap pool holds: swap_space_gb GiB (per GPU, vLLM's
-    --swap-space) over one block's K/V, the target's (split over the GPUs) and the draft's."""
+    """How many blocks each GPU's host swap pool of swap_space_gb GiB holds."""
     block_bytes = model.kv_bytes_per_block(block_size) / tensor_parallel_size
     if draft is not None:
         block_bytes += draft.kv_bytes_per_block(block_size)
@@ -460,9 +416,8 @@ def kv_cache_num_host_blocks(model: ModelSpec, block_size: int, swap_space_gb: f
 def offload_seconds_per_block(model: ModelSpec, hardware: HardwareSpec, block_size: int,
                               tensor_parallel_size: int = 1,
                               bandwidth_gbps: float | None = None) -> float:
-    """Seconds one block of each GPU's K/V takes between the device and the prefix cache's host
-    tier (a store or a load): at `bandwidth_gbps` (kv_cache.offload_bandwidth_gbps, GB/s as
-    achieved), or None for the hardware's host link as its spec sheet states it."""
+    """Seconds one block takes between the device and the prefix cache's host tier, at
+    `bandwidth_gbps` as achieved or else the spec sheet's host link."""
     if bandwidth_gbps is None:
         bandwidth = hardware.host_to_device_bandwidth
     else:

@@ -1,5 +1,5 @@
-"""Speculation settings both backends read the same way: the speculation group's policy config
-with its draft length, and the token tree's shape (policies.speculation.drafters.TreeSpec)."""
+"""Speculation settings both backends read the same way: the policy config with its draft length,
+and the token tree's shape."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -17,9 +17,7 @@ SPECULATION_RUN_KEYS = ("draft_model", "acceptance_rate", "acceptance_profile", 
 
 
 def tree_spec(draft_model: str, k: int, options: Mapping) -> TreeSpec | None:
-    """The token-tree shape of drafter `draft_model` at most k deep, from `options` (the
-    speculation group, or the engine's settings under the same names: medusa_heads, tree,
-    lookahead_window, lookahead_ngram, lookahead_guesses); None for a chain drafter."""
+    """The token-tree shape of drafter `draft_model` at most k deep; None for a chain drafter."""
     if not drafter_kind(draft_model).tree:
         return None
     tree = options.get("tree")
@@ -33,9 +31,8 @@ def tree_spec(draft_model: str, k: int, options: Mapping) -> TreeSpec | None:
 
 def sized_policy_config(policy_cfg: DictConfig, k: int,
                         depth_per_size: list[int] | None = None) -> DictConfig:
-    """The policy config with its own draft length set to k (fixed's num_speculative_tokens,
-    adaptive's max_num_speculative_tokens); for a token tree k is the tokens a step verifies
-    and adaptive chooses its size by the depth each reaches (`depth_per_size`)."""
+    """The policy config with its draft length set to k; for a token tree k is the tokens a step
+    verifies."""
     policy_cfg = policy_cfg.copy()
     if "num_speculative_tokens" in policy_cfg:
         policy_cfg.num_speculative_tokens = k

@@ -1,10 +1,5 @@
-"""Step shapes and the plans that realise them: what the engine's warm-up runs, what the profiler
-(calibration/profiler/) times over its grid and what the speed probe times as its reference.
-
-A `GridPoint` names a step shape (prefill chunks over cached context, decodes of given contexts,
-copies, swaps, drafts per decode); `build_plan` builds its StepPlan for real through a
-`PagedBlockManager` (valid block tables, copy and swap pairs, random prompt ids).
-"""
+"""Step shapes (`GridPoint`) and the plans that realise them (`build_plan`, through a real
+PagedBlockManager), for the engine's warm-up, the profiler's grid and the speed probe."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,15 +10,13 @@ from policies.memory import PagedBlockManager
 from policies.types import Request, Sequence, StepPlan
 
 VOCAB_FOR_IDS = 256  # random prompt ids are drawn below this (the smallest test vocabulary)
-# Speculating points' sequences repeat a pattern this long: prompt lookup finds k <= 16 drafts.
-SPEC_PERIOD = 16
+SPEC_PERIOD = 16   # a repeated pattern, so prompt lookup always finds drafts
 
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One step shape. `prefills`: (chunk length, cached context before it) per prefill chunk;
-    `decodes`: context length (tokens incl. the one computed) per decoding sequence; copies and
-    swaps in blocks."""
+    """One step shape: (chunk, cached context) per prefill, context per decode, copies and swaps
+    in blocks."""
 
     point_id: int
     kind: str
@@ -40,8 +33,8 @@ class GridPoint:
         bs = self.block_size
         blocks = sum(-(-(chunk + ctx) // bs) for chunk, ctx in self.prefills)
         blocks += sum(-(-(ctx + self.spec_len) // bs) for ctx in self.decodes)
-        # Copies: a parent of num_copies blocks and its unshared child; swap-in: the blocks
-        # coming back; swap-out: the blocks leaving (allocated before they go).
+        # A copy needs its parent's block and its child's; swapped-out blocks are allocated
+        # before they leave.
         return blocks + 2 * self.num_copies + self.num_swap_in + self.num_swap_out + 1
 
     def num_host_blocks_needed(self) -> int:
@@ -68,8 +61,7 @@ class _Ids:
 
 def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: int,
              n: int = 1, period: int = 0) -> Sequence:
-    """A sequence with random ids; with `period`, a random pattern of that length repeated (so
-    that prompt lookup always finds drafts to propose)."""
+    """A sequence with random ids, repeating a pattern of `period` if given."""
     num_tokens = prompt_len + num_outputs
     token_ids = (np.resize(rng.integers(3, VOCAB_FOR_IDS, size=period), num_tokens) if period
                  else rng.integers(3, VOCAB_FOR_IDS, size=num_tokens))
@@ -86,11 +78,8 @@ def _new_seq(ids: _Ids, rng: np.random.Generator, prompt_len: int, num_outputs: 
 def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
                num_blocks: int | None = None, num_host_blocks: int | None = None,
                aged_pool: bool = False) -> StepPlan:
-    """The point's StepPlan, built as the policies would: requests with random prompt ids, their
-    sequences, slots allocated in a fresh PagedBlockManager (`num_blocks` device blocks, default
-    just enough; with `aged_pool`, one aged by `age_pool` in a random order of its own
-    generator, so the plan's draws stay those of a fresh pool), the context put in place by
-    num_computed_tokens, copy pairs from an unshared fork, swap pairs from swap_out/swap_in."""
+    """The point's StepPlan, built as the policies would in a fresh PagedBlockManager (with
+    `aged_pool`, aged by its own generator so the plan's draws stay those of a fresh pool)."""
     rng = rng if rng is not None else np.random.default_rng(point.point_id)
     num_blocks = num_blocks or point.num_blocks_needed()
     num_host_blocks = num_host_blocks if num_host_blocks is not None else (
@@ -145,9 +134,8 @@ def build_plan(point: GridPoint, rng: np.random.Generator | None = None,
 
 
 def age_pool(kv: PagedBlockManager, free_order: list[int]) -> None:
-    """Hand every block of the empty pool `kv` out once and free them in `free_order` (a
-    permutation of its block ids), so that it hands them out in that order next: a fresh pool's
-    consecutive blocks are gathered faster than the scattered ones of a serving run's pool."""
+    """Make the empty pool hand its blocks out in `free_order` next, since a fresh pool's
+    consecutive blocks are gathered faster than a serving pool's scattered ones."""
     if kv.num_used_blocks() or sorted(free_order) != list(range(kv.num_blocks)):
         raise ValueError(f"age_pool: free_order must be a permutation of the empty pool's "
                          f"{kv.num_blocks} block ids")

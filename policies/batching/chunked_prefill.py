@@ -1,10 +1,5 @@
-"""Chunked prefill: one token budget per step shared by decodes and prefill chunks, as in
-Sarathi-Serve and vLLM V1.
-
-Running sequences go first (decodes, then unfinished prefill chunks), then swapped requests,
-then new ones; a prompt longer than what is left of the budget is split across steps. Decodes
-are never stalled behind a long prompt, at the price of prefills taking several steps.
-"""
+"""Chunked prefill (Sarathi-Serve, vLLM V1): decodes and prefill chunks share one token budget per
+step, so decodes never stall behind a long prompt, at the price of prefills taking several steps."""
 from __future__ import annotations
 
 from policies.batching.base import BaseScheduler

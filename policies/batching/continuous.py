@@ -1,10 +1,5 @@
-"""Continuous (iteration-level) batching, vLLM-style: FCFS, prefill first.
-
-Each step is either a prefill step (admit waiting requests whose whole prompt fits the token
-budget) or a decode step (one token for every running sequence, preempting the latest arrival
-when the KV pool runs out, then swapping requests back in if nothing was preempted). Waiting
-requests are not admitted while any request is swapped out: those came first.
-"""
+"""Continuous (iteration-level) batching, vLLM-style: FCFS, each step all prefills or all
+decodes."""
 from __future__ import annotations
 
 from policies.batching.base import BaseScheduler
@@ -35,7 +30,6 @@ class ContinuousBatchingScheduler(BaseScheduler):
         return self._finish_plan(plan)
 
     def _admit_prefills(self, plan: StepPlan) -> None:
-        """A prefill step's admissions: waiting requests, none while one is swapped out (those
-        came first)."""
+        """None while a request is swapped out: those came first."""
         if not self.swapped:
             self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)

@@ -1,16 +1,7 @@
-"""Earliest deadline first: continuous batching that admits the waiting request whose time to
-first token runs out first, as deadline-aware LLM schedulers do. A request's deadline is its
-arrival plus its own `Request.slo_ttft_ms`, else the run's `slo_ttft_ms` (`slo.ttft_ms`); one
-with neither has no deadline and goes after all that have one, in arrival order. A decode short
-of memory preempts among the requests whose deadline is latest.
+"""Earliest deadline first: admits the waiting request whose TTFT deadline comes first.
 
-Admission control (`reject_hopeless`): a request still waiting for its first admission when its
-deadline has passed can no longer meet its SLO; rather than spend the server on it (and make
-the requests behind it late too), it is rejected (`rejected_reason` "slo: TTFT deadline passed
-before admission") and leaves the queue. The check runs at every step boundary, as the step is
-completed (`update`, at the time the next step is planned), and `update` returns the rejected
-requests with the finished ones: both are done (`Request.is_finished`). A request already
-admitted once (and preempted since) is never rejected.
+With `reject_hopeless`, a never-admitted request whose deadline has passed is rejected at the next
+step boundary rather than spend the server on it and make the requests behind it late too.
 """
 from __future__ import annotations
 

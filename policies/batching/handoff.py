@@ -16,10 +16,8 @@ class KVHandoff:
         return handed_off
 
     def admit_transfer(self, request: Request, now: float) -> bool:
-        """Give a request prefilled elsewhere a sequence of this replica's and the blocks for the
-        KV it computed there (within max_num_seqs and the watermark), so the KV can arrive.
-        False: no room now, nothing changed; a request that can never run here gets its
-        `rejected_reason` too. It decodes from the step after `finish_transfer`."""
+        """Give a request prefilled elsewhere a sequence and blocks here so its KV can arrive;
+        False when there is no room now (with `rejected_reason` set if there never will be)."""
         reason = self._rejection_reason(request)
         if reason is not None:
             request.rejected_reason = reason
@@ -34,7 +32,7 @@ class KVHandoff:
             if not self.lora.fits(request.lora_id):
                 return False
         source = request.sequences[0]
-        # A sequence id of this scheduler's: the block tables are keyed by it.
+        # A sequence id of this scheduler's, since the block tables are keyed by it.
         seq = self._new_sequence(request, source.num_output_tokens,
                                  None if source.output_token_ids is None
                                  else list(source.output_token_ids))

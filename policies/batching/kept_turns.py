@@ -1,7 +1,5 @@
-"""BaseScheduler's part of KV retention (policies/memory/retention.py, `kv_retention=pin`): the
-blocks a policy keeps for idle sessions are worth less than a running request's progress or a
-returned session's turn, and are released for them, oldest first; a waiting turn whose
-session's blocks are kept goes ahead of a queue head that does not fit."""
+"""BaseScheduler's part of KV retention: blocks kept for idle sessions are worth less than a
+running request's progress or a returned turn, so they are released for them, oldest first."""
 from __future__ import annotations
 
 from policies.types import StepPlan
@@ -12,10 +10,8 @@ class KeptTurns:
     `_plan_releasing_kept_blocks`, on its queues and its `kv_retention`."""
 
     def _admit_kept_turns(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
-        """Admit, in arrival order, the waiting turns whose sessions' blocks the retention
-        policy keeps, past a head that did not fit: their context is on the device already, so
-        each costs only its new tokens, which the head (needing its whole prompt) could not use;
-        making them wait would hold the kept blocks idle behind it. Returns the budget left."""
+        """Admit the waiting turns whose blocks are kept, past a head that did not fit: they need
+        only their new tokens, and waiting would hold the kept blocks idle. Returns the budget left."""
         retention = self.kv_retention
         for request in [request for request in self.waiting if retention.holds_for(request)]:
             self._short_of_blocks = False
@@ -33,18 +29,16 @@ class KeptTurns:
         return token_budget
 
     def _release_kept_blocks(self) -> bool:
-        """Before a running request is preempted for memory: release the retention policy's
-        longest-kept session's blocks instead (kept on the chance of a next turn, where a
-        preemption throws computed work away for sure); False when nothing is kept."""
+        """Release the longest-kept session's blocks instead of preempting (kept blocks are only a
+        chance of reuse, a preemption surely loses work); False when nothing is kept."""
         if self.kv_retention is not None and self.kv_retention.release_oldest(self._now):
             self._released_for_running = True
             return True
         return False
 
     def _plan_releasing_kept_blocks(self) -> StepPlan | None:
-        """An empty plan with requests unfinished: release the retention policy's oldest kept
-        blocks, one session at a time, until a plan is not empty (that plan, finished), or
-        nothing is kept (None)."""
+        """For an empty plan with requests unfinished: release kept blocks a session at a time
+        until a plan is not empty; None when nothing is kept."""
         self._replanning = True
         try:
             while self.kv_retention.release_oldest(self._now):

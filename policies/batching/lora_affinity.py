@@ -1,12 +1,6 @@
-"""LoRA-adapter affinity (S-LoRA / dLoRA-style): continuous batching that admits first the waiting
-requests whose adapter the running batch already holds, then those whose adapter is loaded on the
-device, then any that fits the batch's `max_loras` adapters, each group in arrival order; so a
-step loads as few adapters as it can and the batch does not drain to let one new adapter in.
-
-So that nothing starves, a request that has waited `max_wait_s` goes first, oldest first, and
-while it does not fit nothing passes it: the batch drains of other adapters until it does. Without
-LoRA (no manager), or with every request on the base model, it is FCFS.
-"""
+"""LoRA-adapter affinity (S-LoRA / dLoRA-style): admits requests whose adapter is in the batch,
+then loaded, then any that fits, so a step loads as few adapters as it can; a request waiting
+`max_wait_s` goes first so nothing starves."""
 from __future__ import annotations
 
 from policies.batching.continuous import ContinuousBatchingScheduler

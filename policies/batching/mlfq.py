@@ -1,9 +1,6 @@
-"""Skip-join multi-level feedback queue, after FastServe (Wu et al., 2023): a request's level is
-its importance under preemptive priority scheduling. Level i grants `base_quantum × 2^i` output
-tokens; a request joins at the first level whose quantum covers its prefill (a long prompt skips
-the levels it would overrun at once) and drops a level each time it uses up its quantum, so short
-jobs finish ahead of long ones without knowing any output length.
-"""
+"""Skip-join multi-level feedback queue (FastServe, Wu et al. 2023): level i grants
+`base_quantum × 2^i` tokens and a request drops a level per quantum used, so short jobs finish
+first without knowing any output length."""
 from __future__ import annotations
 
 from policies.batching.priority import PriorityScheduler
@@ -21,14 +18,12 @@ class MLFQScheduler(PriorityScheduler):
         super().__init__(*args, **kwargs)
         self.num_levels = positive_int("scheduler.num_levels", num_levels)
         self.base_quantum = positive_int("scheduler.base_quantum", base_quantum)
-        # How many prompt tokens cost about one output token's step: what skip-join weighs a
-        # prefill against the quanta with.
+        # Skip-join weighs a prefill against the quanta at this many prompt tokens per output token.
         self.prefill_tokens_per_quantum_token = positive_int(
             "scheduler.prefill_tokens_per_quantum_token", prefill_tokens_per_quantum_token)
 
     def rank(self, request: Request) -> int:
-        """The request's level now: where its prompt let it join, one lower for each quantum it
-        has used up since."""
+        """The level its prompt let it join at, one lower per quantum used up since."""
         quantum = self.base_quantum
         level = 0
         prefill_cost = request.prompt_len / self.prefill_tokens_per_quantum_token

@@ -1,6 +1,5 @@
-"""BaseScheduler's preemption and swap-in: which running request gives way when memory runs out
-(the PreemptionPolicy picks among `_victim_candidates`), how it is preempted (swapped out or
-freed for recompute) and how swapped requests come back."""
+"""BaseScheduler's preemption and swap-in: which running request gives way when memory runs out,
+how, and how swapped requests come back."""
 from __future__ import annotations
 
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
@@ -11,9 +10,8 @@ class PreemptionAndSwap:
     queues, its KV manager and its PreemptionPolicy."""
 
     def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
-        """Preempt one victim to make room for `request`: the policy's pick among the running
-        requests with nothing scheduled yet this step, or `request` itself. `pending` are
-        decodes given slots this step but not yet in the plan. Returns the victim."""
+        """Preempt and return the policy's victim among the running requests not yet scheduled
+        this step (or `request`); `pending`: decodes given slots but not yet in the plan."""
         scheduled = {seq.request.request_id for seq in plan.seqs}
         scheduled.update(seq.request.request_id for seq in pending)
         candidates = [r for r in self.running if r.request_id not in scheduled or r is request]
@@ -21,10 +19,8 @@ class PreemptionAndSwap:
         if victim.request_id in scheduled and victim is not request:
             raise RuntimeError("preemption policy chose a request already scheduled this step")
         if any(seq.request is victim for seq in plan.seqs):
-            # Some of its samples were scheduled before another ran out of memory. The slots
-            # they were given this step (a prefill chunk, drafts) go back first: swapped out,
-            # a table holds only computed tokens, so it is never longer than the chunk it is
-            # given after its swap in.
+            # Its samples' slots of this step go back first, so a swapped-out table holds only
+            # computed tokens.
             for seq in plan.seqs:
                 if seq.request is victim:
                     self.kv_cache.trim_slots(seq, max(seq.num_computed_tokens, 1))
@@ -61,13 +57,12 @@ class PreemptionAndSwap:
                 self.kv_cache.free(seq)
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.WAITING
-            # Recomputed requests go back to the front: they arrived before anything waiting.
+            # To the front, since they arrived before anything waiting.
             self.waiting.appendleft(request)
             plan.preempted_recompute.append(request)
 
     def _swap_in(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
-        """Swap requests back in, oldest first, while memory and max_num_seqs allow; their
-        sequences are scheduled in the same step."""
+        """Swap requests back in, oldest first, and schedule them in the same step."""
         while self.swapped and token_budget > 0:
             request = self.swapped[0]
             if not self._may_admit(request):

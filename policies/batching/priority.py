@@ -1,9 +1,5 @@
-"""Preemptive priority: continuous batching in which a more important request (a lower
-`Request.priority`, vLLM's convention) is admitted first and, when memory or max_num_seqs is
-short, preempts the least important running requests (with the configured preemption mode)
-rather than wait; a decode short of memory preempts the least important request too. Requests of
-one priority keep arrival order. A subclass ranks requests its own way (`rank`), as MLFQ does.
-"""
+"""Preemptive priority: a lower `Request.priority` (vLLM's convention) is admitted first and
+preempts less important running requests rather than wait; a subclass ranks its own way (`rank`)."""
 from __future__ import annotations
 
 from policies.batching.continuous import ContinuousBatchingScheduler
@@ -18,7 +14,7 @@ class PriorityScheduler(ContinuousBatchingScheduler):
 
     def __init__(self, *args, preempt_to_admit: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        # False: the order of admission only; running requests leave only when memory runs out.
+        # False: priority orders admission only.
         self.preempt_to_admit = boolean("scheduler.preempt_to_admit", preempt_to_admit)
 
     def rank(self, request: Request) -> int:
@@ -33,9 +29,8 @@ class PriorityScheduler(ContinuousBatchingScheduler):
         return self._highest(candidates, self.rank)   # the least important
 
     def _admit_prefills(self, plan: StepPlan) -> None:
-        """Admit waiting requests, most important first; while the most important one still
-        waits, preempt the least important running request below it and try again. A swapped
-        request as important as the head came first: nothing is admitted before it is back."""
+        """Admit the most important first, preempting below the head while it waits; nothing
+        passes a swapped request as important as the head, since it came first."""
         budget = self.max_num_batched_tokens
         while self.waiting:
             head = self.next_waiting(self._now)

@@ -1,18 +1,7 @@
-"""Shortest job first: continuous batching that admits the waiting request with the shortest
-predicted remaining output (`Request.predicted_output_len`, from the run's length predictor), as
-learning-to-rank schedulers do, with one of two aging rules so that long requests never starve:
-
-- `aging="max_wait"` (the default): a request that has waited `max_wait_s` goes first, oldest
-  first. Under overload every request has waited that long, and the order becomes FCFS.
-- `aging="score"`: admit the lowest score, predicted remaining tokens minus
-  `aging_tokens_per_s` times the seconds waited. Since score = (predicted + w * arrival) - w *
-  now, the order does not change with time: requests are ranked by predicted + w * arrival.
-  A request predicted to need p more tokens is overtaken only by requests that arrived at most
-  p / w seconds after it, so it waits at most what a FCFS request arriving p / w later would,
-  and short requests keep their lead however long the queue. The waiting requests are kept in
-  a heap on that rank (computed as a request joins the queue, and again when a recompute sends
-  it back with fewer tokens left), so admission costs O(log n), not a pass over the queue.
-"""
+"""Shortest job first on the predicted remaining output, with aging so long requests never starve:
+`max_wait` (a request waiting `max_wait_s` goes first; FCFS under overload) or `score` (predicted
+minus `aging_tokens_per_s` x seconds waited, which orders as predicted + w x arrival at any time,
+so a heap keeps admission O(log n))."""
 from __future__ import annotations
 
 import heapq
@@ -40,9 +29,7 @@ class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
         self.max_wait_s = positive_number("scheduler.max_wait_s", max_wait_s)
         self.aging_tokens_per_s = positive_number("scheduler.aging_tokens_per_s",
                                                   aging_tokens_per_s)
-        # aging="score": (rank, arrival, request_id, tiebreak, request) of waiting requests, and
-        # each one's current rank; an entry whose request left the queue, or was ranked again,
-        # is skipped when it comes up.
+        # aging="score": stale heap entries (left the queue, or ranked again) are skipped lazily.
         self._ranked: list[tuple[float, float, int, int, Request]] = []
         self._rank_of: dict[Request, float] = {}
         self._tiebreak = itertools.count()
@@ -68,9 +55,7 @@ class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
         return min(waiting, key=_predicted_remaining)
 
     def aged_rank(self, request: Request) -> tuple[float, float, int]:
-        """Predicted remaining tokens + w * arrival, then arrival: the aged score plus w * now,
-        which is the same for every request at one step, so it orders them as the score does
-        at any time."""
+        """The aged score plus w * now, which orders requests as the score does at any time."""
         remaining, arrival, request_id = _predicted_remaining(request)
         return remaining + self.aging_tokens_per_s * arrival, arrival, request_id
 

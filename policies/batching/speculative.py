@@ -9,9 +9,8 @@ class SpeculativeDecodes:
     """BaseScheduler's decodes with drafts (`StepPlan.spec_lens`), with a SpeculationPolicy."""
 
     def _draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
-        """k for each decode: the policy's k for this batch, lowered (down to 0) so that every
-        decode still gets its own token within the budget, and so that no draft passes the
-        request's output length or max_model_len."""
+        """The policy's k per decode, lowered so every decode keeps its own token in the budget
+        and no draft passes the output length or max_model_len."""
         if not decodes:
             return []
         k = self.speculation.num_speculative_tokens(len(decodes))
@@ -26,11 +25,8 @@ class SpeculativeDecodes:
 
     def _schedule_speculative_decodes(self, plan: StepPlan, decodes: list[Sequence],
                                       token_budget: int) -> tuple[int, bool]:
-        """`_schedule_running`'s decodes when speculating: give each decode slots for its last
-        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
-        decode whose drafts do not fit decodes without them, and one that does not fit even so
-        first takes back the drafts granted so far: drafts never preempt anyone. Returns the
-        tokens scheduled (decodes and drafts) and whether anything was preempted."""
+        """Schedule the decodes with their drafts, dropping drafts before preempting anyone.
+        Returns the tokens scheduled and whether anything was preempted."""
         preempted_any = False
         draft_lens = self._draft_lens(decodes, token_budget)
         spec_lens: dict[int, int] = {}
@@ -43,8 +39,8 @@ class SpeculativeDecodes:
                 spec_lens[seq.seq_id] = k
             elif not kv_cache.allocate_slots(seq, seq.num_tokens):
                 if spec_lens:
-                    # Memory is short: this step's drafts give their slots back before anyone
-                    # is preempted (a victim must not leave with draft slots), then retry.
+                    # Drafts give their slots back before anyone is preempted, so no victim
+                    # leaves holding draft slots.
                     for other in decodes[:index]:
                         if other.seq_id in spec_lens:
                             kv_cache.trim_slots(other, other.num_tokens)
@@ -66,11 +62,8 @@ class SpeculativeDecodes:
         return len(decodes) + sum(spec_lens.values()), preempted_any
 
     def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
-        """After every step of a speculating run: tell the speculation policy what each
-        speculating decode proposed and how many of its drafts were accepted, and leave on
-        every sequence of the step what its drafts' outcome means for its next step
-        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
-        the simulator's runs of acceptable drafts)."""
+        """Report proposed and accepted drafts to the policy, and set each sequence's
+        `draft_lag` and `starts_run` for its next step."""
         spec_lens = plan.spec_lens
         accepted_by_seq = {}
         if spec_lens:

@@ -1,10 +1,5 @@
-"""Static (request-level) batching, as HF generate and FasterTransformer serve: a batch is formed
-from the waiting queue when the previous one has fully finished, and no request joins until every
-request of the batch is done. Short requests in a batch wait for the longest one.
-
-Within a batch, steps run as in continuous batching (a prefill step, then decode steps); a batch
-member preempted for memory stays a member and rejoins before the batch can end.
-"""
+"""Static (request-level) batching, as HF generate serves: no request joins until the whole batch
+is done, so short requests wait for the longest one."""
 from __future__ import annotations
 
 from policies.batching.continuous import ContinuousBatchingScheduler

@@ -1,16 +1,7 @@
 """Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
-continuous batching that shares the server fairly between tenants (`Request.tenant`), whatever
-each one's request rate.
-
-Each tenant has a counter of the service its requests got: a request's prompt tokens count 1
-each when it is first admitted, its output tokens 2 each as they are generated (the weighting of
-the summary's `jain_fairness`), divided by the tenant's weight (`tenant_weights`, default 1): a
-tenant of weight 2 is served twice as much before its counter catches up. Admission takes the
-waiting request of the tenant with the smallest counter (FIFO within a tenant, ties to the
-earlier request), so a heavy tenant cannot take the server from a light one. A tenant that had
-nothing waiting or running gets, with its next request, its counter lifted to the smallest
-counter of the active tenants (to the last one to leave when none is active): idle time is not
-banked as credit. A decode short of memory preempts among the most served tenant's requests.
+admission goes to the tenant with the least weighted service so far (prompt tokens 1, output
+tokens 2, as the summary's `jain_fairness`), so a heavy tenant cannot take the server from a light
+one. A returning tenant's counter is lifted to the active minimum so idle time is not banked.
 
 Counters change only in `update` (which sees a run of repeated decode steps as one call that
 added num_steps tokens to each sequence) and at admission, and admission reads them only while
@@ -24,8 +15,8 @@ from policies.batching.continuous import ContinuousBatchingScheduler
 from policies.types import Request, StepPlan, StepResult
 from policies.validators import positive_number
 
-INPUT_WEIGHT = 1    # service per prompt token
-OUTPUT_WEIGHT = 2   # service per output token
+INPUT_WEIGHT = 1
+OUTPUT_WEIGHT = 2
 
 
 class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):

@@ -1,13 +1,6 @@
-"""The default LoRA manager (policies.protocols.LoRAManager): `max_loras` device slots holding
-adapters, a host pool of `max_cpu_loras` adapters, least-recently-used eviction of adapters no
-running request uses, and the step's LoRA aggregates written into its plan.
-
-The scheduler asks `fits(lora_id)` before it admits a request (vLLM's rule: a batch holds at most
-max_loras distinct adapters), tells `admitted(lora_id)`, and at the end of planning hands the plan
-to `finish_step`, which loads the adapters the batch needs that are not on the device (each load
-one (adapter, slot) pair in `plan.lora_to_load`, charged by the cost model over the host link in
-that step) and sums the plan's LoRA features once, so no executor loops over the sequences.
-"""
+"""The default LoRA manager: `max_loras` device slots, a host pool, LRU eviction of adapters no
+running request uses; `finish_step` sums the plan's LoRA features once so no executor loops over
+the sequences."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -26,12 +19,10 @@ class LRULoRAManager:
         self.max_loras = positive_int("lora.max_loras", max_loras)
         self.max_cpu_loras = (None if max_cpu_loras is None
                               else positive_int("lora.max_cpu_loras", max_cpu_loras))
-        # adapter -> device slot, least recently used first.
-        self.slots: OrderedDict[int, int] = OrderedDict()
+        self.slots: OrderedDict[int, int] = OrderedDict()   # adapter -> slot, LRU first
         self._free_slots = list(range(self.max_loras - 1, -1, -1))
         self._host: OrderedDict[int, None] = OrderedDict()   # adapters in host memory, LRU first
-        # Adapters of the running requests (those admitted in the step being planned included).
-        self.batch_loras: set[int] = set()
+        self.batch_loras: set[int] = set()   # includes those admitted in the step being planned
         self.num_loads = 0            # host -> device adapter loads
         self.num_host_misses = 0      # loads of an adapter not in the host pool (read first)
         self.num_load_ranks = 0       # sum of the loaded adapters' ranks

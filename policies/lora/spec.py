@@ -1,10 +1,5 @@
-"""The run's LoRA adapters and serving settings, from the `lora` config group (conf/lora/), as plain
-Python both backends read: `LoRASpec` (each adapter's rank, the modules it applies to, its alpha)
-and `LoRAConfig` (the spec plus popularity, device slots, host pool and eviction policy).
-
-`lora_config(group)` is None when the group has `num_adapters: 0` (conf/lora/none.yaml, the
-default): then no request has an adapter and nothing in the run changes.
-"""
+"""The `lora` config group as plain Python both backends read: `LoRASpec` (the adapters) and
+`LoRAConfig` (how they are served); None when `num_adapters` is 0, the default."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,8 +18,8 @@ LORA_KEYS = ("num_adapters", "ranks", "alpha", "target_modules", "popularity", "
 
 @dataclass(frozen=True)
 class LoRASpec:
-    """The adapters: adapter i has rank `ranks[i]` and applies `B @ A` (A: rank × in,
-    B: out × rank), scaled by alpha / rank, to every module in `target_modules` of every layer."""
+    """Adapter i applies `B @ A` of rank `ranks[i]`, scaled by alpha / rank, to every target
+    module of every layer."""
 
     ranks: tuple[int, ...]
     target_modules: tuple[str, ...] = ATTENTION_MODULES
@@ -66,8 +61,7 @@ class LoRASpec:
         return dims[module]
 
     def width_per_rank(self, **dims: int) -> int:
-        """Σ over target modules of (in + out): one layer's adapter parameters per unit of rank
-        (A and B of rank r over a module hold r × (in + out) parameters). `dims`: module_dims's."""
+        """One layer's adapter parameters per unit of rank: Σ over target modules of (in + out)."""
         return sum(sum(self.module_dims(module, **dims)) for module in self.target_modules)
 
 

@@ -49,9 +49,8 @@ class OraclePredictor:
 
 
 class NoisyPredictor:
-    """The true output length times a lognormal factor whose median error is `relative_error`
-    either way: half the predictions lie within a factor of 1 + relative_error of the truth
-    (0.5: between 1/1.5 and 1.5 times it), rounded, at least 1; 0 is the oracle."""
+    """The true output length times a lognormal factor: half the predictions lie within a factor
+    of 1 + `relative_error` of the truth; 0 is the oracle."""
 
     def __init__(self, relative_error: float = 0.5, seed: int = 0):
         non_negative_number("predictor.relative_error", relative_error)
@@ -67,11 +66,9 @@ class NoisyPredictor:
 
 
 class BucketPredictor:
-    """A length classifier: `boundaries` b1 < ... < bk split lengths into k + 1 classes (<= b1,
-    (b1, b2], ..., > bk); the prediction is the true class's representative value, or with
-    probability `confusion_rate` an adjacent class's (either neighbour alike). `values` are the
-    representatives, one per class; default: each bounded class's midpoint and twice bk for the
-    open top class."""
+    """A length classifier: `boundaries` split lengths into classes, the prediction is the true
+    class's value (`values`, default midpoints and 2 x the top boundary), or with probability
+    `confusion_rate` a neighbour's."""
 
     def __init__(self, boundaries: Sequence[int] = (64, 256, 1024), confusion_rate: float = 0.0,
                  values: Sequence[int] | None = None, seed: int = 0):

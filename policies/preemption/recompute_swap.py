@@ -1,8 +1,5 @@
-"""Recompute and swap preemption, as in the vLLM paper (section 4.5).
-
-Both pick the latest arrival as the victim (FCFS: the request that came last loses its memory
-first). A subclass changes the victim by overriding `select_victim`.
-"""
+"""Recompute and swap preemption (vLLM paper, section 4.5); both evict the latest arrival, and a
+subclass picks another victim by overriding `select_victim`."""
 from __future__ import annotations
 
 from typing import Literal, Sequence as Seq

@@ -11,11 +11,8 @@ from policies.types import Request
 
 
 class LoRAAffinityRouter(PrefixAffinityRouter):
-    """Ranks the candidate replicas by (where their LoRA manager has the request's adapter: in
-    the batch 0, loaded 1, neither 2; unfinished requests; id). A replica is a candidate while
-    its unfinished requests are at most `load_factor` x the least loaded one's + `load_slack`
-    (PrefixAffinityRouter's bound and settings), so a popular adapter does not pile onto one
-    replica."""
+    """Prefers the replica that holds the request's adapter (in its batch, then loaded), under
+    PrefixAffinityRouter's load bound so a popular adapter does not pile onto one replica."""
 
     def route(self, request: Request, replicas: Seq[LoRAReplicaView]) -> int:
         loads = [replica.num_outstanding for replica in replicas]

@@ -29,13 +29,10 @@ class LeastOutstandingRouter:
 
 
 class PrefixAffinityRouter:
-    """The replica whose prefix cache holds the longest prefix of the prompt (its KV manager's
-    `num_cached_prefix_tokens`, both tiers), among those not overloaded; ties, and prompts that
-    no replica holds, go to the fewest unfinished requests, then the lowest id.
+    """The replica caching the longest prefix of the prompt, then the fewest unfinished requests.
 
-    The load bound keeps one replica from taking every request of a popular prefix: a replica
-    is a candidate only while its unfinished requests are at most
-    `load_factor` x the least loaded replica's + `load_slack`."""
+    Only replicas within `load_factor` x the least load + `load_slack` are candidates, so a
+    popular prefix does not pile onto one replica."""
 
     def __init__(self, load_factor: float = 1.5, load_slack: int = 4):
         self.load_factor = float(number_in("cluster.router.load_factor", load_factor, 1,

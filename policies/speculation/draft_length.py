@@ -1,15 +1,7 @@
 """No, fixed and adaptive speculation: the number k of draft tokens a decode proposes per step.
 
-A drafter (an n-gram lookup or a small model) proposes k tokens; the target model verifies all of
-them and one more position in a single forward pass of k + 1 tokens per sequence; the accepted
-prefix of the drafts plus one token (the correction, or a bonus token when all k pass) is kept.
-While decoding is memory-bound the extra k tokens per sequence cost almost nothing, so each step
-yields more tokens; once the batch's verification tokens make the step compute-bound they do not
-come for free any more, and speculation only pays while acceptance is high.
-
-The scheduler asks `num_speculative_tokens(num_decodes)` once per step, caps k per sequence (no
-draft past the output length or the model's length, none beyond the step's token budget), and
-after the step reports every speculating sequence's (proposed, accepted) to `observe`.
+Verifying k drafts is almost free while decoding is memory-bound, so speculation pays until the
+batch's verification tokens make the step compute-bound.
 """
 from __future__ import annotations
 
@@ -20,8 +12,7 @@ from policies.validators import non_negative_int, number_in, positive_int
 
 
 def max_speculative_tokens(policy) -> int:
-    """A speculation policy's `max_num_speculative_tokens` (0: it never drafts), the policy
-    checked against SpeculationPolicy and the number checked."""
+    """A speculation policy's `max_num_speculative_tokens` (0: it never drafts), checked."""
     check_policy(policy, SpeculationPolicy, "speculation")
     max_k = policy.max_num_speculative_tokens
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 0:
@@ -31,10 +22,8 @@ def max_speculative_tokens(policy) -> int:
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
-    """Tokens a sequence gains per step with k drafts: 1 + sum over j <= k of the probability
-    that drafts 1..j are all accepted, where `acceptance[i]` is the probability that draft i + 1
-    is accepted given that all before it were. With one rate a for every position this is
-    (1 - a^(k+1)) / (1 - a)."""
+    """Tokens a sequence gains per step with k drafts: 1 + Σ_{j<=k} P(drafts 1..j accepted),
+    `acceptance[i]` being draft i + 1's acceptance given all before it passed."""
     expected, all_accepted = 1.0, 1.0
     for probability in acceptance[:k]:
         all_accepted *= probability
@@ -43,18 +32,9 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
 
 
 class AcceptanceCounts:
-    """Per draft position i = 1..K: how often it was examined (every earlier draft accepted) and
-    how often it was accepted. The same counts over the steps that start a run of acceptable
-    drafts (a sequence's first speculating step, or the one after a rejected draft: "fresh"
-    steps, Sequence.starts_run) describe the runs of accepted drafts: where a step starts in a
-    run is known only there, and rejections cluster (a hard stretch of text rejects several steps
-    in a row), so fresh and overall rates differ. `to_statistics` gives the acceptance statistics
-    file's content (the format `sim.core.acceptance.AcceptanceModel.from_file` reads).
-
-    With `tree_paths` (a fixed token tree: Medusa's paths of head ranks, a step verifying the
-    first that many) it also counts per tree node (`record_tree`): a node is examined when it is
-    in the step's tree, its parent is on the accepted path (the root always is) and no earlier
-    sibling is, and accepted when it is on the path, so the simulator can walk the same tree."""
+    """Per draft position, how often it was examined and accepted, overall and over "fresh" steps
+    (after a rejection), which differ because rejections cluster; with `tree_paths`, per tree node
+    too, so the simulator can walk the same tree."""
 
     COUNTS = ("position_trials", "position_accepts", "fresh_position_trials",
               "fresh_position_accepts")
@@ -102,8 +82,7 @@ class AcceptanceCounts:
 
     def record_tree(self, num_nodes: list[int], accepted_paths: list[list[int]]) -> None:
         """One step's trees, per sequence: its first num_nodes of tree_paths and the accepted
-        path (node indices from the root's child down). A tree with no node counts as its
-        first node examined and rejected, as `record` counts it a rejected depth 1."""
+        path; an empty tree counts as its first node rejected, as `record` does."""
         if self._children is None:
             raise ValueError("per-node counts need the tree (AcceptanceCounts(..., tree_paths))")
         for size, path in zip(num_nodes, accepted_paths, strict=True):
@@ -159,7 +138,7 @@ class AcceptanceCounts:
 
 
 class NoSpeculation:
-    """k = 0 always: plain decoding. The scheduler then skips speculation entirely."""
+    """k = 0 always: plain decoding."""
 
     max_num_speculative_tokens = 0
 
@@ -171,9 +150,8 @@ class NoSpeculation:
 
 
 class FixedSpeculation:
-    """The same k every step, whatever the batch (vLLM's `num_speculative_tokens`; 0 is plain
-    decoding, so a sweep over k can start there). Counts the acceptances it observes in
-    `acceptance`."""
+    """The same k every step (vLLM's `num_speculative_tokens`); 0 is plain decoding, so a sweep
+    over k can start there."""
 
     def __init__(self, num_speculative_tokens: int):
         non_negative_int("speculation.num_speculative_tokens", num_speculative_tokens)
@@ -188,34 +166,15 @@ class FixedSpeculation:
 
 
 class AdaptiveSpeculation:
-    """k per step from the running acceptance rate and the batch size.
+    """k per step maximising E(k) / cost(k, B), B the step's decodes, cost in reads of the
+    target's weights:
 
-    The rule: pick k in 0..max_num_speculative_tokens maximising expected tokens per unit of step
-    cost,
-
-        E(k) / cost(k, B),   E(k) = 1 + sum_{j<=k} p_1 ... p_j   (expected_tokens_per_step)
         cost(k, B) = max(1, B (k + 1) / compute_bound_tokens)
                      + B * per_sequence_cost_ratio + draft_cost_ratio * k
 
-    with B the step's decodes and p_i the running estimate of position i's conditional
-    acceptance. The cost is in units of one read of the target's weights. The linear layers are
-    free to verify with until the batch's B (k + 1) tokens reach `compute_bound_tokens` (where
-    the forward pass turns compute-bound: ~100 tokens for fp16 on an A100, ~200 on an H100),
-    then grow with them. What verification does not change, a sequence's KV-cache read and its
-    bookkeeping, is `per_sequence_cost_ratio` per decode (≈ context × KV bytes per token /
-    weight bytes: ~0.02 for Llama-2-7B at 600-token contexts; 0 when contexts are short).
-    Each draft step adds `draft_cost_ratio` (a draft model's decode step over the target's; ~0
-    for n-gram). So k falls as the batch grows (to 0 where the KV reads are cheap, to a small k
-    where they dominate and speculation amortises them) and rises with acceptance.
-
-    With a token-tree drafter (Medusa, lookahead) k is the tokens a step verifies, not how deep
-    it reaches: `depth_per_size[k]` gives the most tokens k of them can accept, and E(k) sums
-    the running per-depth estimates that far.
-
-    The estimates are exponentially decayed counts (by `decay` per step, a window of about
-    1 / (1 - decay) steps) with a prior of `prior_weight` trials at `initial_acceptance_rate`; a
-    position never examined takes the estimate of the one before it. With no observations (k = 0
-    for a while) the estimates drift back to the prior, so speculation is tried again.
+    Acceptance estimates are decayed counts with a prior, so after a stretch of k = 0 they drift
+    back to the prior and speculation is tried again. With a tree drafter k is the tokens
+    verified and `depth_per_size[k]` the most it can accept.
     """
 
     def __init__(self, max_num_speculative_tokens: int, compute_bound_tokens: float = 128,

@@ -1,9 +1,5 @@
-"""The drafters of speculative decoding as both backends and the profiler know them: one table of
-drafter kinds (chain or tree, how acceptances are drawn, how drafts are costed, whether the
-drafter reads the target's hidden states), the `Drafter` protocol the engine's drafters
-satisfy, and `TreeSpec`, a token-tree method's shape (Medusa's heads and tree, lookahead's window,
-n-gram and guesses). Pure Python: the simulator and the engine both import it.
-"""
+"""Drafters as both backends and the profiler know them: the table of drafter kinds, the
+`Drafter` protocol the engine's drafters satisfy, and `TreeSpec`, a token-tree method's shape."""
 from __future__ import annotations
 
 import json
@@ -15,9 +11,7 @@ from policies.speculation.trees import (MAX_TREE_TOKENS, lookahead_depth_per_siz
                                         lookahead_tokens, medusa_depth_per_size, tree_paths)
 from policies.types import StepPlan
 
-# A Medusa heads folder's config (scripts/train_medusa.py writes it): {"num_heads": ..., ...}.
-MEDUSA_HEADS_CONFIG = "medusa_config.json"
-# Lookahead decoding's defaults: a window of 4 columns, 4 guesses, n-grams of k + 1 tokens.
+MEDUSA_HEADS_CONFIG = "medusa_config.json"   # written by scripts/train_medusa.py
 DEFAULT_LOOKAHEAD_WINDOW = 4
 DEFAULT_LOOKAHEAD_GUESSES = 4
 
@@ -27,15 +21,10 @@ class DrafterKind:
     """What a drafter is, for everything that is not the drafter itself."""
 
     name: str
-    # True: it proposes a token tree and the policy's k is the tokens a step verifies.
-    tree: bool
-    # How the simulator draws acceptances: "chain" (per draft position), "tree_depth" (per depth
-    # of a tree that changes every step), "tree_node" (per node of a fixed tree).
+    tree: bool   # a token tree: the policy's k is the tokens a step verifies
+    # "tree_depth": a tree that changes every step; "tree_node": a fixed tree.
     acceptance: Literal["chain", "tree_depth", "tree_node"]
-    # What the roofline charges for drafting: "lookup" (per speculating sequence, no model),
-    # "heads" (Medusa's heads on the last hidden state), "model" (a draft model's decode steps).
     draft_cost: Literal["lookup", "heads", "model"]
-    # The engine runs the target returning its last hidden states for the drafter.
     reads_hidden_states: bool = False
 
 
@@ -43,9 +32,8 @@ NGRAM = DrafterKind("ngram", tree=False, acceptance="chain", draft_cost="lookup"
 MEDUSA = DrafterKind("medusa", tree=True, acceptance="tree_node", draft_cost="heads",
                      reads_hidden_states=True)
 LOOKAHEAD = DrafterKind("lookahead", tree=True, acceptance="tree_depth", draft_cost="lookup")
-# Any other speculative_model / speculation.draft_model: a model (a conf/model name or a folder).
 DRAFT_MODEL = DrafterKind("draft_model", tree=False, acceptance="chain", draft_cost="model")
-# The drafters named by name; every other name is a draft model.
+# Every name not here is a draft model (a conf/model name or a folder).
 DRAFTER_KINDS = {kind.name: kind for kind in (NGRAM, MEDUSA, LOOKAHEAD)}
 TREE_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.tree)
 
@@ -57,14 +45,8 @@ def drafter_kind(draft_model: str) -> DrafterKind:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes the drafts the target verifies (the engine's NgramDrafter, DraftModelDrafter,
-    MedusaDrafter, LookaheadDrafter). The engine's executor calls `step` once per step before
-    the target's forward, with the plan and its speculating decodes (engine.drafters.
-    SpeculatingSeq), and verifies the returned engine.drafters.DraftProposal (chains in `tokens`,
-    or `trees`); after the forward it calls `observe_hidden(seqs, hidden, rows)` when
-    `kind.reads_hidden_states` (each sampled sequence's row of the target's last hidden
-    states), and after verifying trees `observe_verification(speculating, trees, argmax_rows)`
-    (the target's argmax per tree row)."""
+    """Proposes the drafts the target verifies: the engine calls `step` before the target's
+    forward, then `observe_hidden` (when `kind.reads_hidden_states`) and `observe_verification`."""
 
     kind: DrafterKind
 
@@ -78,9 +60,8 @@ class Drafter(Protocol):
 
 @dataclass
 class TreeSpec:
-    """A token-tree method's shape: Medusa's heads (a trained folder, else max_depth seeded ones)
-    and tree, or lookahead's window, n-gram size (max_depth + 1 by default) and guesses;
-    max_depth is k, the most tokens a step accepts beyond its own."""
+    """A token-tree method's shape: Medusa's heads and tree, or lookahead's window, n-gram and
+    guesses; max_depth is the most tokens a step accepts beyond its own."""
 
     method: str                     # MEDUSA.name or LOOKAHEAD.name
     max_depth: int

@@ -1,11 +1,5 @@
-"""Token-tree shapes shared by the engine and the simulator (pure Python): Medusa's tree as paths
-of head ranks, and for Medusa and lookahead decoding how deep a step of a given size reaches.
-
-A token-tree method's size per step is the tokens it verifies (tree nodes; lookahead's window
-and guesses), the speculation policy's k; `depth_per_size` says, for each size, the most tokens
-such a step can accept beyond its own, which bounds what the engine measures and what the
-simulator draws.
-"""
+"""Token-tree shapes shared by the engine and the simulator: Medusa's tree as paths of head ranks,
+and how deep a step verifying a given number of tokens can reach."""
 from __future__ import annotations
 
 from itertools import product
@@ -16,9 +10,8 @@ DEFAULT_TOP_K = (3, 2, 2, 1, 1, 1, 1, 1)
 
 
 def tree_paths(tree, num_heads: int, max_depth: int) -> list[tuple[int, ...]]:
-    """The Medusa tree as paths of ranks, at most max_depth (and num_heads) deep, each after its
-    prefix, at most MAX_TREE_TOKENS. `tree`: a list of paths (kept in their order), a list of
-    top-k per head (every combination, the lowest rank sum first), or None (DEFAULT_TOP_K)."""
+    """The Medusa tree as paths of ranks, each after its prefix. `tree`: a list of paths, a list
+    of top-k per head (lowest rank sum first), or None (DEFAULT_TOP_K)."""
     depth = min(num_heads, max_depth)
     if tree is None:
         tree = list(DEFAULT_TOP_K[:depth])

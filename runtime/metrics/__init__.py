@@ -1,12 +1,4 @@
-"""Run metrics, named as `vllm bench serve` names them where it has a name (TTFT, TPOT, ITL, E2EL
-in ms; throughputs per second of simulated time).
-
-`recorder`: what a run records on the hot path (StepRecorder, MetricsCollector, STEP_COLUMNS);
-`summary`: the run's headline numbers from it; `statistics`: the per-request arithmetic both use;
-`streaming`: a long run's running totals and quantile sketches, its requests dropped as they go.
-Writing the files and plots and printing the table are sim/tools' (run_outputs, plots,
-console_summary): nothing here imports sim/tools.
-"""
+"""Run metrics, named as `vllm bench serve` names them; writing files and plots is sim/tools'."""
 from runtime.metrics.recorder import STEP_COLUMNS, MetricsCollector, StepRecorder
 from runtime.metrics.statistics import (
     GROUP_LATENCY_KEYS, LATENCY_METRICS, PERCENTILES, group_summaries, is_completed, jain_fairness,

@@ -1,18 +1,9 @@
-"""Fairness over time: each tenant's service in consecutive windows of a run, compared between the
-tenants that were backlogged (had a request waiting for admission) for the whole window, which
-is what VTC's guarantee is about (Sheng et al., OSDI 2024: two clients backlogged over an
-interval get service within a bounded difference of each other). A whole-run index over
-completed service only measures the demand ratio once everything completes; this one sees who
-was served while both waited.
+"""Fairness over time: each tenant's VTC service per window, compared between tenants backlogged
+for the whole window, which is what VTC's guarantee is about; a whole-run index only measures the
+demand ratio once everything completes.
 
-Service is VTC's weighted tokens (statistics.SERVICE_*_WEIGHT) at the times the scheduler
-counts them: a request's prompt tokens when it is first admitted, its first token (one per
-sample) at its first token time, and its other output tokens evenly over its replica's decode
-steps (step rows with decodes) from then to its finish. That is exact for a request that
-decoded in each of those steps (continuous batching without preemption or speculation); a
-preempted request's tokens are spread over its pause too, and a run without step rows spreads
-them evenly in time. All of it comes from the requests' times and the step rows already
-recorded, once, in the summary: nothing is added per step.
+Output tokens are spread evenly over the replica's decode steps from first token to finish (exact
+without preemption or speculation), computed once in the summary so nothing is added per step.
 """
 from __future__ import annotations
 
@@ -28,22 +19,16 @@ from runtime.metrics.statistics import (SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEI
 if TYPE_CHECKING:
     from runtime.metrics.recorder import MetricsCollector
 
-# (A finish time and the end of the step that produced it are the same sum of durations; this
-# keeps a step ending at a request's first token or finish on the right side of it anyway.)
+# Keeps a step that ends at a request's first token or finish on the right side of it despite
+# rounding.
 _TIME_TOLERANCE_S = 1e-9
 
 
 def windowed_fairness(requests: list[Request], decode_step_ends: dict[int, np.ndarray],
                       window_s: float) -> tuple[dict, dict[str, dict]]:
-    """The run's windowed fairness and each tenant's part of it, over the whole windows of
-    `window_s` from the first arrival to the last finish. `decode_step_ends`: replica id -> the
-    sorted end times of its steps that decoded.
-
-    Returns ({fairness_window_s, fairness_windows: windows with two or more tenants backlogged
-    throughout, max_backlogged_service_diff: the largest difference between two such tenants'
-    service in one window, windowed_jain_fairness: the mean over those windows of Jain's index of
-    their service}, {tenant: {backlogged_windows, mean_backlogged_service: its mean service in
-    those windows where it was one of them}}); zeros with no such window."""
+    """The run's windowed fairness over windows with two or more tenants backlogged throughout
+    (max service difference, mean Jain's index), and each tenant's part; zeros with no such
+    window."""
     tenants = sorted({request.tenant for request in requests}, key=str)
     edges = window_edges(requests, window_s)
     service = service_by_window(requests, decode_step_ends, edges)
@@ -119,9 +104,8 @@ def _service_by(request: Request, edges: np.ndarray,
 
 def _decoded_share_by(request: Request, edges: np.ndarray,
                       decode_step_ends: dict[int, np.ndarray]) -> np.ndarray:
-    """The share of its decode steps after its first token that `request` ran by each edge: of
-    its replica's decode steps ending in (first token, finish]; of that time where the replica
-    (the only one, where the run did not say: the engine's LLM.generate) recorded no steps."""
+    """The share of its decode steps after its first token that `request` ran by each edge; a
+    share of time where its replica recorded no steps."""
     ends = decode_step_ends.get(request.replica_id)
     if ends is None and len(decode_step_ends) == 1:
         (ends,) = decode_step_ends.values()
@@ -138,8 +122,8 @@ def _decoded_share_by(request: Request, edges: np.ndarray,
 
 
 def backlogged_by_window(requests: list[Request], edges: np.ndarray) -> np.ndarray:
-    """For each window between `edges`, whether some request of `requests` waited for its first
-    admission at every moment of it (the union of [arrival, first admission) covers it)."""
+    """For each window between `edges`, whether some request waited for its first admission
+    throughout it."""
     spans = sorted((request.arrival_time, request.first_scheduled_time)
                    for request in requests if request.first_scheduled_time is not None)
     merged: list[list[float]] = []

@@ -1,8 +1,6 @@
-"""What a run records while it goes, on the hot path of both backends: one row per step (in
-STEP_COLUMNS order) and each replica's inter-token latencies as a histogram. `StepRecorder` is a
-replica's recorder, called by the step loop (runtime/step.py); `MetricsCollector` holds every
-replica's rows and histogram for the run and reads them back (columns, totals, the summary).
-"""
+"""What a run records on the hot path of both backends: one row per step and each replica's
+inter-token latencies as a histogram (`StepRecorder`, per replica), held and read back for the
+whole run by `MetricsCollector`."""
 from __future__ import annotations
 
 import array
@@ -43,32 +41,25 @@ STEP_COLUMNS: tuple[str, ...] = (
 )
 
 _COL = {name: index for index, name in enumerate(STEP_COLUMNS)}
-# A streamed run's step rows: folded and written out once this many are held, the newest
-# SPILL_KEEP_ROWS kept (a step in flight still amends its own rows: repeated steps' arrivals, a
-# pipelined step's duration).
+# A streamed run keeps its newest rows when it spills, since a step in flight still amends them.
 SPILL_AT_ROWS = 1 << 17
 SPILL_KEEP_ROWS = 1 << 16
-# A streamed run's inter-token latencies logged before they are sketched (16 bytes each).
 STREAMED_LOGGED_ITLS = 1 << 16
-# The columns a run of repeated steps moves (record_repeated_steps builds its rows by position:
-# replica_id, start_time and duration lead, the memory columns stand side by side).
+# record_repeated_steps sets these by position: the memory columns stand side by side.
 _DURATION, _BLOCKS, _TOKENS = _COL["duration"], _COL["kv_blocks_used"], _COL["kv_tokens_stored"]
 _START_TIME = operator.itemgetter(_COL["start_time"])
 
 
 class MetricsCollector:
-    """Collects step rows and ITL histograms from every replica of a run, and turns them plus the
-    run's requests into a summary (sim/tools/run_outputs.py writes them to files)."""
+    """Every replica's step rows and ITL histograms for a run, and its summary."""
 
     def __init__(self, kv_bytes_per_block: int = 0, streamed: bool = False):
         self.kv_bytes_per_block = kv_bytes_per_block
-        # replica_id -> its name in the plots' legends (a cluster of pools names its pool).
         self.replica_labels: dict[int, str] = {}
         self.step_rows: list[tuple] = []
         self.itl_counts: dict[float, int] = {}
-        # Streamed (a long run): step rows are folded into `spilled` and handed to
-        # `write_step_rows` (the run's steps.csv, if any) as they pile up, and inter-token
-        # latencies go into a sketch (streaming.py) instead of the histogram.
+        # A long run streams: rows are folded and written out as they pile up, and latencies
+        # go into a sketch, so memory stays bounded.
         self.streamed = streamed
         self.itl_sketch = QuantileSketch() if streamed else None
         self.write_step_rows: Callable[[list[tuple]], None] | None = None
@@ -103,8 +94,7 @@ class MetricsCollector:
             self.spill_steps()
 
     def spill_steps(self, keep: int | None = None) -> None:
-        """Fold all but the newest `keep` (default SPILL_KEEP_ROWS) held rows into the totals,
-        write them out and drop them (a streamed run; after its last step with keep=0)."""
+        """Fold all but the newest `keep` held rows into the totals, write them out, drop them."""
         num_rows = len(self.step_rows) - (SPILL_KEEP_ROWS if keep is None else keep)
         if num_rows <= 0:
             return
@@ -124,9 +114,8 @@ class MetricsCollector:
                     kv_blocks_used: int, kv_slots_allocated: int, kv_tokens_stored: int,
                     num_waiting: int, num_running: int, num_swapped: int,
                     num_accepted_tokens: int = 0) -> None:
-        """Append one row, in STEP_COLUMNS order. Called every step of every replica, so it only
-        appends a tuple: all per-step analysis happens once, in summary().
-        `num_accepted_tokens`: the step's accepted drafts (speculative decoding)."""
+        """Append one row; it runs every step of every replica, so all analysis waits for
+        summary()."""
         self.step_rows.append((
             replica_id, start_time, duration,
             len(plan.seqs), plan.num_prefill_seqs, plan.num_prefill_tokens, plan.num_decode_seqs,
@@ -158,8 +147,8 @@ class MetricsCollector:
         return {name: int(totals[index]) for name, index in _COL.items()}
 
     def order_steps_by_start(self) -> None:
-        """Put the step rows in order of their start time (a replica records a run of repeated
-        steps at once, ahead of other replicas' steps in between; ties keep their order)."""
+        """Sort the rows by start time, since a replica records repeated steps ahead of other
+        replicas' steps in between."""
         self.step_rows.sort(key=operator.itemgetter(1))
 
     def step_array(self) -> np.ndarray:
@@ -169,15 +158,13 @@ class MetricsCollector:
         return np.asarray(self.step_rows, dtype=np.float64)
 
     def step_column(self, name: str) -> np.ndarray:
-        """One of STEP_COLUMNS over the steps, as a float array (the values of step_array's
-        column, without building the whole array)."""
+        """One of STEP_COLUMNS over the steps, as a float array."""
         index = _COL[name]
         return np.fromiter(map(operator.itemgetter(index), self.step_rows), dtype=np.float64,
                            count=len(self.step_rows))
 
     def step_column_total(self, name: str) -> int:
-        """The sum of one of STEP_COLUMNS' counts over the steps (an integer: no float array
-        is built for it)."""
+        """The integer sum of one of STEP_COLUMNS' counts over the steps."""
         return (int(self._spilled_totals[_COL[name]])
                 + int(sum(map(operator.itemgetter(_COL[name]), self.step_rows))))
 
@@ -187,8 +174,8 @@ class MetricsCollector:
         return int(max(held, self._spilled_peaks[_COL[name]]))
 
     def kv_waste_fraction(self) -> float:
-        """The mean over steps holding KV slots of the share of those slots not storing a
-        token; fsum: the same whatever order the replicas' steps were recorded in."""
+        """The mean share of allocated KV slots storing no token; fsum, so replica order does
+        not change it."""
         waste = _waste(self.step_column("kv_slots_allocated"), self.step_column("kv_tokens_stored"))
         num_steps = waste.size + self._spilled_waste_steps
         if not num_steps:
@@ -206,9 +193,7 @@ class MetricsCollector:
     def summary(self, requests: list[Request], wall_time_s: float,
                 slos_ms: dict[str, float] | None = None,
                 fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S) -> dict:
-        """The run's headline numbers (summary.py's run_summary); `slos_ms` (optional), e.g.
-        {"ttft": 200, "tpot": 50, "e2el": 10_000}, adds goodput and SLO attainment;
-        `fairness_window_s` is the windowed fairness's window (with tenants)."""
+        """The run's headline numbers (summary.py's run_summary)."""
         return run_summary(self, requests, wall_time_s, slos_ms, fairness_window_s)
 
 
@@ -219,22 +204,19 @@ def _waste(allocated: np.ndarray, stored: np.ndarray) -> np.ndarray:
 
 
 class StepRecorder:
-    """What one replica's steps leave in a run's metrics, recorded by the step loop
-    (runtime/step.py) on both backends: a row per step in the MetricsCollector, and the replica's
-    inter-token latencies as a histogram {seconds: tokens} (a float per token is too much memory
-    for a 100k-request run, and most tokens of a step share one value).
+    """One replica's step rows and inter-token latencies, as a histogram {seconds: tokens} since
+    a float per token is too much memory for a long run.
 
-    The latencies are logged as they arise, (seconds, tokens) pairs side by side in two arrays,
-    and counted into the histogram when it is read (`itl_counts`) or the log grows long: a dict
-    update for every step of a run of repeated steps cost more than the rest of its row."""
+    Latencies are logged in arrays and counted into the histogram only when read or when the log
+    grows long, since a dict update per repeated step cost more than the rest of its row."""
 
-    MAX_LOGGED_ITLS = 1 << 22   # pairs logged before they are counted (16 bytes each)
+    MAX_LOGGED_ITLS = 1 << 22
 
     def __init__(self, metrics: MetricsCollector, replica_id: int = 0,
                  energy: StepEnergy | None = None):
         self.metrics = metrics
         self.replica_id = replica_id
-        self.energy = energy   # the replica's joules, step by step (sim/core/energy/meter.py)
+        self.energy = energy
         self._itl_counts: dict[float, int] = {}
         self._logged_itls = array.array("d")
         self._logged_tokens = array.array("q")
@@ -243,8 +225,7 @@ class StepRecorder:
 
     @property
     def itl_counts(self) -> dict[float, int]:
-        """{seconds: tokens} of every inter-token latency recorded so far, the latencies in the
-        order they first arose."""
+        """{seconds: tokens} of the latencies so far, in the order they first arose."""
         if self._logged_itls:
             self._count_logged_itls()
         return self._itl_counts
@@ -259,8 +240,8 @@ class StepRecorder:
             return
         values, first_index, inverse = np.unique(latencies, return_index=True,
                                                  return_inverse=True)
-        # (bincount's float sums of these integer counts are exact well below 2**53, and far
-        # quicker than np.add.at.)
+        # bincount's float sums of integer counts are exact below 2**53 and far quicker than
+        # np.add.at.
         totals = np.bincount(inverse, weights=tokens, minlength=values.size).astype(np.int64)
         order = np.argsort(first_index)   # the order a dict would have inserted them in
         new_counts = zip(values[order].tolist(), totals[order].tolist())
@@ -274,8 +255,7 @@ class StepRecorder:
 
     def record_step(self, start_time: float, plan: StepPlan, result: StepResult,
                     scheduler: Scheduler) -> None:
-        """The step's row: its plan, and memory and queues as they stand during the step
-        (before its finished requests leave)."""
+        """The step's row, memory and queues as they stand before its finished requests leave."""
         self._record_row(start_time, plan, result.duration, scheduler,
                          sum(result.num_accepted.values()) if result.num_accepted else 0)
         if self.energy is not None:
@@ -300,13 +280,8 @@ class StepRecorder:
 
     def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
                               scheduler: Scheduler) -> None:
-        """The rows of a decode batch run len(durations) times in a row, each as its own step's
-        row would be: only the start, the duration and the memory columns (one more token
-        stored per decode each step, and the blocks they grow into) move, so the first row is
-        recorded as any step's and the others are copies of it with those changed; the blocks
-        come from the plan's DecodeRun. A run's later segment, whose sequences ran
-        `num_steps_before` steps already, holds the slots of where they stood before those: its
-        first row adds what they grew into since."""
+        """The rows of a decode batch run len(durations) times, as separate steps would record
+        them: copies of the first with only the start, duration and memory columns moved."""
         self._record_row(start_time, plan, durations[0], scheduler)
         if self.energy is not None:
             self.energy.add_repeated_steps(plan, durations)
@@ -323,8 +298,7 @@ class StepRecorder:
             slots += new_blocks[0] * block_size
             row[_BLOCKS:_TOKENS + 1] = blocks, slots, tokens
             rows[-1] = tuple(row)
-        # Each later row a copy of the list `row` with what moved set in it (fewer operations
-        # a step than a tuple display).
+        # Setting fields in one list and copying it costs fewer operations than a tuple display.
         start, duration_at, blocks_at, slots_at, tokens_at = (
             _COL["start_time"], _DURATION, _BLOCKS, _COL["kv_slots_allocated"], _TOKENS)
         append = rows.append
@@ -342,9 +316,8 @@ class StepRecorder:
             append(tuple(row))
 
     def count_arrivals(self, first_row: int, num_rows: int, arrival_times: list[float]) -> None:
-        """Requests that joined the waiting queue during repeated steps (at `arrival_times`, in
-        time order): each step row from `first_row` on that started after one counts it waiting,
-        as the row of a separate step would."""
+        """Count requests that arrived during repeated steps as waiting in the rows that started
+        after them, as separate steps' rows would."""
         if not arrival_times:
             return
         metrics, column = self.metrics, _COL["num_waiting"]
@@ -368,9 +341,8 @@ class StepRecorder:
             self._count_logged_itls()
 
     def _add_one_token_each(self, times_before: list[float], end: float) -> None:
-        """One token for each of the (non-empty) sequences that last sampled at `times_before`,
-        `end - that time` later. Those that last sampled in one step sit side by side in the batch:
-        one run per earlier step (hashing each sequence's time would cost more than its step)."""
+        """One token per sequence, `end - its last token's time` later, logged one run per
+        earlier step since hashing each sequence's time would cost more than its step."""
         log_itl, log_tokens = self._logged_itls.append, self._logged_tokens.append
         if times_before.count(times_before[0]) == len(times_before):
             log_itl(end - times_before[0])
@@ -382,10 +354,8 @@ class StepRecorder:
 
     def record_itls(self, seqs: list[Sequence], outputs_before: list[int],
                     times_before: list[float], now: float) -> None:
-        """Inter-token latencies of a step that ended at `now`: each sequence that gained tokens
-        after its first gained them `now - its last token's time` later (the tokens of one step
-        share one time). `outputs_before` and `times_before` are the sequences'
-        `num_output_tokens` and `last_token_time` before the step's update."""
+        """Inter-token latencies of a step that ended at `now`, from the sequences'
+        `num_output_tokens` and `last_token_time` before its update."""
         gained = list(map(operator.sub, [seq.num_output_tokens for seq in seqs], outputs_before))
         num_seqs = len(gained)
         if num_seqs and gained.count(1) == num_seqs and 0 not in outputs_before:

@@ -1,7 +1,5 @@
-"""The summary of what a run's multi-turn sessions (requests with a `session_id`) got from the KV
-kept between their turns: first turns and follow-up turns apart (TTFT and prefix-cache hit rate),
-and the device blocks the KV retention policy (conf/kv_retention) held for idle sessions over
-time. Absent from runs without sessions."""
+"""What a run's multi-turn sessions got from the KV kept between their turns: first and follow-up
+turns apart, and the blocks held for idle sessions over time."""
 from __future__ import annotations
 
 import heapq
@@ -18,13 +16,8 @@ def has_sessions(requests: list[Request]) -> bool:
 
 def session_kv_summary(requests: list[Request],
                        held_blocks_logs: Iterable[list[tuple[float, int]]]) -> dict:
-    """`num_sessions` (those any request of the run belongs to); over completed requests with a
-    session: `{mean,median,p90,p99}_ttft_first_turn_ms` and
-    `..._ttft_followup_turn_ms`; with token ids `prefix_cache_hit_rate_first_turn` and
-    `prefix_cache_hit_rate_followup_turn` (the share of those turns' prompt tokens the cache
-    served); and `idle_session_blocks_mean` / `idle_session_blocks_max`: the device blocks held
-    for idle sessions (each replica's retention policy's log of changes), summed over replicas,
-    time-weighted over the run's span (first arrival to last finish), and at their most."""
+    """TTFT and prefix-cache hit rate of first and follow-up turns, and the blocks held for idle
+    sessions (summed over replicas, time-weighted mean and maximum)."""
     in_sessions = [r for r in requests if r.session_id is not None]
     completed = [r for r in in_sessions if is_completed(r)]
     turns = {"first_turn": [r for r in completed if not r.turn],
@@ -48,9 +41,8 @@ def session_kv_summary(requests: list[Request],
 
 def held_blocks_over_time(logs: Iterable[list[tuple[float, int]]], start: float,
                           end: float) -> tuple[float, float]:
-    """The time-weighted mean over [start, end] and the maximum of a level that starts at 0 and
-    moves by each (time, change) of the logs, taken in time order; changes at one time count
-    together (a pin and the releases it caused are one change)."""
+    """The time-weighted mean over [start, end] and the maximum of a level moved by the logs'
+    changes; changes at one time count together so a pin and its releases make no false peak."""
     changes = heapq.merge(*(sorted(log, key=_time) for log in logs), key=_time)
     level = peak = 0
     area = 0.0

@@ -1,8 +1,7 @@
-"""Summary statistics of a run's requests: per-request latencies, percentiles (of arrays and of
-{value: count} histograms), rejection reasons, SLOs, service and fairness, per-group summaries.
+"""Summary statistics of a run's requests, in `vllm bench serve`'s units (ms).
 
-Units follow `vllm bench serve` (TTFT, TPOT, ITL, E2EL in ms). A value with no data to stand on is
-0.0, never NaN: summary.json must stay valid JSON and scripts must not special-case empty runs.
+A value with no data is 0.0, never NaN, so summary.json stays valid JSON and scripts need not
+special-case empty runs.
 """
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ PERCENTILES: tuple[tuple[str, float], ...] = (("median", 50.0), ("p90", 90.0), (
 # What each per_tenant / per_priority entry holds of a group's latencies (ms).
 GROUP_LATENCY_KEYS: tuple[str, ...] = tuple(
     f"{stat}_{name}_ms" for name in ("ttft", "tpot", "e2el") for stat in ("mean", "median", "p99"))
-# VTC's service weights (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
-# an output token costs twice an input token, roughly its share of the work. The scheduler's own,
-# so that the summary measures what scheduler=vtc equalises.
+# VTC's own service weights, so the summary measures what scheduler=vtc equalises.
 SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT = INPUT_WEIGHT, OUTPUT_WEIGHT
 
 
@@ -34,8 +31,8 @@ def is_completed(request: Request) -> bool:
 
 
 def completed_requests(requests: list[Request]) -> list[Request]:
-    """The completed ones of `requests`, in order (is_completed of each)."""
-    # (When all completed, as in most runs, two C passes instead of a call per request.)
+    """The completed ones of `requests`, in order."""
+    # When all completed, as in most runs, two C passes replace a call per request.
     if (list(map(operator.attrgetter("finish_time"), requests)).count(None) == 0
             and list(map(operator.attrgetter("rejected_reason"), requests)).count(None)
             == len(requests)):
@@ -46,8 +43,7 @@ def completed_requests(requests: list[Request]) -> list[Request]:
 def output_tokens(requests: list[Request], per_sample: bool = False) -> list[int]:
     """Each request's `num_output_tokens` (per_sample: `num_output_tokens_per_sample`)."""
     sequences = list(map(operator.attrgetter("sequences"), requests))
-    # A request of one sample has its sequence's tokens as both (the sum and the max of one
-    # int): read them in C passes instead of a property's generator per request.
+    # With one sample per request both counts are the sequence's, read in C passes.
     if list(map(len, sequences)).count(1) == len(sequences):
         return list(map(operator.attrgetter("num_output_tokens"),
                         map(operator.itemgetter(0), sequences)))
@@ -69,10 +65,8 @@ def request_latencies_s(request: Request) -> tuple[float | None, float | None, f
 
 
 def latency_arrays_s(requests: list[Request]) -> dict[str, np.ndarray]:
-    """TTFT, TPOT and E2EL of the completed requests, in seconds, keyed "ttft", "tpot", "e2el".
-    TPOT leaves out requests whose samples have a single token (nothing to divide by). Computed
-    as arrays over the requests (one pass per attribute): a big run's summary spends a good part
-    of its time here otherwise; the same numbers as `request_latencies_s`, request by request."""
+    """TTFT, TPOT (of requests with more than one token per sample) and E2EL in seconds, as
+    `request_latencies_s` gives them, computed one pass per attribute for speed."""
     completed = completed_requests(requests)
     first_token_times = [request.first_token_time for request in completed]
     if None in first_token_times:   # (no run of the simulator leaves one so): request by request
@@ -124,9 +118,8 @@ def stats_ms(values_s: np.ndarray, name: str) -> dict[str, float]:
 
 def weighted_percentiles(values: np.ndarray, counts: np.ndarray,
                          percentiles: list[float] | np.ndarray) -> np.ndarray:
-    """Percentiles of the multiset where values[i] occurs counts[i] times, equal to
-    np.percentile(np.repeat(values, counts), percentiles) (linear interpolation) without
-    materialising the repeat, which can be billions of tokens long."""
+    """np.percentile(np.repeat(values, counts), percentiles) without materialising the repeat,
+    which can be billions of tokens long."""
     values = np.asarray(values, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.int64)
     keep = counts > 0
@@ -159,8 +152,7 @@ def histogram_stats_ms(itl_counts: dict[float, int], name: str) -> dict[str, flo
         return stats_ms(np.empty(0), name)
     values_ms = np.fromiter(itl_counts.keys(), dtype=np.float64, count=len(itl_counts)) * 1000.0
     counts = np.fromiter(itl_counts.values(), dtype=np.int64, count=len(itl_counts))
-    # (np.dot casts int counts to float64 before its BLAS product anyway: cast first, which
-    # gives the same bits and skips its slow mixed-type path.)
+    # Casting first gives np.dot's bits and skips its slow mixed-type path.
     stats = {f"mean_{name}_ms": float(np.dot(values_ms, counts.astype(np.float64)) / total)}
     results = weighted_percentiles(values_ms, counts, [pct for _, pct in PERCENTILES])
     for (label, _), value in zip(PERCENTILES, results):
@@ -187,9 +179,8 @@ def count_rejections(requests: list[Request], kinds: dict[str, list]) -> None:
 
 
 def rejection_summary(requests: list[Request]) -> dict:
-    """For a run that rejected requests, why: the most common kind of rejection (reasons alike
-    but for their numbers), the first such request's reason and how many requests it covers;
-    and `rejected_by_reason`, every kind (its numbers written #) with its count, most first."""
+    """Why a run rejected requests: the most common kind (reasons alike but for their numbers)
+    with its first reason and count, and every kind's count."""
     kinds: dict[str, list] = {}
     count_rejections(requests, kinds)
     return rejection_kinds_summary(kinds)
@@ -233,8 +224,7 @@ def service_tokens(request: Request) -> int:
 
 
 def jain_fairness(values: list[float]) -> float:
-    """Jain's index (sum x)^2 / (n * sum x^2): 1.0 when all are equal, 1/n when one has it all;
-    0.0 when nobody got anything (no data, the module's convention)."""
+    """Jain's index (sum x)^2 / (n * sum x^2); 0.0 when nobody got anything."""
     squares = math.fsum(value * value for value in values)
     return math.fsum(values) ** 2 / (len(values) * squares) if squares else 0.0
 
@@ -264,8 +254,7 @@ def _group_summary(requests: list[Request], duration_s: float,
 
 def group_summaries(requests: list[Request], duration_s: float,
                     slos_ms: dict[str, float] | None, has_slos: bool) -> dict:
-    """`per_tenant` with more than one tenant (and `jain_fairness` over them), `per_priority`
-    with more than one priority; nothing for a run of one of each."""
+    """`per_tenant` (with `jain_fairness`) and `per_priority`, each when there is more than one."""
     by_tenant: dict[str, list[Request]] = defaultdict(list)
     by_priority: dict[int, list[Request]] = defaultdict(list)
     for request in requests:

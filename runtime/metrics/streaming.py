@@ -1,18 +1,10 @@
-"""A long run's summary in bounded memory: its finished requests folded into running totals and
-quantile sketches a chunk at a time, then dropped (`RequestLedger`).
+"""A long run's summary in bounded memory: finished requests folded into running totals and
+quantile sketches a chunk at a time, then dropped (`RequestLedger`); sums and means stay exact,
+percentiles come within RELATIVE_ACCURACY (docs/architecture.md, "Long runs in bounded memory").
 
-What is exact and what is streamed (docs/architecture.md, "Long runs in bounded memory"): counts,
-token totals, throughputs, the duration, preemptions, goodput and SLO attainment, prefix-cache
-hit rates, rejections and every mean are exact (sums); the medians, p90s and p99s of TTFT, TPOT,
-E2EL and ITL come from a `QuantileSketch`, within RELATIVE_ACCURACY of the exact percentile.
-
-The sketch is a log-bucket histogram in the manner of DDSketch (Masson, Rim and Lee, VLDB 2019),
-written here from the idea: a positive value x counts in bucket i = ceil(log(x) / log(gamma)),
-gamma = (1 + a) / (1 - a), which holds (gamma^(i-1), gamma^i]; the bucket's representative
-2 gamma^i / (gamma + 1) is within a of every value in it, relatively. A quantile takes numpy's
-linear interpolation between the representatives of the two ranks around it, so it is within a
-of np.percentile of the same values. Its size is the number of buckets met (log(max / min) /
-log(gamma): about 12,000 for latencies from a microsecond to three hours), not the count.
+`QuantileSketch` is a log-bucket histogram after DDSketch (Masson, Rim and Lee, VLDB 2019): bucket
+i = ceil(log(x) / log(gamma)), gamma = (1 + a) / (1 - a), whose representative 2 gamma^i /
+(gamma + 1) is within a of every value in it, so its size grows with log(max / min), not the count.
 """
 from __future__ import annotations
 
@@ -30,15 +22,12 @@ from runtime.metrics.statistics import (PERCENTILES, SERVICE_INPUT_WEIGHT,
                                          SERVICE_OUTPUT_WEIGHT, count_rejections, is_completed,
                                          latency_arrays_s, meets_slos)
 
-# The sketch's bound on a percentile's relative error.
-RELATIVE_ACCURACY = 0.001
-# Finished requests held before they are folded into the totals (and written out).
-FOLD_CHUNK = 4096
+RELATIVE_ACCURACY = 0.001   # of a sketched percentile
+FOLD_CHUNK = 4096           # finished requests held before they are folded and written
 
 
 class QuantileSketch:
-    """Counts of positive values in log-spaced buckets (see the module's docstring); values <= 0
-    are counted apart, as 0. Weighted: an ITL histogram adds each latency with its tokens."""
+    """Weighted counts of values in log-spaced buckets; values <= 0 are counted apart, as 0."""
 
     def __init__(self, relative_accuracy: float = RELATIVE_ACCURACY):
         if not 0 < relative_accuracy < 1:
@@ -99,8 +88,8 @@ class QuantileSketch:
 
 
 class RequestTotals:
-    """What a run's (or one tenant's or priority's) summary needs of its finished requests, as
-    running totals and a sketch per latency; `fold` adds a chunk of them."""
+    """What a run's (or one group's) summary needs of its finished requests, as running totals
+    and a sketch per latency."""
 
     def __init__(self, relative_accuracy: float = RELATIVE_ACCURACY):
         self.num_requests = self.completed = self.rejected = 0
@@ -169,9 +158,8 @@ class RequestTotals:
 
 
 class RequestLedger:
-    """A run's finished requests, kept (`keep`) or folded into `totals` a FOLD_CHUNK at a time
-    and dropped, each chunk handed to `write_rows` first (the run's requests.csv, if it writes
-    one); `by_tenant` and `by_priority` are the same per group."""
+    """A run's finished requests, kept (`keep`) or written out, folded into `totals` (and per
+    tenant and priority) and dropped a chunk at a time."""
 
     def __init__(self, keep: bool, slos_ms: dict[str, float] | None = None,
                  write_rows: Callable[[list[Request]], None] | None = None,
@@ -183,8 +171,8 @@ class RequestLedger:
         self.kept: list[Request] = []   # with keep: every finished request
         self.pending: list[Request] = []
         self.totals = RequestTotals(relative_accuracy)
-        # Per tenant and per priority, once a second one appears: until then, the one group
-        # seen (`_sole`) has the run's totals, and folding them twice more would cost as much.
+        # Groups are folded only once a second one appears, since a sole group's totals are the
+        # run's and folding them again would double the cost.
         self.by_tenant: dict[str, RequestTotals] = {}
         self.by_priority: dict[int, RequestTotals] = {}
         self._sole: dict[str, object] = {}
@@ -218,8 +206,8 @@ class RequestLedger:
                     groups[value] = RequestTotals(self.relative_accuracy)
                 groups[value].fold(group, self.slos_ms)
         for request in chunk:
-            # A request and its sequences refer to each other: without the cycle they are freed
-            # as the chunk goes, not at the cyclic GC's next full collection.
+            # Breaking the request-sequence cycle frees them as the chunk goes, not at the next
+            # full collection.
             request.sequences.clear()
 
 

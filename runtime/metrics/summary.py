@@ -1,7 +1,5 @@
-"""A run's summary: its headline numbers (counts, throughputs, latency percentiles, goodput, KV
-memory, swap, speculation, prefix caching, per-tenant and per-priority numbers), from its
-requests and what its MetricsCollector recorded; the value of `MetricsCollector.summary`.
-"""
+"""A run's summary (`MetricsCollector.summary`): its headline numbers from its requests and what
+its MetricsCollector recorded."""
 from __future__ import annotations
 
 import operator
@@ -18,8 +16,8 @@ if TYPE_CHECKING:
     from runtime.metrics.recorder import MetricsCollector
     from runtime.metrics.streaming import RequestLedger, RequestTotals
 
-# The windows of the windowed fairness (metrics.fairness_window_s): long enough for several
-# requests of each tenant, short enough to see who was served while both waited.
+# Long enough for several requests of each tenant, short enough to see who was served while
+# both waited.
 DEFAULT_FAIRNESS_WINDOW_S = 10.0
 
 
@@ -28,93 +26,97 @@ def run_summary(metrics: MetricsCollector, requests: list[Request], wall_time_s:
                 fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S) -> dict:
     """The run's headline numbers; a value with no data to stand on is 0.0 (statistics.py).
 
-    `slos_ms` (optional), e.g. {"ttft": 200, "tpot": 50, "e2el": 10_000}: adds `goodput`
-    (req/s of completed requests meeting every given SLO, as vllm defines it) and
-    `slo_attainment` (their fraction of completed requests); so do requests' own SLOs, which
-    replace the run's limits for their request. With more than one tenant, the windowed
-    fairness over windows of `fairness_window_s` (fairness.py) joins `jain_fairness`."""
-    # (Sums over the requests in C passes: a big run's summary is a share of its time.)
-    attribute = operator.attrgetter
+    `slos_ms`, e.g. {"ttft": 200, "tpot": 50}, adds `goodput` and `slo_attainment` (vllm's
+    definitions), as do requests' own SLOs."""
+    # Sums over the requests run as C passes (map, attrgetter): a big run's summary is a share
+    # of its time.
     completed = completed_requests(requests)
-    num_rejected = len(requests) - list(map(attribute("rejected_reason"), requests)).count(None)
-    if completed:
-        first_arrival = min(map(attribute("arrival_time"), requests))
-        last_finish = max(map(attribute("finish_time"), completed))
-        duration_s = last_finish - first_arrival
-    else:
-        duration_s = 0.0
-    total_input = sum(map(attribute("prompt_len"), completed))
-    total_output = sum(output_tokens(completed))
-
-    result: dict = {
-        "completed": len(completed),
-        "rejected": num_rejected,
-        "num_requests": len(requests),
-        "duration_s": float(duration_s),
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": per_second(len(completed), duration_s),
-        "output_throughput": per_second(total_output, duration_s),
-        "total_token_throughput": per_second(total_input + total_output, duration_s),
-    }
+    duration_s = _duration_s(requests, completed)
+    total_input = sum(map(operator.attrgetter("prompt_len"), completed))
+    result = _headline(len(completed), _num_set(requests, "rejected_reason"), len(requests),
+                       duration_s, total_input, sum(output_tokens(completed)))
     latencies = latency_arrays_s(completed)
-    for name in LATENCY_METRICS:
-        if name == "itl":
-            result.update(metrics.itl_stats_ms())
-        else:
-            result.update(stats_ms(latencies[name], name))
+    result.update(_latency_numbers(metrics, lambda name: stats_ms(latencies[name], name)))
     has_slos = slos_ms is not None or not (_all_none(requests, "slo_ttft_ms")
                                            and _all_none(requests, "slo_tpot_ms"))
     if has_slos:
-        num_abandoned = len(requests) - list(map(attribute("abandoned_time"), requests)).count(None)
-        result.update(_goodput(completed, slos_ms or {}, duration_s, num_abandoned))
-
-    result.update(_step_numbers(metrics, sum(map(attribute("num_preemptions"), requests)),
-                                duration_s, wall_time_s))
-    if not _all_none(requests, "prompt_token_ids"):
-        result.update(_prefix_cache_numbers(   # (prefix caching needs token ids)
-            sum(request.prompt_len for request in completed),
-            sum(request.num_cached_tokens for request in completed),
+        result.update(_goodput(completed, slos_ms or {}, duration_s,
+                               _num_set(requests, "abandoned_time")))
+    result.update(_step_numbers(metrics, sum(map(operator.attrgetter("num_preemptions"),
+                                                 requests)), duration_s, wall_time_s))
+    if not _all_none(requests, "prompt_token_ids"):   # prefix caching needs token ids
+        result.update(_prefix_cache_numbers(
+            total_input, sum(request.num_cached_tokens for request in completed),
             sum(request.num_host_cached_tokens for request in completed)))
     result.update(_offload_numbers(metrics))
     result.update(group_summaries(requests, duration_s, slos_ms, has_slos))
     if "per_tenant" in result:
-        fairness, per_tenant = windowed_fairness(requests, decode_step_ends(metrics),
-                                                 fairness_window_s)
-        result.update(fairness)
-        for tenant, part in per_tenant.items():
-            result["per_tenant"][tenant].update(part)
+        _add_windowed_fairness(result, requests, metrics, fairness_window_s)
     return result
 
 
+def _duration_s(requests: list[Request], completed: list[Request]) -> float:
+    """From the first arrival to the last completion; 0.0 when nothing completed."""
+    if not completed:
+        return 0.0
+    return (max(map(operator.attrgetter("finish_time"), completed))
+            - min(map(operator.attrgetter("arrival_time"), requests)))
+
+
+def _headline(num_completed: int, num_rejected: int, num_requests: int, duration_s: float,
+              total_input: int, total_output: int) -> dict:
+    """The counts and throughputs that open every summary."""
+    return {
+        "completed": num_completed,
+        "rejected": num_rejected,
+        "num_requests": num_requests,
+        "duration_s": float(duration_s),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": per_second(num_completed, duration_s),
+        "output_throughput": per_second(total_output, duration_s),
+        "total_token_throughput": per_second(total_input + total_output, duration_s),
+    }
+
+
+def _latency_numbers(metrics: MetricsCollector, stats_of) -> dict:
+    """Each latency metric's statistics: ITL from the step recorder, the rest from `stats_of`."""
+    result: dict = {}
+    for name in LATENCY_METRICS:
+        result.update(metrics.itl_stats_ms() if name == "itl" else stats_of(name))
+    return result
+
+
+def _add_windowed_fairness(result: dict, requests: list[Request], metrics: MetricsCollector,
+                           fairness_window_s: float) -> None:
+    """The windowed fairness (fairness.py) beside `jain_fairness`, and its per-tenant parts."""
+    fairness, per_tenant = windowed_fairness(requests, decode_step_ends(metrics),
+                                             fairness_window_s)
+    result.update(fairness)
+    for tenant, part in per_tenant.items():
+        result["per_tenant"][tenant].update(part)
+
+
+def _num_set(requests: list[Request], name: str) -> int:
+    """How many requests have attribute `name` not None."""
+    return len(requests) - list(map(operator.attrgetter(name), requests)).count(None)
+
+
 def _all_none(requests: list[Request], name: str) -> bool:
-    """Whether every request's attribute `name` is None (in C passes: a big run's summary)."""
+    """Whether every request's attribute `name` is None."""
     return list(map(operator.attrgetter(name), requests)).count(None) == len(requests)
 
 
 def streamed_run_summary(metrics: MetricsCollector, ledger: RequestLedger, wall_time_s: float,
                          has_slos: bool) -> dict:
-    """run_summary's numbers from a ledger that folded the requests as they finished
-    (streaming.py: percentiles from its sketches, the rest exact); `has_slos`: whether the run
-    has SLOs of its own (run_summary's slos_ms). With more than one tenant, the windowed
-    fairness (which needs every request's times) is left out."""
+    """run_summary's numbers from a ledger folded as requests finished (percentiles from
+    sketches); without the windowed fairness, which needs every request's times."""
     totals = ledger.totals
     duration_s = totals.last_finish - totals.first_arrival if totals.completed else 0.0
-    total_input, total_output = totals.total_input, totals.total_output
-    result: dict = {
-        "completed": totals.completed,
-        "rejected": totals.rejected,
-        "num_requests": totals.num_requests,
-        "duration_s": float(duration_s),
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": per_second(totals.completed, duration_s),
-        "output_throughput": per_second(total_output, duration_s),
-        "total_token_throughput": per_second(total_input + total_output, duration_s),
-    }
-    for name in LATENCY_METRICS:
-        result.update(metrics.itl_stats_ms() if name == "itl"
-                      else totals.latency_stats_ms(name))
+    total_input = totals.total_input
+    result = _headline(totals.completed, totals.rejected, totals.num_requests, duration_s,
+                       total_input, totals.total_output)
+    result.update(_latency_numbers(metrics, totals.latency_stats_ms))
     has_slos = has_slos or totals.has_request_slos
     if has_slos:
         result.update(_streamed_goodput(totals, duration_s))
@@ -171,10 +173,7 @@ def _step_numbers(metrics: MetricsCollector, num_preemptions: int, duration_s: f
         "swap_bytes": int(blocks_swapped) * metrics.kv_bytes_per_block,
         "num_steps": metrics.num_steps,
         "wall_time_s": float(wall_time_s),
-        # Simulated seconds per wall second: how much faster than real time the run went.
         "sim_speedup": per_second(duration_s, wall_time_s),
-        # Speculative decoding: drafts proposed and accepted, their ratio, and the tokens a
-        # decoding sequence gains per step (1 + accepted drafts per decode; 1.0 without).
         "num_draft_tokens": num_drafts,
         "num_accepted_tokens": num_accepted,
         "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
@@ -205,8 +204,7 @@ def _offload_numbers(metrics: MetricsCollector) -> dict:
 
 def _goodput(completed: list[Request], slos_ms: dict[str, float], duration_s: float,
              num_abandoned: int = 0) -> dict[str, float]:
-    """`goodput` (req/s of completed requests meeting every SLO) and `slo_attainment` (their
-    share of the completed and the `num_abandoned` requests: one its client gave up on missed)."""
+    """`goodput` and `slo_attainment`; an abandoned request counts as a miss."""
     unknown = set(slos_ms) - {"ttft", "tpot", "e2el"}
     if unknown:
         raise ValueError(f"unknown SLO metrics {sorted(unknown)}; use ttft, tpot, e2el")

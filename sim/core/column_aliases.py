@@ -1,9 +1,7 @@
-"""Column names that mean the same thing in the CSV files twinserve reads: a `workload=trace` CSV
-names a request's arrival `arrival_time`, a `--real` run's CSV `arrival_s`, and either file takes
-either name. One table for both readers."""
+"""Column names that mean the same thing in the CSV files twinserve reads (a trace's
+`arrival_time`, a `--real` run's `arrival_s`), so either reader takes either name."""
 from __future__ import annotations
 
-# Each entry: the names of one column (seconds since the run's start at which a request arrived).
 SAME_COLUMNS = (("arrival_time", "arrival_s"),)
 
 
@@ -16,9 +14,8 @@ def _same_cell(first: str, second: str) -> bool:
 
 def unify_columns(header: list[str], rows: list[list[str]], line_numbers: list[int],
                   wanted: tuple[str, ...], where: str) -> list[str]:
-    """`header` with a column named by another name of a `wanted` column renamed to the wanted
-    name. Where the file has both names, each row's two cells must agree (ValueError in one line
-    naming both columns and the first line where they do not), and the wanted one is read."""
+    """`header` with aliases of the `wanted` columns renamed; where a file has both names, every
+    row's two cells must agree."""
     header = list(header)
     for names in SAME_COLUMNS:
         name = next((name for name in names if name in wanted), None)

@@ -1,7 +1,5 @@
-"""Reading the JSON files a run is given (profiles, acceptance statistics, fitted cost-model
-terms): one clear error that names the setting for a missing file, bad JSON or something other
-than an object. A relative path is tried against the working directory, then the repo root, so
-the shipped files (profiles/...) are found from any working directory."""
+"""Reading the JSON files a run is given, with one error line naming the setting; relative paths
+fall back to the repo root so the shipped files are found from any working directory."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,5 @@
-"""Long runs in bounded memory: whether a run is streamed (its finished requests folded into
-running totals and dropped, its step rows spilled: runtime/metrics/streaming.py), and a streamed
-run's checks and summary. docs/architecture.md ("Long runs in bounded memory") says what is
-exact and what is sketched.
-"""
+"""Long runs in bounded memory: whether a run is streamed (runtime/metrics/streaming.py), and a
+streamed run's checks and summary."""
 from __future__ import annotations
 
 import sys
@@ -30,9 +27,8 @@ def max_kept_requests(cfg: DictConfig) -> int:
 
 
 def is_streamed(cfg: DictConfig, requests, num_planned: int, disaggregated: bool) -> bool:
-    """Whether the run streams its `requests` (None: a closed-loop workload's, made by the run):
-    an open-loop workload of more than metrics.max_kept_requests, unless a part of the run needs
-    every request (said on stderr)."""
+    """Whether an open-loop run of more than metrics.max_kept_requests streams, unless a part of
+    the run needs every request (said on stderr)."""
     limit = max_kept_requests(cfg)
     if num_planned <= limit:
         return False
@@ -54,8 +50,7 @@ def is_streamed(cfg: DictConfig, requests, num_planned: int, disaggregated: bool
 
 def streamed_summary(metrics: MetricsCollector, ledger: RequestLedger, num_planned: int,
                      wall_time_s: float, has_slos: bool, replicas: list) -> dict:
-    """A streamed run's checks (every request finished, each with a first token) and its
-    summary keys that come from requests: run_summary's, the rejections and the energy."""
+    """A streamed run's checks and its summary keys that come from requests."""
     ledger.fold()
     metrics.spill_steps(keep=0)
     totals = ledger.totals

@@ -1,11 +1,10 @@
-"""One line on stderr once a process: the fallbacks' notices, which a sweep building many cost
-models would otherwise repeat for each."""
+"""One line on stderr once a process, since a sweep building many cost models would repeat each
+fallback's notice."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Hashable
 
-# The keys of the lines said so far.
 _SAID: set[Hashable] = set()
 
 

@@ -1,15 +1,9 @@
-"""The arrivals of a closed-loop workload (sim/core/workload/sessions.py) on either backend: each
-request reaches the replica the router picks at its arrival time (plus the front end's latency),
-and each request that finishes or is rejected, on any replica, is handed to the SessionSource,
-whose answer (the session's next turn) is scheduled in turn. The replicas call `on_finished`
-(their one hook, `Replica.on_finished`), so a run without sessions never meets this module.
+"""The arrivals of a closed-loop workload: each finished or rejected request is handed to the
+SessionSource, whose next turn is scheduled in turn.
 
-Repeated decode steps (runtime/step.py) run up to the next arrival, which a closed loop does not
-know in advance: `time` (a `NextArrival` look-alike) is the earliest any request could reach a
-replica, the next scheduled arrival or, sooner, now plus the least gap after a request in flight
-(none of them can finish before now). Runs of repeated steps also end at their first finish
-(`Replica.run`), whose follow-up is then scheduled at its exact time. So a closed-loop run comes
-out as it would step by step.
+Repeated decode steps run up to the next arrival, which a closed loop does not know in advance, so
+`time` is the earliest any request could arrive: the next scheduled one or now plus the least gap
+after a request in flight; a closed-loop run thus comes out as it would step by step.
 """
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ from sim.core.workload import SessionSource
 
 
 class ClosedLoopArrivals:
-    """Schedules a SessionSource's requests on `env` and counts them: `requests` lists those that
-    arrived, in arrival order (request_id 0, 1, ... as they arrive)."""
+    """Schedules a SessionSource's requests on `env`; `requests` lists those that arrived."""
 
     __slots__ = ("env", "source", "router", "replicas", "predict", "frontend_latency_s",
                  "requests", "_pending", "_gaps_in_flight", "_due", "_draining")
@@ -38,15 +31,13 @@ class ClosedLoopArrivals:
         self.frontend_latency_s = frontend_latency_s
         self.requests: list[Request] = []
         self._pending: list[float] = []   # heap: when scheduled requests reach a replica
-        # heap of (gap after it, request_id, request) of the requests in flight that can cause
-        # another (those that ended since leave it when they reach its top)
+        # Requests in flight that can cause another; those ended since leave lazily.
         self._gaps_in_flight: list[tuple[float, int, Request]] = []
         self._due: list[Request] = []     # requests due now, submitted in order
         self._draining = False
 
     def start(self, router, replicas: list) -> None:
-        """Route to `replicas` by `router` from now on, listen to their finishes and schedule
-        the sessions' first turns."""
+        """Route to `replicas`, listen to their finishes and schedule the first turns."""
         self.router, self.replicas = router, replicas
         for replica in replicas:
             replica.on_finished = self.on_finished
@@ -90,8 +81,8 @@ class ClosedLoopArrivals:
             self._submit_due()
 
     def _submit_due(self) -> None:
-        """Submit the due requests in order; one rejected at once may make more due now, which
-        join the list rather than recursing."""
+        """Submit the due requests in order; those a rejection makes due join the list rather
+        than recurse."""
         self._draining = True
         due = self._due
         index = 0

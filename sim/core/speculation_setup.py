@@ -17,19 +17,15 @@ from sim.core.acceptance import AcceptanceModel
 
 @dataclass
 class SpeculationSetup:
-    """The speculation group of a run whose policy drafts: the policy's own config (built once
-    per replica: a policy may keep state), the drafter and, for the simulator, what the drafts
-    cost and how often they are accepted."""
+    """The speculation group of a run whose policy drafts; the policy is built per replica from
+    its config, since a policy may keep state."""
 
     policy_cfg: DictConfig
     max_num_speculative_tokens: int
     draft_model: str                      # "ngram", a conf/model name or (engine) a folder
     draft_spec: ModelSpec | str | None    # sim: "ngram" or the draft model's shape
     acceptance: AcceptanceModel | None    # sim: the acceptance statistics
-    # The draft model whose K/V shares the KV pool's blocks: None for ngram (no K/V), or for a
-    # checkpoint folder the engine loads (its shape is not in conf/model).
-    draft_kv: ModelSpec | None = None
-    # Token trees (medusa, lookahead): per size the policy may choose, the depth it reaches.
+    draft_kv: ModelSpec | None = None     # shares the KV pool's blocks; None: ngram, a folder
     depth_per_size: list[int] | None = None
     tree: TreeSpec | None = None          # token trees: the shape the engine drafts
 
@@ -38,16 +34,14 @@ class SpeculationSetup:
         return self.acceptance.reseeded(seed)
 
     def executor_tree(self) -> dict:
-        """The token tree as a backend executor's `tree` argument (a {_target_: ...} mapping):
-        its depth the deepest the policy's sizes reach."""
+        """The token tree as a backend executor's `tree` argument."""
         fields = dataclasses.asdict(self.tree) | {"max_depth": max(self.depth_per_size)}
         return {"_target_": f"{TreeSpec.__module__}.{TreeSpec.__qualname__}",
                 "_convert_": "all", **fields}
 
 
 def draft_model_spec(name: str) -> ModelSpec | str:
-    """What the cost model costs the drafts with: a drafter's name (policies.speculation.
-    drafters.DRAFTER_KINDS) or the draft model's spec."""
+    """What the cost model costs the drafts with: a drafter's name or the draft model's spec."""
     if name in DRAFTER_KINDS:
         return name
     config_file = MODEL_CONFIG_DIR / f"{name}.yaml"
@@ -70,8 +64,7 @@ def acceptance_statistics(group: DictConfig) -> AcceptanceModel:
 
 
 def speculation_setup(cfg: DictConfig) -> SpeculationSetup | None:
-    """The run's speculation, checked before anything runs; None when it does not draft (no
-    speculation group, or a policy whose max_num_speculative_tokens is 0: speculation=none)."""
+    """The run's speculation, checked before anything runs; None when it does not draft."""
     group = cfg.get("speculation")
     if group is None:
         return None

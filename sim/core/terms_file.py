@@ -1,9 +1,5 @@
-"""A twinserve-calibrate terms file, `{"cost_model": NAME, "terms": {term: value}}`: terms fitted
-on one cost model (its conf/cost_model name), loaded into that cost model with
-`cost_model.terms_file=PATH`. A file fitted on another cost model is refused: a term of the same
-name means another thing there (the profiled model's step overhead is a server's work on top of
-measured steps, the roofline's is the whole engine's). A file that names no cost model (written
-before files named theirs) loads into any cost model that has its terms."""
+"""A twinserve-calibrate terms file, `{"cost_model": NAME, "terms": {term: value}}`; one fitted on
+another cost model is refused, since a term of the same name means another thing there."""
 from __future__ import annotations
 
 from sim.core.json_files import read_json_object
@@ -12,9 +8,7 @@ KEY = "cost_model.terms_file"
 
 
 def read_terms_file(path: str, cost_model: str, terms: tuple[str, ...]) -> dict[str, float]:
-    """The fitted terms of the file at `path` for the cost model named `cost_model`, which takes
-    `terms`; ValueError in one line naming the key for a file of another cost model, a term this
-    one does not take (a whole config key goes on the command line), or not a terms file."""
+    """The fitted terms of the file at `path` for `cost_model`, which takes `terms`."""
     where = f"{KEY}={path}"
     data = read_json_object(path, where)
     fitted = data.get("terms")

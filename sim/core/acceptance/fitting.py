@@ -1,19 +1,10 @@
-"""From an engine's acceptance statistics file to `AcceptanceModel`'s arguments: per-position
-rates, fresh (run) rates, per-text log-odds shifts fitted by maximum likelihood
-(`fit_sequence_shifts`) and a fixed token tree's per-node rates. The file:
+"""From an engine's acceptance statistics file (AcceptanceCounts.to_statistics writes it) to
+`AcceptanceModel`'s arguments: per-position and fresh rates, per-text log-odds shifts fitted by
+maximum likelihood, and a fixed token tree's per-node rates.
 
-    {"num_speculative_tokens": K, "position_trials": [t_1..t_K], "position_accepts": [a_1..a_K],
-     "drafter": "...", "target": "...", "source": "how it was measured"}
-
-where t_i counts the times position i was examined and a_i how often it was accepted, so
-p_i = a_i / t_i (a position past the measured ones takes the last measured rate). Optional keys:
-`fresh_position_trials` / `fresh_position_accepts`, the same counts over the steps that start a
-run of acceptable drafts (a sequence's first, and each one right after a rejection);
-`sequences`, a list of those counts (fresh and over every step) for each of several texts
-measured alone, to which each text's shift is fitted; `tree_paths` (the fixed tree, a list of
-paths), `node_trials` and `node_accepts` (per node: the times it was examined, i.e. it was in
-the step's tree, its parent on the accepted path and no earlier sibling on it, and the times it
-was accepted), which each entry of `sequences` may carry too.
+    {"num_speculative_tokens": K, "position_trials": [...], "position_accepts": [...],
+     "drafter": ..., "target": ..., "source": ..., optional "fresh_position_*", "sequences",
+     "tree_paths", "node_trials", "node_accepts"}
 """
 from __future__ import annotations
 
@@ -29,25 +20,20 @@ from sim.core.json_files import read_json_object
 STATISTICS_KEYS = ("num_speculative_tokens", "position_trials", "position_accepts")
 FRESH_KEYS = ("fresh_position_trials", "fresh_position_accepts")
 NODE_KEYS = ("node_trials", "node_accepts")
-# The spreads fit_sequence_shifts chooses from (SD of a sequence's log-odds shift), and the
-# Gauss-Hermite nodes that integrate each sequence's likelihood over its unknown shift.
 SPREAD_GRID = np.linspace(0.0, 3.0, 61)
 EM_ITERATIONS = 15
-# The M step's Newton iterations, at most, and the log-odds step that ends them early (warm
-# started from the last iteration's, they settle in a few: a simulator run loads the file anew).
+# Warm-started Newton settles in a few steps, which matters since every run loads the file anew.
 NEWTON_STEPS = 20
 NEWTON_TOLERANCE = 1e-9
 LOG_ODDS_LIMIT = 12.0   # a rate of 1 - 6e-6: a position every sequence accepted
 _HERMITE_NODES, _HERMITE_WEIGHTS = np.polynomial.hermite.hermgauss(24)
-# Rates are kept off 0 and 1 before their log-odds are taken (a position every sequence
-# accepted still varies between sequences).
+# Kept off 0 and 1, since a position every sequence accepted still varies between sequences.
 _RATE_CLIP = 1e-3
 
 
 @functools.lru_cache(maxsize=32)
 def statistics_fields(path: str, identity: tuple) -> dict:
-    """AcceptanceModel's arguments from the statistics file at `path` (`identity` keys the
-    cache)."""
+    """AcceptanceModel's arguments from the statistics file at `path`, cached by `identity`."""
     where = f"speculation.acceptance_profile={path}"
     data = read_json_object(path, where)
     missing = [key for key in STATISTICS_KEYS if key not in data]
@@ -91,15 +77,10 @@ def _log_odds(rates: np.ndarray) -> np.ndarray:
 
 def fit_sequence_shifts(sequences: list[tuple[np.ndarray, np.ndarray, float, float]]
                         ) -> tuple[list[float], list[float], float]:
-    """(each sequence's posterior mean shift, fresh rates, spread) of the runs model with a
-    per-sequence shift z ~ N(0, spread²) of the rates' log-odds that make `sequences` most
-    likely: the spread by a grid over SPREAD_GRID, the rates (those of a sequence with z = 0,
-    higher than the pooled ones where the rates are high) by EM for each spread. Each sequence
-    is (fresh trials and accepts per position, trials and accepts of its other steps): in the
-    runs model a step that does not start a run continues one past the measured positions,
-    where the last fresh rate holds, so those count at that rate (a sequence that never rejects
-    a draft shows its ease there). Each sequence's likelihood is integrated over its unknown
-    shift (Gauss-Hermite). Fewer than two sequences: no shifts and the pooled rates."""
+    """(posterior mean shift per sequence, fresh rates, spread) maximising the likelihood of
+    `sequences` under a per-sequence log-odds shift z ~ N(0, spread²): the spread by grid, the
+    rates by EM, each likelihood integrated over z by Gauss-Hermite. Fewer than two sequences:
+    no shifts and the pooled rates."""
     trials = np.array([fresh_trials for fresh_trials, _, _, _ in sequences], dtype=np.float64)
     accepts = np.array([fresh_accepts for _, fresh_accepts, _, _ in sequences], dtype=np.float64)
     examined = np.flatnonzero(trials.sum(axis=0))
@@ -109,7 +90,7 @@ def fit_sequence_shifts(sequences: list[tuple[np.ndarray, np.ndarray, float, flo
     pooled = accepts.sum(axis=0) / trials.sum(axis=0)
     if len(sequences) < 2:
         return [], pooled.tolist(), 0.0
-    # The continuation counts at the last position's rate: the same column.
+    # A step that continues a run goes past the measured positions, where the last rate holds.
     trials[:, -1] += [tail_trials for _, _, tail_trials, _ in sequences]
     accepts[:, -1] += [tail_accepts for _, _, _, tail_accepts in sequences]
     log_odds = _log_odds(pooled)
@@ -142,8 +123,7 @@ def _shifted_likelihood(log_odds, shifts, trials, accepts) -> tuple[float, np.nd
 
 
 def _solve_log_odds(log_odds, shifts, weights, trials, accepts) -> np.ndarray:
-    """EM's M step: per position, the log-odds where the expected accepts (over each
-    sequence's posterior on its shift) equal the accepts, by Newton steps."""
+    """EM's M step: per position, the log-odds where the expected accepts equal the accepts."""
     node_trials = weights.T @ trials                                          # [nodes, K]
     target = accepts.sum(axis=0)
     solved = log_odds.copy()
@@ -159,8 +139,7 @@ def _solve_log_odds(log_odds, shifts, weights, trials, accepts) -> np.ndarray:
 
 
 def _sequence_counts(sequences, num_positions: int, where: str):
-    """The file's `sequences`: per sequence, (fresh trials, fresh accepts) per position and the
-    trials and accepts of its other steps (its position counts less its fresh ones)."""
+    """The file's `sequences`: per sequence, fresh counts per position and its other steps'."""
     if not isinstance(sequences, list):
         raise ValueError(f"{where}: sequences must be a list of per-sequence counts")
     keys = (*FRESH_KEYS, *STATISTICS_KEYS[1:])
@@ -184,10 +163,8 @@ def _sequence_counts(sequences, num_positions: int, where: str):
 
 def _node_rates(data: dict, per_text: bool, where: str
                 ) -> tuple[dict[tuple[int, ...], float], list[float] | None]:
-    """Each examined tree node's rate, by path, and with `per_text` (the model has sequence
-    shifts) and per-sequence node counts, each text's shift of the nodes' log-odds: the same
-    fit as the fresh rates' (fit_sequence_shifts) over the nodes, the rates those of a text with
-    shift 0. Otherwise accepts / trials, and no shifts of their own."""
+    """Each examined tree node's rate by path, and with `per_text` each text's shift of the
+    nodes' log-odds, fitted as the fresh rates are."""
     paths = data["tree_paths"]
     if (not isinstance(paths, list) or not paths or any(
             not isinstance(path, list) or not path or any(

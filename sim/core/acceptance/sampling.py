@@ -1,14 +1,8 @@
 """Drawing accepted-draft counts: `AcceptanceModel`.
 
-Draft position i is accepted with conditional probability p_i given that every draft before it
-was; the first rejection ends the step. With fresh (run) rates the model is a renewal process
-instead: each sequence walks through runs of acceptable positions, and a step of k accepts
-min(k, what is left of the run), the bonus token taking one more position when the run outlasts
-the step. With greedy decoding that is how the engine's acceptances arise: a draft is acceptable
-at a position of the text or not, whatever k is. With per-text shifts each sequence reads like
-one measured text, drawn when it first speculates; drawing the texts' own shifts rather than a
-normal spread keeps their skew. With a fixed token tree's node rates (`for_tree`) a step walks
-the tree node by node. Counts are drawn from a seeded generator, never averaged.
+With fresh (run) rates each sequence walks through runs of acceptable positions, since under
+greedy decoding a draft is acceptable at a position of the text whatever k is; per-text shifts
+are the measured texts' own, which keeps their skew.
 """
 from __future__ import annotations
 
@@ -20,15 +14,13 @@ from policies import validators
 from policies.speculation.trees import node_children, path_parents
 from sim.core.acceptance.fitting import shifted, statistics_fields
 
-# A run whose every position is acceptable (a fresh rate of 1) never ends; this stands for it.
+# Stands for a run that never ends (a fresh rate of 1).
 ENDLESS_RUN = 1 << 40
 
 
 class AcceptanceModel:
-    """Draws accepted-draft counts from per-position conditional acceptance probabilities, or,
-    with `run_probabilities` (the fresh per-position rates), from runs of acceptable drafts; with
-    `node_rates` (a fixed tree's measured nodes, by path) and `tree` (the run's tree, set by
-    `for_tree`), by walking the tree node by node."""
+    """Draws accepted-draft counts per position, in runs (`run_probabilities`), or node by node
+    of a fixed tree (`for_tree`), from a seeded generator."""
 
     def __init__(self, position_probabilities: list[float], seed=0, source: str = "",
                  run_probabilities: list[float] | None = None,
@@ -55,18 +47,15 @@ class AcceptanceModel:
             float(validators.finite_number(
                 f"the acceptance model's sequence_shifts[{index}]", shift))
             for index, shift in enumerate(sequence_shifts or ())]
-        # Runs: seq_id -> acceptable positions left before the next rejected one (absent: the
-        # sequence starts a new run at its next step).
+        # seq_id -> acceptable positions left in its run; absent: a new run at its next step.
         self._left_in_run: dict[int, int] = {}
-        # Per measured text (sequence_shifts' texts), its shift of the tree nodes' log-odds.
         self.node_shifts = [float(validators.finite_number(
             f"the acceptance model's node_shifts[{index}]", shift))
             for index, shift in enumerate(node_shifts or ())]
         if self.node_shifts and len(self.node_shifts) != len(self.sequence_shifts):
             raise ValueError(f"{len(self.node_shifts)} node shifts for "
                              f"{len(self.sequence_shifts)} texts (sequence_shifts)")
-        # seq_id -> the measured text (an index into sequence_shifts) the sequence reads like,
-        # drawn when it first speculates.
+        # seq_id -> the measured text it reads like, drawn when it first speculates.
         self._texts: dict[int, int] = {}
         self.node_rates = {tuple(path): float(validators.probability(
             f"acceptance probability of tree node {list(path)}", rate))
@@ -74,7 +63,7 @@ class AcceptanceModel:
         self.tree = None if tree is None else [tuple(path) for path in tree]
         if self.tree is not None:
             self._children = node_children(path_parents(self.tree))
-            # Per node, its measured rate (NaN: never examined, the per-depth rates take over).
+            # NaN: never examined, so the per-depth rates take over.
             self._tree_rates = np.array([self.node_rates.get(path, np.nan) for path in self.tree])
             self._shifted_tree_rates: dict[float, np.ndarray] = {}
 
@@ -85,9 +74,8 @@ class AcceptanceModel:
                                self.tree, self.node_shifts)
 
     def for_tree(self, paths: list[tuple[int, ...]]) -> "AcceptanceModel":
-        """This model drawing a fixed tree's steps node by node (`draw_tree`; a step verifies the
-        first that many of `paths`), or, without per-node statistics, unchanged (per depth);
-        `source` says which, and how many nodes fall back to the per-depth rates."""
+        """This model drawing a fixed tree's steps node by node, or per depth without per-node
+        statistics; `source` says which."""
         paths = [tuple(path) for path in paths]
         if not self.node_rates:
             return AcceptanceModel(self.position_probabilities, self._seed, _noted(
@@ -109,9 +97,8 @@ class AcceptanceModel:
 
     @classmethod
     def from_file(cls, path: str | Path, seed=0) -> "AcceptanceModel":
-        """Read an acceptance statistics file (its format: `sim.core.acceptance.fitting`). The
-        fits are kept per file (its path, size and time of change): a simulator run loads it
-        anew."""
+        """Read an acceptance statistics file, its fits cached by path, size and time of change
+        since every simulator run loads it anew."""
         try:
             stat = Path(path).stat()
             identity = (str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
@@ -127,15 +114,12 @@ class AcceptanceModel:
         return np.concatenate([measured, np.full(num_positions - measured.size, measured[-1])])
 
     def mean_accepted(self, k: int) -> float:
-        """Expected accepted drafts of k drawn independently per step: sum over j <= k of
-        p_1 ... p_j (runs, when the model has them, differ from this)."""
+        """Expected accepted drafts of k drawn independently per step (runs differ)."""
         return float(np.cumprod(self.probabilities(k)).sum())
 
     def draw(self, spec_lens: dict[int, int], fresh_each_step: bool = False) -> list[int]:
-        """Accepted drafts (0..k) for each sequence proposing k = spec_lens[seq_id], in the
-        mapping's order. With `fresh_each_step` (token trees: every step proposes a new tree
-        from the heads or the n-gram pool, so no run of acceptable positions carries into the
-        next step; the engine counts every tree step as fresh) each step starts a new run."""
+        """Accepted drafts for each sequence proposing k = spec_lens[seq_id]; `fresh_each_step`
+        for token trees, since a new tree every step carries no run into the next."""
         if not spec_lens:
             return []
         if self._run_probabilities is not None:
@@ -154,9 +138,8 @@ class AcceptanceModel:
         return np.cumprod(accepted, axis=1).sum(axis=1).tolist()
 
     def draw_tree(self, sizes: dict[int, int]) -> list[int]:
-        """Accepted tokens for each sequence verifying the first sizes[seq_id] nodes of the tree
-        (`for_tree`), in the mapping's order: the depth a walk from the root reaches, each
-        examined child accepted with its node's rate (the sequence's shift applied)."""
+        """The depth a walk from the root reaches for each sequence verifying the first
+        sizes[seq_id] nodes of the tree."""
         if self.tree is None:
             raise ValueError("draw_tree needs a tree with per-node rates (for_tree)")
         return [self._walk_tree(seq_id, size) for seq_id, size in sizes.items()]
@@ -192,8 +175,7 @@ class AcceptanceModel:
         return max(len(path) for path in self.tree[:size] if path[:len(prefix)] == prefix)
 
     def _depth_run(self, depth: int, reach: int, shift: float) -> int:
-        """Accepted positions after `depth`, up to `reach`, from the per-depth rates (the fresh
-        ones when the model has runs: every tree step starts one)."""
+        """Accepted positions after `depth`, up to `reach`, from the per-depth rates."""
         measured = (self._run_probabilities if self._run_probabilities is not None
                     else self._probabilities)
         rates = measured[np.minimum(np.arange(depth, reach), measured.size - 1)]
@@ -222,8 +204,7 @@ class AcceptanceModel:
         return text
 
     def _run_length(self, shift: float = 0.0) -> int:
-        """Acceptable positions before the next rejected one, from the fresh rates (their
-        log-odds shifted by `shift`)."""
+        """Acceptable positions before the next rejected one, from the shifted fresh rates."""
         rates = self._run_probabilities
         if shift:
             rates = shifted(rates, shift)

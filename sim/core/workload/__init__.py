@@ -1,20 +1,8 @@
-"""Workload generation: turn the `workload` config group into the requests a run replays.
+"""Workload generation: the `workload` config group as the requests a run replays, one module per
+kind (`synthetic`, `conversation`, `trace`, and the closed-loop kinds in `sessions`).
 
-One module per kind — `synthetic` (sampled arrivals and lengths, optional request classes),
-`conversation` (multi-turn chats whose prompts grow turn by turn) and `trace` (a file replayed:
-Azure, BurstGPT and plain CSVs; Mooncake's JSONL of content ids, in mooncake.py) — and the
-closed-loop kinds in `sessions` (`sessions`, `agent`, `closed_loop`: a turn arrives after the
-previous one finished, so the run decides the arrivals; `build_session_source` builds them) —
-over `distributions` (the arrival, length and duration laws, random token ids) and `fields`
-(typed config reads). Any kind can attach random prompt token ids (`with_token_ids`), optionally
-all starting with the same `shared_prefix_len` tokens, for runs that need ids (the engine,
-prefix caching).
-
-Everything random comes from `numpy.random.default_rng(seed)`, split into one independent stream
-per quantity (arrivals, prompt lengths, output lengths, token ids, classes, turns, think times,
-tool results),
-so that two runs differing in one knob, say the output-length distribution, see the same draws
-of everything else (common random numbers).
+Each random quantity has its own stream of `default_rng(seed)`, so two runs differing in one knob
+see the same draws of everything else (common random numbers).
 """
 from __future__ import annotations
 
@@ -62,29 +50,23 @@ __all__ = [
 
 def build_workload(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
                    lora: LoRAConfig | None = None) -> list[Request]:
-    """The requests described by `cfg` (the `workload` config group: a DictConfig or a dict),
-    each with the LoRA adapter it runs with when `lora` is on (a trace's `lora_id` column, else
-    drawn: assign_lora_ids; with `lora` None a trace's column is ignored).
-
-    Returns them sorted by arrival time with request_id 0..N-1. Raises ValueError, naming the
-    config field, for any bad value.
-    """
+    """The requests `cfg` describes, arrival-sorted with request_id 0..N-1, each with its LoRA
+    adapter when `lora` is on; a bad value raises a ValueError naming its field."""
     return list(workload_stream(cfg, seed=seed, vocab_size=vocab_size, lora=lora))
 
 
 def workload_stream(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
                     lora: LoRAConfig | None = None) -> RequestStream:
-    """build_workload's requests as a RequestStream: drawn now, made one by one as they are
-    iterated (a long run never holds them all)."""
+    """build_workload's requests drawn now but made as iterated, so a long run never holds them
+    all."""
     fields = Fields(as_plain_dict(cfg), "workload")
     if fields.get("kind", None) in CLOSED_LOOP_KINDS:
         raise ValueError(f"workload.kind={fields.get('kind', None)} is closed-loop: its arrivals "
                          f"depend on the run; build it with build_session_source and run it "
                          f"with run_experiment (twinserve)")
     kind = fields.choice("kind", KINDS)
-    # Child streams are numbered in spawn order (child i is the same however many are spawned),
-    # so appending the class stream, then the conversation's turns and think-time streams, leaves
-    # the earlier ones exactly as they were before those existed.
+    # Child i is the same however many are spawned, so new streams go last to leave the earlier
+    # ones' draws as they were.
     streams = Streams(*np.random.default_rng(seed).spawn(len(Streams._fields)))
     drawn = _SAMPLERS[kind](fields, vocab_size, streams)
 
@@ -98,7 +80,7 @@ def workload_stream(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None
         metadata["lora_id"] = draw_lora_ids(
             metadata.get("lora_id", [None] * num_requests),
             metadata.get("session_id", [None] * num_requests), lora, seed)
-    # When the clients give up: a trace row's own timeout_s, else the workload's (None: never).
+    # A trace row's own timeout_s wins over the workload's.
     timeout_s = fields.number("timeout_s", default=None, greater_than=0.0)
     if timeout_s is not None:
         metadata["timeout_s"] = [timeout_s if value is None else value for value in
@@ -107,11 +89,10 @@ def workload_stream(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None
 
 
 class RequestStream:
-    """A workload's requests, arrival-sorted with request_id 0..N-1, each made (a Request) only
-    when iterating reaches it: the draws are arrays, a few bytes a request, where a Request is
-    a couple of KB until its run drops it."""
+    """A workload's requests, each made only when iterating reaches it, since the draws are a few
+    bytes a request and a Request a couple of KB."""
 
-    CHUNK = 4096   # requests whose draws are turned into Python numbers at a time
+    CHUNK = 4096
 
     def __init__(self, drawn: RequestArrays, token_ids: list | None,
                  metadata: dict[str, list]):
@@ -132,7 +113,7 @@ class RequestStream:
         drawn, n, metadata = self.drawn, self.drawn.n, self.metadata
         for start in range(0, len(self), self.CHUNK):
             end = start + self.CHUNK
-            # .tolist() turns a chunk of the arrays into Python floats/ints in one pass.
+            # .tolist() converts a chunk in one pass.
             token_ids = (self.token_ids[start:end] if self.token_ids is not None
                          else [None] * len(drawn.prompt_lens[start:end]))
             chunk_metadata = [(name, values[start:end]) for name, values in metadata.items()]
@@ -154,10 +135,7 @@ def is_closed_loop(cfg: Mapping[str, Any]) -> bool:
 
 def build_session_source(cfg: Mapping[str, Any], *, seed: int, vocab_size: int | None = None,
                          lora: LoRAConfig | None = None) -> SessionSource:
-    """The sessions a closed-loop `workload` config describes (kind `sessions`, `agent` or
-    `closed_loop`),
-    drawn from the same streams as build_workload's, each session on one LoRA adapter when
-    `lora` is on. Raises ValueError, naming the config field, for any bad value."""
+    """The sessions a closed-loop `workload` config describes, from build_workload's streams."""
     fields = Fields(as_plain_dict(cfg), "workload")
     kind = fields.choice("kind", CLOSED_LOOP_KINDS)
     streams = Streams(*np.random.default_rng(seed).spawn(len(Streams._fields)))

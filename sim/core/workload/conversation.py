@@ -1,9 +1,6 @@
-"""The `conversation` workload kind: `num_sessions` multi-turn chats starting as a Poisson process
-at `rate` sessions/s, each of a sampled number of `turns`, a turn arriving a sampled
-`think_time_s` after the previous one arrived. Each turn's prompt is the whole conversation so
-far (the previous prompt, a stand-in for its answer, then a new `message_len`-token message), so
-with token ids later turns start with the earlier turns' exact ids and the prefix cache can
-serve them. Each request carries its `session_id` and `turn` (0: the session's first)."""
+"""The `conversation` workload kind: multi-turn chats whose every prompt is the whole conversation
+so far, so later turns start with the earlier turns' exact ids and the prefix cache can serve
+them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +18,7 @@ CONVERSATION_FIELDS = ("kind", "num_sessions", "rate", "turns", "think_time_s", 
 
 
 def prompt_settings(fields: Fields, vocab_size: int | None):
-    """max_prompt_len, n, the token-id spec and shared_prefix_len of a session workload, checked
-    together."""
+    """max_prompt_len, n, the token-id spec and shared_prefix_len, checked together."""
     max_prompt_len = fields.integer("max_prompt_len", default=None, minimum=1)
     # Prefix caching needs ids, so sessions have them unless told otherwise.
     n, token_spec = parse_common(fields, vocab_size, with_token_ids_default=True)
@@ -35,8 +31,7 @@ def prompt_settings(fields: Fields, vocab_size: int | None):
 
 
 def no_request_left(fields: Fields, max_prompt_len: int | None, first_len: str) -> ValueError:
-    """The error for a max_prompt_len that cuts every session before its first turn, whose new
-    tokens are the field `first_len`."""
+    """The error for a max_prompt_len that cuts every session before its first turn."""
     return ValueError(f"{fields.name('max_prompt_len')}={max_prompt_len} leaves no request: "
                       f"every session's first prompt ({fields.name('shared_prefix_len')} + a "
                       f"{fields.name(first_len)}) is longer")
@@ -44,9 +39,7 @@ def no_request_left(fields: Fields, max_prompt_len: int | None, first_len: str) 
 
 def sample_conversation(fields: Fields, vocab_size: int | None,
                         streams: Streams) -> RequestArrays:
-    """The conversation kind's requests. Session starts, message lengths, output lengths and
-    token ids come from the streams the synthetic kind draws its arrivals, prompt lengths, output
-    lengths and ids from; turns and think times from two streams of their own."""
+    """The conversation kind's requests, on the synthetic kind's streams plus two of its own."""
     fields.reject_unknown(CONVERSATION_FIELDS)
     num_sessions = fields.integer("num_sessions", minimum=1)
     rate = fields.rate("rate")
@@ -74,11 +67,8 @@ def sample_conversation(fields: Fields, vocab_size: int | None,
 
 @dataclass(frozen=True)
 class SessionTurns:
-    """Every kept turn of a multi-turn workload as parallel arrays, session-major (each
-    session's turns in turn order) or sorted by arrival. message_lens are the new tokens of each
-    turn's prompt (a user message, or an agent's tool result); think_times the gap after each
-    turn before the session's next one (the last turn's too: a closed-loop run may start a new
-    session after it)."""
+    """Every kept turn of a multi-turn workload as parallel arrays, session-major or by arrival;
+    the last turn has a think time too, since a closed loop may start a session after it."""
 
     arrival_times: np.ndarray   # open loop: the session's start plus its earlier think times
     prompt_lens: np.ndarray
@@ -89,8 +79,7 @@ class SessionTurns:
     turn_indices: np.ndarray  # 0 for a session's first turn
 
     def by_arrival(self) -> SessionTurns:
-        """The turns sorted by arrival; ties (a zero think time, or rate=inf) go to the lower
-        session, then the earlier turn."""
+        """The turns sorted by arrival, ties to the lower session, then the earlier turn."""
         order = np.lexsort((self.turn_indices, self.sessions, self.arrival_times))
         return SessionTurns(*(values[order] for values in (
             self.arrival_times, self.prompt_lens, self.output_lens, self.message_lens,
@@ -123,14 +112,11 @@ def draw_session_turns(num_sessions: int, turns_dist: LengthDistribution,
 def lay_out_sessions(turns: np.ndarray, think_times: np.ndarray, message_lens: np.ndarray,
                      output_lens: np.ndarray, shared_prefix_len: int, max_prompt_len: int | None,
                      session_starts: np.ndarray | None = None) -> SessionTurns:
-    """The sessions' turns, session-major: prompt_len(1) = shared_prefix_len + message_len(1)
-    and prompt_len(k+1) = prompt_len(k) + output_len(k) + message_len(k+1). Open loop (with
-    `session_starts`), turn k+1 arrives think_time(k) after turn k arrived (all arrivals fixed
-    before a run, so a turn cannot wait for the previous answer); else arrival times are nan.
-    A session ends before its first turn whose prompt would pass max_prompt_len (prompts grow
-    with k, so the kept turns are a prefix)."""
+    """The sessions' turns, session-major, prompt_len(k+1) = prompt_len(k) + output_len(k) +
+    message_len(k+1); arrival times nan unless `session_starts` (open loop), and a session cut
+    before its first prompt past max_prompt_len."""
     num_sessions, num_turns = len(turns), int(turns.sum())
-    # Session-major: session 0's turns, then session 1's, ...
+
     starts = np.cumsum(turns) - turns
     sessions = np.repeat(np.arange(num_sessions), turns)
     turn_indices = np.arange(num_turns) - np.repeat(starts, turns)
@@ -148,22 +134,15 @@ def lay_out_sessions(turns: np.ndarray, think_times: np.ndarray, message_lens: n
 
 def session_token_ids(turns: SessionTurns, vocab_size: int, shared_prefix_len: int,
                             rng: np.random.Generator) -> list[list[int]]:
-    """Each turn's prompt ids: the session's previous prompt ids, then random ids standing for
-    the previous turn's answer (its output_len of them), then the new message's random ids; a
-    first turn is the shared prefix then its message.
-
-    The stand-in answer is what the next turn's prompt carries, not what the run generates (the
-    simulator generates no ids, the engine its own). A prefix cache keys on prompt ids, so on
-    either backend turn k+1 can hit on the whole of turn k's prompt (its full blocks), which
-    holds every earlier message and stand-in answer, prefilled when turn k ran; only turn k's
-    answer and the new message are computed. (Turn k+1 hits less when it arrives before turn k's
-    prefill, or after the cache evicted those blocks.)"""
+    """Each turn's prompt ids: the previous prompt, random ids standing for its answer, then the
+    new message. The stand-in answer, not what the run generates, keeps both backends' prefix
+    cache hits alike."""
     prefix = rng.integers(0, vocab_size, shared_prefix_len).tolist()
-    # Messages and answers from streams of their own, drawn in arrival order.
+
     message_rng, answer_rng = rng.spawn(2)
     message_ids = message_rng.integers(0, vocab_size, int(turns.message_lens.sum())).tolist()
     answer_ids = answer_rng.integers(0, vocab_size, int(turns.output_lens.sum())).tolist()
-    contexts: dict[int, list[int]] = {}  # session -> its last prompt + that turn's stand-in answer
+    contexts: dict[int, list[int]] = {}  # session -> its last prompt and stand-in answer
     token_ids = []
     message_start = answer_start = 0
     for session, message_len, output_len in zip(turns.sessions.tolist(),

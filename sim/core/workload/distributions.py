@@ -1,6 +1,5 @@
-"""The random draws every workload kind is made of: arrival processes, length distributions
-(fixed / uniform / lognormal / zipf), duration distributions (a conversation's think times) and
-random prompt token ids, each parsed from its config mapping and sampled vectorised."""
+"""The random draws every workload kind is made of (arrivals, lengths, durations, token ids), each
+parsed from its config mapping and sampled vectorised."""
 from __future__ import annotations
 
 import math
@@ -13,13 +12,11 @@ from sim.core.workload.fields import Fields
 
 ARRIVAL_PROCESSES = ("poisson", "gamma", "constant")
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal", "zipf")
-# Every parameter any length distribution takes; a length mapping may carry the parameters of
-# another distribution (left over after a `dist=` override) but nothing outside this list.
+# A length mapping may keep another distribution's parameters after a `dist=` override.
 LENGTH_FIELDS = ("dist", "value", "low", "high", "mean", "sigma", "a", "min", "max")
-# Distributions of a duration in seconds (think_time_s), and every parameter they take.
 TIME_DISTRIBUTIONS = ("fixed", "uniform", "exponential", "lognormal")
 TIME_FIELDS = ("dist", "value", "low", "high", "mean", "sigma")
-# The truncated zipf sampler builds a table over every length in [min, max]; this caps its size.
+# The truncated zipf sampler builds a table over every length in [min, max].
 MAX_ZIPF_SUPPORT = 10_000_000
 
 
@@ -62,9 +59,8 @@ class LengthDistribution:
             lengths = np.rint(lognormal(self.mean, self.sigma, size, rng))
             upper = self.max if self.max is not None else np.iinfo(np.int64).max // 2
             return np.clip(lengths, self.min, upper).astype(np.int64)
-        # zipf, truncated to [min, max]: P(length = min + r - 1) ∝ r^-a for rank r >= 1, so `min`
-        # is the most common length. Exact inverse-CDF sampling of the truncated law, which is
-        # what rejecting samples above `max` would give, without the rejection loop.
+        # Zipf truncated to [min, max] (P(min + r - 1) ∝ r^-a), by inverse CDF: what rejecting
+        # samples above `max` would give, without the loop.
         ranks = np.arange(1, self.max - self.min + 2, dtype=np.float64)
         cdf = np.cumsum(ranks ** -self.a)
         cdf /= cdf[-1]
@@ -145,8 +141,8 @@ def lognormal(mean: float, sigma: float, size: int, rng: np.random.Generator) ->
 
 def sample_prompt_token_ids(prompt_lens: np.ndarray, vocab_size: int, shared_prefix_len: int,
                              rng: np.random.Generator) -> list[list[int]]:
-    """Uniform random ids in [0, vocab_size); every prompt starts with the same
-    `shared_prefix_len` ids (a prompt shorter than that is a prefix of the shared prefix)."""
+    """Uniform random ids in [0, vocab_size), every prompt starting with the same
+    `shared_prefix_len` ids."""
     prefix = rng.integers(0, vocab_size, shared_prefix_len).tolist()
     unique_lens = np.maximum(prompt_lens - shared_prefix_len, 0)
     unique_ids = rng.integers(0, vocab_size, int(unique_lens.sum())).tolist()

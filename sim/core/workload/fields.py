@@ -1,6 +1,5 @@
-"""Reading the `workload` config: typed field reads whose errors name the field's dotted path,
-the settings every kind shares (`n`, token ids), the random streams a workload draws from, and the
-per-request arrays each kind hands back."""
+"""Typed reads of the `workload` config whose errors name the field's dotted path, the random
+streams and the per-request arrays each kind hands back."""
 from __future__ import annotations
 
 import math
@@ -35,8 +34,7 @@ class Streams(NamedTuple):
 
 @dataclass
 class RequestArrays:
-    """What one workload kind drew: parallel per-request arrays, the `n` and token-id settings,
-    prompt ids when the kind has its own (else None) and Request fields that are not default."""
+    """What one workload kind drew, as parallel per-request arrays and settings."""
 
     arrival_times: np.ndarray
     prompt_lens: np.ndarray

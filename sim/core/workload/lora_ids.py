@@ -1,7 +1,5 @@
-"""Which LoRA adapter each request of a workload runs with (`Request.lora_id`), drawn from the
-`lora` group's popularity over its adapters (policies/lora/spec.py). A session's turns share one
-adapter (a chat or an agent is served by one fine-tune); a trace's `lora_id` column, where a row
-has one, is kept. With LoRA off nothing is drawn and no request changes."""
+"""Which LoRA adapter each request runs with, drawn by popularity; a session's turns share one,
+since a chat or an agent is served by one fine-tune."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -11,14 +9,12 @@ import numpy as np
 from policies.lora.spec import LoRAConfig
 from policies.types import Request
 
-# The adapter draws' own generator, apart from the workload's streams, so turning LoRA on leaves
-# every other draw of the workload as it was.
+# A generator of its own, so turning LoRA on leaves every other draw as it was.
 LORA_STREAM_KEY = 0x10_4A
 
 
 def assign_lora_ids(requests: Iterable[Request], lora: LoRAConfig | None, seed: int) -> None:
-    """Set `lora_id` of each request that has none, in order, from the popularity (inverse CDF on
-    one uniform per request or session); check the ones a trace set against the adapter count."""
+    """Set `lora_id` of each request that has none, and check the ones a trace set."""
     if lora is None:
         return
     requests = list(requests)
@@ -31,8 +27,7 @@ def assign_lora_ids(requests: Iterable[Request], lora: LoRAConfig | None, seed: 
 
 def draw_lora_ids(lora_ids: list, session_ids: list, lora: LoRAConfig, seed: int,
                   request_ids: list | None = None) -> list[int]:
-    """assign_lora_ids on requests' `lora_ids` (None: none yet) and `session_ids`, given as
-    lists: each request's adapter. `request_ids` name them in errors (default: their index)."""
+    """assign_lora_ids on lists of `lora_ids` and `session_ids`: each request's adapter."""
     for index, lora_id in enumerate(lora_ids):
         if lora_id is not None and not 0 <= lora_id < lora.num_adapters:
             request_id = index if request_ids is None else request_ids[index]

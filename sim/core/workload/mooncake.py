@@ -1,14 +1,8 @@
-"""The Mooncake trace format (JSONL, one request a line: `timestamp` ms, `input_length`,
-`output_length`, `hash_ids`) and the prompt token ids its `hash_ids` stand for.
+"""The Mooncake trace format (JSONL: `timestamp` ms, `input_length`, `output_length`, `hash_ids`)
+and the prompt token ids its `hash_ids` stand for.
 
-A Mooncake trace gives a prompt's content as a list of ids, one per 512-token block, equal ids
-meaning equal content. Each id is turned into 512 token ids derived from the id alone (a 64-bit
-mix of the id and the position, modulo the vocabulary), so equal ids are equal tokens in every
-run and at every KV block size, and a prefix cache reuses exactly what the trace shares. A prompt
-whose length is not a multiple of 512 ends with a partial block: it holds the first
-`input_length mod 512` tokens of its id's 512, so two prompts ending with the same id share the
-tokens both have (the shorter one's). Different ids are independent pseudo-random tokens: a KV
-block of b tokens is shared by accident with probability about vocab_size**-b.
+Each 512-token block id becomes token ids derived from the id alone, so equal ids are equal tokens
+in every run and at every KV block size, and a prefix cache reuses exactly what the trace shares.
 """
 from __future__ import annotations
 
@@ -18,21 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-# Tokens per hash id: the block size the Mooncake trace was hashed at.
-MOONCAKE_BLOCK_TOKENS = 512
+MOONCAKE_BLOCK_TOKENS = 512   # the block size the trace was hashed at
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 _MAX_HASH_ID = (1 << 64) - 1
-# Hash ids whose blocks are computed at once (a few temporary arrays of 512 uint64 each).
-_CHUNK_IDS = 4096
+_CHUNK_IDS = 4096   # bounds the temporary arrays of 512 uint64 per id
 
 
 def read_mooncake(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]],
                                        dict[str, list]]:
-    """(arrival_time s, input_length, output_length) arrays of a Mooncake JSONL trace in file
-    order, each request's hash_ids, and its optional `session_id` values keyed by that name (a
-    Request field; None where a line has none). Arrival times are relative to the earliest line,
-    which is at 0. Raises ValueError naming the file, the line and the key for a bad line."""
+    """(arrival_time s from the earliest line, input_length, output_length) arrays of a Mooncake
+    trace in file order, each request's hash_ids, and its optional `session_id` values."""
     times, prompt_lens, output_lens, hash_ids, session_ids = [], [], [], [], []
     try:
         with open(path, encoding="utf-8-sig") as file:
@@ -91,15 +81,13 @@ def _positive_int(value, key: str, line: int, path: Path) -> int:
 
 def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int], vocab_size: int,
                        block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[list[int]]:
-    """Each prompt's token ids: its blocks' tokens (block_token_ids, `block_tokens` per id) one
-    after the other, the last block cut to the prompt's length. The int objects are shared
-    between prompts (one per vocabulary entry), so a prompt costs a list pointer per token."""
+    """Each prompt's token ids, its last block cut to its length; the int objects are shared, so
+    a prompt costs a list pointer per token."""
     unique_ids = np.unique(np.array([hash_id for ids in hash_ids for hash_id in ids],
                                     dtype=np.uint64))
     vocabulary = np.arange(vocab_size).astype(object)   # one int object per token id
     blocks: dict[int, list[int]] = {}
-    # In chunks: a long trace's tens of thousands of blocks at once would take several
-    # temporary arrays of 512 uint64 per block.
+
     for start in range(0, len(unique_ids), _CHUNK_IDS):
         chunk = unique_ids[start:start + _CHUNK_IDS]
         blocks.update(zip(chunk.tolist(),
@@ -116,9 +104,8 @@ def hash_ids_token_ids(hash_ids: list[list[int]], prompt_lens: list[int], vocab_
 
 def block_token_ids(hash_ids: np.ndarray, vocab_size: int,
                     block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> np.ndarray:
-    """The `block_tokens` token ids in [0, vocab_size) of each hash id (uint64), a row each:
-    SplitMix64 of the id's own SplitMix64 plus the position, so a block's tokens depend on
-    nothing but its id (a shorter block is the first tokens of a longer one)."""
+    """The token ids of each hash id, a row each, from SplitMix64 of the id and position so a
+    block's tokens depend on nothing but its id."""
     keys = (_splitmix64(hash_ids.astype(np.uint64))[:, None]
             + np.arange(block_tokens, dtype=np.uint64)[None, :])
     return (_splitmix64(keys) % np.uint64(vocab_size)).astype(np.int32 if vocab_size < 2**31

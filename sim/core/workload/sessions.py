@@ -1,26 +1,6 @@
-"""The closed-loop workload kinds, whose arrivals the run decides: a turn arrives a gap after the
-session's previous turn *finished*, so a slow server delays the next turn.
-
-- `sessions`: multi-turn chats, laid out as the `conversation` kind lays them out (the same
-  fields, drawn from the same streams: the same seed gives the same sessions), but turn k+1
-  arrives `think_time_s` after turn k's answer finished.
-- `agent`: a session alternates model calls and tool calls. Call 1's prompt is a task of
-  `prompt_len` tokens; after each call a tool runs for `tool_latency_s` and returns
-  `tool_output_len` tokens, and call k+1's prompt is call k's prompt, ids standing for its answer
-  (`output_len`), then the tool's tokens. A session makes `steps` calls.
-
-Both start sessions as a Poisson process at `rate` sessions/s, or keep `concurrency` sessions
-going (a closed population).
-
-- `closed_loop`: a load generator's closed loop (`vllm bench serve --max-concurrency N`, aiperf
-  `--concurrency N`): `num_requests` requests of exactly `input_len` prompt and `output_len`
-  output tokens, `concurrency` of them in flight, the next sent the moment one finishes (or
-  `think_time_s` later). Each request is a one-turn session, so the closed population above
-  runs it.
-
-What they build is a `SessionSource` (session_source.py), which the run asks for the next
-request each time one finishes.
-"""
+"""The closed-loop workload kinds (`sessions`, `agent`, `closed_loop`): a turn arrives a gap after
+the previous one *finished*, so a slow server delays the next turn; each builds a `SessionSource`
+the run asks for the next request as one finishes."""
 from __future__ import annotations
 
 import math
@@ -62,10 +42,7 @@ def sample_sessions(fields: Fields, vocab_size: int | None, streams: Streams) ->
 
 
 def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
-    """The `agent` kind: model calls whose next prompt appends the answer and a tool's result.
-    Steps and tool latencies come from the streams the conversation kind draws its turns and
-    think times from; task prompts and tool results from the prompt stream and one of their
-    own."""
+    """The `agent` kind: model calls whose next prompt appends the answer and a tool's result."""
     fields.reject_unknown(AGENT_FIELDS)
     num_sessions, rate, concurrency = _population(fields)
     steps_dist = parse_length_distribution(fields.section("steps"))
@@ -78,8 +55,7 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
     num_calls = int(steps.sum())
     latencies = latency_dist.sample(num_calls, streams.think)
     output_lens = output_dist.sample(num_calls, streams.output)
-    # Each call's new tokens: the task for a session's first, the previous call's tool result
-    # for the others (a tool result is drawn after every call; the last one's is unused).
+    # A tool result is drawn after every call, the last one's unused, to keep the stream aligned.
     first_calls = np.cumsum(steps) - steps
     new_lens = np.empty(num_calls, dtype=np.int64)
     new_lens[first_calls] = prompt_dist.sample(num_sessions, streams.prompt)
@@ -94,9 +70,8 @@ def sample_agent(fields: Fields, vocab_size: int | None, streams: Streams) -> Se
 
 
 def sample_closed_loop(fields: Fields, vocab_size: int | None, streams: Streams) -> SessionSource:
-    """The `closed_loop` kind: `num_requests` one-turn sessions of fixed lengths, `concurrency`
-    at a time, the next arriving a think time (default none) after one finishes. Token ids
-    (optional) are random per prompt, from the token stream: no two prompts share a prefix."""
+    """The `closed_loop` kind (`vllm bench serve --max-concurrency`): one-turn sessions of fixed
+    lengths, `concurrency` at a time."""
     fields.reject_unknown(CLOSED_LOOP_FIELDS)
     concurrency = fields.integer("concurrency", minimum=1)
     num_requests = fields.integer("num_requests", minimum=1)
@@ -127,14 +102,11 @@ def _population(fields: Fields) -> tuple[int, float, int | None]:
 def _source(fields: Fields, turns: SessionTurns, n: int, token_spec, streams: Streams,
             num_sessions: int, rate: float, concurrency: int | None,
             first_len: str, marks_final_turns: bool = False) -> SessionSource:
-    """The SessionSource of the kept turns (session-major), sessions numbered from 0 in the
-    order they were drawn (those whose first prompt max_prompt_len cut left out). With
-    `marks_final_turns` (agents) each session's last kept turn is its `final_turn`: an agent's
-    framework knows a call answered with the final answer rather than a tool call (a chat user's
-    last message is not known as such)."""
+    """The SessionSource of the kept turns; `marks_final_turns` (agents), since an agent's
+    framework knows its final call where a chat user's last message is not known as such."""
     if not len(turns.prompt_lens):
         raise no_request_left(fields, fields.get("max_prompt_len", None), first_len)
-    # Drawn even under concurrency, so the stream after it is the same either way.
+    # Drawn even under concurrency, so the streams after it stay the same either way.
     starts = sample_arrival_times("poisson", rate, 1.0, num_sessions, streams.arrival)
     kept_sessions, session_ids = np.unique(turns.sessions, return_inverse=True)
     token_ids = (session_token_ids(turns, *token_spec, streams.token)

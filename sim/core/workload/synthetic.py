@@ -1,7 +1,5 @@
-"""The `synthetic` workload kind: `num_requests` requests whose arrival gaps come from a Poisson,
-gamma or constant process at `rate` requests/s and whose prompt and output lengths each come from
-a length distribution; optional `classes` mix request classes by `share`, each with its own
-priority, tenant, SLOs and, optionally, length distributions."""
+"""The `synthetic` workload kind: sampled arrivals and lengths, with optional request `classes`
+mixed by `share`."""
 from __future__ import annotations
 
 import math
@@ -20,7 +18,7 @@ SYNTHETIC_FIELDS = ("kind", "num_requests", "rate", "arrival", "burstiness", "pr
                     "timeout_s")
 CLASS_FIELDS = ("share", "priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "prompt_len",
                 "output_len")
-# Within this of 1, shares sum to 1: 1/3 + 1/3 + 1/3 written as decimals may not add up exactly.
+# Shares written as decimals (1/3 each) may not add up to exactly 1.
 SHARE_SUM_TOLERANCE = 1e-9
 
 
@@ -102,8 +100,8 @@ def _parse_classes(fields: Fields) -> list[_RequestClass]:
 
 def _apply_classes(classes: list[_RequestClass], prompt_lens: np.ndarray,
                    output_lens: np.ndarray, rng: np.random.Generator) -> dict[str, list]:
-    """Draw each request's class by share; give a class's requests its own lengths (in place)
-    where it has its own distributions, and return the classes' fields per request."""
+    """Draw each request's class, give it its class's lengths in place, and return the classes'
+    fields per request."""
     num_requests = len(prompt_lens)
     # One stream to choose classes, then a prompt and an output stream per class, so that
     # changing one class's lengths leaves every other draw as it was.
@@ -114,8 +112,7 @@ def _apply_classes(classes: list[_RequestClass], prompt_lens: np.ndarray,
                         len(classes) - 1)
     for index, request_class in enumerate(classes):
         members = chosen == index
-        # Each class draws a full-length sample and keeps its members' entries, so its lengths
-        # for a request do not depend on which other requests joined the class.
+        # A full-length sample per class, so a request's lengths do not depend on who else joined.
         if request_class.prompt_len is not None:
             prompt_lens[members] = request_class.prompt_len.sample(
                 num_requests, length_rngs[2 * index])[members]

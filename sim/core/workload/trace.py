@@ -1,12 +1,5 @@
-"""The `trace` workload kind: arrival times and lengths replayed from a file, and the CSV parser
-behind it. Formats (`workload.format`, or told apart by the file: a JSONL file is Mooncake, a
-CSV by its header): the Azure LLM traces 2023 and 2024 `TIMESTAMP,ContextTokens,GeneratedTokens`,
-BurstGPT `Timestamp,...,Request tokens,Response tokens,...`, plain
-`arrival_time,prompt_len,output_len` (`arrival_s`, a `--real` CSV's name, also reads as
-`arrival_time`), and Mooncake (mooncake.py: prompts as 512-token blocks of
-content ids, turned into token ids). A CSV may carry the prompts themselves (a `prompt_token_ids`
-column of space-separated ids) and each request's `priority`, `tenant`, `slo_ttft_ms`,
-`slo_tpot_ms`, `session_id`, `timeout_s` (an empty cell: the default)."""
+"""The `trace` workload kind: arrival times and lengths replayed from a file (the Azure LLM traces,
+BurstGPT, plain CSV, or Mooncake JSONL), told apart by `workload.format` or by the file."""
 from __future__ import annotations
 
 import csv
@@ -26,28 +19,23 @@ from sim.core.workload.mooncake import hash_ids_token_ids, read_mooncake
 TRACE_FIELDS = ("kind", "trace_path", "format", "time_scale", "max_requests", "n",
                 "with_token_ids", "shared_prefix_len", "timeout_s")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-# BurstGPT's time (seconds), prompt and output columns; its Model, Total tokens and Log Type
-# columns are not needed.
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 PLAIN_COLUMNS = ("arrival_time", "prompt_len", "output_len")
-# Each CSV schema's (time, prompt length, output length) columns, in the order auto-detection
-# tries them (detect_csv_schema).
+# (time, prompt length, output length) per schema, in the order auto-detection tries them.
 CSV_SCHEMAS = {"azure": AZURE_COLUMNS, "burstgpt": BURSTGPT_COLUMNS, "plain": PLAIN_COLUMNS}
 TRACE_FORMATS = ("auto", *CSV_SCHEMAS, "mooncake")
-TOKEN_IDS_COLUMN = "prompt_token_ids"  # optional: the prompts themselves, space-separated ids
-# Optional per-request metadata columns; an empty cell (or a missing column) is Request's default.
+TOKEN_IDS_COLUMN = "prompt_token_ids"  # space-separated ids
 METADATA_COLUMNS = ("priority", "tenant", "slo_ttft_ms", "slo_tpot_ms", "session_id", "lora_id",
                     "timeout_s")
 
-# A relative trace_path is looked up in the working directory, then here (the repo root), so the
-# default config works whether or not Hydra changed the working directory.
+# Relative trace paths fall back to the repo root, so the default config works whether or not
+# Hydra changed the working directory.
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def sample_trace(fields: Fields, vocab_size: int | None, streams: Streams) -> RequestArrays:
-    """The trace's requests in arrival order (a stable sort: ties keep file order), the first
-    `max_requests` of them, arrival times scaled by `time_scale`; nothing is drawn. A Mooncake
-    trace's prompts are always token ids (its hash_ids' content, so it needs `vocab_size`)."""
+    """The trace's first `max_requests` requests in arrival order (ties in file order), times
+    scaled by `time_scale`; a Mooncake trace's prompts need `vocab_size`."""
     fields.reject_unknown(TRACE_FIELDS)
     trace_path = resolve_trace_path(fields.string("trace_path"))
     trace_format = fields.choice("format", TRACE_FORMATS, default="auto")
@@ -78,7 +66,7 @@ def sample_trace(fields: Fields, vocab_size: int | None, streams: Streams) -> Re
             raise ValueError(f"{fields.name('shared_prefix_len')}: trace {trace_path} has "
                              f"its own prompt_token_ids")
         if hash_ids is not None:
-            # Only the kept requests' ids are built: a slice of a long trace is quick.
+            # Only the kept requests' ids are built, so a slice of a long trace is quick.
             token_ids = hash_ids_token_ids([hash_ids[i] for i in order.tolist()],
                                            prompt_lens.tolist(), int(vocab_size))
         else:
@@ -89,8 +77,7 @@ def sample_trace(fields: Fields, vocab_size: int | None, streams: Streams) -> Re
 
 
 def is_jsonl(path: Path) -> bool:
-    """Whether a trace file is JSON lines (a Mooncake trace): its suffix, else its first
-    non-blank character is `{`."""
+    """Whether a trace file is JSON lines (Mooncake), by suffix or first character."""
     if path.suffix.lower() == ".jsonl":
         return True
     try:
@@ -116,25 +103,40 @@ def resolve_trace_path(trace_path: str | Path) -> Path:
 
 def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
         np.ndarray, np.ndarray, np.ndarray, list[list[int]] | None, dict[str, list]]:
-    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, the
-    prompts' token ids when it has a `prompt_token_ids` column (else None), and a list of
-    values per METADATA_COLUMNS column it has, keyed by the column (a Request field).
+    """(arrival_time s from the earliest row, prompt_len, output_len) arrays of a CSV trace in
+    file order, its prompts' token ids (else None), and its METADATA_COLUMNS values by column.
 
-    Arrival times are relative to the earliest row, which is at 0. `trace_format` names the
-    CSV_SCHEMAS entry, or "auto": the first whose columns are all in the header, else the first
-    with any of them (for the error), else plain. The Azure columns (2023 and 2024) are
-    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`; BurstGPT's
-    `Timestamp` (seconds), `Request tokens`, `Response tokens` (a row with 0 tokens either way is
-    a failed request and is skipped, with one line on stderr); the plain ones `arrival_time`
-    (seconds), `prompt_len`, `output_len`. Other columns are ignored but `prompt_token_ids`
-    (space-separated ids, as many as the row's prompt length) and the metadata: `priority` (an
-    integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms` (positive numbers),
-    `session_id` (integers, or names if any cell is not one), `lora_id` (a LoRA adapter's index,
-    an integer >= 0; read only with the `lora` group on), `timeout_s` (seconds after its
-    arrival at which its client gives up, positive), each defaulting (0, "default", none) where
-    its cell is empty.
-    """
+    `trace_format` names a CSV_SCHEMAS entry, or "auto" (detect_csv_schema); BurstGPT's failed
+    requests (0 tokens) are skipped with one line on stderr; an empty metadata cell is the
+    default."""
     path = Path(path)
+    header, rows, line_numbers = _read_csv(path)
+    header = unify_columns(header, rows, line_numbers, PLAIN_COLUMNS, f"trace {path}")
+    schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
+    columns = _schema_columns(header, schema, trace_format, path)
+    if schema == "burstgpt":
+        rows, line_numbers = _drop_failed_requests(rows, line_numbers, header, path)
+    if not rows:
+        raise ValueError(f"trace {path}: no data rows")
+    time_column, prompt_column, output_column = _columns_cells(header, rows, line_numbers,
+                                                                columns, path)
+    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
+    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
+    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
+    token_ids = None
+    if TOKEN_IDS_COLUMN in header:
+        token_ids = _token_ids_column(header, rows, prompt_lens, line_numbers, path)
+    metadata = {}
+    for name in METADATA_COLUMNS:
+        if name in header:
+            index = header.index(name)
+            cells = [row[index].strip() if index < len(row) else "" for row in rows]
+            metadata[name] = _parse_metadata(cells, name, line_numbers, path)
+    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """The header, the non-blank rows and their line numbers."""
     try:
         # utf-8-sig drops a byte-order mark that would otherwise stick to the first column name.
         with open(path, newline="", encoding="utf-8-sig") as file:
@@ -142,14 +144,18 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
             header = [name.strip() for name in next(reader, [])]
             rows, line_numbers = [], []
             for row in reader:
-                if row:  # skip blank lines
+                if row:
                     rows.append(row)
                     line_numbers.append(reader.line_num)
     except OSError as error:
         raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
+    return header, rows, line_numbers
 
-    header = unify_columns(header, rows, line_numbers, PLAIN_COLUMNS, f"trace {path}")
-    schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
+
+def _schema_columns(header: list[str], schema: str, trace_format: str,
+                    path: Path) -> tuple[str, str, str]:
+    """The schema's (time, prompt length, output length) columns, or one line naming those
+    missing and what each schema expects."""
     columns = CSV_SCHEMAS[schema]
     missing = [name for name in columns if name not in header]
     if missing:
@@ -159,36 +165,27 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
         raise ValueError(
             f"trace {path}: missing column(s) {', '.join(missing)}; found "
             f"{', '.join(header) or 'no header'}{expected}")
-    if schema == "burstgpt":
-        rows, line_numbers = _drop_failed_requests(rows, line_numbers, header, path)
-    if not rows:
-        raise ValueError(f"trace {path}: no data rows")
+    return columns
 
+
+def _columns_cells(header: list[str], rows: list[list[str]], line_numbers: list[int],
+                   columns: tuple[str, ...], path: Path) -> list[list[str]]:
+    """Each of `columns`' stripped cells, every row checked to reach them."""
     indices = [header.index(name) for name in columns]
     for row_number, (row, line) in enumerate(zip(rows, line_numbers), start=1):
         if len(row) <= max(indices):
             raise ValueError(f"trace {path}: row {row_number} (line {line}) has {len(row)} "
                              f"field(s), expected {len(header)}")
-    time_column, prompt_column, output_column = (
-        [row[index].strip() for row in rows] for index in indices)
+    return [[row[index].strip() for row in rows] for index in indices]
 
-    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
-    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
-    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
-    token_ids = None
-    if TOKEN_IDS_COLUMN in header:
-        index = header.index(TOKEN_IDS_COLUMN)
-        token_ids = [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
-                                      f"row {number} (line {line})", path)
-                     for number, (row, prompt_len, line) in enumerate(
-                         zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
-    metadata = {}
-    for name in METADATA_COLUMNS:
-        if name in header:
-            index = header.index(name)
-            cells = [row[index].strip() if index < len(row) else "" for row in rows]
-            metadata[name] = _parse_metadata(cells, name, line_numbers, path)
-    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+def _token_ids_column(header: list[str], rows: list[list[str]], prompt_lens: np.ndarray,
+                      line_numbers: list[int], path: Path) -> list[list[int]]:
+    index = header.index(TOKEN_IDS_COLUMN)
+    return [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
+                             f"row {number} (line {line})", path)
+            for number, (row, prompt_len, line) in enumerate(
+                zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
 
 
 def detect_csv_schema(header: list[str]) -> str:
@@ -328,10 +325,8 @@ def _parse_times(values: list[str], column: str, line_numbers: list[int],
 def _parse_datetimes(values: list[str], column: str, line_numbers: list[int],
                      path: Path) -> np.ndarray:
     """Seconds since the earliest of some datetime strings (naive ones taken as UTC)."""
-    # Fast path: numpy parses naive ISO datetimes with up to 9 fractional digits, vectorised.
-    # It warns about (and we then refuse) timezone offsets; one offset shared by every value
-    # (Azure 2024's "+00:00") cancels out of the differences, so it is cut first. Mixed offsets
-    # take the slow path.
+    # numpy parses naive datetimes vectorised; an offset shared by every value (Azure 2024's
+    # "+00:00") cancels out of the differences, so it is cut first.
     offsets = {match.group(0) if (match := _TIMEZONE_SUFFIX.search(value)) else ""
                for value in values}
     if len(offsets) == 1:
@@ -344,7 +339,7 @@ def _parse_datetimes(values: list[str], column: str, line_numbers: list[int],
             return (stamps - stamps.min()).astype(np.int64) / 1e9
         except (ValueError, Warning):
             pass
-    # Slow path: one row at a time, dropping fractional digits past the 6th (sub-microsecond).
+    # Row by row, fractional digits past the 6th dropped as fromisoformat reads no more.
     stamps = []
     for index, value in enumerate(values):
         try:
