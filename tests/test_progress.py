@@ -15,7 +15,7 @@ from policies.batching import ChunkedPrefillScheduler
 from policies.memory import PagedBlockManager
 from policies.routing import RoundRobinRouter
 from policies.types import Request, StepResult
-from sim.core import step
+from runtime import step
 from sim.core.experiment import run_experiment
 from runtime.metrics import MetricsCollector
 from sim.core.replica import Replica, arrivals
