@@ -3,10 +3,11 @@ not at all, asked once where the object is built (`policies.checks.has_capabilit
 for its prefix cache (`OffloadingKVCache`), a cheap refusal of an admission before trying it
 (`AdmissionCheckingKVCache`), keeping a finished turn's cached blocks for its session
 (`PinningKVCache`) or moving them to the host tier at once (`TierRetainingKVCache`), which the
-kv_retention policies pin and offload need. The other optional capabilities sit beside what they extend: an
-online length predictor, a bounded scheduler, prefill/decode pool schedulers, a cost model that
-states its error and an executor that reports its speed in `policies/protocols.py`; the repeated
-decode steps' protocols in `policies/decode_run.py`.
+kv_retention policies pin and offload need, and a retention policy that says when it releases
+blocks by time (`ExpiringKVRetention`). The other optional capabilities sit beside what they
+extend: an online length predictor, a bounded scheduler, prefill/decode pool schedulers, a cost
+model that states its error and an executor that reports its speed in `policies/protocols.py`;
+what the simulator's repeated steps ask in `sim/core/repeated_steps.py`.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ class AdmissionCheckingKVCache(Protocol):
         prefill chunks, counted as if nothing were cached) with the watermark. False must be
         exact (allocate_slots with watermark=True would fail for one of them): BaseScheduler
         then skips the attempt; without this member it tries the allocation and undoes it."""
+
+
+@runtime_checkable
+class ExpiringKVRetention(Protocol):
+    """A KV retention policy that can tell when it next releases kept blocks by time: without it,
+    the simulator runs every step on its own (its repeated steps end there)."""
+
+    def next_expiry(self) -> float:
+        """When the next kept blocks are released by time (inf: none)."""
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Clients that give up: the deadlines (`Request.deadline`, arrival + timeout_s) of one step
 loop's requests, earliest first. Both backends ask at every step boundary which have passed and
 abort those requests through their scheduler (policies.protocols.AbortingScheduler); the
-simulator also ends a run of repeated decode steps at the step during which the earliest passes,
+simulator also ends a run of repeated steps at the step during which the earliest passes,
 as steps one by one would see it.
 """
 from __future__ import annotations

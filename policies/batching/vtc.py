@@ -12,9 +12,9 @@ nothing waiting or running gets, with its next request, its counter lifted to th
 counter of the active tenants (to the last one to leave when none is active): idle time is not
 banked as credit. A decode short of memory preempts among the most served tenant's requests.
 
-Counters change only in `update` (which sees a run of repeated decode steps as one call that
-added num_steps tokens to each sequence) and at admission, and admission reads them only while
-something waits, when the steps do not repeat: coalescing stays exact.
+Counters change only in `update` (which sees the simulator's repeated steps as one call that added
+their tokens to each sequence) and at admission, and admission reads them only while something
+waits, when the steps do not repeat: repeated steps stay exact.
 """
 from __future__ import annotations
 
@@ -29,12 +29,10 @@ OUTPUT_WEIGHT = 2   # service per output token
 
 
 class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) its order moves with service, and its update charges each step
-    admits_in_arrival_order = False
-    plain_update = False
-    # (add_request reads counters a run has not charged yet: tests/test_repeated_steps.py's
-    # xfail; it no longer reproduces)
-    plain_schedule = True
+    # (repeated steps) its order moves with service, and its update charges each step
+    repeated_steps_past_arrivals = False
+    repeated_steps_past_finishes = False
+    repeated_steps = True
 
     def __init__(self, *args, tenant_weights: Mapping | None = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -299,23 +299,20 @@ class StepRecorder:
             num_accepted_tokens=num_accepted_tokens)
 
     def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
-                              scheduler: Scheduler) -> None:
+                              scheduler: Scheduler, first_step: int,
+                              new_blocks: list[int]) -> None:
         """The rows of a decode batch run len(durations) times in a row, each as its own step's
         row would be: only the start, the duration and the memory columns (one more token
-        stored per decode each step, and the blocks they grow into) move, so the first row is
-        recorded as any step's and the others are copies of it with those changed; the blocks
-        come from the plan's DecodeRun. A run's later segment, whose sequences ran
-        `num_steps_before` steps already, holds the slots of where they stood before those: its
-        first row adds what they grew into since."""
+        stored per decode each step, and `new_blocks` they grow into at each) move, so the first
+        row is recorded as any step's and the others are copies of it with those changed. After
+        `first_step` steps of a run, the decodes hold the slots of where they stood before
+        those: the first row adds what they grew into since (new_blocks[0])."""
         self._record_row(start_time, plan, durations[0], scheduler)
         if self.energy is not None:
             self.energy.add_repeated_steps(plan, durations)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
-        run = plan.decode_run
-        first_step = run.num_steps_before
-        new_blocks = run.new_blocks_per_step(plan, len(durations))
         blocks, slots, tokens = row[_BLOCKS:_TOKENS + 1]
         if first_step:
             tokens += num_decodes * first_step
