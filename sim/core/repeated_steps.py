@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from itertools import compress
 from typing import ClassVar, Protocol, runtime_checkable
 
 from policies.checks import has_capability
@@ -26,8 +27,10 @@ class RepeatedStepsScheduler(Protocol):
     """What repeated steps ask of the scheduler that planned the batch."""
 
     kv_cache: RepeatedStepsKVCache
-    # The class's promise that its `schedule` plans from the queues, the batch and the pool alone.
+    # The class's promises: its `schedule` plans from the queues, the batch and the pool alone;
+    # its `update` does per step only what a decode's next token needs.
     repeated_steps: ClassVar[bool]
+    repeated_steps_past_finishes: ClassVar[bool]
 
     def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
         """None unless the next steps would plan this decode batch again, each decode a token on;
@@ -144,10 +147,29 @@ class RepeatedSteps:
             growth = self._growth = self.scheduler.kv_cache.decode_growth(plan.seqs)
         return growth.new_blocks_per_step(num_steps, self.num_steps_before)
 
+    def complete(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
+        """`update` of the plan run `num_steps` times, the last step ending at `now`, for a
+        scheduler whose `update` does no more (`repeated_steps_past_finishes`): each decode
+        gained a token a step and takes the blocks it grew into. Returns the finished requests."""
+        seqs = plan.seqs
+        num_steps_since = self.num_steps_before + num_steps   # since the counters stood
+        self._advance(seqs, num_steps_since, now)
+        if num_steps < self.max_repeats:
+            return []   # cut short: max_repeats is at most the steps to the first finish
+        finishing = list(compress(seqs, map(num_steps_since.__ge__, self.steps_to_last_output)))
+        finish = self.scheduler.finish_sequence
+        return [seq.request for seq in finishing if finish(seq, now)]
+
     def stand_before_last_step(self, plan: StepPlan, num_steps: int) -> None:
         """Move the plan's decodes to where the last of its `num_steps` steps found them, so
-        that the scheduler's `update` of that step completes the run."""
-        self._advance(plan.seqs, self.num_steps_before + num_steps - 1)
+        that the scheduler's own `update` of that step completes the run."""
+        num_before = self.num_steps_before + num_steps - 1
+        if num_before:
+            for seq in plan.seqs:
+                seq.num_computed_tokens += num_before
+                seq.num_tokens += num_before
+                seq.num_output_tokens += num_before
+            self._take_slots(plan.seqs)
 
     def continue_past_finishes(self, plan: StepPlan, now: float) -> list[Request] | None:
         """After the plan ran its max_repeats steps, the last ending at `now`, with nothing from
@@ -191,16 +213,9 @@ class RepeatedSteps:
                    - sum([seq.num_tokens for seq in finishing]) - num_finishing * num_steps)
         if self._growth is not None:   # (they leave it before their counters move)
             self._growth.leave(finishing)
-        self._advance(finishing, num_steps - 1)
+        self._advance(finishing, num_steps, now)
         finish = scheduler.finish_sequence
-        finished = []
-        for seq in finishing:   # their last step, as `update` completes it
-            seq.num_computed_tokens += 1
-            seq.num_tokens += 1
-            seq.num_output_tokens += 1
-            seq.last_token_time = now
-            if finish(seq, now):
-                finished.append(seq.request)
+        finished = [seq.request for seq in finishing if finish(seq, now)]
         plan.seqs = rest
         plan.num_new_tokens = [1] * len(rest)
         plan.num_decode_seqs = len(rest)
@@ -211,15 +226,22 @@ class RepeatedSteps:
         self.num_steps_before = num_steps
         return finished
 
-    def _advance(self, seqs: list[Sequence], num_steps: int) -> None:
-        """Each decode gained a token at each of `num_steps` steps and takes the slots of the
-        next, as that step's plan would have, in one pass of the KV manager."""
-        if not num_steps:
-            return
+    def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
+        """Each decode gained a token at each of `num_steps` steps, the last ending at `now`, and
+        takes the slots up to its last computed token in one pass of the KV manager."""
+        num_more_tokens = num_steps - 1
         for seq in seqs:
-            seq.num_computed_tokens += num_steps
-            seq.num_tokens += num_steps
+            num_computed = seq.num_tokens + num_more_tokens
+            seq.num_computed_tokens = num_computed
+            seq.num_tokens = num_computed   # (for append_slots; its next token is added below)
             seq.num_output_tokens += num_steps
+            seq.last_token_time = now
+        if num_more_tokens:
+            self._take_slots(seqs)
+        for seq in seqs:
+            seq.num_tokens += 1
+
+    def _take_slots(self, seqs: list[Sequence]) -> None:
         if self.scheduler.kv_cache.append_slots(seqs) < len(seqs):
             raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
                                "planned")
@@ -325,14 +347,16 @@ class RepeatedStepsLoop(StepLoop):
         return StepResult(duration=end - now)
 
     def complete(self, now: float) -> list[Request]:
-        """StepLoop.complete; a run's decodes stand before its last step, which `update`
-        completes (its latencies were recorded as it ran)."""
+        """StepLoop.complete; a run's latencies were recorded as it ran."""
         run = self.run
         if run is None:
             return super().complete(now)
-        plan = self.plan
-        run.stand_before_last_step(plan, self.num_last_steps)
-        finished = self.scheduler.update(plan, self.result, now)
+        plan, scheduler = self.plan, self.scheduler
+        if scheduler.repeated_steps_past_finishes:
+            finished = run.complete(plan, self.num_last_steps, now)
+        else:   # (an update that does more: it sees the run's last step)
+            run.stand_before_last_step(plan, self.num_last_steps)
+            finished = scheduler.update(plan, self.result, now)
         if self.finished_in_run:
             finished = self.finished_in_run + finished
             self.finished_in_run = []
