@@ -12,7 +12,7 @@ from policies.types import StepPlan
 
 
 class ChunkedPrefillScheduler(BaseScheduler):
-    # (repeated steps) it plans from the queues, the batch and the pool alone
+    # It plans from the queues, the batch and the pool alone
     repeated_steps = True
 
     def schedule(self, now: float) -> StepPlan:

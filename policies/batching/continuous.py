@@ -12,7 +12,7 @@ from policies.types import StepPlan
 
 
 class ContinuousBatchingScheduler(BaseScheduler):
-    # (repeated steps) it plans from the queues, the batch and the pool alone
+    # It plans from the queues, the batch and the pool alone
     repeated_steps = True
 
     def __init__(self, *args, **kwargs):

@@ -24,7 +24,7 @@ REJECTED_REASON = "slo: TTFT deadline passed before admission"
 
 
 class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
-    # (repeated steps) it reorders the queue, and its update rejects at each step
+    # It reorders the queue, and its update rejects at each step
     repeated_steps_past_arrivals = False
     repeated_steps_past_finishes = False
     repeated_steps = True   # deadlines are fixed at arrival

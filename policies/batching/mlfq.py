@@ -12,7 +12,7 @@ from policies.validators import positive_int
 
 
 class MLFQScheduler(PriorityScheduler):
-    # (repeated steps) rank reads a request's tokens, which matter only while requests
+    # Rank reads a request's tokens, which matter only while requests
     # wait, and no run is planned then (repeated_steps_past_arrivals is False)
     repeated_steps = True
 

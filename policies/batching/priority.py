@@ -12,7 +12,7 @@ from policies.validators import boolean
 
 
 class PriorityScheduler(ContinuousBatchingScheduler):
-    # (repeated steps) it reorders the queue: no repeated steps while requests wait
+    # It reorders the queue: no repeated steps while requests wait
     repeated_steps_past_arrivals = False
     repeated_steps = True   # ranks and preempts only while requests wait: no run then
 

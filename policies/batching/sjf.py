@@ -26,7 +26,7 @@ AGING_RULES = ("max_wait", "score")
 
 
 class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
-    # (repeated steps) it reorders the queue: no repeated steps while requests wait
+    # It reorders the queue: no repeated steps while requests wait
     repeated_steps_past_arrivals = False
     repeated_steps = True   # its hooks rank by the request and its prediction alone
 

@@ -12,7 +12,7 @@ from policies.types import Request, StepPlan
 
 
 class StaticBatchingScheduler(ContinuousBatchingScheduler):
-    # (repeated steps) it plans from the queues, the pool and the batch's members alone
+    # It plans from the queues, the pool and the batch's members alone
     repeated_steps = True
 
     def __init__(self, *args, **kwargs):

@@ -29,7 +29,7 @@ OUTPUT_WEIGHT = 2   # service per output token
 
 
 class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
-    # (repeated steps) its order moves with service, and its update charges each step
+    # Its order moves with service, and its update charges each step
     repeated_steps_past_arrivals = False
     repeated_steps_past_finishes = False
     repeated_steps = True
