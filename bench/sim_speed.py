@@ -15,7 +15,7 @@ finished, prompts growing ~190 tokens a turn, no token ids, like the conversatio
 the busy synthetic one on Mixtral-8x7B at tensor parallel 2 and on two data-parallel replicas
 with the experts split over both, stepping in lockstep (a mixture of experts: within 2x of the
 dense row). Prints wall time, simulated requests per wall-second and simulated seconds per wall-
-second, each beside the same run step by step (`scheduler.coalesce=false`: no repeated decode
+second, each beside the same run step by step (`backend.repeated_steps=false`: no repeated
 steps run as one event), with the roofline cost model (`cost_model=roofline`) for the rows the
 targets are about, and against the targets: 12x Vidur on its 70B workload, 10,000
 requests/wall-s on the code trace and the conversation workloads, 3,000 on two pools (each
@@ -186,7 +186,7 @@ def main():
                       [*synthetic[args.rates[0]], "model=mixtral-8x7b",
                        "cluster.tensor_parallel_size=2"], TARGET_REQUESTS_PER_WALL_S, False))
     # Its experts over two data-parallel replicas, which step in lockstep (sim/core/lockstep.py:
-    # one event per group step, no runs of repeated decode steps): within 2x of the dense row.
+    # one event per group step, no runs of repeated steps): within 2x of the dense row.
     workloads.append((f"MoE Mixtral DP2+EP2 {args.requests // 1000}k @{args.rates[0]:g}/s",
                       [*synthetic[args.rates[0]], "model=mixtral-8x7b", "cluster.num_replicas=2",
                        "cluster.expert_parallel_size=2"], TARGET_REQUESTS_PER_WALL_S, False))
@@ -207,7 +207,7 @@ def main():
     print("-" * len(header), flush=True)
     for name, overrides, target, with_roofline in workloads:
         row = measure(overrides, args.profile)
-        step_by_step = measure([*overrides, "++scheduler.coalesce=false"])
+        step_by_step = measure([*overrides, "backend.repeated_steps=false"])
         roofline = (f"{measure([*overrides, 'cost_model=roofline'])['req_per_wall_s']:,.0f}"
                     if with_roofline else "-")
         vs_vidur = (f"{row['req_per_wall_s'] / vidur_figure:.1f}x" if target == vidur_target
@@ -220,7 +220,7 @@ def main():
           f"({vidur_target:,.0f} requests per wall-second), >= {TARGET_REQUESTS_PER_WALL_S:,} "
           f"on the others ({TWO_POOL_TARGET_REQUESTS_PER_WALL_S:,} on two pools, "
           f"{CLOSED_LOOP_TARGET_REQUESTS_PER_WALL_S:,} closed loop); 'step by step': the same run "
-          f"with scheduler.coalesce=false; 'roofline': with cost_model=roofline")
+          f"with backend.repeated_steps=false; 'roofline': with cost_model=roofline")
     if vidur:
         print(f"Vidur on the 70B workload: {vidur:,.0f} requests per wall-second (this run)")
     else:

@@ -1,6 +1,6 @@
-"""Optional parts of the KV manager's contract, each had whole or not at all and asked once where
-the object is built (`policies.checks.has_capability`); other optional capabilities sit beside
-what they extend in `policies/protocols.py`."""
+"""Optional parts of the KV manager's and the retention policy's contracts, each had whole or not
+at all and asked once where the object is built (`policies.checks.has_capability`); other
+optional capabilities sit beside what they extend in `policies/protocols.py`."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence as Seq, runtime_checkable
@@ -29,6 +29,15 @@ class AdmissionCheckingKVCache(Protocol):
     def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
         """Whether new sequences might get slots for these prefill chunks under the watermark;
         False must be exact, since BaseScheduler then skips the attempt."""
+
+
+@runtime_checkable
+class ExpiringKVRetention(Protocol):
+    """A KV retention policy that can tell when it next releases kept blocks by time: without it,
+    the simulator runs every step on its own (its repeated steps end there)."""
+
+    def next_expiry(self) -> float:
+        """When the next kept blocks are released by time (inf: none)."""
 
 
 @runtime_checkable

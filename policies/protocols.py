@@ -61,11 +61,9 @@ class KVCacheManager(Protocol):
         tier), changing nothing; 0 without a prefix cache. What a prefix-aware router reads."""
     def allocate_slots(self, seq: Sequence, num_tokens: int, *, watermark: bool = False) -> bool:
         """Make the sequence's table cover positions [0, num_tokens); False changes nothing."""
-    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
-                     computed: bool = False) -> int:
-        """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order (with `computed`,
-        seq.num_computed_tokens); returns the index of the first that failed (len(seqs) when
-        none did)."""
+    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+        """allocate_slots(seq, seq.num_tokens) for seqs[start:] in order; returns the index of
+        the first that failed (len(seqs) when none did)."""
     def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Shrink the sequence's table to at most [0, num_tokens) (rejected drafts' slots)."""
     def fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -204,9 +202,6 @@ class KVRetentionPolicy(Protocol):
         what was kept for its session need not be kept any longer."""
     def expire(self, now: float) -> None:
         """Release what was kept until a time at or before `now`."""
-    def next_expiry(self) -> float:
-        """When the next kept blocks are released by time (inf: none): a run of repeated
-        decode steps ends at the step during which it passes, as steps one by one would see it."""
     def holds_for(self, request: Request) -> bool:
         """Whether device blocks are kept for waiting `request`'s session: admitting it then
         costs only its new tokens, so the scheduler lets it go ahead of a head that cannot fit."""
@@ -313,9 +308,9 @@ class CostModel(Protocol):
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,
     decode_context_tokens, spec_lens, ...); it may draw noise, and is called once per step.
     Optional, each a protocol of its own: `expected_error_pct` (StatesExpectedError, below), the
-    summary's expected_{ttft,tpot,e2e}_error_pct; `reads_only_aggregates` and
-    `repeated_step_times(plan, num_steps)` (RepeatedStepCostModel, policies/decode_run.py), which
-    cost a run of repeated decode steps as one event. The executor wrapping it may report its
+    summary's expected_{ttft,tpot,e2e}_error_pct; `costs_repeated_steps` and
+    `repeated_step_times(plan, num_steps)` (RepeatedStepsCostModel, sim/core/repeated_steps.py),
+    which cost the simulator's repeated steps as one event. The executor wrapping it may report its
     machine's speed (ReportsSpeed, below)."""
 
     def step_time(self, plan: StepPlan) -> float:

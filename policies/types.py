@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from policies.decode_run import DecodeRun
 
 
 class SequenceStatus(enum.Enum):
@@ -201,9 +197,6 @@ class StepPlan:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> k draft tokens of a speculating decode.
     spec_lens: dict[int, int] = field(default_factory=dict)
-    # The simulator's repeated decode steps: the run of this same batch the scheduler planned
-    # (policies/decode_run.py), or None (every step its own event).
-    decode_run: DecodeRun | None = None
     # Multi-LoRA (conf/lora; all zero/empty when off), set by the scheduler's LoRA manager at
     # the end of planning. Each sequence runs adapter `seq.request.lora_id` (None: none).
     # lora_to_load: (adapter id, device slot) pairs copied host -> device before the forward
@@ -308,11 +301,3 @@ class StepResult:
     forked_token_ids: dict[int, list[int]] | None = None
     # For every seq in the plan's spec_lens: how many of its k drafts were accepted (0..k).
     num_accepted: dict[int, int] | None = None
-    # A decode batch run several times in a row (plan.decode_run; the simulator only):
-    # each step's duration, in order. `duration` is then their span on the simulated clock.
-    step_durations: list[float] | None = None
-
-    @property
-    def num_steps(self) -> int:
-        """How many steps of the plan this result stands for."""
-        return len(self.step_durations) if self.step_durations else 1

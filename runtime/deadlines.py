@@ -1,5 +1,5 @@
 """Clients that give up: one step loop's request deadlines, earliest first, aborted at each step
-boundary through the scheduler."""
+boundary through the scheduler; the simulator's repeated steps end at the earliest."""
 from __future__ import annotations
 
 import heapq

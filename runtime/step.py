@@ -7,26 +7,13 @@ time passes between the two halves of a step, so a step is begun, then completed
         ...                              # result.duration passes
         finished = steps.complete(now)   # update, record the inter-token latencies
 
-The simulator yields `env.timeout(result.duration)` in between (for repeated steps, it wakes at
-`step_end_times[-1]`); the engine's step already took its time, and it completes the step at its
-wall clock.
-
-Repeated decode steps (simulator only, policies/decode_run.py): when the plan carries a DecodeRun
-and the executor can cost its steps from the plan alone, `begin(now, horizon)` runs them as one:
-step by step until the batch changes or a step ends at or after `horizon`, the next arrival,
-which the scheduler must see at the following step boundary (or the run's own `until`, when the
-scheduler's pool changes by itself: a kv_retention pin expiring; or a request's deadline
-passing, after which `abandon_due` aborts it). Where the batch changes because
-sequences finish before the horizon, the run may go on with the rest (`past_finishes`): nothing
-outside the replica can see it before then. Rows, latencies and the clock come out as if each
-step had run on its own.
+The simulator yields `env.timeout(result.duration)` in between; the engine's step already took its
+time, and it completes the step at its wall clock. The simulator's replicas run a subclass that
+runs repeated steps as one event (sim/core/repeated_steps.py).
 """
 from __future__ import annotations
 
-import math
-
 from policies.checks import has_capability
-from policies.decode_run import RepeatingExecutor
 from policies.prediction import refine
 from policies.protocols import Executor, OnlineLengthPredictor, Scheduler
 from policies.types import Request, StepPlan, StepResult
@@ -46,8 +33,7 @@ class NoProgress(RuntimeError):
 class StepLoop:
     """One replica's steps, one at a time."""
 
-    __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "step_end_times",
-                 "refining_predictor", "finished_in_run", "repeats_steps",
+    __slots__ = ("scheduler", "executor", "recorder", "plan", "result", "refining_predictor",
                  "steps_without_progress", "stalled_since", "deadlines")
 
     def __init__(self, scheduler: Scheduler, executor: Executor, recorder: StepRecorder,
@@ -60,42 +46,25 @@ class StepLoop:
         self.refining_predictor = (
             predictor if predictor is not None
             and has_capability(predictor, OnlineLengthPredictor, "predictor") else None)
-        # Runs of repeated steps, where the executor costs them (and no predictor refines).
-        self.repeats_steps = (has_capability(executor, RepeatingExecutor, "executor")
-                              and executor.repeats_steps and self.refining_predictor is None)
         self.plan: StepPlan | None = None     # the step in flight, between begin and complete
         self.result: StepResult | None = None
-        self.step_end_times: list[float] | None = None   # of repeated steps, in flight
-        self.finished_in_run: list[Request] = []   # finished in the repeated steps in flight
         self.steps_without_progress = 0   # consecutive steps that gained no token
         self.stalled_since = 0.0          # the clock when the first of them completed
         # Its requests' deadlines (Request.timeout_s): whoever queues a request adds it.
         self.deadlines = Deadlines()
 
-    def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
-              may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
-        """Plan the next step at `now`, execute it and record its row. With a `horizon` (the
-        time of the next event outside the replica), a repeatable decode batch runs until a step
-        ends at or past it; with `queued_arrivals` false (what arrives skips the waiting queue:
-        KV transfers to a decode replica) even when the queue's head is blocked; with
-        `past_finishes` (nothing outside the replica reacts to its steps until the horizon) on
-        past the steps where sequences finish. Raises NoProgress when the scheduler plans
-        nothing while it has requests: no later step could differ; unless `may_idle` (a KV
-        transfer will change the pool), which returns None."""
-        scheduler = self.scheduler
+    def begin(self, now: float, *, may_idle: bool = False) -> StepResult | None:
+        """Plan the next step at `now`, execute it and record its row. Raises NoProgress when the
+        scheduler plans nothing while it has requests (no later step could differ), unless
+        `may_idle` (a KV transfer will change the pool), which returns None."""
         plan = self._schedule(now, may_idle)
         if plan is None:
             return None
-        # (A refining predictor is asked after every step: its guesses may move a later one.)
-        if horizon is not None and plan.decode_run is not None and self.repeats_steps:
-            run = plan.decode_run
-            past_arrivals = (run.past_arrivals and queued_arrivals
-                             and not self.deadlines.expected)
-            end = min(math.inf if past_arrivals else horizon, run.until,
-                      self.deadlines.earliest())
-            return self._run_repeated(plan, now, end, min(end, horizon) if past_finishes else now)
+        return self._execute(plan, now)
+
+    def _execute(self, plan: StepPlan, now: float) -> StepResult:
         result = self.executor.execute(plan)
-        self.recorder.record_step(now, plan, result, scheduler)
+        self.recorder.record_step(now, plan, result, self.scheduler)
         self.plan, self.result = plan, result
         return result
 
@@ -130,76 +99,23 @@ class StepLoop:
             f"{scheduler.kv_cache.num_free_blocks()} free KV blocks; the policy cannot make "
             f"progress (a request larger than the pool, or max_num_seqs too small?)")
 
-    def _run_repeated(self, plan: StepPlan, now: float, horizon: float,
-                      finishes_before: float) -> StepResult:
-        """Run the plan's repeated steps until max_repeats or one ends at or past `horizon`,
-        recording their rows and latencies; the end times add up as the simulated clock would
-        add each step's duration. Where they end, before `finishes_before`, at sequences'
-        last tokens, the run may finish those and make the plan the rest's next steps
-        (`DecodeRun.continue_past_finishes`): the run goes on with that batch, a segment of its
-        own, and so on. Returns the whole run's result; the last segment's is kept for
-        `complete`."""
-        scheduler, recorder = self.scheduler, self.recorder
-        run = plan.decode_run
-        durations: list[float] = []
-        end_times: list[float] = []
-        add_duration, add_end_time = durations.append, end_times.append   # (once a step)
-        end = now
-        times_before = [seq.last_token_time for seq in plan.seqs]
-        while True:
-            segment_start, first = end, len(durations)
-            step_times = self.executor.repeated_step_times(plan, run.max_repeats)
-            for duration in step_times:
-                add_duration(duration)
-                end += duration
-                add_end_time(end)
-                if end >= horizon:
-                    step_times.close()   # draw no more noise than the steps that ran
-                    break
-            segment_durations = durations[first:] if first else durations
-            recorder.record_repeated_steps(segment_start, plan, segment_durations, scheduler)
-            recorder.record_repeated_itls(times_before, end_times[first:] if first else end_times)
-            if end >= finishes_before or len(segment_durations) < run.max_repeats:
-                break
-            finished = run.continue_past_finishes(plan, end)   # (plan: the rest's next steps)
-            if finished is None:
-                break
-            self.finished_in_run += finished
-            times_before = [end] * len(plan.seqs)
-        self.step_end_times = end_times
-        self.plan = plan
-        result = StepResult(duration=end - now, step_durations=durations)
-        # (One segment: the run's result is the segment's.)
-        self.result = result if not first else StepResult(duration=end - segment_start,
-                                                          step_durations=segment_durations)
-        return result
-
     def complete(self, now: float) -> list[Request]:
         """Let the scheduler account for the step begun last, at `now`, and record the
         inter-token latencies it produced. Returns the requests that finished. Raises NoProgress
         when MAX_STEPS_WITHOUT_PROGRESS steps in a row gave no sequence a token."""
         plan = self.plan
         seqs = plan.seqs
-        if self.step_end_times is None:
-            # What update changes, read before and after it: the loop measures, the scheduler
-            # counts.
-            times_before = [seq.last_token_time for seq in seqs]
-            outputs_before = [seq.num_output_tokens for seq in seqs]
-            finished = self.scheduler.update(plan, self.result, now)
-            self.recorder.record_itls(seqs, outputs_before, times_before, now)
-            # (A decode always gains a token: only steps without one compare the counts.)
-            if finished or plan.num_decode_seqs or any(
-                    seq.num_output_tokens != before for seq, before in zip(seqs, outputs_before)):
-                self.steps_without_progress = 0
-            else:
-                self._count_step_without_progress(plan, now)
-        else:   # (repeated steps recorded their latencies as they ran)
-            finished = self.scheduler.update(plan, self.result, now)
-            if self.finished_in_run:
-                finished = self.finished_in_run + finished
-                self.finished_in_run = []
-            self.step_end_times = None
-            self.steps_without_progress = 0   # (repeated steps are decodes)
+        # What update changes, read before and after it: the loop measures, the scheduler counts.
+        times_before = [seq.last_token_time for seq in seqs]
+        outputs_before = [seq.num_output_tokens for seq in seqs]
+        finished = self.scheduler.update(plan, self.result, now)
+        self.recorder.record_itls(seqs, outputs_before, times_before, now)
+        # (A decode always gains a token: only steps without one compare the counts.)
+        if finished or plan.num_decode_seqs or any(
+                seq.num_output_tokens != before for seq, before in zip(seqs, outputs_before)):
+            self.steps_without_progress = 0
+        else:
+            self._count_step_without_progress(plan, now)
         if self.refining_predictor is not None:
             self._refine_predictions(seqs)
         self.plan = self.result = None

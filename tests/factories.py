@@ -343,33 +343,33 @@ def request_tuples(requests) -> list[tuple]:
 
 
 def run_both_ways(overrides, monkeypatch):
-    """The simulator run of `overrides` with repeated decode steps run as one event and step by
-    step (scheduler.coalesce=false); returns both and the length of each run of repeated steps
+    """The simulator run of `overrides` with repeated steps and step by step
+    (backend.repeated_steps=false); returns both and the length of each run of repeated steps
     the first made."""
     from sim.core.experiment import run_experiment
-    from runtime.step import StepLoop
+    from sim.core.repeated_steps import RepeatedStepsLoop
 
     repeated_runs = []
-    run_repeated = StepLoop._run_repeated
+    run = RepeatedStepsLoop._run
 
-    def counting(self, plan, now, *horizons):
-        result = run_repeated(self, plan, now, *horizons)
-        repeated_runs.append(result.num_steps)
+    def counting(self, *args):
+        result = run(self, *args)
+        repeated_runs.append(len(self.step_end_times))
         return result
 
-    monkeypatch.setattr(StepLoop, "_run_repeated", counting)
-    coalesced = run_experiment(make_cfg(*overrides), plots=False)
+    monkeypatch.setattr(RepeatedStepsLoop, "_run", counting)
+    repeated = run_experiment(make_cfg(*overrides), plots=False)
     monkeypatch.undo()   # (every patch of the test: call this before patching anything else)
-    step_by_step = run_experiment(make_cfg(*overrides, "++scheduler.coalesce=false"),
+    step_by_step = run_experiment(make_cfg(*overrides, "backend.repeated_steps=false"),
                                   plots=False)
-    return coalesced, step_by_step, repeated_runs
+    return repeated, step_by_step, repeated_runs
 
 
-def assert_same_run(coalesced, step_by_step):
+def assert_same_run(repeated, step_by_step):
     """Two simulator runs came out alike: summary, every step row, ITLs and request times."""
-    assert summary_without_wall_time(coalesced) == summary_without_wall_time(step_by_step)
-    assert coalesced.metrics.step_rows == step_by_step.metrics.step_rows
-    assert dict(coalesced.metrics.itl_counts) == dict(step_by_step.metrics.itl_counts)
-    for a, b in zip(coalesced.requests, step_by_step.requests):
+    assert summary_without_wall_time(repeated) == summary_without_wall_time(step_by_step)
+    assert repeated.metrics.step_rows == step_by_step.metrics.step_rows
+    assert dict(repeated.metrics.itl_counts) == dict(step_by_step.metrics.itl_counts)
+    for a, b in zip(repeated.requests, step_by_step.requests):
         assert (a.first_token_time, a.finish_time, a.num_preemptions) == \
                (b.first_token_time, b.finish_time, b.num_preemptions)

@@ -1,7 +1,7 @@
 """Clients that give up (Request.timeout_s: workload.timeout_s, a trace's timeout_s column): the
 simulator aborts each such request at the first step boundary at or after its deadline, waiting
 or running, gives back every block it held, ends it once, counts it in the summary, and comes out
-the same with repeated decode steps as step by step."""
+the same with repeated steps as step by step."""
 from __future__ import annotations
 
 import csv
@@ -101,20 +101,20 @@ def test_abandoned_requests_give_back_their_blocks_and_end_once(cluster, impatie
 @pytest.mark.parametrize("scheduler", config_names("scheduler"))
 def test_repeated_steps_stop_at_deadlines_as_step_by_step(scheduler, workload, impatient_trace,
                                                           monkeypatch):
-    """A run of repeated decode steps ends at the step during which the earliest deadline
+    """A run of repeated steps ends at the step during which the earliest deadline
     passes (and a blocked queue's run at the next arrival, which may give up before it would
     end): every row, latency and request time equals the step-by-step run's."""
     overrides = [f"scheduler={scheduler}", "seed=3",
                  *(IMPATIENT if workload == "synthetic" else impatient_trace)]
     if scheduler == "sjf":
         overrides.append("predictor=noisy")
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    assert [r.abandoned_time for r in coalesced.requests] == \
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    assert [r.abandoned_time for r in repeated.requests] == \
            [r.abandoned_time for r in step_by_step.requests]
     # Not vacuous: clients gave up, and decode batches ran as one event, several steps each.
-    assert coalesced.summary["abandoned"] > 0
-    if type(coalesced.replicas[0].scheduler).plain_schedule:
+    assert repeated.summary["abandoned"] > 0
+    if type(repeated.replicas[0].scheduler).repeated_steps:
         assert repeated_runs and max(repeated_runs) > 1
 
 

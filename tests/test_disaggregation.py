@@ -1,7 +1,7 @@
 """Pools and prefill/decode disaggregation in the simulator (sim/core/cluster.py): the default is
 one mixed pool; every disaggregated request is prefilled on the prefill pool, transferred once
 and decoded to its length on the decode pool; no block leaks; transfers share links one at a
-time; repeated decode steps change nothing; disaggregation takes prefill stalls out of TPOT and
+time; repeated steps change nothing; disaggregation takes prefill stalls out of TPOT and
 pays for it in TTFT."""
 from __future__ import annotations
 
@@ -129,10 +129,10 @@ def test_transfers_never_share_a_link_at_once(case):
 def test_repeated_decode_steps_change_nothing(overrides):
     """A decode replica's repeated steps end where a transfer could land: the run is the one
     that plans every step on its own."""
-    coalesced = _disaggregated_run(*overrides)
-    step_by_step = _disaggregated_run(*overrides, "++scheduler.coalesce=false")
-    assert without_wall(coalesced.summary) == without_wall(step_by_step.summary)
-    assert coalesced.metrics.step_rows == step_by_step.metrics.step_rows
+    repeated = _disaggregated_run(*overrides)
+    step_by_step = _disaggregated_run(*overrides, "backend.repeated_steps=false")
+    assert without_wall(repeated.summary) == without_wall(step_by_step.summary)
+    assert repeated.metrics.step_rows == step_by_step.metrics.step_rows
 
 
 def test_disaggregation_takes_prefill_stalls_out_of_tpot_and_pays_in_ttft():

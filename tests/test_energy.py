@@ -51,7 +51,7 @@ def test_a_decode_steps_work_is_the_hand_count():
 
 
 def test_a_run_of_repeated_steps_counts_as_its_steps_one_by_one():
-    """A run of repeated decode steps (one event) adds, bit for bit, what its steps would add
+    """A run of repeated steps (one event) adds, bit for bit, what its steps would add
     one at a time, every decode's context a token longer each step."""
     model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     durations = [0.0131, 0.0133, 0.0129, 0.0137, 0.0135]

@@ -42,7 +42,7 @@ def hand_power_w(hardware, flops: float, bytes_moved: float, seconds: float) -> 
 
 
 def test_each_steps_power_is_the_power_model_over_its_work():
-    """A decode step, a run of two repeated decode steps (each a token longer) and a step too
+    """A decode step, a run of two repeated steps (each a token longer) and a step too
     short for its bytes (the board at its limit), against the model by hand."""
     model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     meter = TracedEnergyMeter(UtilisationPowerModel(hardware), ModelStepWork(model))

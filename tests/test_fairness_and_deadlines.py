@@ -120,17 +120,17 @@ def test_vtc_admits_the_least_served_tenant_and_banks_no_idle_time():
 
 
 def test_vtc_counts_repeated_steps_as_single_ones(monkeypatch):
-    """The counters after a run of repeated decode steps are those of the steps one by one,
+    """The counters after a run of repeated steps are those of the steps one by one,
     and so is the whole run (every row, latency and finish time)."""
     overrides = ["scheduler=vtc", HEAVY_AND_LIGHT, *OVERLOADED[2:], "workload.rate=4",
                  "workload.num_requests=300", "++scheduler.tenant_weights={heavy: 3}"]
-    assert_coalescing_exact(overrides, monkeypatch)
+    assert_repeated_steps_exact(overrides, monkeypatch)
 
 
-def assert_coalescing_exact(overrides, monkeypatch):
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+def assert_repeated_steps_exact(overrides, monkeypatch):
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
     assert max(repeated_runs) > 1   # not vacuous: decode steps did run as one event
-    assert_same_run(coalesced, step_by_step)
+    assert_same_run(repeated, step_by_step)
 
 
 @pytest.mark.parametrize("weights,message", [
@@ -213,8 +213,8 @@ def test_edf_rejections_leave_the_queues_and_count_as_done():
     assert scheduler.kv_cache.num_used_blocks() == 0
 
 
-def test_edf_with_admission_control_keeps_coalescing_exact(monkeypatch):
-    assert_coalescing_exact(["scheduler=edf", "scheduler.reject_hopeless=true",
+def test_edf_with_admission_control_keeps_repeated_steps_exact(monkeypatch):
+    assert_repeated_steps_exact(["scheduler=edf", "scheduler.reject_hopeless=true",
                              "workload.num_requests=300", "workload.rate=30", "slo.ttft_ms=2000",
                              "preemption=swap", "kv_cache.num_blocks=1500"], monkeypatch)
 

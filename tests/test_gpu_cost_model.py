@@ -209,7 +209,7 @@ def test_config_file_builds_it():
 
 
 def test_decode_attention_grid_along_a_run_is_the_lookup_at_each_step():
-    """A run of repeated decode steps reads the grid along the batch's row: each step's seconds
+    """A run of repeated steps reads the grid along the batch's row: each step's seconds
     are bilinear between the measured (batch, mean context) points, in proportion past the
     grid's last context, the same floats a lookup per step gives."""
     from itertools import islice

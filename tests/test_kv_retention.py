@@ -196,13 +196,13 @@ CONVERSATION = ["workload=conversation", "workload.num_sessions=40", "workload.r
 @pytest.mark.parametrize("retention", [["kv_retention=pin", "kv_retention.ttl_s=1.5"],
                                        ["kv_retention=offload", "kv_cache.offload_gb=4"]])
 def test_repeated_steps_come_out_as_steps_one_by_one(retention):
-    coalesced = run_experiment(make_cfg(*CONVERSATION, *retention), plots=False)
-    one_by_one = run_experiment(make_cfg(*CONVERSATION, *retention, "++scheduler.coalesce=false"),
+    repeated = run_experiment(make_cfg(*CONVERSATION, *retention), plots=False)
+    one_by_one = run_experiment(make_cfg(*CONVERSATION, *retention, "backend.repeated_steps=false"),
                                 plots=False)
     drop = ("wall_time_s", "sim_speedup")
-    assert ({k: v for k, v in coalesced.summary.items() if k not in drop}
+    assert ({k: v for k, v in repeated.summary.items() if k not in drop}
             == {k: v for k, v in one_by_one.summary.items() if k not in drop})
-    assert coalesced.metrics.step_rows == one_by_one.metrics.step_rows
+    assert repeated.metrics.step_rows == one_by_one.metrics.step_rows
 
 
 def test_the_summary_splits_first_and_follow_up_turns():

@@ -291,8 +291,9 @@ def test_affinity_ends_a_run_of_repeated_steps_when_the_head_ages():
     scheduler.add_request(Request(2, 0.1, 100, 5, lora_id=0), 0.1)    # in the batch: too big
     plan = scheduler.schedule(0.2)
     assert [seq.request.request_id for seq in plan.seqs] == [0]       # request 2 did not fit
-    assert plan.decode_run is not None and not plan.decode_run.past_arrivals
-    assert plan.decode_run.until == pytest.approx(0.1 + 5.0)   # then request 1 goes first
+    past_arrivals, until = scheduler.repeated_steps_bounds(plan)
+    assert not past_arrivals
+    assert until == pytest.approx(0.1 + 5.0)   # then request 1 goes first
 
 
 def test_priority_preempts_the_holders_of_an_adapter_slot_for_an_important_request():
@@ -415,12 +416,12 @@ def test_a_decode_pool_admits_transfers_within_max_loras():
     # A decode replica loads the adapter of a request whose KV arrived, in a decode step.
     ["scheduler=continuous", "cluster=disaggregated"],
 ])
-def test_repeated_decode_steps_change_nothing_with_lora(overrides, monkeypatch):
-    coalesced, step_by_step, repeated = run_both_ways(
+def test_repeated_steps_change_nothing_with_lora(overrides, monkeypatch):
+    repeated, step_by_step, repeated_runs = run_both_ways(
         ("workload.num_requests=150", "workload.rate=3", "lora=multi", "lora.num_adapters=12",
          "lora.max_loras=3", "cost_model=roofline", *overrides), monkeypatch)
-    assert repeated and max(repeated) > 1
-    assert_same_run(coalesced, step_by_step)
+    assert repeated_runs and max(repeated_runs) > 1
+    assert_same_run(repeated, step_by_step)
 
 
 def test_affinity_beats_fcfs_on_mean_ttft_when_adapters_thrash():

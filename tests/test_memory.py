@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from policies.memory import ContiguousAllocator, PagedBlockManager
-from policies.decode_run import DecodeGrowth, new_blocks_per_step
+from policies.memory.decode_growth import DecodeGrowth, new_blocks_per_step
 from policies.protocols import KVCacheManager
 from policies.types import Request, Sequence
 
@@ -182,18 +182,19 @@ def test_paged_new_blocks_per_step_matches_the_blocks_append_slots_takes():
 
 
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
-def test_append_slots_stops_at_the_first_failure_and_grows_to_computed_tokens(kind):
+def test_append_slots_stops_at_the_first_failure_and_grows_to_num_tokens(kind):
     manager = (PagedBlockManager(6, 4) if kind == "paged"
                else ContiguousAllocator(6, 4, max_model_len=8))
     seqs = [make_seq(index, 4) for index in range(3)]
     for seq in seqs[:2]:
         assert manager.allocate_slots(seq, 4)
-    # A sequence whose computed tokens passed its slots (as after repeated steps) grows to
-    # them with computed=True; num_tokens, one further, is left for the next step.
+    # Sequences several tokens past their slots (as after repeated steps) grow to num_tokens;
+    # from `start` on only.
     for seq in seqs[:2]:
-        seq.num_computed_tokens, seq.num_tokens = 6, 7
-    assert manager.append_slots(seqs[:2], computed=True) == 2
+        seq.num_computed_tokens, seq.num_tokens = 5, 6
+    assert manager.append_slots(seqs[:2]) == 2
     assert manager.num_tokens_stored() == 6 + 6
+    seqs[1].num_tokens = 7
     assert manager.append_slots(seqs[:2], 1) == 2
     assert manager.num_tokens_stored() == 6 + 7
     if kind == "paged":   # 4 of 6 blocks used: the third sequence's 3 blocks do not fit

@@ -126,7 +126,7 @@ def test_itl_histogram_equals_the_schedulers_own_count(overrides):
     result = run_experiment(make_cfg(
         "scheduler._target_=test_protocol_scheduler.ITLCountingScheduler",
         "scheduler.max_num_batched_tokens=512", "cluster.num_replicas=2",
-        "++scheduler.coalesce=false",   # its count is per update: one step at a time
+        "backend.repeated_steps=false",   # its count is per update: one step at a time
         "workload.num_requests=150", *overrides), plots=False)
     assert result.summary["num_preemptions"] > 0 or "speculation=fixed" in overrides
     assert dict(result.metrics.itl_counts) == dict(ITLCountingScheduler.counts)

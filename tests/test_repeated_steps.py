@@ -1,4 +1,4 @@
-"""Repeated decode steps: the simulator runs a decode batch that the scheduler would plan again
+"""Repeated steps: the simulator runs a decode batch that the scheduler would plan again
 unchanged as one event, and a run comes out exactly as if every step had run on its own (every
 summary value, step row and inter-token latency), with the step noise off and on."""
 from __future__ import annotations
@@ -83,8 +83,8 @@ def scheduler_overrides(scheduler: str) -> list[str]:
 @pytest.mark.parametrize("seed", range(4))
 def test_repeated_steps_give_the_step_by_step_run(scheduler, seed, monkeypatch):
     overrides = [*scheduler_overrides(scheduler), *random_workload(seed * 7 + len(scheduler))]
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
     # Not vacuous: decode batches did run as one event, several steps at a time.
     assert repeated_runs and max(repeated_runs) > 1, overrides
 
@@ -96,40 +96,40 @@ def test_runs_go_on_past_finishes_as_step_by_step(scheduler, seed, monkeypatch):
     (nothing waits, no arrival is due), the run goes on with the batch less them: they finish,
     free their blocks and leave at the step they would have step by step, and every row,
     latency and request time after comes out the same."""
-    from policies.decode_run import DecodeRun
+    from sim.core.repeated_steps import RepeatedSteps
 
     if scheduler == "vtc" and seed == 0:
         # Diverged at 3f905f9 (a100 default); no longer reproduces, the hazard stays: a tenant
         # that becomes active is lifted to the active counters' minimum, read mid-run before
         # the run's update charged its steps (identical with that lift turned off).
-        pytest.xfail("known divergence: VTC.add_request reads counters a coalesced run has not "
+        pytest.xfail("known divergence: VTC.add_request reads counters a repeated run has not "
                      "charged yet; left for the repeated-steps issue")
     overrides = [*scheduler_overrides(scheduler), *light_workload(seed * 11 + len(scheduler))]
     if scheduler == "vtc":
         overrides.append("++workload.classes=[{share: 0.5, tenant: a}, {share: 0.5, tenant: b}]")
-    segments = []
-    continue_past_finishes = DecodeRun.continue_past_finishes
+    continued = []
+    continue_past_finishes = RepeatedSteps.continue_past_finishes
 
     def counting(self, plan, now):
         finished = continue_past_finishes(self, plan, now)
         if finished is not None:
-            segments.append(self.num_steps_before)
+            continued.append(self.num_steps_before)
         return finished
 
-    monkeypatch.setattr(DecodeRun, "continue_past_finishes", counting)
-    coalesced, step_by_step, _ = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    scheduler_type = type(coalesced.replicas[0].scheduler)
-    if scheduler_type.plain_update:   # (VTC and EDF end runs at finishes)
-        assert segments, overrides   # not vacuous: runs did go on past finishes
+    monkeypatch.setattr(RepeatedSteps, "continue_past_finishes", counting)
+    repeated, step_by_step, _ = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    scheduler_type = type(repeated.replicas[0].scheduler)
+    if scheduler_type.repeated_steps_past_finishes:   # (VTC and EDF end runs at finishes)
+        assert continued, overrides   # not vacuous: runs did go on past finishes
     else:
-        assert not segments
+        assert not continued
 
 
 def test_the_contiguous_baseline_repeats_within_its_reservation(monkeypatch):
-    coalesced, step_by_step, repeated_runs = run_both_ways(
+    repeated, step_by_step, repeated_runs = run_both_ways(
         ["kv_cache=contiguous", "workload.num_requests=100", "workload.rate=2"], monkeypatch)
-    assert_same_run(coalesced, step_by_step)
+    assert_same_run(repeated, step_by_step)
     assert max(repeated_runs) > 16   # past block boundaries: the reservation holds them
 
 
@@ -147,9 +147,9 @@ def test_with_step_noise_the_draws_match_step_by_step(tmp_path, monkeypatch):
     overrides = ["model=tiny-llama", "hardware=cpu", "cost_model=profiled",
                  f"cost_model.profile={path}", "workload.num_requests=120", "workload.rate=3",
                  "++workload.prompt_len={dist: uniform, low: 8, high: 300}"]
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert coalesced.summary["p99_itl_ms"] != coalesced.summary["median_itl_ms"]   # noisy
-    assert_same_run(coalesced, step_by_step)
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert repeated.summary["p99_itl_ms"] != repeated.summary["median_itl_ms"]   # noisy
+    assert_same_run(repeated, step_by_step)
     assert max(repeated_runs) > 1
 
 
@@ -163,10 +163,10 @@ def test_a_profile_with_tile_features_runs_step_by_step(monkeypatch):
 
 
 def test_a_speculating_run_never_repeats_steps(monkeypatch):
-    coalesced, step_by_step, repeated_runs = run_both_ways(
+    repeated, step_by_step, repeated_runs = run_both_ways(
         ["speculation=fixed", "workload.num_requests=60"], monkeypatch)
     assert repeated_runs == []
-    assert_same_run(coalesced, step_by_step)
+    assert_same_run(repeated, step_by_step)
 
 
 def test_the_clock_wakes_at_the_exact_end_of_repeated_steps():
@@ -205,9 +205,9 @@ def test_repeated_steps_run_past_arrivals_that_must_wait(monkeypatch):
 
     monkeypatch.setattr(StepRecorder, "count_arrivals", counting)
     overloaded = ["workload.num_requests=300", "workload.rate=40", "kv_cache.num_blocks=400"]
-    coalesced = run_experiment(make_cfg(*overloaded), plots=False)
+    repeated = run_experiment(make_cfg(*overloaded), plots=False)
     monkeypatch.undo()
-    step_by_step = run_experiment(make_cfg(*overloaded, "++scheduler.coalesce=false"),
+    step_by_step = run_experiment(make_cfg(*overloaded, "backend.repeated_steps=false"),
                                   plots=False)
     assert sum(counted) > 10
-    assert_same_run(coalesced, step_by_step)
+    assert_same_run(repeated, step_by_step)

@@ -237,11 +237,11 @@ def test_a_slower_policy_delays_the_later_turns():
     [*SMALL_SESSIONS, "scheduler=vtc", "kv_cache.num_blocks=400"],
 ], ids=["least-outstanding", "agents-two-replicas", "vtc-small-pool"])
 def test_closed_loop_runs_come_out_as_step_by_step(overrides, monkeypatch):
-    """Runs of repeated decode steps end where a finish could send a turn (the least gap in
+    """Runs of repeated steps end where a finish could send a turn (the least gap in
     flight, and the run's first finish), so the run is the one step by step."""
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
-    assert [r.arrival_time for r in coalesced.requests] == \
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    assert [r.arrival_time for r in repeated.requests] == \
         [r.arrival_time for r in step_by_step.requests]
     assert repeated_runs and max(repeated_runs) > 1   # not vacuous: steps did repeat
 

@@ -609,7 +609,7 @@ def engine_replaced_by_noisy_scaled_simulator(monkeypatch, time_factors: list[fl
     taken: list[float] = []
 
     class Scaled:
-        repeats_steps = False   # as an engine: every step runs (and is scaled) on its own
+        runs_repeated_steps = False   # as an engine: every step runs (and is scaled) on its own
 
         def __init__(self, inner, factor):
             self.inner, self.factor = inner, factor

@@ -63,7 +63,7 @@ def test_per_window_service_is_what_vtc_charged(monkeypatch):
     monkeypatch.setattr(VirtualTokenCounterScheduler, "schedule", timed_schedule)
     monkeypatch.setattr(VirtualTokenCounterScheduler, "update", timed_update)
     monkeypatch.setattr(VirtualTokenCounterScheduler, "_charge", logged_charge)
-    result = run_experiment(make_cfg("scheduler=vtc", "++scheduler.coalesce=false",
+    result = run_experiment(make_cfg("scheduler=vtc", "backend.repeated_steps=false",
                                      *OVERLOADED), plots=False)
     assert result.summary["num_preemptions"] == 0   # where the even spread is exact
     edges = window_edges(result.requests, 7.0)

@@ -21,14 +21,13 @@ A KV retention policy that keeps blocks between a session's turns (`kv_retention
 hears of each turn's arrival, admission and finish (policies/memory/retention.py); what the
 scheduler does with the blocks it keeps is in kept_turns.py.
 
-Repeated decode steps (policies/decode_run.py): where the next steps would plan the same decode
-batch, `_finish_plan` attaches a DecodeRun to the plan and the simulator runs them as one event.
-That rests on three promises of the class, `plain_schedule`, `admits_in_arrival_order` and
-`plain_update`; a subclass that overrides a hook a promise is about without stating the promise
-in its own body withdraws it, so a plug-in repeats steps only where it said it may.
+The simulator's repeated steps (sim/core/repeated_steps.py) run only for a class that states the
+promise `repeated_steps`; a subclass that overrides a hook a promise is about without stating the
+promise in its own body withdraws it, so a plug-in that overrides `schedule` is exact by default.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import ClassVar
 
@@ -36,18 +35,19 @@ from policies.batching.handoff import KVHandoff
 from policies.batching.kept_turns import KeptTurns
 from policies.batching.preempting import PreemptionAndSwap
 from policies.batching.speculative import SpeculativeDecodes
-from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
+from policies.capabilities import (AdmissionCheckingKVCache, ExpiringKVRetention,
+                                   OffloadingKVCache)
 from policies.checks import has_capability
-from policies.decode_run import DecodeRun, RepeatingKVCache
 from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager,
                                 PreemptionPolicy, SpeculationPolicy)
 from policies.speculation import max_speculative_tokens
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
-from policies.validators import boolean, positive_int
+from policies.validators import positive_int
 
 
 # The hooks with a promise of their own: overriding one withdraws only that promise.
-_PROMISE_OF_HOOK = {"next_waiting": "admits_in_arrival_order", "update": "plain_update"}
+_PROMISE_OF_HOOK = {"next_waiting": "repeated_steps_past_arrivals",
+                    "update": "repeated_steps_past_finishes"}
 
 
 def _overrides_a_planning_hook(cls: type) -> bool:
@@ -66,16 +66,15 @@ def _overrides_a_planning_hook(cls: type) -> bool:
 
 
 class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap):
-    # The promises repeated decode steps rest on. `plain_schedule`: `schedule` and every hook it
-    # reaches plan from the queues, the batch and the pool alone (not the clock, not a count of
-    # steps), so with those unchanged the next step plans the same decode batch (without it, no
-    # run at all: a run skips those calls). `admits_in_arrival_order`: next_waiting takes the
-    # queue's head, so a head kept out stays out and arrivals queue behind it (a run goes on
-    # while requests wait). `plain_update`: `update` does per step only what a DecodeRun
-    # applies (a run goes on past the steps where some of its decodes finish).
-    plain_schedule: ClassVar[bool] = True
-    admits_in_arrival_order: ClassVar[bool] = True
-    plain_update: ClassVar[bool] = True
+    # The promises repeated steps rest on (a run skips the calls they are about).
+    # `repeated_steps`: `schedule` and every hook it reaches plan from the queues, the batch and
+    # the pool alone (not the clock, not a count of steps); a class that defines `schedule`
+    # states it. `repeated_steps_past_arrivals`: next_waiting takes the queue's head, so
+    # arrivals queue behind a head kept out. `repeated_steps_past_finishes`: `update` does per
+    # step only what a decode's next token needs, so decodes may finish inside a run.
+    repeated_steps: ClassVar[bool] = False
+    repeated_steps_past_arrivals: ClassVar[bool] = True
+    repeated_steps_past_finishes: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -84,13 +83,13 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         for hook, promise in _PROMISE_OF_HOOK.items():
             if hook in own and promise not in own:
                 setattr(cls, promise, False)
-        if "plain_schedule" not in own and _overrides_a_planning_hook(cls):
-            cls.plain_schedule = False
+        if "repeated_steps" not in own and _overrides_a_planning_hook(cls):
+            cls.repeated_steps = False
 
     def __init__(self, kv_cache: KVCacheManager, preemption: PreemptionPolicy,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, *, speculation: SpeculationPolicy | None = None,
-                 coalesce: bool = True, kv_retention: KVRetentionPolicy | None = None,
+                 kv_retention: KVRetentionPolicy | None = None,
                  lora: LoRAManager | None = None):
         positive_int("scheduler.max_num_seqs", max_num_seqs)
         positive_int("scheduler.max_num_batched_tokens", max_num_batched_tokens)
@@ -113,10 +112,10 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
         self._speculates = (speculation is not None
                             and max_speculative_tokens(speculation) > 0)
-        # Speculation decides per step (and learns from each), so its steps never repeat.
-        self.coalesce = (boolean("scheduler.coalesce", coalesce) and self.plain_schedule
-                         and not self._speculates
-                         and has_capability(kv_cache, RepeatingKVCache, "kv_cache"))
+        # Whether the simulator can learn when kept blocks are released by time (else no
+        # repeated steps).
+        self._retention_expires = kv_retention is None or has_capability(
+            kv_retention, ExpiringKVRetention, "kv_retention")
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -391,17 +390,22 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             stores, loads = self._take_pending_offload()
             plan.blocks_to_offload.extend(stores)
             plan.blocks_to_load.extend(loads)
-        if self.coalesce and plan.num_decode_seqs and self._plans_the_batch_again(plan):
-            # A blocked FCFS head keeps every later arrival waiting behind it, unless kept
-            # blocks let a session's next turn go ahead of it (_admit_kept_turns).
-            plan.decode_run = DecodeRun.plan(
-                self, plan, past_arrivals=bool(self.waiting) and self.kv_retention is None)
-            if plan.decode_run is not None and self.kv_retention is not None:
-                # Blocks released by time change the pool: steps one by one would see it.
-                plan.decode_run.until = self.kv_retention.next_expiry()
         return plan
 
-    # ---- repeated decode steps (policies/decode_run.py) ------------------------------------------
+    # ---- the simulator's repeated steps (sim/core/repeated_steps.py) ---------------------------
+
+    def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
+        """None unless the next steps would plan this decode batch again; else whether they may
+        run past arrivals and when kept blocks are released by time (the pool changes)."""
+        # (Speculation decides per step and learns from each.)
+        if (not plan.num_decode_seqs or self._speculates or not self._retention_expires
+                or not self._plans_the_batch_again(plan)):
+            return None
+        if self.kv_retention is None:
+            # A blocked FCFS head keeps every later arrival waiting behind it.
+            return bool(self.waiting), math.inf
+        # Kept blocks may let a session's next turn go ahead of the head (_admit_kept_turns).
+        return False, self.kv_retention.next_expiry()
 
     def _plans_the_batch_again(self, plan: StepPlan) -> bool:
         """Whether, if no request arrived, `schedule` would plan this same decode batch next
@@ -420,16 +424,16 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                     or plan.lora_to_load
                     or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
                     or self._released_for_running
-                    or (self.waiting and not self.admits_in_arrival_order))
+                    or (self.waiting and not self.repeated_steps_past_arrivals))
 
-    def runs_past_finishes(self) -> bool:
+    def may_repeat_past_finishes(self) -> bool:
         """Whether a run's decodes that finish may leave at their step and the rest run on:
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
-        return (self.plain_update
+        return (self.repeated_steps_past_finishes
                 and not (self.waiting or self.swapped or self.receiving))
 
-    def rest_of_run(self, plan: StepPlan) -> None:
-        """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""
+    def resum_plan(self, plan: StepPlan) -> None:
+        """The plan lost its finished decodes (repeated steps): its LoRA sums."""
         if self.lora is not None:
             self.lora.finish_step(plan, self.running)
 
@@ -437,11 +441,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         """Account for what the step computed: tokens appended (a speculating decode's
         accepted drafts and one more), samples forked, sequences and requests finished (their
         blocks freed). Returns the requests that finished."""
-        if result.step_durations:
-            if plan.decode_run is None:
-                raise ValueError(f"the executor ran a plan {len(result.step_durations)} times; "
-                                 f"its scheduler planned no DecodeRun")
-            return plan.decode_run.apply(plan, len(result.step_durations), now)
         finished_requests: list[Request] = []
         sampled = result.sampled_token_ids
         stopped = result.stopped_seq_ids

@@ -7,8 +7,8 @@ from policies.types import StepPlan
 
 
 class ChunkedPrefillScheduler(BaseScheduler):
-    # (policies/decode_run.py) it plans from the queues, the batch and the pool alone
-    plain_schedule = True
+    # It plans from the queues, the batch and the pool alone
+    repeated_steps = True
 
     def schedule(self, now: float) -> StepPlan:
         plan = self._new_plan(now)

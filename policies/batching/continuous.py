@@ -7,8 +7,8 @@ from policies.types import StepPlan
 
 
 class ContinuousBatchingScheduler(BaseScheduler):
-    # (policies/decode_run.py) it plans from the queues, the batch and the pool alone
-    plain_schedule = True
+    # It plans from the queues, the batch and the pool alone
+    repeated_steps = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -15,10 +15,10 @@ REJECTED_REASON = "slo: TTFT deadline passed before admission"
 
 
 class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) it reorders the queue, and its update rejects at each step
-    admits_in_arrival_order = False
-    plain_update = False
-    plain_schedule = True   # deadlines are fixed at arrival
+    # It reorders the queue, and its update rejects at each step
+    repeated_steps_past_arrivals = False
+    repeated_steps_past_finishes = False
+    repeated_steps = True   # deadlines are fixed at arrival
 
     def __init__(self, *args, slo_ttft_ms: float | None = None, reject_hopeless: bool = False,
                  **kwargs):

@@ -9,11 +9,10 @@ from policies.validators import positive_number
 
 
 class LoRAAffinityScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) A request kept out stays out while the batch, the loaded adapters
-    # and the queue stay as they are, until the head ages past max_wait_s; an arrival may go
-    # ahead of it, so a run of repeated steps ends at the next arrival and at that age.
-    admits_in_arrival_order = True
-    plain_schedule = True   # its _finish_plan ends runs where its choice could change
+    # A request kept out stays out while the batch, the loaded adapters and the queue stay as
+    # they are, until the head ages past max_wait_s (repeated_steps_bounds ends runs there).
+    repeated_steps_past_arrivals = True
+    repeated_steps = True
 
     def __init__(self, *args, max_wait_s: float = 60.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -38,12 +37,13 @@ class LoRAAffinityScheduler(ContinuousBatchingScheduler):
                 fitting = request
         return loaded or fitting or head
 
-    def _finish_plan(self, plan: StepPlan) -> StepPlan:
-        plan = super()._finish_plan(plan)
-        run = plan.decode_run
-        if run is not None and self.waiting:
-            run.past_arrivals = False
-            aged_at = self.waiting[0].arrival_time + self.max_wait_s
-            if aged_at > self._now:
-                run.until = min(run.until, aged_at)
-        return plan
+    def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
+        """An arrival may go ahead of a waiting head, which itself goes first at max_wait_s."""
+        bounds = super().repeated_steps_bounds(plan)
+        if bounds is None or not self.waiting:
+            return bounds
+        until = bounds[1]
+        aged_at = self.waiting[0].arrival_time + self.max_wait_s
+        if aged_at > self._now:
+            until = min(until, aged_at)
+        return False, until

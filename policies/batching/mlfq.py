@@ -9,9 +9,9 @@ from policies.validators import positive_int
 
 
 class MLFQScheduler(PriorityScheduler):
-    # (policies/decode_run.py) rank reads a request's tokens, which matter only while requests
-    # wait, and no run is planned then (admits_in_arrival_order is False)
-    plain_schedule = True
+    # Rank reads a request's tokens, which matter only while requests
+    # wait, and no run is planned then (repeated_steps_past_arrivals is False)
+    repeated_steps = True
 
     def __init__(self, *args, num_levels: int = 6, base_quantum: int = 8,
                  prefill_tokens_per_quantum_token: int = 64, **kwargs):

@@ -8,9 +8,9 @@ from policies.validators import boolean
 
 
 class PriorityScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
-    admits_in_arrival_order = False
-    plain_schedule = True   # ranks and preempts only while requests wait: no run then
+    # It reorders the queue: no repeated steps while requests wait
+    repeated_steps_past_arrivals = False
+    repeated_steps = True   # ranks and preempts only while requests wait: no run then
 
     def __init__(self, *args, preempt_to_admit: bool = True, **kwargs):
         super().__init__(*args, **kwargs)

@@ -15,9 +15,9 @@ AGING_RULES = ("max_wait", "score")
 
 
 class ShortestJobFirstScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) it reorders the queue: no repeated steps while requests wait
-    admits_in_arrival_order = False
-    plain_schedule = True   # its hooks rank by the request and its prediction alone
+    # It reorders the queue: no repeated steps while requests wait
+    repeated_steps_past_arrivals = False
+    repeated_steps = True   # its hooks rank by the request and its prediction alone
 
     def __init__(self, *args, max_wait_s: float = 30.0, aging: str = "max_wait",
                  aging_tokens_per_s: float = 10.0, **kwargs):

@@ -7,8 +7,8 @@ from policies.types import Request, StepPlan
 
 
 class StaticBatchingScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) it plans from the queues, the pool and the batch's members alone
-    plain_schedule = True
+    # It plans from the queues, the pool and the batch's members alone
+    repeated_steps = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -3,9 +3,9 @@ admission goes to the tenant with the least weighted service so far (prompt toke
 tokens 2, as the summary's `jain_fairness`), so a heavy tenant cannot take the server from a light
 one. A returning tenant's counter is lifted to the active minimum so idle time is not banked.
 
-Counters change only in `update` (which sees a run of repeated decode steps as one call that
-added num_steps tokens to each sequence) and at admission, and admission reads them only while
-something waits, when the steps do not repeat: coalescing stays exact.
+Counters change only in `update` (which sees the simulator's repeated steps as one call that added
+their tokens to each sequence) and at admission, and admission reads them only while something
+waits, when the steps do not repeat: repeated steps stay exact.
 """
 from __future__ import annotations
 
@@ -20,12 +20,10 @@ OUTPUT_WEIGHT = 2
 
 
 class VirtualTokenCounterScheduler(ContinuousBatchingScheduler):
-    # (policies/decode_run.py) its order moves with service, and its update charges each step
-    admits_in_arrival_order = False
-    plain_update = False
-    # (add_request reads counters a run has not charged yet: tests/test_repeated_steps.py's
-    # xfail; it no longer reproduces)
-    plain_schedule = True
+    # Its order moves with service, and its update charges each step
+    repeated_steps_past_arrivals = False
+    repeated_steps_past_finishes = False
+    repeated_steps = True
 
     def __init__(self, *args, tenant_weights: Mapping | None = None, **kwargs):
         super().__init__(*args, **kwargs)

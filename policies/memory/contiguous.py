@@ -15,7 +15,7 @@ import bisect
 from collections import deque
 from typing import Sequence as Seq
 
-from policies.decode_run import NoDecodeGrowth
+from policies.memory.decode_growth import NoDecodeGrowth
 from policies.types import Sequence
 from policies.validators import fraction, non_negative_int, positive_int
 
@@ -136,7 +136,7 @@ class ContiguousAllocator:
             self._num_allocated_tokens[seq.seq_id] = num_tokens
             self._num_tokens_stored -= num_allocated - num_tokens
 
-    # ---- repeated decode steps (policies/decode_run.py: RepeatingKVCache) ----
+    # ---- the simulator's repeated steps (sim/core/repeated_steps.py: RepeatedStepsKVCache) ----
 
     def decode_growth(self, seqs: list[Sequence]) -> NoDecodeGrowth:
         """None at any step: a sequence grows only within its reservation."""
@@ -149,15 +149,12 @@ class ContiguousAllocator:
         """0: a sequence grows only within its reservation."""
         return 0
 
-    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
-                     computed: bool = False) -> int:
-        """`allocate_slots(seq, seq.num_tokens)` (with `computed`, seq.num_computed_tokens) for
-        each of `seqs[start:]` in order; stops at the first that fails and returns its index
-        (len(seqs) when all succeeded)."""
+    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
+        """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
+        the first that fails and returns its index (len(seqs) when all succeeded)."""
         for index in range(start, len(seqs)):
             seq = seqs[index]
-            if not self.allocate_slots(seq, seq.num_computed_tokens if computed
-                                       else seq.num_tokens):
+            if not self.allocate_slots(seq, seq.num_tokens):
                 return index
         return len(seqs)
 

@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict, deque
 from itertools import repeat, starmap
 from typing import Sequence as Seq
 
-from policies.decode_run import DecodeGrowth
+from policies.memory.decode_growth import DecodeGrowth
 from policies.memory.prefix_cache import PrefixCache
 from policies.memory.retained import RetainedBlocks
 from policies.memory.slots import NOT_EXCLUSIVE, SeqSlots
@@ -137,7 +137,7 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
             return True
         return self._grow(seq, table, num_allocated, num_tokens, watermark)
 
-    # ---- repeated decode steps (policies/decode_run.py: RepeatingKVCache) ----
+    # ---- the simulator's repeated steps (sim/core/repeated_steps.py: RepeatedStepsKVCache) ----
 
     def decode_growth(self, seqs: list[Sequence]) -> DecodeGrowth:
         """The decoding `seqs`' growth over a run of repeated steps (their counters where the
@@ -154,19 +154,17 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
         cache evicts blocks in the order they were freed)."""
         return 0 if self.enable_prefix_caching else len(self._free_block_ids)
 
-    def append_slots(self, seqs: list[Sequence], start: int = 0, *,
-                     computed: bool = False) -> int:
+    def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order, all
-        decoding (one new token each, or several after repeated steps), or with `computed`
-        `allocate_slots(seq, seq.num_computed_tokens)`; stops at the first that fails and
-        returns its index (len(seqs) when all succeeded). The simulator's hottest call: one
-        pass per step over the batch instead of one method call per sequence."""
+        decoding (one new token each, or several after repeated steps); stops at the first that
+        fails and returns its index (len(seqs) when all succeeded). The simulator's hottest call:
+        one pass per step over the batch instead of one method call per sequence."""
         seq_slots = self._slots
         free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
         for seq in seqs[start:] if start else seqs:
-            num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
+            num_tokens = seq.num_tokens
             try:   # (a subscript costs less than .get, and a decode always holds slots)
                 slots = seq_slots[seq.seq_id]
             except KeyError:

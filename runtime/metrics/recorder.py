@@ -279,18 +279,18 @@ class StepRecorder:
             num_accepted_tokens=num_accepted_tokens)
 
     def record_repeated_steps(self, start_time: float, plan: StepPlan, durations: list[float],
-                              scheduler: Scheduler) -> None:
+                              scheduler: Scheduler, first_step: int,
+                              new_blocks: list[int]) -> None:
         """The rows of a decode batch run len(durations) times, as separate steps would record
-        them: copies of the first with only the start, duration and memory columns moved."""
+        them: copies of the first with the start, duration and memory columns moved (the decodes
+        grow into new_blocks[i] at step i; after `first_step` steps the first row adds what they
+        grew into since)."""
         self._record_row(start_time, plan, durations[0], scheduler)
         if self.energy is not None:
             self.energy.add_repeated_steps(plan, durations)
         rows = self.metrics.step_rows
         row = list(rows[-1])
         block_size, num_decodes = scheduler.kv_cache.block_size, plan.num_decode_seqs
-        run = plan.decode_run
-        first_step = run.num_steps_before
-        new_blocks = run.new_blocks_per_step(plan, len(durations))
         blocks, slots, tokens = row[_BLOCKS:_TOKENS + 1]
         if first_step:
             tokens += num_decodes * first_step

@@ -14,7 +14,7 @@ from policies.checks import check_policy, has_capability
 from policies.lora.spec import lora_config
 from policies.protocols import CostModel, ReportsSpeed, StatesExpectedError
 from policies.speculation.drafters import drafter_kind
-from policies.validators import (finite_number, non_negative_int, non_negative_number,
+from policies.validators import (boolean, finite_number, non_negative_int, non_negative_number,
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
 from sim.core.experts import check_expert_parallel_size
@@ -157,12 +157,13 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
     if speculation is not None and drafter_kind(speculation.draft_model).draft_cost == "heads":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
     cost_model = build_cost_model(cfg, model, hardware, **drafting)
+    repeated_steps = boolean("backend.repeated_steps", cfg.backend.get("repeated_steps", True))
     if speculation is None:
-        return SimExecutor(cost_model)
+        return SimExecutor(cost_model, repeated_steps=repeated_steps)
     # Each replica draws its own acceptances, reproducibly.
     sim_seed = cfg.get("sim_seed", cfg.seed)
     return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]),
-                       speculation.depth_per_size)
+                       speculation.depth_per_size, repeated_steps=repeated_steps)
 
 
 def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):

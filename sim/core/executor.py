@@ -4,29 +4,30 @@ accepted drafts of a speculating one)."""
 from __future__ import annotations
 
 from policies.checks import has_capability
-from policies.decode_run import RepeatedStepCostModel
 from policies.types import StepPlan, StepResult
 from sim.core.acceptance import AcceptanceModel
+from sim.core.repeated_steps import RepeatedStepsCostModel
 
 
 class SimExecutor:
     """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`; with an
     acceptance model it also draws how many drafts each speculating sequence keeps.
 
-    A cost model that costs a run of repeated decode steps from the plan's aggregates
-    (`policies.decode_run.RepeatedStepCostModel`) lets the step loop run those steps as one
-    event (`repeated_step_times`); any other runs every step on its own."""
+    A cost model that costs repeated steps from the plan's aggregates (RepeatedStepsCostModel)
+    lets the step loop run them as one event, unless `repeated_steps` is off
+    (backend.repeated_steps); any other runs every step on its own."""
 
     def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None,
-                 depth_per_size: list[int] | None = None):
+                 depth_per_size: list[int] | None = None, *, repeated_steps: bool = True):
         self.cost_model = cost_model
         self.acceptance_model = acceptance_model
         # Token trees (Medusa, lookahead): a plan's spec_lens are the tokens a step verifies,
         # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth
         # (per node instead where the acceptance model has the fixed tree: Medusa's).
         self.depth_per_size = depth_per_size
-        self.repeats_steps = (has_capability(cost_model, RepeatedStepCostModel, "cost_model")
-                              and cost_model.reads_only_aggregates)
+        self.runs_repeated_steps = (
+            repeated_steps and has_capability(cost_model, RepeatedStepsCostModel, "cost_model")
+            and cost_model.costs_repeated_steps)
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
         """The durations of `num_steps` steps of the decode batch `plan`, one at a time (each

@@ -28,7 +28,7 @@ step enters the first stage, and its duration from entering the first stage to l
 Energy: each stage's tp boards are charged the seconds that stage is busy with each step at that
 stage's work (its base cost model's FLOPs and bytes, the LM head counted on every stage: an
 over-count of its weights, ~4% of a Llama-2-7B stage's at pp=2), and idle power the rest of the
-run. Repeated decode steps (policies/decode_run.py) never run here: every step is its own event.
+run. Repeated steps (sim/core/repeated_steps.py) never run here: every step is its own event.
 A run that plots gives the stages traced meters and keeps the stage timeline, from which the
 power plot draws the replica's power as the sum of its stages' (sim/core/energy/trace.py).
 """

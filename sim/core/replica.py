@@ -19,7 +19,7 @@ from simpy.events import NORMAL
 from policies.protocols import Executor, LoRAManager, Router, Scheduler
 from policies.types import Request
 from runtime.metrics import MetricsCollector, StepRecorder
-from runtime.step import StepLoop
+from sim.core.repeated_steps import RepeatedStepsLoop
 
 if TYPE_CHECKING:
     from sim.core.energy.meter import EnergyMeter
@@ -64,7 +64,7 @@ class Replica:
         # Its scheduler's LoRA manager (set by the builder; None: no adapters), for a router.
         self.lora: LoRAManager | None = None
         self.recorder = StepRecorder(metrics, replica_id, energy)
-        self.steps = StepLoop(scheduler, executor, self.recorder, predictor)
+        self.steps = RepeatedStepsLoop(scheduler, executor, self.recorder, predictor)
         self.on_requests_done = on_requests_done
         # Without it, every step is its own event; with it, env must be a SimEnvironment. A
         # decode replica's (sim/core/cluster.py) is the earliest a KV transfer could land.
@@ -158,9 +158,9 @@ class Replica:
                 yield self._idle
                 self._idle = None
                 continue
-            step_durations = result.step_durations
-            if step_durations:
-                self.busy_until = steps.step_end_times[-1]
+            end_times = steps.step_end_times   # of repeated steps; None for one step
+            if end_times:
+                self.busy_until = end_times[-1]
                 yield env.timeout_at(self.busy_until)
             else:
                 self.busy_until = now + result.duration
@@ -168,9 +168,9 @@ class Replica:
             self.busy_until = math.inf
             self.last_step_duration = result.duration
             finished = complete(env.now)
-            if step_durations and queued:
+            if end_times and queued:
                 # Requests that arrived while the run's blocked queue kept them waiting.
-                self.recorder.count_arrivals(first_row, len(step_durations), queued)
+                self.recorder.count_arrivals(first_row, len(end_times), queued)
             if finished:
                 self.ended(finished)
             if on_step_done is not None:

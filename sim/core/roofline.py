@@ -54,7 +54,7 @@ class RooflineCostModel:
     `model` and `hardware` may be specs or mappings of their fields (as Hydra passes them).
     """
 
-    reads_only_aggregates = True   # step_time reads the plan's features, never its sequences
+    costs_repeated_steps = True   # step_time reads the plan's features, never its sequences
 
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
                  tensor_parallel_size: int = 1,

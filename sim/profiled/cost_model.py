@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from policies import validators
-from policies.decode_run import step_times_one_by_one
+from sim.core.repeated_steps import step_times_one_by_one
 from policies.types import StepPlan
 from sim.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
 from sim.profiled.local_correction import LocalCorrection
@@ -150,7 +150,7 @@ class ProfiledCostModel:
         # profile's, then the features it lacks (which cost 0).
         self.uses_tiles = any(name in TILE_FEATURES for name in fitted)
         # The tiles come from each sequence's length; the plain features from the plan's sums.
-        self.reads_only_aggregates = not self.uses_tiles
+        self.costs_repeated_steps = not self.uses_tiles
         self.uses_experts = any(name in EXPERT_FEATURES for name in fitted)
         computed = (STEP_FEATURES + (TILE_FEATURES if self.uses_tiles else ())
                     + (EXPERT_FEATURES if self.uses_experts else ()))
@@ -284,8 +284,8 @@ class ProfiledCostModel:
         return time + offload_s if offload_s else time
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
-        """step_time of a run of repeated decode steps, step by step (each draws its residual);
-        used only when `reads_only_aggregates`."""
+        """step_time of a run of repeated steps, step by step (each draws its residual);
+        used only when `costs_repeated_steps`."""
         return step_times_one_by_one(self, plan, num_steps)
 
     def _offload_s(self, plan: StepPlan) -> float:

@@ -1,5 +1,5 @@
 """Each replica's energy as its steps go: the step recorder (runtime/metrics/recorder.py) hands
-every step, or run of repeated decode steps, to the replica's `EnergyMeter`, which adds the busy
+every step, or run of repeated steps, to the replica's `EnergyMeter`, which adds the busy
 joules in O(1); the idle time between steps is charged once, at the summary."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class EnergyMeter:
         self.busy_j = 0.0   # all boards' joules during steps, their idle power included
         # (Bound once: add_step runs every step.)
         self._step_work, self._busy_energy_j = work.step_work, power_model.busy_energy_j
-        # With the built-in work and power models, a run of repeated decode steps repeats their
+        # With the built-in work and power models, a run of repeated steps repeats their
         # arithmetic inline (the same operations in the same order: bit for bit add_step's sums)
         # rather than calling both every step (a third of the meter's time in decode runs).
         self._decode_constants = None
@@ -41,7 +41,7 @@ class EnergyMeter:
         self.busy_j += self.num_boards * self._busy_energy_j(duration, flops, bytes_moved)
 
     def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
-        """A run of len(durations) repeated decode steps of `plan`, each as add_step would
+        """A run of len(durations) repeated steps of `plan`, each as add_step would
         count it on its own (every decode's context a token longer each step; the first step's
         block copies, if any, only in it): the same sums, so a run's joules come out bit for bit
         as when its steps run one by one."""

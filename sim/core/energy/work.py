@@ -67,7 +67,7 @@ class ModelStepWork:
     def decode_terms(self) -> tuple[float, float, float, float] | None:
         """A decode-only step's work is flops = decodes x (1) + context x (2), bytes = (3) +
         (context + decodes) x (4), exactly as step_work computes it: the constants, for a
-        meter that costs a run of repeated decode steps without a call a step; None for a
+        meter that costs a run of repeated steps without a call a step; None for a
         mixture (its expert reads are not linear in the tokens)."""
         if self._expert_bytes is not None:
             return None

@@ -1,6 +1,6 @@
-"""Repeated decode steps behind one object: a plug-in that does not opt in never meets them, each
-optional capability is checked whole where it is built (one line naming what is missing), and a
-subclass that overrides a hook withdraws the promise the repeats rest on."""
+"""The simulator's repeated steps are opt-in: a plug-in that does not state the promise never meets
+them, each capability they ask is checked whole where it is built (one line naming what is
+missing), and a subclass that overrides a hook withdraws the promise they rest on."""
 from __future__ import annotations
 
 import pytest
@@ -10,44 +10,40 @@ from policies.batching import (BaseScheduler, ContinuousBatchingScheduler,
                                 PriorityScheduler)
 from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
 from policies.checks import has_capability, protocol_members
-from policies.decode_run import (DecodeRun, RepeatedStepCostModel, RepeatingExecutor,
-                                 RepeatingKVCache)
 from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
+from sim.core.repeated_steps import (RepeatedSteps, RepeatedStepsCostModel, RepeatedStepsExecutor,
+                                     RepeatedStepsKVCache, RepeatedStepsLoop,
+                                     RepeatedStepsScheduler)
 from runtime.metrics import MetricsCollector, StepRecorder
-from runtime.step import StepLoop
-from test_protocol_scheduler import REPO, FCFSScheduler
+from test_protocol_scheduler import REPO
 
-PROTOCOLS = [RepeatingKVCache, RepeatingExecutor, RepeatedStepCostModel, OffloadingKVCache,
-             AdmissionCheckingKVCache]
-
-
-class NoRepeatsFCFS(FCFSScheduler):
-    """The documented from-scratch scheduler, failing if a run of repeated steps reaches it."""
-
-    def update(self, plan, result, now):
-        assert not result.step_durations and plan.decode_run is None
-        return super().update(plan, result, now)
+PROTOCOLS = [RepeatedStepsKVCache, RepeatedStepsExecutor, RepeatedStepsCostModel,
+             RepeatedStepsScheduler, OffloadingKVCache, AdmissionCheckingKVCache]
 
 
 def test_a_from_scratch_scheduler_runs_without_meeting_repeats(monkeypatch):
     def never(*args, **kwargs):
-        raise AssertionError("a DecodeRun was made for a scheduler that never asked for one")
+        raise AssertionError("repeated steps were planned for a scheduler that never asked")
 
-    monkeypatch.setattr(DecodeRun, "__init__", never)
+    monkeypatch.setattr(RepeatedSteps, "__init__", never)
     result = run_experiment(make_cfg(
-        "scheduler._target_=test_decode_run.NoRepeatsFCFS", "workload.num_requests=80",
+        "scheduler._target_=test_protocol_scheduler.FCFSScheduler", "workload.num_requests=80",
         "workload.rate=2"), plots=False)
     assert result.summary["completed"] == 80 and result.summary["mean_tpot_ms"] > 0
 
 
-def test_the_contract_names_no_repeats_before_schedule():
+def test_the_contract_names_no_repeats():
+    """Only the cost model's docstring points at its optional capability."""
     doc = (REPO / "docs" / "architecture.md").read_text()
     block = doc[doc.index("# fcfs_scheduler.py"):]
     contract = (REPO / "policies" / "protocols.py").read_text()
-    for text in (contract[:contract.index("def schedule(")], block[:block.index("```")]):
+    cost_model = contract.index("class CostModel(")
+    types = (REPO / "policies" / "types.py").read_text()
+    for text in (contract[:cost_model], contract[contract.index("def step_time(", cost_model):],
+                 block[:block.index("```")], types):
         assert "repeat" not in text.lower() and "decode_run" not in text
 
 
@@ -81,14 +77,27 @@ def test_the_built_ins_have_their_capabilities():
     from sim.core.roofline import RooflineCostModel
 
     paged = PagedBlockManager(16, 4)
-    for protocol in (RepeatingKVCache, OffloadingKVCache, AdmissionCheckingKVCache):
+    for protocol in (RepeatedStepsKVCache, OffloadingKVCache, AdmissionCheckingKVCache):
         assert has_capability(paged, protocol, "kv_cache")
     contiguous = ContiguousAllocator(16, 4, max_model_len=16)
-    assert has_capability(contiguous, RepeatingKVCache, "kv_cache")
+    assert has_capability(contiguous, RepeatedStepsKVCache, "kv_cache")
     assert not has_capability(contiguous, OffloadingKVCache, "kv_cache")
-    assert has_capability(RooflineCostModel, RepeatedStepCostModel, "cost_model")
+    assert has_capability(RooflineCostModel, RepeatedStepsCostModel, "cost_model")
     assert has_capability(SimExecutor(RooflineCostModel.__new__(RooflineCostModel)),
-                          RepeatingExecutor, "executor")
+                          RepeatedStepsExecutor, "executor")
+    scheduler = ContinuousBatchingScheduler(paged, RecomputePreemption(), max_model_len=64,
+                                            max_num_batched_tokens=64)
+    assert has_capability(scheduler, RepeatedStepsScheduler, "scheduler")
+
+
+class RepeatingExecutor:
+    runs_repeated_steps = True
+
+    def repeated_step_times(self, plan, num_steps):
+        raise AssertionError
+
+    def execute(self, plan):
+        raise AssertionError
 
 
 class HalfRepeatingKVCache(PagedBlockManager):
@@ -98,12 +107,13 @@ class HalfRepeatingKVCache(PagedBlockManager):
 
 
 def test_each_builder_checks_its_capability_once():
+    half_kv = ContinuousBatchingScheduler(HalfRepeatingKVCache(16, 4), RecomputePreemption(),
+                                          max_model_len=64, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="kv_cache: .* lacks frees_in_any_order "):
-        ContinuousBatchingScheduler(HalfRepeatingKVCache(16, 4), RecomputePreemption(),
-                                    max_model_len=64, max_num_batched_tokens=64)
+        RepeatedStepsLoop(half_kv, RepeatingExecutor(), StepRecorder(MetricsCollector()))
 
-    class HalfCostModel:   # the flag a cost model used to set, without the run's step times
-        reads_only_aggregates = True
+    class HalfCostModel:   # the flag a cost model sets, without the run's step times
+        costs_repeated_steps = True
 
         def step_time(self, plan):
             return 0.01
@@ -112,7 +122,7 @@ def test_each_builder_checks_its_capability_once():
         SimExecutor(HalfCostModel())
 
     class HalfExecutor:
-        repeats_steps = True
+        runs_repeated_steps = True
 
         def execute(self, plan):
             raise AssertionError
@@ -120,7 +130,7 @@ def test_each_builder_checks_its_capability_once():
     scheduler = ContinuousBatchingScheduler(PagedBlockManager(16, 4), RecomputePreemption(),
                                             max_model_len=64, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="executor: .* lacks repeated_step_times "):
-        StepLoop(scheduler, HalfExecutor(), StepRecorder(MetricsCollector()))
+        RepeatedStepsLoop(scheduler, HalfExecutor(), StepRecorder(MetricsCollector()))
 
 
 def test_a_cost_model_with_step_time_alone_runs_every_step_on_its_own():
@@ -128,7 +138,7 @@ def test_a_cost_model_with_step_time_alone_runs_every_step_on_its_own():
         def step_time(self, plan):
             return 1e-3 * (1 + plan.num_batched_tokens)
 
-    assert not SimExecutor(StepTimeOnly()).repeats_steps
+    assert not SimExecutor(StepTimeOnly()).runs_repeated_steps
 
 
 class ShortestPromptFirst(ContinuousBatchingScheduler):
@@ -139,27 +149,27 @@ class ShortestPromptFirst(ContinuousBatchingScheduler):
 
 
 class RestatedOrder(PriorityScheduler):
-    admits_in_arrival_order = True   # (wrong for priorities; only restates the flag)
+    repeated_steps_past_arrivals = True   # (wrong for priorities; only restates the flag)
 
     def next_waiting(self, now):
         return self.waiting[0]
 
 
 def test_an_override_withdraws_the_promise_it_does_not_restate():
-    assert ContinuousBatchingScheduler.admits_in_arrival_order
-    assert not ShortestPromptFirst.admits_in_arrival_order
-    assert ShortestPromptFirst.plain_update
-    assert RestatedOrder.admits_in_arrival_order
+    assert ContinuousBatchingScheduler.repeated_steps_past_arrivals
+    assert not ShortestPromptFirst.repeated_steps_past_arrivals
+    assert ShortestPromptFirst.repeated_steps_past_finishes
+    assert RestatedOrder.repeated_steps_past_arrivals
 
 
 def test_readmes_reordering_subclass_repeats_as_step_by_step(monkeypatch):
     """Overloaded, short prompts arrive behind a blocked head: a run past arrivals would keep
     them waiting where step by step admits them."""
-    overrides = ["scheduler._target_=test_decode_run.ShortestPromptFirst",
+    overrides = ["scheduler._target_=test_repeated_steps_promise.ShortestPromptFirst",
                  "workload.num_requests=200", "workload.rate=30", "kv_cache.num_blocks=300",
                  "++workload.prompt_len={dist: uniform, low: 8, high: 600}"]
-    coalesced, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
-    assert_same_run(coalesced, step_by_step)
+    repeated, step_by_step, repeated_runs = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
     assert max(repeated_runs) > 1
 
 
@@ -174,7 +184,7 @@ class ClockCapped(ContinuousBatchingScheduler):
 class PromisedPassThrough(ContinuousBatchingScheduler):
     """Overrides schedule without changing what it plans, and says so."""
 
-    plain_schedule = True
+    repeated_steps = True
 
     def schedule(self, now):
         return super().schedule(now)
@@ -187,39 +197,58 @@ class InheritsThePromise(PromisedPassThrough):
         super()._admit_prefills(plan)
 
 
-class OwnSchedule(BaseScheduler):
-    """Defines schedule, which BaseScheduler leaves to its subclasses, and states nothing."""
+class ClockPaced(BaseScheduler):
+    """A plug-in written on BaseScheduler whose schedule decides by the clock (it admits only in
+    even seconds) and states no promise."""
 
     def schedule(self, now):
-        return self._finish_plan(self._new_plan(now))
+        plan = self._new_plan(now)
+        budget, preempted = self._schedule_running(plan, self.max_num_batched_tokens,
+                                                   chunked=False)
+        if not preempted and int(now) % 2 == 0:
+            self._admit_waiting(plan, budget, chunked=False)
+        return self._finish_plan(plan)
 
 
 CLOCK_CAPPED_LOAD = ["workload.num_requests=200", "workload.rate=10"]
 
 
 def test_a_schedule_override_repeats_steps_only_where_its_class_promises():
-    assert not ClockCapped.plain_schedule
-    assert PromisedPassThrough.plain_schedule
-    assert not InheritsThePromise.plain_schedule
-    assert not OwnSchedule.plain_schedule
-    assert ClockCapped.admits_in_arrival_order and ClockCapped.plain_update   # (untouched)
+    assert not ClockCapped.repeated_steps
+    assert PromisedPassThrough.repeated_steps
+    assert not InheritsThePromise.repeated_steps
+    assert not ClockPaced.repeated_steps
+    assert ClockCapped.repeated_steps_past_arrivals   # (untouched)
+    assert ClockCapped.repeated_steps_past_finishes
 
 
 def test_a_clock_capped_schedule_runs_every_step_by_default(monkeypatch):
-    """With no flag, the clock rule runs at every step, as `scheduler.coalesce=false` (and the
+    """With no flag, the clock rule runs at every step, as `backend.repeated_steps=false` (and the
     engine) run it."""
-    coalesced, step_by_step, repeated_runs = run_both_ways(
-        ["scheduler._target_=test_decode_run.ClockCapped", *CLOCK_CAPPED_LOAD], monkeypatch)
-    assert_same_run(coalesced, step_by_step)
+    repeated, step_by_step, repeated_runs = run_both_ways(
+        ["scheduler._target_=test_repeated_steps_promise.ClockCapped", *CLOCK_CAPPED_LOAD],
+        monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    assert repeated_runs == []
+
+
+def test_a_base_scheduler_plug_in_deciding_by_the_clock_is_exact_without_a_flag(monkeypatch):
+    """Overloaded, requests wait through odd seconds: a run past arrivals would keep them waiting
+    into an even second, where step by step admits them."""
+    repeated, step_by_step, repeated_runs = run_both_ways(
+        ["scheduler._target_=test_repeated_steps_promise.ClockPaced",
+         "workload.num_requests=120", "workload.rate=20"], monkeypatch)
+    assert_same_run(repeated, step_by_step)
     assert repeated_runs == []
 
 
 def test_a_schedule_override_that_states_the_promise_keeps_repeated_steps(monkeypatch):
-    coalesced, step_by_step, repeated_runs = run_both_ways(
-        ["scheduler._target_=test_decode_run.PromisedPassThrough", *CLOCK_CAPPED_LOAD],
+    repeated, step_by_step, repeated_runs = run_both_ways(
+        ["scheduler._target_=test_repeated_steps_promise.PromisedPassThrough",
+         *CLOCK_CAPPED_LOAD],
         monkeypatch)
     assert max(repeated_runs) > 1
-    assert_same_run(coalesced, step_by_step)
+    assert_same_run(repeated, step_by_step)
 
 
 def test_every_shipped_scheduler_states_the_promise_of_its_schedule():
@@ -231,4 +260,4 @@ def test_every_shipped_scheduler_states_the_promise_of_its_schedule():
 
     for name in config_names("scheduler"):
         target = OmegaConf.load(REPO / "conf" / "scheduler" / f"{name}.yaml")["_target_"]
-        assert get_class(target).plain_schedule, name
+        assert get_class(target).repeated_steps, name
