@@ -116,25 +116,35 @@ def resolve_trace_path(trace_path: str | Path) -> Path:
 
 def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
         np.ndarray, np.ndarray, np.ndarray, list[list[int]] | None, dict[str, list]]:
-    """(arrival_time s, prompt_len, output_len) arrays of a CSV trace, in file order, the
-    prompts' token ids when it has a `prompt_token_ids` column (else None), and a list of
-    values per METADATA_COLUMNS column it has, keyed by the column (a Request field).
-
-    Arrival times are relative to the earliest row, which is at 0. `trace_format` names the
-    CSV_SCHEMAS entry, or "auto": the first whose columns are all in the header, else the first
-    with any of them (for the error), else plain. The Azure columns (2023 and 2024) are
-    `TIMESTAMP` (a datetime, or numeric seconds), `ContextTokens`, `GeneratedTokens`; BurstGPT's
-    `Timestamp` (seconds), `Request tokens`, `Response tokens` (a row with 0 tokens either way is
-    a failed request and is skipped, with one line on stderr); the plain ones `arrival_time`
-    (seconds), `prompt_len`, `output_len`. Other columns are ignored but `prompt_token_ids`
-    (space-separated ids, as many as the row's prompt length) and the metadata: `priority` (an
-    integer, lower first), `tenant` (a name), `slo_ttft_ms` and `slo_tpot_ms` (positive numbers),
-    `session_id` (integers, or names if any cell is not one), `lora_id` (a LoRA adapter's index,
-    an integer >= 0; read only with the `lora` group on), `timeout_s` (seconds after its
-    arrival at which its client gives up, positive), each defaulting (0, "default", none) where
-    its cell is empty.
-    """
+    """A CSV trace in file order: (arrival_time s from the earliest row, prompt_len, output_len)
+    arrays, the prompts' token ids (None without a `prompt_token_ids` column), and the values of
+    each METADATA_COLUMNS column it has, by column. The formats: the module docstring."""
     path = Path(path)
+    header, rows, line_numbers = _read_csv_rows(path)
+    header = unify_columns(header, rows, line_numbers, PLAIN_COLUMNS, f"trace {path}")
+    schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
+    columns = CSV_SCHEMAS[schema]
+    _check_columns(header, columns, trace_format, path)
+    if schema == "burstgpt":
+        rows, line_numbers = _drop_failed_requests(rows, line_numbers, header, path)
+    if not rows:
+        raise ValueError(f"trace {path}: no data rows")
+    time_column, prompt_column, output_column = _length_columns(header, columns, rows,
+                                                                line_numbers, path)
+    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
+    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
+    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
+    token_ids = None
+    if TOKEN_IDS_COLUMN in header:
+        token_ids = _token_ids_column(header.index(TOKEN_IDS_COLUMN), rows, prompt_lens,
+                                      line_numbers, path)
+    metadata = {name: _parse_metadata(_cells(rows, header.index(name)), name, line_numbers, path)
+                for name in METADATA_COLUMNS if name in header}
+    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+
+def _read_csv_rows(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """The header, the non-blank rows and their line numbers."""
     try:
         # utf-8-sig drops a byte-order mark that would otherwise stick to the first column name.
         with open(path, newline="", encoding="utf-8-sig") as file:
@@ -142,15 +152,16 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
             header = [name.strip() for name in next(reader, [])]
             rows, line_numbers = [], []
             for row in reader:
-                if row:  # skip blank lines
+                if row:
                     rows.append(row)
                     line_numbers.append(reader.line_num)
     except OSError as error:
         raise ValueError(f"trace {path}: cannot read: {error.strerror or error}") from None
+    return header, rows, line_numbers
 
-    header = unify_columns(header, rows, line_numbers, PLAIN_COLUMNS, f"trace {path}")
-    schema = trace_format if trace_format != "auto" else detect_csv_schema(header)
-    columns = CSV_SCHEMAS[schema]
+
+def _check_columns(header: list[str], columns: tuple[str, ...], trace_format: str,
+                   path: Path) -> None:
     missing = [name for name in columns if name not in header]
     if missing:
         expected = "; expected " + " or ".join(
@@ -159,36 +170,30 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> tuple[
         raise ValueError(
             f"trace {path}: missing column(s) {', '.join(missing)}; found "
             f"{', '.join(header) or 'no header'}{expected}")
-    if schema == "burstgpt":
-        rows, line_numbers = _drop_failed_requests(rows, line_numbers, header, path)
-    if not rows:
-        raise ValueError(f"trace {path}: no data rows")
 
+
+def _length_columns(header: list[str], columns: tuple[str, ...], rows: list[list[str]],
+                    line_numbers: list[int], path: Path) -> list[list[str]]:
+    """The time, prompt and output columns' stripped cells; a row too short is an error."""
     indices = [header.index(name) for name in columns]
     for row_number, (row, line) in enumerate(zip(rows, line_numbers), start=1):
         if len(row) <= max(indices):
             raise ValueError(f"trace {path}: row {row_number} (line {line}) has {len(row)} "
                              f"field(s), expected {len(header)}")
-    time_column, prompt_column, output_column = (
-        [row[index].strip() for row in rows] for index in indices)
+    return [[row[index].strip() for row in rows] for index in indices]
 
-    arrival_times = _parse_times(time_column, columns[0], line_numbers, path)
-    prompt_lens = _parse_lengths(prompt_column, columns[1], line_numbers, path)
-    output_lens = _parse_lengths(output_column, columns[2], line_numbers, path)
-    token_ids = None
-    if TOKEN_IDS_COLUMN in header:
-        index = header.index(TOKEN_IDS_COLUMN)
-        token_ids = [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
-                                      f"row {number} (line {line})", path)
-                     for number, (row, prompt_len, line) in enumerate(
-                         zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
-    metadata = {}
-    for name in METADATA_COLUMNS:
-        if name in header:
-            index = header.index(name)
-            cells = [row[index].strip() if index < len(row) else "" for row in rows]
-            metadata[name] = _parse_metadata(cells, name, line_numbers, path)
-    return arrival_times, prompt_lens, output_lens, token_ids, metadata
+
+def _token_ids_column(index: int, rows: list[list[str]], prompt_lens: np.ndarray,
+                      line_numbers: list[int], path: Path) -> list[list[int]]:
+    return [_parse_token_ids(row[index] if index < len(row) else "", prompt_len,
+                             f"row {number} (line {line})", path)
+            for number, (row, prompt_len, line) in enumerate(
+                zip(rows, prompt_lens.tolist(), line_numbers), start=1)]
+
+
+def _cells(rows: list[list[str]], index: int) -> list[str]:
+    """One column's stripped cells, empty where a row is too short."""
+    return [row[index].strip() if index < len(row) else "" for row in rows]
 
 
 def detect_csv_schema(header: list[str]) -> str:
