@@ -161,7 +161,7 @@ def profile_name(model: str, speculative_model: str | None) -> str:
     return stem(model) + (f"+{stem(speculative_model)}" if speculative_model else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="twinserve-profile",
         description="Measure step durations over a designed grid and fit the profiled cost "
@@ -202,23 +202,88 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refit", nargs="+", metavar="PROFILE_JSON",
                         help="re-fit these profiles from their samples CSVs (no measuring)")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if args.refit:
-        for path in args.refit:
-            try:
-                fit = refit(Path(path), args.expert_feature)["fit"]
-            except (OSError, ValueError, KeyError) as error:
-                parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
-                             f"{error}); it needs a profile JSON and its .samples.csv beside it")
-            print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
-                  f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
-                  f"correction (each point left out)")
-        return 0
+    return parser
 
+
+def refit_profiles(parser: argparse.ArgumentParser, paths: list[str],
+                   expert_feature: bool) -> int:
+    """--refit: re-fit each profile from its samples and print the new fit's errors."""
+    for path in paths:
+        try:
+            fit = refit(Path(path), expert_feature)["fit"]
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
+                         f"{error}); it needs a profile JSON and its .samples.csv beside it")
+        print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
+              f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
+              f"correction (each point left out)")
+    return 0
+
+
+def executor_setups(args, loaded, device, drafters: list[str | None],
+                    ks: list[int]) -> tuple[dict, dict]:
+    """Each executor's (factory, grid) by profile name, and each drafter's speculating lengths."""
+    setups, spec_lens = {}, {}
+    for drafter in drafters:
+        tree, drafter_ks = None, ks if drafter else []
+        if drafter in TREE_DRAFTERS:
+            tree, drafter_ks = tree_setup(drafter, ks, args.medusa_heads)
+        spec_lens[drafter] = drafter_ks
+        factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
+                                   max(drafter_ks, default=0), tree)
+        setups[profile_name(args.model, drafter)] = (factory, make_grid(
+            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
+            draft_model_lags=tree is None))
+    return setups, spec_lens
+
+
+def speed_probes(args, loaded, device) -> tuple:
+    """(speed probe, prefill probes) for --speed-probe-interval > 0, else (None, ())."""
+    if args.speed_probe_interval <= 0:
+        return None, ()
+    from engine.builder import executor_builder
+
+    new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
+    return (build_speed_probe(new_executor, args.seed, args.speed_probe_interval),
+            build_prefill_probes(new_executor, args.seed))
+
+
+def profile_metadata(args, loaded, device, device_name: str, dtype, kv_bytes_per_token: int,
+                     drafter: str | None, ks: list[int], spec_lens: dict, profiles: dict,
+                     prof) -> dict:
+    """What one profile records of how it was measured."""
     import torch
     import transformers
 
-    from engine.builder import executor_builder, resolve_device
+    return {
+        "device": device_name, "device_type": device.type,
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "model": profile_name(args.model, None),
+        "model_config": dataclasses.asdict(loaded.spec),
+        "dtype": str(dtype).removeprefix("torch."),
+        # What the tile features were computed with (cpu_noise.tile_features.profile_tiling).
+        "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
+                             "tile_bytes": TILE_BYTES},
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
+        "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
+        "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
+        "speculative_model": drafter, "speculative_ks": ks if drafter else [],
+        "spec_lens": spec_lens[drafter],
+        "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
+        "platform": platform.platform(), "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.refit:
+        return refit_profiles(parser, args.refit, args.expert_feature)
+
+    import torch
+
+    from engine.builder import resolve_device
     from engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -231,17 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters = [None if name == NO_DRAFTER else name
                 for name in dict.fromkeys(args.speculative_models)]
     loaded = load_model(args.model, device, args.dtype, args.seed)
-    setups, spec_lens = {}, {}
-    for drafter in drafters:
-        tree, drafter_ks = None, ks if drafter else []
-        if drafter in TREE_DRAFTERS:
-            tree, drafter_ks = tree_setup(drafter, ks, args.medusa_heads)
-        spec_lens[drafter] = drafter_ks
-        factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
-                                   max(drafter_ks, default=0), tree)
-        setups[profile_name(args.model, drafter)] = (factory, make_grid(
-            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
-            draft_model_lags=tree is None))
+    setups, spec_lens = executor_setups(args, loaded, device, drafters, ks)
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
@@ -250,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if not spec.is_moe:
             parser.error(f"--expert-feature: {args.model} is not a mixture of experts")
         routing = ExpertRouting(spec.num_experts, spec.num_experts_per_tok)
-    speed_probe, prefill_probes = None, ()
-    if args.speed_probe_interval > 0:
-        new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
-        speed_probe = build_speed_probe(new_executor, args.seed, args.speed_probe_interval)
-        prefill_probes = build_prefill_probes(new_executor, args.seed)
+    speed_probe, prefill_probes = speed_probes(args, loaded, device)
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
                                 kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,
@@ -262,24 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                                 routing=routing)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
-        metadata = {
-            "device": device_name, "device_type": device.type,
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "model": profile_name(args.model, None),
-            "model_config": dataclasses.asdict(loaded.spec),
-            "dtype": str(dtype).removeprefix("torch."),
-            # What the tile features were computed with (cpu_noise.tile_features.profile_tiling).
-            "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
-                                 "tile_bytes": TILE_BYTES},
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
-            "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-            "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
-            "speculative_model": drafter, "speculative_ks": ks if drafter else [],
-            "spec_lens": spec_lens[drafter],
-            "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
-            "platform": platform.platform(), "python": platform.python_version(),
-        }
+        metadata = profile_metadata(args, loaded, device, device_name, dtype, kv_bytes_per_token,
+                                    drafter, ks, spec_lens, profiles, prof)
         content = fit_profile(prof.samples, metadata)
         if prof.speed_reference is not None:
             content["speed_reference"] = prof.speed_reference
@@ -291,4 +326,3 @@ def main(argv: list[str] | None = None) -> int:
               f"sample {fit['mean_abs_rel_error']:.2%}, per point "
               f"{fit['mean_abs_point_error']:.2%}; wrote {json_path} and {csv_path}")
     return 0
-
