@@ -1,14 +1,9 @@
-"""twinserve-profile: measure step durations on this device over the designed grid
-(calibration/profiler/grid.py), fit the profiled cost model (calibration/profiler/fit.py), and
-write `profiles/<device>/<model>.json` with the raw samples beside it (`<model>.samples.csv`).
+"""twinserve-profile: measure step durations on this device over the designed grid (grid.py),
+fit the profiled cost model (fit.py), and write `profiles/<device>/<model>.json` with the raw
+samples beside it (`<model>.samples.csv`).
 
     python -m calibration.profiler --model tiny-llama            # the default grid, 10 repeats
     python -m calibration.profiler --quick --out-dir /tmp/prof   # a handful of points
-
-Function API (tests, the profiled cost model):
-
-    prof = profile(executor_factory, grid, repeats=5)   # grid.py: -> Profile (samples + points)
-    content = fit_profile(prof.samples, metadata)        # fit.py: -> the JSON content (a dict)
 """
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 def read_samples(csv_path: Path) -> list[dict]:
-    """A samples CSV as write_profile wrote it (numbers as floats, kind as text; empty cells
-    left out). A file from before a core step feature existed gets it as 0: the profiler's steps
-    did not have it then."""
+    """A samples CSV as write_profile wrote it; a core step feature the file predates reads 0,
+    as the profiler's steps did not have it then."""
     with Path(csv_path).open(newline="") as handle:
         return [{**dict.fromkeys(STEP_FEATURES, 0.0),
                  **{key: value if key == "kind" else float(value)
@@ -49,9 +43,8 @@ def read_samples(csv_path: Path) -> list[dict]:
 
 
 def refit(json_path: Path, expert_feature: bool = False) -> dict:
-    """Re-fit a profile from its samples CSV (beside it), keeping its metadata and speed
-    reference: what a change of the fit needs, without measuring again. With `expert_feature`
-    (a mixture's profile) the fit adds experts_touched, computed from each sample's tokens."""
+    """Re-fit a profile from its samples CSV, keeping its metadata and speed reference, so that
+    a change of the fit needs no measuring; `expert_feature` adds experts_touched."""
     json_path = Path(json_path)
     old = json.loads(json_path.read_text())
     csv_path = json_path.with_name(json_path.stem + ".samples.csv")
@@ -111,9 +104,8 @@ def git_commit() -> str | None:
 def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None = None,
                      speculative_model: str | None = None, max_num_speculative_tokens: int = 0,
                      tree=None):
-    """A factory building engine executors of an already loaded model (several factories, with
-    and without drafters, share its weights); with `tree` (a TreeSpec), executors that
-    draft token trees of up to max_num_speculative_tokens tokens."""
+    """A factory of engine executors sharing one loaded model's weights, with a drafter or a
+    token tree (`tree`) of up to max_num_speculative_tokens tokens."""
     from engine.builder import build_model_executor, load_draft
 
     draft = tree if tree is not None else load_draft(speculative_model, loaded, device, seed)
@@ -127,12 +119,9 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
 
 
 def tree_setup(method: str, ks: list[int], medusa_heads: str | None = None):
-    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpec and
-    the tree sizes (tokens verified per sequence) its speculating grid points run, for the draft
-    depths `ks`: Medusa's whole default tree at each depth (its heads bound the depth);
-    lookahead (W = G = 4) at the deepest k whose tokens fit a tree mask, N = k + 1, in units of
-    N - 1 tokens: 1, 2 and W window columns (always filled), and W + G (the guesses as many as
-    its n-gram pool holds, the window the rest)."""
+    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpec and the tree
+    sizes its speculating grid points verify for the draft depths `ks` (lookahead at the deepest
+    k whose tokens fit a tree mask)."""
     from policies.speculation.drafters import LOOKAHEAD, MEDUSA, TreeSpec
     from policies.speculation.trees import MAX_TREE_TOKENS, lookahead_tokens
 

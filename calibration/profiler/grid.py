@@ -1,13 +1,7 @@
 """The profiler's designed grid of step shapes and its timing runs: `make_grid` spans every step
-feature (sim/profiled/step_features.py, and the attention-tile features) on its own and in
-combination: prefill chunks of several lengths over several cached-context lengths, several
-prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
-batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
-decode batch, since a real step always runs a forward), over a couple of block sizes. Every plan
-is built for real through a `PagedBlockManager` (runtime/step_shapes.py: valid block tables,
-copy and swap pairs, blocks scattered over an aged pool); the KV contents are whatever the pool
-holds, which is all that timing needs. `profile`/`profile_together` time the grid on executors,
-normalised by the speed probe (calibration/cpu_noise/speed.py) when one is given.
+feature alone and in combination (prefill chunks over cached contexts, decode batches, mixed
+batches, copy-on-write and swaps next to a small decode), each plan built for real through a
+`PagedBlockManager` over an aged pool; `profile`/`profile_together` time it on executors.
 """
 from __future__ import annotations
 
@@ -33,12 +27,10 @@ from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_feat
 def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
               speculative_ks: Iterable[int] = (), draft_model_lags: bool = True
               ) -> list[GridPoint]:
-    """The designed grid. The first block size gets the full grid; the others a subset (decode,
-    prefill and mixed shapes, where the block size changes the attention's gathers). With
-    `speculative_ks` (an executor with a drafter), decode batches that verify k drafts each, for
-    every k given, alone and next to a prefill chunk, and (`draft_model_lags`: a draft model,
-    n-gram profiled alike) with sequences whose drafter lags one token. A token-tree drafter's
-    never lags (its trees are never accepted whole): its k are tree sizes."""
+    """The designed grid: the full one at the first block size, the shapes whose attention the
+    block size changes at the others. `speculative_ks` adds decodes verifying k drafts (tree
+    sizes for a token-tree drafter), alone and beside a prefill chunk, and with
+    `draft_model_lags` sequences whose drafter lags one token."""
     specs: list[dict] = []
 
     def add(kind, full_only=False, **kw):
@@ -132,12 +124,9 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
 
 @dataclass
 class Profile:
-    """Every sample of a run: one dict per (point, repeat) with point_id, kind, block_size,
-    repeat, every STEP_FEATURES value (and TILE_FEATURES value, where measured with them) and
-    duration_s; with a speed probe, duration_s is at the run's median machine speed,
-    raw_duration_s as measured, speed_factor the machine's (smoothed) factor when it ran, and
-    speed_reference is the profile's, with the exponent of that factor each kind of step follows
-    (calibration/cpu_noise/speed.py)."""
+    """Every sample of a run, one dict per (point, repeat) with its features and duration_s;
+    with a speed probe, duration_s is at the run's median machine speed (raw_duration_s as
+    measured) and speed_reference is the profile's."""
 
     points: list[GridPoint]
     samples: list[dict] = field(default_factory=list)
@@ -158,13 +147,9 @@ def profile(executor_factory: ExecutorFactory, grid: list[GridPoint], repeats: i
             speed_probe: SpeedProbe | None = None,
             prefill_probes: tuple[SpeedProbe, ...] = (),
             routing: ExpertRouting | None = None) -> Profile:
-    """Run every grid point `warmup` untimed + `repeats` timed times on executors built by
-    `executor_factory(block_size, num_blocks, num_host_blocks)` (one per block size, pools sized
-    for its largest point), keeping every sample's measured `duration`. With
-    `kv_bytes_per_token` (the engine's K/V bytes per token and layer) the samples carry the
-    attention-tile features too, with `routing` (a mixture of experts') the expert feature.
-    With a `speed_probe`, every sample is normalised to the machine's median speed over the run
-    (calibration/cpu_noise/speed.py)."""
+    """Run every grid point `warmup` untimed + `repeats` timed times on executors from
+    `executor_factory(block_size, num_blocks, num_host_blocks)`; `kv_bytes_per_token` adds the
+    attention-tile features, `routing` the expert feature, `speed_probe` the normalisation."""
     return profile_together({"": (executor_factory, grid)}, repeats, warmup, seed, progress,
                             kv_bytes_per_token, speed_probe, prefill_probes, routing)[""]
 
@@ -175,11 +160,9 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                      speed_probe: SpeedProbe | None = None,
                      prefill_probes: tuple[SpeedProbe, ...] = (),
                      routing: ExpertRouting | None = None) -> dict[str, Profile]:
-    """`profile` for several executors (name -> (factory, grid)) at once, every point of every
-    one in the same interleaved rounds: profiles that a comparison divides by each other (a
-    speedup with a drafter over one without) then see the same machine, drifts included (and
-    one speed probe, so one speed reference). `prefill_probes` (with a speed_probe) time their
-    prompts before prompt steps (calibration/cpu_noise/speed.py)."""
+    """`profile` for several executors (name -> (factory, grid)) in the same interleaved rounds,
+    so that profiles a comparison divides by each other see the same machine and one speed
+    reference."""
     validators.positive_int("repeats", repeats)
     if prefill_probes and speed_probe is None:
         raise ValueError("prefill probes need the (decode) speed probe beside them")
@@ -218,9 +201,8 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
         for _ in range(warmup):
             for _, _, executor, plan, _ in runs:
                 executor.execute(plan)
-        # Repeats in rounds over every point of every executor and block size, in a fresh random
-        # order each round: a drift or a burst of load from elsewhere on the machine spreads
-        # over many points' samples instead of biasing one point, one kind or one executor.
+        # Rounds in a fresh random order, so that a drift or burst of load spreads over many
+        # points instead of biasing one point, kind or executor.
         order = 0   # the sample's position in the run: what ran before it is order - 1
         for repeat in range(repeats):
             for index in rng.permutation(len(runs)):

@@ -1,8 +1,6 @@
-"""A serving run someone measured, in memory: one row per completed request (arrival, lengths,
-TTFT, E2E, TPOT and ITLs where recorded) and per request its client abandoned at its deadline
-(latencies NaN: it loaded the server, so the replay sends it too), the engine settings its file
-records and where it came from. Every reader (readers.py) builds one with `make_run`, which
-checks and orders the rows."""
+"""A serving run someone measured, in memory: one row per completed request and per request its
+client abandoned at its deadline (which loaded the server, so the replay sends it too), the
+engine settings its file records and its source; readers build one with `make_run`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,10 +16,8 @@ class RealRunError(ValidationInputError):
 
 @dataclass
 class RealRun:
-    """Completed requests in arrival order, arrival times in seconds from the first (at 0).
-
-    tpot_s is (e2e - ttft) / (output_len - 1), vLLM's per-request TPOT, NaN for one-token
-    outputs; itls_s holds each request's inter-token gaps (s) where the file has them."""
+    """Completed requests in arrival order, arrivals in seconds from the first; tpot_s is vLLM's
+    per-request (e2e - ttft) / (output_len - 1), NaN for one-token outputs."""
     name: str
     source: str                   # the file and its format, for reports
     arrival_s: np.ndarray
@@ -66,10 +62,8 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
              stage_labels: list | None = None, itls_s: list | None = None,
              notes: list[str] | None = None, field_names: dict[str, str] | None = None,
              prompt_hash_ids: list | None = None, timeout_s=None) -> RealRun:
-    """A RealRun from per-request columns, checked (equal lengths, finite, lengths >= 1,
-    0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. A request
-    abandoned at its deadline (`timeout_s`, NaN: none) has NaN TTFT and E2E. `where` names the
-    file in errors; `field_names` maps a column to the file's own name for it."""
+    """A RealRun from per-request columns, checked and sorted by arrival (stable), arrivals
+    rebased to 0; `where` names the file in errors, `field_names` the file's own column names."""
     names = {"arrival_s": "arrival_s", "prompt_len": "prompt_len", "output_len": "output_len",
              "ttft_s": "ttft_s", "e2e_s": "e2e_s", "tpot_s": "tpot_s", **(field_names or {})}
     columns = {

@@ -1,9 +1,6 @@
-"""One validation: the workload run on the engine once (or `engine_repeats` times, to measure its
-own noise: compare.py) and in the profiled simulator several times, compared metric by metric;
-writes validation.json, validation.md and validation_cdf.png.
-
-The simulator runs first (a bad profile is bad input, found before minutes of engine steps) and
-never sees the engine run's measurements: it predicts each step from the profile alone."""
+"""One validation: the workload run on the engine (`engine_repeats` times) and in the profiled
+simulator (`sim_runs` times), compared metric by metric. The simulator runs first, so that a bad
+profile is found before minutes of engine steps."""
 from __future__ import annotations
 
 import json
@@ -54,13 +51,9 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
              console: Console | None = None, normalize_speed: bool = True,
              sim_runs: int = DEFAULT_SIM_RUNS,
              engine_repeats: int = DEFAULT_ENGINE_REPEATS) -> dict:
-    """Run both backends, write the report into out_dir, and return validation.json's dict.
-    With normalize_speed the engine's step durations are normalised to the profile's machine
-    speed (profile_conditions.py), when the profile has a speed reference. The simulator runs
-    `sim_runs` times (sim_seed, sim_seed + 1, ...: the same workload, other residual and
-    acceptance draws) and predicts each metric's mean over them. The engine runs `engine_repeats`
-    times (same config and seed); with more than one, each metric is compared against the
-    engine's mean and carries the repeats' values, their spread and a verdict (compare.py)."""
+    """Run both backends, write the report into out_dir, and return validation.json's dict; each
+    metric is the mean over the simulator's runs (other noise and acceptance draws) against the
+    mean over the engine's repeats."""
     from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
