@@ -37,58 +37,72 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
         specs.append({"kind": kind, "full_only": full_only, **kw})
 
     if quick:
-        for chunk, ctx in ((32, 0), (64, 64)):
-            add("prefill", prefills=((chunk, ctx),))
-        for batch, ctx in ((2, 32), (8, 96)):
-            add("decode", decodes=(ctx,) * batch)
-        add("decode_mixed_ctx", decodes=spread(6, 16, 160))
-        add("mixed", decodes=(64,) * 4, prefills=((32, 32),))
-        add("copy", full_only=True, decodes=(64,) * 2, num_copies=4)
-        add("swap", full_only=True, decodes=(64,) * 2, num_swap_out=3, num_swap_in=3)
+        _add_quick_shapes(add)
     else:
-        for chunk in (16, 64, 128, 256, 512):
-            for ctx in (0, 128, 512):
-                add("prefill", prefills=((chunk, ctx),))
-        for ctx in (0, 256):  # longest chunks in the mix, kept within ~1k tokens of context
-            add("prefill", prefills=((768, ctx),))
-        add("prefill", prefills=((1536, 0),))
-        # Several prompts in one step, up to a 2,048-token budget (continuous batching admits
-        # every waiting prompt that fits).
-        for count in (2, 4, 8):
-            for chunk in (32, 128):
-                add("multi_prefill", prefills=((chunk, 0),) * count)
-        add("multi_prefill", prefills=((64, 256),) * 4)
-        add("multi_prefill", prefills=spread_chunks(6, 32, 320))
-        add("multi_prefill", prefills=spread_chunks(12, 64, 256))
-        for count, chunk in ((4, 512), (8, 256), (16, 128)):
+        _add_full_shapes(add)
+    _add_speculative_shapes(add, speculative_ks, quick, draft_model_lags)
+    return _grid_points(specs, block_sizes, quick)
+
+
+def _add_quick_shapes(add) -> None:
+    for chunk, ctx in ((32, 0), (64, 64)):
+        add("prefill", prefills=((chunk, ctx),))
+    for batch, ctx in ((2, 32), (8, 96)):
+        add("decode", decodes=(ctx,) * batch)
+    add("decode_mixed_ctx", decodes=spread(6, 16, 160))
+    add("mixed", decodes=(64,) * 4, prefills=((32, 32),))
+    add("copy", full_only=True, decodes=(64,) * 2, num_copies=4)
+    add("swap", full_only=True, decodes=(64,) * 2, num_swap_out=3, num_swap_in=3)
+
+
+def _add_full_shapes(add) -> None:
+    for chunk in (16, 64, 128, 256, 512):
+        for ctx in (0, 128, 512):
+            add("prefill", prefills=((chunk, ctx),))
+    for ctx in (0, 256):  # longest chunks in the mix, kept within ~1k tokens of context
+        add("prefill", prefills=((768, ctx),))
+    add("prefill", prefills=((1536, 0),))
+    # Several prompts in one step, up to a 2,048-token budget (continuous batching admits
+    # every waiting prompt that fits).
+    for count in (2, 4, 8):
+        for chunk in (32, 128):
             add("multi_prefill", prefills=((chunk, 0),) * count)
-        # 2 and 3 too: a light load runs mostly such batches, and from 1 to 4 sequences the
-        # cost bends.
-        for batch in (1, 2, 3, 4, 8, 16, 32, 64):
-            for ctx in (32, 128, 256, 512, 1024):
-                add("decode", decodes=(ctx,) * batch)
-        for batch in (128, 256):  # the largest batches, with short contexts to fit the pool
-            for ctx in (32, 128, 320):
-                add("decode", decodes=(ctx,) * batch)
-        # Real batches mix context lengths: the torch attention pads each tile to its longest.
-        for batch in (2, 4, 8, 16, 32, 64, 128):
-            for low, high in ((16, 320), (32, 1024)):
-                add("decode_mixed_ctx", decodes=spread(batch, low, high))
-        # From 1 decode on: chunked prefill at a light load mixes a prompt with one or two,
-        # which a fit through 4+ under-predicts.
-        for batch in (1, 2, 4, 16, 48):
-            for chunk, ctx in ((64, 0), (256, 0), (128, 384), (512, 128)):
-                add("mixed", decodes=(256,) * batch, prefills=((chunk, ctx),))
-        for batch in (8, 32, 96):  # chunked prefill: decodes of spread contexts and chunks
-            for chunk, ctx in ((32, 64), (200, 0), (1024, 256)):
-                add("mixed", decodes=spread(batch, 16, 400), prefills=((chunk, ctx),))
-        add("mixed", decodes=spread(24, 16, 320), prefills=spread_chunks(4, 16, 256))
-        for copies in (4, 16, 64, 256):
-            add("copy", full_only=True, decodes=(128,) * 4, num_copies=copies)
-        for blocks in (4, 16, 64, 256):
-            add("swap_out", full_only=True, decodes=(128,) * 4, num_swap_out=blocks)
-            add("swap_in", full_only=True, decodes=(128,) * 4, num_swap_in=blocks)
-        add("swap", full_only=True, decodes=(128,) * 4, num_swap_out=64, num_swap_in=64)
+    add("multi_prefill", prefills=((64, 256),) * 4)
+    add("multi_prefill", prefills=spread_chunks(6, 32, 320))
+    add("multi_prefill", prefills=spread_chunks(12, 64, 256))
+    for count, chunk in ((4, 512), (8, 256), (16, 128)):
+        add("multi_prefill", prefills=((chunk, 0),) * count)
+    # 2 and 3 too: a light load runs mostly such batches, and from 1 to 4 sequences the
+    # cost bends.
+    for batch in (1, 2, 3, 4, 8, 16, 32, 64):
+        for ctx in (32, 128, 256, 512, 1024):
+            add("decode", decodes=(ctx,) * batch)
+    for batch in (128, 256):  # the largest batches, with short contexts to fit the pool
+        for ctx in (32, 128, 320):
+            add("decode", decodes=(ctx,) * batch)
+    # Real batches mix context lengths: the torch attention pads each tile to its longest.
+    for batch in (2, 4, 8, 16, 32, 64, 128):
+        for low, high in ((16, 320), (32, 1024)):
+            add("decode_mixed_ctx", decodes=spread(batch, low, high))
+    # From 1 decode on: chunked prefill at a light load mixes a prompt with one or two,
+    # which a fit through 4+ under-predicts.
+    for batch in (1, 2, 4, 16, 48):
+        for chunk, ctx in ((64, 0), (256, 0), (128, 384), (512, 128)):
+            add("mixed", decodes=(256,) * batch, prefills=((chunk, ctx),))
+    for batch in (8, 32, 96):  # chunked prefill: decodes of spread contexts and chunks
+        for chunk, ctx in ((32, 64), (200, 0), (1024, 256)):
+            add("mixed", decodes=spread(batch, 16, 400), prefills=((chunk, ctx),))
+    add("mixed", decodes=spread(24, 16, 320), prefills=spread_chunks(4, 16, 256))
+    for copies in (4, 16, 64, 256):
+        add("copy", full_only=True, decodes=(128,) * 4, num_copies=copies)
+    for blocks in (4, 16, 64, 256):
+        add("swap_out", full_only=True, decodes=(128,) * 4, num_swap_out=blocks)
+        add("swap_in", full_only=True, decodes=(128,) * 4, num_swap_in=blocks)
+    add("swap", full_only=True, decodes=(128,) * 4, num_swap_out=64, num_swap_in=64)
+
+
+def _add_speculative_shapes(add, speculative_ks: Iterable[int], quick: bool,
+                            draft_model_lags: bool) -> None:
     for k in speculative_ks:
         for batch in ((1, 8) if quick else (1, 2, 4, 8, 16, 32, 64)):
             for ctx in ((64,) if quick else (64, 320)):
@@ -106,6 +120,8 @@ def make_grid(block_sizes: Iterable[int] = (16, 32), quick: bool = False,
             for batch, num_lagging in lagging:
                 add("spec_decode", decodes=(128,) * batch, spec_len=k, num_lagging=num_lagging)
 
+
+def _grid_points(specs: list[dict], block_sizes: Iterable[int], quick: bool) -> list[GridPoint]:
     grid: list[GridPoint] = []
     for index, block_size in enumerate(block_sizes):
         for spec in specs:
@@ -170,7 +186,30 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
     results = {name: Profile(points=list(grid), repeats=repeats)
                for name, (_, grid) in setups.items()}
     rng = np.random.default_rng(seed)
-    runs = []  # (name, point, executor, plan, features) of every point, all block sizes
+    runs = _prepare_runs(setups, rng, kv_bytes_per_token, routing)
+    bar = _progress_bar(len(runs) * repeats, progress)
+    try:
+        probed, prefill_readings = _timed_rounds(runs, results, repeats, warmup, rng,
+                                                 speed_probe, prefill_probes, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    wall_time_s = time.perf_counter() - start
+    speed_reference = None if speed_probe is None else normalize_samples(
+        probed, speed_probe, prefill_probes, prefill_readings)
+    for result in results.values():
+        result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
+        result.wall_time_s = wall_time_s
+        result.speed_reference = speed_reference
+    return results
+
+
+def _prepare_runs(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
+                  rng: np.random.Generator, kv_bytes_per_token: int | None,
+                  routing: ExpertRouting | None) -> list[tuple]:
+    """(name, point, executor, plan, features) of every point of every executor, one executor
+    per block size, each warmed up on its largest shapes."""
+    runs = []
     for name, (executor_factory, grid) in setups.items():
         by_block_size: dict[int, list[GridPoint]] = {}
         for point in grid:
@@ -191,49 +230,46 @@ def profile_together(setups: dict[str, tuple[ExecutorFactory, list[GridPoint]]],
                 if routing is not None:
                     features.update(zip(EXPERT_FEATURES, expert_features(plan, routing)))
                 runs.append((name, point, executor, plan, features))
-                if point in largest:   # warm each executor up on its largest shapes first
+                if point in largest:
                     executor.execute(plan)
-    bar = _progress_bar(len(runs) * repeats, progress)
-    # (sample, index of the probe reading before it, its run: one point of one executor)
+    return runs
+
+
+def _timed_rounds(runs: list[tuple], results: dict[str, Profile], repeats: int, warmup: int,
+                  rng: np.random.Generator, speed_probe: SpeedProbe | None,
+                  prefill_probes: tuple[SpeedProbe, ...], bar
+                  ) -> tuple[list[tuple[dict, int, int]], list[tuple[int, ...]]]:
+    """Time every run `repeats` times into `results`; returns what normalize_samples needs:
+    (sample, index of the probe reading before it, its run) and each prefill probe's reading
+    before each sample."""
     probed: list[tuple[dict, int, int]] = []
-    prefill_readings: list[tuple[int, ...]] = []   # each prefill probe's before each sample
-    try:
-        for _ in range(warmup):
-            for _, _, executor, plan, _ in runs:
-                executor.execute(plan)
-        # Rounds in a fresh random order, so that a drift or burst of load spreads over many
-        # points instead of biasing one point, kind or executor.
-        order = 0   # the sample's position in the run: what ran before it is order - 1
-        for repeat in range(repeats):
-            for index in rng.permutation(len(runs)):
-                name, point, executor, plan, features = runs[index]
-                after_probe = speed_probe is not None and take_due_readings(
-                    plan, speed_probe, prefill_probes)
-                duration = float(executor.execute(plan).duration)
-                sample = {"point_id": point.point_id, "kind": point.kind,
-                          "block_size": point.block_size, "repeat": repeat, **features,
-                          "duration_s": duration, "order": order,
-                          "after_probe": int(after_probe)}
-                order += 1
-                results[name].samples.append(sample)
-                if speed_probe is not None:
-                    probed.append((sample, len(speed_probe.readings) - 1, index))
-                    prefill_readings.append(tuple(len(p.readings) - 1 for p in prefill_probes))
-                if bar is not None:
-                    bar.update(1)
+    prefill_readings: list[tuple[int, ...]] = []
+    for _ in range(warmup):
+        for _, _, executor, plan, _ in runs:
+            executor.execute(plan)
+    # Rounds in a fresh random order, so that a drift or burst of load spreads over many
+    # points instead of biasing one point, kind or executor.
+    order = 0   # the sample's position in the run: what ran before it is order - 1
+    for repeat in range(repeats):
+        for index in rng.permutation(len(runs)):
+            name, point, executor, plan, features = runs[index]
+            after_probe = speed_probe is not None and take_due_readings(
+                plan, speed_probe, prefill_probes)
+            duration = float(executor.execute(plan).duration)
+            sample = {"point_id": point.point_id, "kind": point.kind,
+                      "block_size": point.block_size, "repeat": repeat, **features,
+                      "duration_s": duration, "order": order,
+                      "after_probe": int(after_probe)}
+            order += 1
+            results[name].samples.append(sample)
+            if speed_probe is not None:
+                probed.append((sample, len(speed_probe.readings) - 1, index))
+                prefill_readings.append(tuple(len(p.readings) - 1 for p in prefill_probes))
             if bar is not None:
-                bar.set_postfix_str(f"round {repeat + 1}/{repeats}")
-    finally:
+                bar.update(1)
         if bar is not None:
-            bar.close()
-    wall_time_s = time.perf_counter() - start
-    speed_reference = None if speed_probe is None else normalize_samples(
-        probed, speed_probe, prefill_probes, prefill_readings)
-    for result in results.values():
-        result.samples.sort(key=lambda s: (s["point_id"], s["repeat"]))
-        result.wall_time_s = wall_time_s
-        result.speed_reference = speed_reference
-    return results
+            bar.set_postfix_str(f"round {repeat + 1}/{repeats}")
+    return probed, prefill_readings
 
 
 def _progress_bar(total: int, enabled: bool):
