@@ -71,8 +71,7 @@ def decode_config(heads_per_kv_head: int, head_dim: int, dtype: torch.dtype) -> 
     dot_in_fp32 = INTERPRETED or dtype == torch.float32
     if heads_per_kv_head >= 4:
         group_pad = max(16, triton.next_power_of_2(heads_per_kv_head))
-        # 8 warps, and for fp32 operands (an exact FMA dot) tiles of 32 tokens: at head_dim
-        # 128 wider tiles or 4 warps spill under Triton 3.6 or 3.9; these take <= 80 registers.
+        # 8 warps, and 32-token tiles for an exact fp32 dot: wider tiles or 4 warps spill registers.
         tile = 32 if dot_in_fp32 and not INTERPRETED else 64
         return DecodeConfig(group_pad, tile, 8, True, dot_in_fp32)
     group_pad = triton.next_power_of_2(heads_per_kv_head)
@@ -166,13 +165,11 @@ def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # tl.dot needs every dimension >= 16.
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
-    # fp32 operands take an exact (not tf32) dot; on a GPU that needs smaller tiles to fit the
-    # registers (64 x 64 x 128 bf16 tiles take about 185 registers on sm_90, fp32 ones spill).
+    # fp32 operands take an exact (not tf32) dot, which needs smaller tiles to fit the registers.
     dot_in_fp32 = INTERPRETED or torch.float32 in (query.dtype, kv_cache.dtype)
     default_tile = 32 if dot_in_fp32 and not INTERPRETED else 64
     block_m = max(16, min(block_m or default_tile, triton.next_power_of_2(max_query_len)))
-    # An exact fp32 dot of 16 query rows against 32 context tokens spills under Triton 3.6:
-    # fp32 context tiles are no taller than the query tile.
+    # An exact fp32 dot spills with context tiles taller than the query tile.
     if dot_in_fp32 and not INTERPRETED:
         default_tile = min(default_tile, block_m)
     block_n = max(16, block_n or default_tile)
