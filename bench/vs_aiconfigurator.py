@@ -1,52 +1,15 @@
 """twinserve's simulator beside NVIDIA's aiconfigurator on the measured vLLM deployments of
 data/gpu/aiconfigurator/silicon_vllm.csv: each row's real mean TTFT and TPOT, both tools'
-predictions and their errors, per row and summarised per group (model, system, precision,
-vLLM version), so a claim "ahead of the peer" is one command.
+predictions and their errors, per row and summarised per group.
 
     python bench/vs_aiconfigurator.py                        # the default selection, cached
     python bench/vs_aiconfigurator.py --model Qwen3-32B --limit 10 --out /tmp/x.json
     python bench/vs_aiconfigurator.py --refresh --aiconfigurator /tmp/aicvenv/bin/aiconfigurator
 
-Default selection: the 90 Qwen3-32B H100 bf16 rows (vLLM 0.12) and the fp8 Llama-3.1-8B and
-Llama-3.1-70B rows on H100 and H200. `--system`, `--model` (part of the name), `--precision`
-(bf16 for the empty column) and `--limit` select other aggregated rows instead.
-
-aiconfigurator is not a dependency (it is big and pins its own packages). Its predictions are
-cached in data/gpu/aiconfigurator/aiconfigurator-0.12.0-predictions.json, with the tool's version
-and each row's exact invocation, so this runs without it. Rows not in the cache (or whose request
-changed) are computed when the tool is found, and `--refresh` recomputes the selected rows: the
-tool is found importable in this Python, as an `aiconfigurator` executable on PATH, or at
-`--aiconfigurator PATH` (its executable, its venv's python, or the venv's folder), and runs in
-that venv's Python through bench/aiconfigurator_driver.py, all rows in one process.
-
-How aiconfigurator 0.12.0 predicts a vLLM aggregated row (aiconfigurator/cli/api.py
-`cli_estimate(mode="agg")`, which is what `aiconfigurator cli estimate` runs, and
-aiconfigurator_core/sdk/backends/base_backend.py `run_agg` with vllm_backend.py's overrides): a
-steady state of `batch_size` requests, no simulation. With ctx_tokens = isl (the CLI default), a
-"mix" step is one request's whole prompt beside b - 1 decodes, a "generation-only" step b
-decodes; each step's time is the sum of its per-op times read from the tool's vLLM kernel
-tables (GEMMs, attention at the mean context, all-reduce). It takes b mix steps to admit b
-prompts; when b >= osl every step is a mix step.
-  TTFT = (mix step x ceil(isl / ctx_tokens) + 0.8 ms x layers) x min(1 + log2(b) / 8, 2)
-  TPOT = (mix step x mix steps + generation step x the other osl - mix steps) / osl
-Its options per row: model_path (`--model-path`), system (`--system`, the row's h100_sxm /
-h200_sxm), backend vllm, isl, osl, batch_size = the row's closed-loop concurrency
-(`silicon_concurrency`), tp_size; pp 1. Precision: bf16 rows pass no quant mode (it reads bf16
-from the model's config); fp8 rows pass gemm_quant_mode and moe_quant_mode fp8 (vLLM's dynamic
-per-tensor fp8; KV cache and attention stay bf16 as the config implies). Backend version: 0.12.0
-has vLLM tables for H100 and H200 only at 0.24.0 (its "current" version) and rejects
-any other version, so the rows' 0.12.0 (and the Llama-3.1-70B rows', which record none) run on
-0.24.0: the cache records the version asked for and the one used per row. It runs offline only
-for models whose config it ships: meta-llama/Llama-3.1-70B is asked as its shipped
-meta-llama/Meta-Llama-3.1-70B and nvidia/Llama-3.1-8B-Instruct-FP8 as meta-llama/Meta-Llama-3.1-8B
-(the same architectures; the fp8 is the quant mode above). Its outputs `ttft` and `tpot` (ms)
-are compared with `silicon_ttft_ms` and `silicon_tpot_ms`. It refuses a row as out of memory
-when b requests' KV cache does not fit (the rows where the real server queued); such rows show
-its reason and count in no summary of it.
-
-twinserve's side is calibration/silicon.py's `compare_rows` (the simulator run on each row);
-without it the twinserve columns say so and stay empty. Errors are (predicted - real) / real in
-%; summaries give the mean and worst |error| over the rows a tool predicted.
+aiconfigurator is not a dependency (it is big and pins its own packages): its predictions are
+cached with each row's exact invocation, and `--refresh` recomputes them in the tool's own venv
+through bench/aiconfigurator_driver.py. How it predicts a row and what each row passes it:
+docs/gpu-cost-model.md. Errors are (predicted - real) / real in %.
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """Fit a vLLM version's engine terms (step_overhead_s, per_sequence_overhead_s) to NVIDIA's
-measured rows of that version (data/gpu/aiconfigurator/silicon_vllm.csv) and write them to
-data/gpu/engine_terms.json, which the GPU cost model reads for that version.
+measured rows of that version (data/gpu/aiconfigurator/silicon_vllm.csv) into
+data/gpu/engine_terms.json, which the GPU cost model reads.
 
     python -m calibration.engine_terms --version 0.12.0 --model Qwen/Qwen3-32B --system h100_sxm \\
         --fit-isl 1024 [--write]
 
-The terms are what a decode step costs beyond its kernels, so they are fitted on the rows whose
-steps are mostly decodes (the shortest prompts, `--fit-isl`) and checked on the others. Each fit
-row is replayed once with both terms at zero; a step's overhead adds `a + b x sequences` to every
-inter-token gap, so the fit is linear least squares on the rows' relative TPOT errors, then
-replayed once more with the fitted terms to report them."""
+The terms are what a decode step costs beyond its kernels, so they are fitted on the mostly-decode
+rows (the shortest prompts, `--fit-isl`) and checked on the others; a step's overhead adds
+a + b x sequences to every inter-token gap, so one replay at zero makes the fit linear."""
 from __future__ import annotations
 
 import argparse

@@ -1,17 +1,13 @@
 """Leave-out checks end to end, by kind of prediction, into data/gpu/expected_errors.json (the
-GPU cost model's stated expected error: sim/gpu/expected_errors.py).
+GPU cost model's stated expected error).
 
     python -m calibration.expected_errors [--write]
     python -m calibration.expected_errors --show      # the shipped file's statements and coverage
 
-The checks are predictions of measurements no term was fitted on:
-- NVIDIA's measured vLLM deployments (data/gpu/aiconfigurator/silicon_vllm.csv) that replay,
-  less the rows an engine term was fitted on (data/gpu/engine_terms.json's `fitted_on`: the
-  Qwen3-32B vLLM 0.12 rows of isl 1,024) and the Llama-3.1-8B FP8 rows, whose measured TPOT
-  implies prefill above the H200's fp8 peak (docs/validation-results.md);
-- the real vLLM runs of data/real-runs/llmservingsim/ but the one the vLLM 0.19 terms were
-  fitted on, per load stage.
-E2E of a silicon row is TTFT + (osl - 1) x TPOT, on both sides."""
+The checks predict measurements no term was fitted on: NVIDIA's measured vLLM rows that replay,
+less the rows an engine term was fitted on and the Llama-3.1-8B FP8 rows (whose TPOT implies
+prefill above the H200's fp8 peak), and the real vLLM runs of data/real-runs/llmservingsim/ but
+the one the vLLM 0.19 terms were fitted on."""
 from __future__ import annotations
 
 import argparse

@@ -1,17 +1,12 @@
 """Replay NVIDIA's measured vLLM deployments (data/gpu/aiconfigurator/silicon_vllm.csv) through
-the simulator: each row is one `vllm serve` deployment (model, GPU, tensor parallel size, weight
-precision, vLLM version) measured by a closed-loop client at a fixed input and output length and
-concurrency, with its mean TTFT and mean TPOT.
+the simulator: each row one `vllm serve` deployment measured by a closed-loop client at a fixed
+input and output length and concurrency, as simulator overrides (`silicon_overrides`). How the
+rows were measured and why the metrics match: docs/validation-results.md, "NVIDIA's vLLM rows".
 
     rows = select_rows(read_silicon_rows(), system="h100_sxm", model="Qwen/Qwen3-32B",
                        precision="bf16")
     report = compare_rows(rows)          # per row real / sim / error, and the summary
-
-A row becomes simulator overrides (`silicon_overrides`): model and hardware by the maps below,
-`cluster.tensor_parallel_size`, the `closed_loop` workload (`waves` x concurrency requests) and
-vLLM V1's chunked prefill with the batch limits of `engine_settings`. How the rows were
-measured, why the metrics match and why `DEFAULT_WAVES`: docs/validation-results.md, "NVIDIA's
-vLLM rows"."""
+"""
 from __future__ import annotations
 
 import csv
@@ -32,23 +27,17 @@ MODELS = {
 }
 # aiconfigurator system -> conf/hardware.
 HARDWARE = {"h100_sxm": "h100-80gb", "h200_sxm": "h200"}
-# The engine settings a row's server ran with (`engine_settings`), which the file does not record:
-# - "aiconfigurator": the flags aiconfigurator's generator writes for a vLLM agg worker
-#   (generator/rule_plugin/vllm.rule and benchmark/vllm.rule since 2026-01-08):
-#   --max-num-seqs <batch_size> --max-num-batched-tokens <batch_size + isl + 1500>. The
-#   measured TTFTs at low concurrency fit these, not vLLM's defaults (docs/validation-results.md).
-# - "vllm-serve": vLLM V1's `vllm serve` defaults on a GPU of >= 70 GiB that is not an A100
-#   (both systems above): EngineArgs.get_batch_defaults, UsageContext.OPENAI_API_SERVER (0.10-0.12).
+# The engine settings a row's server ran with, which the file does not record: "aiconfigurator"
+# (its generator's --max-num-seqs <batch_size> --max-num-batched-tokens <batch_size + isl + 1500>,
+# which the low-concurrency TTFTs fit) or "vllm-serve" (vLLM V1's defaults on a >= 70 GiB GPU).
 ENGINE_SETTINGS = ("aiconfigurator", "vllm-serve")
 DEFAULT_ENGINE_SETTINGS = "aiconfigurator"
 VLLM_SERVE_BATCH_DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 1024}
 # aiconfigurator's generator: max_num_tokens = max_batch_size + isl + this.
 AIC_TOKEN_HEADROOM = 1500
 PRECISIONS = ("bf16", "fp8")
-# The benchmark client reaches the server over HTTP: a finished request's successor arrives a
-# few ms later (response, new request, tokenization), after the engine began its next step.
-# The value hardly matters (0.5 and 5 ms give the same rows); that it is not zero does: a
-# request that makes the very next step never queues behind its wave (docs/validation-results.md).
+# A finished request's successor arrives over HTTP after the engine began its next step; the
+# value hardly matters, but a zero would let a request make the very next step.
 CLIENT_ROUND_TRIP_S = 0.002
 # Requests per row = waves x concurrency: aiconfigurator's deployment guide benchmarks with
 # `concurrency * 10` requests (docs/validation-results.md weighs 10 against 20).
@@ -74,9 +63,8 @@ class SkippedRow(ValueError):
 
 @dataclass(frozen=True)
 class SiliconRow:
-    """One measured deployment. precision is "bf16" where the file leaves it empty;
-    concurrency, tp_size and pp_size are None where it does (a few disaggregated and fp8 rows);
-    backend_version "" when unknown."""
+    """One measured deployment; precision "bf16" where the file leaves it empty, None where it
+    leaves concurrency, tp_size or pp_size empty."""
 
     id: str
     model: str               # the HF name (model_path)
@@ -111,9 +99,8 @@ def _cell(record: dict, column: str, where: str, kind):
 
 
 def read_silicon_rows(path: str | Path | None = None) -> list[SiliconRow]:
-    """Every row of the silicon CSV (vLLM rows of aiconfigurator's silicon_sample.csv; default
-    the repository's copy), in file order. Raises SiliconDataError naming the file, the line and
-    the column of anything malformed."""
+    """Every row of the silicon CSV in file order; SiliconDataError names the file, line and
+    column of anything malformed."""
     path = Path(path) if path is not None else SILICON_CSV
     try:
         file = open(path, newline="")
@@ -190,9 +177,7 @@ def scheduler_settings(row: SiliconRow, engine_settings: str) -> dict[str, int]:
 
 def silicon_overrides(row: SiliconRow, waves: int = DEFAULT_WAVES,
                       engine_settings: str = DEFAULT_ENGINE_SETTINGS) -> list[str]:
-    """The simulator overrides that replay `row`: its deployment (vLLM V1's chunked prefill
-    with `engine_settings`' batch limits) and its closed-loop benchmark of waves x concurrency
-    requests. Raises SkippedRow (why) for a row that cannot replay."""
+    """The simulator overrides that replay `row`; SkippedRow (why) for a row that cannot."""
     reason = skip_reason(row)
     if reason is not None:
         raise SkippedRow(f"{row.id}: {reason}")
@@ -269,10 +254,8 @@ def error_pct(sim: float, real: float) -> float:
 def compare_rows(rows: list[SiliconRow], overrides: list[str] | tuple[str, ...] = (),
                  waves: int = DEFAULT_WAVES, engine_settings: str = DEFAULT_ENGINE_SETTINGS,
                  on_row=None) -> dict:
-    """Every replayable row of `rows` real against simulated: {"rows": [{id, isl, osl,
-    concurrency, tp_size, real_/sim_ttft_ms, ttft_error_pct, real_/sim_tpot_ms, tpot_error_pct,
-    ...}], "skipped": [{id, reason}], "summary": {num_rows, mean_/worst_abs_ttft_error_pct,
-    mean_/worst_abs_tpot_error_pct, wall_s}}. `on_row(result)` is called after each row."""
+    """Every replayable row of `rows`, real against simulated ({"rows", "skipped", "summary"});
+    `on_row(result)` is called after each row."""
     start = time.perf_counter()
     results, skipped = [], []
     for row in rows:

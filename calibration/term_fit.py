@@ -1,10 +1,6 @@
-"""Fitting a few positive cost-model terms to a loss that only a whole replay can evaluate.
-
-Each evaluation of the loss replays real runs through the simulator (a fraction of a second
-each), so the search must need few of them and no gradients: coordinate descent in log space,
-a golden-section search per term within its bounds, repeated for a few passes. With 2-4 terms
-that is a few dozen replays. Terms are positive seconds (overheads), so log space gives each
-order of magnitude the same attention.
+"""Fitting a few positive cost-model terms to a loss that only a whole replay evaluates: no
+gradients and few evaluations, so coordinate descent in log space (each order of magnitude alike)
+with a golden-section search per term within its bounds.
 """
 from __future__ import annotations
 
@@ -35,11 +31,8 @@ def _golden_section(loss_at: Callable[[float], float], low: float, high: float,
 def fit_terms(loss: Callable[[dict[str, float]], float], initial: Mapping[str, float],
               bounds: Mapping[str, tuple[float, float]], passes: int = 2,
               tolerance: float = 0.02) -> tuple[dict[str, float], float]:
-    """The terms (a dict like `initial`) that minimise `loss(terms)`, and that loss.
-
-    `bounds[name]` = (low, high), both > 0, for every term in `initial`; `tolerance` is the
-    search's resolution in natural-log units (0.02: about 2 % of the value). The initial point
-    is kept unless a search finds a lower loss."""
+    """The terms (a dict like `initial`) that minimise `loss(terms)`, and that loss; `bounds`
+    are (low, high) > 0 per term, `tolerance` the resolution in natural-log units."""
     for name in initial:
         if name not in bounds:
             raise ValueError(f"fit_terms: no bounds for term {name!r}")

@@ -1,12 +1,6 @@
-"""The paged attention function registered with transformers' AttentionInterface.
-
-HF's model code computes q, k, v (with rotary embeddings from our explicit position_ids) and hands
-them to the attention function of `config._attn_implementation`, passing through the forward's
-extra keyword arguments. The engine runs every scheduled sequence's new tokens as one flattened
-batch of one and passes an `AttentionMetadata` as `attn_metadata=`: this function writes the new
-K/V into the layer's block pool at their slots and attends through the block tables. No HF cache
-object is involved, and nothing travels through module-level state.
-"""
+"""The paged attention function registered with transformers' AttentionInterface: HF's model
+code hands it q, k, v of one flattened batch, and it writes the new K/V into the layer's block
+pool and attends through the block tables of its `attn_metadata=` keyword (no HF cache object)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,8 +1,5 @@
-"""Assembles an engine from its config: model, kernels, KV pools, runner, sampler, executor, and
-the policies, named and built as the simulator builds them (sim/core/build.py: a conf/ group
-name, a dotted class path or a {_target_: ...} mapping) or the caller's own objects; with
-speculative decoding also the drafter (a draft model or n-gram lookup) and the speculation
-policy; and the output-length predictor generate asks."""
+"""Assembles an engine from its config: model, kernels, KV pools, runner, sampler, executor,
+drafter, and the policies, named as the simulator names them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,11 +95,9 @@ def resolve_device(device) -> torch.device:
 
 def kv_cache_limit_gb(device, cpu_kv_cache_gb: float,
                       gpu_memory_utilization: float = 0.9) -> float:
-    """The most GiB of K/V the engine's pool takes on `device` (None: cuda when there is one):
-    on a GPU gpu_memory_utilization of its free memory (what other processes and this one
-    already hold is not there to take), on a CPU cpu_kv_cache_gb, where the arithmetic would
-    claim most of host RAM. kv_cache_num_blocks also caps the pool at what max_num_seqs
-    sequences of max_model_len tokens can use, so a tiny model takes no more than that."""
+    """The most GiB of K/V the engine's pool takes on `device`: a share of a GPU's free memory
+    (what is held already is not there to take), or cpu_kv_cache_gb on a CPU, where the
+    arithmetic would claim most of host RAM."""
     device = resolve_device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -143,9 +138,7 @@ def build_scheduler_executor(config: EngineConfig, loaded: LoadedModel, schedule
                              device: torch.device, draft=None,
                              max_num_speculative_tokens: int = 0,
                              lora: LoRAAdapters | None = None) -> EngineExecutor:
-    """The executor whose pools (device, swap, host tier) match `scheduler`'s KV manager, with
-    CUDA graphs up to its max_num_seqs unless config.enforce_eager, serving `lora`'s
-    adapters."""
+    """The executor whose pools match `scheduler`'s KV manager, serving `lora`'s adapters."""
     kv_cache = scheduler.kv_cache
     return build_model_executor(loaded, kv_cache.num_blocks, kv_cache.num_host_blocks,
                                 kv_cache.block_size, device, config.seed,
@@ -166,9 +159,8 @@ def num_offload_blocks(kv_cache) -> int:
 
 def load_draft(speculative_model: str | None, target: LoadedModel, device: torch.device,
                seed: int = 0, max_model_len: int | None = None) -> LoadedModel | str | None:
-    """The draft for `speculative_model`: None, "ngram", or a model (a conf/model name with
-    seeded random weights, or a local HF checkpoint folder) loaded in the target's dtype, with
-    the target's vocabulary."""
+    """The draft for `speculative_model`: None, "ngram", or a draft model (a conf/model name or
+    an HF checkpoint folder) in the target's dtype and vocabulary."""
     if speculative_model is None or speculative_model == NGRAM:
         return speculative_model
     if not isinstance(speculative_model, str):
@@ -189,10 +181,8 @@ def load_draft(speculative_model: str | None, target: LoadedModel, device: torch
 
 
 def build_speculation(config: EngineConfig, tree: TreeSpec | None = None):
-    """The speculation policy of the config: None without a speculative_model; else the named
-    policy's config (conf/speculation: fixed, adaptive) drafting up to num_speculative_tokens
-    (with a token-tree method: verifying up to its most tokens per step), or the config's own
-    policy object."""
+    """The config's speculation policy: None without a speculative_model, else the named
+    policy (conf/speculation) or the config's own policy object."""
     k = config.num_speculative_tokens
     if config.speculative_model is None:
         if k:
@@ -263,13 +253,9 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
                          num_offload_blocks: int = 0,
                          cuda_graph_max_batch: int = DEFAULT_MAX_CAPTURE_SIZE,
                          lora: LoRAAdapters | None = None) -> EngineExecutor:
-    """The executor of a loaded model with KV pools of these sizes (the KV manager's): the
-    kernels, the pools, the model runner, the sampler and, with `draft` (load_draft's), the
-    drafter of speculative decoding, for plans of up to max_num_speculative_tokens drafts per
-    sequence; with num_offload_blocks, the prefix cache's host tier. On CUDA the Triton kernels
-    are compiled now and the target's decode steps of up to cuda_graph_max_batch sequences run
-    as CUDA graphs captured now (engine/cuda_graphs.py; 0: every step eager). With `lora`, the
-    target model serves its adapters (engine/lora.py), whose kernels are compiled now too."""
+    """The executor of a loaded model with KV pools of these sizes, with `draft`'s drafter and
+    `lora`'s adapters. On CUDA the kernels are compiled and the decode CUDA graphs captured now,
+    so that no timed step pays for them."""
     ops = get_kernel_ops(device, kernel_backend)
     dtype = next(loaded.model.parameters()).dtype
     draft_model = draft if isinstance(draft, LoadedModel) else None
@@ -315,10 +301,8 @@ def build_model_executor(loaded: LoadedModel, num_blocks: int, num_host_blocks: 
 
 
 def warm_up(executor: EngineExecutor, num_blocks: int, block_size: int, max_tokens: int) -> None:
-    """Run an untimed prefill as long as the pool holds (up to max_tokens) and a decode batch, so
-    that a timed run's first steps do not pay one-time costs (allocator growth, kernel set-up)
-    that no profiled step paid. The blocks it writes hold nothing a sequence reads: each one
-    writes its own K/V before attending to it."""
+    """Run an untimed prefill as long as the pool holds and a decode batch, so that a timed run's
+    first steps pay no one-time costs (allocator growth, kernel set-up) a profiled step did not."""
     chunk = min(max_tokens, (num_blocks - 1) * block_size)
     if chunk < 1:
         return
@@ -345,10 +329,8 @@ def executor_builder(loaded: LoadedModel, device: torch.device, seed: int = 0,
 
 
 class StepTiming(Protocol):
-    """How an engine run's steps are timed, where its caller asks (calibration's speed
-    normalisation to a profile's machine speed, backend.speed_reference): given the run's
-    warmed-up executor, a builder of further executors on the same model (for probe steps of its
-    own) and the run's seed, it returns the executor the run steps."""
+    """How an engine run's steps are timed (calibration's speed normalisation): given the
+    warmed-up executor, a builder of further executors and the seed, the executor the run steps."""
 
     def __call__(self, executor: EngineExecutor, new_executor: NewExecutor, seed: int): ...
 
@@ -359,15 +341,9 @@ def build_engine_executor(model: str, kv_cache, device=None, dtype=None, seed: i
                           step_timing: StepTiming | None = None,
                           enforce_eager: bool = False,
                           tree: TreeSpec | None = None, lora=None):
-    """An executor whose pools match `kv_cache` (a KV manager: num_blocks, num_host_blocks,
-    block_size and, with a host tier, num_offload_blocks), for a simulator replica run on the
-    engine (backend=engine, whose config names this function); with a speculative_model
-    ("ngram", a conf/model name or a checkpoint folder) it verifies plans of up to
-    max_num_speculative_tokens drafts per sequence, or with a token tree method (`tree`, for
-    speculative_model "medusa" or "lookahead") that many tokens. With `step_timing` the run steps
-    the executor it returns (its step durations timed its way). On CUDA decode steps run as CUDA
-    graphs unless enforce_eager. `lora`: the run's lora config group (engine/lora.py
-    lora_adapters), whose adapters the requests' lora_id pick."""
+    """An executor whose pools match `kv_cache` (a KV manager), for a simulator replica run on
+    the engine (backend=engine); `speculative_model` or `tree` add a drafter, `step_timing` times
+    the steps its way, `lora` serves the run's adapters."""
     if (speculative_model in drafters.TREE_DRAFTERS) != (tree is not None) or (
             tree is not None and tree.method != speculative_model):
         raise ValueError(f"speculative_model={speculative_model!r} with tree={tree!r}: medusa "

@@ -18,66 +18,48 @@ class EngineConfig:
     # None: sized by the simulator's memory arithmetic (runtime.specs.kv_cache_num_blocks).
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 256
-    # None: the scheduler config's (conf/scheduler: 2048 for chunked prefill), else
-    # max(max_model_len, 2048) so that a whole prompt fits one step.
+    # None: the scheduler config's, else max(max_model_len, 2048) so that a prompt fits one step.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None   # None: the model's
-    # The policies, each as the simulator names them: a conf/<group> name (that file's class and
-    # defaults: scheduler static | continuous | chunked_prefill, preemption recompute | swap,
-    # speculation fixed | adaptive | none), a dotted class path, a {_target_: ...} mapping, or an
-    # object used as is (a scheduler object's kv_cache sizes the pools).
+    # Each policy as the simulator names it (conf/<group> name, dotted class path, {_target_: ...})
+    # or an object used as is.
     scheduler: Any = "continuous"
     preemption: Any = "recompute"
     # Host pool when preempting by swap (vLLM's --swap-space); None: the preemption config's.
     swap_space_gb: float | None = None
     enable_prefix_caching: bool = False
-    # GiB of host memory for the prefix cache's host tier (kv_cache.offload_gb): evicted cached
-    # blocks' K/V go there and come back on a hit. 0: off; needs enable_prefix_caching.
+    # GiB of host memory for evicted prefix-cache blocks (kv_cache.offload_gb); 0: off.
     kv_offload_gb: float = 0.0
     seed: int = 0                       # weights of a random model, and unseeded sampling
     device: str | None = None           # None: cuda when there is one, else cpu
     # None: a conf/model entry's dtype_bytes (4: fp32, 2: bf16) on every device; a checkpoint
     # folder's: fp32 on CPU, bf16 for 2-byte weights on CUDA.
     dtype: Any = None
-    # On CUDA the KV pool takes at most this share of the device's free memory, and no more than
-    # max_num_seqs sequences of max_model_len tokens need.
+    # On CUDA the KV pool's share of the device's free memory.
     gpu_memory_utilization: float = 0.9
-    # The KV arithmetic assumes a whole device; on CPU the pool is capped at what
-    # max_num_seqs sequences of max_model_len tokens need and at this many GiB.
+    # The KV arithmetic assumes a whole device, which on CPU would claim most of host RAM.
     cpu_kv_cache_gb: float = 0.5
     hardware: str | None = None         # conf/hardware name for the arithmetic; None: measured
     kernel_backend: str | None = None   # None: triton on CUDA, torch on CPU
-    # On CUDA, decode steps of up to max_num_seqs sequences replay CUDA graphs captured at
-    # start (engine/cuda_graphs.py); True runs every step eagerly (vLLM's enforce_eager).
+    # True: no CUDA graphs for decode steps (engine/cuda_graphs.py), as vLLM's enforce_eager.
     enforce_eager: bool = False
-    # Speculative decoding: "ngram" (prompt lookup), "medusa" (heads on the target), "lookahead"
-    # (Jacobi lookahead decoding, greedy only), a conf/model name or a local HF checkpoint
-    # folder (a draft model with the target's vocabulary); None: off.
+    # "ngram", "medusa", "lookahead", or a draft model (conf/model name or HF checkpoint folder).
     speculative_model: str | None = None
-    # k: the most tokens a step may accept beyond the one it always gains. For a chain of
-    # drafts it is the speculation config's num_speculative_tokens (fixed) or
-    # max_num_speculative_tokens (adaptive: the most); a Medusa tree is at most k deep,
-    # lookahead's n-grams k + 1 long (unless lookahead_ngram is given). For trees and lookahead
-    # the policy's size is the tokens a step verifies (tree nodes; (W + G) x (N - 1)).
+    # The most tokens a step may accept beyond the one it always gains (for trees and lookahead,
+    # the policy's size counts the tokens verified instead).
     num_speculative_tokens: int = 0
     speculation: Any = "fixed"
-    # Medusa: a folder of trained heads (scripts/train_medusa.py); None: seeded random heads,
-    # k of them. The tree: a list of paths of head ranks ([[0], [0, 0], [1]]) or top-k per head
-    # ([3, 2, 1]); None: the speculation config's `tree`, else the default
-    # (policies/speculation/trees.py).
+    # A folder of trained heads (scripts/train_medusa.py); None: seeded random heads.
     medusa_heads: str | None = None
+    # Medusa's tree: paths of head ranks ([[0], [0, 0], [1]]) or top-k per head ([3, 2, 1]).
     speculation_tree: Any = None
     # Lookahead decoding: window W, n-gram size N (None: k + 1), guesses G verified per step.
     lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
     lookahead_ngram: int | None = None
     lookahead_guesses: int = DEFAULT_LOOKAHEAD_GUESSES
-    # Output-length predictor, asked once per request in generate (predicted_output_len): a
-    # conf/predictor name (none | oracle | noisy | bucket), a dotted class path, a mapping or an
-    # object; None: no prediction. The engine's oracle knows max_tokens, not where EOS stops.
+    # Asked once per request in generate; the engine's oracle knows max_tokens, not where EOS stops.
     predictor: Any = None
-    # Multi-LoRA serving (engine/lora.py): the lora config group's keys as a mapping
-    # (num_adapters, ranks, alpha, target_modules, max_loras, ...) or a conf/lora name; None:
-    # the base model alone. generate(lora_id=...) picks each request's adapter.
+    # The lora config group's keys or a conf/lora name (engine/lora.py); None: the base model alone.
     lora: Any = None
 
     def __post_init__(self):

@@ -1,15 +1,10 @@
-"""CUDA graphs for decode steps, as vLLM captures them: at warm-up, one graph of the model's
-forward per batch-size bucket (1, 2, 4, then multiples of 8), over static input buffers; a
-decode step of B sequences is padded to the smallest bucket that holds it and replays that
-graph, which launches every layer's kernels at once instead of one Python call each.
+"""CUDA graphs for decode steps, as vLLM captures them: one graph of the forward per batch-size
+bucket (1, 2, 4, then multiples of 8) over static buffers; a decode step is padded to the
+smallest bucket that holds it and replays that graph, launching every layer's kernels at once.
 
-Padding rows attend to nothing and write nothing: token 0 at position 0, slot -1 (the cache
-write skips it), an all-zero block-table row and a context length of 0 (the decode kernels'
-loop over the context is empty, and an empty softmax gives zeros). Their logits are cut off.
-Every bucket's block tables are as wide as the model's longest context, and the dispatcher's
-split-K choice is made at capture for that longest context (the kernels take the width and the
-split count at run time, so nothing recompiles). Steps that are not pure decodes (a prompt
-chunk, speculative verification) and batches larger than the largest bucket run eagerly.
+Padding rows attend to nothing and write nothing (slot -1, context length 0), and their logits
+are cut off. Block tables are as wide as the longest context so that nothing recompiles; steps
+that are not pure decodes, or larger than the largest bucket, run eagerly.
 """
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ import torch
 from engine.attention import AttentionMetadata
 from kernels import KernelOps
 
-# The largest bucket by default (vLLM captures up to 512; the engine's max_num_seqs defaults
-# to 256).
+# The largest bucket by default (vLLM captures up to 512; max_num_seqs defaults to 256).
 DEFAULT_MAX_CAPTURE_SIZE = 256
 
 
@@ -78,9 +72,8 @@ def pad_decode_batch(batch: DecodeBatch, size: int, width: int) -> DecodeBatch:
 
 
 class DecodeGraphs:
-    """Static buffers of the largest bucket, and per bucket a captured forward over their first
-    rows and its logits. `capture=False` runs the same forward over the same buffers without a
-    graph (how the padding is tested on a CPU)."""
+    """Static buffers of the largest bucket and one captured forward per bucket; `capture=False`
+    runs the same forwards without graphs (how the padding is tested on a CPU)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], ops: KernelOps,
                  device: torch.device, sizes: list[int], max_seq_len: int, block_size: int,

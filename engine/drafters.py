@@ -1,17 +1,13 @@
 """Drafters for speculative decoding: who proposes the k tokens the target model verifies.
 
 - `NgramDrafter` (prompt lookup): the tokens that followed the latest earlier occurrence of the
-  sequence's last n tokens (n from max_n down to min_n), no model. Deterministic: q is one-hot.
-- `DraftModelDrafter`: a smaller model with the target's vocabulary. Its K/V layers live in the
-  same pool as the target's, indexed by the same block tables. It runs over every step's
-  scheduled tokens (prefill chunks, decodes) so that its K/V keeps pace with the target's, then
-  k - 1 more single-token steps for the speculating sequences, sampling each draft from its q
-  with the request's own generator.
+  sequence's last n tokens; no model, q one-hot.
+- `DraftModelDrafter`: a smaller model with the target's vocabulary, whose K/V shares the
+  target's pool and block tables; it runs every step's scheduled tokens to keep pace with the
+  target, then k - 1 single-token steps for the speculating sequences.
 
-The executor calls `step(plan, speculating)` once per step before the target's forward (with no
-speculating sequences too: the draft model still keeps pace). Where the draft model lags the
-target (after a step that accepted all its drafts) the sequence says so (`Sequence.draft_lag`,
-kept by the scheduler), so the simulator's cost model sees the same extra tokens.
+Where the draft model lags the target (after a step that accepted all its drafts), the sequence
+records it (`Sequence.draft_lag`) so that the simulator's cost model sees the same extra tokens.
 """
 from __future__ import annotations
 
@@ -43,11 +39,9 @@ class SpeculatingSeq:
 @dataclass
 class DraftProposal:
     tokens: list[list[int]]             # per speculating sequence (in order), 0..k drafts
-    # [seqs, max k, vocab]: the q each sampled (non-greedy) row's drafts were drawn from; None
-    # for deterministic proposals (q one-hot at the draft).
+    # The q each sampled row's drafts were drawn from [seqs, max k, vocab]; None when one-hot.
     probs: torch.Tensor | None = None
-    # Tree drafters (Medusa, lookahead): per speculating sequence a TokenTree of at most k
-    # tokens, verified in place of `tokens`.
+    # Tree drafters (Medusa, lookahead): a TokenTree per speculating sequence instead of `tokens`.
     trees: list[TokenTree] | None = None
 
 
@@ -67,10 +61,8 @@ class DrafterDefaults:
 
 
 class NgramDrafter(DrafterDefaults):
-    """Prompt lookup: match the longest suffix n-gram (max_n down to min_n) of prompt + output
-    earlier in the same sequence and propose the (up to k) tokens that followed its latest
-    occurrence; no match, no drafts (the sequence then verifies nothing and decodes as
-    usual)."""
+    """Prompt lookup: propose the (up to k) tokens that followed the latest earlier occurrence of
+    the longest suffix n-gram; no match, no drafts."""
 
     kind = drafters.NGRAM
 
@@ -88,8 +80,8 @@ class NgramDrafter(DrafterDefaults):
 
 def ngram_lookup(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
-    of `token_ids` (n = max_n .. min_n); [] when none recurs. (Preferring an older occurrence
-    with k tokens after it proposed more but worse drafts on Python source.)"""
+    of `token_ids`; [] when none recurs. (The latest, not the first with k tokens after it: that
+    proposed more but worse drafts on Python source.)"""
     length = len(token_ids)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         # Windows starting at 0 .. length - n - 1: each is followed by at least one token.
@@ -131,9 +123,8 @@ class DraftModelDrafter(DrafterDefaults):
         return proposal
 
     def _keep_pace(self, plan: StepPlan, speculating: list[SpeculatingSeq]) -> torch.Tensor:
-        """Run the draft over the step's scheduled tokens (from earlier where it lags: the
-        sequence's draft_lag); logits [len(speculating), vocab] at the speculating sequences'
-        last tokens."""
+        """Run the draft over the step's scheduled tokens (from earlier where it lags); logits
+        [len(speculating), vocab] at the speculating sequences' last tokens."""
         speculating_ids = {s.seq.seq_id for s in speculating}
         token_ids: list[int] = []
         starts = np.empty(len(plan.seqs), dtype=np.int64)

@@ -1,20 +1,10 @@
-"""The engine's executor: runs a StepPlan for real and says how long it took.
+"""The engine's executor: runs a StepPlan for real and says how long it took (the
+policies.protocols.Executor the simulator's executor also satisfies): the plan's memory
+operations, one forward over every scheduled token, sampling, and the token ids for `update`.
 
-Satisfies policies.protocols.Executor, like the simulator's: memory operations as the plan orders
-them (swap out, offload to and load from the prefix cache's host tier, swap in, copy), one forward over every scheduled token, sampling, and the token
-ids the policies' `update` consumes.
-
-Speculative decoding: a decode in `plan.spec_lens` gets up to k drafts from the drafter, runs
-them after its last token in the same forward (k + 1 query tokens, logits kept for each), and
-gains the accepted drafts plus one token (engine/rejection_sampler.py). Per draft position the
-executor counts how often it was examined and accepted (`acceptance_stats`).
-
-Token trees (Medusa, lookahead decoding; engine/token_tree.py): a drafter may propose a tree
-per sequence instead of a chain; its nodes run under their tree mask, the longest accepted path
-is kept (greedy: argmax matching; sampling: the drafter's typical acceptance), its K/V is moved
-to the slots right after the sequence's last token and the scheduler trims the rest as it does
-for rejected drafts. The acceptance counts are then per depth, and for a fixed tree (Medusa's
-paths, `tree_paths`) also per tree node.
+Speculative decoding runs each speculating decode's drafts (a chain, or a token tree under its
+tree mask) after its last token in the same forward and keeps the accepted ones plus one token
+(engine/rejection_sampler.py, engine/token_tree.py), counting acceptance per draft position.
 """
 from __future__ import annotations
 
@@ -33,8 +23,7 @@ from policies.speculation import AcceptanceCounts
 from policies.speculation.drafters import Drafter
 from policies.types import Request, Sequence, StepPlan, StepResult
 
-# Requests without SamplingParams (a simulator workload replayed on the engine): greedy, and the
-# trace's output length is the length.
+# Requests without SamplingParams (a simulator workload replayed): greedy, to the trace's length.
 REPLAY_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
@@ -51,8 +40,8 @@ class EngineExecutor:
         self.device = device
         self.drafter = drafter
         self.max_num_speculative_tokens = max_num_speculative_tokens
-        # Per draft position 1..max k (per depth 1..max_tree_depth with a tree drafter): times
-        # examined and accepted, over every step run; with a fixed tree, per node too.
+        # Per draft position (per depth with a tree drafter, per node too with a fixed tree):
+        # times examined and accepted, which the simulator's acceptance model is fitted on.
         self.acceptance_stats = AcceptanceCounts(max_tree_depth or max_num_speculative_tokens,
                                                  tree_paths)
         # request_id -> (request, one generator per sample); dropped once the request finishes.
@@ -152,9 +141,8 @@ class EngineExecutor:
                 last_rows[spec.seq.seq_id] = first_row + (1 + path[-1] if path else 0)
             tokens = [[tree.tokens[node] for node in path]
                       for tree, path in zip(proposal.trees, paths)]
-            # A tree with no candidate (lookahead's pool holds no n-gram for the last token;
-            # Medusa before its heads saw the sequence) counts as depth 1 rejected: the
-            # simulator draws every speculating step at the depth its size reaches.
+            # A tree with no candidate counts as depth 1 rejected, as the simulator draws every
+            # speculating step at the depth its size reaches.
             self.acceptance_stats.record([max(tree.depth, 1) for tree in proposal.trees],
                                          [len(path) for path in paths],
                                          [spec.seq.starts_run for spec in speculating])
@@ -169,10 +157,8 @@ class EngineExecutor:
     def _verify_trees(self, speculating: list[SpeculatingSeq], trees: list[TokenTree],
                       logits: torch.Tensor, first_rows: list[int],
                       block_tables: dict[int, list[int]]) -> tuple[list[list[int]], list[int]]:
-        """Each sequence's accepted path through its tree (node indices) and the token after
-        it, whose K/V then moves to the slots after the root. Greedy: candidates pass while
-        they equal the target's argmax; sampling: the drafter's typical acceptance, the next
-        token drawn from the target at the path's end."""
+        """Each sequence's accepted path through its tree (node indices) and the token after it
+        (greedy: argmax matching; sampling: the drafter's typical acceptance)."""
         paths, next_tokens, moves, argmax_rows = [], [], [], []
         for spec, tree, first_row in zip(speculating, trees, first_rows):
             rows = logits[first_row:first_row + 1 + len(tree)]
@@ -246,9 +232,8 @@ class EngineExecutor:
                 target_probs, draft_tokens[rows], draft_probs, num_drafts[rows], uniforms, noise)
 
         accepted_counts = num_accepted.tolist()
-        # Per position of the k the plan asked for: a draft the drafter could not propose (prompt
-        # lookup found no match) counts as rejected there, as the plan charged for it and the
-        # simulator's acceptance model, fitted on these counts, draws over all k.
+        # A draft the drafter could not propose counts as rejected, since the plan charged for it
+        # and the simulator's acceptance model draws over all k.
         self.acceptance_stats.record([spec.num_drafts for spec in speculating], accepted_counts,
                                      [spec.seq.starts_run for spec in speculating])
         return self._emit(speculating, [tokens[:accepted] for tokens, accepted

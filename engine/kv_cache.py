@@ -1,6 +1,6 @@
-"""The KV block pools the policies' block ids index: one device tensor per layer, a host pool for
-swapped-out blocks and a host pool for the prefix cache's host tier (evicted cached blocks). Sized by the simulator's memory arithmetic (runtime/specs.py) so both
-backends agree."""
+"""The KV block pools the policies' block ids index: one device tensor per layer, and host pools
+for swapped-out blocks and the prefix cache's host tier, sized by the simulator's memory
+arithmetic (runtime/specs.py) so that both backends agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +16,9 @@ HARDWARE_CONFIG_DIR = Path(conf.__file__).parent / "hardware"
 
 
 class KVCachePool:
-    """Per layer a device tensor of every block (and a host one for swapped-out blocks). With a
-    draft model its layers follow the target's in the same lists, indexed by the same block ids,
-    so swaps and copy-on-write move both models' K/V."""
+    """Per layer a device tensor of every block (and a host one for swapped-out blocks); a draft
+    model's layers follow the target's under the same block ids, so swaps and copy-on-write move
+    both models' K/V."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, num_host_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelOps,

@@ -1,22 +1,13 @@
-"""Lookahead decoding (Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using
-Lookahead Decoding"): Jacobi iterations over a window of future positions make n-grams, and the
-n-grams that start with a sequence's last token are verified, all in one forward. Greedy only.
+"""Lookahead decoding (Fu et al. 2024): Jacobi iterations over a window of future positions
+make n-grams, and the n-grams that start with a sequence's last token are verified, all in one
+forward. Greedy only.
 
 Per sequence the drafter keeps a window of N - 1 rows of W guessed tokens and a pool of n-grams.
-A step runs, after the sequence's last token (the root, position r):
-- the lookahead branch: window token (i, j) sits at position r + 1 + i + j and sees row 0's
-  tokens 0..j and column j's tokens of rows 1..i-1, a contiguous run of guesses ending at it; so
-  the target's argmax at row N - 2 of column j guesses position r + N + j, and (0, j), (1, j),
-  ..., (N - 2, j) with that guess is an n-gram for the pool. The rows then move up by one and
-  the guesses become the last row (the Jacobi update).
-- the verification branch: up to G n-grams from the pool whose first token is the last token,
-  each as a chain after the root; the longest prefix matching the target's argmax is accepted.
-Both branches are one TokenTree (engine/token_tree.py): the window's nodes are never accepted.
-The speculation policy's size for a step (the tokens it verifies) sets how many guesses and
-window columns run, in units of N - 1 tokens: guesses first, as many as the pool has (up to G),
-but one unit stays for the window when there are two, so the pool keeps filling; the window
-takes the rest (up to W).
-A new sequence's window starts from tokens of its own prompt (seeded), its pool empty.
+One step runs, after the sequence's last token, one TokenTree (engine/token_tree.py) of two
+branches: the window, whose column j yields an n-gram for the pool and a new last row (the
+Jacobi update), and up to G pool n-grams as chains, the longest one matching the target's argmax
+accepted. The policy's size (tokens verified) is split in units of N - 1 tokens: guesses first,
+keeping one unit for the window so that the pool keeps filling.
 """
 from __future__ import annotations
 

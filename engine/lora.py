@@ -1,24 +1,11 @@
-"""Multi-LoRA serving on the engine: the run's adapters (seeded random A and B of each adapter's
-rank, for every target module of every layer), their device slots, and the wrapper that adds a
-step's adapter deltas to each target nn.Linear's output.
+"""Multi-LoRA serving on the engine: the run's adapters (seeded random A and B per target module
+of every layer), their device slots, and `LoRALinear`, which adds a step's adapter deltas to a
+target nn.Linear's output.
 
-- `LoRAAdapters`: what the run serves (the `lora` config group's num_adapters, ranks, alpha,
-  target_modules, max_loras, read by policies/lora/spec.py as the simulator reads them).
-- `adapter_weights`: adapter i's A [rank, in] and B [out, rank] per target module, drawn from
-  a generator seeded by (seed, i) alone, so a test rebuilds them for PEFT. B is not zero (PEFT
-  initialises it to zero, which would make every adapter the base model).
-- `ServedAdapters`: wraps the model's target modules in `LoRALinear` and holds max_loras device
-  slots per module (kernels/lora_batch.py's layout); every adapter stays in host memory. Where
-  the plan's LoRA manager placed the adapters (which slot each is in, which to load), the step
-  follows it, checked; else a step whose batch needs an adapter that is not in a slot loads it
-  (evicting the least recently used adapter this step does not use). Loads are counted in
-  `num_loads`. A step never needs more than max_loras adapters: the scheduler keeps batches
-  within it, and a plan that breaks it raises.
-
-Per-step state: the runner builds the step's LoRABatch (which slot each flattened token uses)
-and sets it on one `LoRAStep` object that every wrapper of the model holds, for the duration of
-the forward only (`ServedAdapters.applying`). HF's Llama calls its projections without the
-forward's keyword arguments, so the batch cannot travel with attn_metadata; nothing is global.
+A step follows the plan's LoRA placement where it has one (checked), else loads the adapters its
+batch needs, evicting the least recently used. The step's LoRABatch travels on one shared
+`LoRAStep` object for the forward only, since HF's Llama calls its projections without the
+forward's keyword arguments.
 """
 from __future__ import annotations
 
@@ -34,17 +21,15 @@ from kernels.lora_batch import NO_ADAPTER, LoRABatch
 from policies.lora.spec import LoRASpec, lora_config
 from policies.validators import non_negative_int
 
-# A's entries have variance 1/in_features (A x keeps x's scale per rank); B's this spread, so
-# that an adapter moves the outputs of the tiny random model as a fine-tune would (a delta of
-# about a third of the base projection's at rank 16), changing its greedy continuations.
+# B's spread, so that an adapter moves the tiny random model's outputs as a fine-tune would and
+# changes its greedy continuations (PEFT's zero B would make every adapter the base model).
 LORA_B_STD = 0.1
 
 
 @dataclass(frozen=True)
 class LoRAAdapters:
-    """The run's adapters (`spec`: adapter i has rank spec.ranks[i] and applies to every target
-    module of every layer, scaled by alpha / rank), the device slots and the weights' seed.
-    Made by from_config, which checks the group."""
+    """The run's adapters (adapter i: rank spec.ranks[i], scaled by alpha / rank), the device
+    slots and the weights' seed; from_config checks the group."""
 
     spec: LoRASpec
     max_loras: int
@@ -202,10 +187,8 @@ class ServedAdapters:
 
     def batch_for(self, token_lora_ids: np.ndarray, placement: Mapping[int, int] | None = None,
                   loads: Iterable[tuple[int, int]] = ()) -> LoRABatch | None:
-        """The step's LoRABatch for flattened tokens using adapters token_lora_ids (NO_ADAPTER:
-        none); None when no token uses one. With a plan's LoRA manager's `placement` (adapter
-        -> slot) and `loads` ((adapter, slot) pairs to copy in first), the step follows the
-        plan, checked; without, the adapters not in a slot are loaded here (LRU)."""
+        """The step's LoRABatch for tokens using adapters token_lora_ids (None when none does),
+        following the plan's `placement` and `loads` where given, else loading missing ones (LRU)."""
         for lora_id, slot in loads:
             self._check_id(lora_id)
             if not 0 <= slot < self.adapters.max_loras:

@@ -1,16 +1,10 @@
-"""Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
-Decoding Heads"): K small heads on the target's last hidden state propose a token tree.
+"""Medusa (Cai et al. 2024): K small heads on the target's last hidden state propose a token tree.
 
-Head k (1..K) reads the final hidden state h_p of the position that produced a sequence's last
-token x_{p+1} and predicts x_{p+1+k}: a residual block (h + SiLU(W h + b)) and a projection to
-the vocabulary. The tree's depth-d nodes are head d's top candidates; which ranks branch where is
-the tree shape, a list of paths of ranks ((0,), (0, 0), (1,), ...): a path's node is the
-path[-1]-th candidate of head len(path), under the node of path[:-1]. The speculation policy
-picks how many nodes a step verifies; a step takes the first that many paths.
-
-The heads need the hidden state of the row that gave each sequence its last token, so the
-executor hands those over after every step (observe_hidden), kept per (request, sample): the
-samples a request forks at its prompt's last token were drawn from that same row.
+Head k reads the hidden state of the position that produced a sequence's last token and predicts
+k tokens further: a residual block (h + SiLU(W h + b)) and a projection to the vocabulary. The
+tree shape is a list of paths of candidate ranks ((0,), (0, 0), (1,), ...); a step verifies the
+first as many paths as the speculation policy sizes it. The executor hands the heads each
+sequence's hidden state after every step (observe_hidden).
 """
 from __future__ import annotations
 

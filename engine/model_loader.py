@@ -187,10 +187,8 @@ def spec_from_hf_config(config, name: str) -> ModelSpec:
 
 
 def expert_fields(text_config, name: str) -> dict:
-    """ModelSpec's mixture-of-experts fields from an HF text config ({} for a dense model):
-    Mixtral counts its experts in num_local_experts and sizes them by intermediate_size, the
-    Qwen MoE family in num_experts and moe_intermediate_size. A mixture with dense layers among
-    its expert layers has no ModelSpec: every layer of one is costed alike."""
+    """ModelSpec's mixture-of-experts fields from an HF text config ({} for a dense model); a
+    mixture with dense layers among its expert layers is refused, as every layer is costed alike."""
     if getattr(text_config, "n_routed_experts", None):
         raise ValueError(f"{name}: DeepSeek-style mixtures (n_routed_experts) are not supported; "
                          f"Mixtral and Qwen MoE configs are")

@@ -1,10 +1,5 @@
-"""Turns a StepPlan into tensors and runs the model once over every scheduled token.
-
-All sequences' new tokens are concatenated into one batch of one (no padding), with explicit
-positions; the attention metadata says which tokens belong to which sequence and where their K/V
-live. Logits are computed only for the last token of each sequence that samples this step (and,
-for a sequence verifying draft tokens, for each of its drafts).
-"""
+"""Turns a StepPlan into tensors and runs the model once over every scheduled token: one
+unpadded flattened batch with explicit positions, logits only at the rows that sample."""
 from __future__ import annotations
 
 import contextlib
@@ -54,11 +49,8 @@ def new_token_ids(seq: Sequence, start: int, num_new: int) -> list[int]:
 
 
 class ModelRunner:
-    """Runs one model over paged KV layers `kv_caches` (the target's, or a draft model's: the
-    same block ids index both). With `decode_graphs` (engine/cuda_graphs.py), a step of one
-    sampled token per sequence that fits a captured bucket replays its graph (unless a
-    sequence of the step runs an adapter: graphs are captured without). With `lora`, each
-    sequence's tokens run with its request's adapter (request.lora_id)."""
+    """Runs one model (the target or a draft model) over paged KV layers `kv_caches`; a pure
+    decode step that fits a captured bucket replays its CUDA graph unless it runs an adapter."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  ops: KernelOps, device: torch.device,
@@ -73,9 +65,8 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan,
                 drafts: dict[int, list[int] | TokenTree] | None = None) -> StepInputs:
-        """The plan's tokens. A sequence with `drafts[seq_id]` also runs its draft tokens (a
-        chain, or a TokenTree's nodes under its mask) after its last token (verification) and
-        keeps logits for all of them: 1 + len(drafts) rows."""
+        """The plan's tokens; a sequence with `drafts[seq_id]` also runs its drafts after its
+        last token and keeps logits for all of them (1 + len(drafts) rows)."""
         num_seqs = len(plan.seqs)
         token_ids: list[int] = []
         starts = np.empty(num_seqs, dtype=np.int64)
@@ -133,11 +124,9 @@ class ModelRunner:
               sampling_seqs: list[Sequence], tree_mask: np.ndarray | None = None,
               position_shift: np.ndarray | None = None,
               lora_batch: LoRABatch | None = None) -> StepInputs:
-        """Inputs for sequences b running query_lens[b] tokens from position starts[b] (their
-        ids concatenated in `token_ids`), K/V at the slots of seq_tables[b], keeping the logits
-        of the flattened rows `logits_rows`. With token trees: each token's tree_mask entry, and
-        how many positions before its slot's position the model sees it (position_shift). With
-        adapters: the step's LoRABatch (ServedAdapters.batch_for)."""
+        """Attention metadata and inputs for sequences b running query_lens[b] tokens from
+        position starts[b] into the slots of seq_tables[b], keeping the logits of `logits_rows`
+        (with token trees, each token's mask and position shift; with adapters, the LoRABatch)."""
         block_size = self.block_size
         num_seqs = len(seq_tables)
         num_tokens = len(token_ids)

@@ -1,7 +1,6 @@
-"""OpenAI's completions protocol as twinserve-serve speaks it: the request body, its translation
-into the engine's prompt and SamplingParams, and the response, stream chunk and error bodies.
-Each choice also carries `token_ids` (the generated ids, as vLLM's return_token_ids does), so a
-client counts tokens exactly without a tokenizer."""
+"""OpenAI's completions protocol as twinserve-serve speaks it: request, response, stream chunk
+and error bodies. Each choice also carries `token_ids` (as vLLM's return_token_ids) so that a
+client counts tokens without a tokenizer."""
 from __future__ import annotations
 
 import time
@@ -63,9 +62,7 @@ class CompletionRequest(BaseModel):
 
 
 def engine_request(body: CompletionRequest) -> tuple[Any, SamplingParams]:
-    """The engine's prompt and SamplingParams for `body`. Raises BadRequest for what the engine
-    does not do; the engine checks the values themselves (SamplingParams.error) when it adds the
-    request."""
+    """The engine's prompt and SamplingParams for `body`; BadRequest for what the engine does not do."""
     unsupported = [name for name, default in (("echo", False), ("logprobs", None), ("stop", None),
                                               ("suffix", None))
                    if getattr(body, name) not in (default, [])]

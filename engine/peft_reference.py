@@ -1,7 +1,5 @@
-"""The reference for the engine's multi-LoRA outputs: HF + PEFT holding one of the engine's
-adapters alone (peft is a test extra, imported here only when called). The LoRA tests and the
-GPU check (bench/gpu_check_steps/lora.py) compare the engine's greedy outputs with mixed
-adapters in one batch against each request's adapter applied this way."""
+"""The reference for the engine's multi-LoRA outputs: HF + PEFT holding one adapter alone, which
+the LoRA tests compare the engine's mixed-adapter batches against (peft imported when called)."""
 from __future__ import annotations
 
 import copy

@@ -1,12 +1,7 @@
-"""What an engine run (`twinserve backend=engine`) checks before it builds anything: that the
-device it names exists, and that the model is one this machine runs in reasonable time. A
-Llama-2-7B on a CPU builds 14 GB of random weights and takes minutes a step, silently; this says
-so in one line, with the estimate, and how to run it anyway (`backend.allow_slow=true`).
-
-The estimate is a roofline at the spec-sheet rates (no efficiencies): a decode step of one
-sequence reads every weight once; a prefill step of the run's token budget does two FLOPs per
-weight per token plus causal attention. Real steps are slower, so the figures are lower bounds.
-On a CPU the rates are conf/hardware/cpu.yaml's, whatever `hardware=` names."""
+"""What an engine run checks before it builds anything: that its device exists, and that the
+model runs on this machine in reasonable time, since a 7B model on a CPU otherwise takes minutes
+a step silently (`backend.allow_slow=true` runs it anyway). The estimate is a roofline at the
+spec-sheet rates, so its figures are lower bounds."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,9 +66,8 @@ def engine_run_cost(model: ModelSpec, rates: HardwareSpec, memory_bytes: float,
 
 
 def requested_device(device, key: str = "backend.device") -> torch.device:
-    """`device` as a torch device (None: cuda when there is one); a ValueError naming `key` (the
-    setting as the user wrote it) when it is not a device name or names CUDA on a machine
-    without it."""
+    """`device` as a torch device (None: cuda when there is one); a ValueError naming `key` when
+    it is not a device name or names CUDA on a machine without it."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -113,11 +107,9 @@ def weight_dtype_bytes(model: ModelSpec, dtype) -> int:
 
 def check_engine_run(model, hardware, device=None, dtype=None,
                      max_num_batched_tokens: int | None = None, allow_slow: bool = False) -> None:
-    """Stop an engine run before it builds its model when `device` (backend.device) is not
-    there, or, unless allow_slow, when the engine would run on the CPU under a GPU's
-    `hardware` preset, or a step would take more than MAX_STEP_S, or the weights would not fit
-    the device's memory. `model` and `hardware` are the run's conf/model and conf/hardware
-    entries; the token budget is the scheduler's (null: as the run sizes it)."""
+    """Stop an engine run before it builds its model when `device` is not there, or, unless
+    allow_slow, when the engine would run on the CPU under a GPU `hardware` preset, a step would
+    take more than MAX_STEP_S, or the weights would not fit the device's memory."""
     resolved = requested_device(device)
     spec = ModelSpec.from_config(model)
     preset = HardwareSpec.from_config(hardware)

@@ -1,19 +1,8 @@
 """Verification of draft tokens against the target model: greedy argmax matching, and modified
-rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
-Sampling").
-
-For a sequence with k drafts x_1..x_k drawn from the draft's distributions q_1..q_k, and the
-target's distributions p_1..p_{k+1} at the same positions (one forward of k + 1 tokens): draft
-x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), in order, until the first
-rejection; at a rejected position i the token is drawn from norm(max(0, p_i - q_i)), and when all
-k pass a bonus token is drawn from p_{k+1}. Every emitted token is then distributed exactly as the
-target alone would sample it. A deterministic proposal (n-gram lookup) is the case of a one-hot
-q: x is accepted with probability p(x).
-
-Rows are padded to the longest proposal: row b has num_drafts[b] <= K real drafts, and padding is
-never examined. Pure torch, vectorized over rows; the randomness comes in as arguments so that
-each row's draws come from its own generator.
+rejection sampling (Leviathan et al. 2023; Chen et al. 2023), under which every emitted token is
+distributed exactly as the target alone would sample it. A deterministic proposal (n-gram lookup)
+is the case of a one-hot q. Rows are padded to the longest proposal; the randomness comes in as
+arguments so that each row draws from its own generator.
 """
 from __future__ import annotations
 
@@ -30,10 +19,8 @@ def accepted_prefix_lengths(accepted: torch.Tensor, num_drafts: torch.Tensor) ->
 
 def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor,
                   num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax matching. target_argmax [rows, K + 1] (the target's greedy token at each verified
-    position), draft_tokens [rows, K] -> (num_accepted [rows], next_token [rows]): drafts are
-    accepted while they equal the target's argmax; the next token is the target's argmax after
-    the accepted ones (the correction, or the bonus when all pass)."""
+    """Argmax matching: target_argmax [rows, K + 1], draft_tokens [rows, K] -> (num_accepted
+    [rows], next_token [rows]), the next token being the target's argmax after the accepted ones."""
     num_accepted = accepted_prefix_lengths(draft_tokens == target_argmax[:, :-1], num_drafts)
     next_token = target_argmax.gather(1, num_accepted[:, None])[:, 0]
     return num_accepted, next_token
@@ -43,15 +30,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None, num_drafts: torch.Tensor,
                      uniforms: torch.Tensor, noise: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Modified rejection sampling.
-
-    target_probs [rows, K + 1, vocab]: p at each verified position (temperature, top-k and top-p
-    already applied); draft_tokens [rows, K]; draft_probs [rows, K, vocab]: the q each draft was
-    drawn from, or None for deterministic proposals (q one-hot at the draft); num_drafts [rows];
-    uniforms [rows, K] U[0, 1) for the accept tests; noise [rows, vocab] Exp(1) for the one draw
-    from the residual (or bonus) distribution.
-
-    Returns (num_accepted [rows], next_token [rows])."""
+    """Modified rejection sampling: draft i is accepted with probability min(1, p(x_i) / q(x_i))
+    until the first rejection, whose token is drawn from norm(max(0, p - q)); a bonus token from
+    p_{k+1} when all pass. draft_probs None: q one-hot at the draft. Returns (num_accepted [rows],
+    next_token [rows])."""
     rows = torch.arange(target_probs.shape[0], device=target_probs.device)
     num_positions = draft_tokens.shape[1]
     target_at_draft = target_probs[:, :num_positions].gather(2, draft_tokens[..., None])[..., 0]

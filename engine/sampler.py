@@ -1,10 +1,5 @@
-"""Turns logits into token ids: greedy, temperature, top-k, top-p, with a per-row generator.
-
-One row per sample to draw. Every row is handled by the same vectorized operations and depends
-only on its own logits and generator, so a sample's tokens do not depend on what else is in the
-batch: sample j of a request seeded s draws from a generator seeded s + j, exactly as a lone
-request seeded s + j would.
-"""
+"""Turns logits into token ids: greedy, temperature, top-k, top-p, one row per sample with its
+own generator, so that a sample's tokens do not depend on what else is in the batch."""
 from __future__ import annotations
 
 import torch
@@ -53,9 +48,8 @@ class Sampler:
 
     def uniform(self, counts: list[int], size: int, device: torch.device,
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        """[rows, size] U[0, 1) draws: row i's first counts[i] from generators[i] (the default
-        one where None), the rest 0. A row consumes only its own count, so its draws do not
-        depend on the batch's widest row."""
+        """[rows, size] U[0, 1) draws: row i's first counts[i] from generators[i], the rest 0, so
+        that a row's draws do not depend on the batch's widest row."""
         draws = torch.zeros(len(counts), size, device=device)
         for i, (count, generator) in enumerate(zip(counts, generators)):
             draws[i, :count].uniform_(generator=generator or self.default_generator)

@@ -1,11 +1,5 @@
 """`twinserve-serve`: the engine behind an OpenAI-compatible HTTP server (FastAPI + uvicorn).
-
-Routes: POST /v1/completions (streamed as server-sent events when `stream` is true), GET
-/v1/models, GET /v1/engine_settings (what a benchmark client records with its run), GET /health,
-GET /metrics (Prometheus, engine/server_metrics.py). One thread steps the engine
-(engine/serving_loop.py); the handlers only wait on its events, and a request whose client goes
-away is aborted. Past a bound on waiting requests a new one gets 503; SIGTERM drains
-(engine/server_guard.py).
+One thread steps the engine (engine/serving_loop.py) and the handlers wait on its events.
 
     twinserve-serve --model tiny-llama --port 8000 --scheduler chunked_prefill --num-gpu-blocks 512
 """
@@ -40,9 +34,8 @@ DEFAULT_PORT = 8000
 API_KEY_ENV = "TWINSERVE_API_KEY"
 # A completions body is a prompt of token ids and a few fields; far larger is a mistake or abuse.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-# Past this many waiting requests a new one gets 503: enough for a benchmark's 256 concurrent
-# streams behind a full batch, while a flood holds at most this many prompts (a few hundred MB
-# at a 4k-token context) instead of growing without limit.
+# Enough for a benchmark's 256 concurrent streams behind a full batch, while a flood holds a
+# bounded number of prompts.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 # A refused client's Retry-After (s): a seat frees whenever any running request ends, which on a
 # loaded engine is within a second or so, and 1 is the header's smallest non-zero value.
@@ -115,15 +108,11 @@ def _sse(body: dict | str) -> bytes:
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FastAPI:
-    """The server's app; its lifespan starts and stops the thread that steps `llm`. With
-    `api_key`, the /v1 routes answer 401 unless the request carries `Authorization: Bearer
-    <api_key>`; a body over `max_body_bytes` gets 413; a completion that finds
-    `max_waiting_requests` requests waiting (0: no bound) gets 503 with Retry-After, as does
-    one that comes while the server drains (`ServingLoop.drain`, `DrainingServer`)."""
+    """The server's app; its lifespan starts and stops the thread that steps `llm`. Answers 401
+    without `api_key` (when set), 413 over `max_body_bytes`, and 503 past `max_waiting_requests`
+    or while draining."""
     served = served_model_name or llm.config.model
-    settings = engine_settings(llm)
     serving = ServingLoop(llm)
-    decode = llm.tokenizer.decode if llm.tokenizer is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,7 +125,13 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     app = FastAPI(title="twinserve", lifespan=lifespan)
     app.state.serving = serving
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    _add_info_routes(app, llm, serving, served)
+    _add_completions_route(app, llm, serving, served, max_waiting_requests)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
         errors = error.errors()
@@ -153,6 +148,11 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
         return _error(f"internal error: {type(error).__name__}: {error}", 500)
+
+
+def _add_info_routes(app: FastAPI, llm: LLM, serving: ServingLoop, served: str) -> None:
+    """GET /metrics, /health, /v1/models and /v1/engine_settings."""
+    settings = engine_settings(llm)
 
     @app.get("/metrics")
     async def metrics():
@@ -175,6 +175,11 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     async def get_engine_settings():
         return settings
 
+
+def _add_completions_route(app: FastAPI, llm: LLM, serving: ServingLoop, served: str,
+                           max_waiting_requests: int) -> None:
+    decode = llm.tokenizer.decode if llm.tokenizer is not None else None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.model is not None and body.model != served:
@@ -193,37 +198,39 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         events, submission = serving.submit(prompt, params, body.timeout_s)
         response = None
         try:
-            response = await _unless_disconnected(request, respond(body, events, submission))
+            response = await _unless_disconnected(
+                request, _respond(serving, served, decode, body, events, submission))
             return response
         finally:
             if not isinstance(response, StreamingResponse):   # (a stream aborts when it ends)
                 serving.abort(submission)
 
-    async def respond(body: CompletionRequest, events, submission):
-        first = await events.get()
-        if first.kind == ERROR:
-            status = 400 if serving.is_alive else 503
-            return _error(first.value, status, sampling_param(first.value))
-        assert first.kind == QUEUED, first
-        stream = CompletionStream(served, decode)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream_events(serving, events, submission, stream,
-                                                    include_usage),
-                                     media_type="text/event-stream")
-        while True:
-            event = await events.get()
-            if event.kind == ERROR:
-                return _error(event.value, 503)
-            if event.kind == DONE:
-                output = event.value
-                if output.abandoned:   # its timeout_s passed
-                    return _error(output.error, 408, "timeout_s")
-                if output.error is not None:   # rejected by the scheduler while it waited
-                    return _error(f"rejected by the scheduler: {output.error}", 503)
-                return stream.completion(output)
 
-    return app
+async def _respond(serving: ServingLoop, served: str, decode, body: CompletionRequest,
+                   events, submission):
+    """The completion's response: a stream, the whole completion, or the error it met."""
+    first = await events.get()
+    if first.kind == ERROR:
+        status = 400 if serving.is_alive else 503
+        return _error(first.value, status, sampling_param(first.value))
+    assert first.kind == QUEUED, first
+    stream = CompletionStream(served, decode)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_stream_events(serving, events, submission, stream,
+                                                include_usage),
+                                 media_type="text/event-stream")
+    while True:
+        event = await events.get()
+        if event.kind == ERROR:
+            return _error(event.value, 503)
+        if event.kind == DONE:
+            output = event.value
+            if output.abandoned:   # its timeout_s passed
+                return _error(output.error, 408, "timeout_s")
+            if output.error is not None:   # rejected by the scheduler while it waited
+                return _error(f"rejected by the scheduler: {output.error}", 503)
+            return stream.completion(output)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):
@@ -250,9 +257,8 @@ async def _disconnect(request: Request) -> None:
 
 async def _stream_events(serving: ServingLoop, events, submission, stream: CompletionStream,
                          include_usage: bool) -> AsyncIterator[bytes]:
-    """A request's events as SSE chunks: one per step that gave it tokens, then the finish
-    reasons, the usage (when asked) and [DONE]. Closed early (its client went away), it aborts
-    the request."""
+    """A request's events as SSE chunks, then the finish reasons, the usage and [DONE]; closed
+    early (its client went away), it aborts the request."""
     try:
         async for chunk in _stream_chunks(events, stream, include_usage):
             yield chunk

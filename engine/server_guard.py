@@ -72,11 +72,9 @@ async def _send_error(send, message: str, status: int) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, which on SIGTERM or Ctrl-C closes its listener and waits for the open
-    connections, with the engine drained meanwhile: the requests it runs may finish for
-    `shutdown_timeout_s`, then the rest are aborted, each client answered (a stream: an error
-    event and [DONE]; otherwise a 503 body). The process then exits 0 (a second Ctrl-C quits
-    at once)."""
+    """uvicorn's server, which on SIGTERM or Ctrl-C drains the engine: running requests may finish
+    for `shutdown_timeout_s`, then the rest are aborted with an answer each (a second Ctrl-C
+    quits at once)."""
 
     def __init__(self, config: uvicorn.Config, serving: ServingLoop, shutdown_timeout_s: float):
         # (a backstop for a client that never reads its last bytes)

@@ -1,9 +1,6 @@
-"""twinserve-serve's GET /metrics: the engine's state and its requests' latencies in Prometheus'
-text exposition format (version 0.0.4), under vLLM's metric names (v1 engine) so a dashboard
-or scraper made for `vllm serve` reads twinserve-serve unchanged.
-
-The engine thread records (ServingStats.observe_*); the HTTP handler renders (`render`).
-"""
+"""twinserve-serve's GET /metrics in Prometheus' text format, under vLLM's metric names so that
+a dashboard made for `vllm serve` reads twinserve-serve unchanged. The engine thread records
+(ServingStats.observe_*); the HTTP handler renders."""
 from __future__ import annotations
 
 import bisect

@@ -1,14 +1,6 @@
 """The engine's real-time loop for a server: one thread owns the LLM, adds what the HTTP handlers
-submit and steps while requests are pending, and hands each request's events to the asyncio
-queue of the handler that waits for them.
-
-    loop = ServingLoop(llm); loop.start()
-    events, submission = loop.submit(prompt, params)   # in the event loop: its Events, a handle
-                                             # (timeout_s=...: abandoned by the engine then)
-    event = await events.get()               # QUEUED first (or ERROR), then TOKENS..., DONE
-    loop.abort(submission)                   # its handler is done (or its client went away)
-    loop.drain(timeout_s)                    # SIGTERM: finish what was taken, then stop
-    loop.stop()
+submit, steps while requests are pending, and hands each request's events to its handler's
+asyncio queue (QUEUED or ERROR first, then TOKENS..., DONE).
 """
 from __future__ import annotations
 
@@ -82,8 +74,7 @@ class ServingLoop:
 
     def drain(self, timeout_s: float) -> None:
         """Stop once every request already submitted has finished, or after `timeout_s`, when
-        those still pending get an ERROR event (the server's handlers refuse new ones while
-        `draining`)."""
+        those still pending get an ERROR event."""
         self.draining = True
         self._drain_deadline = time.monotonic() + timeout_s
         self._stop_reason = (f"the server is shutting down and the request did not finish "
@@ -108,9 +99,8 @@ class ServingLoop:
 
     def submit(self, prompt, params: SamplingParams,
                timeout_s: float | None = None) -> tuple[asyncio.Queue, _Submission | None]:
-        """Queue a request from the running event loop, abandoned by the engine if unfinished
-        `timeout_s` seconds after it adds it; returns the queue its Events arrive on and the
-        handle `abort` takes (None when the engine is not running)."""
+        """Queue a request from the event loop (abandoned if unfinished `timeout_s` after it is
+        added); its events' queue and the handle `abort` takes (None when not running)."""
         events: asyncio.Queue = asyncio.Queue()
         if not self.is_alive:
             events.put_nowait(Event(ERROR, self.failure or "the engine is not running"))
@@ -122,9 +112,8 @@ class ServingLoop:
         return events, submission
 
     def abort(self, submission: _Submission | None) -> None:
-        """Release a submitted request (from the event loop), once its handler answered or its
-        client went away: unless finished, it is never added, or it leaves the engine before
-        its next step, its blocks freed. None (nothing was submitted) is ignored."""
+        """Release a submitted request once its handler answered or its client went away: it
+        leaves the engine before its next step, its blocks freed. None is ignored."""
         if submission is not None and not submission.cancelled:
             submission.cancelled = True
             self.num_in_flight -= 1

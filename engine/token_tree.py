@@ -1,17 +1,11 @@
 """Token trees: speculative tokens verified after a sequence's last token in one forward pass,
 and how a verified tree is accepted.
 
-A sequence's last token (the root, at cache position r) runs with the tree's nodes after it:
-node i takes the next consecutive slot, cache position r + 1 + i, as a chain of drafts would, so
-the scheduler reserves and trims slots exactly as it does for k drafts (k = the node count). The
-model sees node i at position r + depths[i], and attention lets it see the context, the root
-and the earlier nodes in its `sees` bitmask (kernels/__init__.py's tree_mask). For a tree that
-is its ancestors; lookahead decoding's Jacobi window uses the same mask for its own pattern.
-
-Candidates (parents[i] not None; -1 is the root) can be accepted, along one path from the root;
-other nodes only compute (lookahead's window). After verification the accepted path's K/V is
-moved from its nodes' slots to the slots right after the root (compaction_moves), so the
-sequence's cache is again its tokens in order and the scheduler's trim gives back the rest.
+Node i takes the cache slot r + 1 + i after the root, as a chain of drafts would, so that the
+scheduler reserves and trims slots as it does for k drafts; the model sees it at position
+r + depths[i], attending to the nodes in its `sees` bitmask. After verification the accepted
+path's K/V moves to the slots right after the root (compaction_moves), so that the cache is again
+the sequence's tokens in order.
 """
 from __future__ import annotations
 
@@ -114,10 +108,8 @@ def greedy_accepts(tree: TokenTree, argmax: list[int]) -> list[bool]:
 
 def typical_accepts(tree: TokenTree, probs: torch.Tensor, epsilon: float,
                     delta: float) -> list[bool]:
-    """Medusa's typical acceptance: node i passes if the target gives its token, after its
-    parent, a probability above min(epsilon, delta * exp(-entropy)) of that distribution.
-    probs [1 + nodes, vocab]: the target's sampling distribution per row. Not distribution-exact:
-    it keeps plausible tokens, not a sample of p."""
+    """Medusa's typical acceptance: node i passes if the target gives its token a probability
+    above min(epsilon, delta * exp(-entropy)); not distribution-exact."""
     rows = torch.tensor(tree.parent_rows(), dtype=torch.long, device=probs.device)
     parent_probs = probs[rows]
     entropy = -(parent_probs * torch.log(parent_probs.clamp(min=1e-20))).sum(dim=-1)
@@ -129,9 +121,8 @@ def typical_accepts(tree: TokenTree, probs: torch.Tensor, epsilon: float,
 
 def compaction_moves(block_table: list[int], block_size: int, root_position: int,
                      path: list[int]) -> list[tuple[int, int]]:
-    """(source slot, destination slot) for the accepted path's K/V: node path[j], written at
-    cache position root + 1 + path[j], goes to root + 1 + j (skipped where they coincide).
-    Sources never lie before their destination, so all can move at once."""
+    """(source slot, destination slot) for the accepted path's K/V (node path[j] goes to
+    root + 1 + j); no source lies before its destination, so all can move at once."""
     def slot(position: int) -> int:
         return block_table[position // block_size] * block_size + position % block_size
 

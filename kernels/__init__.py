@@ -1,12 +1,9 @@
 """Paged-KV kernels: Triton on CUDA (kernels/triton_ops.py), torch on CPU (kernels/torch_paged.py),
-plain loops as the test oracle (kernels/naive.py). All share one API, see kernels/torch_paged.py.
+plain loops as the test oracle (kernels/naive.py), all with naive.py's API and layout.
 
-Tree attention (speculative token trees, lookahead decoding): paged_attention takes an optional
-`tree_mask` [num_tokens] int64. Bit d of token t's entry says whether t sees the cache position d
-before its own (bit 0: itself); positions TREE_WINDOW or more before it are always seen, and none
-after it. An ordinary token's entry is -1 (all bits: causal). A sequence's speculative tokens
-therefore span at most TREE_WINDOW positions, in an order where every token comes after all it
-sees; each sees the context and what the mask lets through (a tree node: its ancestors)."""
+Tree attention: paged_attention's optional `tree_mask` [num_tokens] int64 has bit d of token t's
+entry set when t sees the cache position d before its own (bit 0: itself); positions TREE_WINDOW
+or more before it are always seen, none after it, and -1 is plain causal attention."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,10 +18,9 @@ __all__ = ["TREE_WINDOW", "KernelOps", "get_kernel_ops", "tree_mask_entry"]
 
 
 def get_kernel_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
-    """The kernels for `device`: "triton" on CUDA, "torch" (the vectorised torch path) elsewhere.
-    `backend` forces one; "naive" gives the loop oracle (slow, for tests). Nothing falls back:
-    when the Triton kernels cannot run on CUDA (no triton, or Triton's interpreter chosen),
-    this raises, naming kernel_backend="torch" as the way to take the torch path on purpose."""
+    """The kernels for `device`: "triton" on CUDA, "torch" elsewhere, "naive" (the loop oracle)
+    when `backend` asks. Nothing falls back: Triton that cannot run on CUDA raises, naming
+    kernel_backend="torch" as the way to take the torch path on purpose."""
     import torch  # here, not at the top: kernels.tiling is imported by the torch-free simulator
 
     device = torch.device(device)

@@ -1,18 +1,12 @@
 """One step's LoRA batch: which adapter slot each flattened token uses, grouped by slot.
 
-Every LoRA kernel (kernels/naive.py's loop, kernels/torch_lora.py, kernels/triton_lora.py) takes
-the same arguments: `add_lora(out, x, lora_a, lora_b, scalings, batch)` adds, for every token t
-whose slot s = batch.token_slots[t] is not -1, scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) to
-out[t], in place. Layout of one target module's adapter slots:
-- lora_a [num_slots, max_rank, in_features]: A of the adapter in slot s in rows :rank; rows past
-  its rank are zero (so an adapter of lower rank than the slots' needs no mask),
-- lora_b [num_slots, out_features, max_rank]: B in columns :rank, zero past it,
-- scalings [num_slots] fp32: PEFT's lora_alpha / rank of the adapter in slot s.
+Every LoRA kernel's `add_lora(out, x, lora_a, lora_b, scalings, batch)` adds, for every token t
+with a slot s = batch.token_slots[t] (-1: none), scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) to
+out[t] in place. Slots: lora_a [num_slots, max_rank, in], lora_b [num_slots, out, max_rank],
+zero past an adapter's rank so that lower ranks need no mask; scalings: alpha / rank.
 
-The grouping is built once per step on the host (the runner knows every sequence's adapter) and
-shared by every layer and target module: the tokens with an adapter, sorted by slot (stable, so
-a sequence's tokens stay in order), the start of each slot's run, and on the host the group count
-and longest group, which size the Triton grid without reading anything back from the device.
+The grouping is built once per step on the host and shared by every layer; its host-side group
+count and longest group size the Triton grid without reading back from the device.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""The paged-KV operations written as plain loops: the test oracle for every implementation.
+"""The paged-KV operations as plain loops, one sequence, token and head at a time: the test
+oracle every implementation is checked against, readable rather than fast.
 
-Nothing here is meant to be fast. Each function does the obvious thing one sequence, one token
-and one head at a time, so that it can be checked by reading it; the Triton kernels
-(kernels/triton_ops.py) and the engine's vectorized CPU path (kernels/torch_paged.py) are tested
-against it.
-
-Layout (shared by all implementations):
-- kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K,
-  index 1 holds V. A slot is block_id * block_size + offset in block.
-- Sequences' new tokens are flattened sequence-major; query_start_loc[b]:query_start_loc[b + 1]
-  are sequence b's. seq_lens[b] counts its tokens in the cache after this step's writes, so its
-  new token j sits at position seq_lens[b] - q_len_b + j and attends to positions 0..that one.
-- tree_mask (optional) [num_tokens] int64: which of the 63 positions before a token it sees
-  (kernels/__init__.py, TREE_WINDOW).
+Layout shared by all implementations:
+- kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K, then V); a slot
+  is block_id * block_size + offset.
+- New tokens are flattened sequence-major; query_start_loc[b]:query_start_loc[b + 1] are sequence
+  b's, and seq_lens[b] counts its cached tokens after this step's writes, so its new token j sits
+  at position seq_lens[b] - q_len_b + j.
+- tree_mask (optional): kernels/__init__.py.
 """
 from __future__ import annotations
 

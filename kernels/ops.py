@@ -1,6 +1,5 @@
-"""KernelOps: what a kernel backend module provides (kernels/__init__.py picks one). In a module of
-its own so that the backends describe themselves without importing their package's dispatcher.
-"""
+"""KernelOps: what a kernel backend module provides, apart from the dispatcher so that the
+backends import it without importing their package."""
 from __future__ import annotations
 
 from dataclasses import dataclass

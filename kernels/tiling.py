@@ -1,8 +1,5 @@
-"""How the torch attention path groups a step's sequences into padded tiles. Pure Python (no
-torch): the kernels (kernels/torch_paged.py) run these tiles, and the profiled cost model's
-attention-tile features (sim/profiled/tile_features.py) count the same tiles, so the
-simulator sees the padding and the per-tile overhead the engine pays on a CPU.
-"""
+"""How the torch attention path groups a step's sequences into padded tiles; pure Python, so
+that the profiled cost model's tile features count the same tiles the engine runs on a CPU."""
 from __future__ import annotations
 
 # K and V bytes gathered per tile: small enough to stay in cache between the gather and the
@@ -15,9 +12,8 @@ def tile_tokens(block_size: int, kv_bytes_per_token: int, tile_bytes: int = TILE
     return max(block_size, tile_bytes // kv_bytes_per_token)
 
 
-# Query lengths up to this share tiles with each other but not with longer ones: a speculating
-# decode verifies k + 1 <= 16 tokens, and in a tile with a prompt's chunk it would be padded to the
-# chunk's length.
+# Short queries (a speculating decode's k + 1) tile apart from prompt chunks, which would pad them
+# to the chunk's length.
 MAX_SHORT_QUERY_LEN = 16
 
 
@@ -29,10 +25,9 @@ def query_class(query_len: int) -> int:
 
 def group_into_tiles(seq_lens: list[int], query_lens: list[int],
                      max_tile_tokens: int) -> list[list[int]]:
-    """Sequences (indices) in tiles of similar context length: decodes, short queries and
-    prefill chunks apart (a tile pads every query to its longest), each sorted by context
-    length, a tile holding as many as fit max_tile_tokens padded context tokens (at least
-    one)."""
+    """Sequences (indices) in tiles of similar context length, decodes, short queries and prefill
+    chunks apart (a tile pads every query to its longest), each tile at most max_tile_tokens
+    padded context tokens (at least one sequence)."""
     classes = [query_class(query_len) for query_len in query_lens]
     order = sorted(range(len(seq_lens)), key=lambda b: (classes[b], -seq_lens[b]))
     tiles: list[list[int]] = []

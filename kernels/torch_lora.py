@@ -1,12 +1,6 @@
-"""The grouped LoRA kernel of the engine's CPU path (kernels/lora_batch.py's API).
-
-Tokens are grouped by adapter slot (the step's LoRABatch): per group one gather of its rows of
-x, two small matmuls (x A^T, then B^T, each a GEMM over the whole group) and one scatter-add into
-out. A padded batched matmul (a copy of each token's A and B gathered per token, then bmm) does
-the same arithmetic but gathers num_tokens x rank x (in + out) weights: for a prefill of
-thousands of tokens that is thousands of copies of one adapter, where grouping reads each
-adapter once. The groups are at most max_loras (the distinct adapters of a step), so the
-Python loop over them is short; the product order is PEFT's (lora_B(lora_A(x)) * scaling).
+"""The grouped LoRA kernel of the engine's CPU path (kernels/lora_batch.py's API): per adapter
+slot one gather of its tokens, two GEMMs and one scatter-add, so that a long prefill reads each
+adapter once instead of copying its weights per token; the product order is PEFT's.
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""The paged-KV operations in plain torch: the reference the Triton kernels are tested against, and
-the engine's CPU path.
-
-Vectorized: attention has no Python loop over sequences. It gathers the sequences' contexts
-through their block tables into padded batches and runs one masked attention per batch. The
-batches are tiles of sequences sorted by context length, decodes apart from prefills, so padding
-stays small (a long prompt does not pad every decode to its length) and each tile's gathered K/V,
-a few MiB, is still in cache when attention reads it: on a CPU, about twice as fast as one batch
-of every sequence. The tiling is planned on the host once per step (plan_attention) and shared
-by every layer.
-
-Layout, shared with kernels/naive.py and kernels/triton_ops.py:
-- kv_cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; [0] is K, [1] is V.
-  A slot is block * block_size + offset.
-- query: [num_tokens, num_heads, head_dim], sequence-major; query_start_loc[b]:query_start_loc[b+1]
-  are sequence b's tokens. seq_lens[b] counts sequence b's cached tokens after this step's writes,
-  so its new token j is at position seq_lens[b] - q_len_b + j and sees positions 0..that one.
-- tree_mask (optional) [num_tokens] int64: which of the 63 positions before a token it sees
-  (kernels/__init__.py, TREE_WINDOW); folded into each tile's mask when the step is planned.
+"""The paged-KV operations in vectorized torch (kernels/naive.py's layout): the engine's CPU path
+and the reference for the Triton kernels. Attention gathers contexts into padded tiles of
+sequences sorted by context length, decodes apart from prefills, so that padding stays small and
+each tile's K/V is still in cache when attention reads it (about twice as fast on a CPU as one
+batch); the tiling is planned once per step and shared by every layer.
 """
 from __future__ import annotations
 
@@ -136,9 +122,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                     tree_mask: torch.Tensor | None = None,
                     plan: list[AttentionTile] | None = None) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context (restricted by
-    tree_mask, if given). Returns [num_tokens, num_heads, head_dim] in the query's dtype.
-    `plan`: this step's plan_attention(), when the caller made it once for all layers (the tree
-    mask is then already in it)."""
+    tree_mask); [num_tokens, num_heads, head_dim] in the query's dtype. `plan`: this step's
+    plan_attention(), made once for all layers."""
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, kv_cache, tree_mask)
     out = torch.empty_like(query)

@@ -1,7 +1,5 @@
-"""The tree mask's arithmetic (kernels/__init__.py describes the mask): how many positions an
-entry covers and the entry of a token that does not see some of them. In a module of its own so
-that the kernel modules import it without importing their package's dispatcher.
-"""
+"""The tree mask's arithmetic (kernels/__init__.py describes the mask), apart so that the kernel
+modules import it without their package's dispatcher."""
 from __future__ import annotations
 
 TREE_WINDOW = 64   # positions an int64 tree-mask entry covers, its own included

@@ -1,20 +1,11 @@
 """The Triton attention kernels over the paged KV cache (launched by kernels/triton_ops.py):
+decode (one program per sequence and KV head, the GQA group's queries together so that K/V are
+read once), split-K decode and its reduce (flash-decoding), and prefill (query tiles against
+context tiles, causal by position, with an optional tree mask).
 
-- decode: one new token per sequence. One program per (sequence, KV head) holds the queries of
-  every head that shares that KV head (GQA), gathers the context tile by tile through the block
-  table and keeps an online softmax, so K/V are read from memory once; from four query heads per
-  KV head on, the group runs on tl.dot (USE_DOT, chosen by triton_ops.decode_config).
-- split-K decode and its reduce (flash-decoding): each (sequence, KV head) is also split along
-  the context; each split writes its partial max / sum / weighted values, the reduce combines them.
-- prefill: any number of new tokens per sequence (prefill, chunked prefill, prefix-cache hits,
-  speculative token trees). Tiles of queries against tiles of context through the block table,
-  causal by absolute position, with tl.dot; with a tree mask (kernels/__init__.py) each query row
-  also drops the positions its entry hides.
-
-Softmax runs in base 2 (the launchers pass scale * log2 e). The interpreter computes a bf16
-tl.dot wrongly, so under it (and for fp32 inputs, where the GPU would otherwise round to tf32)
-dot operands are cast to fp32 (DOT_IN_FP32). Every load and store is masked: the interpreter has
-no bounds checks.
+Softmax runs in base 2. Dot operands are cast to fp32 under the interpreter, which computes a
+bf16 tl.dot wrongly, and for fp32 inputs, which the GPU would round to tf32; every load and store
+is masked since the interpreter has no bounds checks.
 """
 from __future__ import annotations
 
@@ -37,14 +28,10 @@ def _attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_hea
                         stride_head, head_dim, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                         HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
                         USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """Online softmax of the query heads q [GROUP_PAD, HEAD_DIM_PAD] (as loaded) over cache
-    positions [token_start, token_end) of one sequence and KV head. Returns (running max,
-    running sum, unnormalized weighted values), base-2 exponents.
-
-    USE_DOT: scores and weighted values by tl.dot (tensor cores; GROUP_PAD >= 16 rows, the
-    padding rows are zeros). Otherwise a broadcast-multiply-sum, which works at any number of
-    rows but holds a [GROUP_PAD, TILE, HEAD_DIM_PAD] product in registers: fine for one or two
-    heads per KV head, a register spill for a group of 8."""
+    """Online softmax of the query heads q over cache positions [token_start, token_end) of one
+    sequence and KV head: (running max, running sum, unnormalized weighted values), base 2.
+    USE_DOT runs on tensor cores (>= 16 rows, padded with zeros); otherwise a broadcast product,
+    which spills registers past two heads per KV head."""
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = offs_d < head_dim
@@ -130,10 +117,9 @@ def _paged_decode_split_kernel(max_ptr, sum_ptr, acc_ptr, query_ptr, k_cache_ptr
                                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                                HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
                                USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """Split `split` of the context: partials go to max/sum [seqs, heads, splits] and
-    acc [seqs, heads, splits, head_dim]; a split past the end writes an empty partial.
-    num_splits is a run-time value (not specialised), so one compiled kernel serves every
-    split count."""
+    """Split `split` of the context: partials to max/sum [seqs, heads, splits] and acc [seqs,
+    heads, splits, head_dim] (empty past the end); num_splits is not specialised, so one
+    compiled kernel serves every split count."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,9 +179,8 @@ def _paged_prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_ta
                           BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                           DOT_IN_FP32: tl.constexpr, TREE: tl.constexpr,
                           TREE_WINDOW: tl.constexpr):
-    """Queries [q_block * BLOCK_M, +BLOCK_M) of one sequence and head, against its context;
-    with TREE, row r sees position p only if p is TREE_WINDOW or more before it or bit
-    (its position - p) of its tree_mask entry is set."""
+    """Queries [q_block * BLOCK_M, +BLOCK_M) of one sequence and head against its context; with
+    TREE, a row sees a position within TREE_WINDOW only where its tree_mask bit is set."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     head = tl.program_id(2)

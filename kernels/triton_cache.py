@@ -1,7 +1,5 @@
-"""The Triton data-movement kernels of the paged KV cache (launched by kernels/triton_ops.py):
-writing a step's K and V into their slots, and copying blocks within the cache (copy-on-write).
-Every load and store is masked: the interpreter has no bounds checks.
-"""
+"""The Triton data-movement kernels of the paged KV cache: writing a step's K and V into their
+slots, and copying blocks (copy-on-write); loads and stores masked for the interpreter."""
 from __future__ import annotations
 
 from kernels.triton_mode import tl, triton

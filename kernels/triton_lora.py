@@ -1,18 +1,8 @@
 """The Triton multi-LoRA kernels (SGMV-style, as Punica and S-LoRA) and their launcher, with
-kernels/lora_batch.py's API; kernels/triton_ops.py registers add_lora in its KERNEL_OPS.
-
-A step's tokens with an adapter are grouped by adapter slot (LoRABatch.sorted_tokens); two
-kernels run over the groups, each program one tile of BLOCK_M tokens of one group, which gathers
-its token rows through sorted_tokens (no copy of x, no per-token copy of the weights):
-- shrink: v = x[tokens] @ A[slot]^T, [BLOCK_M, RANK_PAD] in fp32, K looped in BLOCK_K tiles;
-- expand: out[tokens, n-tile] += scaling[slot] * v @ B[slot, n-tile]^T, one program per
-  (group, token tile, BLOCK_N output columns). A token is in exactly one group, so the
-  read-add-write of out needs no atomics.
-Ranks are padded to RANK_PAD (a power of two >= 16, tl.dot's minimum); the slots' rows and
-columns past an adapter's rank are zero, and loads past the slots' width are masked. Decode
-steps (one token per group) run tiles of 16 rows with one real row: LoRA decode is bound by
-reading A and B, which every program reads once. The interpreter computes bf16 dots wrongly, so
-there (and for fp32 inputs, exactly rather than in tf32) the operands are cast to fp32.
+kernels/lora_batch.py's API. Over the tokens grouped by slot, shrink computes x @ A^T and expand
+adds scaling * v @ B^T per output tile, gathering token rows in place; a token is in exactly one
+group, so expand needs no atomics. Ranks are padded to a power of two >= 16 (tl.dot's minimum),
+and operands are cast to fp32 where bf16 dots would be wrong (the interpreter) or tf32 (fp32 in).
 """
 from __future__ import annotations
 
@@ -100,9 +90,8 @@ def rank_pad(max_rank: int) -> int:
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scalings: torch.Tensor, batch: LoRABatch, *, block_k: int = BLOCK_K,
              block_n: int = BLOCK_N) -> None:
-    """out[t] += scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s.
-    block_k / block_n (powers of two >= 16) override the input / output columns per tile.
-    Unchecked: kernels/triton_ops.py's add_lora first checks that the kernels can run."""
+    """out[t] += scalings[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each token t of slot s;
+    unchecked (triton_ops.add_lora checks that the kernels can run)."""
     num_tokens, in_features = x.shape
     num_slots, max_rank, _ = lora_a.shape
     out_features = out.shape[1]

@@ -1,9 +1,6 @@
-"""Imports triton in the mode this machine runs the kernels in: compiled on CUDA, Triton's
-interpreter without it. The interpreter has to be chosen before triton is first imported
-(triton.language's own functions are built then), so without CUDA this module sets
-TRITON_INTERPRET=1 before importing triton, and every kernels/triton_*.py module takes triton from
-here. If something imported triton earlier without it, UNAVAILABLE_REASON says why the kernels
-cannot run, and the launchers (kernels/triton_ops.py) raise with it.
+"""Imports triton in the mode this machine runs the kernels in: compiled on CUDA, the interpreter
+without it, which must be chosen before triton is first imported; UNAVAILABLE_REASON says why
+the kernels cannot run when something imported triton too early.
 """
 from __future__ import annotations
 
@@ -27,3 +24,5 @@ UNAVAILABLE_REASON = (
     "no CUDA device, and triton was imported before TRITON_INTERPRET=1 was set: set it in the "
     "environment, or import kernels.triton_ops before anything imports triton")
 
+
+__all__ = ["INTERPRETED", "UNAVAILABLE_REASON", "tl", "triton"]   # what the kernel modules import

@@ -1,18 +1,10 @@
-"""The Triton paged-KV operations, with Python launchers that share kernels/naive.py's API; the
-kernels are in kernels/triton_attention.py (attention) and kernels/triton_cache.py (KV write,
-block copy), and triton is imported in the mode this machine runs them in (kernels/triton_mode.py).
+"""The Triton paged-KV operations' launchers, with kernels/naive.py's API: decode, split-K
+decode (flash-decoding: few sequences with long contexts leave the plain grid too few programs),
+prefill, the `paged_attention` dispatcher the engine calls, `warm_up`, add_lora, and the cache's
+data movement (swap_blocks is a torch copy, as it crosses devices).
 
-- paged_decode_attention, paged_decode_attention_split_k (flash-decoding: with few sequences and
-  long contexts the plain decode grid has too few programs to fill the GPU), and
-  paged_prefill_attention; decode_config picks the decode kernels' tiles and warps.
-- paged_attention: the dispatcher the engine calls (choose_num_splits picks split-K);
-  warm_up: compiles every variant a run launches, before the run.
-- add_lora: the multi-LoRA kernels (kernels/triton_lora.py);
-- write_kv_cache, copy_blocks: data movement; swap_blocks is a torch index copy (it crosses
-  devices, which a kernel cannot).
-
-Assumption shared with the engine: every sequence in a call has at least one new token, so a
-call with as many tokens as sequences is a pure decode step.
+Every sequence in a call has at least one new token, so a call with as many tokens as sequences
+is a pure decode step.
 """
 from __future__ import annotations
 
@@ -72,17 +64,14 @@ class DecodeConfig:
 
 
 def decode_config(heads_per_kv_head: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The decode kernels' configuration. Up to two query heads per KV head a broadcast product
-    [group, tile, head_dim] in registers is cheapest; from four on (Llama-3's and 70B's groups)
-    it spills on sm_90, so the group is padded to 16 rows and runs on tensor cores (decode
-    is bound by reading K/V: the padding rows cost nothing measurable). Register use of every
-    configuration is checked by bench/gpu_check.py --compile."""
+    """The decode kernels' configuration: a broadcast product up to two query heads per KV head;
+    from four on it spills registers on sm_90, so the group is padded to 16 rows on tensor cores,
+    whose padding costs nothing measurable in a step bound by reading K/V."""
     head_dim_pad = triton.next_power_of_2(head_dim)
     dot_in_fp32 = INTERPRETED or dtype == torch.float32
     if heads_per_kv_head >= 4:
         group_pad = max(16, triton.next_power_of_2(heads_per_kv_head))
-        # 8 warps, and for fp32 operands (an exact FMA dot) tiles of 32 tokens: at head_dim
-        # 128 wider tiles or 4 warps spill under Triton 3.6 or 3.9; these take <= 80 registers.
+        # 8 warps, and 32-token tiles for an exact fp32 dot: wider tiles or 4 warps spill registers.
         tile = 32 if dot_in_fp32 and not INTERPRETED else 64
         return DecodeConfig(group_pad, tile, 8, True, dot_in_fp32)
     group_pad = triton.next_power_of_2(heads_per_kv_head)
@@ -160,10 +149,8 @@ def paged_decode_attention_split_k(query, kv_cache, block_tables, seq_lens, quer
 def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                             tree_mask=None, *, max_query_len: int | None = None,
                             block_m: int | None = None, block_n: int | None = None):
-    """paged_attention for any number of new tokens per sequence, restricted by tree_mask
-    ([tokens] int64, kernels/__init__.py) if given. max_query_len, when the caller knows it,
-    saves reading query_start_loc back from the device to size the grid; block_m / block_n
-    (query rows, context tokens per tile) override the defaults."""
+    """paged_attention for any number of new tokens per sequence (tree_mask optional); a given
+    max_query_len saves reading query_start_loc back to size the grid."""
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc)
     if tree_mask is not None:
         assert tree_mask.shape == (query.shape[0],) and tree_mask.dtype == torch.int64, \
@@ -178,13 +165,11 @@ def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # tl.dot needs every dimension >= 16.
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
-    # fp32 operands take an exact (not tf32) dot; on a GPU that needs smaller tiles to fit the
-    # registers (64 x 64 x 128 bf16 tiles take about 185 registers on sm_90, fp32 ones spill).
+    # fp32 operands take an exact (not tf32) dot, which needs smaller tiles to fit the registers.
     dot_in_fp32 = INTERPRETED or torch.float32 in (query.dtype, kv_cache.dtype)
     default_tile = 32 if dot_in_fp32 and not INTERPRETED else 64
     block_m = max(16, min(block_m or default_tile, triton.next_power_of_2(max_query_len)))
-    # An exact fp32 dot of 16 query rows against 32 context tokens spills under Triton 3.6:
-    # fp32 context tiles are no taller than the query tile.
+    # An exact fp32 dot spills with context tiles taller than the query tile.
     if dot_in_fp32 and not INTERPRETED:
         default_tile = min(default_tile, block_m)
     block_n = max(16, block_n or default_tile)
@@ -202,10 +187,9 @@ def paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
                       device: torch.device) -> int:
-    """Splits for a decode step: 1 unless the contexts are long and the plain grid of
-    (sequence, KV head) programs leaves the GPU's multiprocessors idle; else the largest of
-    SPLIT_K_CHOICES up to about two programs per multiprocessor and MIN_TOKENS_PER_SPLIT
-    tokens per split."""
+    """Splits for a decode step: 1 unless the contexts are long and the plain grid leaves
+    multiprocessors idle, else the largest of SPLIT_K_CHOICES up to about two programs per
+    multiprocessor and MIN_TOKENS_PER_SPLIT tokens per split."""
     if max_context <= SPLIT_K_MIN_CONTEXT or device.type != "cuda":
         return 1  # short contexts, or the interpreter, which runs programs one after another
     programs = num_seqs * num_kv_heads
@@ -219,12 +203,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
 def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                     tree_mask=None, *, max_query_len: int | None = None,
                     max_seq_len: int | None = None):
-    """The engine's entry point: decode (split-K for long contexts) or prefill. A tree_mask
-    goes to the prefill kernel; a step of one token per sequence has no tree (a lone token's
-    entry is -1), so the decode kernels take none. max_query_len and max_seq_len are the step's
-    longest query and context, which the engine's runner knows on the host: given, nothing is
-    read back from the device (without them the prefill grid reads query_start_loc back and the
-    split choice takes the block tables' width)."""
+    """The engine's entry point: decode (split-K for long contexts) or prefill (which alone takes
+    a tree_mask). Given max_query_len and max_seq_len, nothing is read back from the device."""
     num_seqs = seq_lens.shape[0]
     if query.shape[0] != num_seqs:
         return paged_prefill_attention(query, kv_cache, block_tables, seq_lens, query_start_loc,
@@ -240,12 +220,9 @@ def paged_attention(query, kv_cache, block_tables, seq_lens, query_start_loc, sc
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             dtype: torch.dtype, device: torch.device) -> None:
-    """Compile, before a run, every kernel variant the engine launches for this model shape:
-    the decode kernel, the split-K kernel and its reduce (one variant serves every count in
-    SPLIT_K_CHOICES), the prefill kernel at each query-tile height it picks (by the step's
-    longest query: 16, 32, 64 rows) with and without a tree mask, the cache write and the block
-    copy. Run-time values that vary from step to step (the block tables' width, the split
-    count) are not specialised on, so no step compiles."""
+    """Compile every kernel variant the engine launches for this model shape before a run; the
+    values that vary per step (block-table width, split count) are not specialised on, so no
+    step compiles."""
     require_triton()
     gen = torch.Generator(device=device).manual_seed(0)
     longest = 64

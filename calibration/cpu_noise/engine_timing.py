@@ -1,7 +1,6 @@
-"""The speed probes (speed.py) built on an engine's loaded model, and `speed_normalization`: the
-step-timing hook (engine/builder.py's StepTiming) an engine run with backend.speed_reference
-hands to build_engine_executor, so that its steps are timed at the profile's machine speed while
-the engine never imports calibration."""
+"""The speed probes built on an engine's loaded model, and `speed_normalization`, the step-timing
+hook an engine run with backend.speed_reference hands to the engine, so that the engine never
+imports calibration."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +29,7 @@ def build_prefill_probes(new_executor: NewExecutor, seed: int = 0) -> tuple[Spee
 
 @dataclass(frozen=True)
 class SpeedNormalization:
-    """The engine's step-timing hook that normalises every step to `reference`'s machine speed:
-    the run steps a SpeedNormalizedExecutor over its executor, with the probes the reference
-    needs (prefill probes where it has their durations)."""
+    """The engine's step-timing hook that normalises every step to `reference`'s machine speed."""
 
     reference: SpeedReference
 

@@ -1,27 +1,15 @@
-"""Speed normalisation: on a shared machine the same step runs faster or slower from one moment to
-the next, and every step shape slows down with it, so timings taken minutes apart compare only at
-one machine speed.
+"""Speed normalisation: on a shared machine every step shape slows down and speeds up together
+from one moment to the next, so timings taken minutes apart compare only at one machine speed.
 
-A probe times one small fixed step (PROBE_POINT, on a KV pool of its own) every `interval_s` of
-wall time; its duration over a reference duration is the machine's speed factor. A step slows
-down by factor ** exponent, the exponent fitted per prefill-token class (`SpeedReference`):
-compute-bound steps follow the probe less than decodes.
+A probe times one small fixed step every `interval_s`; its duration over a reference duration is
+the machine's speed factor, and a step slows down by factor ** exponent (fitted per prefill-token
+class: compute-bound steps follow the probe less than decodes). Prefill probes (32 and 256-token
+prompts) run only before steps with prompt tokens, since a decode probe's reading depends on what
+ran before it; with them a step's slowdown is interpolated between their factors instead.
 
-Prefill probes time lone prompts of 32 and 256 tokens (PREFILL_PROBE_POINTS), only right before
-a step that has prompt tokens: the decode probe's reading depends on what ran before it (a
-decode runs faster after small steps than after long prompts), which a prompt's cost does not,
-and a decode right after a probe's prompt would run slower than in the run it normalises. Two
-lengths, because a step's fixed overhead and its per-token work drift apart. With them, a
-decode-only step slows down by the decode probe's factor, a step with prompt tokens by the
-prefill probes' factors interpolated in log2(1 + its prompt tokens), flat outside them
-(`SpeedReference.slowdown`), and no exponents are fitted.
-
-- The profiler probes while it profiles: the reference is the probe's median over its run, and
-  every sample is divided by its slowdown (`normalize_samples`), which gives the profile's
-  `speed_reference`.
-- An engine run given that reference (`backend.speed_reference=<profile>`, which
-  twinserve-validate sets) divides every step's measured duration by its slowdown
-  (`SpeedNormalizedExecutor`), so both time steps at the profile's machine speed.
+The profiler divides each sample by its slowdown against the run's median (its profile's
+`speed_reference`); an engine run given that reference does the same to every step
+(`SpeedNormalizedExecutor`), so that both are timed at the profile's machine speed.
 """
 from __future__ import annotations
 
@@ -80,9 +68,7 @@ def _is_probe_point(recorded, point: GridPoint = PROBE_POINT) -> bool:
 
 
 class SpeedProbe:
-    """Times `point` (PROBE_POINT, or one of PREFILL_PROBE_POINTS) on `executor`
-    (with a pool of its own, of at least PROBE_POOL_BLOCKS blocks of 16) when a reading is
-    due."""
+    """Times `point` on `executor` (with a pool of its own) when a reading is due."""
 
     def __init__(self, executor, interval_s: float = DEFAULT_INTERVAL_S, seed: int = 0,
                  point: GridPoint = PROBE_POINT):
@@ -153,8 +139,7 @@ class SpeedReference:
     def slowdown(self, factor: float, num_prefill_tokens: float,
                  prefill_factors: tuple[float, ...] = ()) -> float:
         """How much slower than at the reference speed a step with this many prefill tokens runs
-        while the probe reads `factor` x its reference duration (and the prefill probes
-        `prefill_factors` x theirs)."""
+        while the probes read these factors."""
         if not self.prefill_durations_s:
             return factor ** self.exponent(num_prefill_tokens)
         if num_prefill_tokens == 0:
@@ -165,9 +150,8 @@ class SpeedReference:
 
 
 def smoothed_factors(factors: np.ndarray, probe: SpeedProbe) -> np.ndarray:
-    """Each of the probe's readings' factors (`factors`, in reading order) as the median of the
-    factors within SMOOTHING_INTERVALS probe intervals of it (centred: the profiler normalises
-    after the run)."""
+    """Each reading's factor smoothed as the median within SMOOTHING_INTERVALS probe intervals
+    of it (centred, since the profiler normalises after the run)."""
     times = np.asarray(probe.times)
     half_window = SMOOTHING_INTERVALS * probe.interval_s
     lows = np.searchsorted(times, times - half_window, side="left")
@@ -176,10 +160,9 @@ def smoothed_factors(factors: np.ndarray, probe: SpeedProbe) -> np.ndarray:
 
 
 def fit_exponents(num_prefill_tokens, factors, durations, groups) -> tuple[float, ...]:
-    """The exponents at EXPONENT_KNOTS of duration ~ factor ** exponent(prefill tokens), by least
-    squares on logs centred within each group (one grid point of one executor, so its own cost
-    cancels), piecewise linear between the knots, each pulled toward its neighbours where its
-    data are few."""
+    """The exponents at EXPONENT_KNOTS of duration ~ factor ** exponent(prefill tokens): least
+    squares on logs centred within each group (so each point's own cost cancels), piecewise
+    linear, each knot pulled toward its neighbours where its data are few."""
     _, group_of = np.unique(np.asarray(groups), return_inverse=True)
     group_sizes = np.bincount(group_of)
 
@@ -205,12 +188,10 @@ def fit_exponents(num_prefill_tokens, factors, durations, groups) -> tuple[float
 def normalize_samples(probed: list[tuple[dict, int, int]], probe: SpeedProbe,
                       prefill_probes: tuple[SpeedProbe, ...] = (),
                       prefill_readings: list[tuple[int, ...]] | None = None) -> dict:
-    """Divide each profile sample's duration_s by its slowdown at the probe's smoothed factor
-    around the reading before it (`probed`: (sample, index of that reading, group of the sample:
-    one grid point of one executor) triples; raw_duration_s and speed_factor keep what was
-    measured), after fitting the exponents on them (relative to decodes'); returns the profile's
-    `speed_reference`. With `prefill_probes` (`prefill_readings`: the index of each one's
-    reading before each sample, -1 for none yet) their factors take the exponents' place."""
+    """Divide each sample's duration_s by its slowdown at the smoothed factor of the reading
+    before it (keeping raw_duration_s and speed_factor), after fitting the exponents on them;
+    returns the profile's `speed_reference`. With prefill probes their factors replace the
+    exponents."""
     reference = probe.reference()
     raw_factors = np.asarray(probe.readings) / reference
     factors = smoothed_factors(raw_factors, probe)
@@ -241,9 +222,9 @@ def normalize_samples(probed: list[tuple[dict, int, int]], probe: SpeedProbe,
                                [s["speed_factor"] for s, _, _ in probed],
                                [s["raw_duration_s"] for s, _, _ in probed],
                                [group for _, _, group in probed])
-        # Relative to decodes: they follow the probe (a decode itself) one for one, and the
-        # factor's noise flattens every fitted exponent by the same ratio. A run too short or
-        # too steady to show the decodes following the probe keeps the plain factor.
+        # Relative to decodes, which follow the probe one for one, since the factor's noise
+        # flattens every fitted exponent by the same ratio; a run too steady to show it keeps the
+        # plain factor.
         if fitted[0] >= MIN_DECODE_EXPONENT:
             speed = SpeedReference(reference, tuple(min(exponent / fitted[0], 2.0)
                                                     for exponent in fitted))
@@ -315,10 +296,9 @@ def check_reference(reference: dict | None, source: str) -> SpeedReference:
 
 
 class SpeedNormalizedExecutor:
-    """An executor (anything with `execute(plan)` returning a StepResult) whose step durations
-    are divided by their slowdown at the machine's latest speed factors against `reference` (a
-    profile's): the run's clock runs at the profile's machine speed. A reference with prefill
-    probes' durations needs those `prefill_probes`. Everything else is the wrapped executor's."""
+    """An executor wrapper whose step durations are divided by their slowdown at the machine's
+    latest speed factors against `reference` (a profile's), so that the run's clock runs at the
+    profile's machine speed."""
 
     def __init__(self, executor, probe: SpeedProbe, reference: SpeedReference,
                  prefill_probes: tuple[SpeedProbe, ...] = ()):

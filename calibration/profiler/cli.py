@@ -1,14 +1,9 @@
-"""twinserve-profile: measure step durations on this device over the designed grid
-(calibration/profiler/grid.py), fit the profiled cost model (calibration/profiler/fit.py), and
-write `profiles/<device>/<model>.json` with the raw samples beside it (`<model>.samples.csv`).
+"""twinserve-profile: measure step durations on this device over the designed grid (grid.py),
+fit the profiled cost model (fit.py), and write `profiles/<device>/<model>.json` with the raw
+samples beside it (`<model>.samples.csv`).
 
     python -m calibration.profiler --model tiny-llama            # the default grid, 10 repeats
     python -m calibration.profiler --quick --out-dir /tmp/prof   # a handful of points
-
-Function API (tests, the profiled cost model):
-
-    prof = profile(executor_factory, grid, repeats=5)   # grid.py: -> Profile (samples + points)
-    content = fit_profile(prof.samples, metadata)        # fit.py: -> the JSON content (a dict)
 """
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ NO_DRAFTER = "none"  # --speculative-models: the executor without a drafter
 
 
 def read_samples(csv_path: Path) -> list[dict]:
-    """A samples CSV as write_profile wrote it (numbers as floats, kind as text; empty cells
-    left out). A file from before a core step feature existed gets it as 0: the profiler's steps
-    did not have it then."""
+    """A samples CSV as write_profile wrote it; a core step feature the file predates reads 0,
+    as the profiler's steps did not have it then."""
     with Path(csv_path).open(newline="") as handle:
         return [{**dict.fromkeys(STEP_FEATURES, 0.0),
                  **{key: value if key == "kind" else float(value)
@@ -49,9 +43,8 @@ def read_samples(csv_path: Path) -> list[dict]:
 
 
 def refit(json_path: Path, expert_feature: bool = False) -> dict:
-    """Re-fit a profile from its samples CSV (beside it), keeping its metadata and speed
-    reference: what a change of the fit needs, without measuring again. With `expert_feature`
-    (a mixture's profile) the fit adds experts_touched, computed from each sample's tokens."""
+    """Re-fit a profile from its samples CSV, keeping its metadata and speed reference, so that
+    a change of the fit needs no measuring; `expert_feature` adds experts_touched."""
     json_path = Path(json_path)
     old = json.loads(json_path.read_text())
     csv_path = json_path.with_name(json_path.stem + ".samples.csv")
@@ -111,9 +104,8 @@ def git_commit() -> str | None:
 def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None = None,
                      speculative_model: str | None = None, max_num_speculative_tokens: int = 0,
                      tree=None):
-    """A factory building engine executors of an already loaded model (several factories, with
-    and without drafters, share its weights); with `tree` (a TreeSpec), executors that
-    draft token trees of up to max_num_speculative_tokens tokens."""
+    """A factory of engine executors sharing one loaded model's weights, with a drafter or a
+    token tree (`tree`) of up to max_num_speculative_tokens tokens."""
     from engine.builder import build_model_executor, load_draft
 
     draft = tree if tree is not None else load_draft(speculative_model, loaded, device, seed)
@@ -127,12 +119,9 @@ def executor_factory(loaded, device, seed: int = 0, kernel_backend: str | None =
 
 
 def tree_setup(method: str, ks: list[int], medusa_heads: str | None = None):
-    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpec and
-    the tree sizes (tokens verified per sequence) its speculating grid points run, for the draft
-    depths `ks`: Medusa's whole default tree at each depth (its heads bound the depth);
-    lookahead (W = G = 4) at the deepest k whose tokens fit a tree mask, N = k + 1, in units of
-    N - 1 tokens: 1, 2 and W window columns (always filled), and W + G (the guesses as many as
-    its n-gram pool holds, the window the rest)."""
+    """For a token-tree drafter ("medusa" or "lookahead"): the executor's TreeSpec and the tree
+    sizes its speculating grid points verify for the draft depths `ks` (lookahead at the deepest
+    k whose tokens fit a tree mask)."""
     from policies.speculation.drafters import LOOKAHEAD, MEDUSA, TreeSpec
     from policies.speculation.trees import MAX_TREE_TOKENS, lookahead_tokens
 
@@ -161,7 +150,7 @@ def profile_name(model: str, speculative_model: str | None) -> str:
     return stem(model) + (f"+{stem(speculative_model)}" if speculative_model else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="twinserve-profile",
         description="Measure step durations over a designed grid and fit the profiled cost "
@@ -202,23 +191,88 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refit", nargs="+", metavar="PROFILE_JSON",
                         help="re-fit these profiles from their samples CSVs (no measuring)")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    if args.refit:
-        for path in args.refit:
-            try:
-                fit = refit(Path(path), args.expert_feature)["fit"]
-            except (OSError, ValueError, KeyError) as error:
-                parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
-                             f"{error}); it needs a profile JSON and its .samples.csv beside it")
-            print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
-                  f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
-                  f"correction (each point left out)")
-        return 0
+    return parser
 
+
+def refit_profiles(parser: argparse.ArgumentParser, paths: list[str],
+                   expert_feature: bool) -> int:
+    """--refit: re-fit each profile from its samples and print the new fit's errors."""
+    for path in paths:
+        try:
+            fit = refit(Path(path), expert_feature)["fit"]
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--refit {path}: cannot re-fit it ({type(error).__name__}: "
+                         f"{error}); it needs a profile JSON and its .samples.csv beside it")
+        print(f"{path}: R2={fit['r2']:.4f}, per point {fit['mean_abs_point_error']:.2%} "
+              f"(linear), {fit['correction']['loo_point_error']:.2%} with the local "
+              f"correction (each point left out)")
+    return 0
+
+
+def executor_setups(args, loaded, device, drafters: list[str | None],
+                    ks: list[int]) -> tuple[dict, dict]:
+    """Each executor's (factory, grid) by profile name, and each drafter's speculating lengths."""
+    setups, spec_lens = {}, {}
+    for drafter in drafters:
+        tree, drafter_ks = None, ks if drafter else []
+        if drafter in TREE_DRAFTERS:
+            tree, drafter_ks = tree_setup(drafter, ks, args.medusa_heads)
+        spec_lens[drafter] = drafter_ks
+        factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
+                                   max(drafter_ks, default=0), tree)
+        setups[profile_name(args.model, drafter)] = (factory, make_grid(
+            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
+            draft_model_lags=tree is None))
+    return setups, spec_lens
+
+
+def speed_probes(args, loaded, device) -> tuple:
+    """(speed probe, prefill probes) for --speed-probe-interval > 0, else (None, ())."""
+    if args.speed_probe_interval <= 0:
+        return None, ()
+    from engine.builder import executor_builder
+
+    new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
+    return (build_speed_probe(new_executor, args.seed, args.speed_probe_interval),
+            build_prefill_probes(new_executor, args.seed))
+
+
+def profile_metadata(args, loaded, device, device_name: str, dtype, kv_bytes_per_token: int,
+                     drafter: str | None, ks: list[int], spec_lens: dict, profiles: dict,
+                     prof) -> dict:
+    """What one profile records of how it was measured."""
     import torch
     import transformers
 
-    from engine.builder import executor_builder, resolve_device
+    return {
+        "device": device_name, "device_type": device.type,
+        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "model": profile_name(args.model, None),
+        "model_config": dataclasses.asdict(loaded.spec),
+        "dtype": str(dtype).removeprefix("torch."),
+        # What the tile features were computed with (cpu_noise.tile_features.profile_tiling).
+        "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
+                             "tile_bytes": TILE_BYTES},
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
+        "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
+        "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
+        "speculative_model": drafter, "speculative_ks": ks if drafter else [],
+        "spec_lens": spec_lens[drafter],
+        "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
+        "platform": platform.platform(), "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.refit:
+        return refit_profiles(parser, args.refit, args.expert_feature)
+
+    import torch
+
+    from engine.builder import resolve_device
     from engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -231,17 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters = [None if name == NO_DRAFTER else name
                 for name in dict.fromkeys(args.speculative_models)]
     loaded = load_model(args.model, device, args.dtype, args.seed)
-    setups, spec_lens = {}, {}
-    for drafter in drafters:
-        tree, drafter_ks = None, ks if drafter else []
-        if drafter in TREE_DRAFTERS:
-            tree, drafter_ks = tree_setup(drafter, ks, args.medusa_heads)
-        spec_lens[drafter] = drafter_ks
-        factory = executor_factory(loaded, device, args.seed, args.kernel_backend, drafter,
-                                   max(drafter_ks, default=0), tree)
-        setups[profile_name(args.model, drafter)] = (factory, make_grid(
-            args.block_sizes, quick=args.quick, speculative_ks=drafter_ks,
-            draft_model_lags=tree is None))
+    setups, spec_lens = executor_setups(args, loaded, device, drafters, ks)
     dtype = next(loaded.model.parameters()).dtype
     spec = loaded.spec
     kv_bytes_per_token = 2 * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
@@ -250,11 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if not spec.is_moe:
             parser.error(f"--expert-feature: {args.model} is not a mixture of experts")
         routing = ExpertRouting(spec.num_experts, spec.num_experts_per_tok)
-    speed_probe, prefill_probes = None, ()
-    if args.speed_probe_interval > 0:
-        new_executor = executor_builder(loaded, device, args.seed, args.kernel_backend)
-        speed_probe = build_speed_probe(new_executor, args.seed, args.speed_probe_interval)
-        prefill_probes = build_prefill_probes(new_executor, args.seed)
+    speed_probe, prefill_probes = speed_probes(args, loaded, device)
     profiles = profile_together(setups, repeats=args.repeats, warmup=args.warmup,
                                 seed=args.seed, progress=not args.no_progress,
                                 kv_bytes_per_token=kv_bytes_per_token, speed_probe=speed_probe,
@@ -262,24 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                                 routing=routing)
     device_name, device_dir = device_names(device)
     for drafter, (name, prof) in zip(drafters, profiles.items()):
-        metadata = {
-            "device": device_name, "device_type": device.type,
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "model": profile_name(args.model, None),
-            "model_config": dataclasses.asdict(loaded.spec),
-            "dtype": str(dtype).removeprefix("torch."),
-            # What the tile features were computed with (cpu_noise.tile_features.profile_tiling).
-            "attention_tiling": {"kv_bytes_per_token": kv_bytes_per_token,
-                                 "tile_bytes": TILE_BYTES},
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "block_sizes": list(args.block_sizes),
-            "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-            "grid": "quick" if args.quick else "default", "num_points": len(prof.points),
-            "speculative_model": drafter, "speculative_ks": ks if drafter else [],
-            "spec_lens": spec_lens[drafter],
-            "profiled_with": list(profiles), "profile_wall_time_s": round(prof.wall_time_s, 2),
-            "platform": platform.platform(), "python": platform.python_version(),
-        }
+        metadata = profile_metadata(args, loaded, device, device_name, dtype, kv_bytes_per_token,
+                                    drafter, ks, spec_lens, profiles, prof)
         content = fit_profile(prof.samples, metadata)
         if prof.speed_reference is not None:
             content["speed_reference"] = prof.speed_reference
@@ -291,4 +315,3 @@ def main(argv: list[str] | None = None) -> int:
               f"sample {fit['mean_abs_rel_error']:.2%}, per point "
               f"{fit['mean_abs_point_error']:.2%}; wrote {json_path} and {csv_path}")
     return 0
-

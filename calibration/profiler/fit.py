@@ -1,7 +1,5 @@
-"""The profiler's fit: a linear model of step duration on the step features, non-negative
-coefficients fitted to each grid point's median duration (relative error), the measurement noise
-as the residuals the cost model draws from, and the local correction (sim/profiled/
-local_correction.py) chosen by leave-one-out over the grid points."""
+"""The profiler's fit: a non-negative linear model of step duration on the step features, the
+measurement noise the cost model draws from, and the local correction chosen by leave-one-out."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,16 +50,11 @@ def sample_features(samples: list[dict]) -> list[str]:
 
 
 def fit_profile(samples: list[dict], metadata: dict | None = None) -> dict:
-    """Fit duration = intercept + Σ coef·feature (over `sample_features(samples)`) with every
-    coefficient ≥ 0 to the median
-    duration of each grid point (robust to a burst of load from elsewhere on the machine),
-    weighting each point by 1/duration (so the fit minimises relative error: steps span two
-    orders of magnitude, and an unweighted fit would sacrifice every small decode step to the
-    long prefills). Returns the profile JSON's content.
-
-    The residuals the cost model draws from are the measurement noise alone: each sample over
-    its point's median, minus 1, so they spread the prediction the way repeats of one step
-    spread, without the fit's misfit (which is per shape, not random)."""
+    """Fit duration = intercept + Σ coef·feature (every coef ≥ 0) to each grid point's median
+    duration (robust to bursts of load), weighted by 1/duration so that the fit minimises relative
+    error and the small decodes are not sacrificed to the long prefills. The residuals are each
+    sample over its point's median, the noise of repeats without the fit's per-shape misfit.
+    Returns the profile JSON's content."""
     if not samples:
         raise ValueError("fit_profile: no samples")
     by_point: dict[object, list[int]] = {}
@@ -137,9 +130,8 @@ def feature_scales(points: np.ndarray) -> np.ndarray:
 def fit_local_correction(points: np.ndarray, measured: np.ndarray, predicted: np.ndarray,
                          bandwidths=(0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
                          prior_weights=(0.25, 1.0, 4.0)) -> tuple[LocalCorrection | None, dict]:
-    """The correction whose leave-one-out error over the grid points is smallest (each point
-    predicted from the others alone), or None when none beats the linear model. Returns it and
-    {"linear": mean |point error|, "corrected": leave-one-out mean |point error|, ...}."""
+    """The correction whose leave-one-out error over the grid points is smallest, or None when
+    none beats the linear model; and the errors {"linear": ..., "corrected": ..., ...}."""
     ratios = measured / predicted
     linear_error = float(np.abs(1.0 / ratios - 1.0).mean())
     scales = feature_scales(points)

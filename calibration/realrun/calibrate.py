@@ -1,27 +1,11 @@
-"""`twinserve-calibrate --real RUN...`: fit a cost model's engine-overhead terms to measured
-serving runs, keep the fit in a profile file, and report the error on runs it did not use.
+"""`twinserve-calibrate --real RUN...`: fit a cost model's engine-overhead terms (its own config
+keys, or a whole key such as `cluster.frontend_latency_s`) to measured serving runs, keep the fit
+in a profile file, and report the error on held-out runs (docs/calibration.md).
 
-The terms are the cost model's own config keys (`cost_model.<term>`: per-step and per-sequence
-overheads in seconds, for instance, a roofline's `*_efficiency` shares of its peak rates, searched
-in (0.001, 1], or the profiled model's `step_time_scale`, a multiplier searched in [0.1, 10]),
-so the same fit works for any cost model that has them; a term with a
-dot is a whole config key in seconds (`cluster.frontend_latency_s`, the serving front end's
-per-request latency, which TTFT measures: fit it with `--metrics mean_ttft_ms,...`). Each candidate
-replays every fitting run through the simulator (replay.py); the loss is the mean over runs and
-load stages of the squared log ratio simulated/real of the fitted metrics. By default those are
-the mean and median TPOT: a decode step's duration is what the overheads set, and TPOT measures
-it directly, while TTFT and E2E of a loaded run follow from it through the queue, so they are
-checks, not targets. The search is term_fit.fit_terms: coordinate passes until one improves
-nothing (--passes at most; terms that trade off, as a step overhead and a compute efficiency do
-in TTFT, take three or four), a few dozen replays each.
-
-A fit that cannot move a term (it stays at its start, or ends on its search's bound) or that
-moves none of the chosen metrics exits 1 naming them, writing nothing: its terms would fit
-nothing.
-
-Held-out runs (`--held-out`) are replayed with the fitted terms and reported beside the fit;
-`--leave-one-out` fits on all runs but one, for each run in turn, and reports each run as
-predicted by the others' fit.
+The loss is the mean squared log ratio simulated/real of the fitted metrics over runs and load
+stages, by default mean and median TPOT: the overheads set a decode step's duration, which TPOT
+measures directly, while TTFT and E2E of a loaded run follow through the queue and are checks. A
+fit that cannot move a term, or moves none of the metrics, exits 1 and writes nothing.
 """
 from __future__ import annotations
 
@@ -186,9 +170,8 @@ def check_fit(calibration: Calibration, initial: dict[str, float],
 
 
 def fitted_cost_model(runs: list[RealRun], overrides: list[str]) -> str:
-    """The conf/cost_model name of the cost model the runs replayed on (the one that ran, the
-    roofline where the GPU model fell back to it), which the terms file names; RealRunError
-    where the runs replayed on different ones (their terms would fit none)."""
+    """The conf/cost_model name the runs replayed on (the roofline where the GPU model fell back
+    to it); RealRunError where they replayed on different ones, whose terms would fit none."""
     groups = sorted({replay(run, overrides)["cost_model_group"] for run in runs})
     if len(groups) != 1:
         raise RealRunError(f"--real: the runs replay on different cost models ({', '.join(groups)}"

@@ -1,12 +1,6 @@
 """`twinserve-validate --real RUN... [--out DIR] [overrides...]`: replay measured runs and write
-the report.
-
-Each RUN is read (readers.py), replayed (replay.py) and reported per load stage. One RUN writes
-into DIR: validation.json ({"command", "runs": [the run's replay]}), validation.md, cdfs.png and
-replayed_requests.csv (the replayed arrivals and lengths, a `workload=trace` file: `twinserve
-workload=trace workload.trace_path=DIR/replayed_requests.csv <the run's overrides>` reruns the
-simulation). Several RUNs: each in DIR/<run name>/, and DIR/validation.json and
-validation.md hold them all with a combined table."""
+validation.json, validation.md, cdfs.png and replayed_requests.csv (a `workload=trace` file that
+reruns the simulation), into DIR/<run name>/ when there are several."""
 from __future__ import annotations
 
 import csv

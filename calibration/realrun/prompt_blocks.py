@@ -1,14 +1,7 @@
-"""What an LLMServingSim run's prompts share, from its workload file: the replayed requests one
-JSON a line (`input_toks`, `output_toks`, `arrival_time_ns`, `hash_ids`), where `hash_ids` has one
-id per full WORKLOAD_BLOCK_TOKENS-token block of the prompt, chained (two prompts share an id only
-if they are equal from their first token through that block) and the partial last block has none.
-
-The run's vllm_meta.json names the file (`dataset_path`); it is looked up by its file name in
-the run's folder and the two above it (data/real-runs/llmservingsim/ holds them). Its lines are
-the run's vllm_requests.jsonl lines in the same order, which `workload_hash_ids` checks. The
-replay turns the ids into token ids with the Mooncake reader's hash_ids_token_ids, each prompt's
-partial last block given an id of its own, so the simulator's prefix cache finds exactly the
-blocks the prompts share.
+"""What an LLMServingSim run's prompts share, from its workload file (named by vllm_meta.json's
+`dataset_path`, one request a line with chained `hash_ids`, one per full block of the prompt):
+turned into token ids, so that the simulator's prefix cache finds exactly the blocks the prompts
+shared.
 """
 from __future__ import annotations
 
@@ -23,9 +16,8 @@ from sim.core.workload.mooncake import hash_ids_token_ids
 # Tokens per hash id: vLLM's default KV block size, which the workload files were hashed at.
 WORKLOAD_BLOCK_TOKENS = 16
 WORKLOAD_KEYS = ("input_toks", "output_toks", "arrival_time_ns", "hash_ids")
-# The client's send time may trail the workload's planned arrival (by 37 ms at most in the
-# shipped runs); a file of another run is off by whole inter-arrival gaps (0.1 s at 10 req/s)
-# within a few requests and its lengths differ at once.
+# The client's send time may trail the planned arrival a little, while another run's file is off
+# by whole inter-arrival gaps within a few requests.
 ARRIVAL_TOLERANCE_S = 0.5
 # Folders searched for the workload file: the run's own, its parent and grandparent.
 SEARCH_DEPTH = 3
@@ -42,11 +34,9 @@ def find_workload_file(folder: Path, dataset_path: str) -> Path | None:
 
 
 def workload_hash_ids(path: Path, requests: list[dict], requests_path: Path) -> list[list[int]]:
-    """Each request's hash ids from the workload file at `path`, one per line of `requests`
-    (vllm_requests.jsonl's records in file order). Raises RealRunError, one line naming the
-    workload file, where a line is malformed or the file is not this run's: another count of
-    requests, other input or output lengths, or arrivals (where `requests` record
-    `arrival_time`) more than ARRIVAL_TOLERANCE_S apart."""
+    """Each request's hash ids from the workload file at `path`, one per line of `requests`;
+    RealRunError naming the file where a line is malformed or the file is not this run's (other
+    counts, lengths, or arrivals more than ARRIVAL_TOLERANCE_S apart)."""
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
     except OSError as error:
@@ -97,9 +87,8 @@ def workload_hash_ids(path: Path, requests: list[dict], requests_path: Path) -> 
 
 
 def seen_before_tokens(hash_ids: list[list[int]], prompt_lens) -> np.ndarray:
-    """Each prompt's tokens in blocks an earlier prompt (in list order) already had: what a
-    prefix cache without a memory limit serves it, at most all but its last token (the engine
-    computes one at least, for its logits)."""
+    """Each prompt's tokens in blocks an earlier prompt already had (what an unlimited prefix
+    cache serves it), at most all but its last token, which the engine computes for its logits."""
     seen: set[int] = set()
     served = np.zeros(len(hash_ids), dtype=np.int64)
     for index, (ids, prompt_len) in enumerate(zip(hash_ids, prompt_lens)):

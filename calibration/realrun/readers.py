@@ -1,16 +1,8 @@
 """Readers of measured serving runs into a RealRun, one per format (docs/calibration.md, "Real
-runs"):
-
-- LLMServingSim's per-request `vllm_requests.jsonl` (queued, first-token and last-token times),
-  with the engine settings of `vllm_meta.json` and `config.json` beside it when present, and the
-  prompts' hash ids from the workload file its dataset_path names, where found (prompt_blocks);
-- `vllm bench serve --save-result --save-detailed` JSON, and `twinserve-bench`'s run file (the
-  same keys plus `start_times` relative to the run's start, `e2els` and `engine_settings`);
-- a plain CSV: arrival_s (or a trace's arrival_time), prompt_len, output_len, ttft_s, e2e_s
-  (optional tpot_s, stage).
-
-`read_run(path)` picks the reader by the path: a folder (its vllm_requests.jsonl), .jsonl, .json
-or .csv. Bad or missing fields raise RealRunError, one line naming the file and the field."""
+runs"): LLMServingSim's `vllm_requests.jsonl` (with its vllm_meta.json, config.json and workload
+file beside it), `vllm bench serve --save-detailed` and twinserve-bench JSON, and a plain CSV.
+`read_run(path)` picks the reader by the path; bad fields raise RealRunError naming the file and
+the field."""
 from __future__ import annotations
 
 import csv
@@ -188,12 +180,9 @@ def _per_request(result: dict, key: str, path: Path, count: int | None) -> list:
 
 
 def read_bench_json(path: Path) -> RealRun:
-    """`vllm bench serve --save-result --save-detailed` JSON or twinserve-bench's: per-request
-    input_lens, output_lens, ttfts (s), start_times (send times, s; any origin), E2E from
-    e2els or latencies (s) or else ttft + sum(itls) (equal for a streamed response: vLLM's
-    latency is the last chunk's time); failed requests (a non-empty `errors` entry) are left out.
-    twinserve-bench's requests abandoned at their `timeout_s` (an `abandoned_times` entry) stay,
-    with their deadlines and NaN latencies: the replay sends them with the same deadlines."""
+    """`vllm bench serve --save-result --save-detailed` JSON or twinserve-bench's. E2E from e2els,
+    latencies, or ttft + sum(itls) (equal for a streamed response); failed requests are left out,
+    abandoned ones kept with NaN latencies, as the replay sends them with the same deadlines."""
     result = _load_json(path)
     if not isinstance(result, dict):
         raise RealRunError(f"{path}: expected a JSON object (a vllm bench serve result)")
@@ -272,9 +261,8 @@ def _numbers(values: list, key: str, path: Path) -> np.ndarray:
 # ---- CSV ----------------------------------------------------------------------------------------
 
 def read_csv_run(path: Path) -> RealRun:
-    """A CSV with a header: arrival_s (or a trace's arrival_time), prompt_len, output_len, ttft_s,
-    e2e_s (seconds, whole tokens), optional tpot_s and stage (a label: the request's load stage);
-    other columns are ignored. The engine settings come from the command line."""
+    """A CSV with a header: arrival_s (or arrival_time), prompt_len, output_len, ttft_s, e2e_s,
+    optional tpot_s and stage; the engine settings come from the command line."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as file:
             reader = csv.reader(file)

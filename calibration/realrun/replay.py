@@ -1,13 +1,7 @@
-"""Replay a measured run through the simulator: the run's own requests (arrival times, prompt and
-output lengths, the deadlines their clients gave; with prefix caching, token ids that share
-what the prompts shared where the run's workload file gives its hash ids, else none) on the
-config its engine settings and the command line give, and each load stage's metrics, real
-against simulated.
-
-The simulator replays the whole run (queues carry from one stage into the next); each stage's
-metrics are over the requests that arrived in it. `replay(run, overrides)` writes nothing and
-returns the comparison; configs are composed once per set of overrides and reused, so a
-calibration loop pays Hydra's compose once (or passes its own `config`)."""
+"""Replay a measured run through the simulator (its own requests on the config its engine
+settings and the command line give) and compare each load stage's metrics, real against
+simulated. The whole run replays, queues carrying from stage to stage; configs are composed once
+per set of overrides, so that a calibration loop pays Hydra's compose once."""
 from __future__ import annotations
 
 import copy
@@ -76,12 +70,9 @@ def replay_deadlines(run: RealRun) -> list[float | None]:
 
 def run_requests(run: RealRun, prompts_of_vocab: int | None = None) -> list:
     """The run's requests as fresh simulator requests, ids in arrival order. With
-    `prompts_of_vocab`, each prompt gets token ids of that vocabulary: from the run's hash ids
-    where it has them (prompt_blocks.prompt_token_ids: the prompts share what they shared),
-    else random (seeded per request: no two share a prefix, the run's prompts being unknown).
-    Either way a request preempted for recompute finds its own blocks in the prefix cache
-    again, as the real engine's prefix cache lets it (vLLM V1 keeps a freed block's contents
-    until the block is reused)."""
+    `prompts_of_vocab`, token ids from the run's hash ids where it has them, else random per
+    request (the prompts being unknown); either way a request preempted for recompute finds its
+    own blocks in the prefix cache again, as in vLLM V1."""
     import numpy as np
 
     from policies.types import Request
@@ -162,7 +153,6 @@ def replay_details(run: RealRun, overrides: list[str] = (), config=None) -> Repl
 
 
 def replay(run: RealRun, overrides: list[str] = (), config=None) -> dict:
-    """Replay `run` through the simulator (its settings, then `overrides`; or `config` as given)
-    and return {"stages": [{stage..., "real", "sim", "error_pct", "overloaded"}], "settings",
-    "overrides", ...}; writes nothing."""
+    """Replay `run` through the simulator (its settings, then `overrides`; or `config`) and return
+    {"stages": [{..., "real", "sim", "error_pct", "overloaded"}], "settings", ...}."""
     return replay_details(run, overrides, config).result

@@ -1,8 +1,6 @@
-"""A serving run someone measured, in memory: one row per completed request (arrival, lengths,
-TTFT, E2E, TPOT and ITLs where recorded) and per request its client abandoned at its deadline
-(latencies NaN: it loaded the server, so the replay sends it too), the engine settings its file
-records and where it came from. Every reader (readers.py) builds one with `make_run`, which
-checks and orders the rows."""
+"""A serving run someone measured, in memory: one row per completed request and per request its
+client abandoned at its deadline (which loaded the server, so the replay sends it too), the
+engine settings its file records and its source; readers build one with `make_run`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,10 +16,8 @@ class RealRunError(ValidationInputError):
 
 @dataclass
 class RealRun:
-    """Completed requests in arrival order, arrival times in seconds from the first (at 0).
-
-    tpot_s is (e2e - ttft) / (output_len - 1), vLLM's per-request TPOT, NaN for one-token
-    outputs; itls_s holds each request's inter-token gaps (s) where the file has them."""
+    """Completed requests in arrival order, arrivals in seconds from the first; tpot_s is vLLM's
+    per-request (e2e - ttft) / (output_len - 1), NaN for one-token outputs."""
     name: str
     source: str                   # the file and its format, for reports
     arrival_s: np.ndarray
@@ -66,10 +62,8 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
              stage_labels: list | None = None, itls_s: list | None = None,
              notes: list[str] | None = None, field_names: dict[str, str] | None = None,
              prompt_hash_ids: list | None = None, timeout_s=None) -> RealRun:
-    """A RealRun from per-request columns, checked (equal lengths, finite, lengths >= 1,
-    0 <= TTFT <= E2E) and sorted by arrival (stable), arrivals rebased to start at 0. A request
-    abandoned at its deadline (`timeout_s`, NaN: none) has NaN TTFT and E2E. `where` names the
-    file in errors; `field_names` maps a column to the file's own name for it."""
+    """A RealRun from per-request columns, checked and sorted by arrival (stable), arrivals
+    rebased to 0; `where` names the file in errors, `field_names` the file's own column names."""
     names = {"arrival_s": "arrival_s", "prompt_len": "prompt_len", "output_len": "output_len",
              "ttft_s": "ttft_s", "e2e_s": "e2e_s", "tpot_s": "tpot_s", **(field_names or {})}
     columns = {
@@ -92,6 +86,36 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
                  else np.isnan(columns["e2e_s"]) & np.isfinite(deadlines))
     if count == 0 or abandoned.all():
         raise RealRunError(f"{where}: no completed requests")
+    _check_values(columns, names, abandoned, deadlines, where)
+    ttft, e2e = columns["ttft_s"], columns["e2e_s"]
+    prompt = columns["prompt_len"].astype(np.int64)
+    output = columns["output_len"].astype(np.int64)
+    if tpot_s is None:
+        tpot = per_request_tpot(ttft, e2e, output)
+    else:
+        tpot = _column(tpot_s, names["tpot_s"], where, np.float64)
+        if tpot.size != count:
+            raise RealRunError(f"{where}: field {names['tpot_s']!r} has {tpot.size} values for "
+                               f"{count} requests")
+    _check_counts(count, where, stage_labels, itls_s, prompt_hash_ids)
+    order = np.argsort(columns["arrival_s"], kind="stable")
+    arrival = columns["arrival_s"][order]
+    return RealRun(
+        name=name, source=source, arrival_s=arrival - arrival[0], prompt_len=prompt[order],
+        output_len=output[order], ttft_s=ttft[order], e2e_s=e2e[order], tpot_s=tpot[order],
+        engine_settings=dict(engine_settings or {}),
+        stage_labels=None if stage_labels is None else [str(stage_labels[i]) for i in order],
+        itls_s=None if itls_s is None else [list(itls_s[i]) for i in order],
+        notes=list(notes or []),
+        prompt_hash_ids=None if prompt_hash_ids is None else [list(prompt_hash_ids[i])
+                                                              for i in order],
+        timeout_s=None if deadlines is None else deadlines[order])
+
+
+def _check_values(columns: dict[str, np.ndarray], names: dict[str, str], abandoned: np.ndarray,
+                  deadlines: np.ndarray | None, where: str) -> None:
+    """Deadlines positive, values finite (latencies NaN only where abandoned), lengths whole
+    numbers >= 1, and 0 <= TTFT <= E2E; a RealRunError naming the first request that is not."""
     if deadlines is not None:
         bad = np.flatnonzero(deadlines <= 0)
         if bad.size:
@@ -115,15 +139,10 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
         i = bad[0]
         raise RealRunError(f"{where}: request {i} has {names['ttft_s']}={ttft[i]:g} and "
                            f"{names['e2e_s']}={e2e[i]:g}; need 0 <= TTFT <= E2E")
-    prompt = columns["prompt_len"].astype(np.int64)
-    output = columns["output_len"].astype(np.int64)
-    if tpot_s is None:
-        tpot = per_request_tpot(ttft, e2e, output)
-    else:
-        tpot = _column(tpot_s, names["tpot_s"], where, np.float64)
-        if tpot.size != count:
-            raise RealRunError(f"{where}: field {names['tpot_s']!r} has {tpot.size} values for "
-                               f"{count} requests")
+
+
+def _check_counts(count: int, where: str, stage_labels: list | None, itls_s: list | None,
+                  prompt_hash_ids: list | None) -> None:
     if stage_labels is not None and len(stage_labels) != count:
         raise RealRunError(f"{where}: field 'stage' has {len(stage_labels)} values for {count} "
                            f"requests")
@@ -132,15 +151,3 @@ def make_run(*, name: str, source: str, where: str, arrival_s, prompt_len, outpu
     if prompt_hash_ids is not None and len(prompt_hash_ids) != count:
         raise RealRunError(f"{where}: {len(prompt_hash_ids)} prompts' hash_ids for {count} "
                            f"requests")
-    order = np.argsort(columns["arrival_s"], kind="stable")
-    arrival = columns["arrival_s"][order]
-    return RealRun(
-        name=name, source=source, arrival_s=arrival - arrival[0], prompt_len=prompt[order],
-        output_len=output[order], ttft_s=ttft[order], e2e_s=e2e[order], tpot_s=tpot[order],
-        engine_settings=dict(engine_settings or {}),
-        stage_labels=None if stage_labels is None else [str(stage_labels[i]) for i in order],
-        itls_s=None if itls_s is None else [list(itls_s[i]) for i in order],
-        notes=list(notes or []),
-        prompt_hash_ids=None if prompt_hash_ids is None else [list(prompt_hash_ids[i])
-                                                              for i in order],
-        timeout_s=None if deadlines is None else deadlines[order])

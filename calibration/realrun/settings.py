@@ -1,27 +1,8 @@
-"""A measured run's engine settings as simulator overrides, the command line's winning.
-
-    model                    -> model=<conf/model whose hf_repo is the HF name>
-    hardware (device name)   -> hardware=<conf/hardware whose name's words it has>
-    tensor_parallel_size     -> cluster.tensor_parallel_size
-    data_parallel_size       -> cluster.num_replicas
-    enable_expert_parallel   -> cluster.expert_parallel_size = tensor x data parallel size
-                                (vLLM's expert group spans every GPU of the deployment)
-    max_num_seqs             -> scheduler.max_num_seqs
-    max_num_batched_tokens   -> scheduler.max_num_batched_tokens
-    enable_chunked_prefill   -> scheduler=chunked_prefill (true) / continuous (false)
-    block_size               -> kv_cache.block_size
-    num_gpu_blocks           -> kv_cache.num_blocks
-    enable_prefix_caching    -> kv_cache.enable_prefix_caching
-    gpu_memory_utilization   -> gpu_memory_utilization
-
-A run of twinserve's own engine on a CPU (`engine: twinserve`, hardware cpu, twinserve-serve's) replays
-on cost_model=profiled with the engine's shipped profile of its model (profiles/cpu/<model>.json),
-unless the command line gives cost_model=.
-
-A vLLM >= 0.10 run (the V1 engine only) that does not record chunked prefill or prefix caching
-had them: they are V1's defaults. Model and hardware are required: a run that records neither, with no override, is an
-error naming them; any other setting left out keeps the simulator's conf/ default, and the
-report says which."""
+"""A measured run's engine settings as simulator overrides, the command line's winning
+(docs/calibration.md lists the mapping). A run of twinserve's own CPU engine replays on its
+shipped profile; a vLLM >= 0.10 run that does not record chunked prefill or prefix caching had
+them (V1's defaults). Model and hardware are required; any other setting left out keeps the
+simulator's default, and the report says which."""
 from __future__ import annotations
 
 import re
@@ -92,10 +73,9 @@ def _words(text: str) -> list[str]:
 
 
 def match_hardware(device_name: str, memory_bytes: float | None = None) -> str | None:
-    """`device_name` itself when it is a conf/hardware name; the conf/hardware whose name's words all appear in `device_name` (memory words like
-    80gb must agree when the device name has one), or whose name without separators is in it
-    ("RTX4090"); several (an A100 without its memory size): the nearest in memory_gb to
-    `memory_bytes`, when given."""
+    """`device_name` itself when it is a conf/hardware name, else the entry whose name's words
+    all appear in it (or whose name without separators does, "RTX4090"); among several, the
+    nearest in memory to `memory_bytes`."""
     if str(device_name).strip().lower() in {name for name, _ in _conf_group("hardware")}:
         return str(device_name).strip().lower()   # a conf name (twinserve-serve's, "cpu" too)
     words = _words(device_name)
@@ -131,9 +111,7 @@ def is_v1(settings: dict) -> bool:
 def add_engine_profile(settings: dict, given: set[str], user_cost_model: str | None,
                        overrides: list[str], provenance: dict[str, dict]) -> None:
     """A run of twinserve's own engine on a CPU replays on that engine's shipped profile of its
-    model (profiles/cpu/<model>.json: its steps timed on a CPU), unless the command line gives
-    another cost model or a profile; without a profile, the provenance says in one line what to
-    give."""
+    model unless the command line gives another cost model or profile."""
     if (settings.get("engine") != "twinserve" or "cost_model.profile" in given
             or (user_cost_model or "profiled") != "profiled"
             or str(settings.get("hardware", "")).lower() != "cpu"

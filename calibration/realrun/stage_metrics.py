@@ -1,16 +1,10 @@
-"""Per-stage metrics of a run, real or simulated, and their comparison.
+"""Per-stage metrics of a run, real or simulated, and their comparison: mean, median and p99 of
+TTFT, TPOT and E2E in ms under `vllm bench serve`'s names, and throughput over the stage's own
+window (first arrival to last completion).
 
-A stage's metrics are over the requests that arrived in it: mean, median and p99 of TTFT, TPOT
-and E2E in ms (`vllm bench serve`'s names: mean_ttft_ms, ..., p99_e2el_ms), and throughput over
-the stage's own window, from its first arrival to its last completion: request_throughput (req/s)
-and output_throughput (output tok/s); `completed`, the requests that finished (a client abandons
-a request at its deadline, and a simulated one may be rejected).
-
-**Overloaded**: the stage's queueing keeps growing: the least-squares slope of TTFT against
-arrival time over the stage's requests is at least OVERLOAD_SLOPE (TTFT grows by 0.1 s or more
-per second of arrivals: the server completes 10 % or more fewer requests than arrive, so the
-queue, and the wait, grow without bound). A stable server's TTFT fluctuates around a level
-(slope near 0 over a stage of tens of requests or more). The two sides disagree when one is
+A stage is **overloaded** when its TTFT grows against arrival time by at least OVERLOAD_SLOPE
+(0.1 s per s: the server completes 10 % fewer requests than arrive, so the queue grows without
+bound), while a stable server's TTFT fluctuates around a level; the sides disagree when one is
 overloaded and the other is not."""
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Load stages of a run: the requests that arrived at one arrival rate.
-
-A run whose file labels each request's stage (a `stage` column or list) has those stages, in the
-order of their first arrival. Otherwise the stages are found in the arrival times by binary
-segmentation of a piecewise-constant Poisson rate: a stretch of arrivals is split where the
-likelihood ratio of two rates against one is largest, if that ratio (2 ΔlogL) passes
-SPLIT_THRESHOLD and both sides hold at least MIN_STAGE_REQUESTS requests; each side is then
-searched again. The threshold: over 400 single-rate runs each of 100 to 20,000 Poisson arrivals
-the largest statistic was 17, so a single-rate run comes out as one stage; 150 requests at 5 req/s
-then 150 at 20 give a statistic over 100. Bursty (gamma) arrivals are not Poisson and may split."""
+"""Load stages of a run: the requests that arrived at one arrival rate. A run whose file labels
+each request's stage has those; otherwise binary segmentation of a piecewise-constant Poisson
+rate splits a stretch of arrivals where the likelihood ratio of two rates against one (2 ΔlogL)
+is largest, while it passes SPLIT_THRESHOLD (above what single-rate runs reach:
+docs/validation-results.md) and leaves MIN_STAGE_REQUESTS on each side. Bursty (gamma) arrivals
+are not Poisson and may split."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +57,8 @@ def _poisson_loglik(count: np.ndarray, duration: np.ndarray) -> np.ndarray:
 def best_split(arrival_s: np.ndarray, first: int, stop: int,
                min_requests: int = MIN_STAGE_REQUESTS) -> tuple[int | None, float]:
     """(request index where a second rate starts, its 2 ΔlogL) within requests [first, stop),
-    or (None, 0) when no split leaves min_requests on each side. Requests [first, stop) own the
-    gaps before each of first+1 .. stop-1; a split at k gives the gap before k to the first side."""
+    or (None, 0) when no split leaves min_requests on each side; a split at k gives the gap
+    before k to the first side."""
     if stop - first < 2 * min_requests:
         return None, 0.0
     gaps = np.diff(arrival_s[first:stop])

@@ -1,55 +1,14 @@
-"""`twinserve-validate`: run one workload on the engine and on the profiled simulator, and compare.
+"""`twinserve-validate`: run one workload on the engine and on the profiled simulator, and compare
+(docs/calibration.md describes the outputs, gates, grids, --real and --silicon).
 
     twinserve-validate --out validation/ cost_model.profile=profiles/cpu/tiny-llama.json \\
         model=tiny-llama hardware=cpu workload.with_token_ids=true workload.num_requests=50
-
-Both runs use the same config (policies, workload, seed, KV pool size) composed from the repo's
-conf/ plus the given overrides; only the backend differs: `backend=engine` runs every step for real,
-`backend=sim cost_model=profiled` predicts each step from the profile alone (it never sees the
-engine run's measurements). When the profile carries a speed reference (twinserve-profile's speed
-probe), the engine's step durations are normalised to the machine speed the profile was taken at
-(profile_conditions.py); `--wall-clock` times them as measured. The simulator runs the workload
-`--sim-runs` times (sim_seed, sim_seed + 1, ...: other draws of step-time noise and acceptances)
-and its value of a metric is the mean over them. `--engine-repeats N` runs the engine N times (same
-config and seed; default 1): its value of a metric is then the mean over the repeats, and each
-metric also carries the repeats' values, the engine's spread (the relative half-range of the
-repeats, (max - min) / 2 / |mean| × 100) and a verdict: within gate, within engine noise (outside
-the gate, |error| <= spread) or outside both (compare.py). Writes <out>/engine/, <out>/sim/ and
-<out>/sim-run1/... (and <out>/engine-run1/... for engine repeats; each run's usual files; plots
-for the first simulator run only) and
-
-- `validation.json`: {"metrics": {name: {"engine", "sim", "error_pct"}}, "speedup": engine wall
-  time / simulator wall time, "gates": {...}, "failures": [...], ...}; error_pct is the signed
-  (sim - engine) / engine × 100, null where the engine value is 0 and the simulator's is not;
-  with engine repeats > 1 each metric adds "engine_runs", "engine_spread_pct" and "verdict";
-- `validation.md` (the same table) and `validation_cdf.png` (TTFT, TPOT and E2E CDFs of both
-  backends, the simulator's runs pooled).
-
-A validation grid is a Hydra sweep: give any override several values (`scheduler=continuous,
-chunked_prefill kv_cache.block_size=16,32 workload.rate=2,inf`) and every combination is validated
-in <out>/<job>/, with one table for the grid, `grid.csv` and `grid.md` (each job's swept values,
-signed errors and speedup; then the mean signed error and the largest |error| of each metric
-over the grid). `--tabulate` makes that table of validations run before, each argument then a
-directory holding a validation.json (repeats of a few workloads, say):
-
-    twinserve-validate --tabulate --out validation/light-load validation/light-load/run*/*
-
-`--real RUN...` replays serving runs someone measured (vLLM's bench serve detailed JSON,
-twinserve-bench's, LLMServingSim's vllm_requests.jsonl or its folder, a CSV) through the simulator
-and reports each load stage real against simulated, with no gates (calibration/realrun/):
-
     twinserve-validate --real data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B --out out/
-
-`--silicon` replays NVIDIA's measured vLLM deployments (data/gpu/aiconfigurator/silicon_vllm.csv,
-calibration/silicon.py): each row's closed-loop benchmark through the simulator, a table of real
-and simulated mean TTFT and TPOT per row and the mean and worst |error|; `--out FILE.json` keeps
-it:
-
     twinserve-validate --silicon --system h100_sxm --model Qwen/Qwen3-32B --precision bf16
 
-Exit status: 0 when every gated error is within its gate, 1 when any passes it (listed on stderr;
-an error within the engine's noise but outside its gate fails too, and its line says so),
-2 on bad input (a bad override, a missing or mismatched profile, a bad config value).
+Both runs share one config but the backend; the simulator predicts each step from the profile
+alone. Exit status: 0 when every gated error is within its gate, 1 when any is not, 2 on bad
+input.
 """
 from __future__ import annotations
 

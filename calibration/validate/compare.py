@@ -1,18 +1,10 @@
-"""The compared metrics, their signed errors and the gates on them: pure functions on the summaries
-of the engine's and the simulator's runs.
+"""The compared metrics, their signed errors and the gates on them: pure functions on the
+summaries of the engine's and the simulator's runs.
 
-The engine's noise (`--engine-repeats N`, N > 1): the engine runs the same workload N times (same
-config and seed; only its timing differs from run to run); its value of a metric is the mean over
-the repeats, and its spread is the **relative half-range** of the repeats,
-
-    engine_spread_pct = (max - min) / 2 / |mean| × 100
-
-(0 when every repeat gave 0; None, an infinite spread, when the mean is 0 and the repeats are
-not). A simulator whose error is within it is as close to the engine's mean as the engine's own
-repeats are. Each metric's verdict (VERDICTS) weighs the error against its gate and that spread:
-"within gate" (|error| <= gate), "within engine noise" (outside the gate, |error| <= spread),
-"outside both"; "ungated" for a metric without a gate (or with its gate off). The gates alone
-decide pass or fail: a metric within the engine's noise but outside its gate still fails."""
+With engine repeats, a metric's engine value is their mean and its spread their relative
+half-range, (max - min) / 2 / |mean| × 100, so that a simulator error within it is as close as
+the engine's own repeats are. The verdict (VERDICTS) weighs the error against gate and spread,
+but the gates alone decide pass or fail."""
 from __future__ import annotations
 
 import math

@@ -8,9 +8,8 @@ from runtime.policy_config import CONF_DIR
 
 
 def compose_configs(overrides: list[str]):
-    """(engine config, sim config) from conf/ plus `overrides`: identical but for the backend,
-    with the KV pool the engine's memory arithmetic gives (unless kv_cache.num_blocks is set) so
-    the two replicas schedule over the same pool."""
+    """(engine config, sim config) from conf/ plus `overrides`, identical but for the backend and
+    sized by the engine's memory arithmetic, so that both schedule over the same KV pool."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf

@@ -1,10 +1,6 @@
-"""A validation grid: every job of a sweep (sweep.py) validated in <out>/<job>/, then one table for
-the grid: grid.csv, grid.md and grid.json (each job's swept values, signed errors and speedup;
-then the mean signed error and the largest |error| of each metric over the grid). `tabulate`
-makes the same table of validations already run (repeats of a few workloads, say). With engine
-repeats > 1 each error comes with the engine's spread and the verdict (compare.py):
-`<metric>_engine_spread_pct` and `<metric>_verdict` in grid.csv and grid.json, `error (±spread,
-verdict)` cells in grid.md."""
+"""A validation grid: every job of a sweep (sweep.py) validated in <out>/<job>/, then one table
+for the grid (grid.csv, grid.md, grid.json: each job's swept values, errors and speedup, then each
+metric's mean and largest error); `tabulate` makes that table of validations already run."""
 from __future__ import annotations
 
 import csv
@@ -57,9 +53,8 @@ def grid_rows(results: list[dict], swept: list[dict[str, str]]) -> list[dict]:
 
 
 def grid_summary(results: list[dict]) -> dict:
-    """The largest |error| of every metric over the grid (inf where an error was undefined),
-    the mean |error|, the mean signed error (a bias: None where an error was undefined), and the
-    overall speedup (Σ engine wall time / Σ simulator wall time)."""
+    """The largest and mean |error| of every metric over the grid, the mean signed error (a
+    bias; None where an error was undefined) and the overall speedup."""
     worst, mean, mean_signed = {}, {}, {}
     for name in METRICS:
         errors = [r["metrics"][name]["error_pct"] for r in results]
@@ -82,11 +77,9 @@ REPEAT_METRICS: tuple[str, ...] = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_
 
 
 def repeat_groups(results: list[dict]) -> list[dict]:
-    """The jobs that ran one workload (the same overrides and profile) more than once, validated
-    at different times: per group and metric, each round's error, their mean (a bias, where
-    the rounds agree in sign) and the engine's spread over every engine run of every round (its
-    noise from one round to the next, which one round's repeats, minutes apart, understate), and
-    each round's verdict against that spread."""
+    """The jobs that validated one workload more than once, at different times: per group and
+    metric each round's error, their mean, and the engine's spread over every round (its noise
+    from round to round, which one round's repeats understate) with each round's verdict."""
     groups: dict[tuple, list[int]] = {}
     for index, result in enumerate(results):
         key = (tuple(result.get("overrides") or ()), result.get("profile"))
@@ -201,9 +194,8 @@ def validate_grid(overrides: list[str], out_dir: Path, gates: dict[str, float | 
 
 def write_grid(results: list[dict], swept: list[dict[str, str]], out_dir: Path, command: str,
                console: Console | None = None) -> dict:
-    """Write grid.csv, grid.md and grid.json of these validations' results (validation.json's
-    content, one per job, `swept`: each job's values in the table) to `out_dir`; returns the
-    grid."""
+    """Write grid.csv, grid.md and grid.json of these validations' results to `out_dir`; returns
+    the grid."""
     console = console or Console()
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = grid_rows(results, swept)

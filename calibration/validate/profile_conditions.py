@@ -1,8 +1,6 @@
-"""Running the engine as its profile was measured: the profile's torch thread count and, when the
-profile carries a speed reference (twinserve-profile's speed probe), the engine's step durations
-normalised to the machine speed the profile was taken at (backend.speed_reference, read by
-calibration/cpu_noise/speed.py): on a shared CPU machine the speed drifts by tens of % over
-minutes, which no cost model can predict. The one place validation touches that machinery."""
+"""Running the engine as its profile was measured: the profile's torch thread count and, with a
+speed reference, step durations normalised to the profile's machine speed, since a shared CPU's
+speed drifts by tens of % over minutes, which no cost model can predict."""
 from __future__ import annotations
 
 import json
@@ -15,11 +13,9 @@ from calibration.cpu_noise.speed import PREFILL_PROBE_POINTS
 
 def match_profile_conditions(profile_path: str, engine_cfg, normalize_speed: bool,
                              console: Console) -> dict:
-    """Run the engine (engine_cfg) as the profile was measured: on CPU, with the profile's torch
-    thread count (metadata.threads); with normalize_speed, at the profile's machine speed
-    (backend.speed_reference) when the profile has a speed reference, else
-    warns and keeps the wall clock. Warns when the torch version differs. Returns what was
-    set."""
+    """Run the engine (engine_cfg) as the profile was measured: the profile's thread count and,
+    with normalize_speed, its machine speed (else a warning and the wall clock); warns when the
+    torch version differs. Returns what was set."""
     import torch
     from omegaconf import open_dict
 

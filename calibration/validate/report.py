@@ -1,6 +1,5 @@
 """One validation's report: the rich table on the terminal, validation.md, and validation_cdf.png
-(the engine's TTFT, TPOT and E2E CDFs over the simulator's). With several engine repeats the
-tables show the engine's spread and each metric's verdict beside its error (compare.py)."""
+(the engine's TTFT, TPOT and E2E CDFs over the simulator's)."""
 from __future__ import annotations
 
 import csv

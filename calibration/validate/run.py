@@ -1,9 +1,6 @@
-"""One validation: the workload run on the engine once (or `engine_repeats` times, to measure its
-own noise: compare.py) and in the profiled simulator several times, compared metric by metric;
-writes validation.json, validation.md and validation_cdf.png.
-
-The simulator runs first (a bad profile is bad input, found before minutes of engine steps) and
-never sees the engine run's measurements: it predicts each step from the profile alone."""
+"""One validation: the workload run on the engine (`engine_repeats` times) and in the profiled
+simulator (`sim_runs` times), compared metric by metric. The simulator runs first, so that a bad
+profile is found before minutes of engine steps."""
 from __future__ import annotations
 
 import json
@@ -54,14 +51,9 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
              console: Console | None = None, normalize_speed: bool = True,
              sim_runs: int = DEFAULT_SIM_RUNS,
              engine_repeats: int = DEFAULT_ENGINE_REPEATS) -> dict:
-    """Run both backends, write the report into out_dir, and return validation.json's dict.
-    With normalize_speed the engine's step durations are normalised to the profile's machine
-    speed (profile_conditions.py), when the profile has a speed reference. The simulator runs
-    `sim_runs` times (sim_seed, sim_seed + 1, ...: the same workload, other residual and
-    acceptance draws) and predicts each metric's mean over them. The engine runs `engine_repeats`
-    times (same config and seed); with more than one, each metric is compared against the
-    engine's mean and carries the repeats' values, their spread and a verdict (compare.py)."""
-    from omegaconf import open_dict
+    """Run both backends, write the report into out_dir, and return validation.json's dict; each
+    metric is the mean over the simulator's runs (other noise and acceptance draws) against the
+    mean over the engine's repeats."""
     from omegaconf.errors import OmegaConfBaseException
 
     from sim.core.experiment import run_experiment
@@ -75,14 +67,7 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     gates = resolve_gates(gates, sim_cfg.get("validate"))
     try:
         num_blocks = pin_kv_pool(engine_cfg, sim_cfg)
-        sim_seeds = [int(sim_cfg.sim_seed) + run for run in range(sim_runs)]
-        run_dirs = sim_run_dirs(out_dir, sim_runs)
-        sims = []
-        for sim_seed, run_dir in zip(sim_seeds, run_dirs):
-            with open_dict(sim_cfg):
-                sim_cfg.sim_seed = sim_seed
-            # The first run's plots; the others' numbers (validation_cdf.png pools them all).
-            sims.append(run_experiment(sim_cfg, run_dir, plots=not sims))
+        sim_seeds, run_dirs, sims = _run_simulator(sim_cfg, out_dir, sim_runs)
         conditions = match_profile_conditions(sim_cfg.cost_model.profile, engine_cfg,
                                               normalize_speed, console)
         engine_dirs = engine_run_dirs(out_dir, engine_repeats)
@@ -98,10 +83,7 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
         metrics = compare_summaries(mean_summary(engine_summaries), sim_summary)
         add_engine_noise(metrics, engine_summaries, gates)
     failures = check_gates(metrics, gates)
-    # The engine's own wall time: without the speed probes' (a measuring cost, not the engine's);
-    # the mean over its repeats.
-    engine_wall_s = sum(summary["wall_time_s"] - summary.get("speed_probe_s", 0.0)
-                        for summary in engine_summaries) / engine_repeats
+    engine_wall_s = _engine_wall_time_s(engine_summaries)
     # The first repeat's machine speed.
     speed = {key: value for key, value in engine.summary.items()
              if key.startswith(("speed_", "prefill_speed_"))}
@@ -124,11 +106,40 @@ def validate(overrides: list[str], out_dir: Path, gates: dict[str, float | None]
     }
     if engine_repeats > 1:
         result["engine_repeats"] = engine_repeats
+    _write_report(result, out_dir, engine_dirs, run_dirs)
+    console.print(rich_table(result))
+    return result
+
+
+def _run_simulator(sim_cfg, out_dir: Path, sim_runs: int) -> tuple[list[int], list[Path], list]:
+    """The simulator's runs, seeds sim_seed, sim_seed + 1, ...: (seeds, run folders, results)."""
+    from omegaconf import open_dict
+
+    from sim.core.experiment import run_experiment
+
+    sim_seeds = [int(sim_cfg.sim_seed) + run for run in range(sim_runs)]
+    run_dirs = sim_run_dirs(out_dir, sim_runs)
+    sims = []
+    for sim_seed, run_dir in zip(sim_seeds, run_dirs):
+        with open_dict(sim_cfg):
+            sim_cfg.sim_seed = sim_seed
+        # The first run's plots; the others' numbers (validation_cdf.png pools them all).
+        sims.append(run_experiment(sim_cfg, run_dir, plots=not sims))
+    return sim_seeds, run_dirs, sims
+
+
+def _engine_wall_time_s(engine_summaries: list[dict]) -> float:
+    """The mean over the repeats, less the speed probes' time (a measuring cost, not the
+    engine's)."""
+    return sum(summary["wall_time_s"] - summary.get("speed_probe_s", 0.0)
+               for summary in engine_summaries) / len(engine_summaries)
+
+
+def _write_report(result: dict, out_dir: Path, engine_dirs: list[Path],
+                  run_dirs: list[Path]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "validation.md").write_text(markdown_report(result))
     plot_cdfs([run_dir / "requests.csv" for run_dir in engine_dirs],
               [run_dir / "requests.csv" for run_dir in run_dirs],
               out_dir / "validation_cdf.png")
-    console.print(rich_table(result))
-    return result

@@ -1,7 +1,5 @@
-"""A validation grid is a Hydra sweep: `scheduler=static,continuous workload.rate=2,inf` is one
-job per combination of the values. Parsed with Hydra's public override parser; the jobs come in
-the order Hydra's basic sweeper runs a multirun in, so a grid's job numbers match a
-`--multirun`'s."""
+"""A validation grid is a Hydra sweep, parsed with Hydra's public override parser; the jobs come
+in the order Hydra's basic sweeper runs a multirun, so that job numbers match a `--multirun`'s."""
 from __future__ import annotations
 
 import itertools
@@ -10,9 +8,8 @@ from calibration.validate.compare import ValidationInputError
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """Every combination of the overrides' values (`a=1,2 b=x,y` -> 4 lists; `range(...)`,
-    `choice(...)`, `sort(...)` work too), the last swept key varying fastest. A key given twice
-    keeps its first place and its last values. One list, `overrides` as given, when nothing
+    """Every combination of the overrides' values, the last swept key varying fastest (a key
+    given twice keeps its first place and its last values); `overrides` alone when nothing
     sweeps."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException

@@ -1,17 +1,11 @@
 """`twinserve-bench --endpoint URL [workload overrides...]`: replay a twinserve workload against
-an OpenAI-compatible completions server (twinserve-serve, vLLM, ...) and write the run file that
-`twinserve-validate --real` reads (sim/tools/bench_run_file.py).
+an OpenAI-compatible completions server and write the run file that `twinserve-validate --real`
+reads (sim/tools/bench_run_file.py).
 
-The workload is the one `twinserve` would run with the same overrides (conf/config.yaml composed
-as the app composes it), with prompt token ids drawn (workload.with_token_ids), and the model the
-server serves when it is a conf/model name (its vocabulary bounds the ids). Each request is sent
-at its arrival time after the run's start, streamed, with max_tokens = min_tokens = its output
-length and ignore_eos, so the output has the workload's length, and with its `timeout_s` where
-the workload gives one (a server that answers 408 abandoned it: recorded as abandoned, not
-failed). The client records when it sent each request and when each chunk of tokens arrived.
-`--warmup N` first sends the workload's first N requests together, without deadlines, and
-waits for them, unrecorded (a server's first requests pay for its lazy start-up: compiled
-graphs, allocator, caches).
+Each request is sent at its arrival time, streamed, with max_tokens = min_tokens = its output
+length and ignore_eos so that the output has the workload's length; a 408 answer to its
+`timeout_s` is recorded as abandoned, not failed. `--warmup N` first sends N requests unrecorded,
+since a server's first requests pay for its lazy start-up.
 
     twinserve-bench --endpoint http://127.0.0.1:8000 workload.num_requests=50 workload.rate=4
 """
@@ -85,9 +79,8 @@ def server_info(base_url: str) -> tuple[str, dict]:
 
 
 def workload_requests(overrides: list[str], served_model: str | None):
-    """The config `overrides` compose (with model=<served_model> when that names a conf/model
-    and no override sets the model), its workload section as replayed, and the workload's
-    requests, with prompt token ids."""
+    """The config `overrides` compose (model=<served_model> when that names a conf/model and no
+    override sets one), its workload section, and the workload's requests with token ids."""
     overrides = list(overrides)
     sets_model = any(override.lstrip("+~").split("=", 1)[0] == "model" for override in overrides)
     if not sets_model and served_model and (MODEL_CONFIGS / f"{served_model}.yaml").is_file():
@@ -215,8 +208,7 @@ async def run_benchmark(url: str, model: str, requests: list[Request], *,
                         timeout_s: float = DEFAULT_TIMEOUT_S,
                         warmup: list[Request] = ()) -> tuple[list[RequestRecord], float]:
     """Send `warmup` at once and wait for it (unrecorded), then every request at its arrival
-    time; returns their records, in request order, and the run's duration (s, from its start
-    until the last response ended)."""
+    time; returns their records in request order and the run's duration (s)."""
     # No cap on connections: a capped pool would queue requests in the client, not the server.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(request_timeout_s)) as client:

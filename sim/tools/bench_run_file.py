@@ -1,15 +1,8 @@
 """The run file `twinserve-bench` writes: the keys of vLLM's `bench serve --save-result
---save-detailed` JSON (aggregates in ms, per-request lists in s), plus twinserve's own:
-`start_times` (s since the run began, when each request was sent), `e2els` (s),
-`expected_output_lens`, `timeout_s` (each request's deadline, s after it was sent; None: none),
-`abandoned_times` (s since the run began, when the server answered that its timeout_s passed;
-None: it was not abandoned), `abandoned` (how many were), `engine_settings` and the workload
-that was replayed.
-
-Per-request lists are in request order (the workload's arrival order). A failed or abandoned
-request keeps vLLM's placeholders (ttft and e2el 0.0, output_len 0, no itls); a failed one has
-its message in `errors` (an abandoned one is not a failure: its entry is empty). The aggregates
-are over the completed requests only, as vLLM's are."""
+--save-detailed` JSON (aggregates in ms over completed requests, per-request lists in s, in
+request order, failures keeping vLLM's placeholders), plus twinserve's own: `start_times`,
+`e2els`, `expected_output_lens`, `timeout_s`, `abandoned_times`, `abandoned`, `engine_settings`
+and the replayed workload."""
 from __future__ import annotations
 
 import math

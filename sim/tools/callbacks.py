@@ -22,9 +22,7 @@ from sim.tools.sweep_jobs import ReportError
 
 
 class ReportCallback(Callback):
-    """Runs `write_report` on the sweep folder at the end of a multirun. Arguments are those of
-    `write_report`: the x override (None: workload.rate if it varies, else the first numeric
-    override that varies), the metrics (one panel each), a figure title and the plot's name."""
+    """Runs `write_report` (with these arguments) on the sweep folder at the end of a multirun."""
 
     def __init__(self, x_key: str | None = None, metrics: Any = None, title: str | None = None,
                  plot_name: str | None = None):

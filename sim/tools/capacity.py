@@ -1,18 +1,13 @@
-"""`twinserve-capacity`: the highest request rate at which a configuration meets a latency SLO.
-
-Capacity as Sarathi-Serve defines it — the most load (req/s) a system sustains while meeting its
-latency target — here p99 TTFT and/or p99 TPOT, found as Vidur searches it: bisection on
-`workload.rate`, one full simulation per probe. Latency grows with load, so the rates that meet
-the SLO form an interval from zero up to the capacity; the search brackets its end and halves the
-bracket until it is `tolerance` (relative) wide.
+"""`twinserve-capacity`: the highest request rate at which a configuration meets a latency SLO
+(p99 TTFT and/or p99 TPOT), as Sarathi-Serve defines capacity, found as Vidur searches it: by
+bisection on `workload.rate`, one simulation per probe.
 
     python -m sim.tools.capacity scheduler=chunked_prefill workload.num_requests=2000 \\
         --ttft-p99-ms 2000 --tpot-p99-ms 100 --out capacity/chunked
 
-Past capacity the queue grows for as long as requests keep arriving, so the overload a probe can
-see grows with `workload.num_requests`: use enough requests (a thousand or more) that a run at
-twice the capacity clearly fails. Every probe sees the same arrivals scaled in time and the same
-lengths (common random numbers), which keeps the measured latency monotone in the rate.
+Past capacity the queue grows for as long as requests arrive, so use enough requests (a thousand
+or more) that a run at twice the capacity clearly fails. Every probe sees the same arrivals scaled
+in time (common random numbers), which keeps latency monotone in the rate.
 """
 from __future__ import annotations
 
@@ -93,9 +88,8 @@ class Probe:
 
 @dataclass
 class CapacityResult:
-    """`capacity`: the highest rate probed that meets the SLO (None: not even the lowest did).
-    `lowest_violating`: the lowest rate probed that does not (None: every probe met it).
-    `converged`: the two are within the relative tolerance."""
+    """`capacity`: the highest rate probed that meets the SLO (None: not even the lowest did);
+    `lowest_violating`: the lowest that does not; `converged`: they are within the tolerance."""
 
     capacity: float | None
     lowest_violating: float | None
@@ -190,9 +184,8 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
 def find_capacity(cfg_overrides: Sequence[str], slo: SLO, *, low: float = 1.0,
                   high: float = 16.0, tolerance: float = 0.02, max_iters: int = 20,
                   on_probe: Callable[[Probe], None] | None = None) -> CapacityResult:
-    """The capacity of the configuration `cfg_overrides` (Hydra overrides of conf/config.yaml,
-    e.g. ["scheduler=chunked_prefill"]) under `slo`. Each probe is one `run_experiment` at a
-    `workload.rate`; its summary also carries `goodput` and `slo_attainment` (per request)."""
+    """The capacity of the configuration `cfg_overrides` under `slo`, each probe one
+    `run_experiment` at a `workload.rate`."""
     check_search_args(low, high, tolerance, max_iters)
     overrides = list(cfg_overrides)
     for override in overrides:

@@ -1,7 +1,5 @@
-"""Where a run's results go besides its folder: `logger=none` or `logger=wandb`.
-
-The wandb logger makes one wandb run per Hydra job and reads what it logs from the files the job
-wrote (steps.csv, requests.csv, the PNG plots), so it needs nothing from the simulator's objects.
+"""Where a run's results go besides its folder: `logger=none` or `logger=wandb`, which reads
+what it logs from the files the job wrote, so that it needs nothing from the simulator's objects.
 """
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ MAX_SERIES_POINTS = 5000
 # A wandb.Table past ~10k rows is slow to upload and to browse; requests.csv has them all.
 MAX_TABLE_ROWS = 10_000
 
-# Step series logged against simulated time. Levels are reduced to the peak of each bucket of
-# steps (so a downsampled KV-blocks curve keeps its maximum); events are summed over the bucket
-# (so the logged preemptions still add up to the run's total).
+# Step series logged against simulated time, downsampled: levels to each bucket's peak (so that
+# the KV-blocks curve keeps its maximum), events summed (so that they add up to the run's total).
 LEVEL_SERIES: tuple[str, ...] = ("kv_blocks_used", "num_seqs", "num_batched_tokens",
                                  "num_waiting", "num_running", "num_swapped")
 EVENT_SERIES: tuple[str, ...] = ("num_preempted_recompute", "num_preempted_swap",
@@ -91,9 +88,8 @@ def read_steps(path: Path) -> dict[str, np.ndarray]:
 
 def step_series_rows(steps: dict[str, np.ndarray],
                      max_points: int = MAX_SERIES_POINTS) -> list[dict[str, float]]:
-    """The rows to log, each {TIME_KEY: start of its bucket, series: value}: at most max_points
-    rows in all. With several replicas each gets its own series, prefixed `replica<id>/`, and an
-    equal share of the points."""
+    """The rows to log, {TIME_KEY: start of its bucket, series: value}, at most max_points in all;
+    each replica gets its own `replica<id>/` series and an equal share of the points."""
     replica_ids = np.unique(steps["replica_id"]).astype(int)
     points_per_replica = max(1, max_points // max(1, len(replica_ids)))
     rows = []
@@ -140,13 +136,9 @@ def read_requests_table(path: Path, max_rows: int = MAX_TABLE_ROWS
 
 
 def log_to_wandb(cfg: DictConfig, summary: dict, out_dir: Path) -> None:
-    """One wandb run per job: the full config, the summary, the step series against simulated
-    time, the per-request table and the plots. Offline by default (`logger.mode=offline`):
-    nothing needs a login or the network, and `wandb sync <out_dir>/wandb/offline-run-*` uploads
-    the run later; `logger.mode=online` logs it live.
-
-    The run is grouped by sweep (`logger.group`, else the sweep folder for a multirun job) and
-    named after the job's overrides."""
+    """One wandb run per job: config, summary, step series, the request table and the plots.
+    Offline by default, so that nothing needs a login (`wandb sync` uploads it later); grouped by
+    sweep and named after the job's overrides."""
     import wandb
 
     logger_cfg = cfg.logger

@@ -1,8 +1,6 @@
-"""PNG plots of a run: latency CDFs, KV blocks in use over time, batch size and queue length, and
-(where the run kept each step's joules) its replicas' modelled board power.
-
-Runs headless (Agg backend). Step series are decimated to a few thousand points so a 100k-step
-run plots in about a second; the decimation keeps each bucket's min and max so peaks survive.
+"""PNG plots of a run: latency CDFs, KV blocks in use, batch size and queue length, and modelled
+board power. Headless (Agg); step series are decimated to a few thousand points, keeping each
+bucket's min and max so that peaks survive.
 """
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ MAX_POINTS_PER_LINE = 5000
 
 
 def downsample_indices(values: np.ndarray, max_points: int = MAX_POINTS_PER_LINE) -> np.ndarray:
-    """Sorted indices of at most ~max_points elements of `values` that keep its shape: the first,
-    the last, and the min and max of each of max_points // 2 equal buckets. Plain striding would
-    step over short spikes, e.g. a KV-blocks peak."""
+    """Sorted indices of at most ~max_points elements of `values`: the first, the last, and each
+    bucket's min and max, since plain striding would step over short spikes."""
     n = len(values)
     if n <= max_points:
         return np.arange(n)
@@ -140,9 +137,8 @@ def joules_text(joules: float) -> str:
 def power_panel_meters(
         energy_meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None] | None,
         summary: dict | None) -> dict[int, TracedMeter]:
-    """The replicas' meters that kept each step's joules (a pipelined replica's, each stage's),
-    where the run has energy to plot ({} without them, or when the summary's energy_j is 0: a
-    hardware spec without power figures)."""
+    """The replicas' meters that kept each step's joules, where the run has energy to plot ({}
+    otherwise)."""
     if not (summary or {}).get("energy_j"):
         return {}
     return {replica_id: meter for replica_id, meter in (energy_meters or {}).items()
@@ -152,9 +148,8 @@ def power_panel_meters(
 def plot_power(ax, steps: np.ndarray, columns: tuple[str, ...],
                meters: dict[int, TracedMeter], summary: dict,
                replica_labels: dict[int, str] | None = None) -> None:
-    """Each replica's board power over time (power_over_time: each step's, and idle between
-    steps), its joules and J per output token in the legend, the run's in the title, and a
-    dashed line at each idle draw."""
+    """Each replica's board power over time, its joules and J per output token in the legend,
+    and a dashed line at each idle draw."""
     per_replica = summary.get("energy_per_replica", {})
     labels = {}
     for replica_id in meters:
@@ -185,12 +180,8 @@ def write_plots(out_dir: Path, requests: list[Request], step_rows: list[tuple],
                 kv_capacities: dict[str, int] | None = None,
                 energy_meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None] | None = None,
                 summary: dict | None = None) -> list[Path]:
-    """Write latency_cdf.png, kv_blocks.png and batch_size.png into out_dir, and power.png
-    where `energy_meters` {replica_id: meter} kept each step's joules and `summary` has energy
-    (power_panel_meters); return their paths. Empty inputs give labelled figures that say "no
-    data" rather than an error. Each replica's line is named by `replica_labels` (replica_id ->
-    name), else "replica <id>"; kv_blocks.png marks each pool's capacity in `kv_capacities`
-    (kv_block_capacities)."""
+    """Write latency_cdf.png, kv_blocks.png, batch_size.png and (with energy) power.png into
+    out_dir and return their paths; empty inputs give figures that say "no data"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = tuple(step_columns)

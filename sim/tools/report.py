@@ -1,21 +1,12 @@
 """`twinserve-report` (or `python -m sim.tools.report`): one table and one comparison figure for a
-Hydra sweep.
+Hydra sweep (docs/sweeps.md).
 
     twinserve-report multirun/2024-05-01/12-00-00                # x = workload.rate if it varies
     twinserve-report SWEEP --x kv_cache.block_size --metrics kv_waste_fraction,peak_num_seqs
 
-It reads the sweep folder's jobs with sim/tools/sweep_jobs.py (each job's overrides, summary.json
-and steps.csv) and presents them. The report is:
-
-- `report.csv`: one row per job: its folder, `status`, one column per override key, every summary
-  key (a nested one such as `per_tenant` as dotted keys: `per_tenant.a.p99_ttft_ms`), and three
-  figures read from steps.csv (`peak_num_seqs`, `peak_num_running`, `mean_kv_blocks_used`) that
-  summary.json does not hold.
-- a PNG with one panel per metric against the x override, one line (or bar group, when x is not
-  numeric) per *policy*: the combination of the other overrides that vary across the sweep.
-
-Jobs without summary.json (failed, or still running) are listed with their status and left out
-of the figure.
+report.csv has a row per job (its overrides, summary keys dotted, three figures from steps.csv);
+the PNG a panel per metric against the x override, a line per *policy* (the combination of the
+other varying overrides). Jobs without summary.json are listed with their status only.
 """
 from __future__ import annotations
 
@@ -49,9 +40,8 @@ PER_CLASS_PLOT = "per_class.png"   # written when the runs have request classes
 # ---- what is plotted ----------------------------------------------------------------------------
 
 def policy_styles(policies: dict[str, list[Job]], policy_keys: list[str]) -> dict[str, dict]:
-    """Matplotlib line styles per policy. With two varying keys, colour follows the second and
-    the line style the first (e.g. colour = prompt length, dashed = swap), so that the pairs to
-    compare stand side by side; otherwise each policy gets its own colour."""
+    """Matplotlib line styles per policy: with two varying keys colour follows the second and
+    line style the first, so that the pairs to compare stand side by side."""
     colors = [f"C{index}" for index in range(10)]
     dashes = ["-", "--", ":", "-."]
     if len(policy_keys) != 2:
@@ -258,9 +248,8 @@ def class_metrics(jobs: list[Job]) -> list[str]:
 def write_report(sweep_dir: str | Path, x_key: str | None = None, out_dir: str | Path | None = None,
                  metrics: Sequence[str] | None = None, title: str | None = None,
                  plot_name: str | None = None, console: Console | None = None) -> Path:
-    """Write report.csv and the comparison PNG of `metrics` (none: default_metrics) for
-    `sweep_dir` into `out_dir` (default: the sweep folder); print the table to `console` when
-    given. Returns the path of report.csv."""
+    """Write report.csv and the comparison PNG of `metrics` for `sweep_dir` into `out_dir`
+    (default: the sweep folder); returns the path of report.csv."""
     sweep_dir = Path(sweep_dir)
     jobs = load_jobs(sweep_dir)
     x_key = choose_x_key(jobs, x_key)

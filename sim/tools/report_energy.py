@@ -2,17 +2,9 @@
 
     python -m sim.tools.report_energy SWEEP [--slo-attainment 0.9]
 
-Comparing tokens per joule at one request rate favours whichever policy is further from
-saturation or closer to it; comparing them where each policy still meets the SLO is the fair
-comparison. For each policy (the overrides that vary, less the x override, as in the sweep
-report), the highest swept rate at which `slo_attainment` is at least the target, and its
-modelled energy there. Writes into the sweep folder:
-
-- `energy_at_slo.csv`: per policy that rate, its SLO attainment, output tok/s, tokens per joule,
-  joules per output token and average power (empty where no swept rate met the target);
-- `energy_vs_slo.png`: tokens per joule against SLO attainment, a point per rate, a line per
-  policy, and the target as a vertical line; beside it tokens per joule at each policy's
-  highest rate meeting the target (the rate written on each bar).
+Tokens per joule at one request rate favour whichever policy is nearer saturation, so each policy
+is compared at the highest swept rate where it still meets the SLO target. Writes
+energy_at_slo.csv and energy_vs_slo.png into the sweep folder.
 """
 from __future__ import annotations
 

@@ -56,10 +56,8 @@ LATENCY_KEY = re.compile(r"(mean|median|p90|p99)_(ttft|tpot|itl|e2el)_ms")
 
 
 def short_names(keys: list[str]) -> dict[str, str]:
-    """Each key less its config group (`kv_cache.block_size` -> `block_size`), a `_target_` key
-    as its group (`scheduler._target_` -> `scheduler`), where that stays unambiguous among
-    `keys`, for legends and table headings. (Matplotlib leaves a label that starts with `_`
-    out of the legend.)"""
+    """Each key less its config group (`kv_cache.block_size` -> `block_size`, `scheduler._target_`
+    -> `scheduler`) where that stays unambiguous, for legends and headings."""
     shortened = {key: key.removesuffix(TARGET_SUFFIX) if key.endswith(TARGET_SUFFIX)
                  else key.split(".", 1)[1] if "." in key else key for key in keys}
     counts: dict[str, int] = {}

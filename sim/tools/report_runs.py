@@ -1,6 +1,5 @@
-"""`twinserve-report` on a folder of single runs (`outputs/`, where `twinserve` without -m writes
-one folder per run): a table of the runs, each with its own overrides, instead of a sweep's
-columns and comparison figure, which only a sweep's jobs (one grid of overrides) make sense of."""
+"""`twinserve-report` on a folder of single runs (`outputs/`): a table of the runs, each with its
+own overrides, since a sweep's columns and figure make sense only of one grid of overrides."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,13 +1,10 @@
 """Resuming an interrupted sweep: `twinserve -m resume=true hydra.sweep.dir=<its folder> ...` with
 the sweep's own overrides skips every job whose folder holds a complete run and reruns the rest.
 
-A job is complete when its folder has COMPLETE_FILE, which the app writes (atomically) after the
-run's last output: results, trace.json and the logger's run. It names the job's overrides, less
-those that only change how a run is watched (NAME_EXCLUDED_KEYS), so a folder that a different
-sweep filled is never taken for this one's. It also keeps the job's Hydra files (.hydra/*.yaml):
-Hydra rewrites them before the job starts, so on such a mismatch they are put back as they were.
-The skip happens in the job itself, so it works with every launcher (basic, joblib, submitit,
-Ray) and keeps Hydra's job numbers and folders.
+A job is complete when its folder has COMPLETE_FILE, written last and naming the job's overrides,
+so that a folder another sweep filled is never taken for this one's (its Hydra files, which Hydra
+rewrites first, are then put back). The skip happens in the job itself, so that it works with
+every launcher and keeps Hydra's job numbers.
 """
 from __future__ import annotations
 
@@ -39,9 +36,8 @@ def mark_complete(out_dir: Path, overrides: Iterable[str], hydra_dir: Path | Non
 
 def complete_summary(out_dir: Path, overrides: Iterable[str],
                      hydra_dir: Path | None) -> dict | None:
-    """The summary of the complete run of `overrides` in `out_dir`; None when there is none (the
-    job has to run). Raises ValueError when `out_dir` holds a complete run of other overrides,
-    after putting that run's Hydra files back into `hydra_dir`."""
+    """The summary of the complete run of `overrides` in `out_dir`, or None; ValueError when it
+    holds a complete run of other overrides (after putting that run's Hydra files back)."""
     out_dir = Path(out_dir)
     try:
         done = json.loads((out_dir / COMPLETE_FILE).read_text())

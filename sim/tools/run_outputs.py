@@ -1,9 +1,6 @@
-"""A run's output files: summary.json, requests.csv (a row per request, REQUEST_COLUMNS),
-steps.csv (a row per step, STEP_COLUMNS) and the PNG plots (sim/tools/plots.py). The experiment
-driver calls `write_run_outputs` once, after the run; a streamed run (sim/core/long_run.py) writes
-its rows as it drops them instead (`StreamedOutputs`: requests in the order they finished, steps
-in the order recorded, no plots). summary.json is written last and each file whole or not at all
-(`atomic_file`), so a folder with summary.json holds the run's other files.
+"""A run's output files: summary.json, requests.csv, steps.csv and the PNG plots, or a streamed
+run's rows as it drops them (`StreamedOutputs`). summary.json is written last and each file whole
+or not at all, so that a folder with summary.json holds the run's other files.
 """
 from __future__ import annotations
 
@@ -52,9 +49,8 @@ def request_rows(requests: list[Request]) -> list[tuple]:
 
 @contextmanager
 def atomic_file(path: Path) -> Iterator[TextIO]:
-    """A text file to write that appears at `path` only once the block finishes: it is written
-    beside `path` under a temporary name and renamed over it, so a process killed mid-write leaves
-    the old file (or none), never a truncated one."""
+    """A text file that appears at `path` only once the block finishes (written under a temporary
+    name and renamed), so that a process killed mid-write never leaves a truncated one."""
     path = Path(path)
     temporary = _temporary_path(path)
     try:
@@ -116,9 +112,8 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
 def write_run_outputs(out_dir: Path, metrics: MetricsCollector, requests: list[Request],
                       summary: dict, plots: bool = True,
                       energy_meters: Mapping[int, EnergyMeter | None] | None = None) -> list[Path]:
-    """Write summary.json, requests.csv, steps.csv of `metrics`' rows and (unless plots=False)
-    the PNG plots into out_dir; `energy_meters` {replica id: its meter} give power.png where
-    they kept each step's joules (sim/core/energy/trace.py). Returns the paths written."""
+    """Write summary.json, requests.csv, steps.csv and (unless plots=False) the PNG plots into
+    out_dir; returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # allow_nan=False: fail loudly here rather than write JSON other tools cannot parse.

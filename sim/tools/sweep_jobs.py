@@ -1,11 +1,7 @@
-"""A Hydra sweep folder's jobs, read for the sweep report (sim/tools/report.py) and the reports
-built on it (report_energy.py): each job's overrides (parsed with Hydra's grammar), its
-summary.json (nested maps as dotted keys), three figures from its steps.csv; which overrides
-vary across the sweep, and which one is the x axis.
-
-A sweep folder (`multirun/<date>/<time>/`, or any `hydra.sweep.dir`) holds one folder per job with
-`.hydra/overrides.yaml` (the job's command-line and sweep overrides) and, once the job finished,
-`summary.json`; a job without it is kept, with its status saying why.
+"""A Hydra sweep folder's jobs, read for the sweep reports: each job's overrides (parsed with
+Hydra's grammar), its summary.json (nested maps as dotted keys) and three figures from its
+steps.csv; which overrides vary, and which one is the x axis. A job without summary.json is
+kept, its status saying why.
 """
 from __future__ import annotations
 
@@ -192,8 +188,7 @@ def normalise_key(key: str) -> str:
 
 def choose_x_key(jobs: list[Job], x_key: str | None) -> str | None:
     """The override on the x axis: the one asked for, else workload.rate if it varies, else the
-    first numeric override that varies, else the first override that varies (categorical), else
-    None (nothing varies: one bar per job)."""
+    first varying numeric override, else the first varying one, else None."""
     keys = override_keys(jobs)
     if x_key is not None:
         x_key = normalise_key(x_key)

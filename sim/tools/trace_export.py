@@ -1,13 +1,7 @@
-"""A run's schedule as a Chrome trace (`trace_export=true` writes trace.json beside steps.csv), in
-the Trace Event Format that Perfetto (ui.perfetto.dev) and chrome://tracing load.
-
-Each replica is a process. Its steps are complete events ("X") on its "steps" thread, one per
-steps.csv row at the same start and duration, named by what the step ran (prefill, decode, mixed)
-with the row's counts as arguments. Each request is a nestable async slice ("b"/"e", category
-"request", its request_id as id) on the replica that served it, from arrival to finish, holding
-its phases: queue (arrival to first scheduled), prefill (to the first token), kv transfer (a
-disaggregated run's hand-off to landing) and decode (to finish). A rejected request is an instant
-event ("i") with its reason. Times are simulated microseconds."""
+"""A run's schedule as a Chrome trace (`trace_export=true` writes trace.json), which Perfetto and
+chrome://tracing load: per replica a process whose steps are complete events, and per request a
+nestable async slice from arrival to finish holding its phases (queue, prefill, kv transfer,
+decode); a rejected request is an instant event. Times are simulated microseconds."""
 from __future__ import annotations
 
 import json
