@@ -450,27 +450,21 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         if spec_lens and num_accepted is None and sampled is None:
             raise ValueError("the executor returned no num_accepted for a plan with spec_lens")
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
-            num_computed = seq.num_computed_tokens + num_new
-            seq.num_computed_tokens = num_computed
-            if num_computed < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end samples nothing
-            if sampled is None:
-                num_sampled = 1
-            else:
-                new_token_ids = sampled[seq.seq_id]
-                seq.output_token_ids.extend(new_token_ids)
-                num_sampled = len(new_token_ids)
+            if seq.num_computed_tokens + num_new < seq.num_tokens:
+                seq.advance(num_new, 0, now)   # a prefill chunk short of the end samples nothing
+                continue
+            new_token_ids = None if sampled is None else sampled[seq.seq_id]
+            num_sampled = 1 if new_token_ids is None else len(new_token_ids)
             if spec_lens and seq.seq_id in spec_lens:
                 if sampled is None:
                     num_sampled += num_accepted[seq.seq_id]
-                # The verification wrote the accepted drafts' KV; the last token's is computed
-                # next step. The rejected drafts' slots go back.
-                seq.num_computed_tokens = num_computed + num_sampled - 1
-                self.kv_cache.trim_slots(seq, num_computed + num_sampled)
-            num_output_tokens = seq.num_output_tokens + num_sampled
-            seq.num_output_tokens = num_output_tokens
-            seq.num_tokens = num_computed + num_sampled
-            seq.last_token_time = now
+                # The verification wrote the accepted drafts' KV, the last token's comes next
+                # step; the rejected drafts' slots go back.
+                seq.advance(num_new + num_sampled - 1, num_sampled, now, new_token_ids)
+                self.kv_cache.trim_slots(seq, seq.num_tokens)
+            else:
+                seq.advance(num_new, num_sampled, now, new_token_ids)
+            num_output_tokens = seq.num_output_tokens
             request = seq.request
             done = num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped)
             if num_output_tokens == num_sampled:
