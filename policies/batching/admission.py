@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from policies.batching.queues import Queues, prefill_chunk
-from policies.capabilities import AdmissionCheckingKVCache, OffloadingKVCache
+from policies.capabilities import AdmissionCheckingKVCache
 from policies.checks import has_capability
 from policies.protocols import KVCacheManager, KVRetentionPolicy, LoRAManager
 from policies.types import Request, Sequence, SequenceStatus, StepPlan
@@ -19,7 +19,8 @@ class Admission:
                  "short_of_blocks", "_may_allocate_new", "_num_loaded_prefix_tokens")
 
     def __init__(self, queues: Queues, kv_cache: KVCacheManager, max_num_seqs: int,
-                 lora: LoRAManager | None, kv_retention: KVRetentionPolicy | None):
+                 lora: LoRAManager | None, kv_retention: KVRetentionPolicy | None,
+                 num_loaded_prefix_tokens: Callable[[Sequence], int] | None):
         self.queues = queues
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -31,9 +32,7 @@ class Admission:
             kv_cache.may_allocate_new
             if has_capability(kv_cache, AdmissionCheckingKVCache, "kv_cache") else None)
         # A host tier for the prefix cache: the prompt tokens loaded back go into the request.
-        offloads = (has_capability(kv_cache, OffloadingKVCache, "kv_cache")
-                    and kv_cache.num_offload_blocks > 0)
-        self._num_loaded_prefix_tokens = kv_cache.num_loaded_prefix_tokens if offloads else None
+        self._num_loaded_prefix_tokens = num_loaded_prefix_tokens
 
     def admit(self, request: Request, plan: StepPlan, token_budget: int, now: float, *,
               chunked: bool, may_admit: Callable[[Request], bool],

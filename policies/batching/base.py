@@ -100,8 +100,15 @@ class BaseScheduler:
         self.lora = lora
         self._now = 0.0   # the time of the step being planned
 
+        # A host tier for the prefix cache: its stores and loads go into each plan (without
+        # tier slots it never has any: no call each step).
+        offloads = (has_capability(kv_cache, OffloadingKVCache, "kv_cache")
+                    and kv_cache.num_offload_blocks > 0)
+        self._take_pending_offload = kv_cache.take_pending_offload if offloads else None
+
         self.queues = Queues()
-        self.admission = Admission(self.queues, kv_cache, max_num_seqs, lora, kv_retention)
+        self.admission = Admission(self.queues, kv_cache, max_num_seqs, lora, kv_retention,
+                                   kv_cache.num_loaded_prefix_tokens if offloads else None)
         self.preempting = PreemptionAndSwap(self.queues, kv_cache, preemption, max_num_seqs,
                                             lora)
         self.handoff = KVHandoff(self.queues, kv_cache)
@@ -115,12 +122,7 @@ class BaseScheduler:
         self.coalesce = (boolean("scheduler.coalesce", coalesce) and self.plain_schedule
                          and self.drafting is None
                          and has_capability(kv_cache, RepeatingKVCache, "kv_cache"))
-        # A host tier for the prefix cache: its stores and loads go into each plan (without
-        # tier slots it never has any: no call each step).
-        self._take_pending_offload = (
-            kv_cache.take_pending_offload
-            if (has_capability(kv_cache, OffloadingKVCache, "kv_cache")
-                and kv_cache.num_offload_blocks > 0) else None)
+
 
     # ---- queues -------------------------------------------------------------------------------
 
