@@ -34,7 +34,7 @@ class Admission:
         # A host tier for the prefix cache: the prompt tokens loaded back go into the request.
         self._num_loaded_prefix_tokens = num_loaded_prefix_tokens
 
-    def admit(self, request: Request, plan: StepPlan, token_budget: int, now: float, *,
+    def admit(self, request: Request, plan: StepPlan, token_budget: int, now: float,
               chunked: bool, may_admit: Callable[[Request], bool],
               take_waiting: Callable[[Request], None]) -> int | None:
         """Admit waiting `request` into `plan` if the scheduler's `may_admit`, the seats, its

@@ -232,8 +232,8 @@ class BaseScheduler:
         waiting, admit, now = self.queues.waiting, self.admission.admit, self._now
         may_admit, take_waiting = self._may_admit, self._take_waiting
         while waiting and token_budget > 0:
-            budget_left = admit(self.next_waiting(now), plan, token_budget, now,
-                                chunked=chunked, may_admit=may_admit, take_waiting=take_waiting)
+            budget_left = admit(self.next_waiting(now), plan, token_budget, now, chunked,
+                                may_admit, take_waiting)
             if budget_left is None:
                 break
             token_budget = budget_left
@@ -358,7 +358,7 @@ class BaseScheduler:
                 plan.decode_run.until = self.kv_retention.next_expiry()
         return plan
 
-    # ---- prefill/decode disaggregation (policies/protocols.py's optional members) -----------------
+    # ---- prefill/decode disaggregation (policies/protocols.py's optional members) -------------
 
     def take_handoffs(self) -> list[Request]:
         """The requests stopped after their first token (`Request.handoff`) since the last call;
@@ -400,24 +400,26 @@ class BaseScheduler:
         running request this step (the pool grew after the head was refused). Requests whose KV
         is arriving (`receiving`) hold their seats and blocks already; the replica's horizon
         ends the run where they land."""
-        return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+        queues = self.queues
+        num_decoding = queues.num_running_seqs - len(self.handoff.receiving)
+        return not (queues.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
-                    or plan.lora_to_load
-                    or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
+                    or plan.lora_to_load or plan.num_decode_seqs != num_decoding
                     or (self.kept_turns is not None and self.kept_turns.released_for_running)
-                    or (self.waiting and not self.admits_in_arrival_order))
+                    or (queues.waiting and not self.admits_in_arrival_order))
 
     def runs_past_finishes(self) -> bool:
         """Whether a run's decodes that finish may leave at their step and the rest run on:
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
+        queues = self.queues
         return (self.plain_update
-                and not (self.waiting or self.swapped or self.receiving))
+                and not (queues.waiting or queues.swapped or self.handoff.receiving))
 
     def rest_of_run(self, plan: StepPlan) -> None:
         """(policies/decode_run.py) The run's plan lost its finished decodes: its LoRA sums."""
         if self.lora is not None:
-            self.lora.finish_step(plan, self.running)
+            self.lora.finish_step(plan, self.queues.running)
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's

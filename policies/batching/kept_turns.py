@@ -38,15 +38,14 @@ class KeptTurns:
         waiting = admission.queues.waiting
         for request in [request for request in waiting if retention.holds_for(request)]:
             admission.short_of_blocks = False
-            budget_left = admission.admit(request, plan, token_budget, now, chunked=chunked,
-                                          may_admit=may_admit, take_waiting=take_waiting)
+            budget_left = admission.admit(request, plan, token_budget, now, chunked, may_admit,
+                                          take_waiting)
             # A session whose turn is here goes before those still waiting on their tools.
             while (budget_left is None and admission.short_of_blocks
                    and retention.release_oldest(now, idle_only=True)):
                 admission.short_of_blocks = False
-                budget_left = admission.admit(request, plan, token_budget, now,
-                                              chunked=chunked, may_admit=may_admit,
-                                              take_waiting=take_waiting)
+                budget_left = admission.admit(request, plan, token_budget, now, chunked,
+                                              may_admit, take_waiting)
             if budget_left is not None:
                 token_budget = budget_left
                 if token_budget <= 0:
