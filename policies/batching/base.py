@@ -229,7 +229,10 @@ class BaseScheduler:
         requests keep the watermark free); unchunked, a prefill is never split. Then the turns
         whose sessions' blocks are kept may go ahead of a head that did not fit. Returns the
         budget left."""
-        waiting, admit, now = self.queues.waiting, self.admission.admit, self._now
+        waiting = self.queues.waiting
+        if not waiting or token_budget <= 0:
+            return token_budget
+        admit, now = self.admission.admit, self._now
         may_admit, take_waiting = self._may_admit, self._take_waiting
         while waiting and token_budget > 0:
             budget_left = admit(self.next_waiting(now), plan, token_budget, now, chunked,
@@ -246,6 +249,8 @@ class BaseScheduler:
     def _swap_in(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
         """Swap requests back in, oldest first, while memory and max_num_seqs allow; their
         sequences are scheduled in the same step. Returns the budget left."""
+        if not self.queues.swapped:
+            return token_budget
         return self.preempting.swap_in(plan, token_budget, chunked=chunked,
                                        may_admit=self._may_admit)
 

@@ -37,5 +37,5 @@ class ContinuousBatchingScheduler(BaseScheduler):
     def _admit_prefills(self, plan: StepPlan) -> None:
         """A prefill step's admissions: waiting requests, none while one is swapped out (those
         came first)."""
-        if not self.swapped:
+        if not self.queues.swapped:
             self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)
