@@ -50,6 +50,19 @@ class Sequence:
         self.draft_lag = 0
         self.starts_run = True
 
+    def advance(self, num_computed: int, num_sampled: int, now: float,
+                token_ids: list[int] | None = None) -> None:
+        """`num_computed` more of its tokens were computed, then `num_sampled` new tokens
+        (`token_ids`, where the run keeps ids) were appended at `now`; none for a prefill chunk
+        short of the prompt's end."""
+        self.num_computed_tokens += num_computed
+        if num_sampled:
+            self.num_tokens += num_sampled
+            self.num_output_tokens += num_sampled
+            self.last_token_time = now
+            if token_ids is not None:
+                self.output_token_ids.extend(token_ids)
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

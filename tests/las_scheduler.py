@@ -79,16 +79,11 @@ class LeastAttainedService:
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             request = seq.request
             self.attained[request.request_id] += num_new
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                   # a prefill chunk short of the end
+            if seq.num_computed_tokens + num_new < seq.num_tokens:
+                seq.advance(num_new, 0, now)               # a prefill chunk short of the end
+                continue
             new_ids = (result.sampled_token_ids or {}).get(seq.seq_id)   # the engine's tokens
-            if new_ids:
-                seq.output_token_ids.extend(new_ids)
-            num_sampled = len(new_ids) if new_ids else 1                 # the simulator's one
-            seq.num_output_tokens += num_sampled
-            seq.num_tokens += num_sampled
-            seq.last_token_time = now
+            seq.advance(num_new, len(new_ids) if new_ids else 1, now, new_ids)   # the sim's one
             if request.first_token_time is None:
                 request.first_token_time = now
             if (seq.num_output_tokens >= request.output_len

@@ -67,7 +67,7 @@ def test_preemption_in_the_pair_keeps_outputs(scheduler, preemption, prefill_blo
     assert len(llm.last_transfers) == len(prompts)
     for scheduler_ in (llm.scheduler, llm.decode_scheduler):
         assert scheduler_.kv_cache.num_used_blocks() == 0
-        assert not (scheduler_.has_unfinished() or scheduler_.handed_off or scheduler_.receiving)
+        assert not (scheduler_.has_unfinished() or scheduler_.handoff.handed_off or scheduler_.receiving)
 
 
 def test_a_prompt_the_decode_replica_can_never_hold_fails_alone(prompts, expected):

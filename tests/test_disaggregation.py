@@ -83,7 +83,7 @@ def test_every_request_is_prefilled_transferred_once_and_decoded_without_leaks(c
         scheduler = replica.scheduler
         assert scheduler.kv_cache.num_used_blocks() == 0
         scheduler.kv_cache.check_invariants()
-        assert not (scheduler.handed_off or scheduler.receiving or scheduler.has_unfinished())
+        assert not (scheduler.handoff.handed_off or scheduler.receiving or scheduler.has_unfinished())
         assert replica.num_pending_transfers == 0
     prefill, decode = summary["per_pool"]["prefill"], summary["per_pool"]["decode"]
     assert prefill["num_decode_seqs"] == 0

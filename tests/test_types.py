@@ -50,3 +50,17 @@ def test_remove_request_recomputes_the_features():
         expected.add(seq, seq.num_tokens - seq.num_computed_tokens)
     plan.remove_request(removed_request)
     assert plan.seqs == kept and features(plan) == features(expected)
+
+
+def test_advance_counts_a_chunk_then_appends_sampled_tokens():
+    request = Request(0, 0.0, prompt_len=10, output_len=4, prompt_token_ids=list(range(10)))
+    seq = Sequence(0, request)
+    seq.advance(6, 0, now=1.0)   # a chunk short of the prompt's end: nothing sampled
+    assert (seq.num_computed_tokens, seq.num_tokens, seq.num_output_tokens) == (6, 10, 0)
+    assert seq.last_token_time == 0.0
+    seq.advance(4, 1, now=2.0, token_ids=[7])
+    assert (seq.num_computed_tokens, seq.num_tokens, seq.num_output_tokens) == (10, 11, 1)
+    assert (seq.last_token_time, seq.output_token_ids) == (2.0, [7])
+    seq.advance(3, 3, now=3.0, token_ids=[8, 9, 5])   # a decode with 2 accepted drafts
+    assert (seq.num_computed_tokens, seq.num_tokens, seq.num_output_tokens) == (13, 14, 4)
+    assert seq.output_token_ids == [7, 8, 9, 5]

@@ -1,25 +1,16 @@
-"""What every scheduler shares: the queues, admission checks, preemption, swap-in and `update`.
+"""What every scheduler shares, composed of parts that each own their state:
 
-A scheduler only moves requests between queues (waiting, running, swapped) and writes StepPlans;
-the KV manager counts blocks; the executor runs the plan. Subclasses decide the order of a step in
-`schedule` using the building blocks here:
+- `Queues` (queues.py)               waiting, running, swapped; the seats the running hold
+- `Admission` (admission.py)         a waiting request joins under the step's token budget
+- `PreemptionAndSwap` (preempting.py) who gives way when memory runs out; swap-in
+- `KVHandoff` (handoff.py)           prefill/decode disaggregation's hand-offs and transfers
+- `KeptTurns` (kept_turns.py)        blocks a KV retention policy keeps between a session's turns
+- `SpeculativeDecodes` (speculative.py) decodes with drafts, with a SpeculationPolicy
 
-- `_admit_waiting`     prefill new (or recompute-preempted) requests within a token budget
-- `_schedule_running`  give every running sequence the tokens it still needs, preempting on OOM
-- `_swap_in`           bring swapped requests back, oldest first (preempting.py, with the
-                       preemption itself)
-
-With a SpeculationPolicy (`speculation=`), `_schedule_running` lets decodes propose k draft tokens
-(`StepPlan.spec_lens`, slots reserved for them, 1 + k tokens of the budget each) and `update` keeps
-the accepted ones, gives the rejected drafts' slots back and tells the policy what was accepted
-(speculative.py). Prefill/decode disaggregation's hand-offs and transfers are in handoff.py.
-
-A plug-in that changes only who goes next overrides `next_waiting(now)` (see the README example)
-or passes its own PreemptionPolicy.
-
-A KV retention policy that keeps blocks between a session's turns (`kv_retention=pin|offload`)
-hears of each turn's arrival, admission and finish (policies/memory/retention.py); what the
-scheduler does with the blocks it keeps is in kept_turns.py.
+A subclass decides the order of a step in `schedule` with the building blocks `_admit_waiting`,
+`_schedule_running` and `_swap_in` between `_new_plan` and `_finish_plan`, and changes who goes
+next through the hooks (`next_waiting(now)`, `_may_admit`, `_take_waiting`,
+`_victim_candidates`, `_preempt`, `_on_request_finished`).
 
 The simulator's repeated steps (sim/core/repeated_steps.py) run only for a class that states the
 promise `repeated_steps`; a subclass that overrides a hook a promise is about without stating the
@@ -31,12 +22,13 @@ import math
 from collections import deque
 from typing import ClassVar
 
+from policies.batching.admission import Admission
 from policies.batching.handoff import KVHandoff
 from policies.batching.kept_turns import KeptTurns
 from policies.batching.preempting import PreemptionAndSwap
+from policies.batching.queues import Queues, prefill_chunk
 from policies.batching.speculative import SpeculativeDecodes
-from policies.capabilities import (AdmissionCheckingKVCache, ExpiringKVRetention,
-                                   OffloadingKVCache)
+from policies.capabilities import ExpiringKVRetention, OffloadingKVCache
 from policies.checks import has_capability
 from policies.protocols import (KVCacheManager, KVRetentionPolicy, LoRAManager,
                                 PreemptionPolicy, SpeculationPolicy)
@@ -65,7 +57,7 @@ def _overrides_a_planning_hook(cls: type) -> bool:
     return False
 
 
-class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap):
+class BaseScheduler:
     # The promises repeated steps rest on (a run skips the calls they are about).
     # `repeated_steps`: `schedule` and every hook it reaches plan from the queues, the batch and
     # the pool alone (not the clock, not a count of steps); a class that defines `schedule`
@@ -104,54 +96,66 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         self.kv_retention = kv_retention
         # Multi-LoRA serving: the replica's adapter slots; None: no request has an adapter.
         self.lora = lora
-        self._replanning = False   # planning again after releasing kept blocks (_finish_plan)
-        # Kept blocks released for a running request in the plan being made: the pool changed
-        # after the queue's head was refused, so the next step may admit it.
-        self._released_for_running = False
-        self._short_of_blocks = False   # why `_admit` last refused: the pool (else seats, budget)
-        # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
-        self._speculates = (speculation is not None
-                            and max_speculative_tokens(speculation) > 0)
+        self._now = 0.0   # the time of the step being planned
         # Whether the simulator can learn when kept blocks are released by time (else no
         # repeated steps).
         self._retention_expires = kv_retention is None or has_capability(
             kv_retention, ExpiringKVRetention, "kv_retention")
 
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
-        self.swapped: deque[Request] = deque()
-        # Prefill/decode disaggregation: requests stopped after their first token whose blocks
-        # wait for the KV transfer (until take_handoffs), and requests whose KV is arriving here.
-        self.handed_off: list[Request] = []
-        self.receiving: list[Request] = []
-        # Sequences the running requests hold or will hold: an unforked request with n > 1
-        # counts n, so its samples never push the batch past max_num_seqs.
-        self.num_running_seqs = 0
-        self._next_seq_id = 0
-        self._now = 0.0  # the time of the step being planned
-        # A KV manager with a host tier for its prefix cache: its stores and loads go into each
-        # plan, its loaded tokens into the request.
-        # (Without tier slots it never stores or loads: no call each step.)
+        # A host tier for the prefix cache: its stores and loads go into each plan (without
+        # tier slots it never has any: no call each step).
         offloads = (has_capability(kv_cache, OffloadingKVCache, "kv_cache")
                     and kv_cache.num_offload_blocks > 0)
         self._take_pending_offload = kv_cache.take_pending_offload if offloads else None
-        self._num_loaded_prefix_tokens = kv_cache.num_loaded_prefix_tokens if offloads else None
-        # A KV manager that can tell an admission's allocation fails before it is tried.
-        self._may_allocate_new = (
-            kv_cache.may_allocate_new
-            if has_capability(kv_cache, AdmissionCheckingKVCache, "kv_cache") else None)
+
+        self.queues = Queues()
+        self.admission = Admission(self.queues, kv_cache, max_num_seqs, lora, kv_retention,
+                                   kv_cache.num_loaded_prefix_tokens if offloads else None)
+        self.preempting = PreemptionAndSwap(self.queues, kv_cache, preemption, max_num_seqs,
+                                            lora)
+        self.handoff = KVHandoff(self.queues, kv_cache)
+        self.kept_turns = (None if kv_retention is None
+                           else KeptTurns(kv_retention, self.admission))
+        # A policy that never drafts (NoSpeculation) leaves the plain decode path untouched.
+        self.drafting = (SpeculativeDecodes(speculation, kv_cache, max_model_len)
+                         if speculation is not None and max_speculative_tokens(speculation) > 0
+                         else None)
 
     # ---- queues -------------------------------------------------------------------------------
 
     @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
+
+    @property
+    def swapped(self) -> deque[Request]:
+        return self.queues.swapped
+
+    @property
+    def num_running_seqs(self) -> int:
+        return self.queues.num_running_seqs
+
+    @property
+    def receiving(self) -> list[Request]:
+        return self.handoff.receiving
+
+    @property
     def num_outstanding(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.receiving)
+        queues = self.queues
+        return (len(queues.waiting) + len(queues.running) + len(queues.swapped)
+                + len(self.handoff.receiving))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        queues = self.queues
+        return bool(queues.waiting or queues.running or queues.swapped)
 
     def queue_lengths(self) -> tuple[int, int, int]:
-        return len(self.waiting), len(self.running), len(self.swapped)
+        queues = self.queues
+        return len(queues.waiting), len(queues.running), len(queues.swapped)
 
     def add_request(self, request: Request, now: float) -> None:
         """Queue a request, or reject it (setting `rejected_reason`) if it can never run."""
@@ -159,8 +163,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         if reason is not None:
             request.rejected_reason = reason
             return
-        request.sequences = [self._new_sequence(request)]
-        self.waiting.append(request)
+        request.sequences = [self.queues.new_sequence(request)]
+        self.queues.waiting.append(request)
         if self.kv_retention is not None:
             self.kv_retention.turn_arrived(request, now)
 
@@ -180,158 +184,114 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                     f"{self.kv_cache.num_blocks} blocks")
         return None
 
-    def _new_sequence(self, request: Request, num_output_tokens: int = 0,
-                      output_token_ids: list[int] | None = None) -> Sequence:
-        seq = Sequence(self._next_seq_id, request, num_output_tokens, output_token_ids)
-        self._next_seq_id += 1
-        return seq
+    # ---- hooks a subclass overrides -----------------------------------------------------------
 
     def next_waiting(self, now: float) -> Request:
         """The waiting request to admit next in the step planned at `now`. FCFS; override to
         reorder admission."""
-        return self.waiting[0]
+        return self.queues.waiting[0]
+
+    def _may_admit(self, request: Request) -> bool:
+        """Whether `request` may join the batch now (static batching holds admission back)."""
+        return True
+
+    def _take_waiting(self, request: Request) -> None:
+        """`request` leaves the waiting queue, admitted."""
+        self.queues.take_waiting(request)
+
+    def _victim_candidates(self, candidates: list[Request]) -> list[Request]:
+        """The requests the preemption policy may pick its victim among."""
+        return candidates
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Take running `request` out of the batch (swapped out or recomputed)."""
+        self.preempting.preempt(request, plan)
+        if self.lora is not None:
+            self.lora.track(self._lora_holders())
+
+    def _on_request_finished(self, request: Request) -> None:
+        """A request finished or was aborted (static batching tracks its batch)."""
+
+    @staticmethod
+    def _highest(candidates: list[Request], key) -> list[Request]:
+        """The candidates with the highest `key` (the least favoured, for _victim_candidates)."""
+        keys = [key(request) for request in candidates]
+        highest = max(keys)
+        return [request for request, value in zip(candidates, keys) if value == highest]
 
     # ---- building blocks for schedule() ---------------------------------------------------------
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
         """Admit waiting requests while the budget, max_num_seqs and the KV pool allow (new
-        requests keep the watermark free). Without chunking a sequence's prefill is never split.
-        Then, with a retention policy, the waiting turns whose sessions' blocks it keeps may go
-        ahead of a head that did not fit (`_admit_kept_turns`). Returns the budget left."""
-        while self.waiting and token_budget > 0:
-            budget_left = self._admit(self.next_waiting(self._now), plan, token_budget,
-                                      chunked=chunked)
+        requests keep the watermark free); unchunked, a prefill is never split. Then the turns
+        whose sessions' blocks are kept may go ahead of a head that did not fit. Returns the
+        budget left."""
+        waiting = self.queues.waiting
+        if not waiting or token_budget <= 0:
+            return token_budget
+        admit, now = self.admission.admit, self._now
+        may_admit, take_waiting = self._may_admit, self._take_waiting
+        while waiting and token_budget > 0:
+            budget_left = admit(self.next_waiting(now), plan, token_budget, now, chunked,
+                                may_admit, take_waiting)
             if budget_left is None:
                 break
             token_budget = budget_left
-        if self.kv_retention is not None and self.waiting and token_budget > 0:
-            token_budget = self._admit_kept_turns(plan, token_budget, chunked=chunked)
+        if self.kept_turns is not None and waiting and token_budget > 0:
+            token_budget = self.kept_turns.admit_turns(plan, token_budget, now, chunked=chunked,
+                                                       may_admit=may_admit,
+                                                       take_waiting=take_waiting)
         return token_budget
 
-    def _admit(self, request: Request, plan: StepPlan, token_budget: int, *,
-               chunked: bool) -> int | None:
-        """Admit waiting `request` into `plan` if the budget, max_num_seqs and the pool allow:
-        the budget left, or None (nothing changed)."""
-        if not self._may_admit(request):
-            return None
-        if self.lora is not None and not self.lora.fits(request.lora_id):
-            return None   # the batch holds max_loras other adapters: it waits, as for memory
-        seqs = request.unfinished_sequences()
-        # _num_live_samples without a second pass: n less the finished, those not in `seqs`.
-        num_live_samples = request.n - len(request.sequences) + len(seqs)
-        if self.num_running_seqs + num_live_samples > self.max_num_seqs:
-            return None
-        if (self._may_allocate_new is not None and not self._may_allocate_new(
-                self._uncached_chunks(seqs, token_budget, chunked))):
-            self._short_of_blocks = True
-            return None   # the allocation below would fail: skip taking and freeing its blocks
-        num_cached = [self.kv_cache.allocate_prefix(seq) for seq in seqs]
-        chunks = []
-        budget_left = token_budget
-        for seq, cached in zip(seqs, num_cached):
-            seq.num_computed_tokens = cached
-            # The samples of a group (recomputed after preemption) may start in later steps.
-            chunk = self._chunk(seq.num_tokens - cached, budget_left, chunked)
-            chunks.append(chunk)
-            budget_left -= chunk
-        fits_budget = chunks[0] > 0
-        if not fits_budget or not self._allocate_all(seqs, chunks):
-            for seq in seqs:
-                self.kv_cache.free(seq)
-                seq.num_computed_tokens = 0
-            self._short_of_blocks = fits_budget
-            return None
-        self._take_waiting(request)
-        for seq, chunk in zip(seqs, chunks):
-            seq.status = SequenceStatus.RUNNING
-            if chunk > 0:
-                plan.add(seq, chunk)
-        self.running.append(request)
-        self.num_running_seqs += num_live_samples
-        if self.lora is not None:
-            self.lora.admitted(request.lora_id)
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = self._now
-            request.num_cached_tokens = num_cached[0]
-            if self._num_loaded_prefix_tokens is not None:
-                request.num_host_cached_tokens = self._num_loaded_prefix_tokens(seqs[0])
-            if self.kv_retention is not None:
-                self.kv_retention.turn_admitted(request, self._now)
-        return budget_left
+    def _swap_in(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
+        """Swap requests back in, oldest first, while memory and max_num_seqs allow; their
+        sequences are scheduled in the same step. Returns the budget left."""
+        if not self.queues.swapped:
+            return token_budget
+        return self.preempting.swap_in(plan, token_budget, chunked=chunked,
+                                       may_admit=self._may_admit)
+
+    def _preempt_for(self, request: Request, plan: StepPlan, pending: list[Sequence]) -> Request:
+        """Preempt the victim that makes room for `request` (`pending`: decodes given slots
+        this step, not yet in the plan). Returns the victim."""
+        victim = self.preempting.victim_for(request, plan, pending, self._victim_candidates)
+        self._preempt(victim, plan)
+        return victim
 
     def _lora_holders(self) -> list[Request]:
         """The requests whose adapters the batch holds: running, and arriving by KV transfer."""
-        return self.running + self.receiving if self.receiving else self.running
+        running, receiving = self.queues.running, self.handoff.receiving
+        return running + receiving if receiving else running
 
-    def _uncached_chunks(self, seqs: list[Sequence], token_budget: int,
-                         chunked: bool) -> list[int]:
-        """The nonzero prefill chunks `_admit_waiting` would give `seqs` if nothing were cached
-        (what `may_allocate_new` is asked about)."""
-        chunks = []
-        for seq in seqs:
-            chunk = self._chunk(seq.num_tokens, token_budget, chunked)
-            if chunk > 0:
-                chunks.append(chunk)
-                token_budget -= chunk
-        return chunks
-
-    @staticmethod
-    def _chunk(need: int, token_budget: int, chunked: bool) -> int:
-        """Tokens of a sequence's `need` to compute this step. Unchunked, a prefill is never
-        split: it runs whole or waits (0)."""
-        if chunked:
-            return min(need, token_budget)
-        return need if need <= token_budget else 0
-
-    def _may_admit(self, request: Request) -> bool:
-        """Hook for schedulers that hold admission back (static batching)."""
-        return True
-
-    def _allocate_all(self, seqs: list[Sequence], chunks: list[int]) -> bool:
-        """Allocate slots for every new chunk, respecting the watermark, all or nothing."""
-        for seq, chunk in zip(seqs, chunks):
-            if chunk > 0 and not self.kv_cache.allocate_slots(
-                    seq, seq.num_computed_tokens + chunk, watermark=True):
-                return False
-        return True
-
-    @staticmethod
-    def _num_live_samples(request: Request) -> int:
-        return request.n - [seq.status for seq in request.sequences].count(
-            SequenceStatus.FINISHED)
-
-    def _take_waiting(self, request: Request) -> None:
-        if self.waiting[0] is request:
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(request)
+    def _release_kept_blocks(self) -> bool:
+        """Whether kept blocks were released for a running request short of memory."""
+        return self.kept_turns is not None and self.kept_turns.release_for_running(self._now)
 
     def _schedule_running(self, plan: StepPlan, token_budget: int, *,
                           chunked: bool) -> tuple[int, bool]:
         """Schedule what every running sequence still needs: one token for a decode, a chunk
-        for a partial prefill (the rest of a chunked prompt, or samples of a group that start
-        after it). Decodes go first, as in Sarathi-Serve, so a long prefill never stalls them.
-        On an allocation failure, preempt the policy's victim among the requests not yet
-        scheduled this step, and retry.
+        for a partial prefill. Decodes go first, as in Sarathi-Serve, so a long prefill never
+        stalls them. On an allocation failure, preempt the policy's victim among the requests
+        not yet scheduled this step, and retry.
 
         Returns the budget left and whether anything was preempted."""
         preempted_any = False
-        # The hot loop of the simulator, once per sequence per step: decodes are collected (in a
-        # comprehension), given their slots in one KV-manager call, and accounted in one plan
-        # call. Usually every running sequence decodes: num_running_seqs bounds their number.
+        # The simulator's hot loop: decodes are collected in a comprehension, given slots in
+        # one KV-manager call and accounted in one plan call.
+        queues = self.queues
         running_status = SequenceStatus.RUNNING
-        decodes = [seq for request in self.running for seq in request.sequences
+        decodes = [seq for request in queues.running for seq in request.sequences
                    if seq.status is running_status   # not finished
                    and seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens]
-        partial_prefills = ([] if len(decodes) == self.num_running_seqs else
-                            [seq for request in self.running for seq in request.sequences
+        partial_prefills = ([] if len(decodes) == queues.num_running_seqs else
+                            [seq for request in queues.running for seq in request.sequences
                              if seq.status is running_status
                              and (seq.num_tokens - seq.num_computed_tokens != 1
                                   or not seq.num_output_tokens)])
         del decodes[max(token_budget, 0):]
-        if self._speculates:
-            num_scheduled, preempted_any = self._schedule_speculative_decodes(plan, decodes,
-                                                                              token_budget)
+        if self.drafting is not None:
+            num_scheduled, preempted_any = self.drafting.schedule_decodes(
+                plan, decodes, token_budget, self._preempt_for)
         else:
             num_allocated = 0
             while ((num_allocated := self.kv_cache.append_slots(decodes, num_allocated))
@@ -341,8 +301,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                 preempted_any = True
                 request = decodes[num_allocated].request
                 victim = self._preempt_for(request, plan, decodes[:num_allocated])
-                # The victim's sequences leave the batch; if it was `request` itself, some of
-                # its samples may be among those already given slots.
+                # If the victim was `request` itself, some of its samples may have slots.
                 num_allocated -= sum(1 for seq in decodes[:num_allocated] if seq.request is victim)
                 decodes[:] = [seq for seq in decodes if seq.request is not victim]
             plan.add_decodes(decodes, drafted=False)   # without speculation no lag arises
@@ -353,7 +312,8 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
                 break
             if seq.status is not running_status:
                 continue  # preempted meanwhile
-            chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget, chunked)
+            chunk = prefill_chunk(seq.num_tokens - seq.num_computed_tokens, token_budget,
+                                  chunked)
             if chunk == 0:
                 continue  # unchunked and too long for what is left: whole, in a later step
             request = seq.request
@@ -370,21 +330,21 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
 
     def _new_plan(self, now: float) -> StepPlan:
         self._now = now
-        if self.kv_retention is not None:
-            self.kv_retention.expire(now)
-            self._released_for_running = False
+        if self.kept_turns is not None:
+            self.kept_turns.new_step(now)
         if self.lora is not None:
             self.lora.track(self._lora_holders())
         return StepPlan(block_tables=self.kv_cache.block_tables)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
-        if (self.kv_retention is not None and plan.is_empty and not self._replanning
+        kept_turns = self.kept_turns
+        if (kept_turns is not None and plan.is_empty and not kept_turns.replanning
                 and self.has_unfinished()):
-            replanned = self._plan_releasing_kept_blocks()
+            replanned = kept_turns.plan_releasing(self.schedule, self._now)
             if replanned is not None:
                 return replanned
         if self.lora is not None:
-            self.lora.finish_step(plan, self.running)
+            self.lora.finish_step(plan, self.queues.running)
         plan.blocks_to_copy.extend(self.kv_cache.take_pending_copies())
         if self._take_pending_offload is not None:
             stores, loads = self._take_pending_offload()
@@ -392,19 +352,48 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             plan.blocks_to_load.extend(loads)
         return plan
 
+    # ---- prefill/decode disaggregation (policies/protocols.py's optional members) -------------
+
+    def take_handoffs(self) -> list[Request]:
+        """The requests stopped after their first token (`Request.handoff`) since the last call;
+        their blocks stay allocated until the cluster frees them after the KV transfer."""
+        return self.handoff.take()
+
+    def admit_transfer(self, request: Request, now: float) -> bool:
+        """Give a request prefilled elsewhere a sequence and blocks here (within max_num_seqs,
+        its adapter and the watermark) so its KV can arrive. False: no room now, nothing
+        changed; one that can never run here gets its `rejected_reason` too."""
+        reason = self._rejection_reason(request)
+        if reason is None and request.n != 1:
+            reason = f"a KV transfer moves one sequence; n={request.n}"
+        if reason is not None:
+            request.rejected_reason = reason
+            return False
+        if self.queues.num_running_seqs + 1 > self.max_num_seqs:
+            return False
+        if self.lora is not None:
+            self.lora.track(self._lora_holders())
+            if not self.lora.fits(request.lora_id):
+                return False
+        return self.handoff.receive(request)
+
+    def finish_transfer(self, request: Request, now: float) -> None:
+        """The KV of a request admitted by admit_transfer has arrived: it decodes from now on."""
+        self.handoff.arrived(request)
+
     # ---- the simulator's repeated steps (sim/core/repeated_steps.py) ---------------------------
 
     def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
         """None unless the next steps would plan this decode batch again; else whether they may
         run past arrivals and when kept blocks are released by time (the pool changes)."""
         # (Speculation decides per step and learns from each.)
-        if (not plan.num_decode_seqs or self._speculates or not self._retention_expires
+        if (not plan.num_decode_seqs or self.drafting is not None or not self._retention_expires
                 or not self._plans_the_batch_again(plan)):
             return None
         if self.kv_retention is None:
             # A blocked FCFS head keeps every later arrival waiting behind it.
-            return bool(self.waiting), math.inf
-        # Kept blocks may let a session's next turn go ahead of the head (_admit_kept_turns).
+            return bool(self.queues.waiting), math.inf
+        # Kept blocks may let a session's next turn go ahead of the head (KeptTurns.admit_turns).
         return False, self.kv_retention.next_expiry()
 
     def _plans_the_batch_again(self, plan: StepPlan) -> bool:
@@ -418,24 +407,26 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         running request this step (the pool grew after the head was refused). Requests whose KV
         is arriving (`receiving`) hold their seats and blocks already; the replica's horizon
         ends the run where they land."""
-        return not (self.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+        queues = self.queues
+        num_decoding = queues.num_running_seqs - len(self.handoff.receiving)
+        return not (queues.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
-                    or plan.lora_to_load
-                    or plan.num_decode_seqs != self.num_running_seqs - len(self.receiving)
-                    or self._released_for_running
-                    or (self.waiting and not self.repeated_steps_past_arrivals))
+                    or plan.lora_to_load or plan.num_decode_seqs != num_decoding
+                    or (self.kept_turns is not None and self.kept_turns.released_for_running)
+                    or (queues.waiting and not self.repeated_steps_past_arrivals))
 
     def may_repeat_past_finishes(self) -> bool:
         """Whether a run's decodes that finish may leave at their step and the rest run on:
         nothing waits, is swapped out or arriving, and `update` keeps the promise."""
+        queues = self.queues
         return (self.repeated_steps_past_finishes
-                and not (self.waiting or self.swapped or self.receiving))
+                and not (queues.waiting or queues.swapped or self.handoff.receiving))
 
     def resum_plan(self, plan: StepPlan) -> None:
         """The plan lost its finished decodes (repeated steps): its LoRA sums."""
         if self.lora is not None:
-            self.lora.finish_step(plan, self.running)
+            self.lora.finish_step(plan, self.queues.running)
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Account for what the step computed: tokens appended (a speculating decode's
@@ -449,38 +440,32 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         if spec_lens and num_accepted is None and sampled is None:
             raise ValueError("the executor returned no num_accepted for a plan with spec_lens")
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
-            num_computed = seq.num_computed_tokens + num_new
-            seq.num_computed_tokens = num_computed
-            if num_computed < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end samples nothing
-            if sampled is None:
-                num_sampled = 1
-            else:
-                new_token_ids = sampled[seq.seq_id]
-                seq.output_token_ids.extend(new_token_ids)
-                num_sampled = len(new_token_ids)
+            if seq.num_computed_tokens + num_new < seq.num_tokens:
+                seq.advance(num_new, 0, now)   # a prefill chunk short of the end samples nothing
+                continue
+            new_token_ids = None if sampled is None else sampled[seq.seq_id]
+            num_sampled = 1 if new_token_ids is None else len(new_token_ids)
             if spec_lens and seq.seq_id in spec_lens:
                 if sampled is None:
                     num_sampled += num_accepted[seq.seq_id]
-                # The verification wrote the accepted drafts' KV; the last token's is computed
-                # next step. The rejected drafts' slots go back.
-                seq.num_computed_tokens = num_computed + num_sampled - 1
-                self.kv_cache.trim_slots(seq, num_computed + num_sampled)
-            num_output_tokens = seq.num_output_tokens + num_sampled
-            seq.num_output_tokens = num_output_tokens
-            seq.num_tokens = num_computed + num_sampled
-            seq.last_token_time = now
+                # The verification wrote the accepted drafts' KV, the last token's comes next
+                # step; the rejected drafts' slots go back.
+                seq.advance(num_new + num_sampled - 1, num_sampled, now, new_token_ids)
+                self.kv_cache.trim_slots(seq, seq.num_tokens)
+            else:
+                seq.advance(num_new, num_sampled, now, new_token_ids)
+            num_output_tokens = seq.num_output_tokens
             request = seq.request
             done = num_output_tokens >= request.output_len or (stopped and seq.seq_id in stopped)
             if num_output_tokens == num_sampled:
                 self._on_first_tokens(seq, result, now, finished_requests)
                 if request.handoff and not done:
-                    self._hand_off(seq)
+                    self.handoff.hand_off(seq)
                     continue
             if done and self.finish_sequence(seq, now):
                 finished_requests.append(request)
-        if self._speculates:
-            self._observe_drafts(plan, result)
+        if self.drafting is not None:
+            self.drafting.observe(plan, result)
         return finished_requests
 
     def _on_first_tokens(self, seq: Sequence, result: StepResult, now: float,
@@ -503,12 +488,13 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             self.kv_cache.free(seq)
         else:
             self.kv_retention.turn_finished(seq, now)
-        self.num_running_seqs -= 1
+        queues = self.queues
+        queues.num_running_seqs -= 1
         request = seq.request
         samples = request.sequences
         if len(samples) == 1 or all(s.status is SequenceStatus.FINISHED for s in samples):
             request.finish_time = now
-            self.running.remove(request)
+            queues.running.remove(request)
             self._on_request_finished(request)
             return True
         return False
@@ -517,15 +503,16 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         """Drop unfinished `request` at `now` (policies.protocols.AbortingScheduler): a running
         one through `finish_sequence`, so its blocks and seats go back as at a finish; a waiting
         (no blocks) or swapped (host blocks) one leaves its queue."""
-        if request in self.running:
-            # An unforked request with n > 1 holds seats for all its samples (num_running_seqs).
+        queues = self.queues
+        if request in queues.running:
+            # An unforked request with n > 1 holds seats for all its samples.
             unstarted_samples = request.n - len(request.sequences)
             for seq in request.unfinished_sequences():
                 self.finish_sequence(seq, now)
-            self.num_running_seqs -= unstarted_samples
+            queues.num_running_seqs -= unstarted_samples
             request.finish_time = None   # (finish_sequence stamped it: it did not finish)
         else:
-            queue = self.swapped if request in self.swapped else self.waiting
+            queue = queues.swapped if request in queues.swapped else queues.waiting
             if request in queue:
                 queue.remove(request)
             for seq in request.unfinished_sequences():
@@ -534,9 +521,6 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
             # (static batching waits for every member of its batch, a preempted one too)
             self._on_request_finished(request)
         request.abandoned_time = now
-
-    def _on_request_finished(self, request: Request) -> None:
-        """Hook for schedulers that track batches."""
 
     def _fork(self, parent: Sequence, result: StepResult, now: float) -> list[Sequence]:
         """Create the n - 1 other samples of a request from its first sequence, sharing its
@@ -547,7 +531,7 @@ class BaseScheduler(KVHandoff, SpeculativeDecodes, KeptTurns, PreemptionAndSwap)
         children = []
         for index in range(request.n - 1):
             token_ids = None if forked_ids is None else [forked_ids[index]]
-            child = self._new_sequence(request, 1, token_ids)
+            child = self.queues.new_sequence(request, 1, token_ids)
             child.status = SequenceStatus.RUNNING
             child.last_token_time = now
             if self.kv_cache.fork(parent, child):

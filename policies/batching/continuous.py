@@ -30,6 +30,7 @@ class ContinuousBatchingScheduler(BaseScheduler):
         return self._finish_plan(plan)
 
     def _admit_prefills(self, plan: StepPlan) -> None:
-        """None while a request is swapped out: those came first."""
-        if not self.swapped:
+        """A prefill step's admissions: waiting requests, none while one is swapped out (those
+        came first)."""
+        if not self.queues.swapped:
             self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)

@@ -53,8 +53,9 @@ class EarliestDeadlineFirstScheduler(ContinuousBatchingScheduler):
                     if request.first_scheduled_time is None and self.deadline(request) < now]
         if hopeless:
             rejected = set(hopeless)
-            self.waiting = type(self.waiting)(
-                request for request in self.waiting if request not in rejected)
+            kept = [request for request in self.waiting if request not in rejected]
+            self.waiting.clear()
+            self.waiting.extend(kept)
             for request in hopeless:
                 request.rejected_reason = REJECTED_REASON
         return hopeless

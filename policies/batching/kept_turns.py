@@ -1,50 +1,75 @@
-"""BaseScheduler's part of KV retention: blocks kept for idle sessions are worth less than a
-running request's progress or a returned turn, so they are released for them, oldest first."""
+"""KV retention's part of the scheduler (policies/memory/retention.py, `kv_retention=pin`): the
+blocks a policy keeps for idle sessions are worth less than a running request's progress or a
+returned session's turn, and are released for them, oldest first; a waiting turn whose
+session's blocks are kept goes ahead of a queue head that does not fit."""
 from __future__ import annotations
 
-from policies.types import StepPlan
+from collections.abc import Callable
+
+from policies.batching.admission import Admission
+from policies.protocols import KVRetentionPolicy
+from policies.types import Request, StepPlan
 
 
 class KeptTurns:
-    """BaseScheduler's `_admit_kept_turns`, `_release_kept_blocks` and
-    `_plan_releasing_kept_blocks`, on its queues and its `kv_retention`."""
+    """`released_for_running`: kept blocks were released for a running request in the plan
+    being made (the pool grew after the queue's head was refused); `replanning`: planning again
+    after releasing kept blocks."""
 
-    def _admit_kept_turns(self, plan: StepPlan, token_budget: int, *, chunked: bool) -> int:
-        """Admit the waiting turns whose blocks are kept, past a head that did not fit: they need
-        only their new tokens, and waiting would hold the kept blocks idle. Returns the budget left."""
-        retention = self.kv_retention
-        for request in [request for request in self.waiting if retention.holds_for(request)]:
-            self._short_of_blocks = False
-            budget_left = self._admit(request, plan, token_budget, chunked=chunked)
-            # A session whose turn is here goes before those still waiting on their tools
-            # (whose pins would not help a turn refused its seat or budget).
-            while (budget_left is None and self._short_of_blocks
-                   and retention.release_oldest(self._now, idle_only=True)):
-                self._short_of_blocks = False
-                budget_left = self._admit(request, plan, token_budget, chunked=chunked)
+    __slots__ = ("retention", "admission", "released_for_running", "replanning")
+
+    def __init__(self, retention: KVRetentionPolicy, admission: Admission):
+        self.retention = retention
+        self.admission = admission
+        self.released_for_running = False
+        self.replanning = False
+
+    def new_step(self, now: float) -> None:
+        self.retention.expire(now)
+        self.released_for_running = False
+
+    def admit_turns(self, plan: StepPlan, token_budget: int, now: float, *, chunked: bool,
+                    may_admit: Callable[[Request], bool],
+                    take_waiting: Callable[[Request], None]) -> int:
+        """Admit, in arrival order, the waiting turns whose sessions' blocks are kept, past a
+        head that did not fit: each costs only its new tokens, and waiting would hold the kept
+        blocks idle. Returns the budget left."""
+        retention, admission = self.retention, self.admission
+        waiting = admission.queues.waiting
+        for request in [request for request in waiting if retention.holds_for(request)]:
+            admission.short_of_blocks = False
+            budget_left = admission.admit(request, plan, token_budget, now, chunked, may_admit,
+                                          take_waiting)
+            # A session whose turn is here goes before those still waiting on their tools.
+            while (budget_left is None and admission.short_of_blocks
+                   and retention.release_oldest(now, idle_only=True)):
+                admission.short_of_blocks = False
+                budget_left = admission.admit(request, plan, token_budget, now, chunked,
+                                              may_admit, take_waiting)
             if budget_left is not None:
                 token_budget = budget_left
                 if token_budget <= 0:
                     break
         return token_budget
 
-    def _release_kept_blocks(self) -> bool:
-        """Release the longest-kept session's blocks instead of preempting (kept blocks are only a
-        chance of reuse, a preemption surely loses work); False when nothing is kept."""
-        if self.kv_retention is not None and self.kv_retention.release_oldest(self._now):
-            self._released_for_running = True
+    def release_for_running(self, now: float) -> bool:
+        """Before a running request is preempted for memory, release the longest-kept session's
+        blocks instead (a preemption throws computed work away for sure); False: none kept."""
+        if self.retention.release_oldest(now):
+            self.released_for_running = True
             return True
         return False
 
-    def _plan_releasing_kept_blocks(self) -> StepPlan | None:
-        """For an empty plan with requests unfinished: release kept blocks a session at a time
-        until a plan is not empty; None when nothing is kept."""
-        self._replanning = True
+    def plan_releasing(self, schedule: Callable[[float], StepPlan],
+                       now: float) -> StepPlan | None:
+        """For an empty plan with requests unfinished: release the oldest kept blocks, a session
+        at a time, until `schedule` plans something (that plan) or nothing is kept (None)."""
+        self.replanning = True
         try:
-            while self.kv_retention.release_oldest(self._now):
-                plan = self.schedule(self._now)
+            while self.retention.release_oldest(now):
+                plan = schedule(now)
                 if not plan.is_empty:
                     return plan
         finally:
-            self._replanning = False
+            self.replanning = False
         return None

@@ -1,16 +1,28 @@
-"""Speculative decoding's part of BaseScheduler: how many drafts each decode proposes and gets
+"""Speculative decoding's part of the scheduler: how many drafts each decode proposes and gets
 slots for, and what the step's accepted drafts tell the speculation policy."""
 from __future__ import annotations
 
-from policies.types import Sequence, StepPlan, StepResult
+from collections.abc import Callable
+
+from policies.protocols import KVCacheManager, SpeculationPolicy
+from policies.types import Request, Sequence, StepPlan, StepResult
 
 
 class SpeculativeDecodes:
-    """BaseScheduler's decodes with drafts (`StepPlan.spec_lens`), with a SpeculationPolicy."""
+    """Decodes with drafts (`StepPlan.spec_lens`), with a SpeculationPolicy that drafts."""
 
-    def _draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
-        """The policy's k per decode, lowered so every decode keeps its own token in the budget
-        and no draft passes the output length or max_model_len."""
+    __slots__ = ("speculation", "kv_cache", "max_model_len")
+
+    def __init__(self, speculation: SpeculationPolicy, kv_cache: KVCacheManager,
+                 max_model_len: int):
+        self.speculation = speculation
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+
+    def draft_lens(self, decodes: list[Sequence], token_budget: int) -> list[int]:
+        """k for each decode: the policy's k for this batch, lowered (down to 0) so that every
+        decode still gets its own token within the budget, and so that no draft passes the
+        request's output length or max_model_len."""
         if not decodes:
             return []
         k = self.speculation.num_speculative_tokens(len(decodes))
@@ -23,12 +35,16 @@ class SpeculativeDecodes:
         return [max(0, min(k, seq.request.output_len - seq.num_output_tokens - 1,
                            max_model_len - seq.num_tokens)) for seq in decodes]
 
-    def _schedule_speculative_decodes(self, plan: StepPlan, decodes: list[Sequence],
-                                      token_budget: int) -> tuple[int, bool]:
-        """Schedule the decodes with their drafts, dropping drafts before preempting anyone.
-        Returns the tokens scheduled and whether anything was preempted."""
+    def schedule_decodes(self, plan: StepPlan, decodes: list[Sequence], token_budget: int,
+                         preempt_for: Callable[[Request, StepPlan, list[Sequence]], Request]
+                         ) -> tuple[int, bool]:
+        """The running decodes when speculating: give each decode slots for its last
+        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
+        decode whose drafts do not fit decodes without them, and one that does not fit even so
+        first takes back the drafts granted so far: drafts never preempt anyone. Returns the
+        tokens scheduled (decodes and drafts) and whether anything was preempted."""
         preempted_any = False
-        draft_lens = self._draft_lens(decodes, token_budget)
+        draft_lens = self.draft_lens(decodes, token_budget)
         spec_lens: dict[int, int] = {}
         kv_cache = self.kv_cache
         index = 0
@@ -48,7 +64,7 @@ class SpeculativeDecodes:
                     draft_lens = [0] * len(decodes)
                     continue
                 preempted_any = True
-                victim = self._preempt_for(seq.request, plan, decodes[:index])
+                victim = preempt_for(seq.request, plan, decodes[:index])
                 index -= sum(1 for other in decodes[:index] if other.request is victim)
                 kept = [i for i, other in enumerate(decodes) if other.request is not victim]
                 decodes[:] = [decodes[i] for i in kept]
@@ -61,9 +77,12 @@ class SpeculativeDecodes:
         plan.add_drafts(spec_lens)
         return len(decodes) + sum(spec_lens.values()), preempted_any
 
-    def _observe_drafts(self, plan: StepPlan, result: StepResult) -> None:
-        """Report proposed and accepted drafts to the policy, and set each sequence's
-        `draft_lag` and `starts_run` for its next step."""
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        """After every step of a speculating run: tell the speculation policy what each
+        speculating decode proposed and how many of its drafts were accepted, and leave on
+        every sequence of the step what its drafts' outcome means for its next step
+        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
+        the simulator's runs of acceptable drafts)."""
         spec_lens = plan.spec_lens
         accepted_by_seq = {}
         if spec_lens:

@@ -11,7 +11,7 @@
   never stalls a replica: when the scheduler would plan nothing, or preempt a running request,
   the oldest pins are released early (`release_oldest`); a waiting turn whose session's blocks
   are pinned (`holds_for`) goes ahead of a head that does not fit, releasing the pins of
-  sessions still idle to fit (BaseScheduler._admit_kept_turns).
+  sessions still idle to fit (KeptTurns.admit_turns, policies/batching/kept_turns.py).
 - `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
   (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
   loads them back.
