@@ -1,6 +1,6 @@
 """How the torch attention path groups a step's sequences into padded tiles. Pure Python (no
 torch): the kernels (kernels/torch_paged.py) run these tiles, and the profiled cost model's
-attention-tile features (sim/profiled/tile_features.py) count the same tiles, so the
+attention-tile features (sim/cost/profiled/tile_features.py) count the same tiles, so the
 simulator sees the padding and the per-tile overhead the engine pays on a CPU.
 """
 from __future__ import annotations

@@ -12,9 +12,9 @@ from policies.types import StepPlan
 from sim.core.energy.meter import EnergyMeter, build_energy_meter, build_power_model
 from sim.core.energy.power import UtilisationPowerModel
 from sim.core.energy.summary import energy_summary
-from sim.core.energy.work import ModelStepWork
+from sim.cost.work import ModelStepWork
 from sim.core.experiment import run_experiment
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import HardwareSpec
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
 

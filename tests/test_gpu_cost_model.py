@@ -1,4 +1,4 @@
-"""The GPU cost model (sim/gpu/): measured table points reproduced, the transfer rule, attention
+"""The GPU cost model (sim/cost/gpu/): measured table points reproduced, the transfer rule, attention
 against hand arithmetic, all-reduces, O(1) steps and the repeated-steps shortcut. No wall-clock."""
 import csv
 import dataclasses
@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from policies.types import Request, Sequence, StepPlan
-from sim.gpu.attention import fit_table
-from sim.gpu.collectives import allreduce_cost
-from sim.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
-from sim.gpu.linear import kernel_floor_ms, predict_layer_ms, predict_op_ms
-from sim.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
+from sim.cost.gpu.attention import fit_table
+from sim.cost.gpu.collectives import allreduce_cost
+from sim.cost.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
+from sim.cost.gpu.linear import kernel_floor_ms, predict_layer_ms, predict_op_ms
+from sim.cost.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
 
 from factories import decode_plan, hardware_spec, model_spec
 
@@ -214,7 +214,7 @@ def test_decode_attention_grid_along_a_run_is_the_lookup_at_each_step():
     grid's last context, the same floats a lookup per step gives."""
     from itertools import islice
 
-    from sim.gpu.vllm_kernels import DecodeAttentionGrid
+    from sim.cost.gpu.vllm_kernels import DecodeAttentionGrid
 
     grid = DecodeAttentionGrid(heads=(8, 8, 128), batch=(1.0, 4.0, 16.0),
                                context=(128.0, 1024.0, 4096.0),

@@ -1,15 +1,15 @@
 """The profiler's fit: a linear model of step duration on the step features, non-negative
 coefficients fitted to each grid point's median duration (relative error), the measurement noise
-as the residuals the cost model draws from, and the local correction (sim/profiled/
+as the residuals the cost model draws from, and the local correction (sim/cost/profiled/
 local_correction.py) chosen by leave-one-out over the grid points."""
 from __future__ import annotations
 
 import numpy as np
 
-from sim.profiled.local_correction import LocalCorrection, log_scaled
-from sim.profiled.step_features import STEP_FEATURES
-from sim.profiled.expert_features import EXPERT_FEATURES
-from sim.profiled.tile_features import TILE_FEATURES
+from sim.cost.profiled.local_correction import LocalCorrection, log_scaled
+from sim.cost.profiled.step_features import STEP_FEATURES
+from sim.cost.profiled.expert_features import EXPERT_FEATURES
+from sim.cost.profiled.tile_features import TILE_FEATURES
 
 SCHEMA = 1
 

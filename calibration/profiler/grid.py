@@ -1,5 +1,5 @@
 """The profiler's designed grid of step shapes and its timing runs: `make_grid` spans every step
-feature (sim/profiled/step_features.py, and the attention-tile features) on its own and in
+feature (sim/cost/profiled/step_features.py, and the attention-tile features) on its own and in
 combination: prefill chunks of several lengths over several cached-context lengths, several
 prefill chunks in one step, decode batches of several sizes over several context lengths, mixed
 batches (decodes + one prefill chunk), copy-on-write copies and swap transfers (next to a small
@@ -22,9 +22,9 @@ from calibration.cpu_noise.speed import SpeedProbe, normalize_samples, take_due_
 from calibration.profiler.fit import fit_profile
 from policies import validators
 from runtime.step_shapes import GridPoint, build_plan, spread, spread_chunks
-from sim.profiled.step_features import STEP_FEATURES, step_features
-from sim.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
-from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
+from sim.cost.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 
 
 # ---------------------------------------------------------------- grid

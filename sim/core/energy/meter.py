@@ -8,8 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 from policies.checks import check_policy, has_capability
 from policies.types import StepPlan
 from sim.core.energy.power import PowerModel, UtilisationPowerModel
-from sim.core.energy.work import ModelStepWork, StepWorkCostModel
-from sim.core.roofline import RooflineCostModel
+from sim.cost.work import ModelStepWork, StepWorkCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import HardwareSpec, ModelSpec
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from sim.core.energy.meter import EnergyMeter
 from sim.core.energy.power import PowerModel
 from sim.core.energy.stages import StagesEnergyMeter
-from sim.core.energy.work import StepWorkCostModel
+from sim.cost.work import StepWorkCostModel
 
 # A replica's next step that starts this long after the previous one ended: it idled between
 # (simulated seconds; steps run back to back start at the float sum of the previous one's end).

@@ -3,7 +3,7 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 
     step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
          + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
-         + LoRA adapters' matmuls and loads (sim/core/lora_cost.py, at the achieved rates)
+         + LoRA adapters' matmuls and loads (sim/cost/lora.py, at the achieved rates)
          + GPU forward pass, which is the larger of
              the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
                           batch's tokens (padded to a CUDA-graph capture size when it has one)
@@ -16,7 +16,7 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
 Everything per token count is precomputed at construction (plain lists indexed by tokens, linear
 beyond), so a step costs O(1) from the plan's aggregates. `describe()` says where each term comes
 from; `expected_error_pct` the end-to-end errors of its kind of prediction in leave-out checks
-(sim/gpu/expected_errors.py); `expected_errors` the leave-one-out error of the kind of transfer the linear layers
+(sim/cost/gpu/expected_errors.py); `expected_errors` the leave-one-out error of the kind of transfer the linear layers
 (the largest term) needed (data/gpu/transfer_errors.json).
 """
 from __future__ import annotations
@@ -27,23 +27,26 @@ from collections.abc import Mapping
 import numpy as np
 
 from policies import validators
+from policies.lora.spec import LoRASpec
 from policies.types import StepPlan
-from sim.core.lora_cost import lora_step_cost
-from sim.core.roofline import RooflineCostModel
-from sim.core.say_once import say_once
 from runtime.specs import HardwareSpec, ModelSpec
-from sim.core.terms_file import with_fitted_terms
-from sim.gpu.attention import attention_cost
-from sim.gpu.collectives import allreduce_cost
-from sim.gpu.experts import MLP_OPS, ExpertKernels
-from sim.gpu.linear import (covering_tables, describe_transfer, nearest_op_table,
+from sim.core.say_once import say_once
+from sim.cost.experts import ExpertLayout, check_expert_parallel_size
+from sim.cost.roofline import (efficiency, hardware_spec, model_spec, roofline_drafting,
+                               roofline_overheads)
+from sim.cost.terms_file import with_fitted_terms
+from sim.cost.work import ModelStepWork
+from sim.cost.gpu.attention import attention_cost
+from sim.cost.gpu.collectives import allreduce_cost
+from sim.cost.gpu.experts import MLP_OPS, ExpertKernels
+from sim.cost.gpu.linear import (covering_tables, describe_transfer, nearest_op_table,
                             predict_layer_ms, predict_lm_head_ms, predict_step_ops_ms)
-from sim.gpu.tables import LAYER_OPS, LayerShape, attention_tables
-from sim.gpu.engine_terms import engine_terms
-from sim.gpu.expected_errors import expected_errors_for, kind_of
-from sim.gpu.transfer_errors import expected_errors
-from sim.gpu.vllm_kernels import VllmKernels
-from sim.gpu.vllm_tables import NoKernelTables, resolve_version, runs_v1_engine
+from sim.cost.gpu.tables import LAYER_OPS, LayerShape, attention_tables
+from sim.cost.gpu.engine_terms import engine_terms
+from sim.cost.gpu.expected_errors import expected_errors_for, kind_of
+from sim.cost.gpu.transfer_errors import expected_errors
+from sim.cost.gpu.vllm_kernels import VllmKernels
+from sim.cost.gpu.vllm_tables import NoKernelTables, resolve_version, runs_v1_engine
 
 # Token counts precomputed as lists; beyond, linear at the slope of the upper half.
 DENSE_TOKENS = 8192
@@ -86,15 +89,18 @@ def _dense(values_from_one: np.ndarray) -> tuple[list[float], float]:
     return [0.0] + values_from_one.tolist(), slope
 
 
-class GPUCostModel(RooflineCostModel):
+class GPUCostModel:
     """Predicts `step_time(plan)` in seconds for `model` on `tensor_parallel_size` GPUs of
     `hardware` from measured operator, attention and NCCL tables (see the module docstring).
 
     Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
     per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
-    attention_backend describe the engine. The remaining keyword arguments are
-    RooflineCostModel's, used for swaps, copies, host-tier moves, drafting and LoRA adapters.
+    attention_backend describe the engine. Swaps, copies, host-tier moves, drafting and LoRA
+    adapters cost as the roofline's (sim/cost/overheads.py, sim/cost/drafting.py), at its
+    efficiencies (compute_efficiency, memory_efficiency, transfer_efficiency).
     """
+
+    reads_only_aggregates = True   # step_time reads the plan's features, never its sequences
 
     def __init__(self, model: ModelSpec | Mapping, hardware: HardwareSpec | Mapping,
                  tensor_parallel_size: int = 1,
@@ -108,34 +114,104 @@ class GPUCostModel(RooflineCostModel):
                  terms_file: str | None = None,
                  engine_version: str | None = None,
                  kernel_tables: str = "vllm",
-                 **roofline_kwargs):
-        owner = "GPUCostModel"
+                 compute_efficiency: float = 0.55,
+                 memory_efficiency: float = 0.85,
+                 transfer_efficiency: float = 0.75,
+                 draft_model: ModelSpec | Mapping | str | None = None,
+                 draft_step_overhead_s: float = 3e-4,
+                 ngram_overhead_s_per_seq: float = 20e-6,
+                 medusa_num_heads: int = 4,
+                 offload_bandwidth_gbps: float | None = None,
+                 routing="uniform",
+                 expert_parallel_size: int = 1,
+                 lora: LoRASpec | Mapping | None = None):
         # Hardware no table covers fails first: the roofline the run falls back to reads the
         # terms file, which may be the roofline's.
-        hardware = (hardware if isinstance(hardware, HardwareSpec)
-                    else HardwareSpec.from_config(hardware))
-        covering_tables(hardware, key=f"hardware={hardware.name}")
-        # The engine's own time: the version's fitted terms unless given (data/gpu/engine_terms.json).
+        self.hardware = hardware_spec(hardware)
+        covering_tables(self.hardware, key=f"hardware={self.hardware.name}")
+        self.terms_file = terms_file
+        self._set_engine_terms(engine_version, step_overhead_s, per_sequence_overhead_s,
+                               eager_launch_overhead_s_per_layer,
+                               workstation_bandwidth_efficiency, cuda_graph_max_tokens,
+                               attention_backend, kernel_tables)
+        self.model = model_spec(model)
+        self.model.check_tensor_parallel_size(tensor_parallel_size)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.block_size = validators.positive_int("GPUCostModel.block_size", block_size)
+        self.routing = routing
+        self._set_spec_sheet_parts(
+            dict(compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency,
+                 transfer_efficiency=transfer_efficiency), draft_model, draft_step_overhead_s,
+            ngram_overhead_s_per_seq, medusa_num_heads, expert_parallel_size)
+        shape = LayerShape.of_model(self.model)
+        self.op_table = nearest_op_table(self.hardware, shape, tensor_parallel_size,
+                                         key=f"hardware={self.hardware.name}")
+        self.linear_transfer_kind, linear_source = describe_transfer(
+            self.op_table, self.hardware, shape, tensor_parallel_size)
+        # The kernels run at a workstation board's achieved rates, the adapters' matmuls too.
+        hw = self.achieved_rates(self.hardware)
+        self.overheads = roofline_overheads(
+            self.model, self.hardware, tensor_parallel_size, self.block_size,
+            self.step_overhead_s, self.per_sequence_overhead_s, self.memory_efficiency,
+            self.transfer_efficiency, offload_bandwidth_gbps, lora,
+            (hw.peak_flops, hw.memory_bandwidth))
+        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
+        terms = self._vllm_tables(tokens, engine_version) if kernel_tables == "vllm" else None
+        if kernel_tables != "vllm":
+            self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
+        if terms is None:
+            terms = self._vidur_tables(tokens, hw, shape)
+        self._set_tables(*terms)
+        self._set_expected_errors()
+        self._sources = self._describe(linear_source)
+        # Bound once: step_time runs every step.
+        self._step_start = self.overheads.step_start
+        self._repeated_start = self.overheads.repeated_start
+
+    def _set_spec_sheet_parts(self, efficiencies: dict, draft_model, draft_step_overhead_s,
+                              ngram_overhead_s_per_seq, medusa_num_heads,
+                              expert_parallel_size) -> None:
+        """What costs as the roofline's, at `efficiencies` of the spec-sheet rates: drafting, a
+        mixture's expert layout and the steps' work."""
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        for name, value in efficiencies.items():
+            setattr(self, name, efficiency(name, value))
+        self.draft_model = (model_spec(draft_model) if isinstance(draft_model, Mapping)
+                            else draft_model)
+        self.drafting = roofline_drafting(
+            m, hw, self.block_size, draft_model, draft_step_overhead_s, ngram_overhead_s_per_seq,
+            medusa_num_heads, hw.peak_flops * self.compute_efficiency,
+            hw.memory_bandwidth * self.memory_efficiency, efficiencies)
+        check_expert_parallel_size(m, expert_parallel_size, tp)
+        self.expert_layout = (ExpertLayout.of(m, self.routing, tp, expert_parallel_size)
+                              if m.is_moe else None)
+        self.work = ModelStepWork(m, tp, self.block_size, self.expert_layout)
+
+    def _set_engine_terms(self, engine_version, step_overhead_s, per_sequence_overhead_s,
+                          eager_launch_overhead_s_per_layer, workstation_bandwidth_efficiency,
+                          cuda_graph_max_tokens, attention_backend, kernel_tables) -> None:
+        """The engine's own terms (the version's fitted ones where not given, a terms file's
+        over both) and settings, checked."""
+        owner = "GPUCostModel"
         version_terms, self.engine_terms_source = engine_terms(engine_version)
-        if step_overhead_s is None:
-            step_overhead_s = version_terms["step_overhead_s"]
-        if per_sequence_overhead_s is None:
-            per_sequence_overhead_s = version_terms["per_sequence_overhead_s"]
-        terms = with_fitted_terms(   # a twinserve-calibrate fit: its terms replace these values
-            "gpu", terms_file, step_overhead_s=step_overhead_s,
-            per_sequence_overhead_s=per_sequence_overhead_s,
+        terms = with_fitted_terms(
+            "gpu", self.terms_file,
+            step_overhead_s=(version_terms["step_overhead_s"] if step_overhead_s is None
+                             else step_overhead_s),
+            per_sequence_overhead_s=(version_terms["per_sequence_overhead_s"]
+                                     if per_sequence_overhead_s is None
+                                     else per_sequence_overhead_s),
             eager_launch_overhead_s_per_layer=eager_launch_overhead_s_per_layer,
             workstation_bandwidth_efficiency=workstation_bandwidth_efficiency)
-        step_overhead_s, per_sequence_overhead_s = (terms["step_overhead_s"],
-                                                    terms["per_sequence_overhead_s"])
-        eager_launch_overhead_s_per_layer = terms["eager_launch_overhead_s_per_layer"]
-        workstation_bandwidth_efficiency = terms["workstation_bandwidth_efficiency"]
         self.workstation_bandwidth_efficiency = float(validators.positive_number(
-            f"{owner}.workstation_bandwidth_efficiency", workstation_bandwidth_efficiency))
-        validators.non_negative_number(f"{owner}.step_overhead_s", step_overhead_s)
-        validators.non_negative_number(f"{owner}.per_sequence_overhead_s", per_sequence_overhead_s)
+            f"{owner}.workstation_bandwidth_efficiency", terms["workstation_bandwidth_efficiency"]))
+        self.step_overhead_s = float(validators.non_negative_number(
+            f"{owner}.step_overhead_s", terms["step_overhead_s"]))
+        self.per_sequence_overhead_s = float(validators.non_negative_number(
+            f"{owner}.per_sequence_overhead_s", terms["per_sequence_overhead_s"]))
         self.eager_launch_overhead_s_per_layer = float(validators.non_negative_number(
-            f"{owner}.eager_launch_overhead_s_per_layer", eager_launch_overhead_s_per_layer))
+            f"{owner}.eager_launch_overhead_s_per_layer",
+            terms["eager_launch_overhead_s_per_layer"]))
         self.cuda_graph_max_tokens = int(validators.number_in(
             f"{owner}.cuda_graph_max_tokens", validators.non_negative_int(
                 f"{owner}.cuda_graph_max_tokens", cuda_graph_max_tokens), 0, DENSE_TOKENS))
@@ -144,84 +220,74 @@ class GPUCostModel(RooflineCostModel):
             raise ValueError(f"{owner}.attention_backend must be one of {backends}, "
                              f"got {attention_backend!r}")
         self.attention_backend = attention_backend
-        super().__init__(model, hardware, tensor_parallel_size, block_size=block_size,
-                         step_overhead_s=step_overhead_s,
-                         per_sequence_overhead_s=per_sequence_overhead_s, **roofline_kwargs)
-        self.terms_file = terms_file   # (the roofline's own, None, set above)
-        m, tp = self.model, self.tensor_parallel_size
-        shape = LayerShape.of_model(m)
-        layers = m.num_layers
-
-        self.op_table = nearest_op_table(self.hardware, shape, tp,
-                                         key=f"hardware={self.hardware.name}")
-        self.linear_transfer_kind, linear_source = describe_transfer(self.op_table, self.hardware,
-                                                                     shape, tp)
-        # The rates the kernels are predicted at: a workstation board's spec-sheet rates scaled
-        # by the share it reaches relative to the measured datacenter boards.
-        hw = self.achieved_rates(self.hardware)
-        if self._lora is not None:   # the adapters' matmuls at the rates the kernels run at
-            self._lora = lora_step_cost(roofline_kwargs["lora"], m, tp, hw.peak_flops,
-                                        hw.memory_bandwidth,
-                                        hw.host_to_device_bandwidth * self.transfer_efficiency)
         if kernel_tables not in KERNEL_TABLES:
             raise ValueError(f"{owner}.kernel_tables must be one of {list(KERNEL_TABLES)}, "
                              f"got {kernel_tables!r}")
-        self.kernels, vllm_terms = None, None
-        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
-        if kernel_tables == "vllm":
-            try:   # (any kernel a table lacks, e.g. an fp8 KV cache on the A100, falls back)
-                system, version, self.kernel_source = resolve_version(self.hardware.name,
-                                                                      engine_version)
-                self.kernels = self._vllm_kernels(system, version, runs_v1_engine(engine_version))
-                vllm_terms = self._vllm_terms(tokens)
-            except NoKernelTables as missing:
-                self.kernels = None
-                self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
-                say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
-                         f"tables (cost_model.kernel_tables=vidur)")
+
+    def _vllm_tables(self, tokens: np.ndarray, engine_version: str | None):
+        """_set_tables' terms from vLLM's kernel tables, and their sources; None where a table
+        lacks a kernel (e.g. an fp8 KV cache on the A100): the Vidur tables stand in."""
+        self.kernels = None
+        try:
+            system, version, self.kernel_source = resolve_version(self.hardware.name,
+                                                                  engine_version)
+            self.kernels = self._vllm_kernels(system, version, runs_v1_engine(engine_version))
+            forward_ms, lm_head_ms, attention, decode_grid = self._vllm_terms(tokens)
+        except NoKernelTables as missing:
+            self.kernels = None
+            self.kernel_source = f"Vidur/Frontier operator tables ({missing})"
+            say_once(f"twinserve: {missing}; cost_model=gpu uses the Vidur/Frontier operator "
+                     f"tables (cost_model.kernel_tables=vidur)")
+            return None
+        m, k, tp = self.model, self.kernels, self.tensor_parallel_size
+        self.kernels_used = f"vLLM {version} on {system}"
+        self._allreduce_source = ("none (tensor_parallel_size 1)" if tp == 1 else
+                                  f"{system} vLLM {version} custom all-reduce (CUDA graph up to "
+                                  f"{self.cuda_graph_max_tokens} tokens, eager beyond), NCCL "
+                                  f"past its size limit")
+        self._linear_source = (f"{self.kernel_source}: QKV, O, gate+up, down GEMMs "
+                               f"({k.gemm_dtype})" + (", router + fused MoE" if m.is_moe else "")
+                               + f" at the tp={tp} shard; norms, rope, act, add from "
+                               f"{self.op_table.name} by bytes")
+        return forward_ms, lm_head_ms, attention, decode_grid
+
+    def _vidur_tables(self, tokens: np.ndarray, hw: HardwareSpec, shape: LayerShape):
+        """_set_tables' terms from the Vidur/Frontier operator, attention and NCCL tables."""
+        m, tp, layers = self.model, self.tensor_parallel_size, self.model.num_layers
+        self.kernels, self.kernels_used, self._linear_source = None, "Vidur/Frontier tables", None
+        self._expert_kernels = None
+        if m.is_moe:   # the expert kernels replace the dense MLP's (sim/cost/gpu/experts.py)
+            self._expert_kernels = ExpertKernels(self.op_table, hw, self.expert_layout, shape)
+            forward_ms = layers * (self._expert_kernels.layer_ms(tokens) + predict_layer_ms(
+                self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
+                ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
         else:
-            self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
-        # What a run's summary names as the kernels it used.
-        self.kernels_used = (f"vLLM {version} on {system}" if self.kernels is not None
-                             else "Vidur/Frontier tables")
-        self._decode_grid = None
-        if vllm_terms is not None:
-            forward_ms, lm_head_ms, attention, self._decode_grid = vllm_terms
-            k = self.kernels
-            allreduce_source = ("none (tensor_parallel_size 1)" if tp == 1 else
-                                f"{system} vLLM {version} custom all-reduce (CUDA graph up to "
-                                f"{self.cuda_graph_max_tokens} tokens, eager beyond), NCCL past "
-                                f"its size limit")
-            linear_source = (f"{self.kernel_source}: QKV, O, gate+up, down GEMMs "
-                             f"({k.gemm_dtype})" + (", router + fused MoE" if m.is_moe else "")
-                             + f" at the tp={tp} shard; norms, rope, act, add from "
-                             f"{self.op_table.name} by bytes")
-        else:
-            if m.is_moe:   # the expert kernels replace the dense MLP's (sim/gpu/experts.py)
-                experts = ExpertKernels(self.op_table, hw, self._experts.layout, shape)
-                forward_ms = layers * (experts.layer_ms(tokens) + predict_layer_ms(
-                    self.op_table, tokens, hw, shape, tp, m.dtype_bytes,
-                    ops=tuple(op for op in LAYER_OPS if op not in MLP_OPS)))
-            else:
-                forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
-                                                       m.dtype_bytes)
-            forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
-            allreduce_source = "none (tensor_parallel_size 1)"
-            if tp > 1:
-                allreduce = allreduce_cost(hw, tp)
-                allreduce_source = allreduce.source
-                forward_ms += 2 * layers * 1e3 * allreduce.seconds(tokens * m.hidden_size * m.dtype_bytes)
-            lm_head_ms = predict_lm_head_ms(self.op_table, tokens, hw, m.hidden_size, m.vocab_size,
-                                            tp, m.dtype_bytes)
-            attention = attention_cost(hw, shape, tp, m.dtype_bytes, attention_backend)
+            forward_ms = layers * predict_layer_ms(self.op_table, tokens, hw, shape, tp,
+                                                   m.dtype_bytes)
+        forward_ms += predict_step_ops_ms(self.op_table, tokens, hw, shape, tp, m.dtype_bytes)
+        self._allreduce_source = "none (tensor_parallel_size 1)"
+        if tp > 1:
+            allreduce = allreduce_cost(hw, tp)
+            self._allreduce_source = allreduce.source
+            forward_ms += 2 * layers * 1e3 * allreduce.seconds(tokens * m.hidden_size
+                                                               * m.dtype_bytes)
+        lm_head_ms = predict_lm_head_ms(self.op_table, tokens, hw, m.hidden_size, m.vocab_size,
+                                        tp, m.dtype_bytes)
+        attention = attention_cost(hw, shape, tp, m.dtype_bytes, self.attention_backend)
+        return forward_ms, lm_head_ms, attention, None
+
+    def _set_tables(self, forward_ms: np.ndarray, lm_head_ms: np.ndarray, attention,
+                    decode_grid) -> None:
+        """Seconds per token count of the forward kernels (a CUDA graph's batch at its capture
+        size) and the LM head, and the attention terms times the layers."""
+        layers = self.model.num_layers
         self._forward_s, self._forward_slope_s = _dense(forward_ms * 1e-3)
-        # A batch a CUDA graph covers runs at its capture size.
         for n, padded in enumerate(_padded_index(self.cuda_graph_max_tokens)):
             self._forward_s[n] = self._forward_s[padded]
         self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
-
-        self._decode_fixed_s = layers * (attention.decode_fixed_s)
+        self._attention, self._decode_grid = attention, decode_grid
+        self._decode_fixed_s = layers * attention.decode_fixed_s
         self._decode_s_per_token = layers * attention.decode_s_per_context_token
         self._decode_s_per_seq = layers * attention.decode_s_per_seq
         self._prefill_fixed_s = layers * attention.prefill_fixed_s
@@ -230,17 +296,27 @@ class GPUCostModel(RooflineCostModel):
         self._prefill_s_per_token = layers * attention.prefill_s_per_token
         self._mixed_decode_s_per_token = layers * attention.mixed_decode_s_per_context_token
 
+    def _set_expected_errors(self) -> None:
+        """The leave-one-out error of the linear layers' transfer, and the end-to-end error of
+        runs of this kind in leave-out checks (TTFT, TPOT, E2E)."""
+        m = self.model
         self.expected_errors = expected_errors()
-        # The end-to-end error of runs of this kind in leave-out checks (TTFT, TPOT, E2E).
         self.prediction_kind = kind_of(
             "vllm" if self.kernels is not None else "vidur",
-            "nearest measured" not in self.kernel_source, tp, m.is_moe, m.quantization is not None)
+            "nearest measured" not in self.kernel_source, self.tensor_parallel_size, m.is_moe,
+            m.quantization is not None)
         self.expected_error_pct = expected_errors_for(self.prediction_kind)
-        self._sources = {
-            "linear": linear_source + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
-                                      "embedding and final norm per step)"
-                      + ("" if self.hardware.compute_efficiency == 1.0 or self.kernels else
-                         f"; the board's compute_efficiency {self.hardware.compute_efficiency:g}"),
+
+    def _describe(self, linear_source: str) -> dict[str, str]:
+        """Per term, what it was taken from (describe())."""
+        m, tp, hardware = self.model, self.tensor_parallel_size, self.hardware
+        attention = self._attention
+        sources = {
+            "linear": (self._linear_source or linear_source)
+                      + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
+                        "embedding and final norm per step)"
+                      + ("" if hardware.compute_efficiency == 1.0 or self.kernels else
+                         f"; the board's compute_efficiency {hardware.compute_efficiency:g}"),
             "lm_head": (f"{self.kernel_source}: the hidden x vocab/tp GEMM over the sampling rows"
                         + (", logits all-gathered (NCCL)" if tp > 1 else "")
                         if self.kernels is not None else
@@ -249,33 +325,34 @@ class GPUCostModel(RooflineCostModel):
             "attention": (attention.source + f"; decode: the measured (batch, context) grid of "
                           f"heads q/kv/d {self._decode_grid.heads}, looked up at the batch and its "
                           f"mean context" if self._decode_grid else attention.source),
-            "allreduce": allreduce_source,
-            "engine": (f"{'fitted: ' + str(terms_file) if terms_file else self.engine_terms_source}: "
-                       f"step_overhead_s={step_overhead_s:g}, per_sequence_overhead_s="
-                       f"{per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
+            "allreduce": self._allreduce_source,
+            "engine": (f"{'fitted: ' + str(self.terms_file) if self.terms_file else self.engine_terms_source}: "
+                       f"step_overhead_s={self.step_overhead_s:g}, per_sequence_overhead_s="
+                       f"{self.per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
                        f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
                        f"{self.cuda_graph_max_tokens}"
-                       + ("" if self.hardware.board != "workstation" or self.kernels else
+                       + ("" if hardware.board != "workstation" or self.kernels else
                           f", workstation_bandwidth_efficiency="
                           f"{self.workstation_bandwidth_efficiency:g}")),
             "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
         }
         if m.is_moe:
-            self._sources["experts"] = (
+            sources["experts"] = (
                 f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
                 f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
                 f"{self.routing!r})"
                 + ("" if self.kernels.moe_ep_size <= tp else
                    f"; dispatch + combine per layer: vLLM's all-gather and reduce-scatter over the "
                    f"data-parallel group, {self.kernels.system} NCCL tables")
-                if self.kernels is not None else experts.source(self.routing))
+                if self.kernels is not None else self._expert_kernels.source(self.routing))
+        return sources
 
     def _vllm_kernels(self, system: str, version: str, v1_engine: bool) -> VllmKernels:
         m, tp = self.model, self.tensor_parallel_size
-        ep = self._experts.layout.expert_parallel_size if m.is_moe else 1
+        ep = self.expert_layout.expert_parallel_size if m.is_moe else 1
         return VllmKernels(m, self.hardware, system, version, tp, self.cuda_graph_max_tokens,
                            moe_tp_size=max(1, tp // ep), moe_ep_size=ep,
-                           moe_tokens_per_token=(self._experts.layout.group_tokens_per_token
+                           moe_tokens_per_token=(self.expert_layout.group_tokens_per_token
                                                  if m.is_moe else 1.0),
                            routing_exponent=_routing_exponent(self.routing) if m.is_moe else 0.0,
                            one_varlen_attention_call=(
@@ -287,12 +364,20 @@ class GPUCostModel(RooflineCostModel):
         m, k, layers = self.model, self.kernels, self.model.num_layers
         forward_ms = (layers * (k.layer_ms(tokens) + 2 * k.allreduce_ms(tokens))
                       + k.step_ops_ms(tokens))
-        if m.is_moe and self._experts.layout.expert_parallel_size > 1:
+        if m.is_moe and self.expert_layout.expert_parallel_size > 1:
             forward_ms += layers * k.expert_dispatch_ms(tokens)
         # The measured decode table itself (a linear fit misses its cache and occupancy steps
         # by up to 30 %).
         return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),
                 k.decode_attention_grid(layers))
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step on one GPU (sim/cost/work.py)."""
+        return self.work.step_work(plan)
+
+    def draft_time(self, plan: StepPlan) -> float:
+        """Seconds spent proposing the plan's drafts (sim/cost/drafting.py)."""
+        return self.drafting.seconds(plan)
 
     def achieved_rates(self, hardware: HardwareSpec) -> HardwareSpec:
         """`hardware` with the rates its kernels are predicted at: its spec FLOP/s scaled by its

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from omegaconf import DictConfig
 
 from policies.checks import has_capability
 from policies.protocols import StatesExpectedError
 from policies.types import StepPlan
 from policies.validators import positive_int
-from sim.core.roofline import RooflineCostModel
+from sim.cost.gpu.collectives import send_recv_cost
+from sim.cost.gpu.cost_model import GPUCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import ModelSpec
 from sim.core.speculation_setup import speculation_setup
 
@@ -95,7 +98,7 @@ class PipelineCostModel:
     tokens' activations (linear at `send_slope_s` per token beyond the list; `send_source` says
     where those times come from)."""
 
-    def __init__(self, stages: list[RooflineCostModel], send_s_per_tokens: list[float],
+    def __init__(self, stages: list[RooflineCostModel | GPUCostModel], send_s_per_tokens: list[float],
                  send_slope_s: float, send_source: str):
         self.stages = stages
         self.num_stages = len(stages)
@@ -155,23 +158,18 @@ def send_bytes_per_token(model: ModelSpec, tensor_parallel_size: int) -> float:
     return 2 * model.hidden_size * model.dtype_bytes / tensor_parallel_size
 
 
-def pipeline_cost_model(stages: list[RooflineCostModel]) -> PipelineCostModel:
+def pipeline_cost_model(stages: list[RooflineCostModel | GPUCostModel]) -> PipelineCostModel:
     """The pipeline over `stages` (each stage's base cost model, first to last): stage sends
     from the measured NCCL send/recv tables for the GPU cost model, else latency + bytes over
     the interconnect as the roofline costs an all-reduce's (allreduce_latency_s,
     transfer_efficiency)."""
-    from sim.gpu.cost_model import GPUCostModel   # (sim/gpu builds on sim/core)
-
     first = stages[0]
-    if not all(isinstance(stage, RooflineCostModel) for stage in stages):
+    if not all(isinstance(stage, (RooflineCostModel, GPUCostModel)) for stage in stages):
         raise ValueError(f"{KEY}={len(stages)} needs cost_model=roofline or gpu, which cost a "
                          f"stage from its layers; got {type(first).__name__}")
     per_token = send_bytes_per_token(first.model, first.tensor_parallel_size)
     message_bytes = [n * per_token for n in range(DENSE_SEND_TOKENS + 1)]
     if isinstance(first, GPUCostModel):
-        import numpy as np
-
-        from sim.gpu.collectives import send_recv_cost
         cost = send_recv_cost(first.hardware)
         seconds = cost.seconds(np.asarray(message_bytes[1:])).tolist()
         send_s = [0.0] + seconds
@@ -181,6 +179,6 @@ def pipeline_cost_model(stages: list[RooflineCostModel]) -> PipelineCostModel:
         rate = first.hardware.interconnect_bandwidth * first.transfer_efficiency
         send_s = [0.0] + [first.allreduce_latency_s + b / rate for b in message_bytes[1:]]
         slope = per_token / rate
-        source = (f"roofline: allreduce_latency_s + bytes over interconnect_gbps x "
-                  f"transfer_efficiency")
+        source = ("roofline: allreduce_latency_s + bytes over interconnect_gbps x "
+                  "transfer_efficiency")
     return PipelineCostModel(stages, send_s, slope, source)

@@ -1,7 +1,7 @@
 """The profiled cost model: a step's duration from a model fitted to engine measurements.
 
 A profile (profiles/<device>/<model>.json, written by the profiler) holds a linear model of the
-step duration over the features it was fitted with (sim/profiled/step_features.py's, and those
+step duration over the features it was fitted with (sim/cost/profiled/step_features.py's, and those
 of the optional layer it names), the relative residuals of the fit (measured / predicted - 1) and
 the range of every feature it was fitted on:
 
@@ -14,10 +14,10 @@ A step takes `prediction × (1 + r)`, r drawn from the residual samples with a s
 so that the simulated tails carry the measured spread rather than the mean alone. A step whose
 features fall outside the profiled ranges is extrapolated linearly, and the first such step of
 each feature is logged as a warning. Where the profile asks for it, the CPU layer adds to this:
-attention-tile features (sim/profiled/tile_features.py, tile names in `features`) and a local
-correction of the linear prediction (sim/profiled/local_correction.py, a `correction` section).
+attention-tile features (sim/cost/profiled/tile_features.py, tile names in `features`) and a local
+correction of the linear prediction (sim/cost/profiled/local_correction.py, a `correction` section).
 A mixture of experts' profile may add the expected experts a step touches
-(sim/profiled/expert_features.py).
+(sim/cost/profiled/expert_features.py).
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ import numpy as np
 from policies import validators
 from policies.decode_run import step_times_one_by_one
 from policies.types import StepPlan
-from sim.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
-from sim.profiled.local_correction import LocalCorrection
-from sim.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
+from sim.cost.profiled.local_correction import LocalCorrection
+from sim.cost.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
 from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
-from sim.core.terms_file import with_fitted_terms
+from sim.cost.terms_file import with_fitted_terms
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def check_profile(profile: dict, where: str = "profile") -> dict:
     features = profile.get("features")
     if not _known_features(features):
         raise ProfileError(f"{where}: its features {features!r} are not "
-                           f"sim.profiled.step_features.STEP_FEATURES {list(STEP_FEATURES)!r} "
+                           f"sim.cost.profiled.step_features.STEP_FEATURES {list(STEP_FEATURES)!r} "
                            f"in that order, with any of the attention-tile features "
                            f"{list(TILE_FEATURES)!r} and expert features "
                            f"{list(EXPERT_FEATURES)!r} in theirs; re-run the profiler")

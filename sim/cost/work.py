@@ -1,7 +1,7 @@
 """A step's work on one GPU: the FLOPs its kernels do and the device-memory bytes they move, from
 the model's shape and the plan's aggregates (O(1) a step), the power model's input.
 
-The terms are the roofline's (sim/core/roofline.py) without its efficiencies:
+The terms are the roofline's (sim/cost/roofline.py) without its efficiencies:
 
     FLOPs = 2 x active linear parameters x batched tokens      (linear layers)
           + 2 x LM-head parameters x sampling rows              (LM head)
@@ -11,7 +11,7 @@ The terms are the roofline's (sim/core/roofline.py) without its efficiencies:
           + 2 x KV block bytes x blocks copied                  (copy-on-write: read and write)
 
 all divided over the tensor-parallel GPUs as the roofline splits them. A mixture of experts reads
-the experts its tokens touch (sim/core/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
+the experts its tokens touch (sim/cost/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
 of them; the cost model's routing and expert parallelism where it has them). Swaps and
 host-tier moves cross PCIe and drafting runs its own model: neither is counted (their seconds
 count at the step's utilisation).
@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from policies.types import StepPlan
-from sim.core.experts import TABLE_TOKENS, ExpertLayout, per_token_table
+from sim.cost.experts import TABLE_TOKENS, ExpertLayout, per_token_table
 from runtime.specs import ModelSpec
 
 
