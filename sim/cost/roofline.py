@@ -160,9 +160,12 @@ class RooflineCostModel:
                  transfer_efficiency=transfer_efficiency))
         self.work = ModelStepWork(self.model, tensor_parallel_size, self.block_size,
                                   self.expert_layout)
-        # Bound once: step_time runs every step.
+        # Bound once: step_time runs every step, and the energy meter asks each step's work
+        # (policies.protocols.StepWorkCostModel, DecodeWorkCostModel).
         self._step_start = self.overheads.step_start
         self._repeated_start = self.overheads.repeated_start
+        self.step_work, self.decode_work_terms = (self.work.step_work,
+                                                  self.work.decode_work_terms)
 
     def _set_terms(self, terms: dict) -> None:
         """The achieved shares of the spec-sheet rates and the fixed costs, checked."""
@@ -207,10 +210,6 @@ class RooflineCostModel:
             link_rate = hw.interconnect_bandwidth * self.transfer_efficiency
             self._allreduce_s_per_token = 2 * m.num_layers * ring_bytes_per_token / link_rate
             self._allreduce_fixed_s = 2 * m.num_layers * self.allreduce_latency_s
-
-    def step_work(self, plan: StepPlan) -> tuple[float, float]:
-        """(FLOPs, device-memory bytes) of the step on one GPU (sim/cost/work.py)."""
-        return self.work.step_work(plan)
 
     @property
     def kv_bytes_per_block(self) -> int:

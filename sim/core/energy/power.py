@@ -14,6 +14,7 @@ over any run of steps whose utilisation stays under the cap.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from policies import validators
@@ -45,6 +46,19 @@ class PowerModel(Protocol):
         """One line: the model and its inputs, for the summary."""
 
 
+@runtime_checkable
+class DecodeRunPowerModel(Protocol):
+    """A power model that charges a run of repeated decode steps whose work is linear
+    (policies.protocols.DecodeWorkCostModel) in one call."""
+
+    def add_decode_run_j(self, total_j: float, num_boards: int, durations_s: Sequence[float],
+                         work_terms: tuple[float, float, float, float], num_decodes: int,
+                         context: int) -> float:
+        """`total_j` plus `num_boards` x busy_energy_j of each step of the run, added step by
+        step: `num_decodes` decodes over `context` tokens in the first step, a token more each
+        in each next."""
+
+
 class UtilisationPowerModel:
     """The default power model (module docstring): idle power plus the dynamic range scaled by
     how busy the step kept compute and memory, capped at the board's maximum."""
@@ -66,15 +80,25 @@ class UtilisationPowerModel:
     def idle_power_w(self) -> float:
         return self._idle_w
 
-    def linear_terms(self) -> tuple[float, float, float, float]:
-        """(idle W, dynamic W, seconds per FLOP, seconds per byte): busy_energy_j's constants,
-        for a meter that repeats its arithmetic over a run of steps without a call a step."""
-        return self._idle_w, self._dynamic_w, self._s_per_flop, self._s_per_byte
-
     def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
         busy_s = flops * self._s_per_flop + bytes_moved * self._s_per_byte
         return (self._idle_w * duration_s
                 + self._dynamic_w * (busy_s if busy_s < duration_s else duration_s))
+
+    def add_decode_run_j(self, total_j: float, num_boards: int, durations_s: Sequence[float],
+                         work_terms: tuple[float, float, float, float], num_decodes: int,
+                         context: int) -> float:
+        flops_per_decode, flops_per_context, weight_bytes, bytes_per_token = work_terms
+        s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
+        idle_w, dynamic_w = self._idle_w, self._dynamic_w
+        decode_flops = num_decodes * flops_per_decode
+        for duration in durations_s:   # busy_energy_j of the protocol's sums, in their order
+            busy_s = ((decode_flops + context * flops_per_context) * s_per_flop
+                      + (weight_bytes + (context + num_decodes) * bytes_per_token) * s_per_byte)
+            total_j += num_boards * (idle_w * duration
+                                     + dynamic_w * (busy_s if busy_s < duration else duration))
+            context += num_decodes
+        return total_j
 
     def describe(self) -> str:
         hw = self.hardware

@@ -164,9 +164,12 @@ class GPUCostModel:
         self._set_tables(*terms)
         self._set_expected_errors()
         self._sources = self._describe(linear_source)
-        # Bound once: step_time runs every step.
+        # Bound once: step_time runs every step, and the energy meter asks each step's work
+        # (policies.protocols.StepWorkCostModel, DecodeWorkCostModel).
         self._step_start = self.overheads.step_start
         self._repeated_start = self.overheads.repeated_start
+        self.step_work, self.decode_work_terms = (self.work.step_work,
+                                                  self.work.decode_work_terms)
 
     def _set_spec_sheet_parts(self, efficiencies: dict, draft_model, draft_step_overhead_s,
                               ngram_overhead_s_per_seq, medusa_num_heads,
@@ -370,10 +373,6 @@ class GPUCostModel:
         # by up to 30 %).
         return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),
                 k.decode_attention_grid(layers))
-
-    def step_work(self, plan: StepPlan) -> tuple[float, float]:
-        """(FLOPs, device-memory bytes) of the step on one GPU (sim/cost/work.py)."""
-        return self.work.step_work(plan)
 
     def draft_time(self, plan: StepPlan) -> float:
         """Seconds spent proposing the plan's drafts (sim/cost/drafting.py)."""
