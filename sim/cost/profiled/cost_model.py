@@ -146,8 +146,29 @@ class ProfiledCostModel:
             self.profile_path = str(profile)
         self.metadata = data.get("metadata") or {}
         fitted = list(data["features"])
-        # With tile features, a vector of the core and the tile features; its order is the
-        # profile's, then the features it lacks (which cost 0).
+        self._set_features(fitted, where, block_size, content_only=isinstance(profile, dict))
+        self._set_fit(data, fitted, where)
+        self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
+        self._offload_s_per_block = None   # None: a plan that moves tier blocks is an error
+        if model is not None and hardware is not None and block_size is not None:
+            model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+            hardware = (hardware if isinstance(hardware, HardwareSpec)
+                        else HardwareSpec.from_config(hardware))
+            self._offload_s_per_block = offload_seconds_per_block(
+                model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
+        self.terms_file = terms_file
+        self._set_served_terms(with_fitted_terms(
+            "profiled", terms_file, step_time_scale=step_time_scale,
+            step_overhead_s=step_overhead_s, per_sequence_overhead_s=per_sequence_overhead_s))
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._draws: list[float] = []
+        self._warned: set[str] = set()
+
+    def _set_features(self, fitted: list[str], where: str, block_size: int | None,
+                      content_only: bool) -> None:
+        """The feature vector: the profile's features in its order, then those it lacks (which
+        cost 0); the tiling and routing that its tile and expert features need."""
         self.uses_tiles = any(name in TILE_FEATURES for name in fitted)
         # The tiles come from each sequence's length; the plain features from the plan's sums.
         self.reads_only_aggregates = not self.uses_tiles
@@ -158,23 +179,26 @@ class ProfiledCostModel:
             name for name in computed if name not in fitted)
         order = [computed.index(name) for name in self.feature_names]
         self._order = None if order == list(range(len(computed))) else order
-        self.tiling = None
-        if self.uses_tiles and not (isinstance(profile, dict) and block_size is None):
-            try:
+        self._sequence_indices = (self.feature_names.index("num_prefill_seqs"),
+                                  self.feature_names.index("num_decode_seqs"))
+        self.tiling = self.routing = None
+        try:
+            if self.uses_tiles and not (content_only and block_size is None):
                 self.tiling = profile_tiling(self.metadata, block_size)
-            except ValueError as error:
-                raise ProfileError(f"{where}: {error}") from None
-        self.routing = None
-        if self.uses_experts:
-            try:
+            if self.uses_experts:
                 self.routing = profile_routing(self.metadata)
-            except ValueError as error:
-                raise ProfileError(f"{where}: {error}") from None
-            if self.routing is None:
-                raise ProfileError(f"{where}: it was fitted with {list(EXPERT_FEATURES)} but "
-                                   f"metadata.model_config has no num_experts")
+        except ValueError as error:
+            raise ProfileError(f"{where}: {error}") from None
+        if self.uses_experts and self.routing is None:
+            raise ProfileError(f"{where}: it was fitted with {list(EXPERT_FEATURES)} but "
+                               f"metadata.model_config has no num_experts")
+
+    def _set_fit(self, data: dict, fitted: list[str], where: str) -> None:
+        """The linear model, its residuals, the profiled feature ranges and the local
+        correction, checked."""
         model_data = data["model"]
-        self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
+        self.intercept_s = _number(model_data.get("intercept_s", 0.0),
+                                   f"{where}: model.intercept_s")
         self.coefficients_s = tuple(
             _number(model_data["coefficients_s"].get(name, 0.0),
                     f"{where}: model.coefficients_s.{name}")
@@ -185,9 +209,8 @@ class ProfiledCostModel:
             raise ProfileError(f"{where}: relative residuals must be > -1 (a measured duration "
                                f"is positive)")
         self.residual_samples = np.asarray(samples, dtype=np.float64)
-        ranges = data.get("feature_ranges") or {}
         self.feature_ranges: dict[str, tuple[float, float]] = {}
-        for name, bounds in ranges.items():
+        for name, bounds in (data.get("feature_ranges") or {}).items():
             if name not in self.feature_names:
                 raise ProfileError(f"{where}: feature_ranges has unknown feature {name!r}")
             if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
@@ -205,33 +228,17 @@ class ProfiledCostModel:
             except ValueError as error:
                 raise ProfileError(f"{where}: correction is malformed ({error}); re-fit the "
                                    f"profile") from None
-        self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
-        self._offload_s_per_block = None   # None: a plan that moves tier blocks is an error
-        if model is not None and hardware is not None and block_size is not None:
-            model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
-            hardware = (hardware if isinstance(hardware, HardwareSpec)
-                        else HardwareSpec.from_config(hardware))
-            self._offload_s_per_block = offload_seconds_per_block(
-                model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
-        # What a served run costs beyond the profiled steps (twinserve-calibrate fits them): the
-        # machine's speed then relative to the profile's, a server's work per step and per
-        # scheduled sequence (each one's tokens streamed).
-        terms = with_fitted_terms("profiled", terms_file, step_time_scale=step_time_scale,
-                                  step_overhead_s=step_overhead_s,
-                                  per_sequence_overhead_s=per_sequence_overhead_s)
-        self.terms_file = terms_file
+
+    def _set_served_terms(self, terms: dict) -> None:
+        """What a served run costs beyond the profiled steps (twinserve-calibrate fits them):
+        the machine's speed then relative to the profile's, a server's work per step and per
+        scheduled sequence."""
         self.step_time_scale = validators.positive_number(
             "ProfiledCostModel.step_time_scale", terms["step_time_scale"])
         self.step_overhead_s = validators.non_negative_number(
             "ProfiledCostModel.step_overhead_s", terms["step_overhead_s"])
         self.per_sequence_overhead_s = validators.non_negative_number(
             "ProfiledCostModel.per_sequence_overhead_s", terms["per_sequence_overhead_s"])
-        self._sequence_indices = (self.feature_names.index("num_prefill_seqs"),
-                                  self.feature_names.index("num_decode_seqs"))
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
-        self._draws: list[float] = []
-        self._warned: set[str] = set()
 
     def features(self, plan: StepPlan) -> tuple[float, ...]:
         """The plan's feature vector, in `feature_names` order."""
