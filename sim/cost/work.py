@@ -23,7 +23,8 @@ from collections.abc import Callable
 import numpy as np
 
 from policies.types import StepPlan
-from sim.cost.experts import TABLE_TOKENS, ExpertLayout, per_token_table
+from sim.cost.experts import ExpertLayout
+from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from runtime.specs import ModelSpec
 
 

@@ -20,13 +20,9 @@ from typing import Protocol, runtime_checkable
 from policies import validators
 from runtime.specs import HardwareSpec
 
-# The share of its peak FLOP/s at which a board reaches its power limit: the GEMM share the
-# roofline reaches (its compute_efficiency), as a prefill-saturated board runs at its limit
-# (Patel et al., "Splitwise", ISCA 2024: prompt phases draw near TDP, token phases well below).
+# A board reaches its power limit at the roofline's GEMM share of peak FLOP/s, as a prefill runs
+# near TDP; the memory weight is anchored on a measured H200 decode (docs/energy.md, both).
 DEFAULT_COMPUTE_SATURATION = 0.55
-# The share of the dynamic range a board streaming memory at its full spec bandwidth draws:
-# an H200 decoding at batch 128 draws 517 W between 80 W idle and 700 W (0.70 of the range,
-# ~0.75 of the bandwidth in use; docs/energy.md).
 DEFAULT_MEMORY_WEIGHT = 0.7
 
 

@@ -2,8 +2,8 @@
 determines it (data/gpu/), with the engine's own costs as a few named, fittable terms.
 
     step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
-         + swaps, copies, host-tier moves, drafting     (RooflineCostModel's arithmetic)
-         + LoRA adapters' matmuls and loads (sim/cost/lora.py, at the achieved rates)
+         + swaps, copies, host-tier moves, LoRA adapters (sim/cost/overheads.py)
+         + drafting (sim/cost/drafting.py)
          + GPU forward pass, which is the larger of
              the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
                           batch's tokens (padded to a CUDA-graph capture size when it has one)
@@ -13,11 +13,9 @@ determines it (data/gpu/), with the engine's own costs as a few named, fittable 
                           layers x eager_launch_overhead_s_per_layer (the CPU launches ahead of
                           the GPU, so the slower of the two sets the pace)
 
-Everything per token count is precomputed at construction (plain lists indexed by tokens, linear
-beyond), so a step costs O(1) from the plan's aggregates. `describe()` says where each term comes
-from; `expected_error_pct` the end-to-end errors of its kind of prediction in leave-out checks
-(sim/cost/gpu/expected_errors.py); `expected_errors` the leave-one-out error of the kind of transfer the linear layers
-(the largest term) needed (data/gpu/transfer_errors.json).
+Every term per token count is a precomputed list (sim/cost/token_tables.py), so a step costs
+O(1). `describe()` says where each term comes from, `expected_error_pct` the leave-out error of
+its kind of prediction (sim/cost/gpu/expected_errors.py). docs/gpu-cost-model.md has the rest.
 """
 from __future__ import annotations
 
@@ -35,6 +33,7 @@ from sim.cost.experts import ExpertLayout, check_expert_parallel_size
 from sim.cost.roofline import (efficiency, hardware_spec, model_spec, roofline_drafting,
                                roofline_overheads)
 from sim.cost.terms_file import with_fitted_terms
+from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from sim.cost.work import ModelStepWork
 from sim.cost.gpu.attention import attention_cost
 from sim.cost.gpu.collectives import allreduce_cost
@@ -48,11 +47,7 @@ from sim.cost.gpu.transfer_errors import expected_errors
 from sim.cost.gpu.vllm_kernels import VllmKernels
 from sim.cost.gpu.vllm_tables import NoKernelTables, resolve_version, runs_v1_engine
 
-# Token counts precomputed as lists; beyond, linear at the slope of the upper half.
-DENSE_TOKENS = 8192
-
-
-# Where the kernels come from: vLLM's own, per version (aiconfigurator), or Vidur's 2023 profiles.
+# Where the kernels come from: vLLM's own per version (aiconfigurator), or Vidur's profiles.
 KERNEL_TABLES = ("vllm", "vidur")
 
 
@@ -80,13 +75,6 @@ def _padded_index(max_tokens: int) -> list[int]:
             size = next(size_iter)
         index.append(size)
     return index
-
-
-def _dense(values_from_one: np.ndarray) -> tuple[list[float], float]:
-    """[0, v(1), ..., v(N)] as a list, and the slope to extend it past N."""
-    n = len(values_from_one)
-    slope = float(values_from_one[-1] - values_from_one[n // 2 - 1]) / (n - n // 2)
-    return [0.0] + values_from_one.tolist(), slope
 
 
 class GPUCostModel:
@@ -155,7 +143,7 @@ class GPUCostModel:
             self.step_overhead_s, self.per_sequence_overhead_s, self.memory_efficiency,
             self.transfer_efficiency, offload_bandwidth_gbps, lora,
             (hw.peak_flops, hw.memory_bandwidth))
-        tokens = np.arange(1, DENSE_TOKENS + 1, dtype=float)
+        tokens = np.arange(1, TABLE_TOKENS + 1, dtype=float)
         terms = self._vllm_tables(tokens, engine_version) if kernel_tables == "vllm" else None
         if kernel_tables != "vllm":
             self.kernel_source = "Vidur/Frontier operator tables (cost_model.kernel_tables=vidur)"
@@ -217,7 +205,7 @@ class GPUCostModel:
             terms["eager_launch_overhead_s_per_layer"]))
         self.cuda_graph_max_tokens = int(validators.number_in(
             f"{owner}.cuda_graph_max_tokens", validators.non_negative_int(
-                f"{owner}.cuda_graph_max_tokens", cuda_graph_max_tokens), 0, DENSE_TOKENS))
+                f"{owner}.cuda_graph_max_tokens", cuda_graph_max_tokens), 0, TABLE_TOKENS))
         backends = sorted({t.backend for t in attention_tables()})
         if attention_backend not in backends:
             raise ValueError(f"{owner}.attention_backend must be one of {backends}, "
@@ -284,10 +272,10 @@ class GPUCostModel:
         """Seconds per token count of the forward kernels (a CUDA graph's batch at its capture
         size) and the LM head, and the attention terms times the layers."""
         layers = self.model.num_layers
-        self._forward_s, self._forward_slope_s = _dense(forward_ms * 1e-3)
+        self._forward_s, self._forward_slope_s = per_token_table(forward_ms * 1e-3)
         for n, padded in enumerate(_padded_index(self.cuda_graph_max_tokens)):
             self._forward_s[n] = self._forward_s[padded]
-        self._lm_head_s, self._lm_head_slope_s = _dense(lm_head_ms * 1e-3)
+        self._lm_head_s, self._lm_head_slope_s = per_token_table(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
         self._attention, self._decode_grid = attention, decode_grid
         self._decode_fixed_s = layers * attention.decode_fixed_s
@@ -399,15 +387,15 @@ class GPUCostModel:
     def forward_kernels_s(self, num_tokens: int) -> float:
         """Seconds of the forward pass's non-attention kernels (all-reduces included) at
         `num_tokens` batched tokens, padded as a CUDA graph would."""
-        if num_tokens <= DENSE_TOKENS:
+        if num_tokens <= TABLE_TOKENS:
             return self._forward_s[num_tokens]
-        return self._forward_s[DENSE_TOKENS] + (num_tokens - DENSE_TOKENS) * self._forward_slope_s
+        return self._forward_s[TABLE_TOKENS] + (num_tokens - TABLE_TOKENS) * self._forward_slope_s
 
     def lm_head_kernels_s(self, num_rows: int) -> float:
         """Seconds of the LM head over `num_rows` sampling rows."""
-        if num_rows <= DENSE_TOKENS:
+        if num_rows <= TABLE_TOKENS:
             return self._lm_head_s[num_rows]
-        return self._lm_head_s[DENSE_TOKENS] + (num_rows - DENSE_TOKENS) * self._lm_head_slope_s
+        return self._lm_head_s[TABLE_TOKENS] + (num_rows - TABLE_TOKENS) * self._lm_head_slope_s
 
     def _decode_attention_s(self, context_tokens: int, num_decodes: int, num_drafts: int) -> float:
         """The decodes' context is read once however many queries (drafts) each has; drafts add
