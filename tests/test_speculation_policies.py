@@ -696,7 +696,8 @@ def test_draft_cost_is_sequential_draft_model_steps_or_an_ngram_lookup():
     draft = model_spec("llama-68m")
     no_draft_cost = RooflineCostModel(model, hardware)
     with_draft = RooflineCostModel(model, hardware, draft_model=draft)
-    draft_alone = RooflineCostModel(draft, hardware, step_overhead_s=with_draft.drafting.draft_step_overhead_s,
+    draft_alone = RooflineCostModel(draft, hardware,
+                                    step_overhead_s=with_draft.drafting.draft_step_overhead_s,
                                     per_sequence_overhead_s=0.0)
     for k in (1, 2, 5):
         plan = spec_plan(16, 300, k)

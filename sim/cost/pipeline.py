@@ -78,7 +78,8 @@ class PipelineCostModel:
     tokens' activations (linear at `send_slope_s` per token beyond the list; `send_source` says
     where those times come from)."""
 
-    def __init__(self, stages: list[RooflineCostModel | GPUCostModel], send_s_per_tokens: list[float],
+    def __init__(self, stages: list[RooflineCostModel | GPUCostModel],
+                 send_s_per_tokens: list[float],
                  send_slope_s: float, send_source: str):
         self.stages = stages
         self.num_stages = len(stages)

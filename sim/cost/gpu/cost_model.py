@@ -317,7 +317,8 @@ class GPUCostModel:
                           f"heads q/kv/d {self._decode_grid.heads}, looked up at the batch and its "
                           f"mean context" if self._decode_grid else attention.source),
             "allreduce": self._allreduce_source,
-            "engine": (f"{'fitted: ' + str(self.terms_file) if self.terms_file else self.engine_terms_source}: "
+            "engine": (("fitted: " + str(self.terms_file) if self.terms_file
+                        else self.engine_terms_source) + ": "
                        f"step_overhead_s={self.step_overhead_s:g}, per_sequence_overhead_s="
                        f"{self.per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
                        f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
