@@ -1,4 +1,4 @@
-"""Sanity step times of the GPU cost model (sim/gpu/) on a few (model, GPU, tensor-parallel)
+"""Sanity step times of the GPU cost model (sim/cost/gpu/) on a few (model, GPU, tensor-parallel)
 combinations, with where each term came from. Checks, not fits: nothing here tunes the model.
 
     python bench/gpu_step_times.py
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from policies.types import StepPlan
 from runtime.policy_config import CONF_DIR
-from sim.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cost_model import GPUCostModel
 
 
 def decode(batch: int, context: int) -> StepPlan:

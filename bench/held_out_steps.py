@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from calibration.profiler.grid import profile_together
     from engine.builder import executor_builder
     from engine.model_loader import load_model
-    from sim.profiled.cost_model import ProfiledCostModel
-    from sim.profiled.expert_features import ExpertRouting
+    from sim.cost.profiled.cost_model import ProfiledCostModel
+    from sim.cost.profiled.expert_features import ExpertRouting
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Pipeline parallelism's bubble and overlap in the simulator (sim/core/pipeline.py,
+"""Pipeline parallelism's bubble and overlap in the simulator (sim/cost/pipeline.py,
 sim/core/pipelined_replica.py), Llama-2-7B on A100-80GBs, both cost models. Per step (a lone
 decode, a lone 2,048-token prompt, eight 1,024-token prompts, 8 and 256 decodes at 512 tokens of
 context), against the step at one stage: its latency through idle stages (the bubble: a lone
@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from policies.types import StepPlan
-from sim.core.build import build_cost_model
+from sim.cost.build import build_cost_model
 from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment
 from runtime.specs import HardwareSpec, ModelSpec

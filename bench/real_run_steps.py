@@ -36,7 +36,7 @@ from calibration.realrun.prompt_blocks import seen_before_tokens
 from calibration.realrun.readers import llmservingsim_hash_ids, llmservingsim_settings
 from calibration.realrun.settings import V1_DEFAULTS, is_v1, match_hardware, match_model
 from runtime.policy_config import CONF_DIR
-from sim.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cost_model import GPUCostModel
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "data" / "real-runs" / "llmservingsim"

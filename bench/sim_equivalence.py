@@ -139,7 +139,7 @@ def profile_without_tile_features() -> Path:
     """The tiny-llama CPU profile without its attention-tile features (which read each
     sequence's length, so its steps never repeat), written to a temp file of this run's own
     (two runs at once, or from checkouts with other profiles, must not share one)."""
-    from sim.profiled.tile_features import TILE_FEATURES
+    from sim.cost.profiled.tile_features import TILE_FEATURES
 
     profile = json.loads((CONF_DIR.parent / "profiles/cpu/tiny-llama.json").read_text())
     profile["features"] = [name for name in profile["features"] if name not in TILE_FEATURES]

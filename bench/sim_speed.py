@@ -43,7 +43,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from sim.core.experiment import run_experiment
-from sim.gpu import tables as gpu_tables
+from sim.cost.gpu import tables as gpu_tables
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_REQUESTS_PER_WALL_S = 10_000
@@ -180,7 +180,7 @@ def main():
                       TWO_POOL_TARGET_REQUESTS_PER_WALL_S, False))
     workloads.append(("sessions 4k closed loop @3/s", CLOSED_LOOP_SESSIONS,
                       CLOSED_LOOP_TARGET_REQUESTS_PER_WALL_S, False))
-    # A mixture of experts (routed experts costed per step, sim/core/experts.py): within 2x of
+    # A mixture of experts (routed experts costed per step, sim/cost/experts.py): within 2x of
     # the dense synthetic row above.
     workloads.append((f"MoE Mixtral TP2 {args.requests // 1000}k @{args.rates[0]:g}/s",
                       [*synthetic[args.rates[0]], "model=mixtral-8x7b",

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from calibration.silicon import compare_rows, read_silicon_rows, select_rows
-from sim.gpu.engine_terms import ENGINE_TERMS_FILE
+from sim.cost.gpu.engine_terms import ENGINE_TERMS_FILE
 
 TERMS = ("step_overhead_s", "per_sequence_overhead_s")
 

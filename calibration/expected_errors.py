@@ -1,5 +1,5 @@
 """Leave-out checks end to end, by kind of prediction, into data/gpu/expected_errors.json (the
-GPU cost model's stated expected error).
+GPU cost model's stated expected error: sim/cost/gpu/expected_errors.py).
 
     python -m calibration.expected_errors [--write]
     python -m calibration.expected_errors --show      # the shipped file's statements and coverage
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from sim.gpu.expected_errors import (EXPECTED_ERRORS_FILE, KIND_KEYS, METRICS,
+from sim.cost.gpu.expected_errors import (EXPECTED_ERRORS_FILE, KIND_KEYS, METRICS,
                                      expected_errors_for, kind_of, leave_one_out_coverage)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def _kind(cost_model, closed_loop: bool) -> dict[str, str]:
 def silicon_checks() -> list[dict]:
     from calibration.silicon import compare_rows, read_silicon_rows, row_config, \
         silicon_overrides, skip_reason
-    from sim.core.build import build_cost_model
+    from sim.cost.build import build_cost_model
     from runtime.specs import HardwareSpec, ModelSpec
 
     rows = [row for row in read_silicon_rows() if skip_reason(row) is None
@@ -65,7 +65,7 @@ def silicon_checks() -> list[dict]:
 def real_run_checks() -> list[dict]:
     from calibration.realrun.readers import read_run
     from calibration.realrun.replay import compose_replay_config, replay
-    from sim.core.build import build_cost_model
+    from sim.cost.build import build_cost_model
     from runtime.specs import HardwareSpec, ModelSpec
 
     checks = []
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         EXPECTED_ERRORS_FILE.write_text(json.dumps({
             "about": ("Leave-out checks end to end (python -m calibration.expected_errors "
                       "--write): each a prediction of a measurement no term was fitted on, its "
-                      "kind and its signed errors in %. sim/gpu/expected_errors.py states the "
+                      "kind and its signed errors in %. sim/cost/gpu/expected_errors.py states the "
                       "80th percentile of |error| of a run's kind."),
             "checks": checks}, indent=1) + "\n")
         print(f"wrote {EXPECTED_ERRORS_FILE} ({len(checks)} checks)")

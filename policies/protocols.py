@@ -308,9 +308,10 @@ class CostModel(Protocol):
     `medusa_num_heads`. `step_time` reads the plan's aggregate features (num_prefill_tokens,
     decode_context_tokens, spec_lens, ...); it may draw noise, and is called once per step.
     Optional, each a protocol of its own: `expected_error_pct` (StatesExpectedError, below), the
-    summary's expected_{ttft,tpot,e2e}_error_pct; `costs_repeated_steps` and
-    `repeated_step_times(plan, num_steps)` (RepeatedStepsCostModel, sim/core/repeated_steps.py),
-    which cost the simulator's repeated steps as one event. The executor wrapping it may report its
+    summary's expected_{ttft,tpot,e2e}_error_pct; `step_work` (StepWorkCostModel, below), what
+    the energy meter charges; `costs_repeated_steps` and `repeated_step_times(plan, num_steps)`
+    (RepeatedStepsCostModel, sim/core/repeated_steps.py), which cost the simulator's repeated
+    steps as one event. The executor wrapping it may report its
     machine's speed (ReportsSpeed, below)."""
 
     def step_time(self, plan: StepPlan) -> float:
@@ -323,6 +324,26 @@ class StatesExpectedError(Protocol):
 
     # {"ttft", "tpot", "e2e": percent, "checks": how many, "basis": their kind}; None: none
     expected_error_pct: dict | None
+
+
+@runtime_checkable
+class StepWorkCostModel(Protocol):
+    """A cost model that says the work of the steps it costs, what the energy meter charges power
+    for (the roofline and GPU cost models; without it, the work of the model's shape)."""
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        """(FLOPs, device-memory bytes) of the step `plan` on one GPU."""
+
+
+@runtime_checkable
+class DecodeWorkCostModel(Protocol):
+    """A StepWorkCostModel whose decode-only steps' work is linear, so that the energy meter
+    charges a run of repeated decode steps without a call a step."""
+
+    def decode_work_terms(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, d): a step of n decodes alone (no prefill, drafts or block copies) over a
+        context of t tokens does n·a + t·b FLOPs and moves c + (t + n)·d bytes, the very sums
+        step_work makes; None where its work is not of that form."""
 
 
 @runtime_checkable

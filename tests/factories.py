@@ -23,9 +23,9 @@ import simpy
 from policies.batching import ChunkedPrefillScheduler
 from policies.routing import RoundRobinRouter
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
-from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
-from sim.profiled.cost_model import ProfiledCostModel
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
+from sim.cost.profiled.cost_model import ProfiledCostModel
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from runtime.assembly import kv_cache_policy_config
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from runtime.metrics import MetricsCollector

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from policies.protocols import Executor
 from policies.types import StepPlan
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.core.executor import SimExecutor
 from runtime.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
 

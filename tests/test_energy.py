@@ -12,9 +12,9 @@ from policies.types import StepPlan
 from sim.core.energy.meter import EnergyMeter, build_energy_meter, build_power_model
 from sim.core.energy.power import UtilisationPowerModel
 from sim.core.energy.summary import energy_summary
-from sim.core.energy.work import ModelStepWork
+from sim.cost.work import ModelStepWork
 from sim.core.experiment import run_experiment
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import HardwareSpec
 from tests.factories import decode_plan, hardware_spec, make_cfg, model_spec
 
@@ -67,6 +67,60 @@ def test_a_run_of_repeated_steps_counts_as_its_steps_one_by_one():
     for step, duration in enumerate(durations):
         one_by_one.add_step(decode_plan(5, 300 + step), duration)
     assert (together.busy_s, together.busy_j) == (one_by_one.busy_s, one_by_one.busy_j)
+
+
+class DoubledFlopsCostModel:
+    """A user's cost model (not the roofline) whose steps do twice the model's FLOPs, saying so
+    through both work protocols; it counts its step_work calls."""
+
+    def __init__(self, model):
+        self.work, self.step_work_calls = ModelStepWork(model), 0
+
+    def step_time(self, plan: StepPlan) -> float:
+        return 0.01
+
+    def step_work(self, plan: StepPlan) -> tuple[float, float]:
+        self.step_work_calls += 1
+        flops, bytes_moved = self.work.step_work(plan)
+        return 2 * flops, bytes_moved
+
+    def decode_work_terms(self):
+        per_decode, per_context, weight_bytes, per_token = self.work.decode_work_terms()
+        return 2 * per_decode, 2 * per_context, weight_bytes, per_token
+
+
+class PerStepPowerModel:
+    """A user's power model with busy_energy_j alone (no run of steps in one call)."""
+
+    def __init__(self, hardware):
+        self.model = UtilisationPowerModel(hardware)
+        self.idle_power_w = self.model.idle_power_w
+
+    def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
+        return self.model.busy_energy_j(duration_s, flops, bytes_moved)
+
+    def describe(self) -> str:
+        return "per step"
+
+
+def test_the_meter_charges_the_work_a_cost_model_states_whatever_its_class():
+    """A run of repeated steps is charged from the cost model's decode_work_terms in one call,
+    bit for bit its step_work one step at a time, and not the model shape's work; a power model
+    without the run call charges the same joules step by step."""
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    durations = [0.0131, 0.0133, 0.0129]
+    cost_model = DoubledFlopsCostModel(model)
+    together, one_by_one = (build_energy_meter(None, model, hardware, 1, 16, cost_model)
+                            for _ in range(2))
+    shape_only = build_energy_meter(None, model, hardware, 1, 16, None)
+    step_by_step = EnergyMeter(PerStepPowerModel(hardware), cost_model)
+    together.add_repeated_steps(decode_plan(4, 2000), durations)
+    assert cost_model.step_work_calls == 0
+    step_by_step.add_repeated_steps(decode_plan(4, 2000), durations)
+    for step, duration in enumerate(durations):
+        one_by_one.add_step(decode_plan(4, 2000 + step), duration)
+        shape_only.add_step(decode_plan(4, 2000 + step), duration)
+    assert together.busy_j == one_by_one.busy_j == step_by_step.busy_j > shape_only.busy_j
 
 
 def test_a_mixture_reads_fewer_experts_in_small_batches():

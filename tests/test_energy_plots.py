@@ -11,7 +11,7 @@ import pytest
 from sim.core.energy.meter import EnergyMeter
 from sim.core.energy.power import UtilisationPowerModel
 from sim.core.energy.trace import TracedEnergyMeter, power_over_time, step_power_w
-from sim.core.energy.work import ModelStepWork
+from sim.cost.work import ModelStepWork
 from sim.core.experiment import run_experiment
 from runtime.metrics import STEP_COLUMNS
 from sim.tools.plots import joules_text, plot_power, power_panel_meters

@@ -1,9 +1,9 @@
-"""Stated expected errors come from leave-out checks of the run's kind (sim/gpu/expected_errors.py),
+"""Stated expected errors come from leave-out checks of the run's kind (sim/cost/gpu/expected_errors.py),
 and a version's engine terms are the ones that close its rows' TPOT gap (calibration/engine_terms.py)."""
 import pytest
 
 import calibration.engine_terms as engine_terms
-from sim.gpu.expected_errors import (expected_errors_for, kind_of, leave_one_out_coverage,
+from sim.cost.gpu.expected_errors import (expected_errors_for, kind_of, leave_one_out_coverage,
                                      percentile_abs)
 
 
@@ -71,7 +71,7 @@ def test_a_closed_loop_run_states_the_closed_loop_checks():
 
 def test_the_shipped_checks_state_an_error_for_an_h100_run():
     from factories import hardware_spec, model_spec
-    from sim.gpu.cost_model import GPUCostModel
+    from sim.cost.gpu.cost_model import GPUCostModel
     model = GPUCostModel(model_spec("llama-2-70b"), hardware_spec("h100-80gb"), 4)
     stated = model.expected_error_pct
     assert stated["checks"] >= 2 and stated["tpot"] > 0 and stated["ttft"] > 0

@@ -1,4 +1,4 @@
-"""The profiled cost model's expert feature (sim/profiled/expert_features.py): the expected
+"""The profiled cost model's expert feature (sim/cost/profiled/expert_features.py): the expected
 distinct experts a step's tokens touch matches sampled uniform routing; a profile fitted with it
 predicts a per-expert cost on step shapes it was not fitted on, which the core features alone
 miss; a profile with the feature but no experts in its metadata is refused."""
@@ -13,10 +13,10 @@ import pytest
 from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile
 from runtime.step_shapes import GridPoint, build_plan
-from sim.profiled.cost_model import ProfiledCostModel, ProfileError
-from sim.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, expert_features,
+from sim.cost.profiled.cost_model import ProfiledCostModel, ProfileError
+from sim.cost.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, expert_features,
                                           profile_routing)
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from policies.types import StepResult
 
 from factories import TRUE_COEFS, TRUE_INTERCEPT

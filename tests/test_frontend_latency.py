@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from calibration.realrun.calibrate import fit, main
-from sim.core.terms_file import read_terms_file
+from sim.cost.terms_file import read_terms_file
 from calibration.realrun.readers import read_run
 from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment

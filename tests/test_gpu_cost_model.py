@@ -1,4 +1,4 @@
-"""The GPU cost model (sim/gpu/): measured table points reproduced, the transfer rule, attention
+"""The GPU cost model (sim/cost/gpu/): measured table points reproduced, the transfer rule, attention
 against hand arithmetic, all-reduces, O(1) steps and the repeated-steps shortcut. No wall-clock."""
 import csv
 import dataclasses
@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from policies.types import Request, Sequence, StepPlan
-from sim.gpu.attention import fit_table
-from sim.gpu.collectives import allreduce_cost
-from sim.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
-from sim.gpu.linear import kernel_floor_ms, predict_layer_ms, predict_op_ms
-from sim.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
+from sim.cost.gpu.attention import fit_table
+from sim.cost.gpu.collectives import allreduce_cost
+from sim.cost.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
+from sim.cost.gpu.linear import kernel_floor_ms, predict_layer_ms, predict_op_ms
+from sim.cost.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
 
 from factories import decode_plan, hardware_spec, model_spec
 
@@ -214,7 +214,7 @@ def test_decode_attention_grid_along_a_run_is_the_lookup_at_each_step():
     grid's last context, the same floats a lookup per step gives."""
     from itertools import islice
 
-    from sim.gpu.vllm_kernels import DecodeAttentionGrid
+    from sim.cost.gpu.vllm_kernels import DecodeAttentionGrid
 
     grid = DecodeAttentionGrid(heads=(8, 8, 128), batch=(1.0, 4.0, 16.0),
                                context=(128.0, 1024.0, 4096.0),
@@ -238,3 +238,24 @@ def test_decode_attention_grid_along_a_run_is_the_lookup_at_each_step():
     assert along == [by_hand(8, context) for context in contexts]
     assert along == [grid(8, context) for context in contexts]
     assert grid(1, 128) == 1.0 and grid(16, 16 * 4096) == 50.0   # measured points
+
+
+def test_swaps_copies_and_drafting_cost_what_they_cost_the_roofline():
+    """The GPU cost model shares the roofline's memory operations and drafting (composed, not
+    inherited): at the same efficiencies they add the same seconds to a step."""
+    from sim.cost.roofline import RooflineCostModel
+    model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
+    settings = dict(transfer_efficiency=0.6, memory_efficiency=0.7, draft_model="ngram",
+                    ngram_overhead_s_per_seq=1e-4)
+    gpu, roofline = GPUCostModel(model, hardware, **settings), RooflineCostModel(model, hardware,
+                                                                                **settings)
+    plain, busy = decode_plan(8, 500), decode_plan(8, 500)
+    busy.blocks_to_swap_in, busy.blocks_to_copy = [(1, 2), (3, 4)], [(5, 6)]
+    busy.spec_lens = {0: 2, 1: 2}
+    busy.num_draft_tokens, busy.max_draft_len = 4, 2
+    for cost_model in (gpu, roofline):
+        assert cost_model.draft_time(busy) == pytest.approx(2 * 1e-4)
+    plain.num_draft_tokens, plain.max_draft_len = 4, 2
+    added = [cost_model.step_time(busy) - cost_model.step_time(plain)
+             for cost_model in (gpu, roofline)]
+    assert added[0] == pytest.approx(added[1], rel=1e-9) and added[0] > 2e-4

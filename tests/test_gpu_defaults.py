@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-import sim.core.build as build
+from runtime.policy_config import CONF_DIR
 import sim.core.say_once as say_once_module
 from sim.core.experiment import run_experiment
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import HardwareSpec
-from sim.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cost_model import GPUCostModel
 
 from factories import decode_plan, hardware_spec, make_cfg, model_spec
 
@@ -132,6 +132,6 @@ def test_shipped_files_are_found_from_any_working_directory(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     model = GPUCostModel(model_spec("llama-3.1-8b"), hardware_spec("rtx-4090"),
                          terms_file="profiles/gpu/vllm-0.19.json")
-    shipped = json.loads((build.CONF_DIR.parent / "profiles" / "gpu" / "vllm-0.19.json")
+    shipped = json.loads((CONF_DIR.parent / "profiles" / "gpu" / "vllm-0.19.json")
                          .read_text())["terms"]
     assert model.step_overhead_s == shipped["step_overhead_s"]

@@ -12,7 +12,7 @@ import pytest
 
 from policies.types import StepPlan
 from runtime.specs import HardwareSpec
-from sim.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cost_model import GPUCostModel
 
 from factories import decode_plan, hardware_spec, model_spec
 

@@ -1,4 +1,4 @@
-"""The profile's local correction (sim/profiled/local_correction.py): where the
+"""The profile's local correction (sim/cost/profiled/local_correction.py): where the
 linear model misfits a region of step shapes, the kernel average of the grid points'
 measured/fitted ratios brings the prediction back, chosen by leave-one-out; far from the points
 and where the linear model is already right it changes nothing. And `twinserve-profile --refit` re-fits a written profile."""
@@ -11,9 +11,9 @@ import pytest
 
 from calibration.profiler.cli import main, refit, write_profile
 from calibration.profiler.fit import fit_local_correction, fit_profile
-from sim.profiled.local_correction import LocalCorrection
-from sim.profiled.cost_model import ProfileError, ProfiledCostModel
-from sim.profiled.step_features import STEP_FEATURES
+from sim.cost.profiled.local_correction import LocalCorrection
+from sim.cost.profiled.cost_model import ProfileError, ProfiledCostModel
+from sim.cost.profiled.step_features import STEP_FEATURES
 
 from factories import predict
 

@@ -18,11 +18,11 @@ from policies.routing import LoRAAffinityRouter
 from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
 from runtime.assembly import build_lora_manager
 from sim.core.experiment import run_experiment
-from sim.core.lora_cost import lora_adapter_bytes
+from sim.cost.lora import lora_adapter_bytes
 from runtime.policy_config import CONF_DIR
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.core.workload import build_session_source, build_workload
-from sim.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cost_model import GPUCostModel
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, assert_same_run, build_scheduler,
                        check_outcome, drive, hardware_spec, make_cfg, model_spec,

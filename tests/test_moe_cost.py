@@ -11,15 +11,15 @@ import torch
 
 from calibration.realrun.settings import match_model, settings_overrides
 from policies.types import StepPlan
-from sim.core.experts import (ExpertLayout, expected_experts_touched, inclusion_probabilities,
+from sim.cost.experts import (ExpertLayout, expected_experts_touched, inclusion_probabilities,
                               routing_shares)
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import kv_cache_num_blocks, weight_bytes_per_gpu
-from sim.gpu.collectives import allreduce_cost
-from sim.gpu.cost_model import GPUCostModel
-from sim.gpu.experts import MLP_OPS, ExpertKernels
-from sim.gpu.linear import predict_op_ms
-from sim.gpu.tables import LayerShape
+from sim.cost.gpu.collectives import allreduce_cost
+from sim.cost.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.experts import MLP_OPS, ExpertKernels
+from sim.cost.gpu.linear import predict_op_ms
+from sim.cost.gpu.tables import LayerShape
 
 from factories import decode_plan, hardware_spec, make_cfg, model_spec
 
@@ -170,7 +170,7 @@ def test_small_decode_reads_fewer_expert_weights_than_dense_and_large_batches_al
     dense = dense_equivalent(mixtral)
     assert abs(dense.num_parameters - mixtral.num_parameters) / mixtral.num_parameters < 1e-4
     moe_cost, dense_cost = cost_model(mixtral, a100, 2), cost_model(dense, a100, 2)
-    layout = moe_cost._experts.layout
+    layout = moe_cost.expert_layout
     all_experts = mixtral.num_experts * mixtral.expert_parameters * mixtral.dtype_bytes / 2
     assert layout.expert_weight_bytes_read(1) == pytest.approx(all_experts * 2 / 8)
     for batch in (1, 2, 4):
@@ -211,7 +211,7 @@ def test_roofline_routed_experts_by_hand():
 def test_gpu_one_expert_mixture_is_the_dense_mlp_plus_its_router():
     """A mixture of a single expert (k = 1) routes every token to it: its routed kernels are
     the dense MLP's kernels, and the forward pass differs from the dense model's by the router
-    GEMM alone (the Vidur tables' expert kernels, sim/gpu/experts.py)."""
+    GEMM alone (the Vidur tables' expert kernels, sim/cost/gpu/experts.py)."""
     llama, a100 = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
     one_expert = dataclasses.replace(llama, name="one-expert", num_experts=1,
                                      num_experts_per_tok=1,
@@ -220,7 +220,7 @@ def test_gpu_one_expert_mixture_is_the_dense_mlp_plus_its_router():
     tokens = np.array([1.0, 8.0, 64.0, 700.0, 4096.0])   # CUDA-graph sizes, or past them
     shape = LayerShape.of_model(llama)
     hw = moe.achieved_rates(a100)
-    kernels = ExpertKernels(moe.op_table, hw, moe._experts.layout, shape)
+    kernels = ExpertKernels(moe.op_table, hw, moe.expert_layout, shape)
     dense_mlp = sum(predict_op_ms(moe.op_table, op, tokens, hw, shape, 1, 2) for op in MLP_OPS)
     np.testing.assert_allclose(kernels.routed_ms(tokens), dense_mlp, rtol=1e-9)
     router_s = llama.num_layers * kernels.router_ms(tokens) * 1e-3
@@ -296,13 +296,14 @@ def test_expert_parallel_all_to_all_and_weights_per_gpu():
 # ---- configuration and the real run ----------------------------------------------------------------
 
 def test_run_with_expert_parallelism_and_bad_keys_named():
-    from sim.core.build import build_cost_model, num_kv_blocks
+    from sim.core.build import num_kv_blocks
+    from sim.cost.build import build_cost_model
 
     qwen, pro = model_spec("qwen3-30b-a3b"), hardware_spec("rtx-pro-6000")
     cfg = make_cfg("model=qwen3-30b-a3b", "hardware=rtx-pro-6000", "cluster.num_replicas=2",
                    "cluster.expert_parallel_size=2", "cost_model.routing={skewed: 1.5}")
     cost = build_cost_model(cfg, qwen, pro)
-    assert cost._experts.layout.expert_parallel_size == 2
+    assert cost.expert_layout.expert_parallel_size == 2
     assert cost.routing == {"skewed": 1.5}
     single = make_cfg("model=qwen3-30b-a3b", "hardware=rtx-pro-6000")
     assert num_kv_blocks(cfg, qwen, pro) > num_kv_blocks(single, qwen, pro)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (sim/core/pipeline.py, sim/core/pipelined_replica.py): the stages' split,
+"""Pipeline parallelism (sim/cost/pipeline.py, sim/core/pipelined_replica.py): the stages' split,
 the per-GPU KV capacity, each stage's share of a step and the sends, and the replica's virtual
 engines with batches in flight through the stages: the bubble, the overlap and whole runs'
 invariants."""
@@ -16,12 +16,13 @@ from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
 from policies.types import Request, StepPlan
 from sim.core import pipelined_replica
 from runtime.assembly import build_preemption
-from sim.core.build import build_cost_model, kv_cache_sizes, num_kv_blocks
+from sim.core.build import kv_cache_sizes, num_kv_blocks
+from sim.cost.build import build_cost_model
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
-from sim.core.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
+from sim.cost.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
                                stage_model)
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import GIB, activation_peak_bytes, step_token_budget
 
 

@@ -15,7 +15,7 @@ from sim.core.energy.trace import TracedStagesEnergyMeter, power_over_time
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
 from runtime.metrics import STEP_COLUMNS
-from sim.core.pipeline import PipelineCostModel
+from sim.cost.pipeline import PipelineCostModel
 from sim.tools.plots import power_panel_meters
 from tests.test_energy_plots import hand_power_w
 

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from policies.memory import ContiguousAllocator, PagedBlockManager
 from policies.routing import PrefixAffinityRouter
 from policies.types import Request, StepPlan, StepResult
-from sim.profiled.cost_model import ProfiledCostModel
-from sim.profiled.step_features import STEP_FEATURES
+from sim.cost.profiled.cost_model import ProfiledCostModel
+from sim.cost.profiled.step_features import STEP_FEATURES
 from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import GB, offload_seconds_per_block
 
 from factories import (MAX_MODEL_LEN, build_scheduler, check_outcome, drive, hardware_spec,

@@ -17,10 +17,10 @@ from runtime.step_shapes import GridPoint, build_plan
 from kernels.tiling import query_class
 from policies.memory import PagedBlockManager
 from policies.types import Request, Sequence, StepResult
-from sim.profiled.tile_features import (TILE_FEATURES, AttentionTiling,
+from sim.cost.profiled.tile_features import (TILE_FEATURES, AttentionTiling,
                                                      attention_lengths, tile_features)
-from sim.profiled.cost_model import ProfiledCostModel
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.cost_model import ProfiledCostModel
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from runtime.step_shapes import age_pool
 
 from factories import (ALL_FEATURES, KV_BYTES_PER_TOKEN, features_of, held_out_points, predict,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from factories import assert_same_run, make_cfg, run_both_ways
-from sim.profiled.tile_features import TILE_FEATURES
+from sim.cost.profiled.tile_features import TILE_FEATURES
 from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
 from sim.core.replica import SimEnvironment

@@ -74,7 +74,7 @@ def test_a_capability_had_whole_or_not_at_all(protocol):
 
 def test_the_built_ins_have_their_capabilities():
     from policies.memory import ContiguousAllocator
-    from sim.core.roofline import RooflineCostModel
+    from sim.cost.roofline import RooflineCostModel
 
     paged = PagedBlockManager(16, 4)
     for protocol in (RepeatedStepsKVCache, OffloadingKVCache, AdmissionCheckingKVCache):

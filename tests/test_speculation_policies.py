@@ -426,7 +426,7 @@ import numpy as np  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 from policies.types import StepPlan  # noqa: E402
-from sim.core.roofline import RooflineCostModel  # noqa: E402
+from sim.cost.roofline import RooflineCostModel  # noqa: E402
 from sim.core.executor import SimExecutor  # noqa: E402
 from sim.core.experiment import run_experiment  # noqa: E402
 from sim.core.acceptance import AcceptanceModel  # noqa: E402
@@ -696,7 +696,8 @@ def test_draft_cost_is_sequential_draft_model_steps_or_an_ngram_lookup():
     draft = model_spec("llama-68m")
     no_draft_cost = RooflineCostModel(model, hardware)
     with_draft = RooflineCostModel(model, hardware, draft_model=draft)
-    draft_alone = RooflineCostModel(draft, hardware, step_overhead_s=with_draft.draft_step_overhead_s,
+    draft_alone = RooflineCostModel(draft, hardware,
+                                    step_overhead_s=with_draft.drafting.draft_step_overhead_s,
                                     per_sequence_overhead_s=0.0)
     for k in (1, 2, 5):
         plan = spec_plan(16, 300, k)
@@ -791,8 +792,8 @@ def test_bad_speculation_config_is_one_clear_error(overrides, message):
 
 def test_a_profile_from_before_speculation_still_loads(tmp_path, caplog):
     """Its draft features cost 0, and the log says so; the fitted ones predict as before."""
-    from sim.profiled.cost_model import ProfiledCostModel
-    from sim.profiled.step_features import STEP_FEATURES
+    from sim.cost.profiled.cost_model import ProfiledCostModel
+    from sim.cost.profiled.step_features import STEP_FEATURES
     old_features = [name for name in STEP_FEATURES
                     if name not in ("num_draft_tokens", "speculating", "draft_model_steps")]
     coefficients = {name: 0.0 for name in old_features} | {"num_decode_seqs": 1e-3}

@@ -486,7 +486,7 @@ def test_draft_model_runs_its_lagging_token_again():
     from engine.model_loader import load_model
     from calibration.profiler.cli import executor_factory
     from runtime.step_shapes import GridPoint, build_plan
-    from sim.profiled.step_features import STEP_FEATURES, step_features
+    from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 
     device = torch.device("cpu")
     factory = executor_factory(load_model(TARGET, device), device,

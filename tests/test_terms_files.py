@@ -1,5 +1,5 @@
 """Fitted terms files name the cost model they were fitted on and load into it
-(sim/core/terms_file.py): the roofline and the profiled model take `cost_model.terms_file`, a
+(sim/cost/terms_file.py): the roofline and the profiled model take `cost_model.terms_file`, a
 file of another cost model is refused in one line, twinserve-calibrate names the cost model that
 ran; a twinserve CPU run replays on its model's shipped profile (calibration/realrun/settings.py)."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from calibration.realrun.run import make_run
 from calibration.realrun.replay import replay
 from calibration.realrun.settings import settings_overrides
 from sim.core.experiment import run_experiment
-from sim.core.roofline import RooflineCostModel
-from sim.profiled.cost_model import ProfiledCostModel
+from sim.cost.roofline import RooflineCostModel
+from sim.cost.profiled.cost_model import ProfiledCostModel
 
 from factories import decode_plan, make_cfg
 

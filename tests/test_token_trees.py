@@ -268,7 +268,7 @@ def test_simulated_tree_speculation(drafter, k, size, depth):
     result = executor.execute(plan)
     assert result.num_accepted == {0: depth, 1: setup.depth_per_size[1]}
     drafting = executor.cost_model.draft_time(plan)
-    assert (drafting > executor.cost_model.ngram_overhead_s_per_seq * 2) == (drafter == "medusa")
+    assert (drafting > executor.cost_model.drafting.ngram_overhead_s_per_seq * 2) == (drafter == "medusa")
     result = run_experiment(cfg, plots=False)
     assert result.summary["completed"] == 40
     assert result.summary["mean_tokens_per_decode_step"] > 2

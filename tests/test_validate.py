@@ -1,4 +1,4 @@
-"""The profiled cost model and twinserve-validate (sim/profiled/cost_model.py,
+"""The profiled cost model and twinserve-validate (sim/cost/profiled/cost_model.py,
 calibration/validate/)."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from omegaconf import open_dict
 import sim.core.experiment
 from policies.types import StepPlan
 from calibration.profiler.fit import fit_profile
-from sim.profiled.cost_model import ProfiledCostModel, ProfileError
+from sim.cost.profiled.cost_model import ProfiledCostModel, ProfileError
 from sim.core.build import SpeculationSetup, speculation_setup
 from sim.core.experiment import run_experiment
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from calibration.validate.cli import main, parse_args
 from calibration.validate.compare import (DEFAULT_GATES, GATED_BY, METRICS, UNSET,
                                               add_engine_noise, check_gates, compare_summaries,
@@ -338,7 +338,7 @@ def test_out_of_range_extrapolates_and_warns_once(tmp_path, caplog):
     model = ProfiledCostModel(path, sample_residuals=False)
     inside = FakePlan(decode_seqs=2, decode_ctx=50)
     outside = FakePlan(decode_seqs=2, decode_ctx=5000)
-    with caplog.at_level(logging.WARNING, logger="sim.profiled.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="sim.cost.profiled.cost_model"):
         model.step_time(inside)
         assert not caplog.records
         for _ in range(5):

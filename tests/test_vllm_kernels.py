@@ -1,4 +1,4 @@
-"""The GPU cost model's default kernels, vLLM's own per version (sim/gpu/vllm_tables.py,
+"""The GPU cost model's default kernels, vLLM's own per version (sim/cost/gpu/vllm_tables.py,
 vllm_kernels.py): GEMM table points and their interpolation, which measured version a run gets,
 the fallback where none was measured, the all-reduce's graph/eager/NCCL regimes against the
 tables read here, fp8 weights and KV cache, the engine terms per version, and a step that only
@@ -13,12 +13,12 @@ import pytest
 
 import sim.core.say_once as say_once_module
 from policies.types import Request, Sequence, StepPlan
-from sim.core.roofline import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from runtime.specs import kv_cache_num_blocks
-import sim.gpu.engine_terms as engine_terms_module
-from sim.gpu.cost_model import GPUCostModel
-from sim.gpu.engine_terms import engine_terms
-from sim.gpu.vllm_tables import (TABLES_DIR, GemmGrid, _repair_isolated_slow_points, gemm_grid,
+import sim.cost.gpu.engine_terms as engine_terms_module
+from sim.cost.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.engine_terms import engine_terms
+from sim.cost.gpu.vllm_tables import (TABLES_DIR, GemmGrid, _repair_isolated_slow_points, gemm_grid,
                                  nearest_version, resolve_version)
 
 from factories import decode_plan, hardware_spec, model_spec
@@ -282,7 +282,7 @@ def test_decodes_beside_prompts_cost_what_they_cost_alone_elsewhere(qwen3_32b, h
 def test_few_heads_decode_at_least_as_fast_as_more_heads_over_a_split_context(h100, batch):
     """Qwen3-32B at TP8 holds 8 query heads and 1 KV head: split-KV runs it like 8m/m heads over
     a context m times shorter (the same bytes), so the grid takes the fastest measured split."""
-    from sim.gpu.vllm_kernels import VllmKernels
+    from sim.cost.gpu.vllm_kernels import VllmKernels
     qwen = model_spec("qwen3-32b")
     kernels = VllmKernels(qwen, h100, "h100_sxm", "0.14.0", 8, 512)
     rows = read_table(TABLES_DIR / "h100_sxm" / "attention" / "vllm" / "0.14.0"

@@ -23,9 +23,9 @@ from calibration.profiler.fit import fit_profile
 from calibration.profiler.grid import make_grid, profile_together
 from kernels.tiling import TILE_BYTES
 from policies.speculation.drafters import TREE_DRAFTERS   # points that verify whole token trees
-from sim.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, profile_routing,
+from sim.cost.profiled.expert_features import (EXPERT_FEATURES, ExpertRouting, profile_routing,
                                           sample_expert_features)
-from sim.profiled.step_features import STEP_FEATURES
+from sim.cost.profiled.step_features import STEP_FEATURES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT_DIR = REPO_ROOT / "profiles"
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "reference that twinserve-validate's engine runs use (0: off)")
     parser.add_argument("--expert-feature", action="store_true",
                         help="a mixture of experts' samples also carry experts_touched "
-                             "(sim/profiled/expert_features.py) and its profile is fitted with "
+                             "(sim/cost/profiled/expert_features.py) and its profile is fitted with "
                              "it; off by default: on tiny-moe it improved the fit but not the "
                              "predictions of held-out steps (docs/calibration.md)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))

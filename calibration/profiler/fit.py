@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.profiled.local_correction import LocalCorrection, log_scaled
-from sim.profiled.step_features import STEP_FEATURES
-from sim.profiled.expert_features import EXPERT_FEATURES
-from sim.profiled.tile_features import TILE_FEATURES
+from sim.cost.profiled.local_correction import LocalCorrection, log_scaled
+from sim.cost.profiled.step_features import STEP_FEATURES
+from sim.cost.profiled.expert_features import EXPERT_FEATURES
+from sim.cost.profiled.tile_features import TILE_FEATURES
 
 SCHEMA = 1
 

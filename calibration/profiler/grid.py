@@ -16,9 +16,9 @@ from calibration.cpu_noise.speed import SpeedProbe, normalize_samples, take_due_
 from calibration.profiler.fit import fit_profile
 from policies import validators
 from runtime.step_shapes import GridPoint, build_plan, spread, spread_chunks
-from sim.profiled.step_features import STEP_FEATURES, step_features
-from sim.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
-from sim.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.expert_features import EXPERT_FEATURES, ExpertRouting, expert_features
+from sim.cost.profiled.tile_features import TILE_FEATURES, AttentionTiling, tile_features
 
 
 # ---------------------------------------------------------------- grid

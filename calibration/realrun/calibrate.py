@@ -39,7 +39,7 @@ EFFICIENCY_BOUNDS = (1e-3, 1.0)
 # A workstation board's share relative to the measured datacenter boards' (GPUCostModel): it may
 # exceed them.
 RELATIVE_EFFICIENCY_BOUNDS = (0.25, 4.0)
-PROFILED_TARGET = "sim.profiled.cost_model.ProfiledCostModel"
+PROFILED_TARGET = "sim.cost.profiled.cost_model.ProfiledCostModel"
 # A multiplier of a cost model's step times (the profiled model's step_time_scale: a machine's
 # speed relative to its profile's).
 SCALE_BOUNDS = (0.1, 10.0)

@@ -15,7 +15,7 @@ from calibration.realrun.run import RealRun, RealRunError
 from calibration.realrun.settings import CONF_DIR, settings_overrides
 from calibration.realrun.stage_metrics import Latencies, compare_stage, stage_metrics
 from calibration.realrun.stages import find_stages
-from sim.core.build import cost_model_group
+from sim.cost.build import cost_model_group
 
 # Seeds the replayed prompts' random token ids (with prefix caching), with each request's index.
 PROMPT_IDS_SEED = 2029

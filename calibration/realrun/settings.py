@@ -11,7 +11,7 @@ from functools import lru_cache
 import yaml
 
 from calibration.realrun.run import RealRunError
-from sim.core.experts import EP_KEY
+from sim.cost.experts import EP_KEY
 from runtime.policy_config import CONF_DIR
 
 REQUIRED = ("model", "hardware")

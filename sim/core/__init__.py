@@ -1,2 +1,2 @@
-"""The simulator's core: the simpy replica loop, the experiment runner, workloads, energy and the
-cost-model builders. It runs the shared runtime (runtime/) and never imports the engine."""
+"""The simulator's core: the simpy replica loop, the experiment runner, workloads and energy;
+the cost models are sim/cost/. It runs the shared runtime (runtime/) and never imports the engine."""

@@ -4,25 +4,21 @@ speculation setup and the replica's executor. The engine (`LLM(...)`) names and 
 policies with the same functions, from the same conf/ groups."""
 from __future__ import annotations
 
-import inspect
 import statistics
 
-from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from policies.checks import check_policy, has_capability
+from policies.checks import has_capability
 from policies.lora.spec import lora_config
-from policies.protocols import CostModel, ReportsSpeed, StatesExpectedError
+from policies.protocols import ReportsSpeed
 from policies.speculation.drafters import drafter_kind
 from policies.validators import (boolean, finite_number, non_negative_int, non_negative_number,
                                  positive_int, positive_number)
 from sim.core.executor import SimExecutor
-from sim.core.experts import check_expert_parallel_size
 from runtime.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
-from sim.core.pipeline import (gpu_model, pipeline_cost_model, pipeline_parallel_size,
-                               stage_layers, stage_shape)
-from runtime.policy_config import CONF_DIR, build_policy, policy_config
-from sim.core.say_once import say_once
+from sim.cost.build import build_cost_model, expert_parallel_size, group_name, takes_argument
+from sim.cost.pipeline import gpu_model
+from runtime.policy_config import build_policy, policy_config
 from runtime.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
                             kv_cache_num_host_blocks, step_token_budget)
 from sim.core.speculation_setup import SpeculationSetup, speculation_setup
@@ -42,12 +38,6 @@ def check_run_settings(cfg: DictConfig) -> None:
     positive_int("cluster.tensor_parallel_size", cfg.cluster.tensor_parallel_size)
     if cfg.backend.get("preflight") is not None:   # the backend's own check (engine/preflight.py)
         build_policy(cfg.backend.preflight, "backend.preflight")
-
-
-def expert_parallel_size(cfg: DictConfig, model: ModelSpec) -> int:
-    """cluster.expert_parallel_size (1 when unset), checked against the model and tp."""
-    return check_expert_parallel_size(model, cfg.cluster.get("expert_parallel_size", 1),
-                                      cfg.cluster.tensor_parallel_size)
 
 
 def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
@@ -149,8 +139,8 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
     drafting = {} if speculation is None else {"draft_model": speculation.draft_spec}
     lora = lora_config(cfg.get("lora"))
     if lora is not None:   # only a LoRA run passes `lora`: a cost model of its own need not know
-        if not _takes_argument(cfg.cost_model, "lora"):
-            raise ValueError(f"lora: cost_model={_group_name(cfg.cost_model)} does not cost LoRA "
+        if not takes_argument(cfg.cost_model, "lora"):
+            raise ValueError(f"lora: cost_model={group_name(cfg.cost_model)} does not cost LoRA "
                              f"adapters (it takes no `lora` argument); use cost_model=gpu or "
                              f"cost_model=roofline, or lora=none")
         drafting["lora"] = lora.spec
@@ -164,130 +154,6 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
     sim_seed = cfg.get("sim_seed", cfg.seed)
     return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]),
                        speculation.depth_per_size, repeated_steps=repeated_steps)
-
-
-def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
-    """The run's cost model (`cost_model`); a GPU cost model whose tables cannot cover the
-    hardware (a CPU) falls back to the roofline, and says so in one line (once a process).
-    With pipeline stages, the pipeline over each stage's layers (sim/core/pipeline.py)."""
-    stages = pipeline_parallel_size(cfg, model)
-    if stages == 1:
-        return _base_cost_model(cfg, model, hardware, **drafting)
-    layers = stage_layers(model.num_layers, stages)
-    by_layers = {num_layers: _base_cost_model(cfg, stage_shape(model, num_layers), hardware,
-                                              **drafting) for num_layers in set(layers)}
-    return pipeline_cost_model([by_layers[num_layers] for num_layers in layers])
-
-
-def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
-    from sim.gpu.linear import NoGPUTable
-
-    arguments = dict(model=model, hardware=hardware,
-                     tensor_parallel_size=cfg.cluster.tensor_parallel_size, **drafting)
-    if expert_parallel_size(cfg, model) > 1:   # (a cost model without experts never sees it)
-        arguments["expert_parallel_size"] = cfg.cluster.expert_parallel_size
-    try:
-        cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
-    except NoGPUTable:
-        fallback, carried = _roofline_fallback(cfg.cost_model, hardware)
-        kept = "".join(f" cost_model.{key}={value}" for key, value in carried.items())
-        # Said once per (model, hardware) pair, whatever overrides the later runs carry.
-        say_once(f"twinserve: no GPU measurement covers hardware={hardware.name} "
-                 f"(cost_model={_group_name(cfg.cost_model)}); using cost_model=roofline, an "
-                 f"uncalibrated spec-sheet estimate{' with' + kept if kept else ''}",
-                 key=("roofline fallback", model.name, hardware.name))
-        cost_model = build_policy(fallback, "cost_model", **arguments)
-    check_policy(cost_model, CostModel, "cost_model")
-    return cost_model
-
-
-# Settings every cost model group carries from the run (kv_cache's), not the user's choice.
-_RUN_SETTINGS = ("block_size", "offload_bandwidth_gbps")
-
-
-def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictConfig, dict]:
-    """The roofline's config for a run whose cost model `group` covers no GPU near `hardware`,
-    and the settings carried into it: the run's block size and host-tier bandwidth, and every
-    setting the user changed from the group's conf file that the roofline takes (a terms_file
-    too, which the roofline loads if it was fitted on the roofline or names no cost model).
-    ValueError, in one line, naming those it does not take."""
-    fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
-    for key in _RUN_SETTINGS:   # the run's, as the group had them
-        if key in group:
-            fallback[key] = group[key]
-    changed = _changed_settings(group)   # (a terms_file too: the roofline reads its own)
-    refused = [key for key in changed if not _takes_argument(fallback, key)]
-    if refused:
-        raise ValueError(
-            f"{', '.join('cost_model.' + key for key in refused)}: not a setting of "
-            f"cost_model=roofline, which the run falls back to (no GPU measurement covers "
-            f"hardware={hardware.name}); drop {'it' if len(refused) == 1 else 'them'}, or set "
-            f"cost_model=roofline and its own settings (conf/cost_model/roofline.yaml)")
-    for key, value in changed.items():
-        fallback[key] = value
-    return fallback, changed
-
-
-def _changed_settings(group: DictConfig) -> dict:
-    """The settings of a cost model group that differ from its conf file's (all of them for a
-    group without one), as given: interpolations unresolved, so the run's own are not counted."""
-    path = CONF_DIR / "cost_model" / f"{_group_name(group)}.yaml"
-    defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
-    given = OmegaConf.to_container(group, resolve=False)
-    return {key: value for key, value in given.items()
-            if key not in ("_target_", "_convert_", *_RUN_SETTINGS)
-            and (key not in defaults or defaults[key] != value)}
-
-
-def _takes_argument(group: DictConfig, name: str) -> bool:
-    """Whether the class the group's `_target_` names takes the keyword argument `name` (True
-    where the target does not import: building it reports that)."""
-    try:
-        parameters = inspect.signature(get_class(str(group.get("_target_")))).parameters
-    except Exception:
-        return True
-    return name in parameters or any(parameter.kind is parameter.VAR_KEYWORD
-                                     for parameter in parameters.values())
-
-
-# The conf/cost_model group of each shipped cost model class.
-_COST_MODEL_GROUPS = {"sim.gpu.cost_model.GPUCostModel": "gpu",
-                      "sim.profiled.cost_model.ProfiledCostModel": "profiled",
-                      "sim.core.roofline.RooflineCostModel": "roofline"}
-
-
-def _group_name(group: DictConfig) -> str:
-    target = str(group.get("_target_", "?"))
-    return _COST_MODEL_GROUPS.get(target, target)
-
-
-def cost_model_group(cost_model) -> str:
-    """The conf/cost_model name of a built cost model (its class path where none ships it)."""
-    target = f"{type(cost_model).__module__}.{type(cost_model).__qualname__}"
-    return _COST_MODEL_GROUPS.get(target, target)
-
-
-def cost_model_summary(cost_models: list, fixed_in_flight: bool = False) -> dict:
-    """The expected error of the run's TTFT, TPOT and E2E where its cost model states one: the
-    80th percentile of |error| of leave-out checks of its kind (sim/gpu/expected_errors.py),
-    of a closed loop's checks where a fixed number of requests is in flight
-    (`fixed_in_flight`: workload=closed_loop), else of open arrivals'."""
-    from sim.gpu.expected_errors import expected_errors_for
-    for cost_model in cost_models:
-        if (has_capability(cost_model, StatesExpectedError, "cost_model")
-                and cost_model.expected_error_pct is not None):
-            stated = cost_model.expected_error_pct
-            kind = getattr(cost_model, "prediction_kind", None)
-            if fixed_in_flight and kind is not None:
-                stated = expected_errors_for({**kind, "arrivals": "closed"}) or stated
-            summary = {f"expected_{metric}_error_pct": float(stated[metric])
-                       for metric in ("ttft", "tpot", "e2e")}
-            summary["expected_error_basis"] = (f"{stated.get('checks', '?')} leave-out checks: "
-                                               f"{stated.get('basis', '?')}")
-            if getattr(cost_model, "kernels_used", None):
-                summary["cost_model_kernels"] = cost_model.kernels_used
-            return summary
-    return {}
 
 
 def speed_summary(executors: list) -> dict:

@@ -25,7 +25,7 @@ from policies.types import Request, Sequence
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import build_router, num_kv_blocks
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
-from sim.core.pipeline import pipeline_parallel_size
+from sim.cost.pipeline import pipeline_parallel_size
 from runtime.specs import HardwareSpec, ModelSpec
 
 ROLES = ("mixed", "prefill", "decode")

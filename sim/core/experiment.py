@@ -21,7 +21,8 @@ from policies.types import Request
 from policies.validators import finite_number, non_negative_number
 from runtime.assembly import assemble_scheduler, build_preemption
 from runtime.assembly import build_predictor, kv_cache_policy_config
-from sim.core.build import (build_replica_executor, check_run_settings, cost_model_summary, fairness_window_s, kv_cache_sizes, max_num_batched_tokens, lora_summary, slos_ms, speculation_setup, speed_summary)
+from sim.cost.build import cost_model_summary
+from sim.core.build import (build_replica_executor, check_run_settings, fairness_window_s, kv_cache_sizes, max_num_batched_tokens, lora_summary, slos_ms, speculation_setup, speed_summary)
 from runtime.policy_config import build_policy, policy_config
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
@@ -31,7 +32,7 @@ from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
 from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
-from sim.core.pipeline import pipeline_parallel_size
+from sim.cost.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
                                streamed_summary)

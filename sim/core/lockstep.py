@@ -10,7 +10,7 @@ its own batch at the same time, and the step takes the longest of their duration
 rank records as its own (a rank that finishes its work early waits in the collectives, so the
 energy meter sees it busy for its own work and idle for the rest). A rank with nothing to do
 records no step: its dummy batch costs less than the others' real ones. The expert cost models
-price a rank's experts with its peers carrying its load (sim/core/experts.py), so the step's
+price a rank's experts with its peers carrying its load (sim/cost/experts.py), so the step's
 experts come from the largest rank's batch: vLLM pads every rank's batch to the largest one's
 token count, so this is what its GPUs do.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import simpy
 from omegaconf import DictConfig
 
-from sim.core.build import expert_parallel_size
-from sim.core.experts import EP_KEY
+from sim.cost.build import expert_parallel_size
+from sim.cost.experts import EP_KEY
 from sim.core.replica import Replica
 from runtime.specs import ModelSpec
 

@@ -4,7 +4,7 @@ vLLM V0 ran pipeline parallelism (virtual engines) and Vidur models it.
 The replica runs pp virtual engines, each a step loop with its own scheduler (the run's policy)
 over its own share of the replica's KV blocks, and pp stages, each a simpy resource that works on
 one step at a time. A virtual engine plans its next step as soon as the first stage is free for
-it, the step takes each stage in turn for that stage's time (sim/core/pipeline.py: its layers'
+it, the step takes each stage in turn for that stage's time (sim/cost/pipeline.py: its layers'
 work, the first stage the engine overhead, the last the LM head, every stage but the last its
 send of the activations), waiting in between while the next stage works on another engine's
 step, and the step's tokens come out when it leaves the last stage; then the engine plans again.
@@ -49,7 +49,7 @@ from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.stages import StagesEnergyMeter
 from sim.core.energy.trace import TracedEnergyMeter, TracedStagesEnergyMeter
 from runtime.metrics import STEP_COLUMNS, MetricsCollector, StepRecorder
-from sim.core.pipeline import KEY, PipelineCostModel
+from sim.cost.pipeline import KEY, PipelineCostModel
 from runtime.step import StepLoop
 
 if TYPE_CHECKING:

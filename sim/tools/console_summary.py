@@ -61,7 +61,7 @@ def format_summary_table(summary: dict) -> Table:
     totals.add_row("steps", f"{summary['num_steps']:,}")
     if "cost_model_kernels" in summary:
         totals.add_row("kernels", summary["cost_model_kernels"].split(" on ")[0])
-    if "expected_tpot_error_pct" in summary:   # (sim/gpu/expected_errors.py)
+    if "expected_tpot_error_pct" in summary:   # (sim/cost/gpu/expected_errors.py)
         for metric in ("ttft", "tpot", "e2e"):
             totals.add_row(f"expected {metric.upper()} error",
                            f"±{summary[f'expected_{metric}_error_pct']:.0f} %")

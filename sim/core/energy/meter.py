@@ -6,10 +6,10 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
+from policies.protocols import DecodeWorkCostModel, StepWorkCostModel
 from policies.types import StepPlan
-from sim.core.energy.power import PowerModel, UtilisationPowerModel
-from sim.core.energy.work import ModelStepWork, StepWorkCostModel
-from sim.core.roofline import RooflineCostModel
+from sim.core.energy.power import DecodeRunPowerModel, PowerModel, UtilisationPowerModel
+from sim.cost.work import ModelStepWork, step_work_one_by_one
 from runtime.specs import HardwareSpec, ModelSpec
 
 
@@ -18,22 +18,20 @@ class EnergyMeter:
     each board draws the power model's watts), the work of each step from `work`."""
 
     __slots__ = ("power_model", "num_boards", "busy_s", "busy_j", "_step_work",
-                 "_busy_energy_j", "_decode_constants")
+                 "_busy_energy_j", "_decode_work_terms")
 
     def __init__(self, power_model: PowerModel, work: StepWorkCostModel, num_boards: int = 1):
         self.power_model = power_model
         self.num_boards = num_boards
         self.busy_s = 0.0
         self.busy_j = 0.0   # all boards' joules during steps, their idle power included
-        # (Bound once: add_step runs every step.)
+        # Bound once: add_step runs every step.
         self._step_work, self._busy_energy_j = work.step_work, power_model.busy_energy_j
-        # With the built-in work and power models, a run of repeated steps repeats their
-        # arithmetic inline (the same operations in the same order: bit for bit add_step's sums)
-        # rather than calling both every step (a third of the meter's time in decode runs).
-        self._decode_constants = None
-        work_terms = (work.decode_terms() if isinstance(work, ModelStepWork) else None)
-        if work_terms is not None and type(power_model) is UtilisationPowerModel:
-            self._decode_constants = work_terms + power_model.linear_terms()
+        # A run of decodes costs one call where the work is linear and the power model takes it.
+        self._decode_work_terms = None
+        if (has_capability(work, DecodeWorkCostModel, "cost_model")
+                and has_capability(power_model, DecodeRunPowerModel, "power")):
+            self._decode_work_terms = work.decode_work_terms()
 
     def add_step(self, plan: StepPlan, duration: float) -> None:
         flops, bytes_moved = self._step_work(plan)
@@ -41,41 +39,24 @@ class EnergyMeter:
         self.busy_j += self.num_boards * self._busy_energy_j(duration, flops, bytes_moved)
 
     def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
-        """A run of len(durations) repeated steps of `plan`, each as add_step would
-        count it on its own (every decode's context a token longer each step; the first step's
-        block copies, if any, only in it): the same sums, so a run's joules come out bit for bit
-        as when its steps run one by one."""
-        step_work, busy_energy_j, num_boards = self._step_work, self._busy_energy_j, self.num_boards
-        context, num_decodes, copies = (plan.decode_context_tokens, plan.num_decode_seqs,
-                                        plan.blocks_to_copy)
-        if (self._decode_constants is not None and num_decodes and not copies
+        """A run of len(durations) repeated decode steps of `plan`: the same sums as add_step's
+        over its steps one by one, so a run's joules are the same however its steps were
+        grouped."""
+        num_decodes, busy_s, busy_j = plan.num_decode_seqs, self.busy_s, self.busy_j
+        if (self._decode_work_terms is not None and num_decodes and not plan.blocks_to_copy
                 and not plan.num_prefill_tokens and not plan.num_draft_tokens):
-            (flops_per_seq, flops_per_context, weight_bytes, bytes_per_token,
-             idle_w, dynamic_w, s_per_flop, s_per_byte) = self._decode_constants
-            decode_flops = num_decodes * flops_per_seq
-            busy_s, busy_j = self.busy_s, self.busy_j
-            # As floats (exact: counts far below 2**53), sparing each step's products
-            # the int-to-float conversions.
-            context, num_decodes, num_boards = float(context), float(num_decodes), float(num_boards)
-            for duration in durations:   # ModelStepWork.step_work, busy_energy_j, add_step
-                work_s = ((decode_flops + context * flops_per_context) * s_per_flop
-                          + (weight_bytes + (context + num_decodes) * bytes_per_token) * s_per_byte)
+            busy_j = self.power_model.add_decode_run_j(
+                busy_j, self.num_boards, durations, self._decode_work_terms, num_decodes,
+                plan.decode_context_tokens)
+            for duration in durations:
                 busy_s += duration
-                busy_j += num_boards * (idle_w * duration
-                                        + dynamic_w * (work_s if work_s < duration else duration))
-                context += num_decodes
-            self.busy_s, self.busy_j = busy_s, busy_j
-            return
-        try:
-            for step, duration in enumerate(durations):
-                if step == 1 and copies:
-                    plan.blocks_to_copy = []
-                plan.decode_context_tokens = context + step * num_decodes
-                flops, bytes_moved = step_work(plan)
-                self.busy_s += duration
-                self.busy_j += num_boards * busy_energy_j(duration, flops, bytes_moved)
-        finally:
-            plan.decode_context_tokens, plan.blocks_to_copy = context, copies
+        else:
+            flops, bytes_moved = step_work_one_by_one(self._step_work, plan, len(durations))
+            for duration, step_j in zip(durations, map(self._busy_energy_j, durations, flops,
+                                                       bytes_moved)):
+                busy_s += duration
+                busy_j += self.num_boards * step_j
+        self.busy_s, self.busy_j = busy_s, busy_j
 
     def energy_j(self, span_s: float) -> float:
         """All boards' joules over a run of `span_s` seconds: the steps', and idle power the
@@ -118,9 +99,7 @@ def build_energy_meter(power_cfg: DictConfig | None, model: ModelSpec, hardware:
     """A replica's meter (a `meter_class`): its work from `cost_model` where it says
     (StepWorkCostModel), else from the model's shape (the engine's executor, a profiled or a
     user's cost model)."""
-    if isinstance(cost_model, RooflineCostModel):   # (and the GPU cost model: its own work)
-        work = cost_model.work
-    elif cost_model is not None and has_capability(cost_model, StepWorkCostModel, "cost_model"):
+    if cost_model is not None and has_capability(cost_model, StepWorkCostModel, "cost_model"):
         work = cost_model
     else:
         work = ModelStepWork(model, tensor_parallel_size, block_size)

@@ -14,18 +14,15 @@ over any run of steps whose utilisation stays under the cap.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from policies import validators
 from runtime.specs import HardwareSpec
 
-# The share of its peak FLOP/s at which a board reaches its power limit: the GEMM share the
-# roofline reaches (its compute_efficiency), as a prefill-saturated board runs at its limit
-# (Patel et al., "Splitwise", ISCA 2024: prompt phases draw near TDP, token phases well below).
+# A board reaches its power limit at the roofline's GEMM share of peak FLOP/s, as a prefill runs
+# near TDP; the memory weight is anchored on a measured H200 decode (docs/energy.md, both).
 DEFAULT_COMPUTE_SATURATION = 0.55
-# The share of the dynamic range a board streaming memory at its full spec bandwidth draws:
-# an H200 decoding at batch 128 draws 517 W between 80 W idle and 700 W (0.70 of the range,
-# ~0.75 of the bandwidth in use; docs/energy.md).
 DEFAULT_MEMORY_WEIGHT = 0.7
 
 
@@ -43,6 +40,19 @@ class PowerModel(Protocol):
 
     def describe(self) -> str:
         """One line: the model and its inputs, for the summary."""
+
+
+@runtime_checkable
+class DecodeRunPowerModel(Protocol):
+    """A power model that charges a run of repeated decode steps whose work is linear
+    (policies.protocols.DecodeWorkCostModel) in one call."""
+
+    def add_decode_run_j(self, total_j: float, num_boards: int, durations_s: Sequence[float],
+                         work_terms: tuple[float, float, float, float], num_decodes: int,
+                         context: int) -> float:
+        """`total_j` plus `num_boards` x busy_energy_j of each step of the run, added step by
+        step: `num_decodes` decodes over `context` tokens in the first step, a token more each
+        in each next."""
 
 
 class UtilisationPowerModel:
@@ -66,15 +76,25 @@ class UtilisationPowerModel:
     def idle_power_w(self) -> float:
         return self._idle_w
 
-    def linear_terms(self) -> tuple[float, float, float, float]:
-        """(idle W, dynamic W, seconds per FLOP, seconds per byte): busy_energy_j's constants,
-        for a meter that repeats its arithmetic over a run of steps without a call a step."""
-        return self._idle_w, self._dynamic_w, self._s_per_flop, self._s_per_byte
-
     def busy_energy_j(self, duration_s: float, flops: float, bytes_moved: float) -> float:
         busy_s = flops * self._s_per_flop + bytes_moved * self._s_per_byte
         return (self._idle_w * duration_s
                 + self._dynamic_w * (busy_s if busy_s < duration_s else duration_s))
+
+    def add_decode_run_j(self, total_j: float, num_boards: int, durations_s: Sequence[float],
+                         work_terms: tuple[float, float, float, float], num_decodes: int,
+                         context: int) -> float:
+        flops_per_decode, flops_per_context, weight_bytes, bytes_per_token = work_terms
+        s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
+        idle_w, dynamic_w = self._idle_w, self._dynamic_w
+        decode_flops = num_decodes * flops_per_decode
+        for duration in durations_s:   # busy_energy_j of the protocol's sums, in their order
+            busy_s = ((decode_flops + context * flops_per_context) * s_per_flop
+                      + (weight_bytes + (context + num_decodes) * bytes_per_token) * s_per_byte)
+            total_j += num_boards * (idle_w * duration
+                                     + dynamic_w * (busy_s if busy_s < duration else duration))
+            context += num_decodes
+        return total_j
 
     def describe(self) -> str:
         hw = self.hardware

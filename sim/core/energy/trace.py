@@ -12,10 +12,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from policies.protocols import StepWorkCostModel
 from sim.core.energy.meter import EnergyMeter
 from sim.core.energy.power import PowerModel
 from sim.core.energy.stages import StagesEnergyMeter
-from sim.core.energy.work import StepWorkCostModel
 
 # A replica's next step that starts this long after the previous one ended: it idled between
 # (simulated seconds; steps run back to back start at the float sum of the previous one's end).
@@ -39,10 +39,9 @@ class TracedEnergyMeter(EnergyMeter):
             log(joules)
             return joules
 
-        # Every step goes through the power model's call, logged: a run of repeated decode
-        # steps too (the plain meter's inline arithmetic is the same sums, bit for bit).
+        # Every step goes through the power model's logged call, a run of repeated steps too.
         self._busy_energy_j = busy_energy_j
-        self._decode_constants = None
+        self._decode_work_terms = None
 
     def busy_power_w(self, durations: np.ndarray) -> np.ndarray:
         """The replica's watts over each of its steps, in order, given their `durations` in

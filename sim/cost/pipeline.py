@@ -1,44 +1,27 @@
-"""Pipeline parallelism (`cluster.pipeline_parallel_size`): a replica's layers split into stages,
-each on its own GPUs (tensor_parallel_size of them), and what each stage's share of a step costs.
-
-The stages: vLLM's split (`get_pp_indices`), num_layers // pp layers each and the remainder one
-more each on the stages before the last; the first stage also runs the embedding, the last the
-final norm, the LM head and sampling. Between stages a point-to-point send of the step's
-activations (hidden states and residual: 2 x tokens x hidden x dtype bytes, each of the tp
-ranks sending its 1/tp share over its own link).
-
-A stage's time for a step (`PipelineCostModel.stage_times`): the base cost model of its layers
-(a model of that many layers, so swaps, copies, host-tier moves and LoRA adapter loads move its
-layers' share of each block or adapter) less what another stage runs: the engine's step overhead
-(step_overhead_s + per_sequence_overhead_s x sequences: scheduling and input preparation, done by
-the driver before the step enters the first stage) only on the first stage, the LM head only on
-the last; every stage but the last then sends the step's activations, which it holds until sent.
-The GPU cost model's per-step kernels (embedding lookup, final norm: microseconds) stay in every
-stage's time. The steps move through the stages in the replica's loop
-(sim/core/pipelined_replica.py: up to pp batches in flight, each stage one at a time), where the
-bubble and the overlap come out of the timeline.
-
-KV capacity: each GPU holds its stage's layers, so per-GPU KV bytes of a block and weights shrink
-by about pp (`stage_model` sizes the pool: the largest stage, counting the embedding and the LM
-head both, an upper bound on any stage's weights).
-"""
+"""Pipeline parallelism (`cluster.pipeline_parallel_size`): a replica's layers split into stages
+as vLLM splits them, and what each stage's share of a step costs (`PipelineCostModel`): the base
+cost model of its layers, the engine overhead on the first stage only, the LM head on the last
+only, and a send of the activations from every stage but the last. docs/architecture.md,
+"Pipeline parallelism", says why each term is where it is."""
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from omegaconf import DictConfig
 
 from policies.checks import has_capability
 from policies.protocols import StatesExpectedError
 from policies.types import StepPlan
 from policies.validators import positive_int
-from sim.core.roofline import RooflineCostModel
+from sim.cost.gpu.collectives import send_recv_cost
+from sim.cost.gpu.cost_model import GPUCostModel
+from sim.cost.roofline import RooflineCostModel
+from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from runtime.specs import ModelSpec
 from sim.core.speculation_setup import speculation_setup
 
 KEY = "cluster.pipeline_parallel_size"
-# Send times precomputed per token count up to here; beyond, linear in tokens.
-DENSE_SEND_TOKENS = 8192
 
 
 def pipeline_parallel_size(cfg: DictConfig, model: ModelSpec, key: str = KEY) -> int:
@@ -89,13 +72,14 @@ def stage_shape(model: ModelSpec, num_layers: int) -> ModelSpec:
 
 
 class PipelineCostModel:
-    """`stage_times(plan)` of a replica of pipeline stages (the module docstring's model), from
+    """`stage_times(plan)` of a replica of pipeline stages (the module docstring), from
     `stages`, the base cost model of each stage's layers first to last (cost models of the same
     kind; stages of equal layers may share one), and `send_s_per_tokens[n]`, a stage's send of n
     tokens' activations (linear at `send_slope_s` per token beyond the list; `send_source` says
     where those times come from)."""
 
-    def __init__(self, stages: list[RooflineCostModel], send_s_per_tokens: list[float],
+    def __init__(self, stages: list[RooflineCostModel | GPUCostModel],
+                 send_s_per_tokens: list[float],
                  send_slope_s: float, send_source: str):
         self.stages = stages
         self.num_stages = len(stages)
@@ -155,32 +139,25 @@ def send_bytes_per_token(model: ModelSpec, tensor_parallel_size: int) -> float:
     return 2 * model.hidden_size * model.dtype_bytes / tensor_parallel_size
 
 
-def pipeline_cost_model(stages: list[RooflineCostModel]) -> PipelineCostModel:
+def pipeline_cost_model(stages: list[RooflineCostModel | GPUCostModel]) -> PipelineCostModel:
     """The pipeline over `stages` (each stage's base cost model, first to last): stage sends
     from the measured NCCL send/recv tables for the GPU cost model, else latency + bytes over
     the interconnect as the roofline costs an all-reduce's (allreduce_latency_s,
     transfer_efficiency)."""
-    from sim.gpu.cost_model import GPUCostModel   # (sim/gpu builds on sim/core)
-
     first = stages[0]
-    if not all(isinstance(stage, RooflineCostModel) for stage in stages):
+    if not all(isinstance(stage, (RooflineCostModel, GPUCostModel)) for stage in stages):
         raise ValueError(f"{KEY}={len(stages)} needs cost_model=roofline or gpu, which cost a "
                          f"stage from its layers; got {type(first).__name__}")
     per_token = send_bytes_per_token(first.model, first.tensor_parallel_size)
-    message_bytes = [n * per_token for n in range(DENSE_SEND_TOKENS + 1)]
+    message_bytes = [n * per_token for n in range(TABLE_TOKENS + 1)]
     if isinstance(first, GPUCostModel):
-        import numpy as np
-
-        from sim.gpu.collectives import send_recv_cost
         cost = send_recv_cost(first.hardware)
-        seconds = cost.seconds(np.asarray(message_bytes[1:])).tolist()
-        send_s = [0.0] + seconds
-        slope = (seconds[-1] - seconds[len(seconds) // 2 - 1]) / (len(seconds) - len(seconds) // 2)
+        send_s, slope = per_token_table(cost.seconds(np.asarray(message_bytes[1:])))
         source = cost.source
     else:
         rate = first.hardware.interconnect_bandwidth * first.transfer_efficiency
         send_s = [0.0] + [first.allreduce_latency_s + b / rate for b in message_bytes[1:]]
         slope = per_token / rate
-        source = (f"roofline: allreduce_latency_s + bytes over interconnect_gbps x "
-                  f"transfer_efficiency")
+        source = ("roofline: allreduce_latency_s + bytes over interconnect_gbps x "
+                  "transfer_efficiency")
     return PipelineCostModel(stages, send_s, slope, source)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.specs import HardwareSpec
-from sim.gpu.linear import interpolate
-from sim.gpu.tables import AllReduceTable, allreduce_tables, send_recv_tables
+from sim.cost.gpu.linear import interpolate
+from sim.cost.gpu.tables import AllReduceTable, allreduce_tables, send_recv_tables
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 profiled cost model predicts from, all aggregates of the StepPlan.
 
 A profile may also be fitted with the attention-tile features of the torch CPU kernels
-(sim/profiled/tile_features.py); it lists them in its own `features`.
+(sim/cost/profiled/tile_features.py); it lists them in its own `features`.
 """
 from __future__ import annotations
 

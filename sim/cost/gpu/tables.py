@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 import conf
 from runtime.specs import HardwareSpec
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "gpu"
+DATA_DIR = Path(__file__).resolve().parents[3] / "data" / "gpu"
 HARDWARE_DIR = Path(conf.__file__).parent / "hardware"
 
 # Per-layer kernels of an operator table, in a layer's order. `emb` runs once per forward pass.

@@ -6,9 +6,9 @@ import functools
 import json
 from pathlib import Path
 
-from sim.gpu.vllm_tables import DEFAULT_ENGINE_VERSION, nearest_version
+from sim.cost.gpu.vllm_tables import DEFAULT_ENGINE_VERSION, nearest_version
 
-ENGINE_TERMS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "engine_terms.json"
+ENGINE_TERMS_FILE = Path(__file__).resolve().parents[3] / "data" / "gpu" / "engine_terms.json"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
 """One step's kernels assembled from the kernel tables of the vLLM version being predicted
-(sim/gpu/vllm_tables.py), at the model's tensor-parallel shard, per batched token count:
+(sim/cost/gpu/vllm_tables.py), at the model's tensor-parallel shard, per batched token count:
 
 - per layer: the QKV, O, gate+up and down GEMMs looked up at their (tokens, n, k) in the
   version's GEMM table of the weights' dtype (bf16, fp8, fp8_block), or for a mixture of experts
@@ -7,7 +7,7 @@
   all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond), on Hopper the
   symmetric-memory one past its size limit (unmeasured: the faster of custom and NCCL), NCCL past
   both; the small kernels (norms, rotary, activation, residual add) from the nearest operator
-  table by bytes moved (sim/gpu/linear.py);
+  table by bytes moved (sim/cost/gpu/linear.py);
 - attention: decode looked up in the version's measured (batch, context) grid at the batch's
   size and mean context;
 - per step: embedding and final norm (small kernels), the LM head GEMM over the sampling rows,
@@ -34,10 +34,10 @@ from itertools import repeat
 import numpy as np
 
 from runtime.specs import HardwareSpec, ModelSpec
-from sim.gpu.attention import AttentionCost
-from sim.gpu.linear import nearest_op_table, predict_op_ms
-from sim.gpu.tables import LayerShape
-from sim.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, FA2_QUERY_TILE_ROWS, FA2_SYSTEMS,
+from sim.cost.gpu.attention import AttentionCost
+from sim.cost.gpu.linear import nearest_op_table, predict_op_ms
+from sim.cost.gpu.tables import LayerShape
+from sim.cost.gpu.vllm_tables import (CUSTOM_ALLREDUCE_MAX_BYTES, FA2_QUERY_TILE_ROWS, FA2_SYSTEMS,
                                  OTHER_CUSTOM_ALLREDUCE_MAX_BYTES,
                                  SYMM_MEM_ALLREDUCE_MAX_BYTES, SYMM_MEM_SYSTEMS, AttentionRows,
                                  NoKernelTables,

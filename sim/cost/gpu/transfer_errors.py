@@ -2,16 +2,16 @@
 a script) and reads them back (`expected_errors`, what GPUCostModel reports).
 
 Linear layers: each measured (GPU, model, tensor-parallel size) operator table is predicted from
-the other tables by the rule GPUCostModel uses (sim/gpu/linear.py), once per kind of transfer:
+the other tables by the rule GPUCostModel uses (sim/cost/gpu/linear.py), once per kind of transfer:
 from another board of the same chip, from another shape or split on the same GPU, from another
 GPU of the same shape, from another GPU and shape. The error is the mean |predicted - measured|
 / measured of one layer's kernels over the table's token counts up to 4,096 (what serving steps
 batch). "measured" is the tables' own repeat spread (token counts profiled twice).
 
-Attention: each attention table is predicted from the others (sim/gpu/attention.py), per call,
+Attention: each attention table is predicted from the others (sim/cost/gpu/attention.py), per call,
 decode and prefill rows apart.
 
-    python -m sim.gpu.transfer_errors          # writes data/gpu/transfer_errors.json
+    python -m sim.cost.gpu.transfer_errors          # writes data/gpu/transfer_errors.json
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import json
 
 import numpy as np
 
-from sim.gpu.attention import attention_cost
-from sim.gpu.linear import nearest_op_table, predict_layer_ms
-from sim.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
-from sim.gpu.transfer import MEASURED, TRANSFER_KINDS, transfer_kind
+from sim.cost.gpu.attention import attention_cost
+from sim.cost.gpu.linear import nearest_op_table, predict_layer_ms
+from sim.cost.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
+from sim.cost.gpu.transfer import MEASURED, TRANSFER_KINDS, transfer_kind
 
 ERRORS_PATH = DATA_DIR / "transfer_errors.json"
 SERVING_MAX_TOKENS = 4096

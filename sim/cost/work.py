@@ -1,7 +1,7 @@
 """A step's work on one GPU: the FLOPs its kernels do and the device-memory bytes they move, from
 the model's shape and the plan's aggregates (O(1) a step), the power model's input.
 
-The terms are the roofline's (sim/core/roofline.py) without its efficiencies:
+The terms are the roofline's (sim/cost/roofline.py) without its efficiencies:
 
     FLOPs = 2 x active linear parameters x batched tokens      (linear layers)
           + 2 x LM-head parameters x sampling rows              (LM head)
@@ -11,29 +11,42 @@ The terms are the roofline's (sim/core/roofline.py) without its efficiencies:
           + 2 x KV block bytes x blocks copied                  (copy-on-write: read and write)
 
 all divided over the tensor-parallel GPUs as the roofline splits them. A mixture of experts reads
-the experts its tokens touch (sim/core/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
+the experts its tokens touch (sim/cost/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
 of them; the cost model's routing and expert parallelism where it has them). Swaps and
 host-tier moves cross PCIe and drafting runs its own model: neither is counted (their seconds
 count at the step's utilisation).
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 import numpy as np
 
 from policies.types import StepPlan
-from sim.core.experts import TABLE_TOKENS, ExpertLayout, per_token_table
+from sim.cost.experts import ExpertLayout
+from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from runtime.specs import ModelSpec
 
 
-@runtime_checkable
-class StepWorkCostModel(Protocol):
-    """A cost model that says how much work the steps it costs do (optional: a cost model
-    without it is given `ModelStepWork` of its model)."""
-
-    def step_work(self, plan: StepPlan) -> tuple[float, float]:
-        """(FLOPs, device-memory bytes) of the step `plan` on one GPU."""
+def step_work_one_by_one(step_work: Callable[[StepPlan], tuple[float, float]], plan: StepPlan,
+                         num_steps: int) -> tuple[list[float], list[float]]:
+    """The FLOPs and bytes of each of `num_steps` repeated decode steps of `plan` from
+    `step_work`: the plan's decode context moved a token a decode each step and its copies
+    cleared after the first, then restored."""
+    context, num_decodes, copies = (plan.decode_context_tokens, plan.num_decode_seqs,
+                                    plan.blocks_to_copy)
+    flops, bytes_moved = [], []
+    try:
+        for step in range(num_steps):
+            if step == 1 and copies:
+                plan.blocks_to_copy = []
+            plan.decode_context_tokens = context + step * num_decodes
+            step_flops, step_bytes = step_work(plan)
+            flops.append(step_flops)
+            bytes_moved.append(step_bytes)
+    finally:
+        plan.decode_context_tokens, plan.blocks_to_copy = context, copies
+    return flops, bytes_moved
 
 
 class ModelStepWork:
@@ -64,11 +77,9 @@ class ModelStepWork:
         self._kv_bytes_per_token = m.kv_bytes_per_token_per_gpu(tp)
         self._copy_bytes_per_block = 2 * block_size * self._kv_bytes_per_token
 
-    def decode_terms(self) -> tuple[float, float, float, float] | None:
-        """A decode-only step's work is flops = decodes x (1) + context x (2), bytes = (3) +
-        (context + decodes) x (4), exactly as step_work computes it: the constants, for a
-        meter that costs a run of repeated steps without a call a step; None for a
-        mixture (its expert reads are not linear in the tokens)."""
+    def decode_work_terms(self) -> tuple[float, float, float, float] | None:
+        """policies.protocols.DecodeWorkCostModel's terms; None for a mixture, whose expert
+        reads are not linear in the tokens."""
         if self._expert_bytes is not None:
             return None
         return (self._decode_flops_per_seq, self._attention_flops_per_pair, self._weight_bytes,

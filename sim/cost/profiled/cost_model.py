@@ -1,7 +1,7 @@
 """The profiled cost model: a step's duration from a model fitted to engine measurements.
 
 A profile (profiles/<device>/<model>.json, written by the profiler) holds a linear model of the
-step duration over the features it was fitted with (sim/profiled/step_features.py's, and those
+step duration over the features it was fitted with (sim/cost/profiled/step_features.py's, and those
 of the optional layer it names), the relative residuals of the fit (measured / predicted - 1) and
 the range of every feature it was fitted on:
 
@@ -14,10 +14,10 @@ A step takes `prediction × (1 + r)`, r drawn from the residual samples with a s
 so that the simulated tails carry the measured spread rather than the mean alone. A step whose
 features fall outside the profiled ranges is extrapolated linearly, and the first such step of
 each feature is logged as a warning. Where the profile asks for it, the CPU layer adds to this:
-attention-tile features (sim/profiled/tile_features.py, tile names in `features`) and a local
-correction of the linear prediction (sim/profiled/local_correction.py, a `correction` section).
+attention-tile features (sim/cost/profiled/tile_features.py, tile names in `features`) and a local
+correction of the linear prediction (sim/cost/profiled/local_correction.py, a `correction` section).
 A mixture of experts' profile may add the expected experts a step touches
-(sim/profiled/expert_features.py).
+(sim/cost/profiled/expert_features.py).
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ import numpy as np
 from policies import validators
 from sim.core.repeated_steps import step_times_one_by_one
 from policies.types import StepPlan
-from sim.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
-from sim.profiled.local_correction import LocalCorrection
-from sim.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
-from sim.profiled.step_features import STEP_FEATURES, step_features
+from sim.cost.profiled.expert_features import EXPERT_FEATURES, expert_features, profile_routing
+from sim.cost.profiled.local_correction import LocalCorrection
+from sim.cost.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
+from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
 from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
-from sim.core.terms_file import with_fitted_terms
+from sim.cost.terms_file import with_fitted_terms
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def check_profile(profile: dict, where: str = "profile") -> dict:
     features = profile.get("features")
     if not _known_features(features):
         raise ProfileError(f"{where}: its features {features!r} are not "
-                           f"sim.profiled.step_features.STEP_FEATURES {list(STEP_FEATURES)!r} "
+                           f"sim.cost.profiled.step_features.STEP_FEATURES {list(STEP_FEATURES)!r} "
                            f"in that order, with any of the attention-tile features "
                            f"{list(TILE_FEATURES)!r} and expert features "
                            f"{list(EXPERT_FEATURES)!r} in theirs; re-run the profiler")
@@ -146,8 +146,29 @@ class ProfiledCostModel:
             self.profile_path = str(profile)
         self.metadata = data.get("metadata") or {}
         fitted = list(data["features"])
-        # With tile features, a vector of the core and the tile features; its order is the
-        # profile's, then the features it lacks (which cost 0).
+        self._set_features(fitted, where, block_size, content_only=isinstance(profile, dict))
+        self._set_fit(data, fitted, where)
+        self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
+        self._offload_s_per_block = None   # None: a plan that moves tier blocks is an error
+        if model is not None and hardware is not None and block_size is not None:
+            model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+            hardware = (hardware if isinstance(hardware, HardwareSpec)
+                        else HardwareSpec.from_config(hardware))
+            self._offload_s_per_block = offload_seconds_per_block(
+                model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
+        self.terms_file = terms_file
+        self._set_served_terms(with_fitted_terms(
+            "profiled", terms_file, step_time_scale=step_time_scale,
+            step_overhead_s=step_overhead_s, per_sequence_overhead_s=per_sequence_overhead_s))
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._draws: list[float] = []
+        self._warned: set[str] = set()
+
+    def _set_features(self, fitted: list[str], where: str, block_size: int | None,
+                      content_only: bool) -> None:
+        """The feature vector: the profile's features in its order, then those it lacks (which
+        cost 0); the tiling and routing that its tile and expert features need."""
         self.uses_tiles = any(name in TILE_FEATURES for name in fitted)
         # The tiles come from each sequence's length; the plain features from the plan's sums.
         self.costs_repeated_steps = not self.uses_tiles
@@ -158,23 +179,26 @@ class ProfiledCostModel:
             name for name in computed if name not in fitted)
         order = [computed.index(name) for name in self.feature_names]
         self._order = None if order == list(range(len(computed))) else order
-        self.tiling = None
-        if self.uses_tiles and not (isinstance(profile, dict) and block_size is None):
-            try:
+        self._sequence_indices = (self.feature_names.index("num_prefill_seqs"),
+                                  self.feature_names.index("num_decode_seqs"))
+        self.tiling = self.routing = None
+        try:
+            if self.uses_tiles and not (content_only and block_size is None):
                 self.tiling = profile_tiling(self.metadata, block_size)
-            except ValueError as error:
-                raise ProfileError(f"{where}: {error}") from None
-        self.routing = None
-        if self.uses_experts:
-            try:
+            if self.uses_experts:
                 self.routing = profile_routing(self.metadata)
-            except ValueError as error:
-                raise ProfileError(f"{where}: {error}") from None
-            if self.routing is None:
-                raise ProfileError(f"{where}: it was fitted with {list(EXPERT_FEATURES)} but "
-                                   f"metadata.model_config has no num_experts")
+        except ValueError as error:
+            raise ProfileError(f"{where}: {error}") from None
+        if self.uses_experts and self.routing is None:
+            raise ProfileError(f"{where}: it was fitted with {list(EXPERT_FEATURES)} but "
+                               f"metadata.model_config has no num_experts")
+
+    def _set_fit(self, data: dict, fitted: list[str], where: str) -> None:
+        """The linear model, its residuals, the profiled feature ranges and the local
+        correction, checked."""
         model_data = data["model"]
-        self.intercept_s = _number(model_data.get("intercept_s", 0.0), f"{where}: model.intercept_s")
+        self.intercept_s = _number(model_data.get("intercept_s", 0.0),
+                                   f"{where}: model.intercept_s")
         self.coefficients_s = tuple(
             _number(model_data["coefficients_s"].get(name, 0.0),
                     f"{where}: model.coefficients_s.{name}")
@@ -185,9 +209,8 @@ class ProfiledCostModel:
             raise ProfileError(f"{where}: relative residuals must be > -1 (a measured duration "
                                f"is positive)")
         self.residual_samples = np.asarray(samples, dtype=np.float64)
-        ranges = data.get("feature_ranges") or {}
         self.feature_ranges: dict[str, tuple[float, float]] = {}
-        for name, bounds in ranges.items():
+        for name, bounds in (data.get("feature_ranges") or {}).items():
             if name not in self.feature_names:
                 raise ProfileError(f"{where}: feature_ranges has unknown feature {name!r}")
             if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
@@ -205,33 +228,17 @@ class ProfiledCostModel:
             except ValueError as error:
                 raise ProfileError(f"{where}: correction is malformed ({error}); re-fit the "
                                    f"profile") from None
-        self.sample_residuals = bool(sample_residuals) and self.residual_samples.size > 0
-        self._offload_s_per_block = None   # None: a plan that moves tier blocks is an error
-        if model is not None and hardware is not None and block_size is not None:
-            model = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
-            hardware = (hardware if isinstance(hardware, HardwareSpec)
-                        else HardwareSpec.from_config(hardware))
-            self._offload_s_per_block = offload_seconds_per_block(
-                model, hardware, block_size, tensor_parallel_size, offload_bandwidth_gbps)
-        # What a served run costs beyond the profiled steps (twinserve-calibrate fits them): the
-        # machine's speed then relative to the profile's, a server's work per step and per
-        # scheduled sequence (each one's tokens streamed).
-        terms = with_fitted_terms("profiled", terms_file, step_time_scale=step_time_scale,
-                                  step_overhead_s=step_overhead_s,
-                                  per_sequence_overhead_s=per_sequence_overhead_s)
-        self.terms_file = terms_file
+
+    def _set_served_terms(self, terms: dict) -> None:
+        """What a served run costs beyond the profiled steps (twinserve-calibrate fits them):
+        the machine's speed then relative to the profile's, a server's work per step and per
+        scheduled sequence."""
         self.step_time_scale = validators.positive_number(
             "ProfiledCostModel.step_time_scale", terms["step_time_scale"])
         self.step_overhead_s = validators.non_negative_number(
             "ProfiledCostModel.step_overhead_s", terms["step_overhead_s"])
         self.per_sequence_overhead_s = validators.non_negative_number(
             "ProfiledCostModel.per_sequence_overhead_s", terms["per_sequence_overhead_s"])
-        self._sequence_indices = (self.feature_names.index("num_prefill_seqs"),
-                                  self.feature_names.index("num_decode_seqs"))
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
-        self._draws: list[float] = []
-        self._warned: set[str] = set()
 
     def features(self, plan: StepPlan) -> tuple[float, ...]:
         """The plan's feature vector, in `feature_names` order."""

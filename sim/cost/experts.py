@@ -1,36 +1,7 @@
-"""Mixture-of-experts routing and expert parallelism: how many experts a step touches, how the
-experts are laid out over the GPUs, and the roofline cost of a step's routed experts.
-
-Routing (`cost_model.routing`): each token's router picks `num_experts_per_tok` (k) distinct
-experts. The setting gives each expert's share of the routed assignments:
-
-    uniform            every expert 1/E
-    {skewed: s}        Zipf: expert i (1-based) ∝ i^-s  ("skewed" alone: s = 1)
-    [p_1, ..., p_E]    a measured histogram (any non-negative weights, normalised)
-
-Expected experts touched by T tokens (the closed form, `expected_experts_touched`): a token
-includes expert i with probability π_i = k·p_i (its k picks are distinct, so the shares of its
-picks sum to k, and a router histogram counts exactly these assignments). π_i cannot exceed 1 (an
-expert is picked at most once per token): where k·p_i > 1, π_i is capped at 1 and the excess is
-spread over the others in proportion to their shares until every π_i <= 1 and Σπ_i = k
-(`inclusion_probabilities`). Tokens route independently, so expert i is left untouched by all T
-with probability (1 − π_i)^T, and
-
-    E[experts touched] = Σ_i 1 − (1 − π_i)^T
-
-is exact in expectation for any k-subset distribution with these inclusion probabilities (for
-uniform routing, the E(1 − (1 − k/E)^T) of sampling k of E without replacement per token);
-tests/test_moe_cost.py checks it against Monte-Carlo draws. Tokens of one prompt do not route
-independently in a real model (neighbouring tokens share experts more often), so prefill
-touches at most what this says.
-
-Expert parallelism (`cluster.expert_parallel_size`, ep): the experts are split over ep GPUs;
-attention stays tensor-parallel over the replica's tp GPUs. ep <= tp (ep divides tp): ep groups
-of experts, each tensor-parallel over tp/ep GPUs. ep > tp (tp divides ep): the expert group spans
-ep/tp replicas (vLLM's data parallel + expert parallel), whose peers are taken to carry the same
-load, so a GPU's experts see G = T·ep/tp tokens' routing. Either way each GPU holds E/ep experts
-at width I·ep/max(tp, ep), does T·k/tp tokens' expert FLOPs, and reads the touched experts'
-weights: touched(G) × expert bytes / max(tp, ep).
+"""Mixture-of-experts routing and expert parallelism: the experts a step's tokens touch in
+expectation (each expert left untouched by T tokens with probability (1 - π_i)^T), how the
+experts lie over the GPUs, and the roofline cost of a step's routed experts.
+docs/mixture-of-experts.md derives each.
 """
 from __future__ import annotations
 
@@ -41,11 +12,10 @@ import numpy as np
 
 from policies import validators
 from runtime.specs import HardwareSpec, ModelSpec
+from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 
 ROUTING_KEY = "cost_model.routing"
 EP_KEY = "cluster.expert_parallel_size"
-# Token counts the per-step tables hold; beyond, linear at the slope of their upper half.
-TABLE_TOKENS = 8192
 
 
 def routing_shares(routing, num_experts: int, key: str = ROUTING_KEY) -> np.ndarray:
@@ -125,7 +95,7 @@ def check_expert_parallel_size(model: ModelSpec, expert_parallel_size: int,
 
 @dataclass(frozen=True, eq=False)
 class ExpertLayout:
-    """How one GPU sees a step's routed experts (module docstring)."""
+    """How one GPU sees a step's routed experts (docs/mixture-of-experts.md)."""
 
     model: ModelSpec
     tensor_parallel_size: int
@@ -189,13 +159,6 @@ class ExpertLayout:
         return (f"{self.model.num_experts} experts, {self.model.num_experts_per_tok} per token, "
                 f"routing {routing!r}; expert_parallel_size {self.expert_parallel_size}, "
                 f"tensor_parallel_size {self.tensor_parallel_size}")
-
-
-def per_token_table(seconds_from_one: np.ndarray) -> tuple[list[float], float]:
-    """[0, s(1), ..., s(N)] as a list, and the slope that extends it past N (its upper half)."""
-    n = len(seconds_from_one)
-    slope = float(seconds_from_one[-1] - seconds_from_one[n // 2 - 1]) / (n - n // 2)
-    return [0.0] + seconds_from_one.tolist(), slope
 
 
 class RooflineExperts:

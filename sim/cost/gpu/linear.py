@@ -3,7 +3,7 @@
 A layer's time at n batched tokens is the sum of its measured kernels (QKV, O, gate+up, down,
 two norms, rope, the activation, the residual add) in the nearest table, interpolated between
 the measured token counts (which keep the GEMM efficiency steps) and carried to the target by
-the roofline ratio of each kernel (sim/gpu/transfer.py). Beyond the table's last token count the
+the roofline ratio of each kernel (sim/cost/gpu/transfer.py). Beyond the table's last token count the
 time grows linearly at the slope of its upper half.
 
 The LM head (hidden x vocab over the rows that sample) has no table of its own: it is the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.specs import HardwareSpec
-from sim.gpu.tables import LAYER_OPS, STEP_OPS, LayerShape, OpTable, op_tables
-from sim.gpu.transfer import (elementwise_bytes_per_token, gemm_dims, gemm_roofline_s,
+from sim.cost.gpu.tables import LAYER_OPS, STEP_OPS, LayerShape, OpTable, op_tables
+from sim.cost.gpu.transfer import (elementwise_bytes_per_token, gemm_dims, gemm_roofline_s,
                               gpu_distance, rates_covered, shape_distance, transfer_kind)
 
 TABLE_DTYPE_BYTES = 2  # every operator table was measured in fp16

@@ -6,7 +6,7 @@ linear aggregates cannot draw.
 
 The feature is the expected number of distinct experts a step's tokens touch per layer under
 uniform routing, E·(1 − (1 − k/E)^T) for T tokens, E experts and k routed per token
-(sim/core/experts.py's closed form): the simulator knows no token's routing, and a random
+(sim/cost/experts.py's closed form): the simulator knows no token's routing, and a random
 model's router spreads its tokens. A profile
 fitted with it (`twinserve-profile --expert-feature`; opt-in, docs/calibration.md says why) lists
 it in its `features` and reads E and k from `metadata.model_config`.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from policies.types import StepPlan
-from sim.core.experts import expected_experts_touched, inclusion_probabilities, routing_shares
+from sim.cost.experts import expected_experts_touched, inclusion_probabilities, routing_shares
 
 EXPERT_FEATURES: tuple[str, ...] = (
     "experts_touched",             # expected distinct experts the step's tokens reach per layer

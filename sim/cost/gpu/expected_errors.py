@@ -21,7 +21,7 @@ KIND_KEYS = ("kernels", "arrivals", "precision", "model", "version", "tp")
 ALWAYS_KEPT = 2   # the leading keys a run is judged by while any check shares them
 METRICS = ("ttft", "tpot", "e2e")
 MIN_CHECKS = 5
-EXPECTED_ERRORS_FILE = Path(__file__).resolve().parents[2] / "data" / "gpu" / "expected_errors.json"
+EXPECTED_ERRORS_FILE = Path(__file__).resolve().parents[3] / "data" / "gpu" / "expected_errors.json"
 
 
 def kind_of(kernels: str, version_exact: bool, tensor_parallel_size: int, is_moe: bool,

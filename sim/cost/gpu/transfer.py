@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from runtime.specs import HardwareSpec
-from sim.gpu.tables import LayerShape
+from sim.cost.gpu.tables import LayerShape
 
 # Another board of the same chip (same peak FLOP/s and HBM bandwidth) ranks just after the board
 # the table was measured on.

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.specs import HardwareSpec
-from sim.gpu.tables import AttentionTable, LayerShape, attention_tables
-from sim.gpu.transfer import gpu_distance, kv_heads_per_gpu
+from sim.cost.gpu.tables import AttentionTable, LayerShape, attention_tables
+from sim.cost.gpu.transfer import gpu_distance, kv_heads_per_gpu
 
 # A table of another backend than the preferred one ranks behind every table of it.
 OTHER_BACKEND_DISTANCE = 100.0

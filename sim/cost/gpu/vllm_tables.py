@@ -1,6 +1,6 @@
 """vLLM's own kernels timed by shape on each GPU, per vLLM version (data/gpu/aiconfigurator/, NVIDIA's
 aiconfigurator measurements; data/gpu/README.md says what every column means), parsed once per
-process into arrays the kernel assembly (sim/gpu/vllm_kernels.py) interpolates.
+process into arrays the kernel assembly (sim/cost/gpu/vllm_kernels.py) interpolates.
 
 Every latency here is in milliseconds, as the tables store it.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.gpu.tables import DATA_DIR
+from sim.cost.gpu.tables import DATA_DIR
 
 TABLES_DIR = DATA_DIR / "aiconfigurator"
 

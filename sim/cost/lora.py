@@ -1,4 +1,4 @@
-"""The cost of multi-LoRA serving in a step, for both cost models (roofline.py, sim/gpu/): the
+"""The cost of multi-LoRA serving in a step, for both cost models (roofline.py, sim/cost/gpu/): the
 batched adapter matmuls grouped by adapter (Punica's SGMV / S-LoRA's kernels) and the adapters
 loaded over the host link before the forward pass.
 
