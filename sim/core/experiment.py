@@ -30,7 +30,7 @@ from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
-from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
+from sim.core.lockstep import drive_lockstep, lockstep_group_size
 from sim.core.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
@@ -38,7 +38,7 @@ from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_re
 from runtime.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from runtime.metrics.streaming import RequestLedger
 from runtime.metrics.session_kv import has_sessions, session_kv_summary
-from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
+from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals, drive_alone
 from sim.core.session_arrivals import ClosedLoopArrivals
 from runtime.specs import ModelSpec
 from sim.core.workload import (RequestStream, build_session_source, is_closed_loop,
@@ -211,16 +211,15 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                         TracedEnergyMeter if out_dir is not None and plots
                                         else EnergyMeter)
     if check_deadlines(requests if sessions is None else sessions.source.all_requests(),
-                       [scheduler for replica in replicas
-                        for scheduler in getattr(replica, "schedulers", [replica.scheduler])],
+                       [scheduler for replica in replicas for scheduler in replica.schedulers],
                        "prefill and decode pools" if disaggregated else None):
         for replica in replicas:
-            if isinstance(replica, Replica):   # (the others never repeat steps)
-                replica.steps.deadlines.expected = True
+            for lane in replica.lanes:
+                lane.steps.deadlines.expected = True
     router = pools[0].router
     if disaggregated:
         cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
-                                       next_arrival, on_requests_done=count_done)
+                                       next_arrival)
         router = cluster.router
     if sessions is None:
         env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
@@ -334,7 +333,6 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
     group_size = lockstep_group_size(cfg, model, pool.num_replicas, pool.role)
-    replica_class = Replica if group_size == 1 else LockstepRank
     replicas = []
     num_stages = pipeline_parallel_size(cfg, model)
     if num_stages > 1 and group_size > 1:
@@ -364,12 +362,14 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
             cfg.kv_cache.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
-        replicas.append(replica_class(env, replica_id, scheduler, executor, metrics,
-                                on_requests_done=on_requests_done, next_arrival=next_arrival,
-                                predictor=predictor, pool=pool.name, role=pool.role,
-                                energy=energy))
-        if lora_managers:   # the manager just built for this replica's scheduler
-            replicas[-1].lora = lora_managers[-1]
+        replica = Replica(env, replica_id, [scheduler], executor, metrics,
+                          on_requests_done=on_requests_done, next_arrival=next_arrival,
+                          predictor=predictor, pool=pool.name, role=pool.role, energy=energy,
+                          # (the manager just built for this replica's scheduler)
+                          lora_managers=lora_managers[-1:] if lora_managers else None)
+        replicas.append(replica)
+        if group_size == 1:
+            drive_alone(replica)
     for first in range(0, len(replicas) if group_size > 1 else 0, group_size):
-        LockstepGroup(env, replicas[first:first + group_size])
+        drive_lockstep(env, replicas[first:first + group_size])
     return replicas
