@@ -38,10 +38,10 @@ def take_handoffs(prefill: PrefillPoolScheduler, source: object = None,
 
 def admit_handoffs(waiting: deque[Handoff], decode: DecodePoolScheduler, now: float,
                    start_copy: Callable[[Handoff], None],
-                   rejected: Callable[[Handoff], None]) -> None:
+                   rejected: Callable[[Handoff], None] | None = None) -> None:
     """Start the copies of the `waiting` hand-offs, oldest first, while `decode` admits them;
     one it can never hold leaves the queue with its `rejected_reason`, its source blocks freed
-    before `rejected` is told."""
+    before `rejected` (if given) is told."""
     while waiting:
         handoff = waiting[0]
         if not decode.admit_transfer(handoff.request, now):
@@ -49,7 +49,8 @@ def admit_handoffs(waiting: deque[Handoff], decode: DecodePoolScheduler, now: fl
                 return   # no room now: a later step of the decode replica frees some
             waiting.popleft()
             handoff.free_source()
-            rejected(handoff)
+            if rejected is not None:
+                rejected(handoff)
             continue
         waiting.popleft()
         start_copy(handoff)
