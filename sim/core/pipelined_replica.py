@@ -1,37 +1,17 @@
 """A replica of pipeline stages (`cluster.pipeline_parallel_size` > 1) with batches in flight, as
 vLLM V0 ran pipeline parallelism (virtual engines) and Vidur models it.
 
-The replica (sim/core/replica.py) has pp lanes, virtual engines, each a step loop with its own
-scheduler (the run's policy) over its own share of the replica's KV blocks and its own
-`ReplicaDriver` with `ThroughStages` timing, and pp stages, each a simpy resource that works on
-one step at a time. A virtual engine plans its next step as soon as the first stage is free for
-it, the step takes each stage in turn for that stage's time (sim/core/pipeline.py: its layers'
-work, the first stage the engine overhead, the last the LM head, every stage but the last its
-send of the activations), waiting in between while the next stage works on another engine's
-step, and the step's tokens come out when it leaves the last stage; then the engine plans again.
-So at most pp steps are in flight, and the bubble and the overlap come out of the timeline: one
-engine with work leaves every stage but one idle; pp busy engines keep the slowest stage busy.
+The replica has pp lanes (virtual engines), each its own scheduler over num_blocks // pp of the
+replica's KV blocks (V0's split: a step in flight holds its blocks while the others plan) and its
+own `ReplicaDriver` with `ThroughStages` timing; the pp stages are simpy resources, one step at a
+time each. An engine plans once the first stage is free for it, and its step takes each stage in
+turn for that stage's time (sim/core/pipeline.py), so the bubble and the overlap come out of the
+timeline. A request joins the engine with the fewest unfinished requests (V0's rule).
 
-Requests go to the virtual engine with the fewest unfinished requests (V0's rule; ties to the
-first). A router sees, as the replica's KV manager and LoRA manager, those of the engine that
-would take the request.
-
-KV split: each engine owns num_blocks // pp device blocks (and that share of the host swap pool
-and of the prefix cache's host tier), as V0 split its cache among its virtual engines. A step in
-flight holds its blocks while the other engines plan, so their pools must be disjoint; one
-shared pool would need preemptions across engines, which V0 never did. Each engine with adapters
-has its own LoRA manager of max_loras slots.
-
-What a step row records: its plan, the replica's KV and queues summed over its engines when the
-step enters the first stage, and its duration from entering the first stage to leaving the last
-(waits for busy stages included: rows of one replica overlap, up to pp at a time).
-
-Energy: each stage's tp boards are charged the seconds that stage is busy with each step at that
-stage's work (its base cost model's FLOPs and bytes, the LM head counted on every stage: an
-over-count of its weights, ~4% of a Llama-2-7B stage's at pp=2), and idle power the rest of the
-run. Repeated decode steps (policies/decode_run.py) never run here: every step is its own event.
-A run that plots gives the stages traced meters and keeps the stage timeline, from which the
-power plot draws the replica's power as the sum of its stages' (sim/core/energy/trace.py).
+A step row holds the replica's KV and queues summed over its engines as the step enters the first
+stage, and its duration up to leaving the last (rows of one replica overlap). Each stage's boards
+are charged its busy seconds at its work (sim/core/energy/stages.py); a run that plots keeps the
+stages' timeline for the power plot. No repeated decode steps: every step is its own event.
 """
 from __future__ import annotations
 

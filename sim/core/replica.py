@@ -3,10 +3,10 @@
 
 A driver runs the step loop of runtime/step.py over its lanes (a replica's step loops): it waits
 while they are idle, aborts the requests whose clients gave up (`Request.timeout_s`), has its
-`StepTiming` run one step, and reports what ended. The timing is what differs: `OwnTime` here (a
-replica alone, runs of repeated decode steps as one event), `Lockstep` (sim/core/lockstep.py: the
-ranks of an expert group, one driver over them all) and `ThroughStages`
-(sim/core/pipelined_replica.py: one driver per virtual engine of a pipelined replica).
+`DriverTiming` run one step, and reports what ended. Only the timing differs: `OwnTime` here (a
+replica alone; runs of repeated decode steps as one event), `Lockstep` (sim/core/lockstep.py: one
+driver over the ranks of an expert group) and `ThroughStages` (sim/core/pipelined_replica.py: one
+driver per virtual engine of a pipelined replica).
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 
 class SimEnvironment(simpy.Environment):
-    """simpy's environment, able to wake a process at an exact time: where repeated steps end, as
-    separate steps would have left the clock (one delay added to the start can miss it by an ulp)."""
+    """simpy's environment, able to wake a process at an exact time: where repeated steps end,
+    as separate steps would have left the clock (one delay added to the start can miss by an
+    ulp)."""
 
     def timeout_at(self, time: float) -> simpy.Event:
         if time < self.now:
@@ -124,7 +125,8 @@ class Replica:
 
     def submit(self, request: Request) -> None:
         request.replica_id = self.replica_id
-        lane = self.next_lane()
+        lanes = self.lanes
+        lane = lanes[0] if len(lanes) == 1 else self.next_lane()
         lane.scheduler.add_request(request, self.env.now)
         if request.rejected_reason is not None:
             self.ended([request])
@@ -147,11 +149,11 @@ class Replica:
             lane.driver.wake()
 
 
-class StepTiming(Protocol):
+class DriverTiming(Protocol):
     """How a driver's step takes its time on the simulated clock."""
 
-    def gate(self) -> simpy.Event | None:
-        """What to wait for before a step (a pipeline's first stage), or None."""
+    # Called for what to wait for before a step (a pipeline's first stage); None: nothing.
+    gate: Callable[[], simpy.Event] | None
 
     def cancel(self) -> None:
         """Give back what `gate` took: the step will not run."""
@@ -164,7 +166,7 @@ class StepTiming(Protocol):
 class ReplicaDriver:
     """The one simpy process that steps `lanes` with `timing` (the module docstring)."""
 
-    def __init__(self, env: simpy.Environment, lanes: list[Lane], timing: StepTiming):
+    def __init__(self, env: simpy.Environment, lanes: list[Lane], timing: DriverTiming):
         self.env, self.lanes, self.timing = env, lanes, timing
         for lane in lanes:
             lane.driver = self
@@ -191,25 +193,26 @@ class ReplicaDriver:
 
     def run(self):
         env, lanes, timing = self.env, self.lanes, self.timing
-        has_work = self.has_work
+        has_work, gate, step = self.has_work, timing.gate, timing.step
         while True:
             while not has_work():   # a wake by a transfer may bring nothing
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
-            gate = timing.gate()
             if gate is not None:
-                yield gate
+                yield gate()
             now = env.now
+            abandoned_any = False
             for lane in lanes:
                 abandoned = lane.steps.abandon_due(now)
                 if abandoned:
                     lane.replica.ended(abandoned)
-            if not has_work():
+                    abandoned_any = True
+            if abandoned_any and not has_work():
                 timing.cancel()
                 continue
-            ran = yield from timing.step(self, now)
-            if not ran:   # nothing can run until a KV transfer frees or brings blocks
+            if not (yield from step(self, now)):
+                # Nothing can run until a KV transfer frees or brings blocks.
                 self._idle = env.event()
                 yield self._idle
                 self._idle = None
@@ -219,19 +222,17 @@ class OwnTime:
     """A replica stepping alone: each step lasts its own duration, and a run of repeated decode
     steps is one event up to the replica's horizon (`Replica.next_arrival`)."""
 
-    def __init__(self, lane: Lane):
-        self.lane = lane
-        lane.queued_arrivals = []
+    gate = None
 
-    def gate(self) -> None:
-        return None
+    def __init__(self, lane: Lane):
+        self.lane, self.replica, self.steps = lane, lane.replica, lane.steps
+        self.queued = lane.queued_arrivals = []
 
     def cancel(self) -> None:
         pass
 
     def step(self, driver: ReplicaDriver, now: float):
-        lane = self.lane
-        replica, steps, queued = lane.replica, lane.steps, lane.queued_arrivals
+        replica, steps, queued = self.replica, self.steps, self.queued
         env = driver.env
         queued.clear()
         first_row = replica.metrics.num_steps
@@ -261,7 +262,7 @@ class OwnTime:
         if step_durations and queued:
             # Requests that arrived while the run's blocked queue kept them waiting.
             replica.recorder.count_arrivals(first_row, len(step_durations), queued)
-        driver.finish(lane, finished)
+        driver.finish(self.lane, finished)
         return True
 
 

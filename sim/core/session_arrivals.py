@@ -8,8 +8,8 @@ Repeated decode steps (runtime/step.py) run up to the next arrival, which a clos
 know in advance: `time` (a `NextArrival` look-alike) is the earliest any request could reach a
 replica, the next scheduled arrival or, sooner, now plus the least gap after a request in flight
 (none of them can finish before now). Runs of repeated steps also end at their first finish
-(`Replica.run`), whose follow-up is then scheduled at its exact time. So a closed-loop run comes
-out as it would step by step.
+(`OwnTime`, sim/core/replica.py), whose follow-up is then scheduled at its exact time. So a
+closed-loop run comes out as it would step by step.
 """
 from __future__ import annotations
 
