@@ -40,7 +40,7 @@ class Lockstep:
             lane.steps.record(now, duration)
         yield driver.env.timeout(duration)
         for lane in stepping:
-            driver.finish(lane, lane.steps.complete(driver.env.now))
+            driver.finish(lane.replica, lane.steps.complete(driver.env.now))
         return True
 
 

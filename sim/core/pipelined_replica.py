@@ -110,7 +110,7 @@ class ThroughStages:
         result.duration = duration = env.now - now
         recorder.metrics.set_step_duration(row, duration)
         stages.energy.add_stages(plan, stage_times)
-        driver.finish(lane, steps.complete(env.now))
+        driver.finish(lane.replica, steps.complete(env.now))
         return True
 
 

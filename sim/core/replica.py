@@ -183,9 +183,9 @@ class ReplicaDriver:
         if self._idle is not None and not self._idle.triggered:
             self._idle.succeed()
 
-    def finish(self, lane: Lane, finished: list[Request]) -> None:
-        """After a lane's step: report its finished requests, then the step (disaggregation)."""
-        replica = lane.replica
+    def finish(self, replica: Replica, finished: list[Request]) -> None:
+        """After a step of the replica's: report its finished requests, then the step
+        (disaggregation)."""
         if finished:
             replica.ended(finished)
         if replica.on_step_done is not None:
@@ -194,6 +194,7 @@ class ReplicaDriver:
     def run(self):
         env, lanes, timing = self.env, self.lanes, self.timing
         has_work, gate, step = self.has_work, timing.gate, timing.step
+        abandons = [(lane.steps.abandon_due, lane.replica) for lane in lanes]
         while True:
             while not has_work():   # a wake by a transfer may bring nothing
                 self._idle = env.event()
@@ -203,10 +204,10 @@ class ReplicaDriver:
                 yield gate()
             now = env.now
             abandoned_any = False
-            for lane in lanes:
-                abandoned = lane.steps.abandon_due(now)
+            for abandon_due, replica in abandons:
+                abandoned = abandon_due(now)
                 if abandoned:
-                    lane.replica.ended(abandoned)
+                    replica.ended(abandoned)
                     abandoned_any = True
             if abandoned_any and not has_work():
                 timing.cancel()
@@ -225,17 +226,17 @@ class OwnTime:
     gate = None
 
     def __init__(self, lane: Lane):
-        self.lane, self.replica, self.steps = lane, lane.replica, lane.steps
+        self.replica, self.steps, self.env = lane.replica, lane.steps, lane.replica.env
+        self.metrics = lane.replica.metrics
         self.queued = lane.queued_arrivals = []
 
     def cancel(self) -> None:
         pass
 
     def step(self, driver: ReplicaDriver, now: float):
-        replica, steps, queued = self.replica, self.steps, self.queued
-        env = driver.env
+        replica, steps, queued, env = self.replica, self.steps, self.queued, self.env
         queued.clear()
-        first_row = replica.metrics.num_steps
+        first_row = self.metrics.num_steps
         # A KV transfer (disaggregation) skips the waiting queue: into a decode replica, or out
         # of a prefill replica, whose blocks it frees.
         num_pending_transfers = replica.num_pending_transfers
@@ -262,7 +263,7 @@ class OwnTime:
         if step_durations and queued:
             # Requests that arrived while the run's blocked queue kept them waiting.
             replica.recorder.count_arrivals(first_row, len(step_durations), queued)
-        driver.finish(self.lane, finished)
+        driver.finish(replica, finished)
         return True
 
 
