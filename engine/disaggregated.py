@@ -6,12 +6,12 @@ classes as the simulator's pools (sim/core/cluster.py).
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     llm.last_transfers      # one KVTransfer per request moved: tokens, bytes, measured seconds
 
-The prefill replica stops each request after its first token (`Request.handoff`), keeping its
-blocks; the decode replica's scheduler admits it (`admit_transfer`: its own sequence and blocks),
-the request's KV is copied from the prefill pool's blocks to the decode pool's through both
-block tables, timed, and the prefill replica frees its blocks; the decode replica decodes. A
-request the decode replica has no room for waits, first come first served; one it can never hold
-is rejected with its reason. The two replicas take turns, one step each.
+The hand-off is the simulator's (runtime/handoff.py): the prefill replica stops each request
+after its first token (`Request.handoff`), keeping its blocks; the decode replica's scheduler
+admits it when it has room, first come first served (one it can never hold is rejected with its
+reason); here its KV is copied from the prefill pool's blocks to the decode pool's through both
+block tables, timed; the prefill replica frees its blocks and the decode replica decodes. The
+two replicas take turns, one step each.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from engine.builder import build_scheduler, build_scheduler_executor, names_a_po
 from engine.kv_cache import KVCachePool
 from engine.llm import LLM, RequestOutput
 from policies.types import Request, Sequence
+from runtime.handoff import Handoff, admit_handoffs, land, take_handoffs
 from runtime.metrics import MetricsCollector, StepRecorder
 from runtime.step import StepLoop
 
@@ -105,43 +106,33 @@ class DisaggregatedLLM(LLM):
         decode_steps = StepLoop(decode, self.decode_executor,
                                 StepRecorder(metrics, DECODE_REPLICA), self.predictor)
         stopped: set[Sequence] = set()
-        handoffs: deque[tuple[Request, Sequence]] = deque()  # waiting for the decode replica
+        handoffs: deque[Handoff] = deque()   # waiting for the decode replica
         self.last_transfers = []
         start = time.perf_counter()
         while prefill.has_unfinished() or decode.has_unfinished() or handoffs:
             if prefill.has_unfinished():
                 # Its blocks held for waiting hand-offs may keep it from planning: it waits.
                 self._step(prefill_steps, stopped, may_idle=bool(handoffs))
-                handoffs.extend((request, request.sequences[0])
-                                for request in prefill.take_handoffs())
-            self._transfer(handoffs)
+                handoffs.extend(take_handoffs(prefill))
+            admit_handoffs(handoffs, decode, self._now(), self._copy)
             if decode.has_unfinished():
                 self._step(decode_steps, stopped)
         self._fill_outputs(requests, stopped, metrics, time.perf_counter() - start)
 
-    def _transfer(self, handoffs: deque[tuple[Request, Sequence]]) -> None:
-        """Move the waiting hand-offs' KV to the decode replica while it has room."""
+    def _copy(self, handoff: Handoff) -> None:
+        """Copy an admitted hand-off's KV into the decode replica's blocks, timed; it decodes
+        from the decode replica's next step."""
+        request, source = handoff.request, handoff.source_seq
         prefill_kv, decode_kv = self.scheduler.kv_cache, self.decode_scheduler.kv_cache
-        while handoffs:
-            request, source = handoffs[0]
-            if not self.decode_scheduler.admit_transfer(request, self._now()):
-                if request.rejected_reason is None:
-                    return   # no room until the decode replica frees some
-                handoffs.popleft()
-                prefill_kv.free(source)
-                continue
-            handoffs.popleft()
-            num_tokens = source.num_computed_tokens
-            num_blocks = -(-num_tokens // prefill_kv.block_size)
-            copy_start = time.perf_counter()
-            num_bytes = copy_kv_blocks(
-                self.executor.pool, prefill_kv.block_tables[source.seq_id][:num_blocks],
-                self.decode_executor.pool,
-                decode_kv.block_tables[request.sequences[0].seq_id][:num_blocks])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.last_transfers.append(KVTransfer(request.request_id, num_tokens, num_bytes,
-                                                  time.perf_counter() - copy_start))
-            prefill_kv.free(source)
-            request.replica_id = DECODE_REPLICA
-            self.decode_scheduler.finish_transfer(request, self._now())
+        num_tokens = source.num_computed_tokens
+        num_blocks = -(-num_tokens // prefill_kv.block_size)
+        copy_start = time.perf_counter()
+        num_bytes = copy_kv_blocks(
+            self.executor.pool, prefill_kv.block_tables[source.seq_id][:num_blocks],
+            self.decode_executor.pool,
+            decode_kv.block_tables[request.sequences[0].seq_id][:num_blocks])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_transfers.append(KVTransfer(request.request_id, num_tokens, num_bytes,
+                                              time.perf_counter() - copy_start))
+        land(handoff, self.decode_scheduler, DECODE_REPLICA, self._now())

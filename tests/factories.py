@@ -29,7 +29,7 @@ from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from runtime.assembly import kv_cache_policy_config
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from runtime.metrics import MetricsCollector
-from sim.core.replica import Replica, arrivals
+from sim.core.replica import Replica, arrivals, drive_alone
 from runtime.specs import HardwareSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def replay_on_sim_clock(scheduler, executor, prompts, output_len: int):
     requests = [Request(request_id=i, arrival_time=0.01 * i, prompt_len=len(p),
                         output_len=output_len, prompt_token_ids=p) for i, p in enumerate(prompts)]
     env = simpy.Environment()
-    replica = Replica(env, 0, scheduler, executor, MetricsCollector())
+    replica = Replica(env, 0, [scheduler], executor, MetricsCollector())
+    drive_alone(replica)
     env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
     env.run()  # until no event is left: every request done, the replica idle
     return requests, env.now

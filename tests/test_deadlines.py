@@ -14,7 +14,6 @@ from factories import assert_same_run, make_cfg, run_both_ways
 from policies.types import Request
 from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
-from sim.core.pipelined_replica import PipelinedReplica
 from sim.core.replica import Replica
 from sim.core.workload import build_workload
 
@@ -55,13 +54,11 @@ def ended_requests(monkeypatch) -> list[Request]:
         return record
 
     monkeypatch.setattr(Replica, "ended", recording(Replica.ended))
-    monkeypatch.setattr(PipelinedReplica, "finished", recording(PipelinedReplica.finished))
     return ended
 
 
 def schedulers_of(result) -> list:
-    return [scheduler for replica in result.replicas
-            for scheduler in getattr(replica, "schedulers", [replica.scheduler])]
+    return [scheduler for replica in result.replicas for scheduler in replica.schedulers]
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

@@ -5,6 +5,7 @@ file or inside a function; docs/architecture.md's diagram is what scripts/layers
 the imports now."""
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -76,3 +77,32 @@ def test_an_upward_import_that_closes_a_cycle_is_named(tmp_path):
     (tmp_path / "low" / "module.py").write_text("def f():\n    import top\n")
     with pytest.raises(ValueError, match="low -> top -> mid -> low"):
         layers.layers(layers.package_imports(tmp_path))
+
+
+# The hand-off between a prefill and a decode pool: runtime/handoff.py's alone.
+HANDOFF_CALLS = ("take_handoffs", "admit_transfer", "finish_transfer")
+
+
+def handoff_calls(source: str) -> list[str]:
+    """The scheduler hand-off methods a source calls itself (`x.take_handoffs()`, ...)."""
+    return [node.func.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in HANDOFF_CALLS]
+
+
+@pytest.mark.parametrize("package", ["sim", "engine"])
+def test_both_backends_hand_off_through_the_runtime(package):
+    """Neither backend takes, admits or lands a hand-off by calling a scheduler itself: both
+    call runtime/handoff.py, so the two pools' hand-off is written once."""
+    offenders = [f"{path.relative_to(REPO)}: {call}"
+                 for path in sorted((REPO / package).rglob("*.py"))
+                 for call in handoff_calls(path.read_text())]
+    assert offenders == []
+
+
+def test_a_hand_off_call_is_caught():
+    source = ("def admit(decode, request):\n"
+              "    if decode.scheduler.admit_transfer(request, 0.0):\n"
+              "        decode.scheduler.finish_transfer(request, 0.0)\n"
+              "take_handoffs = None\n")
+    assert handoff_calls(source) == ["admit_transfer", "finish_transfer"]

@@ -235,17 +235,21 @@ def test_sends_are_measured_on_gpus_and_roofline_arithmetic_otherwise():
 
 # ---- batches in flight -------------------------------------------------------------------------
 
-class _TimedReplica(pipelined_replica.PipelinedReplica):
-    """A pipelined replica that keeps its stage timeline (a run that plots keeps one already)."""
+class _TimedStages(pipelined_replica.Stages):
+    """A pipelined replica's stages that keep their timeline (a run that plots keeps one)."""
 
-    def __init__(self, *args, stage_timeline=None, **kwargs):
-        super().__init__(*args, stage_timeline=[] if stage_timeline is None else stage_timeline,
-                         **kwargs)
+    def __init__(self, *args, timeline=None):
+        super().__init__(*args, timeline=[] if timeline is None else timeline)
+
+
+def stage_timeline(replica) -> list:
+    """The pipelined replica's stages' timeline, from its first engine's timing."""
+    return replica.lanes[0].driver.timing.stages.timeline
 
 
 def _run(pp: int, *overrides: str, monkeypatch=None, cost_model: str = "roofline"):
     if monkeypatch is not None:
-        monkeypatch.setattr(pipelined_replica, "PipelinedReplica", _TimedReplica)
+        monkeypatch.setattr(pipelined_replica, "Stages", _TimedStages)
     cfg = make_cfg(f"cost_model={cost_model}", f"cluster.pipeline_parallel_size={pp}",
                    "cluster.frontend_latency_s=0", *overrides)
     return run_experiment(cfg, plots=False)
@@ -277,7 +281,7 @@ def test_a_lone_sequence_gains_nothing_and_pays_the_sends(monkeypatch):
         result = _run(pp, "workload.num_requests=1", *_fixed(prompt_len, output_len),
                       monkeypatch=monkeypatch)
         request, = result.requests
-        whole, pipeline = _cost_model(1), result.replicas[0].cost_model
+        whole, pipeline = _cost_model(1), result.replicas[0].executor.cost_model
         send = pipeline.send_s(1)
         assert request.first_token_time - request.arrival_time == pytest.approx(
             whole.step_time(_prefills(1, prompt_len)) + (pp - 1) * pipeline.send_s(prompt_len),
@@ -287,7 +291,7 @@ def test_a_lone_sequence_gains_nothing_and_pays_the_sends(monkeypatch):
                         + (pp - 1) * send for k in range(1, output_len))
         assert request.finish_time - request.first_token_time == pytest.approx(decodes_s,
                                                                                rel=1e-12)
-        steps = _steps(result.replicas[0].stage_timeline, pp)
+        steps = _steps(stage_timeline(result.replicas[0]), pp)
         assert len(steps) == output_len
         for step in steps:   # (no stage waits for another engine)
             assert all(a[3] == b[2] for a, b in zip(step, step[1:]))
@@ -303,7 +307,7 @@ def test_busy_engines_keep_the_slowest_stage_busy(pp, monkeypatch):
     result = _run(pp, f"workload.num_requests={n}", "workload.rate=inf", *_fixed(1024, 1),
                   "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=1024",
                   monkeypatch=monkeypatch)
-    stage_s = result.replicas[0].cost_model.stage_times(_prefills(1, 1024))
+    stage_s = result.replicas[0].executor.cost_model.stage_times(_prefills(1, 1024))
     makespan = max(r.finish_time for r in result.requests)
     assert makespan == pytest.approx(sum(stage_s) + (n - 1) * max(stage_s), rel=1e-9)
     # One replica at pp = 1 runs the same steps one at a time, sum(stages) less the sends each.
@@ -362,13 +366,13 @@ def test_runs_finish_every_request_once_and_free_every_block(pp, seed, scheduler
         check_outcome(scheduler_of_engine, result.requests, finished)
     used = result.metrics.step_column("kv_blocks_used")
     assert used.max() <= pp * (90 // pp)
-    _check_timeline(replica.stage_timeline, pp, result.metrics)
+    _check_timeline(stage_timeline(replica), pp, result.metrics)
 
 
 def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
     """A long request on engine 0, a short one on engine 1; one arriving after the short one
     finished joins engine 1, the idle one (round robin would put it on engine 0)."""
-    monkeypatch.setattr(pipelined_replica, "PipelinedReplica", _TimedReplica)
+    monkeypatch.setattr(pipelined_replica, "Stages", _TimedStages)
     requests = [Request(request_id=0, arrival_time=0.0, prompt_len=64, output_len=400),
                 Request(request_id=1, arrival_time=0.0, prompt_len=64, output_len=2),
                 Request(request_id=2, arrival_time=1.0, prompt_len=64, output_len=2)]
@@ -376,7 +380,7 @@ def test_requests_go_to_the_engine_with_the_fewest_unfinished(monkeypatch):
                                      "cluster.frontend_latency_s=0"),
                             plots=False, requests=requests)
     assert result.requests[0].finish_time > 2.0 and result.requests[1].finish_time < 1.0
-    late_engines = {engine for _, engine, start, _ in result.replicas[0].stage_timeline
+    late_engines = {engine for _, engine, start, _ in stage_timeline(result.replicas[0])
                     if 1.0 <= start < result.requests[2].finish_time}
     assert late_engines == {0, 1}
 
@@ -407,7 +411,7 @@ def test_energy_charges_each_stages_boards_for_its_busy_time(monkeypatch):
     meter = replica.recorder.energy
     assert meter.num_boards == 2 * make_cfg().cluster.tensor_parallel_size
     for stage, stage_meter in enumerate(meter.stages):
-        busy = sum(end - start for s, _, start, end in replica.stage_timeline if s == stage)
+        busy = sum(end - start for s, _, start, end in stage_timeline(replica) if s == stage)
         assert stage_meter.busy_s == pytest.approx(busy, rel=1e-9)
     one = _run(1, *light).summary
     assert 1.5 < result.summary["energy_j"] / one["energy_j"] < 2.0

@@ -103,7 +103,7 @@ def test_each_pipelined_replicas_area_is_its_energy_and_runs_without_plots_keep_
     plotted = run_experiment(cfg, tmp_path, plots=True)
     for replica in plain.replicas:
         assert type(replica.recorder.energy) is StagesEnergyMeter
-        assert replica.stage_timeline is None
+        assert replica.lanes[0].driver.timing.stages.timeline is None
     for key in ("energy_j", "energy_per_replica"):
         assert plotted.summary[key] == plain.summary[key], key
     meters = {replica.replica_id: replica.recorder.energy for replica in plotted.replicas}

@@ -18,7 +18,7 @@ from policies.types import Request, StepResult
 from runtime import step
 from sim.core.experiment import run_experiment
 from runtime.metrics import MetricsCollector
-from sim.core.replica import Replica, arrivals
+from sim.core.replica import Replica, arrivals, drive_alone
 from runtime.step import NoProgress
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome,
@@ -74,7 +74,8 @@ def run_replica(scheduler, requests, executor):
     """One replica's run of the requests on the simulator's step loop: the number of steps."""
     env = simpy.Environment()
     metrics = MetricsCollector()
-    replica = Replica(env, 0, scheduler, CappedSteps(executor), metrics)
+    replica = Replica(env, 0, [scheduler], CappedSteps(executor), metrics)
+    drive_alone(replica)
     env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))
     env.run()
     return len(metrics.step_rows)

@@ -74,12 +74,13 @@ class MetricsCollector:
         """Steps recorded so far, spilled ones included: the index the next row will have."""
         return self.num_spilled_rows + len(self.step_rows)
 
-    def step_row(self, index: int) -> tuple:
-        """The row of step `index` (counted from the run's first), still held."""
-        return self.step_rows[self._held_index(index)]
-
-    def set_step_row(self, index: int, row: tuple) -> None:
-        self.step_rows[self._held_index(index)] = row
+    def set_step_duration(self, index: int, duration: float) -> None:
+        """Set the duration of step `index` (counted from the run's first), recorded before it
+        ended (a pipelined replica's step, whose row is the replica as the step began)."""
+        held = self._held_index(index)
+        row = list(self.step_rows[held])
+        row[_DURATION] = duration
+        self.step_rows[held] = tuple(row)
 
     def _held_index(self, index: int) -> int:
         held = index - self.num_spilled_rows

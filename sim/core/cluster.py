@@ -21,12 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy
 from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler
-from policies.types import Request, Sequence
+from policies.types import Request
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import build_router, num_kv_blocks
+from runtime.handoff import Handoff, admit_handoffs, land, take_handoffs
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
-from sim.cost.pipeline import pipeline_parallel_size
 from runtime.specs import HardwareSpec, ModelSpec
+from sim.core.pipeline import pipeline_parallel_size
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
@@ -244,25 +245,15 @@ def route_within(router, request: Request, replicas: list, replica_ids: set[int]
     return replica_id
 
 
-@dataclass
-class PendingTransfer:
-    request: Request
-    source_seq: Sequence
-    prefill: object          # the Replica that holds the KV
-    prefill_step_s: float    # the step that finished the prompt (what overlap hides behind)
-
-
 class DisaggregatedCluster:
     """The hand-offs from prefill replicas, the decode replicas' admission of them and the
     transfers over the links."""
 
     def __init__(self, env: simpy.Environment, replicas: list, pools: list[Pool],
-                 transfer: KVTransferModel, disaggregation, next_arrival,
-                 on_requests_done=None):
+                 transfer: KVTransferModel, disaggregation, next_arrival):
         self.env = env
         self.next_arrival = next_arrival
         self.transfer = transfer
-        self.on_requests_done = on_requests_done
         self.replicas_by_role: dict[str, list] = {}
         for replica in replicas:
             self.replicas_by_role.setdefault(replica.role, []).append(replica)
@@ -279,7 +270,7 @@ class DisaggregatedCluster:
         self.router = ClusterRouter(self.replicas_by_role, routers, disaggregation)
         self.links = Links(env, transfer.topology, list(self.by_id))
         # Per decode replica, the hand-offs waiting for room there, first come first served.
-        self.waiting: dict[int, deque[PendingTransfer]] = {
+        self.waiting: dict[int, deque[Handoff]] = {
             replica.replica_id: deque() for replica in self.decode_replicas}
         self._landing_times: dict[int, float] = {}   # request_id -> end of its copy in flight
         horizon = NextClusterEvent(self)
@@ -305,48 +296,40 @@ class DisaggregatedCluster:
         return earliest
 
     def _hand_off(self, prefill) -> None:
-        for request in prefill.scheduler.take_handoffs():
+        for handoff in take_handoffs(prefill.scheduler, prefill, prefill.last_step_duration):
+            request = handoff.request
             request.prefill_replica_id = prefill.replica_id
             request.kv_handoff_time = self.env.now
             prefill.num_pending_transfers += 1
             decode_id = route_within(self.decode_router, request, self.decode_replicas,
                                      self.decode_ids, "decode")
-            self.waiting[decode_id].append(PendingTransfer(request, request.sequences[0],
-                                                           prefill, prefill.last_step_duration))
+            self.waiting[decode_id].append(handoff)
             decode = self.by_id[decode_id]
             if decode.busy_until == math.inf:   # idle; a busy one admits after its step
                 self._admit_waiting(decode)
 
     def _admit_waiting(self, decode) -> None:
-        """Start the transfers of the hand-offs waiting for `decode` while it has room. Called
-        between its steps, as its scheduler admits arrivals: a run of repeated decode steps
-        takes its blocks only when it ends."""
-        queue = self.waiting[decode.replica_id]
-        while queue:
-            pending = queue[0]
-            request = pending.request
-            if not decode.scheduler.admit_transfer(request, self.env.now):
-                if request.rejected_reason is None:
-                    return   # no room now: a later step of this replica frees some
-                queue.popleft()   # it can never run there
-                self._release_source(pending)
-                if self.on_requests_done:
-                    self.on_requests_done([request])
-                if decode.on_finished is not None:
-                    decode.on_finished([request])
-                continue
-            queue.popleft()
+        """Start the transfers of the hand-offs waiting for `decode` while it has room: between
+        its steps, as its scheduler admits arrivals (repeated steps take blocks when they end)."""
+        def start_copy(handoff: Handoff) -> None:
             decode.num_pending_transfers += 1
-            num_bytes = self.transfer.num_bytes(pending.source_seq.num_computed_tokens)
-            duration = self.transfer.duration(num_bytes, pending.prefill_step_s)
+            num_bytes = self.transfer.num_bytes(handoff.source_seq.num_computed_tokens)
+            duration = self.transfer.duration(num_bytes, handoff.prefill_step_s)
             # The earliest it can land, until it has its links: what bounds repeated steps.
-            self._landing_times[request.request_id] = self.env.now + duration
-            self.env.process(self._copy(pending, decode, num_bytes, duration))
+            self._landing_times[handoff.request.request_id] = self.env.now + duration
+            self.env.process(self._copy(handoff, decode, num_bytes, duration))
 
-    def _copy(self, pending: PendingTransfer, decode, num_bytes: int, duration: float):
-        request = pending.request
+        def rejected(handoff: Handoff) -> None:   # it can never run there
+            self._source_released(handoff)
+            decode.ended([handoff.request])
+
+        admit_handoffs(self.waiting[decode.replica_id], decode.scheduler, self.env.now,
+                       start_copy, rejected)
+
+    def _copy(self, handoff: Handoff, decode, num_bytes: int, duration: float):
+        request = handoff.request
         claims = []
-        for link in self.links.between(pending.prefill.replica_id, decode.replica_id):
+        for link in self.links.between(handoff.source.replica_id, decode.replica_id):
             claim = link.request()
             yield claim
             claims.append((link, claim))
@@ -358,15 +341,15 @@ class DisaggregatedCluster:
         for link, claim in claims:
             link.release(claim)
         request.kv_transfer_end_time = self.env.now
-        self._release_source(pending)
+        land(handoff, decode.scheduler, decode.replica_id, self.env.now)
+        self._source_released(handoff)
         decode.num_pending_transfers -= 1
-        decode.receive(request)
+        decode.wake()
 
     @staticmethod
-    def _release_source(pending: PendingTransfer) -> None:
-        """The prefill replica frees the request's blocks once they have moved (or never will)."""
-        prefill = pending.prefill
-        prefill.scheduler.kv_cache.free(pending.source_seq)
+    def _source_released(handoff: Handoff) -> None:
+        """The prefill replica's blocks went back: it may plan again."""
+        prefill = handoff.source
         prefill.num_pending_transfers -= 1
         prefill.wake()
 

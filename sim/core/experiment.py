@@ -31,7 +31,7 @@ from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
-from sim.core.lockstep import LockstepGroup, LockstepRank, lockstep_group_size
+from sim.core.lockstep import drive_lockstep, lockstep_group_size
 from sim.cost.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
@@ -39,7 +39,7 @@ from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_re
 from runtime.metrics import STEP_COLUMNS, MetricsCollector, rejection_summary
 from runtime.metrics.streaming import RequestLedger
 from runtime.metrics.session_kv import has_sessions, session_kv_summary
-from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals
+from sim.core.replica import NextArrival, Replica, SimEnvironment, arrivals, drive_alone
 from sim.core.session_arrivals import ClosedLoopArrivals
 from runtime.specs import ModelSpec
 from sim.core.workload import (RequestStream, build_session_source, is_closed_loop,
@@ -142,10 +142,60 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     plots too, unless plots=False). `requests` (fresh, unserved) replace cfg.workload's: a
     measured run replayed from memory (calibration/realrun/)."""
     wall_start = time.perf_counter()
+    simulation = build_simulation(cfg, out_dir, plots, requests)
+    simulate(simulation, progress)
+    summary = summarize(simulation, wall_start)
+    if out_dir is not None:
+        write_outputs(simulation, summary, Path(out_dir), plots)
+    return RunResult(summary, [] if simulation.streamed else simulation.requests,
+                     simulation.metrics, simulation.pools[0].num_kv_blocks, simulation.replicas)
+
+
+class RequestsEnded:
+    """What the replicas call with the requests that ended: the ledger, a streamed run's step
+    spill and the progress bar (drawn once the run starts, so that a setting the build refuses
+    prints its one line alone)."""
+
+    def __init__(self, ledger: RequestLedger, metrics: MetricsCollector, streamed: bool):
+        self.ledger, self.metrics, self.streamed = ledger, metrics, streamed
+        self.bar: tqdm | None = None
+
+    def __call__(self, finished: list[Request]) -> None:
+        self.ledger.add(finished)
+        if self.streamed:
+            self.metrics.spill_steps_if_many()
+        self.bar.update(len(finished))
+
+
+@dataclass
+class Simulation:
+    """An experiment built from its config: the simulated cluster, its arrivals started, and
+    what records the run."""
+
+    cfg: DictConfig
+    pools: list[Pool]
+    env: SimEnvironment
+    replicas: list[Replica]
+    metrics: MetricsCollector
+    ledger: RequestLedger
+    ended: RequestsEnded
+    # The requests (a closed loop's: those that arrived, known once it ran).
+    requests: list[Request] | RequestStream | None
+    sessions: ClosedLoopArrivals | None
+    num_planned: int
+    streamed: bool
+    disaggregated: bool
+    retention_policies: list   # the replicas' KV retention policies that keep blocks
+    lora_managers: list        # the replicas' LoRA managers (none without adapters)
+    outputs: StreamedOutputs | None   # a streamed run's files, written as it runs
+
+
+def build_simulation(cfg: DictConfig, out_dir: Path | None, plots: bool,
+                     requests: list[Request] | None) -> Simulation:
+    """The run's pools, replicas, workload and recorders, built and checked from `cfg`."""
     model = ModelSpec.from_config(cfg.model)
     check_run_settings(cfg)
     pools = build_pools(cfg, model)
-    num_blocks = pools[0].num_kv_blocks
     # The target's KV bytes of one block: what the summary counts a swapped block as.
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
     disaggregated = is_disaggregated(pools)
@@ -162,8 +212,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     # One per run, asked at each arrival; a config without the group predicts nothing.
     predictor = build_predictor(cfg.get("predictor"), cfg.seed)
     env = SimEnvironment()
-    # A closed-loop workload's requests arrive as the run finishes their sessions' previous
-    # turns: `requests` lists those that arrived once the run is over.
+    # A closed-loop workload's requests arrive as the run finishes their sessions' turns.
     sessions = None
     if requests is None and is_closed_loop(cfg.workload):
         source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
@@ -190,72 +239,80 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     if streamed and out_dir is not None:
         outputs = StreamedOutputs(Path(out_dir))
         ledger.write_rows, metrics.write_step_rows = outputs.write_requests, outputs.write_steps
-    # The bar is drawn once everything is built, so a setting the build refuses prints its one
-    # line alone; the replicas report to it through this name.
-    bar = None
-
-    def count_done(finished: list[Request]) -> None:
-        ledger.add(finished)
-        if streamed:
-            metrics.spill_steps_if_many()
-        bar.update(len(finished))
-
-    replicas = []
-    retention_policies = []   # the replicas' KV retention policies that keep blocks
-    lora_managers = []        # the replicas' LoRA managers (none without adapters)
+    ended = RequestsEnded(ledger, metrics, streamed)
+    replicas, retention_policies, lora_managers = [], [], []
     next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
         replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
-                                        predictor, next_arrival, count_done,
+                                        predictor, next_arrival, ended,
                                         retention_policies, lora_managers,
                                         # (a run that plots keeps each step's joules)
                                         TracedEnergyMeter if out_dir is not None and plots
                                         else EnergyMeter)
     if check_deadlines(requests if sessions is None else sessions.source.all_requests(),
-                       [scheduler for replica in replicas
-                        for scheduler in getattr(replica, "schedulers", [replica.scheduler])],
+                       [scheduler for replica in replicas for scheduler in replica.schedulers],
                        "prefill and decode pools" if disaggregated else None):
         for replica in replicas:
-            if isinstance(replica, Replica):   # (the others never repeat steps)
-                replica.steps.deadlines.expected = True
+            for lane in replica.lanes:
+                lane.steps.deadlines.expected = True
     router = pools[0].router
     if disaggregated:
-        cluster = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
-                                       next_arrival, on_requests_done=count_done)
-        router = cluster.router
+        router = DisaggregatedCluster(env, replicas, pools, transfer, disaggregation,
+                                      next_arrival).router
     if sessions is None:
         env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
                              frontend_latency(cfg)))
     else:
         sessions.start(router, replicas)
+    return Simulation(cfg, pools, env, replicas, metrics, ledger, ended, requests, sessions,
+                      num_planned, streamed, disaggregated, retention_policies, lora_managers,
+                      outputs)
+
+
+def simulate(simulation: Simulation, progress: bool) -> None:
+    """Run the simulation to its end (a progress bar on stderr with `progress`), then put its
+    step rows in order and its replicas' inter-token latencies into its metrics."""
     # (None: only on a terminal, where erasing the bar leaves the line clean for the summary.)
-    bar = tqdm(total=num_planned, desc="requests", unit="req",
-               disable=None if progress else True, mininterval=0.5, leave=False)
+    bar = simulation.ended.bar = tqdm(total=simulation.num_planned, desc="requests", unit="req",
+                                      disable=None if progress else True, mininterval=0.5,
+                                      leave=False)
     # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
-    # every collection (a 100k-request run spends a good part of its time there otherwise); and
-    # collect the young objects less often: most that a step keeps (its row) are never garbage.
+    # every collection, and collect young objects less often (most a step keeps are not garbage).
     gc.freeze()
     thresholds = gc.get_threshold()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *thresholds[1:])
     try:
-        env.run()
+        simulation.env.run()
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     bar.close()
-    if sessions is not None:
-        requests = sessions.requests
+    if simulation.sessions is not None:
+        simulation.requests = simulation.sessions.requests
+    metrics, replicas = simulation.metrics, simulation.replicas
     if len(replicas) > 1:   # (one replica records its steps in order already)
         metrics.order_steps_by_start()
-
     for replica in replicas:
         metrics.add_itl_counts(replica.recorder.itl_counts)
-    if streamed:
-        summary = streamed_summary(metrics, ledger, num_planned,
+
+
+def summarize(simulation: Simulation, wall_start: float) -> dict:
+    """The run's summary (summary.json), after checking that every request ended; warnings about
+    features the run configured but never used, and about many rejections, go to stderr."""
+    cfg, metrics, replicas = simulation.cfg, simulation.metrics, simulation.replicas
+    requests, pools = simulation.requests, simulation.pools
+    if simulation.streamed:
+        summary = streamed_summary(metrics, simulation.ledger, simulation.num_planned,
                                    time.perf_counter() - wall_start, slos_ms(cfg) is not None,
                                    replicas)
-        return finish_streamed_run(summary, metrics, ledger, num_blocks, replicas, cfg,
-                                   lora_managers, outputs, plots)
+        summary["num_kv_blocks"] = pools[0].num_kv_blocks
+        summary.update(streamed_rejection_summary(simulation.ledger))
+        summary.update(abandonment_summary(simulation.ledger.totals.abandonment))
+        summary.update(streamed_energy_summary(simulation.ledger, replicas, summary))
+        summary.update(_cluster_summary(simulation))
+        warn_unused_features(cfg, [], summary, replicas)
+        warn_rejections(summary)
+        return summary
     unfinished = [r for r in requests if not r.is_finished]
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (first: "
@@ -263,7 +320,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
     check_first_tokens(requests, replicas)
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
                               slos_ms=slos_ms(cfg), fairness_window_s=fairness_window_s(cfg))
-    summary["num_kv_blocks"] = num_blocks
+    summary["num_kv_blocks"] = pools[0].num_kv_blocks
     summary.update(rejection_summary(requests))
     summary.update(abandonment_summary(requests))
     summary.update(energy_summary({replica.replica_id: replica.recorder.energy
@@ -271,14 +328,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                   {replica.replica_id: replica.pool for replica in replicas},
                                   requests, summary["duration_s"],
                                   summary["total_output_tokens"]))
-    summary.update(speed_summary([replica.executor for replica in replicas]))
-    summary.update(lora_summary(lora_managers))
-    summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
-                                       if isinstance(replica.executor, SimExecutor)],
-                                      cfg.workload.get("kind") == "closed_loop"))
+    summary.update(_cluster_summary(simulation))
     if has_sessions(requests):
         summary.update(session_kv_summary(requests, [
-            retention.held_blocks_log() for retention in retention_policies]))
+            retention.held_blocks_log() for retention in simulation.retention_policies]))
     warn_unused_features(cfg, requests, summary, replicas)
     warn_rejections(summary)
     if cfg.cluster.get("pools") is not None:
@@ -286,42 +339,39 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                                   for replica in replicas}
         summary.update(pools_summary(pools, replicas, metrics.step_array(), STEP_COLUMNS,
                                      summary["duration_s"]))
-    if disaggregated:
+    if simulation.disaggregated:
         summary.update(kv_transfer_summary(requests))
-    if out_dir is not None:
-        write_run_outputs(Path(out_dir), metrics, requests, summary, plots=plots,
-                          energy_meters={replica.replica_id: replica.recorder.energy
-                                         for replica in replicas})
-        if cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
-            from sim.tools.trace_export import write_trace
-            write_trace(Path(out_dir) / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
-                        metrics.replica_labels)
-    return RunResult(summary, requests, metrics, num_blocks, replicas)
+    return summary
 
 
-def finish_streamed_run(summary: dict, metrics: MetricsCollector, ledger: RequestLedger,
-                        num_blocks: int, replicas: list[Replica], cfg: DictConfig,
-                        lora_managers: list, outputs: StreamedOutputs | None,
-                        plots: bool) -> RunResult:
-    """A streamed run's summary keys beyond its requests' (in run_experiment's order) and its
-    files; its RunResult holds no requests."""
-    summary["num_kv_blocks"] = num_blocks
-    summary.update(streamed_rejection_summary(ledger))
-    summary.update(abandonment_summary(ledger.totals.abandonment))
-    summary.update(streamed_energy_summary(ledger, replicas, summary))
-    summary.update(speed_summary([replica.executor for replica in replicas]))
-    summary.update(lora_summary(lora_managers))
+def _cluster_summary(simulation: Simulation) -> dict:
+    """The summary's keys of the replicas' speed, adapters and cost models."""
+    replicas = simulation.replicas
+    summary = speed_summary([replica.executor for replica in replicas])
+    summary.update(lora_summary(simulation.lora_managers))
     summary.update(cost_model_summary([replica.executor.cost_model for replica in replicas
                                        if isinstance(replica.executor, SimExecutor)],
-                                      cfg.workload.get("kind") == "closed_loop"))
-    warn_unused_features(cfg, [], summary, replicas)
-    warn_rejections(summary)
-    if outputs is not None:
+                                      simulation.cfg.workload.get("kind") == "closed_loop"))
+    return summary
+
+
+def write_outputs(simulation: Simulation, summary: dict, out_dir: Path, plots: bool) -> None:
+    """The run's files in `out_dir`: summary, requests and steps (a streamed run's rows are
+    written already), the plots unless plots=False, and trace.json with cfg.trace_export."""
+    if simulation.streamed:
         if plots:
             print("twinserve: no plots for a streamed run (they draw every request and step); "
                   "requests.csv and steps.csv have them all", file=sys.stderr)
-        outputs.finish(summary)
-    return RunResult(summary, [], metrics, num_blocks, replicas)
+        simulation.outputs.finish(summary)
+        return
+    metrics, requests = simulation.metrics, simulation.requests
+    write_run_outputs(out_dir, metrics, requests, summary, plots=plots,
+                      energy_meters={replica.replica_id: replica.recorder.energy
+                                     for replica in simulation.replicas})
+    if simulation.cfg.get("trace_export"):   # trace.json for Perfetto (sim/tools/trace_export.py)
+        from sim.tools.trace_export import write_trace
+        write_trace(out_dir / "trace.json", metrics.step_rows, STEP_COLUMNS, requests,
+                    metrics.replica_labels)
 
 
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
@@ -335,7 +385,6 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
     cfg = pool.cfg
     group_size = lockstep_group_size(cfg, model, pool.num_replicas, pool.role)
-    replica_class = Replica if group_size == 1 else LockstepRank
     replicas = []
     num_stages = pipeline_parallel_size(cfg, model)
     if num_stages > 1 and group_size > 1:
@@ -365,12 +414,14 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
             cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
             cfg.kv_cache.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
-        replicas.append(replica_class(env, replica_id, scheduler, executor, metrics,
-                                on_requests_done=on_requests_done, next_arrival=next_arrival,
-                                predictor=predictor, pool=pool.name, role=pool.role,
-                                energy=energy))
-        if lora_managers:   # the manager just built for this replica's scheduler
-            replicas[-1].lora = lora_managers[-1]
+        replica = Replica(env, replica_id, [scheduler], executor, metrics,
+                          on_requests_done=on_requests_done, next_arrival=next_arrival,
+                          predictor=predictor, pool=pool.name, role=pool.role, energy=energy,
+                          # (the manager just built for this replica's scheduler)
+                          lora_managers=lora_managers[-1:] if lora_managers else None)
+        replicas.append(replica)
+        if group_size == 1:
+            drive_alone(replica)
     for first in range(0, len(replicas) if group_size > 1 else 0, group_size):
-        LockstepGroup(env, replicas[first:first + group_size])
+        drive_lockstep(env, replicas[first:first + group_size])
     return replicas

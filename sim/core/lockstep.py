@@ -3,82 +3,50 @@
 with enable_expert_parallel).
 
 Every layer's expert all-to-all exchanges tokens between the group's ranks, so no rank can run
-ahead: vLLM starts a step on every rank of the group at once (a rank with nothing to do runs a
-dummy batch) and each step lasts as long as the slowest rank's. Here a `LockstepGroup` runs its
-ranks' step loops as one simpy process: at each step every rank with requests plans and executes
-its own batch at the same time, and the step takes the longest of their durations, which every
-rank records as its own (a rank that finishes its work early waits in the collectives, so the
-energy meter sees it busy for its own work and idle for the rest). A rank with nothing to do
-records no step: its dummy batch costs less than the others' real ones. The expert cost models
-price a rank's experts with its peers carrying its load (sim/cost/experts.py), so the step's
-experts come from the largest rank's batch: vLLM pads every rank's batch to the largest one's
-token count, so this is what its GPUs do.
+ahead: vLLM starts a step on every rank at once (an idle rank runs a dummy batch) and the step
+lasts as long as the slowest rank's. Here one `ReplicaDriver` steps the group's ranks with
+`Lockstep` timing: every rank with requests plans and executes its own batch, and each records
+the longest duration as its own (the energy meter sees it busy for its own work, idle for the
+rest); a rank with nothing to do records no step. The expert cost models price a rank's experts
+with its peers carrying its load (sim/cost/experts.py), as vLLM pads every rank's batch to the
+largest one's tokens.
 
-Runs of repeated decode steps (runtime/step.py) are not used: a rank's batch changes whenever a
-peer's does. Prefill/decode disaggregation and pipeline stages are not combined with lockstep
-groups (refused, `lockstep_group_size` and sim/core/experiment.py).
+No repeated decode steps: a rank's batch changes whenever a peer's does. Disaggregated pools and
+pipeline stages are not combined with lockstep groups (refused here and in sim/core/experiment.py).
 """
 from __future__ import annotations
 
 import simpy
 from omegaconf import DictConfig
 
+from runtime.specs import ModelSpec
+from sim.core.replica import Replica, ReplicaDriver
 from sim.cost.build import expert_parallel_size
 from sim.cost.experts import EP_KEY
-from sim.core.replica import Replica
-from runtime.specs import ModelSpec
 
 
-class LockstepRank(Replica):
-    """A replica whose steps its `LockstepGroup` runs."""
+class Lockstep:
+    """The ranks with requests step together, each step as long as the slowest rank's."""
 
-    group: LockstepGroup
+    gate = None
 
-    def start(self) -> None:
-        return None   # (the group's process runs this rank's steps)
+    def cancel(self) -> None:
+        pass
 
-    def wake(self) -> None:
-        self.group.wake()
+    def step(self, driver: ReplicaDriver, now: float):
+        stepping = [lane for lane in driver.lanes if lane.scheduler.has_unfinished()]
+        duration = max([lane.steps.begin_unrecorded(now).duration for lane in stepping])
+        for lane in stepping:
+            lane.steps.record(now, duration)
+        yield driver.env.timeout(duration)
+        for lane in stepping:
+            driver.finish(lane.replica, lane.steps.complete(driver.env.now))
+        return True
 
 
-class LockstepGroup:
-    """Ranks stepping together (module docstring)."""
-
-    def __init__(self, env: simpy.Environment, ranks: list[LockstepRank]):
-        self.env = env
-        self.ranks = ranks
-        for rank in ranks:
-            rank.group = self
-        self._idle: simpy.Event | None = None
-        self.process = env.process(self.run())
-
-    def wake(self) -> None:
-        if self._idle is not None and not self._idle.triggered:
-            self._idle.succeed()
-
-    def run(self):
-        env, ranks = self.env, self.ranks
-        while True:
-            for rank in ranks:
-                abandoned = rank.steps.abandon_due(env.now)
-                if abandoned:
-                    rank.ended(abandoned)
-            stepping = [rank for rank in ranks if rank.scheduler.has_unfinished()]
-            if not stepping:
-                self._idle = env.event()
-                yield self._idle
-                self._idle = None
-                continue
-            now = env.now
-            duration = max([rank.steps.begin_unrecorded(now).duration for rank in stepping])
-            for rank in stepping:
-                rank.steps.record(now, duration)
-            yield env.timeout(duration)
-            for rank in stepping:
-                rank._queued_during_step.clear()   # (counted only for repeated steps)
-                finished = rank.steps.complete(env.now)
-                if finished:
-                    rank.ended(finished)
+def drive_lockstep(env: simpy.Environment, ranks: list[Replica]) -> ReplicaDriver:
+    """Start one driver over the ranks of a group (each a replica of one scheduler)."""
+    return ReplicaDriver(env, [rank.lanes[0] for rank in ranks], Lockstep())
 
 
 def lockstep_group_size(cfg: DictConfig, model: ModelSpec, num_replicas: int,

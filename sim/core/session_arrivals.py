@@ -1,7 +1,7 @@
 """The arrivals of a closed-loop workload: each finished or rejected request is handed to the
 SessionSource, whose next turn is scheduled in turn.
 
-Repeated decode steps run up to the next arrival, which a closed loop does not know in advance, so
+Repeated steps run up to the next arrival, which a closed loop does not know in advance, so
 `time` is the earliest any request could arrive: the next scheduled one or now plus the least gap
 after a request in flight; a closed-loop run thus comes out as it would step by step.
 """

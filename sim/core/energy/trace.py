@@ -56,7 +56,7 @@ class TracedEnergyMeter(EnergyMeter):
 
 class TracedStagesEnergyMeter(StagesEnergyMeter):
     """A pipelined replica's StagesEnergyMeter whose stages are TracedEnergyMeters, with
-    `timeline`, the replica's stage timeline (PipelinedReplica.stage_timeline: each stage's
+    `timeline`, the replica's stage timeline (Stages.timeline in sim/core/pipelined_replica.py: each stage's
     work on a step as (stage, engine, start, end), appended as it ends)."""
 
     def __init__(self, stages: list[TracedEnergyMeter], timeline: list[tuple]):
