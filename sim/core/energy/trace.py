@@ -56,8 +56,8 @@ class TracedEnergyMeter(EnergyMeter):
 
 class TracedStagesEnergyMeter(StagesEnergyMeter):
     """A pipelined replica's StagesEnergyMeter whose stages are TracedEnergyMeters, with
-    `timeline`, the replica's stage timeline (Stages.timeline in sim/core/pipelined_replica.py: each stage's
-    work on a step as (stage, engine, start, end), appended as it ends)."""
+    `timeline`, the replica's stage timeline (`Stages.timeline`, sim/core/pipelined_replica.py):
+    each stage's work on a step as (stage, engine, start, end), appended as it ends."""
 
     def __init__(self, stages: list[TracedEnergyMeter], timeline: list[tuple]):
         super().__init__(stages)
