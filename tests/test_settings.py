@@ -52,6 +52,12 @@ def test_settings_are_read_once_and_pools_get_their_own():
     for pool in (prefill, decode):
         assert pool.settings.max_num_batched_tokens == 512
         assert pool.settings.repeated_steps is False
-        assert pool.settings.speculation is run.speculation
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.seed = 1
+
+
+def test_the_speculation_setup_is_built_once_for_the_run():
+    cfg = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m")
+    run = run_settings(cfg)
+    [pool] = build_pools(cfg, model_spec("llama-2-7b"), run)
+    assert run.speculation is not None and pool.settings.speculation is run.speculation
