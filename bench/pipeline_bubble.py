@@ -21,6 +21,7 @@ from policies.types import StepPlan
 from sim.cost.build import build_cost_model
 from runtime.policy_config import CONF_DIR
 from sim.core.experiment import run_experiment
+from sim.core.settings import replica_settings
 from runtime.specs import HardwareSpec, ModelSpec
 
 LIGHT = ("workload.num_requests=20", "workload.rate=0.2")
@@ -35,6 +36,11 @@ DECODES = ("workload.num_requests=400", "workload.rate=20", "kv_cache.num_blocks
 def _cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose("config", overrides=["progress=false", *overrides])
+
+
+def _cost_model(model: ModelSpec, hardware: HardwareSpec, *overrides: str):
+    cfg = _cfg(*overrides)
+    return build_cost_model(cfg.cost_model, replica_settings(cfg, model), model, hardware)
 
 
 def _plans() -> dict[str, StepPlan]:
@@ -59,12 +65,11 @@ def main() -> None:
     hardware = HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / "a100-80gb.yaml"))
     for cost_model in ("roofline", "gpu"):
         print(f"cost_model={cost_model}: at pp stages / the step at one stage")
-        base = build_cost_model(_cfg(f"cost_model={cost_model}"), model, hardware)
+        base = _cost_model(model, hardware, f"cost_model={cost_model}")
         print(f"  {'plan':<20}" + "".join(f"{f'latency pp={pp}':>16}" for pp in stages)
               + "".join(f"{f'slowest pp={pp}':>16}" for pp in stages))
-        models = {pp: build_cost_model(_cfg(f"cost_model={cost_model}",
-                                            f"cluster.pipeline_parallel_size={pp}"),
-                                       model, hardware) for pp in stages}
+        models = {pp: _cost_model(model, hardware, f"cost_model={cost_model}",
+                                  f"cluster.pipeline_parallel_size={pp}") for pp in stages}
         for name, plan in _plans().items():
             step_s = base.step_time(plan)
             times = {pp: models[pp].stage_times(plan) for pp in stages}

@@ -40,6 +40,7 @@ def _kind(cost_model, closed_loop: bool) -> dict[str, str]:
 def silicon_checks() -> list[dict]:
     from calibration.silicon import compare_rows, read_silicon_rows, row_config, \
         silicon_overrides, skip_reason
+    from sim.core.settings import replica_settings
     from sim.cost.build import build_cost_model
     from runtime.specs import HardwareSpec, ModelSpec
 
@@ -53,7 +54,8 @@ def silicon_checks() -> list[dict]:
         row = by_id[result["id"]]
         config = row_config(["progress=false", *silicon_overrides(row)])
         model = ModelSpec.from_config(config.model)
-        cost_model = build_cost_model(config, model, HardwareSpec.from_config(config.hardware))
+        cost_model = build_cost_model(config.cost_model, replica_settings(config, model), model,
+                                      HardwareSpec.from_config(config.hardware))
         real_e2e = result["real_ttft_ms"] + (row.osl - 1) * result["real_tpot_ms"]
         sim_e2e = result["sim_ttft_ms"] + (row.osl - 1) * result["sim_tpot_ms"]
         checks.append({"check": f"silicon {row.id}", "kind": _kind(cost_model, True), "error_pct": {
@@ -65,6 +67,7 @@ def silicon_checks() -> list[dict]:
 def real_run_checks() -> list[dict]:
     from calibration.realrun.readers import read_run
     from calibration.realrun.replay import compose_replay_config, replay
+    from sim.core.settings import replica_settings
     from sim.cost.build import build_cost_model
     from runtime.specs import HardwareSpec, ModelSpec
 
@@ -72,7 +75,8 @@ def real_run_checks() -> list[dict]:
     for path in REAL_RUNS:
         run = read_run(REPO / path)
         config = compose_replay_config(run)
-        cost_model = build_cost_model(config, ModelSpec.from_config(config.model),
+        model = ModelSpec.from_config(config.model)
+        cost_model = build_cost_model(config.cost_model, replica_settings(config, model), model,
                                       HardwareSpec.from_config(config.hardware))
         for stage in replay(run, config=config)["stages"]:
             error = stage["error_pct"]

@@ -58,6 +58,21 @@ def hardware_spec(name: str) -> HardwareSpec:
 
 # ---- runs ----------------------------------------------------------------------------------------
 
+def config_kv_blocks(cfg, model: ModelSpec, hardware: HardwareSpec) -> int:
+    """A replica's KV blocks as a run of `cfg` sizes them."""
+    from sim.core.build import num_kv_blocks
+    from sim.core.settings import replica_settings
+    return num_kv_blocks(replica_settings(cfg, model), hardware)
+
+
+def config_cost_model(cfg, model: ModelSpec, hardware: HardwareSpec, **drafting):
+    """The cost model a run of `cfg` builds."""
+    from sim.cost.build import build_cost_model
+    from sim.core.settings import replica_settings
+    return build_cost_model(cfg.cost_model, replica_settings(cfg, model), model, hardware,
+                            **drafting)
+
+
 def twinserve(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """The finished `twinserve` command (python -m sim.tools.app) run in cwd on this checkout."""
     # env: the command's environment (default: this process's), with this checkout on PYTHONPATH.

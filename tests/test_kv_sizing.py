@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from policies import validators
-from sim.core.build import build_router, num_kv_blocks
+from sim.core.build import build_router
 from runtime.policy_config import policy_config
 from sim.core.experiment import run_experiment
 from runtime.specs import GIB, kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
-from factories import hardware_spec, make_cfg, model_spec
+from factories import config_kv_blocks, hardware_spec, make_cfg, model_spec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,13 +51,13 @@ def test_the_simulator_counts_a_draft_models_kv_and_ngram_has_none():
     drafted = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m")
     k0 = make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
                   "speculation.num_speculative_tokens=0")   # never drafts: no draft model
-    assert (num_kv_blocks(plain, llama, a100) == num_kv_blocks(ngram, llama, a100)
-            == num_kv_blocks(k0, llama, a100) == kv_cache_num_blocks(llama, a100, 16))
-    assert num_kv_blocks(drafted, llama, a100) == kv_cache_num_blocks(
+    assert (config_kv_blocks(plain, llama, a100) == config_kv_blocks(ngram, llama, a100)
+            == config_kv_blocks(k0, llama, a100) == kv_cache_num_blocks(llama, a100, 16))
+    assert config_kv_blocks(drafted, llama, a100) == kv_cache_num_blocks(
         llama, a100, 16, draft=model_spec("llama-68m"))
     result = run_experiment(make_cfg("speculation=fixed", "speculation.draft_model=llama-68m",
                                      "preemption=swap", "workload.num_requests=20"))
-    assert result.summary["num_kv_blocks"] == num_kv_blocks(drafted, llama, a100)
+    assert result.summary["num_kv_blocks"] == config_kv_blocks(drafted, llama, a100)
 
 
 # vLLM's own KV memory on an H100 (79.18 GiB) at `vllm serve`'s defaults (8,192 tokens, 1,024
@@ -84,7 +84,7 @@ def test_the_simulator_sizes_the_pool_for_the_runs_max_num_seqs():
     qwen, h100 = model_spec("qwen3-32b"), hardware_spec("h100-80gb")
     base = ["model=qwen3-32b", "hardware=h100-80gb", "cluster.tensor_parallel_size=2",
             "scheduler=chunked_prefill"]
-    few, many = (num_kv_blocks(make_cfg(*base, f"scheduler.max_num_seqs={n}"), qwen, h100)
+    few, many = (config_kv_blocks(make_cfg(*base, f"scheduler.max_num_seqs={n}"), qwen, h100)
                  for n in (64, 1024))
     assert few == kv_cache_num_blocks(qwen, h100, 16, tensor_parallel_size=2,
                                       max_num_batched_tokens=2048, max_num_seqs=64)
@@ -100,11 +100,12 @@ def test_the_engine_backend_sizes_the_pool_with_the_engines_cap():
         pytest.skip("the cap applies on a CPU")
     tiny, cpu = model_spec("tiny-llama"), hardware_spec("cpu")
     base = ["backend=engine", "model=tiny-llama", "hardware=cpu"]
-    assert num_kv_blocks(make_cfg(*base, "scheduler.max_num_seqs=4"), tiny, cpu) == 4 * 2048 // 16
-    assert num_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01"), tiny, cpu) == int(
+    four_seqs = make_cfg(*base, "scheduler.max_num_seqs=4")
+    assert config_kv_blocks(four_seqs, tiny, cpu) == 4 * 2048 // 16
+    assert config_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01"), tiny, cpu) == int(
         0.01 * GIB // tiny.kv_bytes_per_block(16))
-    assert num_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01", "speculation=fixed",
-                                  "speculation.draft_model=tiny-llama"), tiny, cpu) == int(
+    assert config_kv_blocks(make_cfg(*base, "backend.cpu_kv_cache_gb=0.01", "speculation=fixed",
+                                     "speculation.draft_model=tiny-llama"), tiny, cpu) == int(
         0.01 * GIB // (2 * tiny.kv_bytes_per_block(16)))
 
 

@@ -21,7 +21,8 @@ from sim.cost.gpu.experts import MLP_OPS, ExpertKernels
 from sim.cost.gpu.linear import predict_op_ms
 from sim.cost.gpu.tables import LayerShape
 
-from factories import decode_plan, hardware_spec, make_cfg, model_spec
+from factories import (config_cost_model, config_kv_blocks, decode_plan, hardware_spec, make_cfg,
+                       model_spec)
 
 torch.set_num_threads(1)
 
@@ -296,22 +297,19 @@ def test_expert_parallel_all_to_all_and_weights_per_gpu():
 # ---- configuration and the real run ----------------------------------------------------------------
 
 def test_run_with_expert_parallelism_and_bad_keys_named():
-    from sim.core.build import num_kv_blocks
-    from sim.cost.build import build_cost_model
-
     qwen, pro = model_spec("qwen3-30b-a3b"), hardware_spec("rtx-pro-6000")
     cfg = make_cfg("model=qwen3-30b-a3b", "hardware=rtx-pro-6000", "cluster.num_replicas=2",
                    "cluster.expert_parallel_size=2", "cost_model.routing={skewed: 1.5}")
-    cost = build_cost_model(cfg, qwen, pro)
+    cost = config_cost_model(cfg, qwen, pro)
     assert cost.expert_layout.expert_parallel_size == 2
     assert cost.routing == {"skewed": 1.5}
     single = make_cfg("model=qwen3-30b-a3b", "hardware=rtx-pro-6000")
-    assert num_kv_blocks(cfg, qwen, pro) > num_kv_blocks(single, qwen, pro)
+    assert config_kv_blocks(cfg, qwen, pro) > config_kv_blocks(single, qwen, pro)
     with pytest.raises(ValueError, match=r"^cluster.expert_parallel_size=3 must divide"):
-        build_cost_model(make_cfg("model=qwen3-30b-a3b", "cluster.expert_parallel_size=3"),
-                         qwen, pro)
+        config_cost_model(make_cfg("model=qwen3-30b-a3b", "cluster.expert_parallel_size=3"),
+                          qwen, pro)
     with pytest.raises(ValueError, match=r"^cost_model.routing must be"):
-        build_cost_model(make_cfg("model=qwen3-30b-a3b", "cost_model.routing=zipf"), qwen, pro)
+        config_cost_model(make_cfg("model=qwen3-30b-a3b", "cost_model.routing=zipf"), qwen, pro)
 
 
 def test_real_run_settings_map_expert_parallel():

@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factories import REPO, check_outcome, hardware_spec, make_cfg, model_spec
+from factories import (REPO, check_outcome, config_cost_model, config_kv_blocks, hardware_spec,
+                       make_cfg, model_spec)
 from policies.types import Request, StepPlan
 from sim.core import pipelined_replica
 from runtime.assembly import build_preemption
-from sim.core.build import kv_cache_sizes, num_kv_blocks
-from sim.cost.build import build_cost_model
+from sim.core.build import kv_cache_sizes
+from sim.core.settings import replica_settings, run_settings
 from sim.core.cluster import build_pools
 from sim.core.experiment import run_experiment
 from sim.cost.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
@@ -28,7 +29,7 @@ from runtime.specs import GIB, activation_peak_bytes, step_token_budget
 
 def _cost_model(pp: int, cost_model: str = "roofline"):
     cfg = make_cfg(f"cost_model={cost_model}", f"cluster.pipeline_parallel_size={pp}")
-    return build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+    return config_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
 
 
 def _decodes(num_seqs: int, context: int = 512) -> StepPlan:
@@ -65,18 +66,18 @@ def test_stage_split_is_vllms():
 def test_bad_sizes_name_the_key(override, message):
     cfg = make_cfg(override)
     with pytest.raises(ValueError, match=message):
-        num_kv_blocks(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+        config_kv_blocks(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
 
 
 def test_speculation_and_other_cost_models_are_refused():
     cfg = make_cfg("cluster.pipeline_parallel_size=2", "speculation=fixed")
     with pytest.raises(ValueError, match="cluster.pipeline_parallel_size=2 with speculative"):
-        build_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
+        config_cost_model(cfg, model_spec("llama-2-7b"), hardware_spec("a100-80gb"))
     cfg = make_cfg("cluster.pipeline_parallel_size=2", "cost_model=profiled",
                    f"cost_model.profile={REPO / 'profiles/cpu/tiny-llama.json'}",
                    "model=tiny-llama", "hardware=cpu")
     with pytest.raises(ValueError, match="needs cost_model=roofline or gpu"):
-        build_cost_model(cfg, model_spec("tiny-llama"), hardware_spec("cpu"))
+        config_cost_model(cfg, model_spec("tiny-llama"), hardware_spec("cpu"))
 
 
 def test_one_stage_is_the_base_cost_model():
@@ -99,9 +100,9 @@ def test_kv_blocks_per_gpu_hold_a_stages_layers():
         - hardware.reserved_memory_gb * GIB
     kv_per_block = block * 2 * 16 * model.num_key_value_heads * model.head_dim * model.dtype_bytes
     expected = int((budget - weights - activations) // kv_per_block)
-    assert num_kv_blocks(cfg, model, hardware) == expected
+    assert config_kv_blocks(cfg, model, hardware) == expected
     # More than twice the one-stage pool: half the KV per block and half the weights.
-    assert expected > 2 * num_kv_blocks(make_cfg(), model, hardware)
+    assert expected > 2 * config_kv_blocks(make_cfg(), model, hardware)
 
 
 def test_host_pools_hold_a_stages_share_of_each_block():
@@ -112,7 +113,8 @@ def test_host_pools_hold_a_stages_share_of_each_block():
     for pp in (1, 2):
         cfg = make_cfg(f"cluster.pipeline_parallel_size={pp}", "preemption=swap",
                        "kv_cache.offload_gb=3")
-        sizes[pp] = kv_cache_sizes(cfg, model, 100, build_preemption(cfg.preemption), None)
+        sizes[pp] = kv_cache_sizes(replica_settings(cfg, model), 100,
+                                  build_preemption(cfg.preemption))
     block_bytes = model.kv_bytes_per_block(16)
     assert sizes[1]["num_host_blocks"] == 4 * GIB // block_bytes
     assert sizes[2]["num_host_blocks"] == 4 * GIB // (block_bytes // 2)
@@ -125,16 +127,16 @@ def test_a_pool_sets_its_own_pipeline():
     cfg = make_cfg("+cluster.pools=[{name: a, role: mixed, num_replicas: 1}, "
                    "{name: b, role: mixed, num_replicas: 1, pipeline_parallel_size: 2}]")
     with pytest.raises(ValueError, match="one pool each"):   # two mixed pools are refused
-        build_pools(cfg, model)
+        build_pools(cfg, model, run_settings(cfg))
     cfg = make_cfg("cluster=disaggregated", "+cluster.pools.1.pipeline_parallel_size=2")
-    prefill, decode = build_pools(cfg, model)
+    prefill, decode = build_pools(cfg, model, run_settings(cfg))
     too_many = make_cfg("cluster=disaggregated", "+cluster.pools.1.pipeline_parallel_size=40")
     with pytest.raises(ValueError, match=r"cluster.pools\[1\].pipeline_parallel_size=40 exceeds"):
-        build_pools(too_many, model)
+        build_pools(too_many, model, run_settings(too_many))
     hardware = hardware_spec("a100-80gb")
-    assert prefill.num_kv_blocks == num_kv_blocks(make_cfg(), model, hardware)
-    assert decode.num_kv_blocks == num_kv_blocks(make_cfg("cluster.pipeline_parallel_size=2"),
-                                                 model, hardware)
+    assert prefill.num_kv_blocks == config_kv_blocks(make_cfg(), model, hardware)
+    assert decode.num_kv_blocks == config_kv_blocks(make_cfg("cluster.pipeline_parallel_size=2"),
+                                                    model, hardware)
 
 
 # ---- each stage's share of a step ----------------------------------------------------------------
@@ -188,9 +190,10 @@ def test_lora_adapter_loads_move_a_stages_share():
     """An adapter load moves the stage's layers of it (half of Llama-2-7B's at pp=2)."""
     lora = {"ranks": (16,), "target_modules": ("q_proj", "v_proj")}
     model, hardware = model_spec("llama-2-7b"), hardware_spec("a100-80gb")
-    pipeline = build_cost_model(make_cfg("cost_model=roofline", "cluster.pipeline_parallel_size=2"),
-                                model, hardware, lora=lora)
-    whole = build_cost_model(make_cfg("cost_model=roofline"), model, hardware, lora=lora)
+    pipeline = config_cost_model(make_cfg("cost_model=roofline",
+                                          "cluster.pipeline_parallel_size=2"),
+                                 model, hardware, lora=lora)
+    whole = config_cost_model(make_cfg("cost_model=roofline"), model, hardware, lora=lora)
     with_lora = _decodes(8)
     with_lora.num_loras, with_lora.lora_rank_sum, with_lora.lora_token_rank_sum = 2, 32, 8 * 16
     with_load = _decodes(8)

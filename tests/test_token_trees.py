@@ -251,7 +251,9 @@ def test_simulated_tree_speculation(drafter, k, size, depth):
     roofline charges Medusa's heads; every request completes."""
     from factories import make_cfg
     from policies.types import StepPlan
-    from sim.core.build import build_replica_executor, speculation_setup
+    from sim.core.build import build_replica_executor
+    from sim.core.settings import replica_settings
+    from sim.core.speculation_setup import speculation_setup
     from sim.core.experiment import run_experiment
     from runtime.specs import HardwareSpec, ModelSpec
 
@@ -259,10 +261,12 @@ def test_simulated_tree_speculation(drafter, k, size, depth):
                  f"speculation.num_speculative_tokens={k}", "speculation.acceptance_rate=1.0",
                  "workload.num_requests=40"]
     cfg = make_cfg(*overrides)
-    setup = speculation_setup(cfg)
+    model = ModelSpec.from_config(cfg.model)
+    settings = replica_settings(cfg, model)
+    setup = settings.speculation
     assert setup.max_num_speculative_tokens == size and max(setup.depth_per_size) == depth
-    executor = build_replica_executor(cfg, ModelSpec.from_config(cfg.model),
-                                      HardwareSpec.from_config(cfg.hardware), None, setup)
+    executor = build_replica_executor(cfg, settings, model,
+                                      HardwareSpec.from_config(cfg.hardware), None)
     plan = StepPlan(num_decode_seqs=2, decode_context_tokens=200)
     plan.spec_lens = {0: size, 1: 1}
     result = executor.execute(plan)
@@ -286,17 +290,20 @@ def test_tree_drafters_run_under_the_simulator_clock(drafter, prompts, expected)
     from policies.batching import ContinuousBatchingScheduler
     from policies.memory import PagedBlockManager
     from policies.preemption import RecomputePreemption
-    from sim.core.build import build_replica_executor, speculation_setup
+    from sim.core.build import build_replica_executor
+    from sim.core.settings import replica_settings
     from runtime.policy_config import build_policy
     from runtime.specs import HardwareSpec, ModelSpec
 
     cfg = make_cfg("backend=engine", "model=tiny-pair", "hardware=cpu", "speculation=fixed",
                    f"speculation.draft_model={drafter}", "speculation.num_speculative_tokens=3",
                    "++speculation.tree=[2,2,1]")
-    setup = speculation_setup(cfg)
+    model = ModelSpec.from_config(cfg.model)
+    settings = replica_settings(cfg, model)
+    setup = settings.speculation
     kv_cache = PagedBlockManager(num_blocks=96, block_size=8)
-    executor = build_replica_executor(cfg, ModelSpec.from_config(cfg.model),
-                                      HardwareSpec.from_config(cfg.hardware), kv_cache, setup)
+    executor = build_replica_executor(cfg, settings, model,
+                                      HardwareSpec.from_config(cfg.hardware), kv_cache)
     scheduler = ContinuousBatchingScheduler(
         kv_cache, RecomputePreemption(), max_num_seqs=8, max_model_len=2048,
         speculation=build_policy(setup.policy_cfg, "speculation"))

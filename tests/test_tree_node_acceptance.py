@@ -192,7 +192,8 @@ def test_simulated_medusa_run_walks_the_tree(tmp_path):
     accepts the whole depth)."""
     from factories import make_cfg
     from policies.types import StepPlan
-    from sim.core.build import build_replica_executor, speculation_setup
+    from sim.core.build import build_replica_executor
+    from sim.core.settings import replica_settings
     from runtime.specs import HardwareSpec, ModelSpec
 
     counts = AcceptanceCounts(2, [(0,), (1,), (0, 0)])
@@ -203,10 +204,12 @@ def test_simulated_medusa_run_walks_the_tree(tmp_path):
     cfg = make_cfg("speculation=fixed", "speculation.draft_model=medusa",
                    "speculation.num_speculative_tokens=2", f"speculation.acceptance_profile={path}",
                    "++speculation.tree=[[0],[0,0]]")
-    setup = speculation_setup(cfg)
+    model = ModelSpec.from_config(cfg.model)
+    settings = replica_settings(cfg, model)
+    setup = settings.speculation
     assert setup.acceptance.tree == [(0,), (0, 0)]
-    executor = build_replica_executor(cfg, ModelSpec.from_config(cfg.model),
-                                      HardwareSpec.from_config(cfg.hardware), None, setup)
+    executor = build_replica_executor(cfg, settings, model,
+                                      HardwareSpec.from_config(cfg.hardware), None)
     plan = StepPlan(num_decode_seqs=2, decode_context_tokens=200)
     plan.spec_lens = {0: 2, 1: 1}
     assert executor.execute(plan).num_accepted == {0: 2, 1: 1}

@@ -18,7 +18,8 @@ import sim.core.experiment
 from policies.types import StepPlan
 from calibration.profiler.fit import fit_profile
 from sim.cost.profiled.cost_model import ProfiledCostModel, ProfileError
-from sim.core.build import SpeculationSetup, speculation_setup
+from sim.core.settings import ReplicaSettings
+from sim.core.speculation_setup import speculation_setup
 from sim.core.experiment import run_experiment
 from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from calibration.validate.cli import main, parse_args
@@ -629,8 +630,8 @@ def engine_replaced_by_noisy_scaled_simulator(monkeypatch, time_factors: list[fl
             as_sim.backend = {"name": "sim"}
         taken.append(next(factors))
         # The engine's speculation setup leaves the drafting to it: the simulator's draws.
-        args = [speculation_setup(as_sim) if isinstance(arg, SpeculationSetup) else arg
-                for arg in args]
+        args = [dataclasses.replace(arg, speculation=speculation_setup(as_sim))
+                if isinstance(arg, ReplicaSettings) else arg for arg in args]
         return Scaled(original(as_sim, *args, **kwargs), taken[-1])
 
     monkeypatch.setattr(sim.core.experiment, "build_replica_executor", build)

@@ -41,11 +41,12 @@ def pin_kv_pool(engine_cfg, sim_cfg) -> int:
     from omegaconf import open_dict
 
     from sim.core.build import num_kv_blocks
+    from sim.core.settings import replica_settings
     from runtime.specs import HardwareSpec, ModelSpec
 
     model = ModelSpec.from_config(engine_cfg.model)
     hardware = HardwareSpec.from_config(engine_cfg.hardware)
-    blocks = num_kv_blocks(engine_cfg, model, hardware)
+    blocks = num_kv_blocks(replica_settings(engine_cfg, model), hardware)
     for cfg in (engine_cfg, sim_cfg):
         with open_dict(cfg):
             cfg.kv_cache.num_blocks = blocks

@@ -1,7 +1,5 @@
-"""Builds a run's parts from its Hydra config: policies (`_target_` classes, the built-in ones and
-a user's own), the router, the length predictor, the step token budget, the KV pools' sizes, the
-speculation setup and the replica's executor. The engine (`LLM(...)`) names and builds its
-policies with the same functions, from the same conf/ groups."""
+"""Builds a replica's parts from its settings (sim/core/settings.py) and policy groups: the
+router, the KV pools' sizes and the executor."""
 from __future__ import annotations
 
 import statistics
@@ -12,16 +10,11 @@ from policies.checks import has_capability
 from policies.lora.spec import lora_config
 from policies.protocols import ReportsSpeed
 from policies.speculation.drafters import drafter_kind
-from policies.validators import (boolean, finite_number, non_negative_int, non_negative_number,
-                                 positive_int, positive_number)
 from sim.core.executor import SimExecutor
-from runtime.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
-from sim.cost.build import build_cost_model, expert_parallel_size, group_name, takes_argument
-from sim.cost.pipeline import gpu_model
+from sim.cost.build import build_cost_model, group_name, takes_argument
 from runtime.policy_config import build_policy, policy_config
-from runtime.specs import (HardwareSpec, ModelSpec, kv_cache_num_blocks,
-                            kv_cache_num_host_blocks, step_token_budget)
-from sim.core.speculation_setup import SpeculationSetup, speculation_setup
+from runtime.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks, kv_cache_num_host_blocks
+from sim.core.settings import ReplicaSettings
 
 
 def build_router(router_cfg):
@@ -29,101 +22,43 @@ def build_router(router_cfg):
     return build_policy(policy_config(router_cfg, "router", "cluster.router"), "cluster.router")
 
 
-def check_run_settings(cfg: DictConfig) -> None:
-    """The run's own settings, checked before anything is built."""
-    non_negative_int("seed", cfg.seed)
-    if cfg.get("sim_seed") is not None:
-        non_negative_int("sim_seed", cfg.sim_seed)
-    positive_int("cluster.num_replicas", cfg.cluster.num_replicas)
-    positive_int("cluster.tensor_parallel_size", cfg.cluster.tensor_parallel_size)
-    if cfg.backend.get("preflight") is not None:   # the backend's own check (engine/preflight.py)
-        build_policy(cfg.backend.preflight, "backend.preflight")
-
-
-def max_num_batched_tokens(cfg: DictConfig, model: ModelSpec) -> int:
-    """The step token budget (null: big enough for any prompt the model allows)."""
-    return step_token_budget(cfg.scheduler.get("max_num_batched_tokens"), model.max_model_len,
-                             "scheduler.max_num_batched_tokens")
-
-
-def num_kv_blocks(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec) -> int:
+def num_kv_blocks(settings: ReplicaSettings, hardware: HardwareSpec) -> int:
     """`kv_cache.num_blocks` when set (to force preemption), else the memory arithmetic, with a
-    draft model's K/V in every block and the backend's own sizing (`backend.kv_cache_sizing`:
-    the run's max_num_seqs, and the engine's cap on a CPU)."""
-    block_size = positive_int("kv_cache.block_size", cfg.kv_cache.block_size)
-    if cfg.kv_cache.get("num_blocks") is not None:
-        return positive_int("kv_cache.num_blocks", cfg.kv_cache.num_blocks)
-    sizing = cfg.backend.get("kv_cache_sizing")
-    sizing = {} if sizing is None else build_policy(sizing, "backend.kv_cache_sizing",
-                                                    _convert_="all")
-    if "max_num_seqs" in sizing:
-        # The backends size with the scheduler's setting: a bad one is named as the user set it.
-        positive_int("scheduler.max_num_seqs", sizing["max_num_seqs"])
-    speculation = speculation_setup(cfg)
+    draft model's K/V in every block and the backend's own sizing (`backend.kv_cache_sizing`)."""
+    if settings.num_blocks is not None:
+        return settings.num_blocks
     return kv_cache_num_blocks(
-        gpu_model(cfg, model), hardware, block_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        tensor_parallel_size=cfg.cluster.tensor_parallel_size,
-        max_num_batched_tokens=max_num_batched_tokens(cfg, model),
-        draft=speculation.draft_kv if speculation is not None else None,
-        expert_parallel_size=expert_parallel_size(cfg, model), **sizing)
+        settings.gpu_model, hardware, settings.block_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens, draft=_draft_kv(settings),
+        expert_parallel_size=settings.expert_parallel_size, **settings.kv_cache_sizing)
 
 
-def num_host_kv_blocks(cfg: DictConfig, model: ModelSpec, preemption,
-                       speculation: SpeculationSetup | None) -> int:
-    """Blocks of each replica's host swap pool: the preemption policy's swap_space_gb (0
-    without swap) over one block's K/V, a draft model's included."""
-    return kv_cache_num_host_blocks(
-        gpu_model(cfg, model), cfg.kv_cache.block_size, preemption.swap_space_gb,
-        cfg.cluster.tensor_parallel_size,
-        draft=speculation.draft_kv if speculation is not None else None)
+def kv_cache_sizes(settings: ReplicaSettings, num_blocks: int, preemption) -> dict:
+    """A replica's KV manager's pool sizes: `num_blocks`, its host swap pool (the preemption
+    policy's swap_space_gb) and, with `kv_cache.offload_gb`, the prefix cache's host tier of
+    that many GiB, each over one block's K/V, a draft model's included."""
+    def host_blocks(gib: float) -> int:
+        return kv_cache_num_host_blocks(settings.gpu_model, settings.block_size, gib,
+                                        settings.tensor_parallel_size, draft=_draft_kv(settings))
 
-
-def kv_cache_sizes(cfg: DictConfig, model: ModelSpec, num_blocks: int, preemption,
-                   speculation: SpeculationSetup | None) -> dict:
-    """A replica's KV manager's pool sizes: `num_blocks`, its host swap pool
-    (num_host_kv_blocks) and, with `kv_cache.offload_gb`, the prefix cache's host tier of that
-    many GiB, sized as the swap pool is (kv_cache_num_host_blocks)."""
-    group = cfg.kv_cache
     offload = {}
-    offload_gb = group.get("offload_gb")
-    if offload_gb:
-        non_negative_number("kv_cache.offload_gb", offload_gb)
-        if group.get("offload_bandwidth_gbps") is not None:
-            positive_number("kv_cache.offload_bandwidth_gbps", group.offload_bandwidth_gbps)
-        offload["num_offload_blocks"] = kv_cache_num_host_blocks(
-            gpu_model(cfg, model), group.block_size, offload_gb,
-            cfg.cluster.tensor_parallel_size,
-            draft=speculation.draft_kv if speculation is not None else None)
-    return dict(num_blocks=num_blocks,
-                num_host_blocks=num_host_kv_blocks(cfg, model, preemption, speculation), **offload)
+    if settings.offload_gb:
+        offload["num_offload_blocks"] = host_blocks(settings.offload_gb)
+    return dict(num_blocks=num_blocks, num_host_blocks=host_blocks(preemption.swap_space_gb),
+                **offload)
 
 
-def fairness_window_s(cfg: DictConfig) -> float:
-    """metrics.fairness_window_s, checked (the summary's default when the config has none)."""
-    window_s = (cfg.get("metrics") or {}).get("fairness_window_s")
-    if window_s is None:
-        return DEFAULT_FAIRNESS_WINDOW_S
-    return float(positive_number("metrics.fairness_window_s",
-                                 finite_number("metrics.fairness_window_s", window_s)))
+def _draft_kv(settings: ReplicaSettings) -> ModelSpec | None:
+    return None if settings.speculation is None else settings.speculation.draft_kv
 
 
-def slos_ms(cfg: DictConfig) -> dict[str, float] | None:
-    """The `slo.<metric>_ms` limits that are set, as MetricsCollector.summary takes them."""
-    limits = {}
-    for key, value in (cfg.get("slo") or {}).items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"slo.{key} must be a positive number of ms or null, got {value!r}")
-        limits[key.removesuffix("_ms")] = float(value)
-    return limits or None
-
-
-def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, kv_cache,
-                           speculation: SpeculationSetup | None = None, replica_id: int = 0):
+def build_replica_executor(cfg: DictConfig, settings: ReplicaSettings, model: ModelSpec,
+                           hardware: HardwareSpec, kv_cache, replica_id: int = 0):
     """Who runs a step: the executor the backend's config names (`backend.executor`, e.g. the
     real engine, whose pools match the replica's KV manager), else the cost model (sim)."""
+    speculation = settings.speculation
     executor_cfg = cfg.backend.get("executor")
     if executor_cfg is not None:
         drafting = {} if speculation is None else {
@@ -146,14 +81,12 @@ def build_replica_executor(cfg: DictConfig, model: ModelSpec, hardware: Hardware
         drafting["lora"] = lora.spec
     if speculation is not None and drafter_kind(speculation.draft_model).draft_cost == "heads":
         drafting["medusa_num_heads"] = max(speculation.depth_per_size)
-    cost_model = build_cost_model(cfg, model, hardware, **drafting)
-    repeated_steps = boolean("backend.repeated_steps", cfg.backend.get("repeated_steps", True))
+    cost_model = build_cost_model(cfg.cost_model, settings, model, hardware, **drafting)
     if speculation is None:
-        return SimExecutor(cost_model, repeated_steps=repeated_steps)
+        return SimExecutor(cost_model, repeated_steps=settings.repeated_steps)
     # Each replica draws its own acceptances, reproducibly.
-    sim_seed = cfg.get("sim_seed", cfg.seed)
-    return SimExecutor(cost_model, speculation.acceptance_model([sim_seed, replica_id]),
-                       speculation.depth_per_size, repeated_steps=repeated_steps)
+    return SimExecutor(cost_model, speculation.acceptance_model([settings.sim_seed, replica_id]),
+                       speculation.depth_per_size, repeated_steps=settings.repeated_steps)
 
 
 def speed_summary(executors: list) -> dict:

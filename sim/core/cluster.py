@@ -24,10 +24,11 @@ from policies.protocols import DecodePoolScheduler, PrefillPoolScheduler
 from policies.types import Request
 from policies.validators import boolean, non_negative_number, positive_int, positive_number
 from sim.core.build import build_router, num_kv_blocks
+from sim.core.settings import ReplicaSettings, RunSettings, replica_settings
+from sim.cost.pipeline import KEY as PIPELINE_KEY
 from runtime.handoff import Handoff, admit_handoffs, land, take_handoffs
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from runtime.specs import HardwareSpec, ModelSpec
-from sim.cost.pipeline import pipeline_parallel_size
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
@@ -38,26 +39,29 @@ TOPOLOGIES = ("per_replica", "shared")
 @dataclass
 class Pool:
     """One pool as the run builds it: its name and role, the run's config with the pool's
-    overrides (`cfg`), its hardware, KV blocks per replica and router."""
+    overrides (`cfg`, for its policy groups) and their `settings`, its hardware, KV blocks per
+    replica and router."""
 
     name: str
     role: str
     num_replicas: int
     cfg: DictConfig
+    settings: ReplicaSettings
     hardware: HardwareSpec
     num_kv_blocks: int
     router: object
 
 
-def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
+def build_pools(cfg: DictConfig, model: ModelSpec, run: RunSettings) -> list[Pool]:
     """The run's pools, checked: one mixed pool from cluster.num_replicas and cluster.router
     without `cluster.pools`; else one pool per entry, at most one of each role, a prefill pool
     only with a decode pool."""
     pools_cfg = cfg.cluster.get("pools")
     if pools_cfg is None:
         hardware = HardwareSpec.from_config(cfg.hardware)
-        return [Pool("main", "mixed", cfg.cluster.num_replicas, cfg, hardware,
-                     num_kv_blocks(cfg, model, hardware), build_router(cfg.cluster.router))]
+        settings = replica_settings(cfg, model, run)
+        return [Pool("main", "mixed", cfg.cluster.num_replicas, cfg, settings, hardware,
+                     num_kv_blocks(settings, hardware), build_router(cfg.cluster.router))]
     if isinstance(pools_cfg, (str, bytes)) or not hasattr(pools_cfg, "__len__") or not pools_cfg:
         raise ValueError(f"cluster.pools must be a non-empty list of pools, got {pools_cfg!r}")
     # Resolved once into a plain config, so that each pool's overrides can merge into it.
@@ -82,14 +86,15 @@ def build_pools(cfg: DictConfig, model: ModelSpec) -> list[Pool]:
         roles.add(role)
         num_replicas = positive_int(f"{field}.num_replicas", entry.get("num_replicas"))
         pool_cfg = _pool_config(base, entry, field)
-        if entry.get("pipeline_parallel_size") is not None:
-            pipeline_parallel_size(pool_cfg, model, f"{field}.pipeline_parallel_size")
+        settings = replica_settings(
+            pool_cfg, model, run, f"{field}.pipeline_parallel_size"
+            if entry.get("pipeline_parallel_size") is not None else PIPELINE_KEY)
         hardware = HardwareSpec.from_config(pool_cfg.hardware)
         router_cfg = entry.get("router") or cfg.cluster.router
         router = build_policy(policy_config(router_cfg, "router", f"{field}.router"),
                               f"{field}.router")
-        pools.append(Pool(name, role, num_replicas, pool_cfg, hardware,
-                          num_kv_blocks(pool_cfg, model, hardware), router))
+        pools.append(Pool(name, role, num_replicas, pool_cfg, settings, hardware,
+                          num_kv_blocks(settings, hardware), router))
     if ("prefill" in roles) != ("decode" in roles):
         raise ValueError("cluster.pools: a prefill pool needs a decode pool and the other way "
                          f"round; the pools' roles: {', '.join(pool.role for pool in pools)}")

@@ -1,10 +1,5 @@
-"""Build one experiment from its config and run it: the code behind `twinserve`, callable from
-tests and scripts without the command line.
-
-The config is the Hydra tree of conf/ (model, hardware, workload, scheduler, kv_cache, preemption,
-speculation, cost_model, cluster, backend). Policies are built with `hydra.utils.instantiate`, so
-any `_target_` class works, the built-in ones and a user's own.
-"""
+"""One experiment from its Hydra config (conf/): settings read once, then build, run, write; the
+code behind `twinserve`, callable from tests and scripts."""
 from __future__ import annotations
 
 import gc
@@ -18,11 +13,11 @@ from tqdm import tqdm
 
 from policies.lora.spec import lora_config
 from policies.types import Request
-from policies.validators import finite_number, non_negative_number
 from runtime.assembly import assemble_scheduler, build_preemption
 from runtime.assembly import build_predictor, kv_cache_policy_config
 from sim.cost.build import cost_model_summary
-from sim.core.build import (build_replica_executor, check_run_settings, fairness_window_s, kv_cache_sizes, max_num_batched_tokens, lora_summary, slos_ms, speculation_setup, speed_summary)
+from sim.core.build import build_replica_executor, kv_cache_sizes, lora_summary, speed_summary
+from sim.core.settings import RunSettings, run_settings
 from runtime.policy_config import build_policy, policy_config
 from sim.core.cluster import (DisaggregatedCluster, KVTransferModel, Pool, build_pools,
                               is_disaggregated, kv_transfer_summary, pools_summary)
@@ -32,7 +27,6 @@ from sim.core.energy.summary import energy_summary
 from sim.core.energy.trace import TracedEnergyMeter
 from sim.core.executor import SimExecutor
 from sim.core.lockstep import drive_lockstep, lockstep_group_size
-from sim.cost.pipeline import pipeline_parallel_size
 from sim.core.pipelined_replica import build_pipelined_replica
 from sim.core.long_run import (is_streamed, streamed_energy_summary, streamed_rejection_summary,
                                streamed_summary)
@@ -46,8 +40,7 @@ from sim.core.workload import (RequestStream, build_session_source, is_closed_lo
                                workload_stream)
 from sim.tools.run_outputs import StreamedOutputs, write_run_outputs
 
-# Allocations between the cyclic GC's young collections while the simulation runs (Python's
-# default is 700: a collection every few steps).
+# Allocations between young GC collections while simulating (Python's 700: every few steps).
 YOUNG_GC_THRESHOLD = 20_000
 # A run rejecting more than this share of its requests says so on stderr, with the main reason.
 REJECTED_WARNING_FRACTION = 0.05
@@ -67,8 +60,7 @@ class RunResult:
 
 
 def check_tenant_weights(scheduler_cfg, tenants: set[str]) -> None:
-    """A scheduler's `tenant_weights` (scheduler=vtc) may weigh only tenants the run's requests
-    have (`tenants`): a name that none has is a typo, not a tenant to wait for."""
+    """`scheduler.tenant_weights` may name only the run's `tenants`: another name is a typo."""
     weights = scheduler_cfg.get("tenant_weights") if hasattr(scheduler_cfg, "get") else None
     if not weights or not hasattr(weights, "keys"):
         return   # none, or not a mapping: the scheduler itself says what it takes
@@ -80,8 +72,7 @@ def check_tenant_weights(scheduler_cfg, tenants: set[str]) -> None:
 
 
 def check_first_tokens(requests: list[Request], replicas: list[Replica]) -> None:
-    """Finished requests without a first token time have no TTFT or TPOT: a scheduler's update
-    must stamp it (policies.protocols.Scheduler)."""
+    """Finished requests need a first token time (a scheduler's update stamps it) for TTFT."""
     missing = [r for r in requests
                if r.finish_time is not None and r.rejected_reason is None
                and r.first_token_time is None]
@@ -94,9 +85,8 @@ def check_first_tokens(requests: list[Request], replicas: list[Replica]) -> None
 
 def warn_unused_features(cfg: DictConfig, requests: list[Request], summary: dict,
                          replicas: list[Replica]) -> None:
-    """One line on stderr for each configured feature the run's scheduler never used: prefix
-    caching with no prompt token served from the cache though prompts repeat a first block, or
-    a swap pool with every preemption recomputed."""
+    """One line on stderr for a configured feature the scheduler never used (prefix caching,
+    a swap pool)."""
     schedulers = ", ".join(sorted({type(replica.scheduler).__name__ for replica in replicas}))
     block_size = cfg.kv_cache.block_size
     if cfg.kv_cache.get("enable_prefix_caching") and summary.get("prefix_cache_hit_rate") == 0:
@@ -115,9 +105,7 @@ def warn_unused_features(cfg: DictConfig, requests: list[Request], summary: dict
 
 
 def warn_rejections(summary: dict) -> None:
-    """One line on stderr when more than REJECTED_WARNING_FRACTION of the requests were
-    rejected: how many, the most common reason (the summary's rejected_reason) and what to
-    change; a trace of long prompts on a short-context model would otherwise look served."""
+    """One line on stderr when many requests were rejected, since the run would look served."""
     num_rejected, num_requests = summary["rejected"], summary["num_requests"]
     if num_rejected <= REJECTED_WARNING_FRACTION * num_requests:
         return
@@ -128,19 +116,11 @@ def warn_rejections(summary: dict) -> None:
           f"because {reason}{hint}", file=sys.stderr)
 
 
-def frontend_latency(cfg: DictConfig) -> float:
-    """cluster.frontend_latency_s, checked (0 when the config has none)."""
-    key = "cluster.frontend_latency_s"
-    return float(non_negative_number(key, finite_number(
-        key, cfg.cluster.get("frontend_latency_s", 0.0))))
-
-
 def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
                    progress: bool = False, plots: bool = True,
                    requests: list[Request] | None = None) -> RunResult:
-    """Run the experiment `cfg` describes; write its files into `out_dir` if given (the PNG
-    plots too, unless plots=False). `requests` (fresh, unserved) replace cfg.workload's: a
-    measured run replayed from memory (calibration/realrun/)."""
+    """Run the experiment `cfg` describes and write its files into `out_dir` if given;
+    `requests` (fresh) replace cfg.workload's, as a measured run's replay does."""
     wall_start = time.perf_counter()
     simulation = build_simulation(cfg, out_dir, plots, requests)
     simulate(simulation, progress)
@@ -152,9 +132,8 @@ def run_experiment(cfg: DictConfig, out_dir: Path | None = None,
 
 
 class RequestsEnded:
-    """What the replicas call with the requests that ended: the ledger, a streamed run's step
-    spill and the progress bar (drawn once the run starts, so that a setting the build refuses
-    prints its one line alone)."""
+    """What the replicas call with the requests that ended; the progress bar starts with the
+    run, so that a setting the build refuses prints its one line alone."""
 
     def __init__(self, ledger: RequestLedger, metrics: MetricsCollector, streamed: bool):
         self.ledger, self.metrics, self.streamed = ledger, metrics, streamed
@@ -169,10 +148,10 @@ class RequestsEnded:
 
 @dataclass
 class Simulation:
-    """An experiment built from its config: the simulated cluster, its arrivals started, and
-    what records the run."""
+    """An experiment built from its settings: the cluster, its arrivals started, its recorders."""
 
     cfg: DictConfig
+    run: RunSettings
     pools: list[Pool]
     env: SimEnvironment
     replicas: list[Replica]
@@ -192,10 +171,10 @@ class Simulation:
 
 def build_simulation(cfg: DictConfig, out_dir: Path | None, plots: bool,
                      requests: list[Request] | None) -> Simulation:
-    """The run's pools, replicas, workload and recorders, built and checked from `cfg`."""
+    """The run's pools, replicas, workload and recorders, from `cfg` read once."""
     model = ModelSpec.from_config(cfg.model)
-    check_run_settings(cfg)
-    pools = build_pools(cfg, model)
+    run = run_settings(cfg)
+    pools = build_pools(cfg, model, run)
     # The target's KV bytes of one block: what the summary counts a swapped block as.
     bytes_per_block = model.kv_bytes_per_block(cfg.kv_cache.block_size)
     disaggregated = is_disaggregated(pools)
@@ -207,33 +186,30 @@ def build_simulation(cfg: DictConfig, out_dir: Path | None, plots: bool,
         disaggregation = build_policy(
             policy_config(cfg.cluster.get("disaggregate", "always"), "disaggregate",
                           "cluster.disaggregate"), "cluster.disaggregate")
-    speculation = speculation_setup(cfg)
     lora = lora_config(cfg.get("lora"))
-    # One per run, asked at each arrival; a config without the group predicts nothing.
-    predictor = build_predictor(cfg.get("predictor"), cfg.seed)
+    predictor = build_predictor(cfg.get("predictor"), run.seed)
     env = SimEnvironment()
     # A closed-loop workload's requests arrive as the run finishes their sessions' turns.
     sessions = None
     if requests is None and is_closed_loop(cfg.workload):
-        source = build_session_source(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
+        source = build_session_source(cfg.workload, seed=run.seed, vocab_size=model.vocab_size,
                                       lora=lora)
-        sessions = ClosedLoopArrivals(env, source, predictor, frontend_latency(cfg))
+        sessions = ClosedLoopArrivals(env, source, predictor, run.frontend_latency_s)
         check_tenant_weights(cfg.scheduler,
                              {request.tenant for request in source.all_requests()})
         num_planned = source.num_planned_requests
     else:
         if requests is None:
-            requests = workload_stream(cfg.workload, seed=cfg.seed, vocab_size=model.vocab_size,
+            requests = workload_stream(cfg.workload, seed=run.seed, vocab_size=model.vocab_size,
                                        lora=lora)
         check_tenant_weights(cfg.scheduler, requests.tenants() if isinstance(
             requests, RequestStream) else {request.tenant for request in requests})
         num_planned = len(requests)
-    # A long open-loop run folds its requests into running totals as they finish and drops
-    # them (long_run.py); any other keeps them all, made now.
+    # A long open-loop run keeps running totals rather than its requests (long_run.py).
     streamed = is_streamed(cfg, requests, num_planned, disaggregated)
     if not streamed and isinstance(requests, RequestStream):
         requests = list(requests)
-    ledger = RequestLedger(keep=not streamed, slos_ms=slos_ms(cfg))
+    ledger = RequestLedger(keep=not streamed, slos_ms=run.slos_ms)
     metrics = MetricsCollector(kv_bytes_per_block=bytes_per_block, streamed=streamed)
     outputs = None
     if streamed and out_dir is not None:
@@ -243,9 +219,8 @@ def build_simulation(cfg: DictConfig, out_dir: Path | None, plots: bool,
     replicas, retention_policies, lora_managers = [], [], []
     next_arrival = NextArrival() if sessions is None else sessions
     for pool in pools:
-        replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, speculation,
-                                        predictor, next_arrival, ended,
-                                        retention_policies, lora_managers,
+        replicas += build_pool_replicas(pool, len(replicas), env, metrics, model, predictor,
+                                        next_arrival, ended, retention_policies, lora_managers,
                                         # (a run that plots keeps each step's joules)
                                         TracedEnergyMeter if out_dir is not None and plots
                                         else EnergyMeter)
@@ -261,23 +236,21 @@ def build_simulation(cfg: DictConfig, out_dir: Path | None, plots: bool,
                                       next_arrival).router
     if sessions is None:
         env.process(arrivals(env, requests, router, replicas, next_arrival, predictor,
-                             frontend_latency(cfg)))
+                             run.frontend_latency_s))
     else:
         sessions.start(router, replicas)
-    return Simulation(cfg, pools, env, replicas, metrics, ledger, ended, requests, sessions,
+    return Simulation(cfg, run, pools, env, replicas, metrics, ledger, ended, requests, sessions,
                       num_planned, streamed, disaggregated, retention_policies, lora_managers,
                       outputs)
 
 
 def simulate(simulation: Simulation, progress: bool) -> None:
-    """Run the simulation to its end (a progress bar on stderr with `progress`), then put its
-    step rows in order and its replicas' inter-token latencies into its metrics."""
+    """Run the simulation to its end, then order its step rows and collect inter-token gaps."""
     # (None: only on a terminal, where erasing the bar leaves the line clean for the summary.)
     bar = simulation.ended.bar = tqdm(total=simulation.num_planned, desc="requests", unit="req",
                                       disable=None if progress else True, mininterval=0.5,
                                       leave=False)
-    # The workload's objects live for the whole run: keep the cyclic GC from rescanning them at
-    # every collection, and collect young objects less often (most a step keeps are not garbage).
+    # The workload lives for the whole run, so the GC need not rescan it.
     gc.freeze()
     thresholds = gc.get_threshold()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *thresholds[1:])
@@ -297,13 +270,13 @@ def simulate(simulation: Simulation, progress: bool) -> None:
 
 
 def summarize(simulation: Simulation, wall_start: float) -> dict:
-    """The run's summary (summary.json), after checking that every request ended; warnings about
-    features the run configured but never used, and about many rejections, go to stderr."""
+    """The run's summary (summary.json), after checking that every request ended."""
     cfg, metrics, replicas = simulation.cfg, simulation.metrics, simulation.replicas
     requests, pools = simulation.requests, simulation.pools
     if simulation.streamed:
         summary = streamed_summary(metrics, simulation.ledger, simulation.num_planned,
-                                   time.perf_counter() - wall_start, slos_ms(cfg) is not None,
+                                   time.perf_counter() - wall_start,
+                                   simulation.run.slos_ms is not None,
                                    replicas)
         summary["num_kv_blocks"] = pools[0].num_kv_blocks
         summary.update(streamed_rejection_summary(simulation.ledger))
@@ -319,7 +292,8 @@ def summarize(simulation: Simulation, wall_start: float) -> dict:
                            f"{unfinished[0].request_id}); the simulation stalled")
     check_first_tokens(requests, replicas)
     summary = metrics.summary(requests, wall_time_s=time.perf_counter() - wall_start,
-                              slos_ms=slos_ms(cfg), fairness_window_s=fairness_window_s(cfg))
+                              slos_ms=simulation.run.slos_ms,
+                              fairness_window_s=simulation.run.fairness_window_s)
     summary["num_kv_blocks"] = pools[0].num_kv_blocks
     summary.update(rejection_summary(requests))
     summary.update(abandonment_summary(requests))
@@ -356,8 +330,7 @@ def _cluster_summary(simulation: Simulation) -> dict:
 
 
 def write_outputs(simulation: Simulation, summary: dict, out_dir: Path, plots: bool) -> None:
-    """The run's files in `out_dir`: summary, requests and steps (a streamed run's rows are
-    written already), the plots unless plots=False, and trace.json with cfg.trace_export."""
+    """The run's files in `out_dir` (a streamed run's rows are written already)."""
     if simulation.streamed:
         if plots:
             print("twinserve: no plots for a streamed run (they draw every request and step); "
@@ -375,18 +348,18 @@ def write_outputs(simulation: Simulation, summary: dict, out_dir: Path, plots: b
 
 
 def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
-                        metrics: MetricsCollector, model: ModelSpec, speculation, predictor,
+                        metrics: MetricsCollector, model: ModelSpec, predictor,
                         next_arrival: NextArrival, on_requests_done,
                         retention_policies: list | None = None,
                         lora_managers: list | None = None,
                         meter_class: type[EnergyMeter] = EnergyMeter) -> list[Replica]:
-    """A pool's replicas, numbered from `first_id`: each its own policies (built from the pool's
-    config), executor and energy meter (a `meter_class`); the KV retention policies that keep
-    blocks are appended to `retention_policies`, their LoRA managers to `lora_managers`."""
-    cfg = pool.cfg
-    group_size = lockstep_group_size(cfg, model, pool.num_replicas, pool.role)
+    """A pool's replicas, numbered from `first_id`, each with its own policies, executor and
+    energy meter; their retention policies and LoRA managers are appended to the lists given."""
+    cfg, settings = pool.cfg, pool.settings
+    speculation = settings.speculation
+    group_size = lockstep_group_size(settings, pool.num_replicas, pool.role)
     replicas = []
-    num_stages = pipeline_parallel_size(cfg, model)
+    num_stages = settings.pipeline_parallel_size
     if num_stages > 1 and group_size > 1:
         raise ValueError(f"cluster.pipeline_parallel_size={num_stages} with an expert group "
                          f"spanning {group_size} replicas (cluster.expert_parallel_size): "
@@ -394,25 +367,24 @@ def build_pool_replicas(pool: Pool, first_id: int, env: SimEnvironment,
     for replica_id in range(first_id, first_id + pool.num_replicas):
         if num_stages > 1:   # (virtual engines over pipeline stages)
             replicas.append(build_pipelined_replica(
-                pool, replica_id, env, metrics, model, num_stages, predictor, on_requests_done,
+                pool, replica_id, env, metrics, model, predictor, on_requests_done,
                 retention_policies, lora_managers, meter_class))
             continue
         preemption = build_preemption(cfg.preemption)
         scheduler = assemble_scheduler(
             cfg.scheduler, preemption, kv_cache_policy_config(cfg.kv_cache),
-            lambda preemption: kv_cache_sizes(cfg, model, pool.num_kv_blocks, preemption,
-                                              speculation),
-            max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+            lambda preemption: kv_cache_sizes(settings, pool.num_kv_blocks, preemption),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=model.max_model_len,
             speculation=None if speculation is None else speculation.policy_cfg,
             kv_retention=cfg.get("kv_retention"), retention_policies=retention_policies,
             lora=lora_config(cfg.get("lora")), lora_managers=lora_managers)
         kv_cache = scheduler.kv_cache
-        executor = build_replica_executor(cfg, model, pool.hardware, kv_cache, speculation,
+        executor = build_replica_executor(cfg, settings, model, pool.hardware, kv_cache,
                                           replica_id)
         energy = build_energy_meter(
-            cfg.get("power"), model, pool.hardware, cfg.cluster.tensor_parallel_size,
-            cfg.kv_cache.block_size,
+            cfg.get("power"), model, pool.hardware, settings.tensor_parallel_size,
+            settings.block_size,
             executor.cost_model if isinstance(executor, SimExecutor) else None, meter_class)
         replica = Replica(env, replica_id, [scheduler], executor, metrics,
                           on_requests_done=on_requests_done, next_arrival=next_arrival,

@@ -17,11 +17,9 @@ pipeline stages are not combined with lockstep groups (refused here and in sim/c
 from __future__ import annotations
 
 import simpy
-from omegaconf import DictConfig
 
-from runtime.specs import ModelSpec
 from sim.core.replica import Replica, ReplicaDriver
-from sim.cost.build import expert_parallel_size
+from sim.core.settings import ReplicaSettings
 from sim.cost.experts import EP_KEY
 
 
@@ -49,12 +47,11 @@ def drive_lockstep(env: simpy.Environment, ranks: list[Replica]) -> ReplicaDrive
     return ReplicaDriver(env, [rank.lanes[0] for rank in ranks], Lockstep())
 
 
-def lockstep_group_size(cfg: DictConfig, model: ModelSpec, num_replicas: int,
+def lockstep_group_size(settings: ReplicaSettings, num_replicas: int,
                         role: str = "mixed") -> int:
     """Ranks per lockstep group: expert_parallel_size / tensor_parallel_size where the expert
     group spans replicas, else 1 (each replica steps alone). Errors name the keys."""
-    ep = expert_parallel_size(cfg, model)
-    tp = cfg.cluster.tensor_parallel_size
+    ep, tp = settings.expert_parallel_size, settings.tensor_parallel_size
     if ep <= tp:
         return 1
     size = ep // tp

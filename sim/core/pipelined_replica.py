@@ -22,8 +22,7 @@ from policies.protocols import Scheduler
 from runtime.assembly import assemble_scheduler, build_preemption
 from runtime.assembly import kv_cache_policy_config
 from runtime.metrics import MetricsCollector
-from sim.core.build import (build_replica_executor, kv_cache_sizes,
-                            max_num_batched_tokens)
+from sim.core.build import build_replica_executor, kv_cache_sizes
 from sim.core.energy.meter import EnergyMeter, build_energy_meter
 from sim.core.energy.stages import StagesEnergyMeter
 from sim.core.energy.trace import TracedEnergyMeter, TracedStagesEnergyMeter
@@ -115,14 +114,15 @@ class ThroughStages:
 
 
 def build_pipelined_replica(pool, replica_id: int, env: simpy.Environment,
-                            metrics: MetricsCollector, model, num_stages: int, predictor,
+                            metrics: MetricsCollector, model, predictor,
                             on_requests_done, retention_policies: list | None = None,
                             lora_managers: list | None = None,
                             meter_class: type[EnergyMeter] = EnergyMeter) -> Replica:
-    """A pool's replica of `num_stages` stages: an engine's policies per stage, each over its
+    """A pool's replica of pipeline stages: an engine's policies per stage, each over its
     share of the pool's KV blocks (the module docstring), the stages' cost and energy meters
     (each a `meter_class`; traced ones, for the power plot, with the replica's stage timeline)."""
-    cfg = pool.cfg
+    cfg, settings = pool.cfg, pool.settings
+    num_stages = settings.pipeline_parallel_size
     if pool.role != "mixed":
         raise ValueError(f"{KEY}={num_stages} in the {pool.role} pool {pool.name!r}: pipelined "
                          f"replicas run in a mixed pool only; give the {pool.role} pool "
@@ -133,25 +133,24 @@ def build_pipelined_replica(pool, replica_id: int, env: simpy.Environment,
 
     def engine_sizes(preemption) -> dict:   # an engine's share of every pool
         return {name: size // num_stages for name, size in kv_cache_sizes(
-            cfg, model, pool.num_kv_blocks, preemption, None).items()}
+            settings, pool.num_kv_blocks, preemption).items()}
 
     schedulers, managers = [], []
     for _ in range(num_stages):
         scheduler = assemble_scheduler(
             cfg.scheduler, build_preemption(cfg.preemption), kv_cache_policy_config(cfg.kv_cache),
-            engine_sizes, max_num_batched_tokens=max_num_batched_tokens(cfg, model),
+            engine_sizes, max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=model.max_model_len, kv_retention=cfg.get("kv_retention"),
             retention_policies=retention_policies, lora=lora_config(cfg.get("lora")),
             lora_managers=managers)
         schedulers.append(scheduler)
     if lora_managers is not None:
         lora_managers += managers
-    executor = build_replica_executor(cfg, model, pool.hardware, schedulers[0].kv_cache, None,
-                                      replica_id)
-    tensor_parallel_size = cfg.cluster.tensor_parallel_size
+    executor = build_replica_executor(cfg, settings, model, pool.hardware,
+                                      schedulers[0].kv_cache, replica_id)
     stage_meters = [
-        build_energy_meter(cfg.get("power"), stage.model, pool.hardware, tensor_parallel_size,
-                           cfg.kv_cache.block_size, stage, meter_class)
+        build_energy_meter(cfg.get("power"), stage.model, pool.hardware,
+                           settings.tensor_parallel_size, settings.block_size, stage, meter_class)
         for stage in executor.cost_model.stages]
     # (Only a run that plots keeps the timeline: its stages' work intervals for the power plot.)
     timeline = [] if issubclass(meter_class, TracedEnergyMeter) else None

@@ -17,8 +17,8 @@ from sim.core.acceptance import AcceptanceModel
 
 @dataclass
 class SpeculationSetup:
-    """The speculation group of a run whose policy drafts; the policy is built per replica from
-    its config, since a policy may keep state."""
+    """The speculation of a run whose policy drafts; the policy is built per replica from
+    `policy_cfg`, since a policy may keep state."""
 
     policy_cfg: DictConfig
     max_num_speculative_tokens: int

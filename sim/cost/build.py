@@ -1,6 +1,5 @@
-"""Builds a run's cost model from its `cost_model` group: the group's `_target_` class, the
-roofline where the GPU tables cover no board near the hardware, and a pipeline of them with
-pipeline stages; and the summary keys a cost model states."""
+"""Builds a replica's cost model from its `cost_model` group and sizes, and the summary keys a
+cost model states."""
 from __future__ import annotations
 
 import inspect
@@ -13,47 +12,43 @@ from policies.protocols import CostModel, StatesExpectedError
 from runtime.policy_config import CONF_DIR, build_policy
 from runtime.specs import HardwareSpec, ModelSpec
 from sim.core.say_once import say_once
-from sim.cost.experts import check_expert_parallel_size
-from sim.cost.pipeline import pipeline_cost_model, pipeline_parallel_size, stage_layers, stage_shape
+from sim.cost.pipeline import pipeline_cost_model, stage_layers, stage_shape
 
 
-def expert_parallel_size(cfg: DictConfig, model: ModelSpec) -> int:
-    """cluster.expert_parallel_size (1 when unset), checked against the model and tp."""
-    return check_expert_parallel_size(model, cfg.cluster.get("expert_parallel_size", 1),
-                                      cfg.cluster.tensor_parallel_size)
-
-
-def build_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
-    """The run's cost model (`cost_model`); a GPU cost model whose tables cannot cover the
-    hardware (a CPU) falls back to the roofline, and says so in one line (once a process).
-    With pipeline stages, the pipeline over each stage's layers (sim/cost/pipeline.py)."""
-    stages = pipeline_parallel_size(cfg, model)
+def build_cost_model(group: DictConfig, sizes, model: ModelSpec, hardware: HardwareSpec,
+                     **drafting):
+    """The cost model of the `cost_model` group at a replica's `sizes` (sim/core/settings.py's
+    ReplicaSettings); a GPU cost model whose tables cannot cover the hardware (a CPU) falls back
+    to the roofline and says so once a process. With pipeline stages, the pipeline over each
+    stage's layers (sim/cost/pipeline.py)."""
+    arguments = dict(hardware=hardware, tensor_parallel_size=sizes.tensor_parallel_size,
+                     **drafting)
+    if sizes.expert_parallel_size > 1:   # (a cost model without experts never sees it)
+        arguments["expert_parallel_size"] = sizes.expert_parallel_size
+    stages = sizes.pipeline_parallel_size
     if stages == 1:
-        return _base_cost_model(cfg, model, hardware, **drafting)
+        return _base_cost_model(group, model, arguments)
     layers = stage_layers(model.num_layers, stages)
-    by_layers = {num_layers: _base_cost_model(cfg, stage_shape(model, num_layers), hardware,
-                                              **drafting) for num_layers in set(layers)}
+    by_layers = {num_layers: _base_cost_model(group, stage_shape(model, num_layers), arguments)
+                 for num_layers in set(layers)}
     return pipeline_cost_model([by_layers[num_layers] for num_layers in layers])
 
 
-def _base_cost_model(cfg: DictConfig, model: ModelSpec, hardware: HardwareSpec, **drafting):
+def _base_cost_model(group: DictConfig, model: ModelSpec, arguments: dict):
     from sim.cost.gpu.linear import NoGPUTable
 
-    arguments = dict(model=model, hardware=hardware,
-                     tensor_parallel_size=cfg.cluster.tensor_parallel_size, **drafting)
-    if expert_parallel_size(cfg, model) > 1:   # (a cost model without experts never sees it)
-        arguments["expert_parallel_size"] = cfg.cluster.expert_parallel_size
+    hardware = arguments["hardware"]
     try:
-        cost_model = build_policy(cfg.cost_model, "cost_model", **arguments)
+        cost_model = build_policy(group, "cost_model", model=model, **arguments)
     except NoGPUTable:
-        fallback, carried = _roofline_fallback(cfg.cost_model, hardware)
+        fallback, carried = _roofline_fallback(group, hardware)
         kept = "".join(f" cost_model.{key}={value}" for key, value in carried.items())
         # Said once per (model, hardware) pair, whatever overrides the later runs carry.
         say_once(f"twinserve: no GPU measurement covers hardware={hardware.name} "
-                 f"(cost_model={group_name(cfg.cost_model)}); using cost_model=roofline, an "
+                 f"(cost_model={group_name(group)}); using cost_model=roofline, an "
                  f"uncalibrated spec-sheet estimate{' with' + kept if kept else ''}",
                  key=("roofline fallback", model.name, hardware.name))
-        cost_model = build_policy(fallback, "cost_model", **arguments)
+        cost_model = build_policy(fallback, "cost_model", model=model, **arguments)
     check_policy(cost_model, CostModel, "cost_model")
     return cost_model
 
@@ -64,10 +59,7 @@ _RUN_SETTINGS = ("block_size", "offload_bandwidth_gbps")
 
 def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictConfig, dict]:
     """The roofline's config for a run whose cost model `group` covers no GPU near `hardware`,
-    and the settings carried into it: the run's block size and host-tier bandwidth, and every
-    setting the user changed from the group's conf file that the roofline takes (a terms_file
-    too, which the roofline loads if it was fitted on the roofline or names no cost model).
-    ValueError, in one line, naming those it does not take."""
+    with the run's settings and the user's changes carried in (one line naming any it lacks)."""
     fallback = OmegaConf.load(CONF_DIR / "cost_model" / "roofline.yaml")
     for key in _RUN_SETTINGS:   # the run's, as the group had them
         if key in group:
@@ -86,8 +78,8 @@ def _roofline_fallback(group: DictConfig, hardware: HardwareSpec) -> tuple[DictC
 
 
 def _changed_settings(group: DictConfig) -> dict:
-    """The settings of a cost model group that differ from its conf file's (all of them for a
-    group without one), as given: interpolations unresolved, so the run's own are not counted."""
+    """The group's settings that differ from its conf file's, interpolations unresolved so that
+    the run's own are not counted."""
     path = CONF_DIR / "cost_model" / f"{group_name(group)}.yaml"
     defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
     given = OmegaConf.to_container(group, resolve=False)
@@ -97,8 +89,8 @@ def _changed_settings(group: DictConfig) -> dict:
 
 
 def takes_argument(group: DictConfig, name: str) -> bool:
-    """Whether the class the group's `_target_` names takes the keyword argument `name` (True
-    where the target does not import: building it reports that)."""
+    """Whether the group's `_target_` takes the keyword `name` (True where it does not import:
+    building it says why)."""
     try:
         parameters = inspect.signature(get_class(str(group.get("_target_")))).parameters
     except Exception:
@@ -125,10 +117,8 @@ def cost_model_group(cost_model) -> str:
 
 
 def cost_model_summary(cost_models: list, fixed_in_flight: bool = False) -> dict:
-    """The expected error of the run's TTFT, TPOT and E2E where its cost model states one: the
-    80th percentile of |error| of leave-out checks of its kind (sim/cost/gpu/expected_errors.py),
-    of a closed loop's checks where a fixed number of requests is in flight
-    (`fixed_in_flight`: workload=closed_loop), else of open arrivals'."""
+    """The expected TTFT, TPOT and E2E error where the cost model states one (its leave-out
+    checks' 80th percentile; a closed loop's checks with `fixed_in_flight`)."""
     from sim.cost.gpu.expected_errors import expected_errors_for
     for cost_model in cost_models:
         if (has_capability(cost_model, StatesExpectedError, "cost_model")

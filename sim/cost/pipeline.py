@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from omegaconf import DictConfig
 
 from policies.checks import has_capability
 from policies.protocols import StatesExpectedError
@@ -19,27 +18,26 @@ from sim.cost.gpu.cost_model import GPUCostModel
 from sim.cost.roofline import RooflineCostModel
 from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from runtime.specs import ModelSpec
-from sim.core.speculation_setup import speculation_setup
 
 KEY = "cluster.pipeline_parallel_size"
 
 
-def pipeline_parallel_size(cfg: DictConfig, model: ModelSpec, key: str = KEY) -> int:
-    """cluster.pipeline_parallel_size (1 when unset), checked against the model and the run;
-    errors name `key` (a pool's own setting, where it has one)."""
-    stages = positive_int(key, cfg.cluster.get("pipeline_parallel_size", 1))
+def check_pipeline_parallel_size(stages, model: ModelSpec, key: str = KEY, *,
+                                 engine: bool = False, draft_model: str | None = None) -> int:
+    """Pipeline stages (`key`, 1 when unset) checked against the model, the backend (`engine`:
+    an executor of its own) and speculation (`draft_model`, None without)."""
+    stages = positive_int(key, stages)
     if stages == 1:
         return 1
     if stages > model.num_layers:
         raise ValueError(f"{key}={stages} exceeds {model.name}'s num_layers={model.num_layers}: "
                          f"every stage needs at least one layer")
-    if cfg.backend.get("executor") is not None:
+    if engine:
         raise ValueError(f"{key}={stages}: pipeline parallelism is simulated only "
                          f"(backend=sim); the engine runs the whole model on one device")
-    if speculation_setup(cfg) is not None:
+    if draft_model is not None:
         raise ValueError(f"{key}={stages} with speculative decoding (speculation="
-                         f"{cfg.speculation.get('draft_model')}): not modelled with pipeline "
-                         f"stages; use speculation=none")
+                         f"{draft_model}): not modelled with pipeline stages; use speculation=none")
     return stages
 
 
@@ -58,12 +56,6 @@ def stage_model(model: ModelSpec, stages: int) -> ModelSpec:
     if stages == 1:
         return model
     return stage_shape(model, max(stage_layers(model.num_layers, stages)))
-
-
-def gpu_model(cfg: DictConfig, model: ModelSpec) -> ModelSpec:
-    """The shape one GPU of the run holds (what its KV pools are sized from): stage_model at
-    cluster.pipeline_parallel_size."""
-    return stage_model(model, pipeline_parallel_size(cfg, model))
 
 
 def stage_shape(model: ModelSpec, num_layers: int) -> ModelSpec:

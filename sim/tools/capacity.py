@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from sim.core.build import fairness_window_s
+from sim.core.settings import fairness_window_s
 from sim.core.experiment import run_experiment
 
 PROG = "twinserve-capacity"
