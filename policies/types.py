@@ -8,6 +8,7 @@ prompt + outputs again after a recompute preemption. Prefill and decode are the 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -62,6 +63,31 @@ class Sequence:
             self.last_token_time = now
             if token_ids is not None:
                 self.output_token_ids.extend(token_ids)
+
+    @staticmethod
+    def advance_decodes(seqs: list[Sequence], num_steps: int, now: float,
+                        take_slots: Callable[[list[Sequence]], object] | None = None) -> None:
+        """`advance(num_steps, num_steps, now)` for each of `seqs`, decodes that gained a token
+        at each of `num_steps` steps without ids, in one pass (the simulator's hot loop).
+        `take_slots(seqs)`, where given, runs where the last step found them (counting the
+        tokens it computed), so that a KV manager takes their slots in one pass too."""
+        if take_slots is None:
+            for seq in seqs:
+                seq.num_computed_tokens += num_steps
+                seq.num_tokens += num_steps
+                seq.num_output_tokens += num_steps
+                seq.last_token_time = now
+            return
+        num_more_tokens = num_steps - 1   # (a decode computes from its last token on)
+        for seq in seqs:
+            num_computed = seq.num_tokens + num_more_tokens
+            seq.num_computed_tokens = num_computed
+            seq.num_tokens = num_computed
+            seq.num_output_tokens += num_steps
+            seq.last_token_time = now
+        take_slots(seqs)
+        for seq in seqs:
+            seq.num_tokens += 1
 
     @property
     def is_finished(self) -> bool:
