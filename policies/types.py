@@ -196,6 +196,21 @@ class Request:
 
 
 @dataclass(slots=True)
+class StepLoRA:
+    """A step's adapters: each sequence runs adapter `seq.request.lora_id` (None: none)."""
+
+    # Executor's input: (adapter id, device slot) pairs copied host -> device before the forward
+    # pass, and adapter id -> its device slot (a live view into the LoRA manager).
+    to_load: tuple[tuple[int, int], ...] = ()
+    slots: dict[int, int] | None = None
+    # Cost features.
+    num_adapters: int = 0               # distinct adapters among the step's sequences
+    rank_sum: int = 0                   # sum of their ranks (adapter weights read once each)
+    token_rank_sum: int = 0             # sum over sequences of tokens computed x its rank
+    load_rank_sum: int = 0              # sum of the ranks of the adapters in to_load
+
+
+@dataclass(slots=True)
 class StepPlan:
     """Everything an executor needs for one step and nothing it must decide.
 
@@ -236,16 +251,9 @@ class StepPlan:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> k draft tokens of a speculating decode.
     spec_lens: dict[int, int] = field(default_factory=dict)
-    # Multi-LoRA (conf/lora; all zero/empty when off), set by the scheduler's LoRA manager at
-    # the end of planning. Each sequence runs adapter `seq.request.lora_id` (None: none).
-    # lora_to_load: (adapter id, device slot) pairs copied host -> device before the forward
-    # pass; lora_slots: adapter id -> its device slot, a live view into the manager.
-    lora_to_load: tuple[tuple[int, int], ...] = ()
-    lora_slots: dict[int, int] | None = None
-    num_loras: int = 0                  # distinct adapters among the step's sequences
-    lora_rank_sum: int = 0              # sum of their ranks (adapter weights read once each)
-    lora_token_rank_sum: int = 0        # sum over sequences of tokens computed x its rank
-    lora_load_rank_sum: int = 0         # sum of the ranks of the adapters in lora_to_load
+    # Multi-LoRA (conf/lora), set by the scheduler's LoRA manager at the end of planning;
+    # None when the run serves no adapters.
+    lora: StepLoRA | None = None
 
     @property
     def num_seqs(self) -> int:
