@@ -111,8 +111,9 @@ class ModelRunner:
         lora_batch = None
         if self.lora is not None:
             # Every step: the plan's LoRA manager may load an adapter no token uses yet.
-            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens), plan.lora_slots,
-                                             plan.lora_to_load)
+            step = plan.lora   # (None: a scheduler without a LoRA manager; the runner places them)
+            lora_batch = self.lora.batch_for(np.repeat(lora_ids, query_lens),
+                                             *(() if step is None else (step.slots, step.to_load)))
         elif (lora_ids != NO_ADAPTER).any():
             raise ValueError("a request has a lora_id but this engine serves no adapters "
                              "(give it lora=...)")

@@ -105,8 +105,7 @@ class LoRAManager(Protocol):
         """Whether the adapter is in a device slot now (no load before its next step)."""
     def finish_step(self, plan: StepPlan, running: Iterable[Request]) -> None:
         """Load the adapters the plan's sequences need into slots (evicting ones no running
-        request uses) and set the plan's LoRA fields (lora_to_load, lora_slots, num_loras,
-        lora_rank_sum, lora_token_rank_sum, lora_load_rank_sum)."""
+        request uses) and set `plan.lora` (a StepLoRA)."""
     def summary(self) -> dict:
         """The run summary's LoRA counts (adapter loads, host-pool misses, ...)."""
 

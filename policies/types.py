@@ -8,6 +8,7 @@ prompt + outputs again after a recompute preemption. Prefill and decode are the 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -62,6 +63,31 @@ class Sequence:
             self.last_token_time = now
             if token_ids is not None:
                 self.output_token_ids.extend(token_ids)
+
+    @staticmethod
+    def advance_decodes(seqs: list[Sequence], num_steps: int, now: float,
+                        take_slots: Callable[[list[Sequence]], object] | None = None) -> None:
+        """`advance(num_steps, num_steps, now)` for each of `seqs`, decodes that gained a token
+        at each of `num_steps` steps without ids, in one pass (the simulator's hot loop).
+        `take_slots(seqs)`, where given, runs where the last step found them (counting the
+        tokens it computed), so that a KV manager takes their slots in one pass too."""
+        if take_slots is None:
+            for seq in seqs:
+                seq.num_computed_tokens += num_steps
+                seq.num_tokens += num_steps
+                seq.num_output_tokens += num_steps
+                seq.last_token_time = now
+            return
+        num_more_tokens = num_steps - 1   # (a decode computes from its last token on)
+        for seq in seqs:
+            num_computed = seq.num_tokens + num_more_tokens
+            seq.num_computed_tokens = num_computed
+            seq.num_tokens = num_computed
+            seq.num_output_tokens += num_steps
+            seq.last_token_time = now
+        take_slots(seqs)
+        for seq in seqs:
+            seq.num_tokens += 1
 
     @property
     def is_finished(self) -> bool:
@@ -170,32 +196,43 @@ class Request:
 
 
 @dataclass(slots=True)
+class StepLoRA:
+    """A step's adapters: each sequence runs adapter `seq.request.lora_id` (None: none)."""
+
+    # Executor's input: (adapter id, device slot) pairs copied host -> device before the forward
+    # pass, and adapter id -> its device slot (a live view into the LoRA manager).
+    to_load: tuple[tuple[int, int], ...] = ()
+    slots: dict[int, int] | None = None
+    # Cost features.
+    num_adapters: int = 0               # distinct adapters among the step's sequences
+    rank_sum: int = 0                   # sum of their ranks (adapter weights read once each)
+    token_rank_sum: int = 0             # sum over sequences of tokens computed x its rank
+    load_rank_sum: int = 0              # sum of the ranks of the adapters in to_load
+
+
+@dataclass(slots=True)
 class StepPlan:
-    """Everything an executor needs for one step and nothing it must decide.
+    """Everything an executor needs for one step and nothing it must decide, in four parts:
 
-    `seqs[i]` computes `num_new_tokens[i]` tokens starting at position `seqs[i].num_computed_tokens`
-    (its KV slots are already allocated in `block_tables`). A sequence whose step reaches its last
-    token samples one new token. Copies, swaps and preemptions were decided by the policies and
-    are carried out before the forward pass, in the order: swap out, offload, load, swap in, copy.
-
-    Speculative decoding: a decode in `spec_lens` (seq_id -> k >= 1) also proposes k draft tokens
-    and verifies them in the same forward pass; its slots cover positions [0, num_tokens + k).
-    Empty when speculation is off.
+    - the work: `seqs[i]` computes `num_new_tokens[i]` tokens starting at position
+      `seqs[i].num_computed_tokens` (its KV slots already allocated in `block_tables`); a sequence
+      whose step reaches its last token samples one new token. A decode in `spec_lens`
+      (seq_id -> k >= 1) also proposes k draft tokens and verifies them in the same forward pass;
+      its slots cover positions [0, num_tokens + k).
+    - the memory operations the policies decided, carried out before the forward pass in the
+      order: swap out, offload, load, swap in, copy; and the requests preempted.
+    - the cost features: sums over the work, kept while scheduling so that no cost model, meter
+      or recorder loops over sequences; an executor never needs them to run the step.
+    - `lora`: the step's adapters (their loads, slots and cost features), None without LoRA.
     """
 
+    # The work.
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    # Step features, accumulated while scheduling so no executor loops over sequences for them.
-    num_prefill_tokens: int = 0          # tokens of sequences not yet at their last token
-    num_prefill_seqs: int = 0
-    prefill_attention_work: int = 0     # sum over prefill chunks of chunk_len * context_len_after
-    prefill_context_tokens: int = 0     # sum over prefill chunks of context read (cached + chunk)
-    sum_squared_prefill_chunks: int = 0
-    num_decode_seqs: int = 0            # sequences computing exactly their last token
-    decode_context_tokens: int = 0      # sum over decode sequences of context length read
-    num_draft_tokens: int = 0           # sum of spec_lens: draft tokens verified this step
-    max_draft_len: int = 0              # max of spec_lens: sequential steps of a draft model
-    draft_catch_up_tokens: int = 0      # sum of the sequences' draft_lag (within their context)
+    # seq_id -> physical block ids; a live view into the KV manager, not a copy.
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> k draft tokens of a speculating decode; empty when speculation is off.
+    spec_lens: dict[int, int] = field(default_factory=dict)
     # Memory operations, as (source block, destination block) pairs.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
@@ -206,20 +243,19 @@ class StepPlan:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (tier, device)
     preempted_recompute: list[Request] = field(default_factory=list)
     preempted_swap: list[Request] = field(default_factory=list)
-    # seq_id -> physical block ids; a live view into the KV manager, not a copy.
-    block_tables: dict[int, list[int]] = field(default_factory=dict)
-    # seq_id -> k draft tokens of a speculating decode.
-    spec_lens: dict[int, int] = field(default_factory=dict)
-    # Multi-LoRA (conf/lora; all zero/empty when off), set by the scheduler's LoRA manager at
-    # the end of planning. Each sequence runs adapter `seq.request.lora_id` (None: none).
-    # lora_to_load: (adapter id, device slot) pairs copied host -> device before the forward
-    # pass; lora_slots: adapter id -> its device slot, a live view into the manager.
-    lora_to_load: tuple[tuple[int, int], ...] = ()
-    lora_slots: dict[int, int] | None = None
-    num_loras: int = 0                  # distinct adapters among the step's sequences
-    lora_rank_sum: int = 0              # sum of their ranks (adapter weights read once each)
-    lora_token_rank_sum: int = 0        # sum over sequences of tokens computed x its rank
-    lora_load_rank_sum: int = 0         # sum of the ranks of the adapters in lora_to_load
+    # Cost features (_STEP_FEATURES), summed by `add`, `add_decodes` and `add_drafts`.
+    num_prefill_tokens: int = 0          # tokens of sequences not yet at their last token
+    num_prefill_seqs: int = 0
+    prefill_attention_work: int = 0     # sum over prefill chunks of chunk_len * context_len_after
+    prefill_context_tokens: int = 0     # sum over prefill chunks of context read (cached + chunk)
+    sum_squared_prefill_chunks: int = 0
+    num_decode_seqs: int = 0            # sequences computing exactly their last token
+    decode_context_tokens: int = 0      # sum over decode sequences of context length read
+    num_draft_tokens: int = 0           # sum of spec_lens: draft tokens verified this step
+    max_draft_len: int = 0              # max of spec_lens: sequential steps of a draft model
+    draft_catch_up_tokens: int = 0      # sum of the sequences' draft_lag (within their context)
+    # Multi-LoRA (conf/lora), set by the scheduler's LoRA manager at the end of planning.
+    lora: StepLoRA | None = None
 
     @property
     def num_seqs(self) -> int:

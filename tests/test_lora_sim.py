@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from policies.lora.manager import LRULoRAManager
 from policies.lora.spec import LoRASpec, lora_config
 from policies.routing import LoRAAffinityRouter
-from policies.types import Request, Sequence, SequenceStatus, StepPlan, StepResult
+from policies.types import Request, Sequence, SequenceStatus, StepLoRA, StepPlan, StepResult
 from runtime.assembly import build_lora_manager
 from sim.core.experiment import run_experiment
 from sim.cost.lora import lora_adapter_bytes
@@ -142,18 +142,19 @@ def test_the_manager_loads_evicts_the_least_recent_unused_and_sums_the_plan():
     first = _running(0, 1, None)
     plan = _plan(first, [10, 3, 7])
     manager.finish_step(plan, first)
-    assert dict(plan.lora_to_load) == {0: plan.lora_slots[0], 1: plan.lora_slots[1]}
-    assert (plan.num_loras, plan.lora_rank_sum, plan.lora_token_rank_sum,
-            plan.lora_load_rank_sum) == (2, 12, 10 * 4 + 3 * 8, 12)
+    step = plan.lora
+    assert dict(step.to_load) == {0: step.slots[0], 1: step.slots[1]}
+    assert (step.num_adapters, step.rank_sum, step.token_rank_sum,
+            step.load_rank_sum) == (2, 12, 10 * 4 + 3 * 8, 12)
     again = _plan(first[:2])
     manager.finish_step(again, first)
-    assert again.lora_to_load == () and again.lora_load_rank_sum == 0   # loaded already
+    assert again.lora.to_load == () and again.lora.load_rank_sum == 0   # loaded already
     # Adapter 1 used last, 0 runs on: 2 may only take 1's slot... 0 is in use, so 1 goes.
     second = _running(0, 2)
     slot_of_1 = manager.slots[1]
     plan = _plan(second)
     manager.finish_step(plan, second)
-    assert plan.lora_to_load == ((2, slot_of_1),) and set(manager.slots) == {0, 2}
+    assert plan.lora.to_load == ((2, slot_of_1),) and set(manager.slots) == {0, 2}
     # Now 0 is the least recently used and nothing runs: adapter 3 evicts it; the host pool
     # (2 adapters) has dropped adapter 0 by then, so loading 0 back misses the host.
     third = _running(3)
@@ -173,7 +174,7 @@ def test_the_manager_never_evicts_an_adapter_a_running_request_uses():
     waiting_on_1, new = _running(1, 2)
     plan = _plan([new])                              # 1 runs on but has no tokens this step
     manager.finish_step(plan, [waiting_on_1, new])
-    assert set(manager.slots) == {1, 2} and plan.lora_to_load == ((2, 0),)
+    assert set(manager.slots) == {1, 2} and plan.lora.to_load == ((2, 0),)
 
 
 def test_the_manager_evicts_the_least_recently_used():
@@ -192,7 +193,7 @@ def test_a_speculating_decode_counts_its_drafts_in_the_adapter_matmuls():
     plan = _plan(running)
     plan.spec_lens = {running[1].sequences[0].seq_id: 3}
     manager.finish_step(plan, running)
-    assert plan.lora_token_rank_sum == 1 * 4 + (1 + 3) * 8
+    assert plan.lora.token_rank_sum == 1 * 4 + (1 + 3) * 8
 
 
 def test_the_manager_refuses_a_batch_past_max_loras():
@@ -210,10 +211,11 @@ def _lora_checking_executor(manager):
     def execute(plan):
         adapters = {seq.request.lora_id for seq in plan.seqs} - {None}
         assert len(adapters) <= manager.max_loras, f"{len(adapters)} adapters in one batch"
-        assert plan.num_loras == len(adapters)
-        assert all(adapter in plan.lora_slots for adapter in adapters)
-        assert sorted(plan.lora_slots.values()) == sorted(set(plan.lora_slots.values()))
-        assert plan.lora_token_rank_sum == sum(
+        step = plan.lora
+        assert step.num_adapters == len(adapters)
+        assert all(adapter in step.slots for adapter in adapters)
+        assert sorted(step.slots.values()) == sorted(set(step.slots.values()))
+        assert step.token_rank_sum == sum(
             (num + plan.spec_lens.get(seq.seq_id, 0)) * manager.ranks[seq.request.lora_id]
             for seq, num in zip(plan.seqs, plan.num_new_tokens)
             if seq.request.lora_id is not None)
@@ -351,14 +353,14 @@ def test_the_lora_cost_is_the_grouped_matmuls_and_the_loads(cost_model_class):
         (hardware.peak_flops * hardware.compute_efficiency, hardware.memory_bandwidth))
     host_rate = hardware.host_to_device_bandwidth * plain.transfer_efficiency
     for token_ranks, loads in ((64 * 12, 0), (5000 * 16, 16)):
-        plan.num_loras, plan.lora_rank_sum = 2, 24
-        plan.lora_token_rank_sum, plan.lora_load_rank_sum = token_ranks, loads
+        plan.lora = StepLoRA(num_adapters=2, rank_sum=24, token_rank_sum=token_ranks,
+                             load_rank_sum=loads)
         expected = (max(2 * token_ranks * parameters_per_rank / flop_rate,
                         24 * parameters_per_rank * 2 / byte_rate)
                     + loads * parameters_per_rank * 2 / host_rate)
         assert with_lora.step_time(plan) - base_s == pytest.approx(expected)
     # Repeated decode steps cost the same as one at a time.
-    plan.lora_load_rank_sum = 0
+    plan.lora.load_rank_sum = 0
     assert next(with_lora.repeated_step_times(plan, 2)) == pytest.approx(with_lora.step_time(plan))
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from factories import (REPO, check_outcome, config_cost_model, config_kv_blocks, hardware_spec,
                        make_cfg, model_spec)
-from policies.types import Request, StepPlan
+from policies.types import Request, StepLoRA, StepPlan
 from sim.core import pipelined_replica
 from runtime.assembly import build_preemption
 from sim.core.build import kv_cache_sizes
@@ -195,10 +195,10 @@ def test_lora_adapter_loads_move_a_stages_share():
                                  model, hardware, lora=lora)
     whole = config_cost_model(make_cfg("cost_model=roofline"), model, hardware, lora=lora)
     with_lora = _decodes(8)
-    with_lora.num_loras, with_lora.lora_rank_sum, with_lora.lora_token_rank_sum = 2, 32, 8 * 16
+    with_lora.lora = StepLoRA(num_adapters=2, rank_sum=32, token_rank_sum=8 * 16)
     with_load = _decodes(8)
-    with_load.num_loras, with_load.lora_rank_sum, with_load.lora_token_rank_sum = 2, 32, 8 * 16
-    with_load.lora_to_load, with_load.lora_load_rank_sum = ((1, 0),), 16
+    with_load.lora = StepLoRA(((1, 0),), num_adapters=2, rank_sum=32, token_rank_sum=8 * 16,
+                              load_rank_sum=16)
     whole_load_s = whole.step_time(with_load) - whole.step_time(with_lora)
     assert whole_load_s > 0
     added = [a - b for a, b in zip(pipeline.stage_times(with_load),

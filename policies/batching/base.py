@@ -412,7 +412,7 @@ class BaseScheduler:
         return not (queues.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
                     or plan.blocks_to_swap_out or plan.blocks_to_swap_in
                     or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
-                    or plan.lora_to_load or plan.num_decode_seqs != num_decoding
+                    or (plan.lora is not None and plan.lora.to_load) or plan.num_decode_seqs != num_decoding
                     or (self.kept_turns is not None and self.kept_turns.released_for_running)
                     or (queues.waiting and not self.repeated_steps_past_arrivals))
 
@@ -439,6 +439,18 @@ class BaseScheduler:
         num_accepted = result.num_accepted
         if spec_lens and num_accepted is None and sampled is None:
             raise ValueError("the executor returned no num_accepted for a plan with spec_lens")
+        if (sampled is None and not plan.num_prefill_seqs and not spec_lens
+                and self.drafting is None):
+            # Decodes alone, without ids or drafts (the simulator's usual step): one pass, and
+            # none samples its first token.
+            Sequence.advance_decodes(plan.seqs, 1, now)
+            finish = self.finish_sequence
+            for seq in plan.seqs:
+                request = seq.request
+                if ((seq.num_output_tokens >= request.output_len
+                     or (stopped and seq.seq_id in stopped)) and finish(seq, now)):
+                    finished_requests.append(request)
+            return finished_requests
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
             if seq.num_computed_tokens + num_new < seq.num_tokens:
                 seq.advance(num_new, 0, now)   # a prefill chunk short of the end samples nothing

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence as Seq
 
-from policies.types import Request, StepPlan
+from policies.types import Request, StepLoRA, StepPlan
 from policies.validators import positive_int
 
 
@@ -77,15 +77,13 @@ class LRULoRAManager:
             slots[lora_id] = slot
             loads.append((lora_id, slot))
             self._to_host(lora_id)
-        plan.lora_slots = slots
-        plan.num_loras = len(adapters)
-        plan.lora_rank_sum = sum([ranks[lora_id] for lora_id in adapters])
-        plan.lora_token_rank_sum = token_ranks
-        plan.lora_to_load = tuple(loads)
-        plan.lora_load_rank_sum = sum([ranks[lora_id] for lora_id, _ in loads])
+        load_rank_sum = sum([ranks[lora_id] for lora_id, _ in loads])
+        plan.lora = StepLoRA(tuple(loads), slots, len(adapters),
+                             sum([ranks[lora_id] for lora_id in adapters]), token_ranks,
+                             load_rank_sum)
         if loads:
             self.num_loads += len(loads)
-            self.num_load_ranks += plan.lora_load_rank_sum
+            self.num_load_ranks += load_rank_sum
         if len(adapters) > self.max_loras_in_a_step:
             self.max_loras_in_a_step = len(adapters)
 

@@ -160,15 +160,14 @@ class RepeatedSteps:
         finish = self.scheduler.finish_sequence
         return [seq.request for seq in finishing if finish(seq, now)]
 
-    def stand_before_last_step(self, plan: StepPlan, num_steps: int) -> None:
-        """Move the plan's decodes to where the last of its `num_steps` steps found them, so
-        that the scheduler's own `update` of that step completes the run."""
+    def stand_before_last_step(self, plan: StepPlan, num_steps: int,
+                               end_times: list[float]) -> None:
+        """Move the plan's decodes to where the last of its `num_steps` steps found them (the
+        run's steps ended at `end_times`), so that the scheduler's own `update` of that step
+        completes the run."""
         num_before = self.num_steps_before + num_steps - 1
         if num_before:
-            for seq in plan.seqs:
-                seq.num_computed_tokens += num_before
-                seq.num_tokens += num_before
-                seq.num_output_tokens += num_before
+            Sequence.advance_decodes(plan.seqs, num_before, end_times[-2])
             self._take_slots(plan.seqs)
 
     def continue_past_finishes(self, plan: StepPlan, now: float) -> list[Request] | None:
@@ -229,17 +228,8 @@ class RepeatedSteps:
     def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
         """Each decode gained a token at each of `num_steps` steps, the last ending at `now`, and
         takes the slots up to its last computed token in one pass of the KV manager."""
-        num_more_tokens = num_steps - 1
-        for seq in seqs:
-            num_computed = seq.num_tokens + num_more_tokens
-            seq.num_computed_tokens = num_computed
-            seq.num_tokens = num_computed   # (for append_slots; its next token is added below)
-            seq.num_output_tokens += num_steps
-            seq.last_token_time = now
-        if num_more_tokens:
-            self._take_slots(seqs)
-        for seq in seqs:
-            seq.num_tokens += 1
+        Sequence.advance_decodes(seqs, num_steps, now,
+                                 self._take_slots if num_steps > 1 else None)
 
     def _take_slots(self, seqs: list[Sequence]) -> None:
         if self.scheduler.kv_cache.append_slots(seqs) < len(seqs):
@@ -355,7 +345,7 @@ class RepeatedStepsLoop(StepLoop):
         if scheduler.repeated_steps_past_finishes:
             finished = run.complete(plan, self.num_last_steps, now)
         else:   # (an update that does more: it sees the run's last step)
-            run.stand_before_last_step(plan, self.num_last_steps)
+            run.stand_before_last_step(plan, self.num_last_steps, self.step_end_times)
             finished = scheduler.update(plan, self.result, now)
         if self.finished_in_run:
             finished = self.finished_in_run + finished

@@ -2,14 +2,14 @@
 batched adapter matmuls grouped by adapter (Punica's SGMV / S-LoRA's kernels) and the adapters
 loaded over the host link before the forward pass.
 
-Per step, from the plan's LoRA aggregates (summed by the scheduler's LoRA manager), per GPU:
+Per step, from the plan's StepLoRA (`plan.lora`, summed by the scheduler's LoRA manager), per GPU:
 
     matmuls = max(FLOPs / FLOP rate, weight bytes / memory bandwidth)
-      FLOPs        = 2 x layers x W x lora_token_rank_sum / tp   (each token's shrink, x A^T of
+      FLOPs        = 2 x layers x W x token_rank_sum / tp   (each token's shrink, x A^T of
                      rank r x in, and expand, x B^T of out x r, in every target module)
-      weight bytes = layers x W x lora_rank_sum x dtype / tp     (each adapter in the batch read
+      weight bytes = layers x W x rank_sum x dtype / tp     (each adapter in the batch read
                      once, however many of its tokens)
-    loads   = layers x W x lora_load_rank_sum x dtype / tp / host-link rate
+    loads   = layers x W x load_rank_sum x dtype / tp / host-link rate
 
 where W = Σ over target modules of (in + out features): an adapter's parameters per layer per
 unit of rank (LoRASpec.width_per_rank). The token activations the kernels read and write are
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from policies.lora.spec import MLP_MODULES, LoRASpec
-from policies.types import StepPlan
+from policies.types import StepLoRA
 from runtime.specs import ModelSpec
 
 
@@ -54,12 +54,12 @@ class LoRAStepCost:
         self.s_per_rank_read = parameters * model.dtype_bytes / byte_rate
         self.s_per_rank_loaded = parameters * model.dtype_bytes / host_byte_rate
 
-    def seconds(self, plan: StepPlan) -> float:
-        """The plan's adapter matmuls and adapter loads."""
-        compute_s = plan.lora_token_rank_sum * self.s_per_token_rank
-        memory_s = plan.lora_rank_sum * self.s_per_rank_read
+    def seconds(self, lora: StepLoRA) -> float:
+        """A step's adapter matmuls and adapter loads."""
+        compute_s = lora.token_rank_sum * self.s_per_token_rank
+        memory_s = lora.rank_sum * self.s_per_rank_read
         return (max(compute_s, memory_s)
-                + plan.lora_load_rank_sum * self.s_per_rank_loaded)
+                + lora.load_rank_sum * self.s_per_rank_loaded)
 
 
 def lora_step_cost(spec: LoRASpec | Mapping | None, model: ModelSpec, tensor_parallel_size: int,

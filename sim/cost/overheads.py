@@ -32,8 +32,8 @@ class StepOverheads:
         num_offload_moves = len(plan.blocks_to_offload) + len(plan.blocks_to_load)
         if num_offload_moves:
             time += num_offload_moves * self.offload_s_per_block
-        if plan.num_loras:
-            time += self.lora.seconds(plan)
+        if plan.lora is not None and plan.lora.num_adapters:
+            time += self.lora.seconds(plan.lora)
         return time
 
     def step_start(self, plan: StepPlan) -> tuple[int, float]:
