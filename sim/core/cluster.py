@@ -27,7 +27,7 @@ from sim.core.build import build_router, num_kv_blocks
 from runtime.handoff import Handoff, admit_handoffs, land, take_handoffs
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from runtime.specs import HardwareSpec, ModelSpec
-from sim.core.pipeline import pipeline_parallel_size
+from sim.cost.pipeline import pipeline_parallel_size
 
 ROLES = ("mixed", "prefill", "decode")
 POOL_KEYS = ("name", "role", "num_replicas", "router", "hardware", "tensor_parallel_size",
