@@ -272,7 +272,7 @@ class StepWorkCostModel(Protocol):
 
 @runtime_checkable
 class DecodeWorkCostModel(Protocol):
-    """A StepWorkCostModel whose decode-only steps' work is linear, so repeated decode steps are
+    """A StepWorkCostModel whose decode-only steps' work is linear, so a run of decode steps is
     charged without a call a step."""
 
     def decode_work_terms(self) -> tuple[float, float, float, float] | None:
