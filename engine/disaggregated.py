@@ -1,17 +1,10 @@
-"""Prefill/decode disaggregation on the engine: a prefill replica and a decode replica of one
-model in one process, each with its own scheduler and KV pool on the device, the same policy
-classes as the simulator's pools (sim/core/cluster.py).
+"""Prefill/decode disaggregation on the engine: a prefill and a decode replica of one model in one
+process, each with its own scheduler and device KV pool, taking turns a step each; the hand-off is
+the simulator's (runtime/handoff.py), the KV copied between the pools' blocks and timed.
 
     llm = DisaggregatedLLM("tiny-llama", num_gpu_blocks=64, decode_num_gpu_blocks=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     llm.last_transfers      # one KVTransfer per request moved: tokens, bytes, measured seconds
-
-The hand-off is the simulator's (runtime/handoff.py): the prefill replica stops each request
-after its first token (`Request.handoff`), keeping its blocks; the decode replica's scheduler
-admits it when it has room, first come first served (one it can never hold is rejected with its
-reason); here its KV is copied from the prefill pool's blocks to the decode pool's through both
-block tables, timed; the prefill replica frees its blocks and the decode replica decodes. The
-two replicas take turns, one step each.
 """
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ class KVTransfer:
 def copy_kv_blocks(source: KVCachePool, source_blocks: list[int], destination: KVCachePool,
                    destination_blocks: list[int]) -> int:
     """Copy the K/V of `source_blocks` of one pool into `destination_blocks` of another, every
-    layer, with the kernels' block transfer between two caches (the one swaps use); returns the
-    bytes copied."""
+    layer (the kernels' swap transfer); returns the bytes copied."""
     if len(source_blocks) != len(destination_blocks):
         raise ValueError(f"{len(source_blocks)} source blocks for {len(destination_blocks)} "
                          f"destination blocks")
@@ -64,9 +56,8 @@ def copy_kv_blocks(source: KVCachePool, source_blocks: list[int], destination: K
 class DisaggregatedLLM(LLM):
     def __init__(self, model: str = "tiny-llama", decode_num_gpu_blocks: int | None = None,
                  **kwargs):
-        """LLM's arguments, for both replicas (the prefill replica is LLM's own scheduler and
-        executor); `decode_num_gpu_blocks` sizes the decode replica's pool (None: as the
-        prefill replica's). Speculative decoding is not supported here."""
+        """LLM's arguments, for both replicas; `decode_num_gpu_blocks` sizes the decode replica's
+        pool (None: as the prefill's). No speculative decoding."""
         if kwargs.get("speculative_model") is not None:
             raise ValueError("DisaggregatedLLM does not speculate: leave speculative_model unset")
         if kwargs.get("lora") is not None:

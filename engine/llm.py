@@ -1,16 +1,7 @@
-"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`.
-
-`generate` runs the simulator's step loop (runtime/step.py: schedule, execute, update) on the
-engine's executor until every request is done, and reports its totals from the same step rows.
-A request that cannot run (bad parameters, an empty prompt, a token outside the vocabulary, a
-prompt longer than the model allows, or one the scheduler rejects while it waits, such as
-scheduler=edf's hopeless requests) gets an output carrying its `error`; the others complete.
-
-A server drives the same loop step by step (engine/serving_loop.py): `add_request` queues one
-prompt, `step` runs one step and returns what it gave each request (`StepOutput`), and
-`has_unfinished_requests` says whether to step again. A request added with a `timeout_s` is
-abandoned by the first step at or after its deadline (as the simulator's are): its blocks go
-back and its output carries the error, with `abandoned` set.
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`,
+running the shared step loop (runtime/step.py) on the engine's executor; a server drives the same
+loop a step at a time (`add_request`, `step`, `abort_request`: engine/serving_loop.py). A request
+that cannot run gets an output carrying its `error`; one past its `timeout_s` is abandoned.
 """
 from __future__ import annotations
 
@@ -113,19 +104,8 @@ class GenerateStats:
 
 class LLM:
     def __init__(self, model: str = "tiny-llama", **kwargs):
-        """`model`: "tiny-llama" (or another conf/model name: seeded random weights) or a local
-        HF checkpoint folder. Keyword arguments are EngineConfig's fields: block_size,
-        num_gpu_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, scheduler
-        ("static" | "continuous" | "chunked_prefill" | a scheduler object), preemption
-        ("recompute" | "swap" | a policy object), swap_space_gb, enable_prefix_caching,
-        kv_offload_gb (the prefix cache's host tier), seed,
-        device, dtype, gpu_memory_utilization, cpu_kv_cache_gb, hardware, kernel_backend,
-        and for speculative decoding speculative_model ("ngram", a conf/model name or a local
-        checkpoint folder of a draft model with the target's vocabulary),
-        num_speculative_tokens (k) and speculation ("fixed" | "adaptive" | a policy object);
-        predictor ("oracle" | "noisy" | "bucket" | a LengthPredictor object; None: none) sets
-        each request's predicted_output_len when generate creates it; lora (the lora config
-        group's keys, or a conf/lora name) the adapters generate(lora_id=...) runs."""
+        """`model`: a conf/model name (seeded random weights) or a local HF checkpoint folder;
+        the keyword arguments are EngineConfig's fields (engine/config.py)."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -158,14 +138,9 @@ class LLM:
                  sampling_params: SamplingParams | dict | list | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  lora_id: int | list[int | None] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a list of token ids, or a string
-        when the model has a tokenizer; one prompt alone may be passed as such. `priority`: one
-        integer per prompt (lower runs first), for a scheduler that reads it (vLLM's argument).
-        `lora_id`: the adapter (0 .. lora.num_adapters - 1 of LLM(lora=...)) every prompt runs
-        with, or one per prompt; None: the base model.
-        `sampling_params`: one for every prompt or one per prompt, each a SamplingParams or a dict
-        of its fields. A request that cannot run (its prompt, or the scheduler's rejection) comes
-        back with `error` set and no outputs."""
+        """One RequestOutput per prompt (token ids, or a string with a tokenizer), in order.
+        `sampling_params`, `priority` (lower first) and `lora_id` (None: the base model) are one
+        for all or one per prompt; a request that cannot run comes back with `error` set."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -211,11 +186,9 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0, lora_id: int | None = None,
                     timeout_s: float | None = None) -> RequestOutput:
-        """Queue one prompt (token ids, or a string with a tokenizer) for `step`, with adapter
-        `lora_id` (None: the base model), abandoned if unfinished `timeout_s` seconds from now
-        (None: never). Returns its
-        output: `error` says why it will not run; otherwise `request_id` names it in the
-        StepOutputs of later steps, the last of which carries the finished output."""
+        """Queue one prompt for `step`, abandoned if unfinished `timeout_s` seconds from now. Returns
+        its output: `error` says why it will not run, else `request_id` names it in later
+        StepOutputs."""
         params = SamplingParams() if sampling_params is None else as_sampling_params(
             sampling_params)
         if timeout_s is not None:
@@ -232,9 +205,8 @@ class LLM:
         return bool(self._live)
 
     def step(self) -> list[StepOutput]:
-        """Run one step of the step loop over add_request's requests. Returns a StepOutput per
-        request that gained tokens or ended in it. Raises RuntimeError as StepLoop.begin does
-        when the scheduler cannot plan a step."""
+        """Run one step over add_request's requests. Returns a StepOutput per request that gained
+        tokens or ended in it."""
         if self._live_steps is None:
             # One loop per busy period: its step rows are dropped when the engine goes idle.
             self._live_steps = StepLoop(self.scheduler, self.executor,
@@ -272,10 +244,8 @@ class LLM:
         return StepOutput(request.request_id, [[] for _ in request.sequences], live.output)
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop a request from `add_request` at once (its client went away): it leaves the
-        scheduler's queues, its blocks go back to the pool (`scheduler.abort`), and later steps
-        report nothing for it. Call it between steps. False when no such request is
-        unfinished."""
+        """Stop a request from `add_request` at once (its client went away), between steps; False
+        when no such request is unfinished."""
         live = self._live.pop(request_id, None)
         if live is None:
             return False
@@ -372,9 +342,8 @@ class LLM:
         self._fill_outputs(requests, stopped, metrics, time.perf_counter() - start)
 
     def _step(self, steps: StepLoop, stopped: set[Sequence], may_idle: bool = False):
-        """One step of a replica's step loop; the sequences it stopped early (EOS) join
-        `stopped`. Returns the requests it finished, or None when it could not plan a step
-        and `may_idle`."""
+        """One step of a replica's step loop (EOS-stopped sequences join `stopped`). Returns the
+        requests it finished, or None when it could not plan a step and `may_idle`."""
         result = steps.begin(self._now(), may_idle=may_idle)
         if result is None:
             return None

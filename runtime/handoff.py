@@ -1,9 +1,8 @@
-"""Prefill/decode disaggregation's hand-off, as both backends run it: a prefill replica's
-scheduler stops a request after its first token, its blocks kept (`take_handoffs`); a decode
-replica's scheduler admits the waiting hand-offs first come first served while it has room
-(`admit_handoffs`); the backend copies the KV (sim/core/cluster.py over simulated links,
-engine/disaggregated.py between device pools); then the prefill side frees its blocks and the
-request decodes (`land`)."""
+"""Prefill/decode disaggregation's hand-off, as both backends run it: the prefill scheduler stops
+a request after its first token (`take_handoffs`), the decode scheduler admits waiting hand-offs
+first come first served (`admit_handoffs`), the backend copies the KV, then the prefill side frees
+its blocks and the request decodes (`land`).
+"""
 from __future__ import annotations
 
 from collections import deque
@@ -39,9 +38,8 @@ def take_handoffs(prefill: PrefillPoolScheduler, source: object = None,
 def admit_handoffs(waiting: deque[Handoff], decode: DecodePoolScheduler, now: float,
                    start_copy: Callable[[Handoff], None],
                    rejected: Callable[[Handoff], None] | None = None) -> None:
-    """Start the copies of the `waiting` hand-offs, oldest first, while `decode` admits them;
-    one it can never hold leaves the queue with its `rejected_reason`, its source blocks freed
-    before `rejected` (if given) is told."""
+    """Start the copies of the `waiting` hand-offs, oldest first, while `decode` admits them; one
+    it can never hold leaves with its `rejected_reason` and its source blocks freed."""
     while waiting:
         handoff = waiting[0]
         if not decode.admit_transfer(handoff.request, now):

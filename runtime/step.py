@@ -7,9 +7,7 @@ time passes between the two halves of a step, so a step is begun, then completed
         ...                              # result.duration passes
         finished = steps.complete(now)   # update, record the inter-token latencies
 
-The simulator yields `env.timeout(result.duration)` in between; the engine's step already took its
-time, and it completes the step at its wall clock. The simulator's replicas run a subclass that
-runs repeated steps as one event (sim/core/repeated_steps.py).
+The simulator waits `result.duration` in between; the engine completes at its wall clock.
 """
 from __future__ import annotations
 
@@ -54,9 +52,8 @@ class StepLoop:
         self.deadlines = Deadlines()
 
     def begin(self, now: float, *, may_idle: bool = False) -> StepResult | None:
-        """Plan the next step at `now`, execute it and record its row. Raises NoProgress when the
-        scheduler plans nothing while it has requests (no later step could differ), unless
-        `may_idle` (a KV transfer will change the pool), which returns None."""
+        """Plan the next step at `now`, execute it and record its row. An empty plan with requests
+        outstanding raises NoProgress, unless `may_idle` (a KV transfer will change the pool)."""
         plan = self._schedule(now, may_idle)
         if plan is None:
             return None
@@ -73,9 +70,8 @@ class StepLoop:
         return self.deadlines.abandon_due(self.scheduler, now)
 
     def begin_unrecorded(self, now: float) -> StepResult:
-        """Plan and execute one step at `now` without recording it: a lockstep group
-        (sim/core/lockstep.py) learns every rank's duration first, then `record`s the step with
-        the group's."""
+        """Plan and execute one step at `now` without recording it (a lockstep group records the
+        group's duration)."""
         plan = self._schedule(now, False)
         self.plan, self.result = plan, self.executor.execute(plan)
         return self.result
@@ -100,9 +96,8 @@ class StepLoop:
             f"progress (a request larger than the pool, or max_num_seqs too small?)")
 
     def complete(self, now: float) -> list[Request]:
-        """Let the scheduler account for the step begun last, at `now`, and record the
-        inter-token latencies it produced. Returns the requests that finished. Raises NoProgress
-        when MAX_STEPS_WITHOUT_PROGRESS steps in a row gave no sequence a token."""
+        """Let the scheduler account for the step begun last and record its inter-token
+        latencies. Returns the requests that finished."""
         plan = self.plan
         seqs = plan.seqs
         # What update changes, read before and after it: the loop measures, the scheduler counts.
@@ -122,9 +117,8 @@ class StepLoop:
         return finished
 
     def _count_step_without_progress(self, plan: StepPlan, now: float) -> None:
-        """Count a step in which no sequence gained a token and no request finished; raise
-        NoProgress, naming the scheduler and what it planned, when MAX_STEPS_WITHOUT_PROGRESS
-        of them ran in a row."""
+        """Count a step that gave no token and finished no request; raise NoProgress after
+        MAX_STEPS_WITHOUT_PROGRESS in a row."""
         if not self.steps_without_progress:
             self.stalled_since = now
         self.steps_without_progress += 1

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from policies.types import Request, Sequence, StepPlan
 from sim.cost.gpu.attention import fit_table
 from sim.cost.gpu.collectives import allreduce_cost
-from sim.cost.gpu.cost_model import GPUCostModel, cuda_graph_capture_sizes
+from sim.cost.gpu.cost_model import GPUCostModel
+from sim.cost.gpu.cuda_graphs import cuda_graph_capture_sizes
 from sim.cost.gpu.linear import kernel_floor_ms, predict_layer_ms, predict_op_ms
 from sim.cost.gpu.tables import DATA_DIR, LAYER_OPS, attention_tables, op_tables
 

@@ -1,7 +1,6 @@
-"""KV retention's part of the scheduler (policies/memory/retention.py, `kv_retention=pin`): the
-blocks a policy keeps for idle sessions are worth less than a running request's progress or a
-returned session's turn, and are released for them, oldest first; a waiting turn whose
-session's blocks are kept goes ahead of a queue head that does not fit."""
+"""KV retention's part of the scheduler: kept blocks are released, oldest first, for a running
+request or a returned session's turn, and a turn whose blocks are kept may pass a head that does
+not fit."""
 from __future__ import annotations
 
 from collections.abc import Callable

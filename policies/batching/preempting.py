@@ -25,10 +25,8 @@ class PreemptionAndSwap:
 
     def victim_for(self, request: Request, plan: StepPlan, pending: list[Sequence],
                    victim_candidates: Callable[[list[Request]], list[Request]]) -> Request:
-        """The policy's pick, among `victim_candidates` of the running requests with nothing
-        scheduled yet this step or `request` itself, to make room for `request`; `pending` are
-        decodes given slots but not yet in the plan. The victim's scheduled samples leave the
-        plan, their slots trimmed back."""
+        """The policy's pick among the running requests not yet scheduled this step (or `request`
+        itself) to make room for `request`; its scheduled samples leave the plan."""
         scheduled = {seq.request.request_id for seq in plan.seqs}
         scheduled.update(seq.request.request_id for seq in pending)
         candidates = [r for r in self.queues.running

@@ -38,11 +38,9 @@ class SpeculativeDecodes:
     def schedule_decodes(self, plan: StepPlan, decodes: list[Sequence], token_budget: int,
                          preempt_for: Callable[[Request, StepPlan, list[Sequence]], Request]
                          ) -> tuple[int, bool]:
-        """The running decodes when speculating: give each decode slots for its last
-        token and its k drafts, and schedule them with their drafts (StepPlan.spec_lens). A
-        decode whose drafts do not fit decodes without them, and one that does not fit even so
-        first takes back the drafts granted so far: drafts never preempt anyone. Returns the
-        tokens scheduled (decodes and drafts) and whether anything was preempted."""
+        """Schedule each running decode with slots for its k drafts, dropping drafts that do not
+        fit before anyone is preempted. Returns the tokens scheduled and whether anything was
+        preempted."""
         preempted_any = False
         draft_lens = self.draft_lens(decodes, token_budget)
         spec_lens: dict[int, int] = {}
@@ -78,11 +76,8 @@ class SpeculativeDecodes:
         return len(decodes) + sum(spec_lens.values()), preempted_any
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
-        """After every step of a speculating run: tell the speculation policy what each
-        speculating decode proposed and how many of its drafts were accepted, and leave on
-        every sequence of the step what its drafts' outcome means for its next step
-        (Sequence.draft_lag; Sequence.starts_run, which only a speculating step changes, as in
-        the simulator's runs of acceptable drafts)."""
+        """Tell the speculation policy what each decode proposed and had accepted, and set each
+        sequence's `draft_lag` and `starts_run` for its next step."""
         spec_lens = plan.spec_lens
         accepted_by_seq = {}
         if spec_lens:

@@ -1,13 +1,7 @@
-"""Contiguous reservation: the pre-PagedAttention baseline ("Orca (Max)" / "Orca (Oracle)" in the
-vLLM paper).
-
-A sequence's first allocation reserves one contiguous run of blocks big enough for the longest it
-may become: max_model_len tokens ("max"), or exactly prompt + output tokens ("oracle", which knows
-the output length in advance). Runs are placed first fit over the block id space, so memory
-suffers both internal waste (slots reserved but never filled) and external fragmentation (free
-blocks scattered in holes too small for a run). Measuring those is the point of this class.
-
-Same interface as PagedBlockManager; nothing is shared, so fork and swap copy.
+"""Contiguous reservation, the pre-PagedAttention baseline ("Orca (Max)" / "Orca (Oracle)" in the
+vLLM paper): each sequence reserves one first-fit run of blocks for the longest it may become, to
+measure internal waste and external fragmentation (docs/policies.md). Nothing is shared, so fork
+and swap copy.
 """
 from __future__ import annotations
 
@@ -97,9 +91,8 @@ class ContiguousAllocator:
         return -(-(request.prompt_len + request.output_len) // self.block_size)
 
     def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
-        """Whether `num_seqs` sequences this long (the samples of one request, each with its own
-        region) could be admitted (with the watermark) into the empty pool. Under "oracle",
-        `num_tokens` stands for the request's prompt + output length."""
+        """Whether `num_seqs` sequences this long (each its own region) fit the empty pool less the
+        watermark; under "oracle" `num_tokens` is prompt + output."""
         if self.reserve == "max":
             if num_tokens > self.max_model_len:
                 return False

@@ -20,9 +20,9 @@ def new_blocks_per_step(slots_left: bytes | list[int], block_size: int, num_step
 
 
 class DecodeGrowth:
-    """Paged decodes counted by slots left in their last blocks: at step t >= 1 (step 0 holds its
-    slots) `cycle[(t - 1) % block_size]` of them take a block; kept for a whole run so that
-    decodes leaving it cost no pass over the rest."""
+    """Paged decodes counted by slots left in their last blocks: at step t >= 1
+    `cycle[(t - 1) % block_size]` of them take a block (kept for a whole run, so a decode leaving
+    costs no pass over the rest)."""
 
     __slots__ = ("block_size", "cycle")
 

@@ -1,14 +1,6 @@
-"""The paged KV manager's prefix cache: full blocks are registered by the chained hash of their
-tokens, so a request whose prompt starts alike points at the same blocks (allocate_prefix).
-
-The prefix cache's host tier (`num_offload_blocks` > 0, from kv_cache.offload_gb): a cached block
-evicted from the device is stored in a host slot (a third id space, 0..num_offload_blocks-1)
-instead of forgotten, least recently stored dropped first when the tier is full; a prefix hit
-there takes a device block and loads it back in the step that admits the sequence. A hash lives
-in one tier at a time. The step's stores and loads are taken with `take_pending_offload`; a host
-slot read by a load is reused only after that call, so no store of the same step overwrites it,
-and a block whose load is still pending when it is freed (a failed admission) goes back to the
-tier without any transfer.
+"""The paged KV manager's prefix cache: full blocks registered by the chained hash of their tokens,
+shared by requests whose prompts start alike, with an optional host tier for evicted blocks
+(`num_offload_blocks`); docs/policies.md (KV managers) describes both.
 """
 from __future__ import annotations
 
@@ -36,9 +28,8 @@ class PrefixCache:
         self._block_to_hash: dict[int, int] = {}
         self._seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
 
-        # Host tier of the prefix cache: hash -> host slot, least recently stored first; the
-        # free slots; this step's stores (device block, slot) and loads (device block -> slot,
-        # the slot held until take_pending_offload); seq_id -> prefix tokens it got by loads.
+        # The host tier: hash -> slot (LRU first), free slots, this step's stores and loads, and
+        # the prefix tokens each seq got by loads.
         self._offloaded: OrderedDict[int, int] = OrderedDict()
         self._offload_free_ids: deque[int] = deque(range(num_offload_blocks))
         self._pending_offloads: list[tuple[int, int]] = []
@@ -46,10 +37,8 @@ class PrefixCache:
         self._seq_loaded_tokens: dict[int, int] = {}
 
     def allocate_prefix(self, seq: Sequence) -> int:
-        """Point a newly admitted seq at the cached blocks of its longest cached prefix and return
-        how many tokens they hold. At least one token is left to compute, so the step that
-        admits the seq still produces its logits. A block in the host tier is loaded back into
-        a device block (a pending load) while the pool has blocks above the watermark."""
+        """Point a newly admitted seq at its longest cached prefix's blocks (loading host-tier ones
+        back) and return the tokens they hold, leaving one to compute so the step has logits."""
         if not self.enable_prefix_caching:
             return 0
         if self.block_tables.get(seq.seq_id) or seq.seq_id in self._host_block_tables:
@@ -93,9 +82,8 @@ class PrefixCache:
         return num_cached_tokens
 
     def num_cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
-        """Tokens at the start of `token_ids` whose full blocks the prefix cache holds, in
-        either tier, as far as allocate_prefix would serve them (one token left to compute);
-        changes nothing. What a prefix-aware router compares across replicas."""
+        """Prompt tokens allocate_prefix would serve from either tier, changing nothing (what a
+        prefix-aware router compares)."""
         if not self.enable_prefix_caching or not token_ids:
             return 0
         num_blocks = 0
@@ -184,9 +172,8 @@ class PrefixCache:
         self._offloaded[block_hash] = slot
 
     def take_pending_offload(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The stores (device block, host slot) and loads (host slot, device block) decided
-        since the last call, for the step's plan; the loads' host slots are free again. A slot
-        stored twice (its first entry dropped meanwhile) keeps only its last store."""
+        """The stores (device block, host slot) and loads (host slot, device block) since the last
+        call; the loads' slots are free again, and a slot stored twice keeps its last store."""
         if not self._pending_offloads and not self._pending_loads:
             return [], []
         stores = list({slot: (block, slot) for block, slot in self._pending_offloads}.values())

@@ -1,12 +1,6 @@
-"""The paged KV manager's side of the kv_retention policies (policies/memory/retention.py): what
-happens to a finished turn's cached blocks instead of going to the prefix cache's LRU.
-
-`retain(seq, key)` frees the sequence but keeps one reference to each block of its cached,
-computed prefix (the blocks a later prompt starting with the same tokens hits), so they are
-neither free nor evictable and count as used until `release(key)`. `free_to_tier(seq)` frees
-it and stores those of its cached blocks that no one else holds in the host tier of the prefix
-cache at once (PrefixCache._offload: a store in the next plan, charged as the tier's stores
-are), where a later prefix hit loads them back.
+"""The paged KV manager's side of the kv_retention policies: `retain(seq, key)` keeps a reference
+to each block of a finished turn's cached prefix until `release(key)`; `free_to_tier(seq)` stores
+them in the prefix cache's host tier at once.
 """
 from __future__ import annotations
 

@@ -1,26 +1,5 @@
-"""What happens to a session's KV blocks between its turns: the kv_retention policies
-(policies.protocols.KVRetentionPolicy, conf/kv_retention).
-
-- `Evict` (the default): a finished turn's blocks are freed as any request's; with prefix
-  caching its cached blocks go to the cache's LRU, where other traffic may evict them before the
-  session's next turn. The scheduler is never told (`keeps_blocks` False): runs are unchanged.
-- `Pin`: a finished turn's cached blocks stay held, counted against the pool and not evictable,
-  until the session's next turn is admitted (its prefix hits them), or until `ttl_s` passes
-  with the session idle (its next turn not arrived); then they go to the LRU as under evict.
-  Pins hold at most `max_pool_fraction` of the pool (the oldest released first past it). A pin
-  never stalls a replica: when the scheduler would plan nothing, or preempt a running request,
-  the oldest pins are released early (`release_oldest`); a waiting turn whose session's blocks
-  are pinned (`holds_for`) goes ahead of a head that does not fit, releasing the pins of
-  sessions still idle to fit (KeptTurns.admit_turns, policies/batching/kept_turns.py).
-- `Offload`: a finished turn's cached blocks move to the prefix cache's host tier at once
-  (kv_cache.offload_gb), their stores charged as the tier's are; the next turn's prefix hit
-  loads them back.
-
-The scheduler (policies/batching/base.py) calls `turn_arrived`, `turn_admitted` and
-`turn_finished` (instead of freeing) and `expire(now)` at every plan. Only requests with a
-`session_id` and one sample are kept, and not a session's `final_turn` (an agent's last call);
-a later turn of the session already admitted (open-loop arrivals) makes the earlier one's
-blocks not worth keeping.
+"""What happens to a session's KV blocks between its turns (conf/kv_retention): `Evict` (the
+default), `Pin` and `Offload`; docs/policies.md (KV managers) says what each does.
 """
 from __future__ import annotations
 
@@ -103,9 +82,8 @@ class Pin(_SessionTurns):
         self.max_pinned_blocks = int(number_in("kv_retention.max_pool_fraction",
                                                max_pool_fraction, 0, 1, low_open=True)
                                      * kv_cache.num_blocks)
-        # Idle sessions' pins: session -> deadline, in pinning order (with one ttl, deadline
-        # order too); then the pins of sessions whose next turn waits to be admitted, in the
-        # order it arrived.
+        # Idle sessions' pins (session -> deadline, in pinning and so deadline order), then those
+        # whose next turn waits to be admitted, in arrival order.
         self._idle: OrderedDict[int, float] = OrderedDict()
         self._awaited: OrderedDict[int, None] = OrderedDict()
         self._log: list[tuple[float, int]] = []   # (time, change in pinned blocks)

@@ -1,12 +1,5 @@
-"""A cluster as a list of pools, and prefill/decode disaggregation between them.
-
-`cluster.pools` lists the pools (name, role, replicas, router, overrides of the run's parts);
-without it the cluster is one mixed pool of `cluster.num_replicas` replicas routed by
-`cluster.router`. With a prefill and a decode pool, a request the `cluster.disaggregate` policy
-hands off prefills on a prefill replica, waits for room on a decode replica, and decodes there
-once its KV has crossed the links of `cluster.kv_transfer.topology`. Repeated decode steps end at
-the cluster's next event (`DisaggregatedCluster.next_event`), so they plan what single steps
-would. docs/architecture.md ("Pools and prefill/decode disaggregation") has the details.
+"""A cluster as a list of pools, and prefill/decode disaggregation between them (docs/simulator.md,
+Pools and prefill/decode disaggregation).
 """
 from __future__ import annotations
 
@@ -53,9 +46,8 @@ class Pool:
 
 
 def build_pools(cfg: DictConfig, model: ModelSpec, run: RunSettings) -> list[Pool]:
-    """The run's pools, checked: one mixed pool from cluster.num_replicas and cluster.router
-    without `cluster.pools`; else one pool per entry, at most one of each role, a prefill pool
-    only with a decode pool."""
+    """The run's pools, checked: without `cluster.pools` one mixed pool; else one per entry, at most
+    one of each role, a prefill pool only with a decode pool."""
     pools_cfg = cfg.cluster.get("pools")
     if pools_cfg is None:
         hardware = HardwareSpec.from_config(cfg.hardware)
@@ -140,10 +132,8 @@ def is_disaggregated(pools: list[Pool]) -> bool:
 
 @dataclass
 class KVTransferModel:
-    """How long a request's KV takes to move: `latency_ms` plus its bytes over
-    `bandwidth_gbps` (GB/s, as the hardware specs count). With `overlap`, the copy runs
-    layer by layer beside the prefill step that finished the prompt: only what outlasts that step
-    is exposed (at least one layer's share)."""
+    """How long a request's KV takes to move: `latency_ms` plus its bytes over `bandwidth_gbps`;
+    with `overlap` only what outlasts the prefill step is exposed (at least one layer's share)."""
 
     bandwidth_gbps: float
     latency_ms: float
@@ -184,9 +174,8 @@ class KVTransferModel:
 
 
 class Links:
-    """The links transfers share, one simpy resource each: per_replica, a link per replica (its
-    NIC; a transfer holds its prefill replica's, then its decode replica's); shared, one for
-    every transfer."""
+    """The links transfers share, one simpy resource each: a NIC per replica (per_replica: a
+    transfer holds its prefill's, then its decode's), or one for all (shared)."""
 
     def __init__(self, env: simpy.Environment, topology: str, replica_ids: list[int]):
         self.topology = topology
@@ -205,9 +194,8 @@ class Links:
 
 
 class NextClusterEvent:
-    """The horizon of a prefill or decode replica's repeated decode steps: the earliest that a
-    transfer could start or land, or a request arrive (a `NextArrival` look-alike, read at each
-    step's start)."""
+    """The horizon of a pool replica's repeated steps: the earliest a transfer could start or land,
+    or a request arrive (a `NextArrival` look-alike)."""
 
     __slots__ = ("cluster",)
 
@@ -220,9 +208,8 @@ class NextClusterEvent:
 
 
 class ClusterRouter:
-    """The router the arrivals ask in a disaggregated cluster: the disaggregation policy picks
-    the pool (prefill, with `Request.handoff` set; or colocated), the pool's router the replica.
-    Requests with n > 1 always run colocated: a transfer moves one sequence."""
+    """The router of a disaggregated cluster: the disaggregation policy picks the pool, the pool's
+    router the replica; n > 1 always runs colocated (a transfer moves one sequence)."""
 
     def __init__(self, replicas_by_role: dict[str, list], routers: dict[str, object], policy):
         self.replicas_by_role = replicas_by_role
@@ -287,11 +274,9 @@ class DisaggregatedCluster:
             replica.next_arrival = horizon
 
     def next_event(self) -> float:
-        """Nothing reaches a decode replica, nor frees a prefill replica's blocks, before the
-        next arrival, a prefill replica's step in flight ends (an idle one starts one at the
-        next arrival or when a transfer frees its blocks), a transfer could land (one still
-        waiting for its links no sooner than its copy's length from now) or, while hand-offs
-        wait for room, a decode replica's step ends (it may start one of their transfers)."""
+        """The earliest that anything could reach a decode replica or free a prefill replica's
+        blocks: an arrival, a prefill step's end, a transfer landing or, while hand-offs wait for
+        room, a decode step's end."""
         earliest = min(self.next_arrival.time,
                        min([replica.busy_until for replica in self.prefill_replicas]))
         if self._landing_times:

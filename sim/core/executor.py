@@ -1,6 +1,6 @@
-"""The simulator's executor: a step takes as long as the cost model says and produces no token ids
-(the scheduler counts one new token for every sequence that reached its last token, plus the
-accepted drafts of a speculating one)."""
+"""The simulator's executor: a step takes as long as the cost model says and produces no token
+ids (the scheduler counts the tokens).
+"""
 from __future__ import annotations
 
 from policies.checks import has_capability
@@ -11,28 +11,21 @@ from sim.core.repeated_steps import RepeatedStepsCostModel
 
 class SimExecutor:
     """Satisfies `policies.protocols.Executor` with any object that has `step_time(plan)`; with an
-    acceptance model it also draws how many drafts each speculating sequence keeps.
-
-    A cost model that costs repeated steps from the plan's aggregates (RepeatedStepsCostModel)
-    lets the step loop run them as one event, unless `repeated_steps` is off
-    (backend.repeated_steps); any other runs every step on its own."""
+    acceptance model it also draws how many drafts each speculating sequence keeps."""
 
     def __init__(self, cost_model, acceptance_model: AcceptanceModel | None = None,
                  depth_per_size: list[int] | None = None, *, repeated_steps: bool = True):
         self.cost_model = cost_model
         self.acceptance_model = acceptance_model
-        # Token trees (Medusa, lookahead): a plan's spec_lens are the tokens a step verifies,
-        # depth_per_size[k] the most it can accept, over which acceptances are drawn per depth
-        # (per node instead where the acceptance model has the fixed tree: Medusa's).
+        # Token trees verify spec_lens tokens but accept at most depth_per_size[k] of them.
         self.depth_per_size = depth_per_size
         self.runs_repeated_steps = (
             repeated_steps and has_capability(cost_model, RepeatedStepsCostModel, "cost_model")
             and cost_model.costs_repeated_steps)
 
     def repeated_step_times(self, plan: StepPlan, num_steps: int):
-        """The durations of `num_steps` steps of the decode batch `plan`, one at a time (each
-        draws its own noise, as separate steps would): in step j every decode reads j more
-        tokens of context. Stop iterating early (and close it) to draw no more."""
+        """The durations of `num_steps` steps of the decode batch `plan`, one at a time, each
+        drawing its own noise; close it early to draw no more."""
         return self.cost_model.repeated_step_times(plan, num_steps)
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -1,18 +1,6 @@
-"""Data-parallel ranks that step together: the replicas an expert group spans
-(`cluster.expert_parallel_size` greater than `cluster.tensor_parallel_size`, vLLM's data parallel
-with enable_expert_parallel).
-
-Every layer's expert all-to-all exchanges tokens between the group's ranks, so no rank can run
-ahead: vLLM starts a step on every rank at once (an idle rank runs a dummy batch) and the step
-lasts as long as the slowest rank's. Here one `ReplicaDriver` steps the group's ranks with
-`Lockstep` timing: every rank with requests plans and executes its own batch, and each records
-the longest duration as its own (the energy meter sees it busy for its own work, idle for the
-rest); a rank with nothing to do records no step. The expert cost models price a rank's experts
-with its peers carrying its load (sim/cost/experts.py), as vLLM pads every rank's batch to the
-largest one's tokens.
-
-No repeated decode steps: a rank's batch changes whenever a peer's does. Disaggregated pools and
-pipeline stages are not combined with lockstep groups (refused here and in sim/core/experiment.py).
+"""Data-parallel ranks that step together, as an expert group spanning replicas must (every
+layer's all-to-all waits for all of them): one `ReplicaDriver` with `Lockstep` timing steps them,
+each rank recording the slowest rank's duration (docs/simulator.md, Lockstep groups).
 """
 from __future__ import annotations
 

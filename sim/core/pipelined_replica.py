@@ -1,17 +1,7 @@
 """A replica of pipeline stages (`cluster.pipeline_parallel_size` > 1) with batches in flight, as
-vLLM V0 ran pipeline parallelism (virtual engines) and Vidur models it.
-
-The replica has pp lanes (virtual engines), each its own scheduler over num_blocks // pp of the
-replica's KV blocks (V0's split: a step in flight holds its blocks while the others plan) and its
-own `ReplicaDriver` with `ThroughStages` timing; the pp stages are simpy resources, one step at a
-time each. An engine plans once the first stage is free for it, and its step takes each stage in
-turn for that stage's time (sim/cost/pipeline.py), so the bubble and the overlap come out of the
-timeline. A request joins the engine with the fewest unfinished requests (V0's rule).
-
-A step row holds the replica's KV and queues summed over its engines as the step enters the first
-stage, and its duration up to leaving the last (rows of one replica overlap). Each stage's boards
-are charged its busy seconds at its work (sim/core/energy/stages.py); a run that plots keeps the
-stages' timeline for the power plot. No repeated steps: every step is its own event.
+vLLM V0's virtual engines: pp lanes, each its own scheduler over num_blocks // pp blocks and its
+own `ReplicaDriver` with `ThroughStages` timing, taking the stages (simpy resources) in turn, so
+the bubble comes out of the timeline (docs/simulator.md, Pipeline parallelism).
 """
 from __future__ import annotations
 
@@ -55,9 +45,8 @@ class EnginesView:
 
 
 class Stages:
-    """A pipelined replica's stages, one simpy resource each, which its engines' steps take in
-    turn; with `timeline` a list, every stage's work is appended to it as (stage, engine, start,
-    end)."""
+    """A pipelined replica's stages, one simpy resource each; with `timeline` a list, every stage's
+    work is appended as (stage, engine, start, end)."""
 
     def __init__(self, env: simpy.Environment, cost_model: PipelineCostModel,
                  energy: StagesEnergyMeter, view: EnginesView, timeline: list | None = None):
@@ -118,9 +107,8 @@ def build_pipelined_replica(pool, replica_id: int, env: simpy.Environment,
                             on_requests_done, retention_policies: list | None = None,
                             lora_managers: list | None = None,
                             meter_class: type[EnergyMeter] = EnergyMeter) -> Replica:
-    """A pool's replica of pipeline stages: an engine's policies per stage, each over its
-    share of the pool's KV blocks (the module docstring), the stages' cost and energy meters
-    (each a `meter_class`; traced ones, for the power plot, with the replica's stage timeline)."""
+    """A pool's replica of pipeline stages: an engine's policies per stage over its share of the
+    KV blocks, and the stages' cost models and energy meters (`meter_class`)."""
     cfg, settings = pool.cfg, pool.settings
     num_stages = settings.pipeline_parallel_size
     if pool.role != "mixed":

@@ -1,14 +1,8 @@
-"""Repeated steps: a decode batch that the scheduler would plan again unchanged runs in the
-simulator as one event, and comes out as if every step had run on its own (every step row,
-latency and request time). Only what opts in meets them:
-
-- a scheduler whose class promises them (`repeated_steps`, RepeatedStepsScheduler; BaseScheduler
-  withdraws the promise from a subclass that overrides what it is about);
-- a KV manager that tells the batch's block growth (RepeatedStepsKVCache);
-- an executor that costs the steps from the plan alone (RepeatedStepsExecutor; SimExecutor with a
-  RepeatedStepsCostModel).
-
-`RepeatedStepsLoop` is the simulator's StepLoop that runs them; the engine runs every step.
+"""Repeated steps: a decode batch the scheduler would plan again unchanged runs as one event and
+comes out as if every step had run on its own. Only what opts in meets them: a scheduler whose
+class promises them (RepeatedStepsScheduler), a KV manager that tells the batch's block growth
+(RepeatedStepsKVCache) and an executor that costs steps from the plan (RepeatedStepsExecutor).
+docs/simulator.md (Repeated steps) explains the design.
 """
 from __future__ import annotations
 
@@ -33,9 +27,8 @@ class RepeatedStepsScheduler(Protocol):
     repeated_steps_past_finishes: ClassVar[bool]
 
     def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
-        """None unless the next steps would plan this decode batch again, each decode a token on;
-        else whether they may run past arrivals (which would only wait) and the time the pool
-        changes by itself (inf: never)."""
+        """None unless the next steps would plan this decode batch again; else whether they may run
+        past arrivals and when the pool changes by itself (inf: never)."""
     def may_repeat_past_finishes(self) -> bool:
         """Whether, after some decodes finish, the next steps would plan the rest alone."""
     def finish_sequence(self, seq: Sequence, now: float) -> bool:
@@ -56,9 +49,8 @@ class RepeatedStepsKVCache(Protocol):
         """The blocks the decoding `seqs` (holding the slots of the step just planned) take at
         each step of a run (policies/memory/decode_growth.py)."""
     def frees_in_any_order(self) -> bool:
-        """Whether decodes finishing inside a run may free their blocks before the rest's growth
-        is taken, changing nothing later (False with a prefix cache: it evicts in freeing
-        order)."""
+        """Whether decodes finishing inside a run may free their blocks before the rest's growth is
+        taken without changing anything later."""
 
 
 @runtime_checkable
@@ -102,11 +94,9 @@ def promises_repeated_steps(scheduler) -> bool:
 
 
 class RepeatedSteps:
-    """A decode batch planned `max_repeats` steps in a row, each decode a token further on each
-    step, until a decode finishes or the pool runs short. The sequences keep their counters where
-    the run began until it completes; after some of them finish inside it
-    (`continue_past_finishes`), the plan holds the rest and `num_steps_before` counts the steps
-    run since the counters stood."""
+    """A decode batch planned `max_repeats` steps in a row, until a decode finishes or the pool
+    runs short. The sequences' counters stay where the run began until it completes
+    (`num_steps_before`: steps run since then, when some finished inside it)."""
 
     __slots__ = ("scheduler", "max_repeats", "past_arrivals", "until", "num_steps_before",
                  "steps_to_last_output", "_growth")
@@ -148,9 +138,8 @@ class RepeatedSteps:
         return growth.new_blocks_per_step(num_steps, self.num_steps_before)
 
     def complete(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
-        """`update` of the plan run `num_steps` times, the last step ending at `now`, for a
-        scheduler whose `update` does no more (`repeated_steps_past_finishes`): each decode
-        gained a token a step and takes the blocks it grew into. Returns the finished requests."""
+        """`update` of the plan run `num_steps` times, the last ending at `now`, for a scheduler
+        that promises `repeated_steps_past_finishes`. Returns the finished requests."""
         seqs = plan.seqs
         num_steps_since = self.num_steps_before + num_steps   # since the counters stood
         self._advance(seqs, num_steps_since, now)
@@ -171,10 +160,9 @@ class RepeatedSteps:
             self._take_slots(plan.seqs)
 
     def continue_past_finishes(self, plan: StepPlan, now: float) -> list[Request] | None:
-        """After the plan ran its max_repeats steps, the last ending at `now`, with nothing from
-        outside reaching the replica before then: if some decodes reached their output length and
-        the next steps would plan the rest alone (the pool holding its growth), finish them,
-        make `plan` the rest's and return the finished requests; else None, nothing changed."""
+        """After the plan's max_repeats steps: if some decodes finished and the next steps would
+        plan the rest alone, finish them, make `plan` the rest's and return the finished
+        requests; else None, nothing changed."""
         scheduler = self.scheduler
         kv_cache = scheduler.kv_cache
         if not scheduler.may_repeat_past_finishes() or not kv_cache.frees_in_any_order():
@@ -240,9 +228,8 @@ class RepeatedSteps:
 def _num_steps_the_pool_holds(kv_cache: RepeatedStepsKVCache, seqs: list[Sequence],
                               first_step: int, num_steps: int, free_blocks: int,
                               made_growth: list | None = None) -> int:
-    """How many of the `num_steps` repeated steps from step `first_step` of a run can take the
-    blocks the decodes grow into from `free_blocks` (0 to num_steps); the growth, where made,
-    is appended to `made_growth`."""
+    """How many of the `num_steps` steps from `first_step` can take the decodes' growth from
+    `free_blocks`; the growth, where made, is appended to `made_growth`."""
     if len(seqs) * -(-(first_step + num_steps - 1) // kv_cache.block_size) <= free_blocks:
         return num_steps   # even a block every block_size steps for each fits
     growth = kv_cache.decode_growth(seqs)
@@ -257,12 +244,9 @@ def _num_steps_the_pool_holds(kv_cache: RepeatedStepsKVCache, seqs: list[Sequenc
 
 
 class RepeatedStepsLoop(StepLoop):
-    """The simulator's StepLoop: `begin(now, horizon)` runs a repeatable decode batch as one
-    event, step by step until the batch changes or a step ends at or after `horizon` (the next
-    arrival, which the scheduler must see at the following step boundary), the run's `until` or
-    the earliest deadline; past the steps where sequences finish with `past_finishes` (nothing
-    outside the replica sees them before the horizon). Rows, latencies and the clock come out as
-    if each step had run on its own."""
+    """The simulator's StepLoop: `begin(now, horizon)` runs a repeatable decode batch as one event
+    until the batch changes or a step ends at or after `horizon` (the next event the scheduler
+    must see), with rows, latencies and clock as if each step had run on its own."""
 
     __slots__ = ("repeats", "run", "num_last_steps", "step_end_times", "finished_in_run")
 
@@ -280,8 +264,7 @@ class RepeatedStepsLoop(StepLoop):
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
               may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
         """StepLoop.begin, a repeatable decode batch run until a step ends at or past `horizon`
-        (the next event outside the replica); with `queued_arrivals` false (arrivals skip the
-        waiting queue: KV transfers) even when the queue's head is blocked."""
+        (`queued_arrivals` false: arrivals skip the waiting queue, as KV transfers do)."""
         plan = self._schedule(now, may_idle)
         if plan is None:
             return None
@@ -299,10 +282,9 @@ class RepeatedStepsLoop(StepLoop):
 
     def _run(self, run: RepeatedSteps, plan: StepPlan, now: float, horizon: float,
              finishes_before: float) -> StepResult:
-        """Run the steps until max_repeats or one ends at or past `horizon`, recording their rows
-        and latencies; the end times add up as the simulated clock would add each duration.
-        Where they end before `finishes_before` at sequences' last tokens, the run may go on with
-        the rest (`continue_past_finishes`), and so on. Returns the whole run's result."""
+        """Run the steps until max_repeats or one ends at or past `horizon`, recording rows and
+        latencies with end times added as the clock would; before `finishes_before` the run goes
+        on past finishes with the rest. Returns the whole run's result."""
         scheduler, recorder = self.scheduler, self.recorder
         durations: list[float] = []
         end_times: list[float] = []

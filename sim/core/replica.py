@@ -1,12 +1,7 @@
 """The simpy side of a replica: `Replica`, what a router and the run see of it, and
-`ReplicaDriver`, the one process that steps replicas.
-
-A driver runs the step loop of runtime/step.py over its lanes (a replica's step loops): it waits
-while they are idle, aborts the requests whose clients gave up (`Request.timeout_s`), has its
-`DriverTiming` run one step, and reports what ended. Only the timing differs: `OwnTime` here (a
-replica alone; runs of repeated decode steps as one event), `Lockstep` (sim/core/lockstep.py: one
-driver over the ranks of an expert group) and `ThroughStages` (sim/core/pipelined_replica.py: one
-driver per virtual engine of a pipelined replica).
+`ReplicaDriver`, the one process that steps replicas. A driver runs the step loop over its lanes
+and has its `DriverTiming` run each step: `OwnTime` here (with repeated steps), `Lockstep`
+(lockstep.py) or `ThroughStages` (pipelined_replica.py).
 """
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ if TYPE_CHECKING:
 
 
 class SimEnvironment(simpy.Environment):
-    """simpy's environment, able to wake a process at an exact time: where repeated steps end,
-    as separate steps would have left the clock (one delay added to the start can miss by an
-    ulp)."""
+    """simpy's environment, able to wake a process at an exact time (where repeated steps end: one
+    delay added to the start can miss it by an ulp)."""
 
     def timeout_at(self, time: float) -> simpy.Event:
         if time < self.now:
@@ -276,9 +270,8 @@ def drive_alone(replica: Replica) -> ReplicaDriver:
 def arrivals(env: simpy.Environment, requests: list[Request], router: Router,
              replicas: list[Replica], next_arrival: NextArrival | None = None,
              predictor=None, frontend_latency_s: float = 0.0):
-    """Hand each request to the replica the router picks `frontend_latency_s` after its arrival
-    time (cluster.frontend_latency_s), keeping `next_arrival` at the next one's; a length
-    `predictor` sets each request's `predicted_output_len` before routing."""
+    """Hand each request, its length predicted, to the router's replica `frontend_latency_s` after
+    its arrival, keeping `next_arrival` at the next one's."""
     next_arrival = next_arrival or NextArrival()
     predict = predictor.predict if predictor is not None else None
     for request in requests:

@@ -8,10 +8,8 @@ from policies.types import StepPlan
 
 
 class DraftCost:
-    """`seconds(plan)`: an n-gram or lookahead lookup per speculating sequence ("lookup"), Medusa's
-    heads in one launch ("heads"), or max_draft_len sequential decode steps of a draft model
-    (`draft_step_time`, at the step's mean decode context); 0 without a drafter. The draft
-    model's catch-up on accepted tokens is not counted."""
+    """`seconds(plan)`: a lookup per speculating sequence, Medusa's heads in one launch, or
+    max_draft_len decode steps of a draft model; 0 without a drafter (catch-up not counted)."""
 
     def __init__(self, kind: str | None, ngram_overhead_s_per_seq: float,
                  draft_step_overhead_s: float, medusa_s_per_seq: float, medusa_weights_s: float,

@@ -1,8 +1,6 @@
 """Mixture-of-experts routing and expert parallelism: the experts a step's tokens touch in
-expectation (each expert left untouched by T tokens with probability (1 - π_i)^T), how the
-experts lie over the GPUs, and the roofline cost of a step's routed experts.
-docs/mixture-of-experts.md derives each.
-"""
+expectation, how the experts lie over the GPUs, and the roofline cost of a step's routed experts
+(docs/mixture-of-experts.md derives each)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -162,11 +160,8 @@ class ExpertLayout:
 
 
 class RooflineExperts:
-    """The routed experts' seconds per step, all layers, on the roofline: per layer
-    max(expert FLOPs / FLOP rate, touched experts' bytes / bandwidth), plus with expert
-    parallelism a dispatch and a combine all-to-all, each a collective's fixed latency (the
-    model's allreduce_latency_s) plus its bytes / achieved link rate.
-    Precomputed per token count, so `seconds(T)` is a list lookup."""
+    """The routed experts' seconds per step on the roofline, all layers and all-to-alls,
+    precomputed per token count so `seconds(T)` is a list lookup."""
 
     def __init__(self, layout: ExpertLayout, hardware: HardwareSpec, compute_efficiency: float,
                  memory_efficiency: float, transfer_efficiency: float, latency_s: float):

@@ -1,20 +1,5 @@
-"""The cost of multi-LoRA serving in a step, for both cost models (roofline.py, sim/cost/gpu/): the
-batched adapter matmuls grouped by adapter (Punica's SGMV / S-LoRA's kernels) and the adapters
-loaded over the host link before the forward pass.
-
-Per step, from the plan's StepLoRA (`plan.lora`, summed by the scheduler's LoRA manager), per GPU:
-
-    matmuls = max(FLOPs / FLOP rate, weight bytes / memory bandwidth)
-      FLOPs        = 2 x layers x W x token_rank_sum / tp   (each token's shrink, x A^T of
-                     rank r x in, and expand, x B^T of out x r, in every target module)
-      weight bytes = layers x W x rank_sum x dtype / tp     (each adapter in the batch read
-                     once, however many of its tokens)
-    loads   = layers x W x load_rank_sum x dtype / tp / host-link rate
-
-where W = Σ over target modules of (in + out features): an adapter's parameters per layer per
-unit of rank (LoRASpec.width_per_rank). The token activations the kernels read and write are
-small beside the base model's and are not counted.
-"""
+"""The cost of multi-LoRA serving in a step, for both cost models: the batched adapter matmuls and
+the adapter loads over the host link, from the plan's StepLoRA (docs/lora.md derives it)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

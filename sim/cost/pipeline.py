@@ -1,8 +1,6 @@
 """Pipeline parallelism (`cluster.pipeline_parallel_size`): a replica's layers split into stages
-as vLLM splits them, and what each stage's share of a step costs (`PipelineCostModel`): the base
-cost model of its layers, the engine overhead on the first stage only, the LM head on the last
-only, and a send of the activations from every stage but the last. docs/architecture.md,
-"Pipeline parallelism", says why each term is where it is."""
+as vLLM splits them, and what each stage's share of a step costs (`PipelineCostModel`);
+docs/simulator.md, "Pipeline parallelism", says why each term is where it is."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,11 +62,9 @@ def stage_shape(model: ModelSpec, num_layers: int) -> ModelSpec:
 
 
 class PipelineCostModel:
-    """`stage_times(plan)` of a replica of pipeline stages (the module docstring), from
-    `stages`, the base cost model of each stage's layers first to last (cost models of the same
-    kind; stages of equal layers may share one), and `send_s_per_tokens[n]`, a stage's send of n
-    tokens' activations (linear at `send_slope_s` per token beyond the list; `send_source` says
-    where those times come from)."""
+    """`stage_times(plan)` from `stages`, the base cost model of each stage's layers first to last,
+    and `send_s_per_tokens[n]`, a stage's send of n tokens' activations (linear at
+    `send_slope_s` beyond the list)."""
 
     def __init__(self, stages: list[RooflineCostModel | GPUCostModel],
                  send_s_per_tokens: list[float],
@@ -132,10 +128,8 @@ def send_bytes_per_token(model: ModelSpec, tensor_parallel_size: int) -> float:
 
 
 def pipeline_cost_model(stages: list[RooflineCostModel | GPUCostModel]) -> PipelineCostModel:
-    """The pipeline over `stages` (each stage's base cost model, first to last): stage sends
-    from the measured NCCL send/recv tables for the GPU cost model, else latency + bytes over
-    the interconnect as the roofline costs an all-reduce's (allreduce_latency_s,
-    transfer_efficiency)."""
+    """The pipeline over `stages`, its sends from the NCCL send/recv tables for the GPU cost model,
+    else as the roofline costs an all-reduce."""
     first = stages[0]
     if not all(isinstance(stage, (RooflineCostModel, GPUCostModel)) for stage in stages):
         raise ValueError(f"{KEY}={len(stages)} needs cost_model=roofline or gpu, which cost a "

@@ -1,24 +1,6 @@
-"""The roofline cost model: a step's duration from the model's shape and the hardware's peak rates.
-
-Each kernel group of a forward pass takes max(FLOPs / achieved FLOP rate, bytes / achieved
-bandwidth), and the groups run one after another, so their times add:
-
-    step = overhead (fixed + per sequence) + swaps + copies + host-tier stores and loads
-         + LoRA adapters   (these five: sim/cost/overheads.py, shared with the GPU cost model)
-         + linear layers   (all batched tokens; weights read once: decode memory-bound, prefill compute-bound)
-         + routed experts  (a mixture of experts: T·k tokens' FLOPs, the touched experts' weights,
-                            the all-to-alls of expert parallelism; sim/cost/experts.py)
-         + LM head         (only the sequences that sample)
-         + prefill attention (causal query-key pairs vs KV read)
-         + decode attention  (one query per sequence vs its whole context's KV read)
-         + tensor-parallel all-reduces (2 per layer)
-         + drafting          (speculative decoding: sim/cost/drafting.py)
-
-With speculative decoding the k drafts of a sequence are verified in the same forward pass: they
-count as batched tokens (linear layers, LM head rows), and as k more decode-attention queries over
-the sequence's context (taken as the step's mean decode context). Only the StepPlan's aggregate
-features are used, so a step costs O(1) however large the batch.
-"""
+"""The roofline cost model: a step's duration from the model's shape and the hardware's peak rates,
+each kernel group max(FLOPs / rate, bytes / bandwidth), the groups added; only the plan's
+aggregates are read, so a step costs O(1). docs/cost-models.md lists the terms."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -105,12 +87,8 @@ def roofline_drafting(model: ModelSpec, hardware: HardwareSpec, block_size: int,
 
 class RooflineCostModel:
     """Predicts `step_time(plan)` in seconds for `model` on `tensor_parallel_size` GPUs of
-    `hardware`.
-
-    The knobs are achieved fractions of the spec-sheet rates and fixed costs the roofline cannot
-    see; conf/cost_model/roofline.yaml says what their defaults aim at. `model` and `hardware`
-    may be specs or mappings of their fields (as Hydra passes them).
-    """
+    `hardware`; the knobs (conf/cost_model/roofline.yaml) are achieved fractions of the spec
+    sheet's rates and fixed costs the roofline cannot see."""
 
     costs_repeated_steps = True   # step_time reads the plan's features, never its sequences
 

@@ -1,21 +1,5 @@
-"""A step's work on one GPU: the FLOPs its kernels do and the device-memory bytes they move, from
-the model's shape and the plan's aggregates (O(1) a step), the power model's input.
-
-The terms are the roofline's (sim/cost/roofline.py) without its efficiencies:
-
-    FLOPs = 2 x active linear parameters x batched tokens      (linear layers)
-          + 2 x LM-head parameters x sampling rows              (LM head)
-          + 4 x layers x heads x head_dim x query-key pairs     (QK^T and PV, prefill and decode)
-    bytes = linear weights touched + LM-head weights            (read once a step)
-          + KV bytes per token x (context read + tokens written)
-          + 2 x KV block bytes x blocks copied                  (copy-on-write: read and write)
-
-all divided over the tensor-parallel GPUs as the roofline splits them. A mixture of experts reads
-the experts its tokens touch (sim/cost/experts.py: under uniform routing E (1 - (1 - k/E)^tokens)
-of them; the cost model's routing and expert parallelism where it has them). Swaps and
-host-tier moves cross PCIe and drafting runs its own model: neither is counted (their seconds
-count at the step's utilisation).
-"""
+"""A step's work on one GPU, the power model's input: the roofline's FLOPs and device-memory bytes
+without its efficiencies, from the model's shape and the plan's aggregates (docs/energy.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable

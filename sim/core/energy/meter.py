@@ -1,6 +1,7 @@
-"""Each replica's energy as its steps go: the step recorder (runtime/metrics/recorder.py) hands
-every step, or run of repeated steps, to the replica's `EnergyMeter`, which adds the busy
-joules in O(1); the idle time between steps is charged once, at the summary."""
+"""Each replica's energy as its steps go: the step recorder hands every step, or run of repeated
+steps, to the replica's `EnergyMeter`, which adds the busy joules in O(1); idle time is charged
+once, at the summary.
+"""
 from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
@@ -39,9 +40,8 @@ class EnergyMeter:
         self.busy_j += self.num_boards * self._busy_energy_j(duration, flops, bytes_moved)
 
     def add_repeated_steps(self, plan: StepPlan, durations: list[float]) -> None:
-        """A run of len(durations) repeated decode steps of `plan`: the same sums as add_step's
-        over its steps one by one, so a run's joules are the same however its steps were
-        grouped."""
+        """A run of len(durations) repeated decode steps of `plan`: add_step's sums, so a run's
+        joules do not depend on how its steps were grouped."""
         num_decodes, busy_s, busy_j = plan.num_decode_seqs, self.busy_s, self.busy_j
         if (self._decode_work_terms is not None and num_decodes and not plan.blocks_to_copy
                 and not plan.num_prefill_tokens and not plan.num_draft_tokens):
@@ -96,9 +96,8 @@ def build_energy_meter(power_cfg: DictConfig | None, model: ModelSpec, hardware:
                        tensor_parallel_size: int, block_size: int,
                        cost_model=None,
                        meter_class: type[EnergyMeter] = EnergyMeter) -> EnergyMeter:
-    """A replica's meter (a `meter_class`): its work from `cost_model` where it says
-    (StepWorkCostModel), else from the model's shape (the engine's executor, a profiled or a
-    user's cost model)."""
+    """A replica's meter: its work from `cost_model` where it says (StepWorkCostModel), else from
+    the model's shape."""
     if cost_model is not None and has_capability(cost_model, StepWorkCostModel, "cost_model"):
         work = cost_model
     else:

@@ -1,16 +1,6 @@
-"""Power models: how many watts a board draws while it runs steps, and idle.
-
-`PowerModel` is the protocol (a measured model, e.g. one fitted to nvidia-smi samples, replaces
-the default by `power._target_`); `UtilisationPowerModel` is the default (docs/energy.md):
-
-    P = P_idle + (P_max - P_idle) x min(1, u_compute / compute_saturation
-                                           + memory_weight x u_memory)
-
-with u_compute = FLOPs / (seconds x peak FLOP/s) and u_memory = bytes / (seconds x bandwidth) of
-the step on one board, and P_idle, P_max the hardware spec's `idle_power_w` and `max_power_w`.
-Over a step of d seconds the board draws P_idle d + (P_max - P_idle) min(d, FLOPs /
-(peak x compute_saturation) + memory_weight x bytes / bandwidth) joules: O(1), and exact summed
-over any run of steps whose utilisation stays under the cap.
+"""Power models: how many watts a board draws while it runs steps, and idle. `PowerModel` is the
+protocol (`power._target_` replaces the default); `UtilisationPowerModel`, the default, is
+docs/energy.md's formula, O(1) a step and exact summed over a run under the cap.
 """
 from __future__ import annotations
 
@@ -50,9 +40,8 @@ class DecodeRunPowerModel(Protocol):
     def add_decode_run_j(self, total_j: float, num_boards: int, durations_s: Sequence[float],
                          work_terms: tuple[float, float, float, float], num_decodes: int,
                          context: int) -> float:
-        """`total_j` plus `num_boards` x busy_energy_j of each step of the run, added step by
-        step: `num_decodes` decodes over `context` tokens in the first step, a token more each
-        in each next."""
+        """`total_j` plus `num_boards` x busy_energy_j of each step of the run, added step by step
+        (each decode a token further on each step)."""
 
 
 class UtilisationPowerModel:

@@ -1,6 +1,6 @@
-"""A pipelined replica's energy (sim/core/pipelined_replica.py): one EnergyMeter per pipeline
-stage, each charged the seconds its stage works on each step at that stage's work, and idle
-power the rest of the run."""
+"""A pipelined replica's energy: one EnergyMeter per pipeline stage, charged the seconds its stage
+works on each step at that stage's work, and idle power the rest of the run.
+"""
 from __future__ import annotations
 
 from policies.types import StepPlan

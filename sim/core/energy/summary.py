@@ -1,10 +1,6 @@
-"""The run's energy keys: total joules, average power, joules per output token and output tokens
-per joule, for the run, each replica and each pool, from the replicas' meters (meter.py).
-
-A replica's boards are powered from the first arrival to the last finish (the summary's
-`duration_s`): the time between its steps counts at idle power. A request's output tokens count
-for the replica that finished it (with disaggregation, the decode replica: a prefill pool's
-joules per token is 0.0, its joules are in the run's).
+"""The run's energy keys (total joules, average power, joules per output token, tokens per joule)
+for the run, each replica and each pool; docs/energy.md says what counts as busy and idle and
+which replica a token counts for.
 """
 from __future__ import annotations
 
@@ -27,12 +23,9 @@ def energy_numbers(energy_j: float, output_tokens: int, span_s: float) -> dict[s
 def energy_summary(meters: Mapping[int, EnergyMeter], pools: Mapping[int, str],
                    requests: list[Request], span_s: float, total_output_tokens: int,
                    output_tokens_by_replica: Mapping[int, int] | None = None) -> dict:
-    """The run's energy numbers (energy_numbers) at the top level, `energy_per_replica`
-    {replica id: numbers} and `energy_per_pool` {pool: numbers}, and `energy_model`: how they
-    were worked out (modelled from each step's work, not measured, on either backend).
-    `total_output_tokens`: the completed requests' (the run summary's);
-    `output_tokens_by_replica`: theirs by the replica that finished them, counted already (a
-    streamed run's, whose `requests` are gone)."""
+    """The run's energy numbers at the top level, `energy_per_replica`, `energy_per_pool` and
+    `energy_model` (how they were worked out). `output_tokens_by_replica`: counted already, for a
+    streamed run whose `requests` are gone."""
     if len(meters) == 1:   # (every request's tokens are the one replica's)
         tokens_by_replica = dict.fromkeys(meters, total_output_tokens)
     elif output_tokens_by_replica is not None:

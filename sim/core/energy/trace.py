@@ -1,9 +1,6 @@
-"""Each step's joules, kept for a run's power plot (sim/tools/plots.py, power.png): a
-`TracedEnergyMeter` is an EnergyMeter that also logs what its power model charged every step, in
-the order of its replica's step rows; a `TracedStagesEnergyMeter` is a pipelined replica's
-(sim/core/pipelined_replica.py), its stages' meters traced and the replica's stage timeline kept.
-Only runs that write plots build them; the others keep the plain meters, whose hot path this
-leaves as it was.
+"""Each step's joules, kept for a run's power plot (power.png): `TracedEnergyMeter` and, for a
+pipelined replica, `TracedStagesEnergyMeter`. Only runs that write plots build them, so the plain
+meters' hot path is untouched.
 """
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ IDLE_GAP_S = 1e-9
 
 
 class TracedEnergyMeter(EnergyMeter):
-    """An EnergyMeter whose `step_joules[i]` is one board's joules over its replica's i-th step
-    (the replica draws `num_boards` times that): the very value the meter added, so its totals
-    stay bit for bit the plain meter's."""
+    """An EnergyMeter whose `step_joules[i]` is one board's joules over its replica's i-th step,
+    the very value the meter added, so its totals are the plain meter's bit for bit."""
 
     __slots__ = ("step_joules",)
 
@@ -44,9 +40,8 @@ class TracedEnergyMeter(EnergyMeter):
         self._decode_work_terms = None
 
     def busy_power_w(self, durations: np.ndarray) -> np.ndarray:
-        """The replica's watts over each of its steps, in order, given their `durations` in
-        seconds: its `num_boards` boards' joules over the step's seconds; NaN for a step that
-        took no time."""
+        """The replica's watts over each of its steps given their `durations` (NaN for a step of no
+        time)."""
         joules = np.frombuffer(self.step_joules, dtype=np.float64)
         if len(durations) != len(joules):
             raise ValueError(f"{len(durations)} step rows for {len(joules)} metered steps")
@@ -55,21 +50,17 @@ class TracedEnergyMeter(EnergyMeter):
 
 
 class TracedStagesEnergyMeter(StagesEnergyMeter):
-    """A pipelined replica's StagesEnergyMeter whose stages are TracedEnergyMeters, with
-    `timeline`, the replica's stage timeline (`Stages.timeline`, sim/core/pipelined_replica.py):
-    each stage's work on a step as (stage, engine, start, end), appended as it ends."""
+    """A pipelined replica's StagesEnergyMeter whose stages are traced, with the replica's stage
+    `timeline` of (stage, engine, start, end)."""
 
     def __init__(self, stages: list[TracedEnergyMeter], timeline: list[tuple]):
         super().__init__(stages)
         self.timeline = timeline
 
     def power_over_time(self) -> np.ndarray:
-        """The replica's power as a step function of simulated time: rows (time, W) at each
-        time a stage starts or ends a step, the sum over its stages of each stage's: its boards'
-        joules for the step over the step's seconds on it while it works (the order a stage
-        ends its steps is the order the replica charges them: a stage takes its steps first in,
-        first out), its idle draw otherwise. It runs from the first step's start to the last
-        one's end, where every stage is idle. Work of no time has no power and is left out."""
+        """The replica's power as a step function of simulated time: rows (time, W) wherever a stage
+        starts or ends a step, summing each stage's busy or idle draw. A stage ends its steps in
+        the order the replica charges them (first in, first out)."""
         if not self.timeline:
             return np.empty((0, 2))
         entries = np.asarray(self.timeline, dtype=np.float64)
@@ -97,10 +88,8 @@ TracedMeter = TracedEnergyMeter | TracedStagesEnergyMeter
 
 def step_power_w(steps: np.ndarray, columns: tuple[str, ...],
                  meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None]) -> np.ndarray:
-    """Each step row's replica power in W (TracedEnergyMeter.busy_power_w), for `steps` a
-    (rows, len(columns)) array of a run's step rows, each replica's in the order it ran them
-    (as MetricsCollector keeps them); NaN where the row's replica kept no trace or is pipelined
-    (its rows overlap: no one power per row)."""
+    """Each step row's replica power in W, for `steps` an array of a run's step rows; NaN where the
+    replica kept no trace or is pipelined (its rows overlap)."""
     replica_column, duration_column = columns.index("replica_id"), columns.index("duration")
     power = np.full(len(steps), np.nan)
     for replica_id, meter in meters.items():
@@ -112,13 +101,9 @@ def step_power_w(steps: np.ndarray, columns: tuple[str, ...],
 
 def power_over_time(steps: np.ndarray, columns: tuple[str, ...],
                     meters: Mapping[int, EnergyMeter | StagesEnergyMeter | None]) -> np.ndarray:
-    """The traced replicas' power as a step function of simulated time: rows (replica_id,
-    time, W), replica by replica, in time order: each step's power (step_power_w) from its
-    start, and the replica's idle draw from the end of each step after which it idled (its next
-    step starts later, or none follows); a pipelined replica's, the sum of its stages'
-    (TracedStagesEnergyMeter.power_over_time). Drawn as steps-post, its area over a replica's
-    steps and the gaps between them is what the meter charged for that span. Steps of no time
-    have no power and are left out."""
+    """The traced replicas' power as a step function of simulated time: rows (replica_id, time, W),
+    each step's power from its start and idle draw after it; drawn as steps-post, its area is
+    what the meter charged."""
     replica_column, start_column, duration_column = (
         columns.index(name) for name in ("replica_id", "start_time", "duration"))
     power = step_power_w(steps, columns, meters)

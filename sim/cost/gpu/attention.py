@@ -1,17 +1,6 @@
-"""Attention of decodes and prefill chunks, fitted from the attention tables as achieved rates.
-
-Per table (one GPU, one shape, one backend), least squares on relative error over every row:
-
-    decode call  = fixed + KV bytes read / achieved bandwidth + sequences x per-sequence cost
-    prefill call = fixed + FLOPs over the cached context / rate + FLOPs of the chunk's own causal
-                   triangle / rate
-
-(the triangle runs slower than the rectangle over cached keys: masked tiles, smaller blocks).
-For a target, the nearest table (preferred backend first, then GPU rates, then per-GPU heads)
-gives the rates; the target's own heads, head_dim, KV heads and tensor-parallel split give the
-bytes and FLOPs; another GPU scales the byte rate by its HBM bandwidth and the FLOP rates by its
-peak. Fixed and per-sequence costs are launch and scheduling work: kept as measured.
-"""
+"""Attention of decodes and prefill chunks, fitted from the attention tables as achieved rates
+(fixed + bytes or FLOPs over a rate, per table) and carried to the target's shape and GPU
+(docs/gpu-cost-model.md, Attention)."""
 from __future__ import annotations
 
 import functools

@@ -1,12 +1,5 @@
-"""Tensor-parallel all-reduces and pipeline-parallel stage sends from the NCCL tables.
-
-Two all-reduces per layer (after attention and after the MLP), each of tokens x hidden x dtype
-bytes. The time of a message is the measured NCCL time in one node for that many GPUs,
-interpolated over message size. A GPU without a table of its own uses the table whose link is
-nearest in bandwidth, looked up at the size that takes as long on that link: bytes x
-reference link / target link (so the latency stays the measured one and the bandwidth part
-scales with interconnect_gbps; an RTX card's PCIe the same way).
-"""
+"""Tensor-parallel all-reduces and pipeline stage sends from the NCCL tables, interpolated over
+message size and carried to another GPU's link by bandwidth (docs/gpu-cost-model.md)."""
 from __future__ import annotations
 
 import math

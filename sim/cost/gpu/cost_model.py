@@ -1,22 +1,7 @@
 """GPUCostModel: a step's duration as a sum of terms, each fitted to the GPU measurement that
-determines it (data/gpu/), with the engine's own costs as a few named, fittable terms.
-
-    step = engine overhead (step_overhead_s + per_sequence_overhead_s x sequences)
-         + swaps, copies, host-tier moves, LoRA adapters (sim/cost/overheads.py)
-         + drafting (sim/cost/drafting.py)
-         + GPU forward pass, which is the larger of
-             the kernels: layers x (linear layers + small kernels + 2 all-reduces) at the
-                          batch's tokens (padded to a CUDA-graph capture size when it has one)
-                        + embedding + final norm + LM head over the sampling rows
-                        + layers x (prefill attention + decode attention)
-             and, without a CUDA graph (batches over cuda_graph_max_tokens), the launches:
-                          layers x eager_launch_overhead_s_per_layer (the CPU launches ahead of
-                          the GPU, so the slower of the two sets the pace)
-
-Every term per token count is a precomputed list (sim/cost/token_tables.py), so a step costs
-O(1). `describe()` says where each term comes from, `expected_error_pct` the leave-out error of
-its kind of prediction (sim/cost/gpu/expected_errors.py). docs/gpu-cost-model.md has the rest.
-"""
+determines it (data/gpu/), with the engine's own costs as a few named, fittable terms. Every term
+is a precomputed list per token count, so a step costs O(1); docs/gpu-cost-model.md gives the
+formula and where each term comes from."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,14 +22,16 @@ from sim.cost.token_tables import TABLE_TOKENS, per_token_table
 from sim.cost.work import ModelStepWork
 from sim.cost.gpu.attention import attention_cost
 from sim.cost.gpu.collectives import allreduce_cost
+from sim.cost.gpu.cuda_graphs import padded_index
 from sim.cost.gpu.experts import MLP_OPS, ExpertKernels
 from sim.cost.gpu.linear import (covering_tables, describe_transfer, nearest_op_table,
-                            predict_layer_ms, predict_lm_head_ms, predict_step_ops_ms)
+                                 predict_layer_ms, predict_lm_head_ms, predict_step_ops_ms)
 from sim.cost.gpu.tables import LAYER_OPS, LayerShape, attention_tables
 from sim.cost.gpu.engine_terms import engine_terms
 from sim.cost.gpu.expected_errors import expected_errors_for, kind_of
 from sim.cost.gpu.transfer_errors import expected_errors
 from sim.cost.gpu.vllm_kernels import VllmKernels
+from sim.cost.gpu.term_sources import term_sources
 from sim.cost.gpu.vllm_tables import NoKernelTables, resolve_version, runs_v1_engine
 
 # Where the kernels come from: vLLM's own per version (aiconfigurator), or Vidur's profiles.
@@ -60,33 +47,10 @@ def _routing_exponent(routing) -> float:
     return 0.0
 
 
-def cuda_graph_capture_sizes(max_tokens: int) -> list[int]:
-    """vLLM V1's capture sizes up to `max_tokens`: 1, 2, 4, then every multiple of 8."""
-    return [size for size in (1, 2, 4) if size <= max_tokens] + list(range(8, max_tokens + 1, 8))
-
-
-def _padded_index(max_tokens: int) -> list[int]:
-    """n -> the capture size a batch of n tokens replays (n itself past the largest)."""
-    sizes = cuda_graph_capture_sizes(max_tokens)
-    index, size_iter = [0], iter(sizes)
-    size = next(size_iter, None)
-    for n in range(1, (sizes[-1] if sizes else 0) + 1):
-        while size < n:
-            size = next(size_iter)
-        index.append(size)
-    return index
-
-
 class GPUCostModel:
     """Predicts `step_time(plan)` in seconds for `model` on `tensor_parallel_size` GPUs of
-    `hardware` from measured operator, attention and NCCL tables (see the module docstring).
-
-    Free terms (what `twinserve-calibrate` fits to real runs): step_overhead_s,
-    per_sequence_overhead_s, eager_launch_overhead_s_per_layer. cuda_graph_max_tokens and
-    attention_backend describe the engine. Swaps, copies, host-tier moves, drafting and LoRA
-    adapters cost as the roofline's (sim/cost/overheads.py, sim/cost/drafting.py), at its
-    efficiencies (compute_efficiency, memory_efficiency, transfer_efficiency).
-    """
+    `hardware` from measured operator, attention and NCCL tables. `twinserve-calibrate` fits
+    step_overhead_s, per_sequence_overhead_s and eager_launch_overhead_s_per_layer."""
 
     costs_repeated_steps = True   # step_time reads the plan's features, never its sequences
 
@@ -151,7 +115,7 @@ class GPUCostModel:
             terms = self._vidur_tables(tokens, hw, shape)
         self._set_tables(*terms)
         self._set_expected_errors()
-        self._sources = self._describe(linear_source)
+        self._sources = term_sources(self, linear_source)
         # Bound once: step_time runs every step, and the energy meter asks each step's work
         # (policies.protocols.StepWorkCostModel, DecodeWorkCostModel).
         self._step_start = self.overheads.step_start
@@ -273,7 +237,7 @@ class GPUCostModel:
         size) and the LM head, and the attention terms times the layers."""
         layers = self.model.num_layers
         self._forward_s, self._forward_slope_s = per_token_table(forward_ms * 1e-3)
-        for n, padded in enumerate(_padded_index(self.cuda_graph_max_tokens)):
+        for n, padded in enumerate(padded_index(self.cuda_graph_max_tokens)):
             self._forward_s[n] = self._forward_s[padded]
         self._lm_head_s, self._lm_head_slope_s = per_token_table(lm_head_ms * 1e-3)
         self._eager_launch_s = layers * self.eager_launch_overhead_s_per_layer
@@ -298,47 +262,6 @@ class GPUCostModel:
             m.quantization is not None)
         self.expected_error_pct = expected_errors_for(self.prediction_kind)
 
-    def _describe(self, linear_source: str) -> dict[str, str]:
-        """Per term, what it was taken from (describe())."""
-        m, tp, hardware = self.model, self.tensor_parallel_size, self.hardware
-        attention = self._attention
-        sources = {
-            "linear": (self._linear_source or linear_source)
-                      + " (QKV, O, gate+up, down, norms, rope, act, add per layer; "
-                        "embedding and final norm per step)"
-                      + ("" if hardware.compute_efficiency == 1.0 or self.kernels else
-                         f"; the board's compute_efficiency {hardware.compute_efficiency:g}"),
-            "lm_head": (f"{self.kernel_source}: the hidden x vocab/tp GEMM over the sampling rows"
-                        + (", logits all-gathered (NCCL)" if tp > 1 else "")
-                        if self.kernels is not None else
-                        f"predicted from {self.op_table.name} gate+up GEMM by the LM head's "
-                        f"roofline ratio"),
-            "attention": (attention.source + f"; decode: the measured (batch, context) grid of "
-                          f"heads q/kv/d {self._decode_grid.heads}, looked up at the batch and its "
-                          f"mean context" if self._decode_grid else attention.source),
-            "allreduce": self._allreduce_source,
-            "engine": (("fitted: " + str(self.terms_file) if self.terms_file
-                        else self.engine_terms_source) + ": "
-                       f"step_overhead_s={self.step_overhead_s:g}, per_sequence_overhead_s="
-                       f"{self.per_sequence_overhead_s:g}, eager_launch_overhead_s_per_layer="
-                       f"{self.eager_launch_overhead_s_per_layer:g}, cuda_graph_max_tokens="
-                       f"{self.cuda_graph_max_tokens}"
-                       + ("" if hardware.board != "workstation" or self.kernels else
-                          f", workstation_bandwidth_efficiency="
-                          f"{self.workstation_bandwidth_efficiency:g}")),
-            "swaps_copies_offload_drafting": "RooflineCostModel arithmetic (spec-sheet rates)",
-        }
-        if m.is_moe:
-            sources["experts"] = (
-                f"{self.kernel_source}: fused MoE layer table (moe_tp {self.kernels.moe_tp_size}, "
-                f"moe_ep {self.kernels.moe_ep_size}, the measured routing nearest "
-                f"{self.routing!r})"
-                + ("" if self.kernels.moe_ep_size <= tp else
-                   f"; dispatch + combine per layer: vLLM's all-gather and reduce-scatter over the "
-                   f"data-parallel group, {self.kernels.system} NCCL tables")
-                if self.kernels is not None else self._expert_kernels.source(self.routing))
-        return sources
-
     def _vllm_kernels(self, system: str, version: str, v1_engine: bool) -> VllmKernels:
         m, tp = self.model, self.tensor_parallel_size
         ep = self.expert_layout.expert_parallel_size if m.is_moe else 1
@@ -358,8 +281,7 @@ class GPUCostModel:
                       + k.step_ops_ms(tokens))
         if m.is_moe and self.expert_layout.expert_parallel_size > 1:
             forward_ms += layers * k.expert_dispatch_ms(tokens)
-        # The measured decode table itself (a linear fit misses its cache and occupancy steps
-        # by up to 30 %).
+        # The measured decode grid itself: a linear fit misses its cache and occupancy steps.
         return (forward_ms, k.lm_head_ms(tokens), k.prefill_attention(),
                 k.decode_attention_grid(layers))
 

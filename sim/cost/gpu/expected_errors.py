@@ -1,16 +1,6 @@
 """The error a GPU run's TTFT, TPOT and E2E are expected to have, by the kind of prediction it
-makes, from leave-out checks end to end (data/gpu/expected_errors.json, written by
-`python -m calibration.expected_errors`: measured deployments and real runs that no term was
-fitted on).
-
-A kind is (kernels, arrivals, precision, model, version, tp): vLLM's measured kernels or the
-Vidur tables carried to another GPU; a closed loop (a fixed number of requests in flight, as in
-NVIDIA's benchmark rows) or open arrivals (traffic on its own clock, as in the real runs, whose
-queues amplify a step's error); bf16 or fp8 weights; dense or mixture of experts; the engine
-version measured or the nearest one; one GPU or tensor parallel. A run takes the checks of its
-own kind, or where too few share it, those that share its leading keys (kernels and arrivals
-kept while any check shares them), and states their 80th percentile of |error| (the largest of
-fewer than five): the truth should lie within it 8 times in 10."""
+makes, from leave-out checks (data/gpu/expected_errors.json, `python -m
+calibration.expected_errors`); docs/gpu-cost-model.md says how a run's kind picks its checks."""
 from __future__ import annotations
 
 import functools

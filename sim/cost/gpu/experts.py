@@ -1,25 +1,6 @@
-"""A mixture-of-experts layer's MLP kernels from the operator tables, by arithmetic.
-
-No table measures an expert layer, so each of its kernels is a measured dense kernel carried to
-the expert's shape by the roofline ratio (sim/cost/gpu/transfer.py), at the tokens it sees:
-
-- router: a hidden x num_experts GEMM over the step's T tokens (from the gate+up GEMM);
-- shared experts: a gated MLP of shared_expert_intermediate_size over all T tokens (the dense
-  gate+up, activation and down kernels at that width, tensor-parallel as the dense MLP);
-- routed experts (one fused kernel each for gate+up and down, as vLLM's fused_moe): the GPU's
-  touched experts, u = touched(G) / ep of them (sim/cost/experts.py), each a small gated MLP of
-  the local expert width over its share m = G·k / touched(G) of the routed tokens. The kernel's
-  launch floor is paid once, and each touched expert adds the dense GEMM's time above the floor
-  at m tokens: small decode batches read only the touched experts' weights, large ones all;
-  the activation runs once over the GPU's G·k / ep routed tokens;
-- expert parallelism: a dispatch and a combine all-to-all per layer, each of the bytes one GPU
-  sends (ExpertLayout.all_to_all_bytes), priced as an NCCL all-reduce (sim/cost/gpu/collectives.py)
-  of half that message: the same bytes cross each link (a ring all-reduce sends 2(w-1)/w of its
-  message, an all-to-all (w-1)/w), and the measured collective's latency.
-
-m is the mean tokens per touched expert: skewed routing gives the popular experts more and the
-rest fewer, which a memory-bound GEMM does not notice and a compute-bound one sums the same.
-"""
+"""A mixture-of-experts layer's MLP kernels (router, shared and routed experts, expert-parallel
+all-to-alls) from the dense operator tables carried to the expert's shape by the roofline ratio,
+at the tokens each kernel sees (docs/gpu-cost-model.md derives each)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,15 +1,6 @@
-"""Linear layers, the small per-layer kernels and the LM head, from the operator tables.
-
-A layer's time at n batched tokens is the sum of its measured kernels (QKV, O, gate+up, down,
-two norms, rope, the activation, the residual add) in the nearest table, interpolated between
-the measured token counts (which keep the GEMM efficiency steps) and carried to the target by
-the roofline ratio of each kernel (sim/cost/gpu/transfer.py). Beyond the table's last token count the
-time grows linearly at the slope of its upper half.
-
-The LM head (hidden x vocab over the rows that sample) has no table of its own: it is the
-reference table's gate+up GEMM (the widest measured one, same input width) scaled by the ratio of
-their rooflines.
-"""
+"""Linear layers, the small per-layer kernels and the LM head from the operator tables: measured
+kernels interpolated over token counts and carried to the target by each kernel's roofline ratio
+(docs/gpu-cost-model.md)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,17 +1,5 @@
-"""The GPU measurements under data/gpu/, parsed once per process.
-
-Three kinds of table (data/gpu/README.md says where each comes from):
-
-- operator tables: one layer's non-attention kernels (ms) against batched tokens, per
-  tensor-parallel shard, for one model shape on one GPU (`OpTable`);
-- attention tables: one attention call's kernels (ms) of a decode batch or a prefill chunk
-  (`AttentionRow`s);
-- NCCL all-reduce and send/recv tables: ms against message bytes, per number of GPUs in one
-  node.
-
-Each table names the GPU it was measured on by a conf/hardware name, so the transfer rules can
-compare spec-sheet rates.
-"""
+"""The GPU measurements under data/gpu/ (operator, attention and NCCL tables; data/gpu/README.md
+says where each comes from), parsed once per process."""
 from __future__ import annotations
 
 import csv

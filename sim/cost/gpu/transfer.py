@@ -1,16 +1,5 @@
-"""The transfer rule: how a measurement of one (GPU, shape, tensor-parallel size) predicts
-another.
-
-Each operator has a roofline time, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from its
-shape on one GPU and the GPU's spec sheet. A prediction is the nearest measured time times the
-ratio roofline(target) / roofline(reference) at the same token count: an exact match reproduces
-the measurement, another GPU of the same shape scales by its rates, another shape by its
-arithmetic, and the efficiency steps the measurement shows are kept.
-
-"Nearest" adds two log distances: between the GPUs' rates (0 for the same GPU, a hair more for
-another board of the same chip, such as the A800 for the A100), and between the per-GPU GEMM
-widths.
-"""
+"""The transfer rule: a measurement of one (GPU, shape, tensor-parallel size) predicts another as
+the nearest measured time times roofline(target) / roofline(reference) (docs/gpu-cost-model.md)."""
 from __future__ import annotations
 
 import math

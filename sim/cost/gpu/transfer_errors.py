@@ -1,15 +1,5 @@
-"""Leave-one-out errors of the transfer rule, per kind of transfer: computes them (this module as
-a script) and reads them back (`expected_errors`, what GPUCostModel reports).
-
-Linear layers: each measured (GPU, model, tensor-parallel size) operator table is predicted from
-the other tables by the rule GPUCostModel uses (sim/cost/gpu/linear.py), once per kind of transfer:
-from another board of the same chip, from another shape or split on the same GPU, from another
-GPU of the same shape, from another GPU and shape. The error is the mean |predicted - measured|
-/ measured of one layer's kernels over the table's token counts up to 4,096 (what serving steps
-batch). "measured" is the tables' own repeat spread (token counts profiled twice).
-
-Attention: each attention table is predicted from the others (sim/cost/gpu/attention.py), per call,
-decode and prefill rows apart.
+"""Leave-one-out errors of the transfer rule per kind of transfer, for linear layers and attention:
+computed by this module as a script, read back by `expected_errors` (docs/gpu-cost-model.md).
 
     python -m sim.cost.gpu.transfer_errors          # writes data/gpu/transfer_errors.json
 """

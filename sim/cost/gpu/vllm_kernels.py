@@ -1,27 +1,6 @@
 """One step's kernels assembled from the kernel tables of the vLLM version being predicted
-(sim/cost/gpu/vllm_tables.py), at the model's tensor-parallel shard, per batched token count:
-
-- per layer: the QKV, O, gate+up and down GEMMs looked up at their (tokens, n, k) in the
-  version's GEMM table of the weights' dtype (bf16, fp8, fp8_block), or for a mixture of experts
-  the router GEMM and the fused MoE layer from its table; two all-reduces from vLLM's custom
-  all-reduce (inside a CUDA graph up to `cuda_graph_max_tokens`, eager beyond), on Hopper the
-  symmetric-memory one past its size limit (unmeasured: the faster of custom and NCCL), NCCL past
-  both; the small kernels (norms, rotary, activation, residual add) from the nearest operator
-  table by bytes moved (sim/cost/gpu/linear.py);
-- attention: decode looked up in the version's measured (batch, context) grid at the batch's
-  size and mean context;
-- per step: embedding and final norm (small kernels), the LM head GEMM over the sampling rows,
-  and at tp > 1 the logits' all-gather;
-- prefill attention: the version's table of the KV cache's dtype, at the heads one GPU holds,
-  fitted by relative least squares to the terms a plan carries (fixed + query-key pairs +
-  tokens);
-- decodes beside prompt tokens, where vLLM V1's FLASH_ATTN backend runs FlashAttention 2 (one
-  varlen call for the whole batch, flash_attn.py): that call packs a KV head's query heads and
-  splits the context only when every query is one token (flash_api.cpp, mha_varlen_fwd), so in
-  a mixed step each decode takes a whole 64-row query tile per query head over its context:
-  priced at the prefill table's rate per query-key pair, 64 pairs per context token (never
-  below the decode table).
-"""
+(vllm_tables.py) at the model's tensor-parallel shard, per batched token count: GEMMs,
+all-reduces, small kernels, attention and the LM head (docs/gpu-cost-model.md derives each)."""
 from __future__ import annotations
 
 import bisect
@@ -80,11 +59,8 @@ class DecodeAttentionGrid:
     def along_run(self, num_decodes: int, context_tokens: float, num_steps: int | None = None,
                   kernels_s: float = 0.0, floor_s: float = 0.0,
                   overhead_s: float = 0.0) -> Iterator[float]:
-        """The seconds at `context_tokens`, then at each next step of the same batch, every
-        decode a token further (context_tokens + num_decodes, ...): the batch's row is looked
-        up once for the whole run of repeated steps; `num_steps` of them (None: no end). A
-        step's other terms folded in, each as `overhead_s + max(floor_s, kernels_s +
-        attention)` (the defaults leave the attention)."""
+        """The seconds at `context_tokens`, then at each next step of the same batch (every decode
+        a token further), the batch's row looked up once; `num_steps` of them (None: no end)."""
         bi, bw, bs = _position(self.batch, float(num_decodes))
         row, nxt = self.seconds[bi], self.seconds[min(bi + 1, len(self.batch) - 1)]
         grid, last = self.context, len(self.context) - 1
@@ -251,12 +227,8 @@ class VllmKernels:
                                  np.minimum(custom, nccl_ms), nccl_ms))
 
     def expert_dispatch_ms(self, tokens: np.ndarray) -> np.ndarray:
-        """A MoE layer's dispatch and combine (ms). With data parallelism (the expert group spans
-        replicas) vLLM's default all2all backend (allgather_reducescatter) all-gathers every
-        rank's hidden states over the data-parallel group and reduce-scatters the experts'
-        output back: the board's NCCL tables at the gathered size (the top-k ids and weights
-        gathered beside add under 2 %). Within one replica every GPU already holds the tokens
-        (the tensor-parallel all-reduce combines): none."""
+        """A MoE layer's dispatch and combine (ms): with data parallelism vLLM's
+        allgather_reducescatter at the gathered size; none within one replica."""
         group = self.moe_ep_size // self.tensor_parallel_size
         if group <= 1:
             return np.zeros_like(np.asarray(tokens, dtype=float))

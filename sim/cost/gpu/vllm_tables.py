@@ -1,9 +1,6 @@
-"""vLLM's own kernels timed by shape on each GPU, per vLLM version (data/gpu/aiconfigurator/, NVIDIA's
-aiconfigurator measurements; data/gpu/README.md says what every column means), parsed once per
-process into arrays the kernel assembly (sim/cost/gpu/vllm_kernels.py) interpolates.
-
-Every latency here is in milliseconds, as the tables store it.
-"""
+"""vLLM's own kernels timed by shape on each GPU, per vLLM version (data/gpu/aiconfigurator/,
+NVIDIA's aiconfigurator measurements; data/gpu/README.md), parsed once per process into arrays.
+Every latency here is in milliseconds, as the tables store it."""
 from __future__ import annotations
 
 import functools
@@ -175,10 +172,8 @@ def gemm_grid(system: str, version: str, dtype: str) -> GemmGrid:
             last = np.flatnonzero(known)[-1]
             column[~known] = np.interp(grid_m[~known], grid_m[known], column[known])
             column[last + 1:] = column[last] * grid_m[last + 1:] / grid_m[last]
-    # A GEMM over more tokens is never faster: a point slower than a larger m's is a glitch of
-    # the measurement (e.g. 0.14.0 on H100, m 2048 x n 5120 x k 6144 at a fifth of its
-    # neighbours' rate): a point 30 % slower than some larger m takes that m's time (a
-    # smaller excess is the noise of flat, memory-bound rows, kept).
+    # A GEMM over more tokens is never faster, so a point 30 % slower than a larger m's is a
+    # glitch and takes that m's time (a smaller excess is noise, kept).
     above = np.minimum.accumulate(cube[::-1], axis=0)[::-1]
     cube = np.where(cube > GLITCH_RATIO * above, above, cube)
     cube = _repair_isolated_slow_points(grid_m, grid_n, grid_k, cube)
@@ -187,11 +182,8 @@ def gemm_grid(system: str, version: str, dtype: str) -> GemmGrid:
 
 def _repair_isolated_slow_points(grid_m: np.ndarray, grid_n: np.ndarray, grid_k: np.ndarray,
                                  cube: np.ndarray) -> np.ndarray:
-    """`cube` with each point whose FLOP rate is under 1 / GLITCH_RATIO of all four of its
-    neighbours' along n and k (same m) at the mean of their rates: a GEMM's rate is smooth in
-    its widths, so a lone point at half its neighbours' rate (38 of the 9,261 bf16 points of
-    0.14.0 on H100, at most 3 of 35,816 in the later tables) is a glitch of the measurement,
-    which interpolation would carry to every width near it."""
+    """`cube` with each point under 1 / GLITCH_RATIO of all four neighbours' FLOP rates along n and
+    k set to their mean: a GEMM's rate is smooth in its widths, so a lone slow point is a glitch."""
     flops = 2.0 * grid_m[:, None, None] * grid_n[None, :, None] * grid_k[None, None, :]
     rate = flops / cube
     inner = rate[:, 1:-1, 1:-1]

@@ -1,24 +1,6 @@
-"""The profiled cost model: a step's duration from a model fitted to engine measurements.
-
-A profile (profiles/<device>/<model>.json, written by the profiler) holds a linear model of the
-step duration over the features it was fitted with (sim/cost/profiled/step_features.py's, and those
-of the optional layer it names), the relative residuals of the fit (measured / predicted - 1) and
-the range of every feature it was fitted on:
-
-    {"schema": 1, "metadata": {...}, "features": [feature names],
-     "model": {"kind": "linear", "intercept_s": float, "coefficients_s": {feature: float}},
-     "residuals": {"kind": "relative", "samples": [float, ...]},
-     "feature_ranges": {feature: [min, max]}, "fit": {...}}
-
-A step takes `prediction × (1 + r)`, r drawn from the residual samples with a seeded generator,
-so that the simulated tails carry the measured spread rather than the mean alone. A step whose
-features fall outside the profiled ranges is extrapolated linearly, and the first such step of
-each feature is logged as a warning. Where the profile asks for it, the CPU layer adds to this:
-attention-tile features (sim/cost/profiled/tile_features.py, tile names in `features`) and a local
-correction of the linear prediction (sim/cost/profiled/local_correction.py, a `correction` section).
-A mixture of experts' profile may add the expected experts a step touches
-(sim/cost/profiled/expert_features.py).
-"""
+"""The profiled cost model: a step's duration from a linear model fitted to engine measurements,
+times (1 + a drawn residual), optionally with tile features, expert features and a local
+correction; docs/calibration.md (The profiled cost model) describes the profile it reads."""
 from __future__ import annotations
 
 import logging
@@ -119,19 +101,10 @@ def check_profile(profile: dict, where: str = "profile") -> dict:
 
 
 class ProfiledCostModel:
-    """Predicts `step_time(plan)` in seconds from a profile fitted on the engine.
-
-    `model`, `hardware` and `tensor_parallel_size` are what the runner passes every cost model
-    (and `draft_model` a speculating run, `medusa_num_heads` a Medusa run); the profile already
-    describes one model on one device (its draft features the drafter it was measured with:
-    Medusa's heads or lookahead's window run in its speculating steps), so the step's
-    prediction does not use them. Only the prefix cache's host tier, which no profile measures, is charged from them:
-    its stores and loads take block bytes / `offload_bandwidth_gbps` (null: the hardware's host
-    link), on top of the prediction.
-    `block_size` (the run's KV block size) places the sequences in the attention tiles the
-    engine would run, for a profile with tile features. `sample_residuals=False` gives the fitted
-    mean alone (deterministic). `profile` is a path, or a profile's content (the profiler's
-    fit_profile), which needs no block size when only `predict_mean` is used."""
+    """Predicts `step_time(plan)` in seconds from a profile fitted on the engine. `profile` is a
+    path or a profile's content; `block_size` places sequences in the engine's attention tiles;
+    `sample_residuals=False` gives the fitted mean alone. The model and hardware arguments only
+    charge the prefix cache's host tier, which no profile measures."""
 
     def __init__(self, profile: str | Path | dict, seed: int = 0, sample_residuals: bool = True,
                  model=None, hardware=None, tensor_parallel_size: int = 1,

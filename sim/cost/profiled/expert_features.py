@@ -1,16 +1,6 @@
-"""The expert step feature of a mixture of experts: HF's expert layers run one matrix multiply
-per expert that received a token (Mixtral's loop, or the per-group kernel calls of grouped_mm),
-so a step's expert work is a per-expert cost for each expert its tokens touch on top of the
-per-token one. Decode batches of 1-16 touch 2 to all 8 of tiny-moe's experts, a curve the plan's
-linear aggregates cannot draw.
-
-The feature is the expected number of distinct experts a step's tokens touch per layer under
-uniform routing, E·(1 − (1 − k/E)^T) for T tokens, E experts and k routed per token
-(sim/cost/experts.py's closed form): the simulator knows no token's routing, and a random
-model's router spreads its tokens. A profile
-fitted with it (`twinserve-profile --expert-feature`; opt-in, docs/calibration.md says why) lists
-it in its `features` and reads E and k from `metadata.model_config`.
-"""
+"""The expert step feature of a mixture of experts: HF's expert layers run one matmul per expert a
+token reaches, so a step costs per expert touched; the feature is the expected distinct experts
+per layer under uniform routing (docs/calibration.md, `--expert-feature`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

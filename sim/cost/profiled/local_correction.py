@@ -1,12 +1,5 @@
-"""A local correction of the profile's linear fit: a linear model cannot follow every shape (a
-lone decode runs cheaper kernels, a long batch of prompts spills the caches), so near its grid
-points the prediction takes the measured/fitted ratio of the points around it.
-
-The ratios are averaged with a Gaussian kernel in log-scaled feature space and fade to 1 (the
-linear model alone) far from every point; the bandwidth and the weight of that 1 are chosen by
-leave-one-out over the grid points (calibration/profiler/fit.py), and a profile carries the
-result as its `correction`.
-"""
+"""A local correction of the profile's linear fit near its grid points, where a linear model cannot
+follow the kernels' shape (docs/calibration.md, The profiled cost model)."""
 from __future__ import annotations
 
 import math
@@ -15,12 +8,9 @@ import numpy as np
 
 
 class LocalCorrection:
-    """The factor on the linear prediction near the profile's grid points: a kernel average of
-    their measured/fitted ratios, with `prior_weight` on a ratio of 1 (so that a step far from
-    every point keeps the linear prediction). Distances are in z = log(1 + x / scale) per
-    feature: relative differences count, and a feature that is 0 in both counts nothing.
-    Factors are cached on z rounded to a tenth of the bandwidth, since a run's steps repeat
-    their neighbourhoods and the simulator's per-step cost must stay a dict lookup."""
+    """The factor on the linear prediction: a Gaussian-kernel average of the grid points'
+    measured/fitted ratios with `prior_weight` on 1. Cached on z rounded to a tenth of the
+    bandwidth, so a step's cost stays a dict lookup."""
 
     def __init__(self, points, ratios, scales, bandwidth: float, prior_weight: float):
         self.scales = np.asarray(scales, dtype=np.float64)

@@ -1,9 +1,5 @@
-"""The features of a step that its duration depends on: what the profiler measures over, what the
-profiled cost model predicts from, all aggregates of the StepPlan.
-
-A profile may also be fitted with the attention-tile features of the torch CPU kernels
-(sim/cost/profiled/tile_features.py); it lists them in its own `features`.
-"""
+"""The StepPlan aggregates a step's duration depends on: what the profiler measures over and the
+profiled cost model predicts from."""
 from __future__ import annotations
 
 from policies.types import StepPlan

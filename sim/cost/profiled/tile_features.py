@@ -1,10 +1,5 @@
-"""Attention-tile step features: on a CPU each padded tile of the torch attention
-(kernels/tiling.py) costs a gather and an attention call per layer, and pads its sequences to its
-longest context and query, which the plan's aggregates alone do not show.
-
-A profile fitted with them lists them in its `features` and the tiling they were computed with in
-`metadata.attention_tiling` ({"kv_bytes_per_token", "tile_bytes"}).
-"""
+"""Attention-tile step features: on a CPU each padded tile of the torch attention costs a gather
+and a call per layer and pads to its longest sequence, which the plan's aggregates do not show."""
 from __future__ import annotations
 
 from dataclasses import dataclass
