@@ -14,7 +14,6 @@ promises the simulator's repeated steps rest on are in promises.py (docs/policie
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import ClassVar
 
@@ -23,7 +22,8 @@ from policies.batching.finishing import Finishing
 from policies.batching.handoff import KVHandoff
 from policies.batching.kept_turns import KeptTurns
 from policies.batching.preempting import PreemptionAndSwap
-from policies.batching.promises import withdraw_unstated_promises
+from policies.batching.promises import (may_repeat_past_finishes, repeated_steps_bounds,
+                                        withdraw_unstated_promises)
 from policies.batching.queues import Queues, prefill_chunk
 from policies.batching.speculative import SpeculativeDecodes
 from policies.capabilities import ExpiringKVRetention, OffloadingKVCache
@@ -318,56 +318,23 @@ class BaseScheduler:
     def admit_transfer(self, request: Request, now: float) -> bool:
         """Give a request prefilled elsewhere a sequence and blocks here. False: no room now (or
         never: `rejected_reason` set)."""
-        reason = self._rejection_reason(request)
-        if reason is None and request.n != 1:
-            reason = f"a KV transfer moves one sequence; n={request.n}"
-        if reason is not None:
-            request.rejected_reason = reason
-            return False
-        if self.queues.num_running_seqs + 1 > self.max_num_seqs:
-            return False
-        if self.lora is not None:
-            self.lora.track(self._lora_holders())
-            if not self.lora.fits(request.lora_id):
-                return False
-        return self.handoff.receive(request)
+        return self.handoff.admit(request, self._rejection_reason(request), self.max_num_seqs,
+                                  self.lora, self._lora_holders)
 
     def finish_transfer(self, request: Request, now: float) -> None:
         """The KV of a request admitted by admit_transfer has arrived: it decodes from now on."""
         self.handoff.arrived(request)
 
-    # ---- the simulator's repeated steps (sim/core/repeated_steps.py) ---------------------------
+    # ---- the simulator's repeated steps (sim/core/repeated_steps.py; promises.py answers) ----
 
     def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
         """None unless the next steps would plan this decode batch again; else whether they may
         run past arrivals and when kept blocks are next released by time."""
-        # Speculation decides per step and learns from each, so it never repeats.
-        if (not plan.num_decode_seqs or self.drafting is not None or not self._retention_expires
-                or not self._plans_the_batch_again(plan)):
-            return None
-        if self.kv_retention is None:
-            # A blocked FCFS head keeps every later arrival waiting behind it.
-            return bool(self.queues.waiting), math.inf
-        # Kept blocks may let a session's next turn go ahead of the head (KeptTurns.admit_turns).
-        return False, self.kv_retention.next_expiry()
-
-    def _plans_the_batch_again(self, plan: StepPlan) -> bool:
-        """Whether, with no arrival, `schedule` would plan this decode batch again next step,
-        each decode a token on (docs/simulator.md#repeated-steps says why each case breaks it)."""
-        queues = self.queues
-        num_decoding = queues.num_running_seqs - len(self.handoff.receiving)
-        return not (queues.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
-                    or plan.blocks_to_swap_out or plan.blocks_to_swap_in
-                    or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
-                    or (plan.lora is not None and plan.lora.to_load) or plan.num_decode_seqs != num_decoding
-                    or (self.kept_turns is not None and self.kept_turns.released_for_running)
-                    or (queues.waiting and not self.repeated_steps_past_arrivals))
+        return repeated_steps_bounds(self, plan)
 
     def may_repeat_past_finishes(self) -> bool:
         """Whether decodes that finish may leave at their step while the rest run on."""
-        queues = self.queues
-        return (self.repeated_steps_past_finishes
-                and not (queues.waiting or queues.swapped or self.handoff.receiving))
+        return may_repeat_past_finishes(self)
 
     def resum_plan(self, plan: StepPlan) -> None:
         """The plan lost its finished decodes (repeated steps): its LoRA sums."""

@@ -2,8 +2,10 @@
 requests over after their first token, a decode replica admits their KV."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from policies.batching.queues import Queues
-from policies.protocols import KVCacheManager
+from policies.protocols import KVCacheManager, LoRAManager
 from policies.types import Request, Sequence, SequenceStatus
 
 
@@ -24,6 +26,23 @@ class KVHandoff:
         the KV transfer."""
         handed_off, self.handed_off = self.handed_off, []
         return handed_off
+
+    def admit(self, request: Request, rejection_reason: str | None, max_num_seqs: int,
+              lora: LoRAManager | None, lora_holders: Callable[[], list[Request]]) -> bool:
+        """BaseScheduler.admit_transfer: receive `request` if it may ever run here (else
+        `rejected_reason` set) and a seat, its adapter and blocks are free now."""
+        if rejection_reason is None and request.n != 1:
+            rejection_reason = f"a KV transfer moves one sequence; n={request.n}"
+        if rejection_reason is not None:
+            request.rejected_reason = rejection_reason
+            return False
+        if self.queues.num_running_seqs + 1 > max_num_seqs:
+            return False
+        if lora is not None:
+            lora.track(lora_holders())
+            if not lora.fits(request.lora_id):
+                return False
+        return self.receive(request)
 
     def receive(self, request: Request) -> bool:
         """Give a request prefilled elsewhere a sequence of this replica's and blocks for the KV

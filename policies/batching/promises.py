@@ -7,8 +7,17 @@ and how a subclass that overrides what a promise is about withdraws it.
   behind a head kept out.
 - `repeated_steps_past_finishes`: `update` does per step only what a decode's next token needs,
   so decodes may finish inside a run.
+
+The queries the simulator asks a `BaseScheduler` before a run are here beside them.
 """
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from policies.batching.base import BaseScheduler
+    from policies.types import StepPlan
 
 # The hooks with a promise of their own: overriding one withdraws only that promise.
 _PROMISE_OF_HOOK = {"next_waiting": "repeated_steps_past_arrivals",
@@ -36,3 +45,40 @@ def withdraw_unstated_promises(cls: type) -> None:
             setattr(cls, promise, False)
     if "repeated_steps" not in own and _overrides_a_planning_hook(cls):
         cls.repeated_steps = False
+
+
+def repeated_steps_bounds(scheduler: BaseScheduler, plan: StepPlan) -> tuple[bool, float] | None:
+    """BaseScheduler.repeated_steps_bounds: None unless the next steps would plan this decode
+    batch again; else whether they may run past arrivals and when kept blocks next expire."""
+    # Speculation decides per step and learns from each, so it never repeats.
+    if (not plan.num_decode_seqs or scheduler.drafting is not None
+            or not scheduler._retention_expires or not plans_the_batch_again(scheduler, plan)):
+        return None
+    if scheduler.kv_retention is None:
+        # A blocked FCFS head keeps every later arrival waiting behind it.
+        return bool(scheduler.queues.waiting), math.inf
+    # Kept blocks may let a session's next turn go ahead of the head (KeptTurns.admit_turns).
+    return False, scheduler.kv_retention.next_expiry()
+
+
+def plans_the_batch_again(scheduler: BaseScheduler, plan: StepPlan) -> bool:
+    """Whether, with no arrival, `schedule` would plan this decode batch again next step, each
+    decode a token on (docs/simulator.md#repeated-steps says why each case breaks it)."""
+    queues = scheduler.queues
+    num_decoding = queues.num_running_seqs - len(scheduler.handoff.receiving)
+    return not (queues.swapped or plan.num_prefill_seqs or plan.blocks_to_copy
+                or plan.blocks_to_swap_out or plan.blocks_to_swap_in
+                or plan.preempted_recompute or plan.blocks_to_offload or plan.blocks_to_load
+                or (plan.lora is not None and plan.lora.to_load)
+                or plan.num_decode_seqs != num_decoding
+                or (scheduler.kept_turns is not None
+                    and scheduler.kept_turns.released_for_running)
+                or (queues.waiting and not scheduler.repeated_steps_past_arrivals))
+
+
+def may_repeat_past_finishes(scheduler: BaseScheduler) -> bool:
+    """BaseScheduler.may_repeat_past_finishes: whether decodes that finish may leave at their
+    step while the rest run on."""
+    queues = scheduler.queues
+    return (scheduler.repeated_steps_past_finishes
+            and not (queues.waiting or queues.swapped or scheduler.handoff.receiving))
