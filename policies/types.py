@@ -192,7 +192,10 @@ class Request:
         return max((seq.num_output_tokens for seq in self.sequences), default=0)
 
     def unfinished_sequences(self) -> list[Sequence]:
-        return [seq for seq in self.sequences if seq.status is not SequenceStatus.FINISHED]
+        sequences = self.sequences
+        if len(sequences) == 1:   # (n=1, nearly every request: no comprehension)
+            return [] if sequences[0].status is SequenceStatus.FINISHED else [sequences[0]]
+        return [seq for seq in sequences if seq.status is not SequenceStatus.FINISHED]
 
 
 @dataclass(slots=True)

@@ -327,14 +327,9 @@ class BaseScheduler:
 
     # ---- the simulator's repeated steps (sim/core/repeated_steps.py; promises.py answers) ----
 
-    def repeated_steps_bounds(self, plan: StepPlan) -> tuple[bool, float] | None:
-        """None unless the next steps would plan this decode batch again; else whether they may
-        run past arrivals and when kept blocks are next released by time."""
-        return repeated_steps_bounds(self, plan)
-
-    def may_repeat_past_finishes(self) -> bool:
-        """Whether decodes that finish may leave at their step while the rest run on."""
-        return may_repeat_past_finishes(self)
+    # Class attributes, not wrappers: the simulator asks them before every run.
+    repeated_steps_bounds = repeated_steps_bounds
+    may_repeat_past_finishes = may_repeat_past_finishes
 
     def resum_plan(self, plan: StepPlan) -> None:
         """The plan lost its finished decodes (repeated steps): its LoRA sums."""
@@ -357,11 +352,10 @@ class BaseScheduler:
             # Decodes alone, without ids or drafts (the simulator's usual step): one pass, and
             # none samples its first token.
             Sequence.advance_decodes(plan.seqs, 1, now)
-            finish = self.finish_sequence
             for seq in plan.seqs:
                 request = seq.request
                 if ((seq.num_output_tokens >= request.output_len
-                     or (stopped and seq.seq_id in stopped)) and finish(seq, now)):
+                     or (stopped and seq.seq_id in stopped)) and finish_sequence(seq, now)):
                     finished_requests.append(request)
             return finished_requests
         for seq, num_new in zip(plan.seqs, plan.num_new_tokens):
