@@ -28,8 +28,7 @@ class AdmissionCheckingKVCache(Protocol):
 
     def may_allocate_new(self, num_tokens: Seq[int]) -> bool:
         """Whether new sequences might get slots for these prefill chunks under the watermark;
-        False must be exact, since BaseScheduler then skips the attempt, and must hold for
-        chunks as long or longer while num_free_blocks() does not grow (it is not asked again)."""
+        False must be exact, since BaseScheduler then skips the attempt."""
 
 
 @runtime_checkable

@@ -16,8 +16,7 @@ class Admission:
     refusal was the pool's (else seats, adapters or the budget)."""
 
     __slots__ = ("queues", "kv_cache", "max_num_seqs", "lora", "kv_retention",
-                 "short_of_blocks", "_may_allocate_new", "_num_loaded_prefix_tokens",
-                 "_refused", "_refused_budget", "_refused_chunked", "_refused_free_blocks")
+                 "short_of_blocks", "_may_allocate_new", "_num_loaded_prefix_tokens")
 
     def __init__(self, queues: Queues, kv_cache: KVCacheManager, max_num_seqs: int,
                  lora: LoRAManager | None, kv_retention: KVRetentionPolicy | None,
@@ -34,11 +33,6 @@ class Admission:
             if has_capability(kv_cache, AdmissionCheckingKVCache, "kv_cache") else None)
         # A host tier for the prefix cache: the prompt tokens loaded back go into the request.
         self._num_loaded_prefix_tokens = num_loaded_prefix_tokens
-        # The request `_may_allocate_new` last refused, with the budget and free blocks it saw.
-        self._refused: Request | None = None
-        self._refused_budget = 0
-        self._refused_chunked = False
-        self._refused_free_blocks = 0
 
     def admit(self, request: Request, plan: StepPlan, token_budget: int, now: float,
               chunked: bool, may_admit: Callable[[Request], bool],
@@ -57,20 +51,10 @@ class Admission:
         if queues.num_running_seqs + num_live_samples > self.max_num_seqs:
             return None
         kv_cache = self.kv_cache
-        if self._may_allocate_new is not None:
-            if (request is self._refused and token_budget >= self._refused_budget
-                    and chunked is self._refused_chunked
-                    and kv_cache.num_free_blocks() <= self._refused_free_blocks):
-                # Refused again unasked: its chunks, and so the blocks they need, only grow
-                # with the budget, and the pool has no more free blocks than when it said no.
-                self.short_of_blocks = True
-                return None
-            if not self._may_allocate_new(_uncached_chunks(seqs, token_budget, chunked)):
-                self._refused, self._refused_budget = request, token_budget
-                self._refused_chunked = chunked
-                self._refused_free_blocks = kv_cache.num_free_blocks()
-                self.short_of_blocks = True
-                return None   # the allocation below would fail: skip taking and freeing blocks
+        if (self._may_allocate_new is not None and not self._may_allocate_new(
+                _uncached_chunks(seqs, token_budget, chunked))):
+            self.short_of_blocks = True
+            return None   # the allocation below would fail: skip taking and freeing its blocks
         num_cached = [kv_cache.allocate_prefix(seq) for seq in seqs]
         chunks = []
         budget_left = token_budget
