@@ -34,6 +34,15 @@ class SimEnvironment(simpy.Environment):
         heapq.heappush(self._queue, (time, NORMAL, next(self._eid), event))
         return event
 
+    def skip_to(self, time: float) -> bool:
+        """Move the clock to `time` if no event is due by then, what waiting on `timeout_at(time)`
+        would do without the event; False, nothing changed, where one is."""
+        queue = self._queue
+        if queue and queue[0][0] <= time:
+            return False
+        self._now = time
+        return True
+
 
 class NextArrival:
     """When the next request arrives (inf after the last), the horizon of repeated decode steps:
@@ -246,12 +255,9 @@ class OwnTime:
         if result is None:
             return False
         end_times = steps.step_end_times   # of repeated steps; None for one step
-        if end_times:
-            replica.busy_until = end_times[-1]
-            yield env.timeout_at(replica.busy_until)
-        else:
-            replica.busy_until = now + result.duration
-            yield env.timeout(result.duration)
+        busy_until = replica.busy_until = end_times[-1] if end_times else now + result.duration
+        if not env.skip_to(busy_until):
+            yield env.timeout_at(busy_until)
         replica.busy_until = math.inf
         replica.last_step_duration = result.duration
         finished = steps.complete(env.now)
