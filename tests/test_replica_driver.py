@@ -10,7 +10,7 @@ from policies.types import Request
 from sim.core.experiment import run_experiment
 from sim.core.lockstep import Lockstep
 from sim.core.pipelined_replica import ThroughStages
-from sim.core.replica import OwnTime, Replica, ReplicaDriver
+from sim.core.replica import OwnTime, Replica, ReplicaDriver, SimEnvironment
 
 KINDS = {
     "alone": (["cluster.num_replicas=2"], OwnTime),
@@ -60,3 +60,14 @@ def test_every_kind_of_replica_runs_through_the_one_driver(kind, monkeypatch):
     expected_drivers = {"alone": 2, "lockstep group": 1, "pipeline stages": 2}[kind]
     assert len(drivers) == expected_drivers
     assert sum(len(driver.lanes) for driver in drivers) == len(lanes)
+
+
+def test_skip_to_moves_the_clock_only_where_no_event_is_due_by_then():
+    env = SimEnvironment()
+    woken = []
+    env.timeout(5.0).callbacks.append(lambda _: woken.append(env.now))
+    assert env.skip_to(4.0) and env.now == 4.0
+    assert not env.skip_to(5.0)   # a tie: the event scheduled first goes first
+    assert not env.skip_to(6.0) and env.now == 4.0
+    env.run()
+    assert woken == [5.0] and env.skip_to(7.0) and env.now == 7.0
