@@ -313,7 +313,7 @@ def test_requests_arriving_together_are_admitted_in_the_plugins_order(vllm_runs,
     expected = ORDER_RUNS[name][1]
     if expected is not None:
         assert run["admitted"] == expected
-    assert sorted(run["admitted"]) == [0, 1, 2, 3, 4, 5]
+    assert set(run["admitted"]) == {0, 1, 2, 3, 4, 5}   # (MLFQ preempts to admit: readmissions)
     assert run["most_running"] == 1   # the plug-in's scheduler.max_num_seqs=1
 
 
@@ -321,8 +321,9 @@ def test_the_victim_is_the_plugins(vllm_runs):
     own = vllm_runs["vllm"]["runs"]["preempt"]["preempted"]
     fcfs = vllm_runs["adapter"]["runs"]["fcfs_victims"]["preempted"]
     longest = vllm_runs["adapter"]["runs"]["longest_remaining_victims"]["preempted"]
+    # Among the requests not yet scheduled in the step short of memory (the second and third):
     assert own and own[0] == 2 and fcfs[0] == 2   # the latest arrival, vLLM's and twinserve's
-    assert longest and longest[0] == 0            # the most tokens still to generate
+    assert longest and longest[0] == 1            # the most tokens still to generate
 
 
 def test_greedy_outputs_are_unchanged_by_the_adapter(vllm_runs):
@@ -332,7 +333,7 @@ def test_greedy_outputs_are_unchanged_by_the_adapter(vllm_runs):
         assert adapter[name]["token_ids"] == own["order"]["token_ids"], name
     for name in PREEMPT_RUNS:
         assert adapter[name]["token_ids"] == own["preempt"]["token_ids"], name
-    assert [len(ids) for ids in own["preempt"]["token_ids"]] == [90, 40, 60]
+    assert [len(ids) for ids in own["preempt"]["token_ids"]] == [20, 100, 40]
 
 
 def test_a_refused_request_finishes_as_an_error_and_the_others_run(vllm_runs):

@@ -19,6 +19,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # (GiB; the blocks are overridden anyway)
 
 BLOCK_SIZE = 32          # the CPU attention backend's block sizes are multiples of 32
 NUM_BLOCKS = 6           # one is vLLM's null block: 160 tokens, so three requests must take turns
@@ -28,9 +29,11 @@ ORDER_PROMPT_LENS = [60, 10, 40, 20, 50, 30]
 ORDER_MAX_TOKENS = [4, 12, 8, 2, 10, 6]
 ORDER_PRIORITIES = [1, 1, 0, 1, 0, 1]
 ORDER_TENANTS = ["a", "a", "a", "b", "b", "b"]
-# Three requests whose growth overflows the cache: the first has the most tokens to go.
-PREEMPT_PROMPT_LENS = [30, 30, 30]
-PREEMPT_MAX_TOKENS = [90, 40, 60]
+# Three requests whose growth overflows the cache: the second and third need a second block in
+# the same step, when the first (scheduled before them) has taken the last; of those two, the
+# second has the more tokens still to generate, the third arrived last.
+PREEMPT_PROMPT_LENS = [60, 20, 20]
+PREEMPT_MAX_TOKENS = [20, 100, 40]
 
 
 def prompt(index: int, length: int) -> list[int]:
@@ -93,9 +96,10 @@ def run(llm, scheduler, spec: dict) -> dict:
         outputs = llm.generate(prompts, params, priority=priorities, use_tqdm=False)
     finally:
         del scheduler.waiting.pop_request, scheduler._preempt_request, scheduler.schedule
+    # The engine's ids are the outputs' with a suffix of its own ("0" -> "0-1a2b3c4d").
     index = {output.request_id: i for i, output in enumerate(outputs)}
-    return {"admitted": [index[r] for r in admitted if r in index],
-            "preempted": [index[r] for r in preempted if r in index],
+    return {"admitted": [index[r.rsplit("-", 1)[0]] for r in admitted],
+            "preempted": [index[r.rsplit("-", 1)[0]] for r in preempted],
             "most_running": most_running[0],
             "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
             "finish_reasons": [output.outputs[0].finish_reason for output in outputs]}
