@@ -1,6 +1,6 @@
-"""The project's packages import one way: no module of runtime/, sim/, engine/, policies/, vllm_adapter/ or
-kernels/ is reachable from itself by imports (at the top of a file or inside a function; imports
-under `if TYPE_CHECKING:` never run and do not count)."""
+"""The project's packages import one way: no module of runtime/, sim/, engine/, policies/,
+kernels/ or vllm_adapter/ is reachable from itself by imports (at the top of a file or inside a
+function; imports under `if TYPE_CHECKING:` never run and do not count)."""
 from __future__ import annotations
 
 import ast

@@ -96,10 +96,12 @@ def test_mirrors_keep_step_with_vllms_steps_and_finish_with_it():
     host = host_of("scheduler=vtc")
     ids = arrive_all(host, [20, 20], [3, 3], tenant=["a", "b"])
     admission_order(host)
-    # A prefill in two chunks, then decodes: the mirror samples where vLLM does.
-    host.step_done([("0", 0, 12), ("1", 0, 20)], [], 11.0)
+    # A prefill in two chunks, and one whose first 16 tokens vLLM's prefix cache held, then
+    # decodes: the mirror samples where vLLM does.
+    host.step_done([("0", 0, 12), ("1", 16, 4)], [], 11.0)
     first = host.mirrors["0"].sequences[0]
     assert (first.num_computed_tokens, first.num_output_tokens) == (12, 0)
+    assert host.mirrors["1"].sequences[0].num_output_tokens == 1
     host.step_done([("0", 12, 8), ("1", 20, 1)], [], 12.0)
     assert first.num_output_tokens == 1 and host.mirrors["1"].sequences[0].num_output_tokens == 2
     # VTC's own update charged each tenant its prompt and outputs.
