@@ -261,7 +261,9 @@ ORDER_RUNS = {   # plug-in overrides -> the admission order tests/vllm_adapter_r
     "shortest_prompt": (["scheduler._target_=my_policies.ShortestPromptFirst"],
                         [1, 3, 5, 2, 4, 0]),
     "priority": (["scheduler=priority"], [2, 4, 0, 1, 3, 5]),
-    "mlfq": (["scheduler=mlfq"], None), "vtc": (["scheduler=vtc"], None),
+    "mlfq": (["scheduler=mlfq"], None),   # (it preempts to admit: readmissions)
+    # Tenants a, a, a, b, b, b: the least served goes next, prompt tokens 1 and outputs 2 each.
+    "vtc": (["scheduler=vtc"], [0, 3, 4, 1, 5, 2]),
 }
 PREEMPT_RUNS = {
     "fcfs_victims": ["scheduler=continuous"],

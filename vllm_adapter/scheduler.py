@@ -30,7 +30,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_adapter import SUPPORTED_VLLM_VERSIONS
 from vllm_adapter.config import build_host, config_from_env
 
-logger = logging.getLogger("vllm_adapter")
+# A child of vLLM's logger, so its lines go where vLLM's go.
+logger = logging.getLogger("vllm.twinserve_adapter")
 
 
 def check_vllm_version(version: str = vllm.__version__) -> None:
