@@ -240,6 +240,22 @@ def test_command_starts_vllms_server_with_the_adapter(tmp_path, monkeypatch):
     assert env["PYTHONPATH"].split(os.pathsep)[:2] == [os.getcwd(), str(REPO)]
 
 
+def test_readme_plugins_start_from_their_folder(tmp_path, monkeypatch):
+    (tmp_path / "my_policies.py").write_text(readme_plugin_example())
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.setattr(cli, "vllm_version", lambda python: "0.32.0")
+    monkeypatch.setattr(cli, "vllm_python", lambda venv: venv / "bin" / "python")
+    monkeypatch.setattr(cli, "with_policy_config_packages", lambda python: python)
+    started = []
+    monkeypatch.setattr(os, "execve", lambda path, command, env: started.append(env))
+    cli.main(["--model", str(tmp_path), "scheduler._target_=my_policies.ShortestPromptFirst",
+              "preemption._target_=my_policies.PreemptLongestRemaining"])
+    config = json.loads(started[0]["TWINSERVE_VLLM_PLUGIN"])
+    assert config["preemption"]["_target_"] == "my_policies.PreemptLongestRemaining"
+
+
 # ---- on vLLM's CPU build ----------------------------------------------------------------------------
 
 def vllm_python_or_skip() -> Path:

@@ -99,6 +99,9 @@ def server_command(args: argparse.Namespace, vllm_args: list[str], overrides: li
 
 def main(argv: list[str] | None = None) -> None:
     args, vllm_args, overrides = parse_args(argv)
+    # A user's own policy (scheduler._target_=my_policies.MyScheduler) lives in their folder.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         command, env = server_command(args, vllm_args, overrides)
     except (ValueError, RuntimeError) as error:
