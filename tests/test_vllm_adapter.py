@@ -18,7 +18,7 @@ import pytest
 
 from policies.types import SequenceStatus
 from test_sim import readme_plugin_example
-from vllm_adapter import cli
+from vllm_adapter import cli, version_refusal
 from vllm_adapter.config import build_host, plugin_config
 from vllm_adapter.host import PluginHost, request_metadata, unhostable
 
@@ -219,8 +219,9 @@ def test_an_unsupported_vllm_is_refused_in_one_line(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         cli.main(["--model", str(tmp_path), "scheduler=sjf", "predictor=oracle"])
     assert capsys.readouterr().err.strip() == (
-        "twinserve-vllm: --vllm-venv: vLLM 0.11.0 there; the adapter was tested with vLLM "
-        "0.32.0 only")
+        "twinserve-vllm: --vllm-venv: vLLM 0.11.0 is not supported: the adapter was tested with "
+        "vLLM 0.32.0 only")
+    assert version_refusal("0.32.0") is None and version_refusal("0.32.0+cpu") is None
 
 
 def test_command_starts_vllms_server_with_the_adapter(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_adapter import SUPPORTED_VLLM_VERSIONS
+from vllm_adapter import version_refusal
 from vllm_adapter.config import build_host, plugin_config, plugin_env
 from vllm_adapter.venv import vllm_python, with_policy_config_packages
 
@@ -81,10 +81,9 @@ def server_command(args: argparse.Namespace, vllm_args: list[str], overrides: li
     build_host(config, block_size=16, num_blocks=1 << 20,
                max_model_len=model_max_len(args.model, vllm_args))
     python = vllm_python(args.vllm_venv)
-    version = vllm_version(python)
-    if version.split("+")[0] not in SUPPORTED_VLLM_VERSIONS:
-        raise ValueError(f"--vllm-venv: vLLM {version} there; the adapter was tested with vLLM "
-                         f"{', '.join(SUPPORTED_VLLM_VERSIONS)} only")
+    refusal = version_refusal(vllm_version(python))
+    if refusal is not None:
+        raise ValueError(f"--vllm-venv: {refusal}")
     with_policy_config_packages(python)
     limits = []
     for key, flag in LIMIT_FLAGS.items():

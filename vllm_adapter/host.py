@@ -148,8 +148,7 @@ def request_metadata(extra: Mapping | None) -> dict:
         if kind is None or value is None:
             continue
         try:
-            fields[key] = (value if kind is bool and isinstance(value, bool)
-                           else str(value).lower() in ("1", "true") if kind is bool
+            fields[key] = (str(value).lower() in ("1", "true") if kind is bool
                            else kind(value))
         except (TypeError, ValueError):
             raise ValueError(f"vllm_xargs.{key} must be {kind.__name__}, got {value!r}") from None

@@ -27,22 +27,16 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_adapter import SUPPORTED_VLLM_VERSIONS
+from vllm_adapter import version_refusal
 from vllm_adapter.config import build_host, config_from_env
 
 # A child of vLLM's logger, so its lines go where vLLM's go.
 logger = logging.getLogger("vllm.twinserve_adapter")
 
 
-def check_vllm_version(version: str = vllm.__version__) -> None:
-    """One line refusing a vLLM the adapter was not tested with (its scheduler's interface is
-    not public and changes between releases)."""
-    if version.split("+")[0] not in SUPPORTED_VLLM_VERSIONS:
-        raise RuntimeError(f"vllm_adapter: vLLM {version} is not supported; it was tested with "
-                           f"vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}")
-
-
-check_vllm_version()
+# vLLM's scheduler interface is not public and changes between releases.
+if version_refusal(vllm.__version__) is not None:
+    raise RuntimeError(f"vllm_adapter: {version_refusal(vllm.__version__)}")
 
 
 class PluginWaitingQueue(RequestQueue):
