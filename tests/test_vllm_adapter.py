@@ -147,6 +147,9 @@ def test_a_request_the_plugin_refuses_is_named_and_not_queued():
     assert host.arrive("1", prompt_len=10, max_tokens=4, arrival_time=0.0, now=0.0,
                        extra={"predicted_output_len": "3"}) is None
     assert host.mirrors["1"].predicted_output_len == 3 and host.num_waiting() == 1
+    assert host.arrive("3", prompt_len=10, max_tokens=None, arrival_time=0.0, now=0.0,
+                       extra={"predicted_output_len": 3}) is None
+    assert host.mirrors["3"].output_len == 2048 - 10   # no max_tokens: up to max_model_len
     assert host.arrive("2", prompt_len=10, max_tokens=4, arrival_time=0.0, now=0.0,
                        extra={"predicted_output_len": "many"}) == (
         "vllm_xargs.predicted_output_len must be int, got 'many'")

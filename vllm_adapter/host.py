@@ -170,7 +170,8 @@ class PluginHost:
 
     # ---- arrivals ----------------------------------------------------------------------------
 
-    def arrive(self, request_id: str, *, prompt_len: int, max_tokens: int, arrival_time: float,
+    def arrive(self, request_id: str, *, prompt_len: int, max_tokens: int | None,
+               arrival_time: float,
                now: float, priority: int = 0, extra: Mapping | None = None,
                lora_id: int | None = None) -> str | None:
         """Mirror a new vLLM request and queue it with the plug-in; the reason when the plug-in
@@ -179,6 +180,8 @@ class PluginHost:
             fields = {"priority": priority, "lora_id": lora_id, **request_metadata(extra)}
         except ValueError as error:
             return str(error)
+        if max_tokens is None:   # (vLLM's: up to the model's length)
+            max_tokens = self.scheduler.max_model_len - prompt_len
         mirror = Request(next(self._next_id), arrival_time, prompt_len, max_tokens, **fields)
         if mirror.predicted_output_len is None and self.predictor is not None:
             mirror.predicted_output_len = self.predictor.predict(mirror)
