@@ -171,9 +171,8 @@ class PluginHost:
     # ---- arrivals ----------------------------------------------------------------------------
 
     def arrive(self, request_id: str, *, prompt_len: int, max_tokens: int | None,
-               arrival_time: float,
-               now: float, priority: int = 0, extra: Mapping | None = None,
-               lora_id: int | None = None) -> str | None:
+               arrival_time: float, now: float, priority: int = 0,
+               extra: Mapping | None = None, lora_id: int | None = None) -> str | None:
         """Mirror a new vLLM request and queue it with the plug-in; the reason when the plug-in
         (or its metadata) refuses it, which vLLM then aborts."""
         try:
