@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from policies.types import SequenceStatus
 from test_sim import readme_plugin_example
 from vllm_adapter import cli, version_refusal
 from vllm_adapter.config import build_host, plugin_config
@@ -94,7 +93,7 @@ def test_victim_is_chosen_among_the_candidates_vllm_offers():
 
 def test_mirrors_keep_step_with_vllms_steps_and_finish_with_it():
     host = host_of("scheduler=vtc")
-    ids = arrive_all(host, [20, 20], [3, 3], tenant=["a", "b"])
+    arrive_all(host, [20, 20], [3, 3], tenant=["a", "b"])
     admission_order(host)
     # A prefill in two chunks, and one whose first 16 tokens vLLM's prefix cache held, then
     # decodes: the mirror samples where vLLM does.
@@ -188,7 +187,7 @@ def test_a_scheduler_without_the_hooks_is_refused_naming_one():
         "scheduler: FromScratch has no next_waiting;")
 
 
-# ---- the command ----------------------------------------------------------------------------------
+# ---- the command ---------------------------------------------------------------------------
 
 def test_command_splits_overrides_from_vllm_flags(tmp_path):
     (tmp_path / "config.json").write_text("{}")
@@ -260,7 +259,7 @@ def test_readme_plugins_start_from_their_folder(tmp_path, monkeypatch):
     assert config["preemption"]["_target_"] == "my_policies.PreemptLongestRemaining"
 
 
-# ---- on vLLM's CPU build ----------------------------------------------------------------------------
+# ---- on vLLM's CPU build --------------------------------------------------------------------
 
 def vllm_python_or_skip() -> Path:
     """A vLLM venv's Python: $TWINSERVE_VLLM_PYTHON, else REPO/.venv-vllm's; skips without one."""
