@@ -292,8 +292,24 @@ PREEMPT_RUNS = {
 
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """Both engines' runs: {"vllm": vLLM's own scheduler's, "adapter": the adapter's}."""
+    """Both engines' runs: {"vllm": vLLM's own scheduler's, "adapter": the adapter's}, made once
+    even where pytest-xdist's workers share these tests (the first writes them for the rest)."""
+    from filelock import FileLock
+
     python = vllm_python_or_skip()
+    # This session's folder: under xdist, the one above each worker's.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    with FileLock(str(shared / "vllm_adapter_runs.lock")):
+        results = shared / "vllm_adapter_runs.json"
+        if not results.exists():
+            results.write_text(json.dumps(start_both_engines(python, tmp_path_factory)))
+        return json.loads(results.read_text())
+
+
+def start_both_engines(python: Path, tmp_path_factory) -> dict:
+    """Runs tests/vllm_adapter_runs.py with vLLM's own scheduler, then with the adapter."""
     folder = tmp_path_factory.mktemp("vllm_adapter")
     sys.path.insert(0, str(REPO / "bench"))
     from vllm_cpu_loop import write_checkpoint
