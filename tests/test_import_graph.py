@@ -1,13 +1,13 @@
-"""The project's packages import one way: no module of runtime/, sim/, engine/, policies/ or
-kernels/ is reachable from itself by imports (at the top of a file or inside a function; imports
-under `if TYPE_CHECKING:` never run and do not count)."""
+"""The project's packages import one way: no module of runtime/, sim/, engine/, policies/,
+kernels/ or vllm_adapter/ is reachable from itself by imports (at the top of a file or inside a
+function; imports under `if TYPE_CHECKING:` never run and do not count)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "sim", "engine", "policies", "kernels")
+PACKAGES = ("runtime", "sim", "engine", "policies", "kernels", "vllm_adapter")
 
 
 def module_name(path: Path) -> str:
