@@ -4,6 +4,9 @@ once, at the summary.
 """
 from __future__ import annotations
 
+from functools import reduce
+from operator import add
+
 from omegaconf import DictConfig, OmegaConf
 
 from policies.checks import check_policy, has_capability
@@ -48,8 +51,7 @@ class EnergyMeter:
             busy_j = self.power_model.add_decode_run_j(
                 busy_j, self.num_boards, durations, self._decode_work_terms, num_decodes,
                 plan.decode_context_tokens)
-            for duration in durations:
-                busy_s += duration
+            busy_s = reduce(add, durations, busy_s)   # (busy_s += each, in one C loop)
         else:
             flops, bytes_moved = step_work_one_by_one(self._step_work, plan, len(durations))
             for duration, step_j in zip(durations, map(self._busy_energy_j, durations, flops,

@@ -76,6 +76,8 @@ class UtilisationPowerModel:
         flops_per_decode, flops_per_context, weight_bytes, bytes_per_token = work_terms
         s_per_flop, s_per_byte = self._s_per_flop, self._s_per_byte
         idle_w, dynamic_w = self._idle_w, self._dynamic_w
+        # As floats (exact: counts far below 2**53), sparing each step its int-to-float conversions.
+        context, num_decodes, num_boards = float(context), float(num_decodes), float(num_boards)
         decode_flops = num_decodes * flops_per_decode
         for duration in durations_s:   # busy_energy_j of the protocol's sums, in their order
             busy_s = ((decode_flops + context * flops_per_context) * s_per_flop
