@@ -15,7 +15,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install run test bench profile validate-grid validate-light-load profile-speculation \
+.PHONY: install run test bench vllm-venv profile validate-grid validate-light-load profile-speculation \
 	validate-speculation profile-token-trees validate-token-trees
 install: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: install
 
 bench: install
 	$(BIN)/python bench/sim_speed.py
+
+# vLLM's CPU build in a venv of its own (.venv-vllm), where the vLLM adapter's tests find it
+# (they skip without it); twinserve-vllm makes the same venv on first use.
+vllm-venv: install
+	$(BIN)/python -c "from pathlib import Path; from vllm_adapter.venv import vllm_python, \
+	with_policy_config_packages as add; add(vllm_python(Path('.venv-vllm')))"
 
 # Calibration: profile the engine on this machine, then validate the profiled simulator against
 # the engine over a grid of policies and loads (README, "Calibration and validation"). Run them
