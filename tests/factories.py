@@ -18,7 +18,6 @@ from hydra import compose, initialize_config_dir
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-import simpy
 
 from policies.batching import ChunkedPrefillScheduler
 from policies.routing import RoundRobinRouter
@@ -29,7 +28,7 @@ from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from runtime.assembly import kv_cache_policy_config
 from runtime.policy_config import CONF_DIR, build_policy, config_names, policy_config
 from runtime.metrics import MetricsCollector
-from sim.core.replica import Replica, arrivals, drive_alone
+from sim.core.replica import Replica, SimEnvironment, arrivals, drive_alone
 from runtime.specs import HardwareSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -97,7 +96,7 @@ def replay_on_sim_clock(scheduler, executor, prompts, output_len: int):
     # Requests without SamplingParams: greedy, each output_len tokens long.
     requests = [Request(request_id=i, arrival_time=0.01 * i, prompt_len=len(p),
                         output_len=output_len, prompt_token_ids=p) for i, p in enumerate(prompts)]
-    env = simpy.Environment()
+    env = SimEnvironment()
     replica = Replica(env, 0, [scheduler], executor, MetricsCollector())
     drive_alone(replica)
     env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import simpy
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +21,7 @@ from policies.routing import RoundRobinRouter
 from policies.types import Request, StepResult
 from sim.core.experiment import run_experiment
 from runtime.metrics import MetricsCollector, jain_fairness, rejection_summary
-from sim.core.replica import Replica, arrivals, drive_alone
+from sim.core.replica import Replica, SimEnvironment, arrivals, drive_alone
 
 # A server of 8 sequences with fixed lengths (each request 128 + 2 x 128 = 384 weighted
 # tokens of service), offered about 4x what it serves: every tenant stays backlogged.
@@ -326,7 +325,7 @@ def test_reordered_by_tenant_or_deadline_the_engine_gives_fcfs_tokens(scheduler)
         requests = [Request(i, 0.0, len(p), m, prompt_token_ids=p,
                             tenant="a" if i < 3 else "b", slo_ttft_ms=10_000.0 - 1000 * i)
                     for i, (p, m) in enumerate(zip(engine_prompts(), MAX_TOKENS))]
-        env = simpy.Environment()
+        env = SimEnvironment()
         replica = Replica(env, 0, [policy], executor, MetricsCollector())
         drive_alone(replica)
         env.process(arrivals(env, requests, RoundRobinRouter(), [replica]))

@@ -8,7 +8,6 @@ import math
 from unittest import mock
 
 import pytest
-import simpy
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from policies.batching import ChunkedPrefillScheduler
@@ -18,7 +17,7 @@ from policies.types import Request, StepResult
 from runtime import step
 from sim.core.experiment import run_experiment
 from runtime.metrics import MetricsCollector
-from sim.core.replica import Replica, arrivals, drive_alone
+from sim.core.replica import Replica, SimEnvironment, arrivals, drive_alone
 from runtime.step import NoProgress
 
 from factories import (MAX_MODEL_LEN, POLICY_STRATEGIES, build_scheduler, check_outcome,
@@ -72,7 +71,7 @@ class CappedSteps:
 
 def run_replica(scheduler, requests, executor):
     """One replica's run of the requests on the simulator's step loop: the number of steps."""
-    env = simpy.Environment()
+    env = SimEnvironment()
     metrics = MetricsCollector()
     replica = Replica(env, 0, [scheduler], CappedSteps(executor), metrics)
     drive_alone(replica)

@@ -71,13 +71,16 @@ class Replica:
     """A replica of the cluster: its step loops (one per scheduler), where a request joins, and
     who hears that requests ended. Its drivers step it."""
 
-    def __init__(self, env: simpy.Environment, replica_id: int, schedulers: list[Scheduler],
+    def __init__(self, env: SimEnvironment, replica_id: int, schedulers: list[Scheduler],
                  executor: Executor, metrics: MetricsCollector,
                  on_requests_done: Callable[[list[Request]], None] | None = None,
                  next_arrival: NextArrival | None = None, predictor=None,
                  pool: str = "main", role: str = "mixed",
                  energy: EnergyMeter | None = None,
                  lora_managers: list[LoRAManager] | None = None):
+        if not isinstance(env, SimEnvironment):
+            raise TypeError(f"Replica: env must be sim.core.replica.SimEnvironment, which can wake "
+                            f"a process at an exact time; got {type(env).__name__}")
         self.env = env
         self.replica_id = replica_id
         self.pool, self.role = pool, role
