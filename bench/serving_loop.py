@@ -132,15 +132,17 @@ class ServerProcess:
 
 @dataclass
 class Load:
-    """One benched load: its name, Poisson rate (req/s), request count and workload seed."""
+    """One benched load: its name, Poisson rate (req/s), request count and workload seed, and
+    its requests' lengths (and classes) as workload overrides."""
     name: str
     rate: float
     requests: int
     seed: int
+    workload: tuple[str, ...] = tuple(LENGTHS)
 
     def overrides(self) -> list[str]:
         return [f"seed={self.seed}", f"workload.num_requests={self.requests}",
-                f"workload.rate={self.rate}", *LENGTHS]
+                f"workload.rate={self.rate}", *self.workload]
 
 
 def bench_loads(url: str, loads: list[Load], repeats: int, warmup: int, runs_dir: Path,
