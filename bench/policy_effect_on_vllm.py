@@ -37,7 +37,7 @@ from vllm_cpu_loop import (FIT_METRICS, FIT_TERMS, VllmServer, add_vllm_argument
 
 # twinserve-vllm, the command that serves vLLM with a plug-in in its scheduler (run as a module,
 # so that this checkout's adapter runs).
-ADAPTER_MODULE = "vllm_adapter"
+ADAPTER_MODULE = "vllm_adapter.cli"
 # Outputs of a wide spread (a long one holds its batch slot ~50 times a short one's), so that
 # the order of admission matters; prompts as the other loops'.
 OUTPUT_LENGTHS = ("workload.output_len.mean=128", "workload.output_len.sigma=1.0",
