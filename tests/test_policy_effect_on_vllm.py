@@ -39,10 +39,12 @@ def test_verdict_takes_the_spread_where_larger_than_10_pct():
 
 def test_table_brackets_the_verdict_of_a_metric_outside_the_criterion():
     rows = [bench.ratio_row("mean_ttft_ms", [60.0, 60.0], [100.0, 100.0], [50.0], [100.0]),
+            bench.ratio_row("mean_e2el_ms", [48.0, 72.0], [100.0, 100.0], [50.0], [100.0]),
             bench.ratio_row("p99_ttft_ms", [60.0, 60.0], [100.0, 100.0], [60.0], [100.0])]
     table = bench.ratio_table({("sjf", "heavy"): rows})
     assert table[2] == "| sjf | heavy | mean_ttft | 0.600 ± 0.0 % | 0.500 | -16.7 % | no |"
-    assert table[3].endswith("| (yes) |")
+    assert table[3].endswith("| -16.7 % | within the spread |")
+    assert table[4].endswith("| (yes) |")
 
 
 def test_workload_has_a_spread_of_lengths_and_two_classes_sent_as_metadata():
