@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from serving_loop import (GATE_PCT, LENGTHS, Load, bench_loads, check_loop_arguments,  # noqa: E402
                           fit_terms, loop_arguments, spread_pct)
 from vllm_cpu_loop import (FIT_METRICS, FIT_TERMS, VllmServer, add_vllm_arguments,  # noqa: E402
-                           engine_settings, write_checkpoint)
+                           engine_settings, vllm_python, write_checkpoint)
 
 # twinserve-vllm, the command that serves vLLM with a plug-in in its scheduler (run as a module,
 # so that this checkout's adapter runs).
@@ -221,6 +221,17 @@ def ratio_table(rows_by_case: dict[tuple[str, str], list[dict]]) -> list[str]:
     return lines
 
 
+def rounds_line(absolute: dict) -> str:
+    """Each load's mean TTFT per round, vLLM's and the simulator's, per policy: the levels the
+    ratios come from."""
+    def values(runs):
+        return ", ".join(f"{run['mean_ttft_ms']:.0f}" for run in runs)
+
+    return "Mean TTFT (ms) round by round, vLLM / simulated: " + "; ".join(
+        f"{load} {name} {values(sides['real'][name])} / {values(sides['sim'][name])}"
+        for load, sides in absolute.items() for name in sides["sim"]) + "."
+
+
 def predict_ratios(policies: list[Policy], runs: dict[str, dict[str, list[Path]]],
                    args: argparse.Namespace, out: Path) -> dict:
     """Fit on FCFS at --fit-on, replay every FCFS run under each policy; the ratio rows per
@@ -279,8 +290,6 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    from vllm_cpu_loop import vllm_python
-
     python = vllm_python(args.vllm_venv)
     checkpoint = write_checkpoint(out / "checkpoint")
     runs = bench_policies(args.policy_list, python, checkpoint, args, out)
@@ -291,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
              f"Loads: " + "; ".join(f"{load.name} {load.rate} req/s x {load.requests}"
                                     for load in loads(args))
              + f"; {args.repeats} rounds. Fitted on FCFS at the {result['fit_on']} load only "
-               f"({terms}).", "", *ratio_table(result["cases"]), ""]
+               f"({terms}).", "", *ratio_table(result["cases"]), "",
+             rounds_line(result["absolute"]), ""]
     text = "\n".join(lines)
     (out / "policy_effect.md").write_text(text)
     (out / "policy_effect.json").write_text(json.dumps(
