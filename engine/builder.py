@@ -31,7 +31,7 @@ from policies.speculation.drafters import Drafter, TreeSpec
 from runtime.assembly import (assemble_scheduler, build_predictor, build_preemption,
                               kv_cache_policy_config)
 from runtime.policy_config import names_a_policy, policy_config
-from runtime.specs import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+from runtime.kv_sizing import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 from runtime.speculation import sized_policy_config, speculation_policy_config, tree_spec
 from runtime.step_shapes import GridPoint, build_plan
 

@@ -15,7 +15,7 @@ class EngineConfig:
     # "tiny-llama" (any conf/model name: random weights from its shape) or a local HF folder.
     model: str = "tiny-llama"
     block_size: int = 16
-    # None: sized by the simulator's memory arithmetic (runtime.specs.kv_cache_num_blocks).
+    # None: sized by the simulator's memory arithmetic (runtime.kv_sizing.kv_cache_num_blocks).
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 256
     # None: the scheduler config's, else max(max_model_len, 2048) so that a prompt fits one step.

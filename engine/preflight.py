@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 import conf
-from runtime.specs import GIB, HardwareSpec, ModelSpec, step_token_budget
+from runtime.specs import GIB, HardwareSpec, ModelSpec
+from runtime.kv_sizing import step_token_budget
 
 # A step the engine may take (the longest: a prefill of the whole token budget) that runs past
 # this many seconds stops the run unless backend.allow_slow: "minutes per step".

@@ -10,7 +10,8 @@ from policies.protocols import Executor
 from policies.types import StepPlan
 from sim.cost.roofline import RooflineCostModel
 from sim.core.executor import SimExecutor
-from runtime.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks
+from runtime.specs import HardwareSpec, ModelSpec
+from runtime.kv_sizing import kv_cache_num_blocks
 
 from factories import decode_plan, hardware_spec, model_spec
 

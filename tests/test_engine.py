@@ -345,7 +345,8 @@ def test_default_pool_is_the_simulators_arithmetic():
     from omegaconf import OmegaConf
 
     from runtime.policy_config import CONF_DIR
-    from runtime.specs import HardwareSpec, kv_cache_num_blocks
+    from runtime.specs import HardwareSpec
+    from runtime.kv_sizing import kv_cache_num_blocks
 
     llm = LLM("tiny-llama", max_num_seqs=4, max_model_len=512, device="cpu")
     cpu = HardwareSpec.from_config(OmegaConf.load(CONF_DIR / "hardware" / "cpu.yaml"))

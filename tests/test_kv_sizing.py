@@ -13,7 +13,8 @@ from policies import validators
 from sim.core.build import build_router
 from runtime.policy_config import policy_config
 from sim.core.experiment import run_experiment
-from runtime.specs import GIB, kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
+from runtime.specs import GIB
+from runtime.kv_sizing import kv_cache_num_blocks, kv_cache_num_host_blocks, step_token_budget
 
 from factories import config_kv_blocks, hardware_spec, make_cfg, model_spec
 

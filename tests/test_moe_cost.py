@@ -14,7 +14,7 @@ from policies.types import StepPlan
 from sim.cost.experts import (ExpertLayout, expected_experts_touched, inclusion_probabilities,
                               routing_shares)
 from sim.cost.roofline import RooflineCostModel
-from runtime.specs import kv_cache_num_blocks, weight_bytes_per_gpu
+from runtime.kv_sizing import kv_cache_num_blocks, weight_bytes_per_gpu
 from sim.cost.gpu.collectives import allreduce_cost
 from sim.cost.gpu.cost_model import GPUCostModel
 from sim.cost.gpu.experts import MLP_OPS, ExpertKernels

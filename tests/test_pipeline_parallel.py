@@ -24,7 +24,8 @@ from sim.core.experiment import run_experiment
 from sim.cost.pipeline import (PipelineCostModel, send_bytes_per_token, stage_layers,
                                stage_model)
 from sim.cost.roofline import RooflineCostModel
-from runtime.specs import GIB, activation_peak_bytes, step_token_budget
+from runtime.specs import GIB
+from runtime.kv_sizing import activation_peak_bytes, step_token_budget
 
 
 def _cost_model(pp: int, cost_model: str = "roofline"):

@@ -19,7 +19,8 @@ from sim.cost.profiled.step_features import STEP_FEATURES
 from runtime.policy_config import config_names
 from sim.core.experiment import run_experiment
 from sim.cost.roofline import RooflineCostModel
-from runtime.specs import GB, offload_seconds_per_block
+from runtime.specs import GB
+from runtime.kv_sizing import offload_seconds_per_block
 
 from factories import (MAX_MODEL_LEN, build_scheduler, check_outcome, drive, hardware_spec,
                        make_cfg, make_seq, model_spec)

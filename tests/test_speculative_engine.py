@@ -388,7 +388,8 @@ def test_draft_kv_layers_share_the_block_budget():
     from engine.kv_cache import KVCachePool
     from kernels import get_kernel_ops
     from engine.model_loader import load_model
-    from runtime.specs import HardwareSpec, kv_cache_num_blocks
+    from runtime.specs import HardwareSpec
+    from runtime.kv_sizing import kv_cache_num_blocks
 
     device = torch.device("cpu")
     target = load_model("tiny-llama", device).spec

@@ -14,7 +14,7 @@ import pytest
 import sim.core.say_once as say_once_module
 from policies.types import Request, Sequence, StepPlan
 from sim.cost.roofline import RooflineCostModel
-from runtime.specs import kv_cache_num_blocks
+from runtime.kv_sizing import kv_cache_num_blocks
 import sim.cost.gpu.engine_terms as engine_terms_module
 from sim.cost.gpu.cost_model import GPUCostModel
 from sim.cost.gpu.engine_terms import engine_terms

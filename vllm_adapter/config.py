@@ -78,7 +78,7 @@ def build_host(config: Mapping, *, block_size: int, num_blocks: int, max_model_l
     from policies.protocols import Scheduler
     from runtime.assembly import build_predictor, build_preemption
     from runtime.policy_config import build_policy
-    from runtime.specs import step_token_budget
+    from runtime.kv_sizing import step_token_budget
 
     preemption = build_preemption(OmegaConf.create(dict(config["preemption"])))
     scheduler_cfg = OmegaConf.create(dict(config["scheduler"]))

@@ -13,7 +13,8 @@ from policies.speculation.drafters import drafter_kind
 from sim.core.executor import SimExecutor
 from sim.cost.build import build_cost_model, group_name, takes_argument
 from runtime.policy_config import build_policy, policy_config
-from runtime.specs import HardwareSpec, ModelSpec, kv_cache_num_blocks, kv_cache_num_host_blocks
+from runtime.specs import HardwareSpec, ModelSpec
+from runtime.kv_sizing import kv_cache_num_blocks, kv_cache_num_host_blocks
 from sim.core.settings import ReplicaSettings
 
 

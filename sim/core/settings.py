@@ -11,7 +11,8 @@ from policies.validators import (boolean, finite_number, non_negative_int, non_n
                                  positive_int, positive_number)
 from runtime.metrics.summary import DEFAULT_FAIRNESS_WINDOW_S
 from runtime.policy_config import build_policy
-from runtime.specs import ModelSpec, step_token_budget
+from runtime.specs import ModelSpec
+from runtime.kv_sizing import step_token_budget
 from sim.core.speculation_setup import SpeculationSetup, speculation_setup
 from sim.cost.experts import check_expert_parallel_size
 from sim.cost.pipeline import KEY as PIPELINE_KEY

@@ -9,7 +9,8 @@ from policies import validators
 from policies.lora.spec import LoRASpec
 from policies.speculation.drafters import DRAFTER_KINDS, drafter_kind
 from policies.types import StepPlan
-from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from runtime.specs import HardwareSpec, ModelSpec
+from runtime.kv_sizing import offload_seconds_per_block
 from sim.cost.drafting import DraftCost
 from sim.cost.experts import ExpertLayout, RooflineExperts, check_expert_parallel_size
 from sim.cost.lora import lora_step_cost

@@ -17,7 +17,8 @@ from sim.cost.profiled.local_correction import LocalCorrection
 from sim.cost.profiled.tile_features import TILE_FEATURES, profile_tiling, tile_features
 from sim.cost.profiled.step_features import STEP_FEATURES, step_features
 from sim.core.json_files import read_json_object
-from runtime.specs import HardwareSpec, ModelSpec, offload_seconds_per_block
+from runtime.specs import HardwareSpec, ModelSpec
+from runtime.kv_sizing import offload_seconds_per_block
 from sim.cost.terms_file import with_fitted_terms
 
 log = logging.getLogger(__name__)
