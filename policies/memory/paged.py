@@ -2,7 +2,8 @@
 an optional prefix cache. Device block ids index the engine's KV tensors; host ids are a space of
 their own. Copies and swaps are returned as (source, destination) pairs that the executor runs
 before the forward pass, in the order swap out, offload, load, swap in, copy. The prefix cache is
-in prefix_cache.py, swap in swap.py, blocks kept between a session's turns in retained.py.
+in prefix_cache.py, swap in swap.py, blocks kept between a session's turns in retained.py,
+forks sharing blocks in sharing.py.
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from policies.memory.decode_growth import DecodeGrowth
 from policies.memory.paged_invariants import check_paged_invariants
 from policies.memory.prefix_cache import PrefixCache
 from policies.memory.retained import RetainedBlocks
-from policies.memory.slots import NOT_EXCLUSIVE, SeqSlots
+from policies.memory.sharing import SharedBlocks
+from policies.memory.slots import SeqSlots
 from policies.memory.swap import HostSwap
 from policies.types import Sequence
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
+class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
     """Satisfies `policies.protocols.KVCacheManager`."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -291,14 +293,6 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
                 ref_counts[block] = 1
         return blocks
 
-    def _count_refs(self, *unlisted_tables: list[int]) -> None:
-        """At the first share: count every block's references (`unlisted_tables`: being built)."""
-        ref_counts = self._ref_counts
-        for table in (*self.block_tables.values(), *unlisted_tables):
-            for block in table:
-                ref_counts[block] += 1
-        self._any_block_shared = True
-
     def _release_blocks(self, table: list[int], num_tokens: int,
                         num_computed_tokens: int) -> None:
         """Drop one reference to each block of a table of `num_tokens` slots. A freed cached block
@@ -349,37 +343,6 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
             self._pending_copies = [(src, dst) for src, dst in self._pending_copies
                                     if dst not in freed]
 
-    # ---- sharing ----
-
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Give `child` the parent's KV: shared blocks, or (share_on_fork=False) copies; False (no
-        change) if the copies do not fit."""
-        parent_table = self.block_tables.get(parent.seq_id)
-        if parent_table is None:
-            raise ValueError(f"fork: parent seq {parent.seq_id} holds no device blocks")
-        if child.seq_id in self.block_tables or child.seq_id in self._host_block_tables:
-            raise ValueError(f"fork: child seq {child.seq_id} already holds blocks")
-        parent_slots = self._slots[parent.seq_id]
-        num_tokens = parent_slots.num_allocated
-        if self.share_on_fork:
-            parent_slots.num_exclusive = NOT_EXCLUSIVE   # its last block is shared now
-            if not self._any_block_shared:
-                self._count_refs()
-            for block in parent_table:
-                self._ref_counts[block] += 1
-            child_table = list(parent_table)
-        else:
-            if len(parent_table) > self.num_free_blocks():
-                return False
-            child_table = [self._take_free_block() for _ in parent_table]
-            self._pending_copies.extend(zip(parent_table, child_table))
-            self._num_tokens_stored += num_tokens
-        self.block_tables[child.seq_id] = child_table
-        self._slots[child.seq_id] = SeqSlots(num_tokens)
-        if parent.seq_id in self._seq_block_hashes:
-            self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
-        return True
-
     def free(self, seq: Sequence) -> None:
         seq_id = seq.seq_id
         table = self.block_tables.pop(seq_id, None)
@@ -392,10 +355,6 @@ class PagedBlockManager(PrefixCache, HostSwap, RetainedBlocks):
             self._release_host_blocks(host_table)
         self._seq_block_hashes.pop(seq_id, None)
         self._seq_loaded_tokens.pop(seq_id, None)
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
 
     def check_invariants(self) -> None:
         """Recount everything from the tables and compare with the incremental bookkeeping."""
