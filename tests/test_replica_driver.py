@@ -4,6 +4,7 @@ given a step timing, and its idle wait and finish reports behave alike for all t
 from __future__ import annotations
 
 import pytest
+import simpy
 
 from factories import make_cfg
 from policies.types import Request
@@ -71,3 +72,8 @@ def test_skip_to_moves_the_clock_only_where_no_event_is_due_by_then():
     assert not env.skip_to(6.0) and env.now == 4.0
     env.run()
     assert woken == [5.0] and env.skip_to(7.0) and env.now == 7.0
+
+
+def test_a_replica_on_a_bare_simpy_environment_is_refused_in_one_line():
+    with pytest.raises(TypeError, match="env must be sim.core.replica.SimEnvironment"):
+        Replica(simpy.Environment(), 0, [], executor=None, metrics=None)
