@@ -8,7 +8,6 @@ prompt + outputs again after a recompute preemption. Prefill and decode are the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -65,29 +64,14 @@ class Sequence:
                 self.output_token_ids.extend(token_ids)
 
     @staticmethod
-    def advance_decodes(seqs: list[Sequence], num_steps: int, now: float,
-                        take_slots: Callable[[list[Sequence]], object] | None = None) -> None:
+    def advance_decodes(seqs: list[Sequence], num_steps: int, now: float) -> None:
         """`advance(num_steps, num_steps, now)` for each of `seqs`, decodes that gained a token
-        at each of `num_steps` steps without ids, in one pass (the simulator's hot loop).
-        `take_slots(seqs)`, where given, runs where the last step found them (counting the
-        tokens it computed), so that a KV manager takes their slots in one pass too."""
-        if take_slots is None:
-            for seq in seqs:
-                seq.num_computed_tokens += num_steps
-                seq.num_tokens += num_steps
-                seq.num_output_tokens += num_steps
-                seq.last_token_time = now
-            return
-        num_more_tokens = num_steps - 1   # (a decode computes from its last token on)
+        at each of `num_steps` steps without ids, in one pass (the simulator's hot loop)."""
         for seq in seqs:
-            num_computed = seq.num_tokens + num_more_tokens
-            seq.num_computed_tokens = num_computed
-            seq.num_tokens = num_computed
+            seq.num_computed_tokens += num_steps
+            seq.num_tokens += num_steps
             seq.num_output_tokens += num_steps
             seq.last_token_time = now
-        take_slots(seqs)
-        for seq in seqs:
-            seq.num_tokens += 1
 
     @property
     def is_finished(self) -> bool:
@@ -196,6 +180,14 @@ class Request:
         if len(sequences) == 1:   # (n=1, nearly every request: no comprehension)
             return [] if sequences[0].status is SequenceStatus.FINISHED else [sequences[0]]
         return [seq for seq in sequences if seq.status is not SequenceStatus.FINISHED]
+
+
+# The Request fields a client may send a serving engine for its scheduler plug-in, and their types
+# (through vLLM's `vllm_xargs`: sim/tools/bench_client.py sends them, vllm_adapter/ reads them).
+CLIENT_SCHEDULING_FIELDS: dict[str, type] = {
+    "priority": int, "tenant": str, "slo_ttft_ms": float, "slo_tpot_ms": float,
+    "predicted_output_len": int, "session_id": str, "turn": int, "final_turn": bool,
+    "lora_id": int}
 
 
 @dataclass(slots=True)

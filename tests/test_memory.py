@@ -205,6 +205,30 @@ def test_append_slots_stops_at_the_first_failure_and_grows_to_num_tokens(kind):
     manager.check_invariants()
 
 
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_take_computed_slots_is_allocate_slots_to_num_computed_tokens_for_each(kind):
+    def manager_and_seqs():
+        manager = (PagedBlockManager(7, 4) if kind == "paged"
+                   else ContiguousAllocator(9, 4, max_model_len=12))
+        seqs = [make_seq(index, 4) for index in range(3)]
+        for seq in seqs:
+            assert manager.allocate_slots(seq, 4)
+        # Decodes after repeated steps: computed up to the token before the sampled one.
+        for seq, num_computed in zip(seqs, (9, 5, 11)):
+            seq.num_computed_tokens, seq.num_tokens = num_computed, num_computed + 1
+        return manager, seqs
+
+    manager, seqs = manager_and_seqs()
+    one_by_one, seqs_one_by_one = manager_and_seqs()
+    held = manager.take_computed_slots(seqs)
+    expected = next((index for index, seq in enumerate(seqs_one_by_one)
+                     if not one_by_one.allocate_slots(seq, seq.num_computed_tokens)), 3)
+    assert held == expected == (2 if kind == "paged" else 3)
+    assert snapshot(manager) == snapshot(one_by_one)
+    assert manager.num_tokens_stored() == one_by_one.num_tokens_stored()
+    manager.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(num_used=st.integers(0, 40), lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4),
        watermark=st.sampled_from([0.0, 0.05, 0.2]))

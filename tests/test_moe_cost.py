@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from calibration.realrun.settings import match_model, settings_overrides
-from policies.types import StepPlan
 from sim.cost.experts import (ExpertLayout, expected_experts_touched, inclusion_probabilities,
                               routing_shares)
 from sim.cost.roofline import RooflineCostModel

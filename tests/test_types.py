@@ -70,16 +70,11 @@ def _counters(seq):
     return (seq.num_computed_tokens, seq.num_tokens, seq.num_output_tokens, seq.last_token_time)
 
 
-def test_advance_decodes_is_advance_for_each_and_takes_slots_where_the_last_step_began():
+def test_advance_decodes_is_advance_for_each():
     request = Request(0, 0.0, prompt_len=10, output_len=20)
-    for take_slots in (None, True):
-        batch = [sequence_at(i, request, 10 + i, 9 + i, 1 + i) for i in range(3)]
-        one_by_one = [sequence_at(i, request, 10 + i, 9 + i, 1 + i) for i in range(3)]
-        seen = []
-        Sequence.advance_decodes(batch, 4, 5.0, take_slots and (
-            lambda seqs: seen.extend((seq.num_computed_tokens, seq.num_tokens) for seq in seqs)))
-        for seq in one_by_one:
-            seq.advance(4, 4, now=5.0)
-        assert [_counters(seq) for seq in batch] == [_counters(seq) for seq in one_by_one]
-        if take_slots:   # the last step computed the token before its sampled one
-            assert seen == [(seq.num_tokens - 1, seq.num_tokens - 1) for seq in one_by_one]
+    batch = [sequence_at(i, request, 10 + i, 9 + i, 1 + i) for i in range(3)]
+    one_by_one = [sequence_at(i, request, 10 + i, 9 + i, 1 + i) for i in range(3)]
+    Sequence.advance_decodes(batch, 4, 5.0)
+    for seq in one_by_one:
+        seq.advance(4, 4, now=5.0)
+    assert [_counters(seq) for seq in batch] == [_counters(seq) for seq in one_by_one]

@@ -162,6 +162,19 @@ def test_request_metadata_passes_through_as_twinserve_fields():
         "lora_id": 1, "priority": -1}
 
 
+def test_what_the_bench_client_sends_the_adapter_reads_back_as_the_request_had_it():
+    from policies.types import CLIENT_SCHEDULING_FIELDS, Request
+    from sim.tools.bench_client import completion_payload
+
+    request = Request(0, 0.0, prompt_len=4, output_len=2, prompt_token_ids=[1, 2, 3, 4],
+                      priority=2, tenant="b", slo_ttft_ms=300.0, slo_tpot_ms=40.0,
+                      predicted_output_len=9, session_id="s1", turn=3, final_turn=True,
+                      lora_id=0)
+    sent = json.loads(json.dumps(completion_payload(request, "m")))["vllm_xargs"]
+    assert request_metadata(sent) == {key: getattr(request, key)
+                                      for key in CLIENT_SCHEDULING_FIELDS}
+
+
 @pytest.mark.parametrize("overrides, member", [
     (["scheduler=static"], "scheduler.schedule"),
     (["scheduler=chunked_prefill"], None),

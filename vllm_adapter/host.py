@@ -18,7 +18,8 @@ from policies.batching.base import BaseScheduler
 from policies.batching.chunked_prefill import ChunkedPrefillScheduler
 from policies.batching.continuous import ContinuousBatchingScheduler
 from policies.batching.priority import PriorityScheduler
-from policies.types import Request, SequenceStatus, StepPlan, StepResult
+from policies.types import (CLIENT_SCHEDULING_FIELDS, Request, SequenceStatus, StepPlan,
+                            StepResult)
 
 # Each step's plan is vLLM's; of the plug-in's step planning only these run as vLLM plans anyway
 # (all queued work, chunked or not) or are hosted here (priority's preemption to admit).
@@ -27,10 +28,6 @@ HOSTED_PREFILL_ADMISSIONS = (None, ContinuousBatchingScheduler._admit_prefills,
                              PriorityScheduler._admit_prefills)
 # The hooks the adapter calls: what a plug-in built on BaseScheduler has.
 HOSTED_HOOKS = ("next_waiting", "_victim_candidates", "_take_waiting", "_preempt", "admission")
-# Request fields a client may set through vLLM's extra arguments (`vllm_xargs`), and their types.
-METADATA_FIELDS = {"priority": int, "tenant": str, "slo_ttft_ms": float, "slo_tpot_ms": float,
-                   "predicted_output_len": int, "session_id": str, "turn": int,
-                   "final_turn": bool, "lora_id": int}
 
 
 class KVCacheView:
@@ -144,7 +141,7 @@ def request_metadata(extra: Mapping | None) -> dict:
     value raises ValueError naming its key."""
     fields = {}
     for key, value in (extra or {}).items():
-        kind = METADATA_FIELDS.get(key)
+        kind = CLIENT_SCHEDULING_FIELDS.get(key)
         if kind is None or value is None:
             continue
         try:

@@ -142,6 +142,14 @@ class ContiguousAllocator:
         """0: a sequence grows only within its reservation."""
         return 0
 
+    def take_computed_slots(self, seqs: list[Sequence]) -> int:
+        """`allocate_slots(seq, seq.num_computed_tokens)` for each of `seqs` in order: the index of
+        the first that fails, or len(seqs)."""
+        for index, seq in enumerate(seqs):
+            if not self.allocate_slots(seq, seq.num_computed_tokens):
+                return index
+        return len(seqs)
+
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each of `seqs[start:]` in order; stops at
         the first that fails and returns its index (len(seqs) when all succeeded)."""

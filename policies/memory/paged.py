@@ -137,15 +137,23 @@ class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
         step: none with prefix caching (its cache evicts in the order blocks were freed)."""
         return 0 if self.enable_prefix_caching else len(self._free_block_ids)
 
+    def take_computed_slots(self, seqs: list[Sequence]) -> int:
+        """`allocate_slots(seq, seq.num_computed_tokens)` for each decoding seq of `seqs`, where a
+        run of repeated steps left their slots: the index of the first that fails, or len(seqs)."""
+        return self._append_slots(seqs, 0, True)
+
     def append_slots(self, seqs: list[Sequence], start: int = 0) -> int:
         """`allocate_slots(seq, seq.num_tokens)` for each decoding seq of `seqs[start:]`, stopping
         at the first that fails: its index, or len(seqs). The simulator's hottest call."""
+        return self._append_slots(seqs, start, False)
+
+    def _append_slots(self, seqs: list[Sequence], start: int, computed: bool) -> int:
         seq_slots = self._slots
         free_block_ids = self._free_block_ids
         block_size = self.block_size
         num_stored_added = 0
         for seq in seqs[start:] if start else seqs:
-            num_tokens = seq.num_tokens
+            num_tokens = seq.num_computed_tokens if computed else seq.num_tokens
             try:   # a subscript costs less than .get, and a decode always holds slots
                 slots = seq_slots[seq.seq_id]
             except KeyError:

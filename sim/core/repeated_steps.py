@@ -51,6 +51,9 @@ class RepeatedStepsKVCache(Protocol):
     def frees_in_any_order(self) -> bool:
         """Whether decodes finishing inside a run may free their blocks before the rest's growth is
         taken without changing anything later."""
+    def take_computed_slots(self, seqs: list[Sequence]) -> int:
+        """Each decode's slots up to its last computed token, where step by step would have left
+        them: the index of the first the pool cannot hold, or len(seqs)."""
 
 
 @runtime_checkable
@@ -157,7 +160,7 @@ class RepeatedSteps:
         num_before = self.num_steps_before + num_steps - 1
         if num_before:
             Sequence.advance_decodes(plan.seqs, num_before, end_times[-2])
-            self._take_slots(plan.seqs)
+            _check_held(self.scheduler.kv_cache.append_slots(plan.seqs), plan.seqs)
 
     def continue_past_finishes(self, plan: StepPlan, now: float) -> list[Request] | None:
         """After the plan's max_repeats steps: if some decodes finished and the next steps would
@@ -216,13 +219,14 @@ class RepeatedSteps:
     def _advance(self, seqs: list[Sequence], num_steps: int, now: float) -> None:
         """Each decode gained a token at each of `num_steps` steps, the last ending at `now`, and
         takes the slots up to its last computed token in one pass of the KV manager."""
-        Sequence.advance_decodes(seqs, num_steps, now,
-                                 self._take_slots if num_steps > 1 else None)
+        Sequence.advance_decodes(seqs, num_steps, now)
+        if num_steps > 1:   # (after one step, the slots taken when it was planned suffice)
+            _check_held(self.scheduler.kv_cache.take_computed_slots(seqs), seqs)
 
-    def _take_slots(self, seqs: list[Sequence]) -> None:
-        if self.scheduler.kv_cache.append_slots(seqs) < len(seqs):
-            raise RuntimeError("the KV pool could not hold the repeated steps its scheduler "
-                               "planned")
+
+def _check_held(num_held: int, seqs: list[Sequence]) -> None:
+    if num_held < len(seqs):
+        raise RuntimeError("the KV pool could not hold the repeated steps its scheduler planned")
 
 
 def _num_steps_the_pool_holds(kv_cache: RepeatedStepsKVCache, seqs: list[Sequence],
@@ -268,7 +272,8 @@ class RepeatedStepsLoop(StepLoop):
         plan = self._schedule(now, may_idle)
         if plan is None:
             return None
-        if horizon is not None and self.repeats:
+        # (A batch with prefills never repeats: not asked.)
+        if horizon is not None and self.repeats and not plan.num_prefill_seqs:
             bounds = self.scheduler.repeated_steps_bounds(plan)
             run = None if bounds is None else RepeatedSteps.plan(self.scheduler, plan, *bounds)
             if run is not None:

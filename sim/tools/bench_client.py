@@ -16,7 +16,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from policies.types import Request
+from policies.types import CLIENT_SCHEDULING_FIELDS, Request
 from runtime.specs import ModelSpec
 from sim.core.workload import REPO_ROOT, build_workload
 from sim.tools.bench_run_file import RequestRecord, build_run_file, print_summary, rate_for_json
@@ -97,17 +97,15 @@ def workload_requests(overrides: list[str], served_model: str | None):
     return cfg, workload, build_workload(workload, seed=cfg.seed, vocab_size=vocab_size)
 
 
-# The request fields a scheduler plug-in may order by, with the value that means "not set": each
-# set one goes in vLLM's `vllm_xargs` (its extra arguments, where twinserve-vllm's adapter reads
-# them); servers that know none of them ignore the field, as OpenAI's do.
-METADATA_DEFAULTS = {"priority": 0, "tenant": "default", "slo_ttft_ms": None, "slo_tpot_ms": None,
-                     "predicted_output_len": None, "session_id": None, "lora_id": None}
+# What a Request field holds when nobody set it: only set ones go in vLLM's `vllm_xargs`; servers
+# that know none of them ignore the field, as OpenAI's do.
+_UNSET = {field.name: field.default for field in fields(Request)}
 
 
 def request_metadata(request: Request) -> dict:
-    """The request's scheduling metadata that differs from METADATA_DEFAULTS."""
-    return {key: getattr(request, key) for key, default in METADATA_DEFAULTS.items()
-            if getattr(request, key) != default}
+    """The request's CLIENT_SCHEDULING_FIELDS that differ from the dataclass's defaults."""
+    return {key: getattr(request, key) for key in CLIENT_SCHEDULING_FIELDS
+            if getattr(request, key) != _UNSET[key]}
 
 
 def completion_payload(request: Request, model: str) -> dict:
