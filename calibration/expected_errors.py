@@ -5,8 +5,9 @@ GPU cost model's stated expected error: sim/cost/gpu/expected_errors.py).
     python -m calibration.expected_errors --show      # the shipped file's statements and coverage
 
 The checks predict measurements no term was fitted on: NVIDIA's measured vLLM rows that replay,
-less the rows an engine term was fitted on and the Llama-3.1-8B FP8 rows (whose TPOT implies
-prefill above the H200's fp8 peak), and the real vLLM runs of data/real-runs/llmservingsim/ but
+less the rows an engine term was fitted on and the deployments with a row whose latencies need
+more forward-kernel time than a second per second (calibration/silicon_feasibility.py: the
+Llama-3.1-8B FP8 rows on the H200), and the real vLLM runs of data/real-runs/llmservingsim/ but
 the one the vLLM 0.19 terms were fitted on."""
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_RUNS = ("data/real-runs/llmservingsim/RTX4090/Llama-3.1-8B",
              "data/real-runs/llmservingsim/RTXPRO6000/Qwen3-32B",
              "data/real-runs/llmservingsim/RTXPRO6000/Qwen3-30B-A3B-Instruct-2507")
-# Silicon rows an engine term was fitted on, and rows left out for their data (module docstring).
+# Silicon rows an engine term was fitted on (model, vLLM version, isl).
 FITTED = {("Qwen/Qwen3-32B", "0.12.0", 1024)}
-LEFT_OUT_MODELS = {"nvidia/Llama-3.1-8B-Instruct-FP8"}
 
 
 def _kind(cost_model, closed_loop: bool) -> dict[str, str]:
@@ -44,9 +44,12 @@ def silicon_checks() -> list[dict]:
     from sim.cost.build import build_cost_model
     from runtime.specs import HardwareSpec, ModelSpec
 
+    from calibration.silicon_feasibility import deployments_beyond_the_kernels
+
     rows = [row for row in read_silicon_rows() if skip_reason(row) is None
-            and row.model not in LEFT_OUT_MODELS
             and (row.model, row.backend_version, row.isl) not in FITTED]
+    left_out = deployments_beyond_the_kernels(rows)
+    rows = [row for row in rows if (row.model, row.system, row.backend_version) not in left_out]
     report = compare_rows(rows)
     by_id = {row.id: row for row in rows}
     checks = []

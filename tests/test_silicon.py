@@ -3,11 +3,12 @@ them (workload=closed_loop): N requests in flight, fixed lengths, nothing lost; 
 the row -> overrides mapping and twinserve-validate --silicon."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from calibration import silicon
+from calibration import silicon, silicon_feasibility
 from calibration.validate.cli import main
 from factories import make_cfg
 from sim.core.experiment import run_experiment
@@ -157,3 +158,37 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys):
                      "twinserve-validate: error: no silicon row matches "
                      "--system/--model/--precision",
                      "twinserve-validate: error: --limit must be >= 1, got 0"]
+
+
+def test_a_rows_implied_tokens_per_second_come_from_its_closed_loop():
+    row = dataclasses.replace(first_qwen_row(), concurrency=4, isl=900, osl=101, ttft_ms=500.0,
+                              tpot_ms=15.0)
+    # Each client sends a request every 0.5 + 100 x 0.015 = 2 s, of 1,001 tokens.
+    assert silicon_feasibility.implied_tokens_per_s(row) == pytest.approx(4 / 2.0 * 1001)
+
+
+def test_latencies_faster_than_the_kernels_can_run_are_named():
+    row = first_qwen_row()
+    measured = silicon_feasibility.feasibility(row)
+    assert 0 < measured["load"] < 1 and not measured["beyond"]
+    twenty_times_faster = dataclasses.replace(row, ttft_ms=row.ttft_ms / 20,
+                                              tpot_ms=row.tpot_ms / 20)
+    impossible = silicon_feasibility.feasibility(twenty_times_faster)
+    assert impossible["load"] == pytest.approx(20 * measured["load"]) and impossible["beyond"]
+    assert silicon_feasibility.beyond_line([measured]) is None
+    assert silicon_feasibility.beyond_line([measured, impossible]).startswith(
+        "1 of 2 rows imply more tokens per second than the forward kernels (vLLM 0.14.0 on "
+        "h100_sxm) can run")
+    assert silicon_feasibility.deployments_beyond_the_kernels([row, twenty_times_faster]) == {
+        (row.model, row.system, row.backend_version)}
+    assert silicon_feasibility.deployments_beyond_the_kernels([row]) == set()
+
+
+def test_cli_names_rows_beyond_the_kernels(tmp_path, capsys):
+    out = tmp_path / "silicon.json"
+    assert main(["--silicon", "--model", "nvidia/Llama-3.1-8B-Instruct-FP8", "--limit", "1",
+                 "--waves", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2].startswith("1 of 1 rows imply more tokens per second than the forward "
+                                  "kernels (vLLM 0.14.0 on h200_sxm) can run")
+    assert json.loads(out.read_text())["rows"][0]["kernel_load"] > 1

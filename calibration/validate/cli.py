@@ -123,6 +123,7 @@ def main_silicon(args: argparse.Namespace) -> int:
     import json
 
     from calibration import silicon
+    from calibration.silicon_feasibility import beyond_line, feasibility
 
     def refuse(message: str) -> int:
         print(f"twinserve-validate: error: {message}", file=sys.stderr)
@@ -151,8 +152,15 @@ def main_silicon(args: argparse.Namespace) -> int:
         report = silicon.compare_rows(rows, overrides, waves, settings)
     except ValueError as error:   # SiliconDataError, a bad override or config value
         return refuse(str(error))
+    by_id = {row.id: row for row in rows}
+    loads = [feasibility(by_id[result["id"]], settings) for result in report["rows"]]
+    for result, load in zip(report["rows"], loads):
+        result["kernel_load"] = load["load"]   # (seconds of forward kernels per second)
     for line in silicon.table_lines(report):
         print(line)
+    beyond = beyond_line(loads)
+    if beyond is not None:
+        print(beyond)
     for skipped in report["skipped"]:
         print(f"skipped {skipped['id']}: {skipped['reason']}")
     if args.out is not None:
