@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 KIND_KEYS = ("kernels", "arrivals", "precision", "model", "version", "tp")
@@ -23,14 +24,14 @@ def kind_of(kernels: str, version_exact: bool, tensor_parallel_size: int, is_moe
 
 
 def percentile_abs(errors: list[float], share: float = 0.8) -> float:
-    """The `share` quantile of |errors| (the largest of fewer than five)."""
+    """The ceil(share x (n + 1))-th smallest of the n |errors| (the largest where that passes n,
+    or of fewer than five): a new run's error is within it at least `share` of the time, where
+    the plain quantile of the n would cover a little less (split-conformal prediction)."""
     values = sorted(abs(e) for e in errors)
     if len(values) < MIN_CHECKS:
         return values[-1]
-    position = share * (len(values) - 1)
-    low = int(position)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (position - low) * (values[high] - values[low])
+    rank = math.ceil(share * (len(values) + 1) - 1e-9)   # (0.8 x 10 is 8.000000000000002)
+    return values[min(rank, len(values)) - 1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,7 @@ def _checks() -> tuple[dict, ...]:
 
 
 def expected_errors_for(kind: dict[str, str], checks=None) -> dict | None:
-    """{ttft, tpot, e2e: the 80th percentile of |error| in %, checks: how many, basis: the kind
+    """{ttft, tpot, e2e: percentile_abs of the |errors| in %, checks: how many, basis: the kind
     they share} for a run of `kind`; None where no check shares even its kernels."""
     checks = _checks() if checks is None else checks
     for depth in range(len(KIND_KEYS), 0, -1):
