@@ -30,7 +30,7 @@ def percentile_abs(errors: list[float], share: float = 0.8) -> float:
     values = sorted(abs(e) for e in errors)
     if len(values) < MIN_CHECKS:
         return values[-1]
-    rank = math.ceil(share * (len(values) + 1) - 1e-9)   # (0.8 x 10 is 8.000000000000002)
+    rank = math.ceil(share * (len(values) + 1) - 1e-9)   # (a product an ulp above an integer stays it)
     return values[min(rank, len(values)) - 1]
 
 
