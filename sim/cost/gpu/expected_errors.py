@@ -30,7 +30,8 @@ def percentile_abs(errors: list[float], share: float = 0.8) -> float:
     values = sorted(abs(e) for e in errors)
     if len(values) < MIN_CHECKS:
         return values[-1]
-    rank = math.ceil(share * (len(values) + 1) - 1e-9)   # (a product an ulp above an integer stays it)
+    # (an epsilon: a product an ulp above an integer is that integer)
+    rank = math.ceil(share * (len(values) + 1) - 1e-9)
     return values[min(rank, len(values)) - 1]
 
 
