@@ -427,11 +427,13 @@ def fit_profile_on_engine_steps(tmp_path: Path, monkeypatch) -> Path:
 # Wall-clock accuracy is measured by `make validate-grid` (the machine's load decides it); gate
 # logic is tested on fixed numbers above and on simulator stand-ins below. The end-to-end runs
 # on the real engine, a profile fitted seconds before on the same machine, keep loose gates
-# that a broken profile, cost model or clock still fails (a simulator predicting 10x too fast
-# or 2x too slow). Measured on 2 shared cores at load 10: over four single runs, |error| up to
-# 39 % on means and 42 % on p99s, one run past 60 %; 42 % on mean TPOT and 54 % on p99 TPOT in
-# the chunked-prefill grid job (both sides' speed normalised to the profile's).
-LOOSE_GATES = ["--gate-mean-pct=90", "--gate-p99-pct=95", "--gate-p99-ttft-pct=95",
+# that a broken profile, cost model or clock still fails (a simulator 5x too slow; 5x too fast
+# is asserted beside them). Measured on 2 shared cores at load 10: over four single runs,
+# |error| up to 39 % on means and 42 % on p99s, one run past 60 %; 42 % on mean TPOT and 54 %
+# on p99 TPOT in the chunked-prefill grid job; in CI on 2026-12-07 (the other test worker busy)
+# median TTFT +199 % with mean TPOT +15 %: a median of 12 requests' TTFTs is one request's
+# queueing.
+LOOSE_GATES = ["--gate-mean-pct=400", "--gate-p99-pct=400", "--gate-p99-ttft-pct=400",
                "--gate-preemptions-pct=off"]
 # The grid test checks the grid's table, not the fit: its jobs of six requests (a p99 is one
 # request's time) came out +136 % on p99 TTFT at load in CI, so it gates nothing.
@@ -468,10 +470,12 @@ def test_small_validate_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
     # A profile without a speed reference: the engine's steps are timed as measured.
     assert result["engine_conditions"]["clock"] == "wall"
     assert result["speedup"] > 1 and result["failures"] == []
-    assert result["gates"] == {"mean_pct": 90.0, "p99_pct": 95.0, "p99_ttft_pct": 95.0,
+    assert result["gates"] == {"mean_pct": 400.0, "p99_pct": 400.0, "p99_ttft_pct": 400.0,
                                "preemptions_pct": None}
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "request_throughput"):
-        assert abs(result["metrics"][name]["error_pct"]) <= 90, name   # what the gate claims
+        assert abs(result["metrics"][name]["error_pct"]) <= 400, name   # what the gate claims
+    for name in ("mean_tpot_ms", "mean_e2el_ms"):   # nor 5x too fast
+        assert result["metrics"][name]["sim"] >= result["metrics"][name]["engine"] / 5, name
     preemptions = result["metrics"]["num_preemptions"]
     assert (preemptions["error_pct"] is None) == (preemptions["engine"] == 0 != preemptions["sim"])
     ttft = result["metrics"]["mean_ttft_ms"]
