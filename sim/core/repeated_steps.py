@@ -272,8 +272,7 @@ class RepeatedStepsLoop(StepLoop):
         plan = self._schedule(now, may_idle)
         if plan is None:
             return None
-        # (A batch with prefills never repeats: not asked.)
-        if horizon is not None and self.repeats and not plan.num_prefill_seqs:
+        if horizon is not None and self.repeats:
             bounds = self.scheduler.repeated_steps_bounds(plan)
             run = None if bounds is None else RepeatedSteps.plan(self.scheduler, plan, *bounds)
             if run is not None:

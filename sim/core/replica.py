@@ -267,8 +267,7 @@ class OwnTime:
         if end_times and queued:
             # Requests that arrived while the run's blocked queue kept them waiting.
             replica.recorder.count_arrivals(first_row, len(end_times), queued)
-        if finished or replica.on_step_done is not None:   # (most steps finish nothing)
-            driver.finish(replica, finished)
+        driver.finish(replica, finished)
         return True
 
 
