@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from calibration.realrun.settings import v1_default_overrides
+from sim.cost.gpu.vllm_tables import runs_v1_engine
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SILICON_CSV = REPO_ROOT / "data" / "gpu" / "aiconfigurator" / "silicon_vllm.csv"
 
@@ -190,6 +193,9 @@ def silicon_overrides(row: SiliconRow, waves: int = DEFAULT_WAVES,
                  f"workload.num_requests={waves * row.concurrency}",
                  f"workload.input_len={row.isl}", f"workload.output_len={row.osl}"]
     overrides.append(f"cluster.frontend_latency_s={CLIENT_ROUND_TRIP_S}")
+    if runs_v1_engine(row.backend_version or None):
+        # The rows record no server flags: V1's defaults, prompts with ids for its prefix cache.
+        overrides += [*v1_default_overrides(), "workload.with_token_ids=true"]
     if row.backend_version:
         overrides.append(f"cost_model.engine_version={row.backend_version}")
     if row.precision != "bf16":

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from policies.memory import ContiguousAllocator, PagedBlockManager
 from policies.memory.decode_growth import DecodeGrowth, new_blocks_per_step
 from policies.protocols import KVCacheManager
-from policies.types import Request, Sequence
+from policies.types import Request, Sequence, SequenceStatus
 
 from factories import make_seq
 
@@ -491,6 +491,37 @@ def test_paged_prefix_cache_registers_blocks_filled_while_decoding():
     assert manager.allocate_prefix(make_seq(1, 5, prompt_token_ids=[1, 2, 3, 4, 5])) == 4
     assert manager.allocate_prefix(make_seq(2, 5, prompt_token_ids=[1, 2, 3, 9, 5])) == 2
 
+
+
+def test_paged_prefix_cache_gives_a_resumed_seq_its_own_outputs_without_their_ids():
+    """The simulator samples no output ids, yet a seq preempted after decoding finds its own
+    computed output blocks again (vLLM V1 hashes generated tokens' blocks); no other seq does,
+    and a finished seq's outputs stay uncached."""
+    manager = PagedBlockManager(16, 2, watermark=0, enable_prefix_caching=True)
+    seq = make_seq(0, 3, prompt_token_ids=[1, 2, 3])
+    seq.status = SequenceStatus.RUNNING
+    manager.allocate_slots(seq, 3)
+    for _ in range(4):                                          # four decodes, no ids kept
+        seq.num_output_tokens += 1
+        seq.num_tokens += 1
+        manager.allocate_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = 6                                 # the last token not yet
+    manager.free(seq)                                           # preempted for recompute
+    seq.num_computed_tokens = 0
+    assert manager.allocate_prefix(seq) == 6                    # 3 full blocks, last token left
+    seq.num_computed_tokens = 6
+    twin = make_seq(1, 3, prompt_token_ids=[1, 2, 3])           # same prompt, its own outputs
+    twin.num_output_tokens, twin.num_tokens = 4, 7
+    assert manager.allocate_prefix(twin) == 2
+    twin.num_computed_tokens = 2
+    manager.check_invariants()
+    seq.num_output_tokens, seq.num_tokens = 5, 8                # one more decode fills block 3
+    manager.allocate_slots(seq, 8)
+    seq.num_computed_tokens = 8
+    seq.status = SequenceStatus.FINISHED
+    manager.free(seq)
+    manager.free(twin)
+    assert len(manager._hash_to_block) == 3                     # not block 3: seq finished
 
 def test_paged_prefix_cache_disabled_or_without_ids_does_nothing():
     manager = PagedBlockManager(8, 4, watermark=0)

@@ -245,9 +245,13 @@ def test_settings_become_overrides_and_the_command_line_wins():
     assert not any(o.startswith(("kv_cache.num_blocks=", "model=", "scheduler="))
                    for o in overrides)
     assert provenance["num_gpu_blocks"]["source"].startswith("command line")
-    v1, _ = settings_overrides({"model": "meta-llama/Llama-3.1-8B", "hardware": "RTX4090",
-                                "vllm_version": "0.19.0"}, [], "run")
+    v1, provenance = settings_overrides({"model": "meta-llama/Llama-3.1-8B", "hardware": "RTX4090",
+                                         "vllm_version": "0.19.0"}, [], "run")
     assert "scheduler=chunked_prefill" in v1
+    # V1 keeps no blocks back at admission; the conf default (V0's 1 %) stays for other runs.
+    assert "kv_cache.watermark=0.0" in v1
+    assert provenance["watermark"]["source"] == "vLLM 0.19.0 (V1) default"
+    assert not any(o.startswith("kv_cache.watermark") for o in overrides)
 
 
 def test_missing_or_unknown_required_setting_is_named():

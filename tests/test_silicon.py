@@ -102,7 +102,12 @@ def test_a_row_becomes_overrides():
         "scheduler=chunked_prefill", "scheduler.max_num_batched_tokens=2532",
         "scheduler.max_num_seqs=8", "workload=closed_loop", "workload.concurrency=8",
         "workload.num_requests=24", "workload.input_len=1024", "workload.output_len=128",
-        f"cluster.frontend_latency_s={silicon.CLIENT_ROUND_TRIP_S}", "cost_model.engine_version=0.12.0"]
+        f"cluster.frontend_latency_s={silicon.CLIENT_ROUND_TRIP_S}",
+        "kv_cache.enable_prefix_caching=true", "kv_cache.watermark=0.0",
+        "workload.with_token_ids=true", "cost_model.engine_version=0.12.0"]
+    # Before V1, vLLM's defaults were the conf's: no prefix cache, 1 % of the blocks kept back.
+    v0 = silicon.silicon_overrides(dataclasses.replace(row, backend_version="0.6.3"))
+    assert not any(o.startswith(("kv_cache.", "workload.with_token_ids")) for o in v0)
     vllm_serve = silicon.silicon_overrides(row, waves=3, engine_settings="vllm-serve")
     assert "scheduler.max_num_batched_tokens=8192" in vllm_serve
     assert "scheduler.max_num_seqs=1024" in vllm_serve

@@ -25,11 +25,14 @@ FIELD_KEYS = {
     "num_gpu_blocks": "kv_cache.num_blocks",
     "enable_prefix_caching": "kv_cache.enable_prefix_caching",
     "gpu_memory_utilization": "gpu_memory_utilization",
+    "watermark": "kv_cache.watermark",
 }
 # The V1 engine (the only one from vLLM 0.10) schedules chunked prefill by default.
 V1_ONLY_VERSION = (0, 10)
-# Other V1 defaults a run may leave unrecorded.
-V1_DEFAULTS = {"enable_prefix_caching": True}
+# Other V1 defaults a run may leave unrecorded. V1 admits a request when its blocks are free,
+# keeping none back (V0 kept 1 %, as conf/kv_cache/paged.yaml does; `--watermark`, default 0,
+# came in 2026).
+V1_DEFAULTS = {"enable_prefix_caching": True, "watermark": 0.0}
 # Suffixes of fine-tuned variants that keep the base model's shape (after a release date).
 VARIANT_SUFFIXES = ("-instruct", "-chat", "-hf", "-it")
 
@@ -100,6 +103,11 @@ def match_hardware(device_name: str, memory_bytes: float | None = None) -> str |
 
 def _version(text) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", str(text))[:2])
+
+
+def v1_default_overrides() -> list[str]:
+    """V1_DEFAULTS as overrides, for a replay that records no engine settings."""
+    return [f"{FIELD_KEYS[setting]}={str(value).lower()}" for setting, value in V1_DEFAULTS.items()]
 
 
 def is_v1(settings: dict) -> bool:

@@ -13,10 +13,36 @@ from policies.types import Sequence
 
 def _token_ids(seq: Sequence) -> Seq[int] | None:
     """The seq's token ids as `seq.token_ids()` lists them, its prompt's own list (not copied)
-    while it has no output ids: a hash reads a block's slice, and prompts run to 100k+ tokens."""
+    while it has no output ids: a hash reads a block's slice, and prompts run to 100k+ tokens.
+    Outputs the run keeps no ids of (the simulator samples none) read as ids of the seq's own."""
     if seq.output_token_ids:
         return seq.token_ids()
-    return seq.request.prompt_token_ids
+    prompt = seq.request.prompt_token_ids
+    if prompt is None or not seq.num_output_tokens:
+        return prompt
+    return _OwnOutputIds(prompt, seq.seq_id, seq.num_output_tokens)
+
+
+class _OwnOutputIds:
+    """A prompt's ids, then a negative id per output position of one seq, which no other seq
+    has (sampled outputs almost never coincide), read by slices as a list would be."""
+
+    __slots__ = ("prompt", "seq_id", "num_outputs")
+
+    def __init__(self, prompt: Seq[int], seq_id: int, num_outputs: int):
+        self.prompt, self.seq_id, self.num_outputs = prompt, seq_id, num_outputs
+
+    def __len__(self) -> int:
+        return len(self.prompt) + self.num_outputs
+
+    def __getitem__(self, part: slice) -> list[int]:
+        num_prompt = len(self.prompt)
+        stop = min(part.stop, len(self))
+        ids = list(self.prompt[part.start:min(stop, num_prompt)])
+        first_id = -(self.seq_id << 32) - 1
+        ids.extend(first_id - position for position in
+                   range(max(part.start, num_prompt) - num_prompt, stop - num_prompt))
+        return ids
 
 
 class PrefixCache:
@@ -126,17 +152,33 @@ class PrefixCache:
                 self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
                                     first_block), first_block):
             hashes.append(block_hash)
-            block = table[index]
-            # The first block to hold a prefix stays its cache entry; a duplicate computed
-            # alongside it is an ordinary block.
-            if block_hash not in self._hash_to_block and block not in self._block_to_hash:
-                self._hash_to_block[block_hash] = block
-                self._block_to_hash[block] = block_hash
-                if self._offloaded:
-                    # Computed again on the device: its host copy goes (one tier per hash).
-                    slot = self._offloaded.pop(block_hash, None)
-                    if slot is not None:
-                        self._offload_free_ids.append(slot)
+            self._register(block_hash, table[index])
+
+    def _register(self, block_hash: int, block: int) -> None:
+        """Make `block` the cache entry of `block_hash`, unless one is already: the first block
+        to hold a prefix stays its entry, and a duplicate computed alongside is ordinary."""
+        if block_hash not in self._hash_to_block and block not in self._block_to_hash:
+            self._hash_to_block[block_hash] = block
+            self._block_to_hash[block] = block_hash
+            if self._offloaded:
+                # Computed again on the device: its host copy goes (one tier per hash).
+                slot = self._offloaded.pop(block_hash, None)
+                if slot is not None:
+                    self._offload_free_ids.append(slot)
+
+    def _cache_outputs_before_preemption(self, seq: Sequence, table: list[int]) -> None:
+        """Register a preempted seq's computed full blocks of outputs without ids, under ids of
+        its own: vLLM V1 hashes generated tokens' blocks, so a resumed request recomputes only
+        what was evicted meanwhile, and its own resume is the one hit such ids can give."""
+        num_computed_blocks = min(seq.num_computed_tokens // self.block_size, len(table))
+        hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
+        if len(hashes) >= num_computed_blocks:
+            return
+        for index, block_hash in enumerate(
+                self._prefix_hashes(_token_ids(seq), num_computed_blocks,
+                                    hashes[-1] if hashes else None, len(hashes)), len(hashes)):
+            hashes.append(block_hash)
+            self._register(block_hash, table[index])
 
     # ---- host tier of the prefix cache ----
 
