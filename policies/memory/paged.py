@@ -355,9 +355,7 @@ class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
         seq_id = seq.seq_id
         table = self.block_tables.pop(seq_id, None)
         if table is not None:
-            if (self.enable_prefix_caching and seq.status is SequenceStatus.RUNNING
-                    and seq.num_output_tokens and not seq.output_token_ids
-                    and seq.request.prompt_token_ids is not None):
+            if self.enable_prefix_caching and seq.status is SequenceStatus.RUNNING:
                 self._cache_outputs_before_preemption(seq, table)   # (a finish is FINISHED)
             self._release_blocks(table, self._slots.pop(seq_id).num_allocated,
                                  seq.num_computed_tokens)

@@ -144,12 +144,15 @@ class PrefixCache:
         # simulator samples none) has nothing new to hash, every block_size steps.
         num_known_tokens = len(prompt_token_ids) + len(seq.output_token_ids or ())
         num_full_blocks = min(num_full_blocks, num_known_tokens // self.block_size)
-        if len(hashes) >= num_full_blocks:
-            return
-        token_ids = _token_ids(seq)
+        self._register_blocks(_token_ids(seq), table, hashes, num_full_blocks)
+
+    def _register_blocks(self, token_ids: Seq[int], table: list[int], hashes: list[int],
+                         num_blocks: int) -> None:
+        """Hash and register the table's blocks from len(hashes) up to `num_blocks`, chaining on
+        the seq's `hashes`, which they extend."""
         first_block = len(hashes)
         for index, block_hash in enumerate(
-                self._prefix_hashes(token_ids, num_full_blocks, hashes[-1] if hashes else None,
+                self._prefix_hashes(token_ids, num_blocks, hashes[-1] if hashes else None,
                                     first_block), first_block):
             hashes.append(block_hash)
             self._register(block_hash, table[index])
@@ -169,16 +172,15 @@ class PrefixCache:
     def _cache_outputs_before_preemption(self, seq: Sequence, table: list[int]) -> None:
         """Register a preempted seq's computed full blocks of outputs without ids, under ids of
         its own: vLLM V1 hashes generated tokens' blocks, so a resumed request recomputes only
-        what was evicted meanwhile, and its own resume is the one hit such ids can give."""
+        what was evicted meanwhile, and its own resume is the one hit such ids can give. (Known
+        ids were registered as their blocks filled.)"""
+        token_ids = _token_ids(seq)
+        if not isinstance(token_ids, _OwnOutputIds):
+            return
         num_computed_blocks = min(seq.num_computed_tokens // self.block_size, len(table))
         hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
-        if len(hashes) >= num_computed_blocks:
-            return
-        for index, block_hash in enumerate(
-                self._prefix_hashes(_token_ids(seq), num_computed_blocks,
-                                    hashes[-1] if hashes else None, len(hashes)), len(hashes)):
-            hashes.append(block_hash)
-            self._register(block_hash, table[index])
+        if len(hashes) < num_computed_blocks:
+            self._register_blocks(token_ids, table, hashes, num_computed_blocks)
 
     # ---- host tier of the prefix cache ----
 
