@@ -282,14 +282,17 @@ class StepPlan:
             self.add(seq, num_new)
         self.add_drafts(kept_spec_lens)
 
-    def add_decodes(self, seqs: list[Sequence], *, drafted: bool = True) -> None:
+    def add_decodes(self, seqs: list[Sequence], *, drafted: bool = True,
+                    context_tokens: int | None = None) -> None:
         """Schedule one token for each of `seqs`, every one at its last token with outputs
         already (a decode). One call per step instead of one per sequence. `drafted=False`
-        says none of them has a draft lag (no speculation ran), so it is not summed."""
+        says none of them has a draft lag (no speculation ran), so it is not summed;
+        `context_tokens`, their summed num_tokens where the caller knows it."""
         self.seqs.extend(seqs)
         self.num_new_tokens.extend([1] * len(seqs))
         self.num_decode_seqs += len(seqs)
-        self.decode_context_tokens += sum([seq.num_tokens for seq in seqs])
+        self.decode_context_tokens += (sum([seq.num_tokens for seq in seqs])
+                                       if context_tokens is None else context_tokens)
         if drafted:
             self.draft_catch_up_tokens += sum([seq.draft_lag for seq in seqs])
 

@@ -126,6 +126,68 @@ def test_runs_go_on_past_finishes_as_step_by_step(scheduler, seed, monkeypatch):
         assert not continued
 
 
+def pausing_workload(seed: int) -> list[str]:
+    """A random small continuous-batching experiment whose runs are cut by arrivals and ended by
+    finishes with requests waiting: load, lengths, block size, pool (tight ones refuse to resume),
+    preemption and replicas drawn."""
+    rng = random.Random(seed)
+    overrides, block_size = drawn_workload(rng, seed, (60, 160), [1, 3, 8], [30, 150])
+    overrides.append(f"kv_cache.num_blocks={rng.choice([80, 300, 1200]) * 16 // block_size}")
+    return ["scheduler=continuous", *overrides]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_pause_over_prefill_steps_as_step_by_step(seed, monkeypatch):
+    """A run of continuous batching's decodes cut by an arrival, or ended by finishes with others
+    left, pauses with the pool holding its decodes' growth: the prefill steps that come first
+    run, then the run goes on with their decodes joined (or completes where the scheduler would
+    plan otherwise). The pool's bookkeeping holds at every pause, and every row, latency and
+    request time comes out as step by step."""
+    from sim.core.repeated_steps import RepeatedStepsLoop
+
+    counts = {"held": 0, "resumed": 0, "joined": 0, "completed": 0}
+    pause, resume = RepeatedStepsLoop._pause, RepeatedStepsLoop._resume
+
+    def pausing(self, run, plan, now):
+        pause(self, run, plan, now)
+        self.scheduler.kv_cache.check_invariants()
+        counts["held"] += run.num_held_blocks > 0
+
+    def resuming(self, *args):
+        num_joining = len(self.joining)
+        result = resume(self, *args)
+        counts["resumed" if result is not None else "completed"] += 1
+        counts["joined"] += num_joining if result is not None else 0
+        return result
+
+    monkeypatch.setattr(RepeatedStepsLoop, "_pause", pausing)
+    monkeypatch.setattr(RepeatedStepsLoop, "_resume", resuming)
+    overrides = pausing_workload(seed)
+    repeated, step_by_step, _ = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    # Not vacuous: runs went on over prefill steps with their decodes, the pool holding blocks.
+    assert counts["resumed"] and counts["joined"] and counts["held"], (overrides, counts)
+
+
+def test_a_paused_run_the_pool_cannot_carry_completes_as_step_by_step(monkeypatch):
+    """Where the pool cannot hold a paused run's next step (step by step would preempt), the run
+    completes where it stopped and the scheduler plans as it would have."""
+    from sim.core.repeated_steps import RepeatedStepsLoop
+
+    completed = []
+    unpause = RepeatedStepsLoop._unpause
+
+    def completing(self):
+        completed.append(self.paused.num_steps_before)
+        unpause(self)
+
+    monkeypatch.setattr(RepeatedStepsLoop, "_unpause", completing)
+    overrides = pausing_workload(4)   # a tight pool: 1,280 blocks of 1 token
+    repeated, step_by_step, _ = run_both_ways(overrides, monkeypatch)
+    assert_same_run(repeated, step_by_step)
+    assert completed, overrides
+
+
 def test_the_contiguous_baseline_repeats_within_its_reservation(monkeypatch):
     repeated, step_by_step, repeated_runs = run_both_ways(
         ["kv_cache=contiguous", "workload.num_requests=100", "workload.rate=2"], monkeypatch)

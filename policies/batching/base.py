@@ -40,6 +40,7 @@ class BaseScheduler:
     repeated_steps: ClassVar[bool] = False
     repeated_steps_past_arrivals: ClassVar[bool] = True
     repeated_steps_past_finishes: ClassVar[bool] = True
+    repeated_steps_pause_for_prefills: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -3,12 +3,14 @@ decodes."""
 from __future__ import annotations
 
 from policies.batching.base import BaseScheduler
-from policies.types import StepPlan
+from policies.batching.promises import may_pause_for_prefills
+from policies.types import Sequence, StepPlan
 
 
 class ContinuousBatchingScheduler(BaseScheduler):
-    # It plans from the queues, the batch and the pool alone
+    # It plans from the queues, the batch and the pool alone, admissions first
     repeated_steps = True
+    repeated_steps_pause_for_prefills = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -34,3 +36,22 @@ class ContinuousBatchingScheduler(BaseScheduler):
         came first)."""
         if not self.queues.swapped:
             self._admit_waiting(plan, self.max_num_batched_tokens, chunked=False)
+
+    # ---- a paused run of repeated steps (policies/batching/promises.py) ----
+
+    may_pause_for_prefills = may_pause_for_prefills
+
+    def admit_while_paused(self, now: float) -> StepPlan | None:
+        """The prefill step `schedule` would plan now, or None (nothing changed) if it admits none:
+        then it would plan the decodes."""
+        plan = self._new_plan(now)
+        self._admit_prefills(plan)
+        return self._finish_plan(plan) if plan.seqs else None
+
+    def plan_paused_decodes(self, seqs: list[Sequence], context_tokens: int,
+                            now: float) -> StepPlan:
+        """The decode step `schedule` would plan now for `seqs` (every running sequence, in its
+        order), whose counters a paused run left behind: their summed context given."""
+        plan = self._new_plan(now)
+        plan.add_decodes(seqs, drafted=False, context_tokens=context_tokens)
+        return self._finish_plan(plan)

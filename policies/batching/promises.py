@@ -7,6 +7,9 @@ and how a subclass that overrides what a promise is about withdraws it.
   behind a head kept out.
 - `repeated_steps_past_finishes`: `update` does per step only what a decode's next token needs,
   so decodes may finish inside a run.
+- `repeated_steps_pause_for_prefills`: `schedule` admits waiting requests first, reading no
+  running sequence, and plans every decode only when it admits none, so a run may pause over
+  prefill steps (`admit_while_paused`) and go on with their decodes (`plan_paused_decodes`).
 
 The queries the simulator asks a `BaseScheduler` before a run are here beside them.
 """
@@ -45,6 +48,9 @@ def withdraw_unstated_promises(cls: type) -> None:
             setattr(cls, promise, False)
     if "repeated_steps" not in own and _overrides_a_planning_hook(cls):
         cls.repeated_steps = False
+    if "repeated_steps_pause_for_prefills" not in own and (
+            _overrides_a_planning_hook(cls) or any(hook in own for hook in _PROMISE_OF_HOOK)):
+        cls.repeated_steps_pause_for_prefills = False
 
 
 def repeated_steps_bounds(scheduler: BaseScheduler, plan: StepPlan) -> tuple[bool, float] | None:
@@ -82,3 +88,11 @@ def may_repeat_past_finishes(scheduler: BaseScheduler) -> bool:
     queues = scheduler.queues
     return (scheduler.repeated_steps_past_finishes
             and not (queues.waiting or queues.swapped or scheduler.handoff.receiving))
+
+
+def may_pause_for_prefills(scheduler: BaseScheduler) -> bool:
+    """BaseScheduler.may_pause_for_prefills: whether a run of its decodes may pause over prefill
+    steps now (nothing but waiting requests and the decodes themselves to plan)."""
+    return (scheduler.repeated_steps_pause_for_prefills and scheduler.drafting is None
+            and scheduler.kv_retention is None and scheduler.lora is None
+            and not scheduler.queues.swapped and not scheduler.handoff.receiving)

@@ -46,6 +46,19 @@ class DecodeGrowth:
         growth.block_size, growth.cycle = block_size, cycle
         return growth
 
+    def join(self, seqs: list[Sequence], num_steps: int) -> None:
+        """Decodes (counters where they join) join the batch `num_steps` steps after its counters
+        stood: each counts where its blocks fall in the batch's steps."""
+        cycle, block_size = self.cycle, self.block_size
+        for seq in seqs:
+            cycle[(num_steps - seq.num_tokens) % block_size] += 1
+
+    def blocks_through(self, step: int) -> int:
+        """The blocks taken at steps 1 to `step` (what `new_blocks_per_step`'s first entry
+        counts from that step)."""
+        num_cycles, num_past = divmod(step, self.block_size)
+        return (sum(self.cycle) * num_cycles if num_cycles else 0) + sum(self.cycle[:num_past])
+
     def remove(self, slots_left: list[int]) -> None:
         """Decodes with these slots left leave the batch."""
         cycle = self.cycle
@@ -84,6 +97,15 @@ class NoDecodeGrowth:
 
     def leave(self, seqs: list[Sequence]) -> None:
         pass
+
+    def join(self, seqs: list[Sequence], num_steps: int) -> None:
+        pass
+
+    def remove(self, slots_left: list[int]) -> None:
+        pass
+
+    def blocks_through(self, step: int) -> int:
+        return 0
 
     def new_blocks_per_step(self, num_steps: int, first_step: int = 0) -> list[int]:
         return [0] * num_steps

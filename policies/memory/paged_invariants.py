@@ -33,6 +33,7 @@ def check_paged_invariants(manager: PagedBlockManager) -> None:
         for block in table:
             assert fills.setdefault(block, block_size) == block_size, (
                 f"retained block {block} is not full")
+    refs.update(manager._held_growth_block_ids)   # a paused run's decodes', one reference each
     assert set(manager._slots) == set(manager.block_tables), (
         "allocated lengths and tables name different sequences")
     if manager._any_block_shared:
@@ -68,7 +69,7 @@ def check_paged_invariants(manager: PagedBlockManager) -> None:
     assert {block: h for h, block in manager._hash_to_block.items()} == manager._block_to_hash, (
         "hash maps disagree")
 
-    stored = sum(fills.values())
+    stored = sum(fills.values()) + manager._num_held_growth_tokens
     assert stored == manager._num_tokens_stored, (
         f"tokens stored is {manager._num_tokens_stored}, recount gives {stored}")
     assert stored <= manager.num_slots_allocated(), "more tokens stored than slots allocated"
