@@ -44,6 +44,8 @@ class ContinuousBatchingScheduler(BaseScheduler):
     def admit_while_paused(self, now: float) -> StepPlan | None:
         """The prefill step `schedule` would plan now, or None (nothing changed) if it admits none:
         then it would plan the decodes."""
+        if not self.queues.waiting:
+            return None
         plan = self._new_plan(now)
         self._admit_prefills(plan)
         return self._finish_plan(plan) if plan.seqs else None

@@ -59,6 +59,16 @@ class DecodeGrowth:
         num_cycles, num_past = divmod(step, self.block_size)
         return (sum(self.cycle) * num_cycles if num_cycles else 0) + sum(self.cycle[:num_past])
 
+    def blocks_between(self, first: int, last: int) -> int:
+        """The blocks taken at steps first + 1 to `last`."""
+        cycle, block_size = self.cycle, self.block_size
+        num_cycles, num_past = divmod(last - first, block_size)
+        start = first % block_size   # the cycle index of step first + 1
+        end = start + num_past
+        blocks = (sum(cycle[start:end]) if end <= block_size
+                  else sum(cycle[start:]) + sum(cycle[:end - block_size]))
+        return blocks + sum(cycle) * num_cycles if num_cycles else blocks
+
     def remove(self, slots_left: list[int]) -> None:
         """Decodes with these slots left leave the batch."""
         cycle = self.cycle
@@ -105,6 +115,9 @@ class NoDecodeGrowth:
         pass
 
     def blocks_through(self, step: int) -> int:
+        return 0
+
+    def blocks_between(self, first: int, last: int) -> int:
         return 0
 
     def new_blocks_per_step(self, num_steps: int, first_step: int = 0) -> list[int]:

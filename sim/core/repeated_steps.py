@@ -180,7 +180,7 @@ class RepeatedSteps:
         growth = self.growth(plan.seqs)
         blocks = growth.new_blocks_per_step(num_steps, self.num_steps_before)
         if self.held_through:
-            blocks[0] -= growth.blocks_through(self.held_through)
+            blocks[0] = growth.blocks_between(self.held_through, self.num_steps_before)
         return blocks
 
     def complete(self, plan: StepPlan, num_steps: int, now: float) -> list[Request]:
@@ -227,16 +227,15 @@ class RepeatedSteps:
         free_blocks = kv_cache.num_blocks_for_repeated_steps()
         num_more_steps = min(rest_to_last) - num_steps
         most_taken = num_finishing * -(-(num_steps - 1 - held) // kv_cache.block_size)
-        late_rest = [seq for seq in joined if seq not in finishing] if joined else []
         max_repeats = self._num_steps_the_pool_holds(rest, num_steps, num_more_steps,
-                                                     free_blocks - most_taken, late_rest)
+                                                     free_blocks - most_taken, finishing)
         if max_repeats < num_more_steps and most_taken:
             finishing_growth = self._growth_of(
                 finishing, [seq for seq in finishing if seq in joined])
             max_repeats = self._num_steps_the_pool_holds(
                 rest, num_steps, num_more_steps,
                 free_blocks - finishing_growth.blocks_through(num_steps - 1)
-                + (finishing_growth.blocks_through(held) if held else 0), late_rest)
+                + (finishing_growth.blocks_through(held) if held else 0), finishing)
         if not max_repeats:
             return None
         finished = self._leave(plan, num_steps, finishing, rest, rest_to_last, now)
@@ -313,7 +312,7 @@ class RepeatedSteps:
         if through <= held:
             return
         growth = self.growth(seqs)
-        num_blocks = growth.blocks_through(through) - growth.blocks_through(held)
+        num_blocks = growth.blocks_between(held, through)
         self.scheduler.kv_cache.hold_decode_growth(num_blocks, len(seqs) * (through - held))
         self.num_held_blocks += num_blocks
         self.held_through = through
@@ -354,16 +353,16 @@ class RepeatedSteps:
             _check_held(self.scheduler.kv_cache.take_computed_slots(seqs), seqs)
 
     def _num_steps_the_pool_holds(self, seqs: list[Sequence], first_step: int, num_steps: int,
-                                  free_blocks: int, late: list[Sequence] = (),
+                                  free_blocks: int, leaving: list[Sequence] = (),
                                   keep: bool = False) -> int:
         """How many of the `num_steps` steps from `first_step` can take the growth of decodes
-        `seqs` (`late` those of them that joined late) that the pool does not hold from
-        `free_blocks`; `keep`: the growth, where made, is the run's (the same counters)."""
+        `seqs` (the run's less `leaving`) that the pool does not hold from `free_blocks`;
+        `keep`: the growth, where made, is the run's (the same counters)."""
         held = self.held_through
         block_size = self.scheduler.kv_cache.block_size
         if len(seqs) * -(-(first_step + num_steps - 1 - held) // block_size) <= free_blocks:
             return num_steps   # even a block every block_size steps for each fits
-        growth = self._growth_of(seqs, late)
+        growth = self._growth_of(seqs, [seq for seq in self.joined if seq not in leaving])
         if keep:
             self._growth = growth
         taken = -growth.blocks_through(held) if held else 0
@@ -556,7 +555,7 @@ class RepeatedStepsLoop(StepLoop):
         step = run.num_steps_before
         growth = run.growth(old)
         # The old decodes' blocks at this step, and at most one for each joining decode.
-        num_blocks = growth.blocks_through(step) - growth.blocks_through(step - 1)
+        num_blocks = growth.blocks_between(step - 1, step)
         plan = None
         if (horizon is not None and scheduler.queues.num_running_seqs == len(seqs)
                 and len(seqs) <= scheduler.max_num_batched_tokens
@@ -577,7 +576,7 @@ class RepeatedStepsLoop(StepLoop):
         run.past_arrivals, run.until = bounds
         run.max_repeats = run._num_steps_the_pool_holds(
             seqs, step, min(run.steps_to_last_output) - step,
-            kv_cache.num_blocks_for_repeated_steps(), list(run.joined))
+            kv_cache.num_blocks_for_repeated_steps())
         times_before = [self.paused_at] * len(old) + [seq.last_token_time for seq in joining]
         self.paused = self.paused_plan = None
         self.joining = []
