@@ -1010,3 +1010,31 @@ def test_random_operations_keep_invariants_and_contents(kind, steps):
     assert manager.num_free_host_blocks() == manager.num_host_blocks
     if isinstance(manager, PagedBlockManager):
         assert not any(manager._ref_counts) and not any(manager._host_ref_counts)
+
+
+def test_paged_pool_holds_a_paused_runs_growth_in_bulk_and_gives_it_back():
+    """A paused run of repeated steps has its decodes' growth held before their tables take it:
+    the pool counts those blocks used and those tokens stored, its bookkeeping holds (also once
+    a fork starts sharing blocks meanwhile), and the blocks go back to the free list for the
+    decodes to take."""
+    manager = PagedBlockManager(16, 4, watermark=0)
+    seq = make_seq(0, 6)
+    manager.allocate_slots(seq, 6)
+    assert manager.can_hold_decode_growth()
+    free_before, stored_before = manager.num_free_blocks(), manager.num_tokens_stored()
+    manager.hold_decode_growth(3, 9)
+    assert manager.num_free_blocks() == free_before - 3
+    assert manager.num_tokens_stored() == stored_before + 9
+    manager.check_invariants()
+    manager.fork(seq, make_child(seq, 1))                       # sharing starts while held
+    assert not manager.can_hold_decode_growth()
+    manager.check_invariants()
+    manager.release_decode_growth(2, 6)
+    manager.check_invariants()
+    manager.release_decode_growth(1, 3)
+    assert manager.num_free_blocks() == free_before
+    assert manager.num_tokens_stored() == stored_before
+    seq.num_tokens = seq.num_computed_tokens = 6 + 9            # the decodes take their growth
+    assert manager.take_computed_slots([seq]) == 1
+    assert manager.num_free_blocks() == free_before - 3
+    manager.check_invariants()

@@ -148,20 +148,22 @@ class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
     def hold_decode_growth(self, num_blocks: int, num_tokens: int) -> None:
         """Take `num_blocks` free blocks and count `num_tokens` stored for decodes that have grown
         into them in a paused run, before their tables do (the pool counts as step by step)."""
-        self._held_growth_block_ids += self._take_uncached_blocks(num_blocks)
+        if num_blocks:
+            self._held_growth_block_ids += self._take_uncached_blocks(num_blocks)
         self._num_held_growth_tokens += num_tokens
         self._num_tokens_stored += num_tokens
 
     def release_decode_growth(self, num_blocks: int, num_tokens: int) -> None:
         """Give back held growth, to the front of the free list, for the decodes to take it into
         their tables (take_computed_slots)."""
-        held = self._held_growth_block_ids
-        released = held[len(held) - num_blocks:]
-        del held[len(held) - num_blocks:]
-        if self._any_block_shared:
-            for block in released:
-                self._ref_counts[block] = 0
-        self._free_block_ids.extendleft(reversed(released))
+        if num_blocks:
+            held = self._held_growth_block_ids
+            released = held[len(held) - num_blocks:]
+            del held[len(held) - num_blocks:]
+            if self._any_block_shared:
+                for block in released:
+                    self._ref_counts[block] = 0
+            self._free_block_ids.extendleft(reversed(released))
         self._num_held_growth_tokens -= num_tokens
         self._num_tokens_stored -= num_tokens
 

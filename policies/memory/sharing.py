@@ -46,7 +46,8 @@ class SharedBlocks:
     def _count_refs(self, *unlisted_tables: list[int]) -> None:
         """At the first share: count every block's references (`unlisted_tables`: being built)."""
         ref_counts = self._ref_counts
-        for table in (*self.block_tables.values(), *unlisted_tables):
+        for table in (*self.block_tables.values(), self._held_growth_block_ids,
+                      *unlisted_tables):
             for block in table:
                 ref_counts[block] += 1
         self._any_block_shared = True
