@@ -14,14 +14,16 @@ from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
-from sim.core.repeated_steps import (RepeatedSteps, RepeatedStepsCostModel, RepeatedStepsExecutor,
+from sim.core.repeated_steps import (PausingKVCache, PausingScheduler, RepeatedSteps,
+                                     RepeatedStepsCostModel, RepeatedStepsExecutor,
                                      RepeatedStepsKVCache, RepeatedStepsLoop,
                                      RepeatedStepsScheduler)
 from runtime.metrics import MetricsCollector, StepRecorder
 from test_protocol_scheduler import REPO
 
 PROTOCOLS = [RepeatedStepsKVCache, RepeatedStepsExecutor, RepeatedStepsCostModel,
-             RepeatedStepsScheduler, OffloadingKVCache, AdmissionCheckingKVCache]
+             RepeatedStepsScheduler, PausingScheduler, PausingKVCache, OffloadingKVCache,
+             AdmissionCheckingKVCache]
 
 
 def test_a_from_scratch_scheduler_runs_without_meeting_repeats(monkeypatch):
@@ -77,10 +79,12 @@ def test_the_built_ins_have_their_capabilities():
     from sim.cost.roofline import RooflineCostModel
 
     paged = PagedBlockManager(16, 4)
-    for protocol in (RepeatedStepsKVCache, OffloadingKVCache, AdmissionCheckingKVCache):
+    for protocol in (RepeatedStepsKVCache, PausingKVCache, OffloadingKVCache,
+                     AdmissionCheckingKVCache):
         assert has_capability(paged, protocol, "kv_cache")
     contiguous = ContiguousAllocator(16, 4, max_model_len=16)
     assert has_capability(contiguous, RepeatedStepsKVCache, "kv_cache")
+    assert not has_capability(contiguous, PausingKVCache, "kv_cache")
     assert not has_capability(contiguous, OffloadingKVCache, "kv_cache")
     assert has_capability(RooflineCostModel, RepeatedStepsCostModel, "cost_model")
     assert has_capability(SimExecutor(RooflineCostModel.__new__(RooflineCostModel)),
@@ -88,6 +92,8 @@ def test_the_built_ins_have_their_capabilities():
     scheduler = ContinuousBatchingScheduler(paged, RecomputePreemption(), max_model_len=64,
                                             max_num_batched_tokens=64)
     assert has_capability(scheduler, RepeatedStepsScheduler, "scheduler")
+    assert has_capability(scheduler, PausingScheduler, "scheduler")
+    assert not has_capability(BaseScheduler, PausingScheduler, "scheduler")
 
 
 class RepeatingExecutor:
@@ -160,6 +166,35 @@ def test_an_override_withdraws_the_promise_it_does_not_restate():
     assert not ShortestPromptFirst.repeated_steps_past_arrivals
     assert ShortestPromptFirst.repeated_steps_past_finishes
     assert RestatedOrder.repeated_steps_past_arrivals
+
+
+def test_only_continuous_batching_itself_promises_to_pause_over_prefill_steps():
+    """A run pauses over prefill steps only for a class that states it: continuous batching;
+    a subclass that reorders its queue, overrides a planning method or its update withdraws it
+    unless it restates it."""
+    from policies.batching import StaticBatchingScheduler
+
+    class ReorderedQueue(ContinuousBatchingScheduler):
+        def next_waiting(self, now):
+            return self.waiting[-1]
+
+    class OwnUpdate(ContinuousBatchingScheduler):
+        def update(self, plan, result, now):
+            return super().update(plan, result, now)
+
+    class OwnAdmissions(ContinuousBatchingScheduler):
+        def _admit_prefills(self, plan):
+            super()._admit_prefills(plan)
+
+    class Restated(OwnAdmissions):
+        repeated_steps_pause_for_prefills = True
+
+    assert ContinuousBatchingScheduler.repeated_steps_pause_for_prefills
+    assert not BaseScheduler.repeated_steps_pause_for_prefills
+    for withdrawn in (ReorderedQueue, OwnUpdate, OwnAdmissions, PriorityScheduler,
+                      StaticBatchingScheduler):
+        assert not withdrawn.repeated_steps_pause_for_prefills, withdrawn
+    assert Restated.repeated_steps_pause_for_prefills
 
 
 def test_readmes_reordering_subclass_repeats_as_step_by_step(monkeypatch):
