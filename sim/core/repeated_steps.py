@@ -387,9 +387,9 @@ class RepeatedStepsLoop(StepLoop):
     """The simulator's StepLoop: `begin(now, horizon)` runs a repeatable decode batch as one event
     until the batch changes or a step ends at or after `horizon` (the next event the scheduler
     must see), with rows, latencies and clock as if each step had run on its own. A run cut by an
-    arrival pauses where the scheduler allows (PausingScheduler): the prefill steps it admits run
-    while the pool holds the run's growth, and the run goes on with their decodes, its own
-    counters untouched."""
+    arrival, or by finishes with others left, pauses where the scheduler allows
+    (PausingScheduler): the prefill steps it admits run while the pool holds the run's growth,
+    and the run goes on with their decodes, its own counters untouched."""
 
     __slots__ = ("repeats", "run", "num_last_steps", "step_end_times", "finished_in_run",
                  "pauses", "paused", "paused_plan", "paused_at", "paused_context", "joining",
@@ -414,7 +414,7 @@ class RepeatedStepsLoop(StepLoop):
         self.paused_at = 0.0        # when its last step ended
         self.paused_context = 0     # its decodes' context at its next step
         self.joining: list[Sequence] = []   # the decodes its prefill steps made
-        self.may_pause = False      # the run in flight ends at an arrival a pause may wait for
+        self.may_pause = False      # the run in flight may pause where it ends
 
     def begin(self, now: float, horizon: float | None = None, *, queued_arrivals: bool = True,
               may_idle: bool = False, past_finishes: bool = False) -> StepResult | None:
