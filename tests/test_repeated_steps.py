@@ -96,7 +96,7 @@ def test_runs_go_on_past_finishes_as_step_by_step(scheduler, seed, monkeypatch):
     (nothing waits, no arrival is due), the run goes on with the batch less them: they finish,
     free their blocks and leave at the step they would have step by step, and every row,
     latency and request time after comes out the same."""
-    from sim.core.repeated_steps import RepeatedSteps
+    from sim.core.repeated_run import RepeatedSteps
 
     if scheduler == "vtc" and seed == 0:
         # Diverged at 3f905f9 (a100 default); no longer reproduces, the hazard stays: a tenant

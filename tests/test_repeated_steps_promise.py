@@ -14,10 +14,10 @@ from policies.memory import PagedBlockManager
 from policies.preemption import RecomputePreemption
 from sim.core.executor import SimExecutor
 from sim.core.experiment import run_experiment
-from sim.core.repeated_steps import (PausingKVCache, PausingScheduler, RepeatedSteps,
-                                     RepeatedStepsCostModel, RepeatedStepsExecutor,
-                                     RepeatedStepsKVCache, RepeatedStepsLoop,
-                                     RepeatedStepsScheduler)
+from sim.core.repeated_run import RepeatedSteps
+from sim.core.repeated_steps import (PausingKVCache, PausingScheduler, RepeatedStepsCostModel,
+                                     RepeatedStepsExecutor, RepeatedStepsKVCache,
+                                     RepeatedStepsLoop, RepeatedStepsScheduler)
 from runtime.metrics import MetricsCollector, StepRecorder
 from test_protocol_scheduler import REPO
 

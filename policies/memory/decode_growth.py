@@ -53,12 +53,6 @@ class DecodeGrowth:
         for seq in seqs:
             cycle[(num_steps - seq.num_tokens) % block_size] += 1
 
-    def blocks_through(self, step: int) -> int:
-        """The blocks taken at steps 1 to `step` (what `new_blocks_per_step`'s first entry
-        counts from that step)."""
-        num_cycles, num_past = divmod(step, self.block_size)
-        return (sum(self.cycle) * num_cycles if num_cycles else 0) + sum(self.cycle[:num_past])
-
     def blocks_between(self, first: int, last: int) -> int:
         """The blocks taken at steps first + 1 to `last`."""
         cycle, block_size = self.cycle, self.block_size
@@ -84,11 +78,7 @@ class DecodeGrowth:
         if not num_steps:
             return []
         cycle, block_size = self.cycle, self.block_size
-        if first_step:
-            num_cycles, num_past = divmod(first_step, block_size)
-            first = (sum(cycle) * num_cycles if num_cycles else 0) + sum(cycle[:num_past])
-        else:
-            first = 0
+        first = self.blocks_between(0, first_step) if first_step else 0
         if num_steps == 1:
             return [first]
         start = first_step % block_size   # cycle index of step first_step + 1
@@ -113,9 +103,6 @@ class NoDecodeGrowth:
 
     def remove(self, slots_left: list[int]) -> None:
         pass
-
-    def blocks_through(self, step: int) -> int:
-        return 0
 
     def blocks_between(self, first: int, last: int) -> int:
         return 0

@@ -12,6 +12,7 @@ from itertools import repeat, starmap
 from typing import Sequence as Seq
 
 from policies.memory.decode_growth import DecodeGrowth
+from policies.memory.held_growth import HeldDecodeGrowth
 from policies.memory.paged_invariants import check_paged_invariants
 from policies.memory.prefix_cache import PrefixCache
 from policies.memory.retained import RetainedBlocks
@@ -22,7 +23,7 @@ from policies.types import Sequence, SequenceStatus
 from policies.validators import boolean, fraction, non_negative_int, positive_int
 
 
-class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
+class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks, HeldDecodeGrowth):
     """Satisfies `policies.protocols.KVCacheManager`."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -60,10 +61,8 @@ class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self._num_tokens_stored = 0
         self._pending_copies: list[tuple[int, int]] = []
-        # Blocks and tokens a paused run of repeated steps has grown into (hold_decode_growth).
-        self._held_growth_block_ids: list[int] = []
-        self._num_held_growth_tokens = 0
 
+        self._init_held_growth()
         self._init_prefix_cache(num_offload_blocks)
         self._init_host_pool(num_host_blocks)
         self._init_retained()
@@ -139,33 +138,6 @@ class PagedBlockManager(SharedBlocks, PrefixCache, HostSwap, RetainedBlocks):
         """Blocks decodes may take in repeated steps out of step order without changing any later
         step: none with prefix caching (its cache evicts in the order blocks were freed)."""
         return 0 if self.enable_prefix_caching else len(self._free_block_ids)
-
-    def can_hold_decode_growth(self) -> bool:
-        """Whether decodes' growth may be held in bulk (hold_decode_growth): not with prefix caching
-        or shared blocks, whose later steps depend on which block each sequence holds."""
-        return not self.enable_prefix_caching and not self._any_block_shared
-
-    def hold_decode_growth(self, num_blocks: int, num_tokens: int) -> None:
-        """Take `num_blocks` free blocks and count `num_tokens` stored for decodes that have grown
-        into them in a paused run, before their tables do (the pool counts as step by step)."""
-        if num_blocks:
-            self._held_growth_block_ids += self._take_uncached_blocks(num_blocks)
-        self._num_held_growth_tokens += num_tokens
-        self._num_tokens_stored += num_tokens
-
-    def release_decode_growth(self, num_blocks: int, num_tokens: int) -> None:
-        """Give back held growth, to the front of the free list, for the decodes to take it into
-        their tables (take_computed_slots)."""
-        if num_blocks:
-            held = self._held_growth_block_ids
-            released = held[len(held) - num_blocks:]
-            del held[len(held) - num_blocks:]
-            if self._any_block_shared:
-                for block in released:
-                    self._ref_counts[block] = 0
-            self._free_block_ids.extendleft(reversed(released))
-        self._num_held_growth_tokens -= num_tokens
-        self._num_tokens_stored -= num_tokens
 
     def take_computed_slots(self, seqs: list[Sequence]) -> int:
         """`allocate_slots(seq, seq.num_computed_tokens)` for each decoding seq of `seqs`, where a
